@@ -1,0 +1,27 @@
+# Two entry points: `make train` (the main job on the embedded default) and
+# `make test` (the suite). Both create and fill .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NUM_CORES ?= 4
+
+.PHONY: install train test bench clean
+
+$(VENV)/.installed: requirements.txt setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	PJRT_DEVICE=CPU $(PY) launch/xla_spawn.py --num_cores $(NUM_CORES) launch/run_clm.py \
+	  --config_name configs/models/gpt2-tiny.json --fsdp full_shard \
+	  --fsdp_config configs/fsdp/tiny_cpu.json --output_dir out/tiny-cpu
+
+test: install
+	PJRT_DEVICE=CPU $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) out
