@@ -8,5 +8,5 @@ setup(
     packages=find_packages(include=["xla_fsdp", "xla_fsdp.*"]),
     python_requires=">=3.10",
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
-    extras_require={"hf": ["transformers>=5.0,<6", "tqdm"], "test": ["pytest"]},
+    extras_require={"hf": ["transformers==5.23.0", "tqdm"], "test": ["pytest"]},
 )
