@@ -1,0 +1,264 @@
+"""launch/xla_spawn.py, run as users run it: a subprocess on PJRT_DEVICE=CPU.
+
+Fixture scripts under tests/fixtures/ record what a replica sees; none of them
+runs an XLA computation, so each launch takes a fraction of a second (the one
+spawn-path test imports torch_xla in two processes and takes ~15 s).
+"""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = ROOT / "launch" / "xla_spawn.py"
+FIXTURES = ROOT / "tests" / "fixtures"
+TIMEOUT_S = 60
+
+
+def launcher_env(**overrides):
+    env = dict(os.environ)
+    for name in ("CPU_NUM_DEVICES", "XLA_FSDP_ENGINE", "TPU_ACCELERATOR_TYPE",
+                 "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_BOUNDS",
+                 "TPU_SKIP_MDS_QUERY"):
+        env.pop(name, None)
+    env["PJRT_DEVICE"] = "CPU"
+    env.update(overrides)
+    return env
+
+
+def launch(*args, env=None, timeout=TIMEOUT_S):
+    return subprocess.run([sys.executable, str(LAUNCHER), *map(str, args)],
+                          cwd=ROOT, env=env or launcher_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def load_launcher_module():
+    spec = importlib.util.spec_from_file_location("xla_spawn_under_test", LAUNCHER)
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses resolve string annotations through sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def record(tmp_path):
+    return tmp_path / "record.json"
+
+
+# ---------------------------------------------------------------- valid runs
+
+
+def test_num_cores_1_runs_in_process_with_argv_untouched(record):
+    script = FIXTURES / "spawn_record.py"
+    script_args = ["--record", str(record), "--num_cores", "8", "--spmd", "--help", "--", "x y"]
+    result = launch("--num_cores", "1", script, *script_args)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(record.read_text())
+    assert seen["argv"] == [str(script), *script_args]
+    assert seen["index"] == 0
+    assert seen["CPU_NUM_DEVICES"] == "1"
+    assert seen["XLA_FSDP_ENGINE"] is None
+    assert seen["PJRT_DEVICE"] == "CPU"
+    # No spawn on the single-replica path, so the launcher never pulled in XLA.
+    assert seen["torch_xla_imported"] is False
+    assert "PJRT_DEVICE=CPU (from environment)" in result.stderr
+
+
+def test_num_cores_4_on_cpu_chooses_one_process_spmd_and_says_why(record):
+    script = FIXTURES / "spawn_record.py"
+    result = launch("--num_cores", "4", script, "--record", record, "--num_cores", "2")
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(record.read_text())
+    assert seen["argv"] == [str(script), "--record", str(record), "--num_cores", "2"]
+    assert seen["index"] == 0
+    assert seen["CPU_NUM_DEVICES"] == "4"
+    assert seen["XLA_FSDP_ENGINE"] == "spmd"
+    reason = [line for line in result.stderr.splitlines() if "SPMD engine" in line]
+    assert len(reason) == 1, result.stderr
+    assert "CPU_NUM_DEVICES=4" in reason[0] and "collectives" in reason[0]
+
+
+def test_spmd_flag_sets_engine_and_device_count(record):
+    result = launch("--spmd", "--num_cores", "2", FIXTURES / "spawn_record.py",
+                    "--record", record)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(record.read_text())
+    assert (seen["index"], seen["CPU_NUM_DEVICES"], seen["XLA_FSDP_ENGINE"]) == (0, "2", "spmd")
+
+
+def test_default_num_cores_on_cpu_follows_cpu_num_devices(record):
+    result = launch(FIXTURES / "spawn_record.py", "--record", record,
+                    env=launcher_env(CPU_NUM_DEVICES="3"))
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(record.read_text())
+    assert (seen["CPU_NUM_DEVICES"], seen["XLA_FSDP_ENGINE"]) == ("3", "spmd")
+
+
+def test_script_flags_after_double_dash_are_passed_through(record):
+    script = FIXTURES / "spawn_record.py"
+    result = launch("--num_cores=1", "--", script, "--record", record)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(record.read_text())["argv"] == [str(script), "--record", str(record)]
+
+
+def test_script_exit_code_is_the_launcher_exit_code():
+    result = launch("--num_cores", "1", FIXTURES / "spawn_exit.py", "7")
+    assert result.returncode == 7, result.stderr
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "65", "1000", "2.5", "four"])
+def test_invalid_num_cores_is_refused_with_the_valid_values(value, record):
+    result = launch(f"--num_cores={value}", FIXTURES / "spawn_record.py", "--record", record)
+    assert result.returncode == 2
+    assert f"--num_cores '{value}' is not valid on this host (PJRT_DEVICE=CPU)" in result.stderr
+    assert "valid values: 1..64" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not record.exists()
+
+
+def test_unsupported_pjrt_device_is_refused(record):
+    result = launch("--num_cores", "1", FIXTURES / "spawn_record.py", "--record", record,
+                    env=launcher_env(PJRT_DEVICE="ROCM"))
+    assert result.returncode == 2
+    assert "PJRT_DEVICE=ROCM is not supported" in result.stderr
+    assert "PJRT_DEVICE=CPU or PJRT_DEVICE=TPU" in result.stderr
+
+
+def test_missing_script_path():
+    result = launch("--num_cores", "1", "launch/does_not_exist.py", "--flag")
+    assert result.returncode == 2
+    assert "training script not found: launch/does_not_exist.py" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_no_script_given():
+    result = launch("--num_cores", "1")
+    assert result.returncode == 2
+    assert "the training script path is missing" in result.stderr
+
+
+def test_unknown_launcher_flag_before_script():
+    result = launch("--num_procs", "4", FIXTURES / "spawn_record.py")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --num_procs" in result.stderr
+
+
+def test_script_without_mp_fn():
+    result = launch("--num_cores", "1", FIXTURES / "spawn_no_entry.py")
+    assert result.returncode == 2
+    assert "spawn_no_entry.py defines no function _mp_fn(index)" in result.stderr
+    assert "def _mp_fn(index): main()" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_exits_zero_and_names_the_flags():
+    result = launch("--help")
+    assert result.returncode == 0
+    for text in ("--num_cores", "--spmd", "SCRIPT_ARGS"):
+        assert text in result.stdout
+
+
+# ---------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("num_cores", ["1", "4"])
+def test_failing_replica_exits_nonzero_with_its_traceback(num_cores):
+    result = launch("--num_cores", num_cores, FIXTURES / "spawn_fail.py")
+    assert result.returncode == 1
+    assert "replica 0 failed" in result.stderr
+    assert "Traceback" in result.stderr
+    assert "_train_step_that_breaks" in result.stderr
+    assert "RuntimeError: fixture replica failure: loss is NaN" in result.stderr
+
+
+def test_ctrl_c_stops_the_replica_with_exit_130(tmp_path):
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--num_cores", "2",
+                             str(FIXTURES / "spawn_sleep.py"), str(ready)],
+                            cwd=ROOT, env=launcher_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ready.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "fixture never became ready"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+
+
+def test_spawn_path_failure_breaks_the_pool_and_reports_the_traceback():
+    # The TPU route (xmp.spawn) on CPU: one real replica process. Its failure
+    # must come back as exit 1 with its traceback, not as a hang.
+    result = subprocess.run(
+        [sys.executable, str(FIXTURES / "spawn_pool_driver.py"), str(FIXTURES / "spawn_fail.py")],
+        cwd=ROOT, env=launcher_env(CPU_NUM_DEVICES="1"), capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "replica 0 failed" in result.stderr
+    assert "RuntimeError: fixture replica failure: loss is NaN" in result.stderr
+    assert "The other replicas were stopped" in result.stderr
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_detect_device_reads_tpu_device_files_and_env(tmp_path):
+    xla_spawn = load_launcher_module()
+    assert xla_spawn.detect_device({"PJRT_DEVICE": "tpu"}, str(tmp_path)) == ("TPU", "from environment")
+    assert xla_spawn.detect_device({}, str(tmp_path)) == ("CPU", "detected")
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "vfio").touch()  # the VFIO control node alone is no TPU
+    assert xla_spawn.detect_device({}, str(tmp_path)) == ("CPU", "detected")
+    (tmp_path / "vfio" / "0").touch()
+    assert xla_spawn.detect_device({}, str(tmp_path)) == ("TPU", "detected")
+    (tmp_path / "vfio" / "0").unlink()
+    (tmp_path / "accel0").touch()
+    assert xla_spawn.detect_device({}, str(tmp_path)) == ("TPU", "detected")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert xla_spawn.detect_device({"TPU_ACCELERATOR_TYPE": "v4-8"}, str(empty)) == ("TPU", "detected")
+
+
+def test_unset_pjrt_device_is_detected_and_printed(record):
+    env = launcher_env()
+    del env["PJRT_DEVICE"]
+    result = launch("--num_cores", "1", FIXTURES / "spawn_record.py", "--record", record, env=env)
+    assert result.returncode == 0, result.stderr
+    device = json.loads(record.read_text())["PJRT_DEVICE"]
+    assert f"xla_spawn: PJRT_DEVICE={device} (detected)" in result.stderr
+
+
+def test_tpu_valid_counts_and_plans():
+    xla_spawn = load_launcher_module()
+    counts = xla_spawn.device_counts("TPU", spmd=False, environ={}, local_devices=lambda: 4)
+    assert counts.valid == (1, 4) and counts.default == 4
+    with pytest.raises(xla_spawn.UsageError, match=r"--num_cores '2' .*PJRT_DEVICE=TPU\); valid values: 1, 4"):
+        xla_spawn.parse_num_cores("2", counts, spmd=False)
+    spmd_counts = xla_spawn.device_counts("TPU", spmd=True, environ={}, local_devices=lambda: 4)
+    with pytest.raises(xla_spawn.UsageError, match=r"with --spmd\); valid values: 4$"):
+        xla_spawn.parse_num_cores("1", spmd_counts, spmd=True)
+    with pytest.raises(xla_spawn.UsageError, match="no TPU chip is visible"):
+        xla_spawn.device_counts("TPU", spmd=False, environ={}, local_devices=lambda: 0)
+
+    spawn = xla_spawn.make_plan("TPU", 4, spmd=False)
+    assert spawn.spawn and "XLA_FSDP_ENGINE" not in spawn.env and "CPU_NUM_DEVICES" not in spawn.env
+    single = xla_spawn.make_plan("TPU", 1, spmd=False)
+    assert not single.spawn and single.env["TPU_VISIBLE_CHIPS"] == "0"
+    assert single.env["TPU_PROCESS_BOUNDS"] == "1,1,1"
+    spmd = xla_spawn.make_plan("TPU", 4, spmd=True)
+    assert not spmd.spawn and spmd.env["XLA_FSDP_ENGINE"] == "spmd"
