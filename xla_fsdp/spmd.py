@@ -1,0 +1,127 @@
+"""The SPMD engine (`engine="spmd"`, Hugging Face's `xla_fsdp_v2`).
+
+FSDP expressed as shardings: every parameter is sharded on dim 0 over the
+mesh axis "fsdp" and the XLA SPMD partitioner inserts the all-gathers and
+reduce-scatters (see [Note: SPMD sharding layout] in spmd_mesh.py). The
+module is changed in place, so parameter names and state-dict keys are the
+unwrapped model's. The steps, in order:
+
+1. find the units (auto-wrap policy), innermost first; apply
+   `auto_wrapper_callable` to each non-root unit;
+2. per unit: materialize meta tensors (`param_init_fn`), move its tensors to
+   the XLA device and shard its parameters;
+3. install compute-dtype casts ([Note: casting sharded parameters]);
+4. checkpoint every non-root unit if asked;
+5. annotate activations on the batch dim ([Note: why annotate activations]).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Set
+
+import torch
+import torch.nn as nn
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+from xla_fsdp.spmd_activations import BatchSharding, checkpoint_unit
+from xla_fsdp.spmd_mesh import resolve_mesh
+from xla_fsdp.spmd_precision import install_compute_dtype
+from xla_fsdp.spmd_units import (ParamInitFn, WrapPolicy, find_units,
+                                 materialize_unit, place_and_shard,
+                                 unit_tensors)
+
+
+def apply_spmd_fsdp(
+    module: nn.Module,
+    *,
+    mesh: Optional[xs.Mesh] = None,
+    compute_dtype: Optional[torch.dtype] = None,
+    buffer_dtype: Optional[torch.dtype] = None,
+    auto_wrap_policy: Optional[WrapPolicy] = None,
+    auto_wrapper_callable: Optional[Callable[[nn.Module], nn.Module]] = None,
+    param_init_fn: Optional[ParamInitFn] = None,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+  """Shards `module` in place over the SPMD mesh and returns it.
+
+  Args:
+    module: the model; may hold meta tensors (see `param_init_fn`).
+    mesh: a mesh with an axis named "fsdp"; default a 1-D mesh over every
+      device of this process.
+    compute_dtype: dtype parameters are cast to for forward/backward math;
+      the Parameters (and gradients, optimizer state) stay in their dtype.
+    buffer_dtype: dtype floating buffers are stored in.
+    auto_wrap_policy: `policy(module=, recurse=, unwrapped_params=) -> bool`
+      choosing the units (torch_xla / xla_fsdp.wrap protocol).
+    auto_wrapper_callable: `fn(unit) -> module` applied to every non-root
+      unit before sharding; if it returns a different module, that module is
+      installed under the unit's name (and its parameter names are used).
+    param_init_fn: `fn(unit)` called for each unit that still has meta
+      tensors, before they are sharded; default: `to_empty` on the host and
+      `reset_parameters()`.
+    activation_checkpointing: recompute every non-root unit in backward.
+  """
+  if not xr.is_spmd():
+    raise RuntimeError(
+        "the SPMD engine needs SPMD mode: call torch_xla.runtime.use_spmd() "
+        "(or set XLA_USE_SPMD=1) before any XLA tensor is created.")
+  mesh = resolve_mesh(mesh)
+  device = torch_xla.device()
+
+  units = find_units(module, auto_wrap_policy)
+  if auto_wrapper_callable is not None:
+    units = _apply_wrapper(module, units, auto_wrapper_callable)
+
+  params: Set[int] = {id(p) for p in module.parameters()}
+  claimed: Set[int] = set()
+  for unit in units:
+    tensors = list(unit_tensors(unit, claimed))
+    materialize_unit(unit, tensors, param_init_fn)
+    # Materialization may have replaced tensors; list them again.
+    tensors = list(unit_tensors(unit, claimed))
+    params |= {id(p) for p in unit.parameters()}
+    place_and_shard(tensors, mesh, device, buffer_dtype, params)
+    claimed |= {id(t) for t in tensors}
+
+  casts = {}
+  if compute_dtype is not None:
+    _, casts = install_compute_dtype(module, compute_dtype)
+
+  if activation_checkpointing:
+    for unit in units[:-1]:
+      checkpoint_unit(unit, casts.get(unit))
+
+  batch = BatchSharding(mesh)
+  # prepend: see the batch before the compute-dtype cast of the inputs.
+  module.register_forward_pre_hook(
+      batch.root_inputs, with_kwargs=True, prepend=True)
+  module.register_forward_hook(
+      lambda m, args, out: batch.annotate(out))
+  for unit in units[:-1]:
+    unit.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
+    unit.register_forward_hook(batch.unit_output)
+  return module
+
+
+def _apply_wrapper(root: nn.Module, units: List[nn.Module],
+                   wrapper: Callable[[nn.Module], nn.Module]) -> List[nn.Module]:
+  """Runs `wrapper` on each non-root unit and installs what it returns."""
+  parents = {
+      child: (parent, name) for parent in root.modules()
+      for name, child in parent.named_children()
+  }
+  wrapped: List[nn.Module] = []
+  for unit in units[:-1]:
+    result = wrapper(unit)
+    if not isinstance(result, nn.Module):
+      raise TypeError(
+          f"auto_wrapper_callable returned {type(result).__name__} for unit "
+          f"{type(unit).__name__}; it must return an nn.Module.")
+    if result is not unit:
+      parent, name = parents[unit]
+      setattr(parent, name, result)
+    wrapped.append(result)
+  wrapped.append(root)
+  return wrapped

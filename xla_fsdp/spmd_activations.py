@@ -1,0 +1,130 @@
+"""Activation shardings and activation checkpointing for SPMD units.
+
+[Note: why annotate activations]
+With only the parameters annotated, GSPMD propagates the dim-0 parameter
+sharding into the activations (e.g. a row-sharded embedding makes the
+hidden states look sharded on a feature dim) and later has to undo it with a
+full rematerialization ("Involuntary full rematerialization" in the XLA log).
+Pinning every unit's inputs and outputs, and their gradients, to a batch-dim
+sharding leaves the partitioner one consistent choice: gather the parameter,
+keep the batch split. Annotations never change values, only layouts.
+
+Only tensors whose dim 0 equals the batch size seen at the root are
+annotated; anything else (masks broadcast over the batch, position tables)
+is left to propagation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch_xla.distributed.spmd as xs
+import torch_xla.utils.checkpoint as xla_checkpoint
+
+from xla_fsdp.spmd_mesh import batch_spec, data_degree
+from xla_fsdp.spmd_precision import ComputeCast
+from xla_fsdp.spmd_units import is_sharded
+
+
+class BatchSharding:
+  """Annotates batch-dim activations; learns the batch size at the root."""
+
+  def __init__(self, mesh: xs.Mesh):
+    self.mesh = mesh
+    self.batch_size: Optional[int] = None
+    self._warned = False
+
+  def _applies(self, tensor: Any) -> bool:
+    return (isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and
+            self.batch_size is not None and tensor.shape[0] == self.batch_size)
+
+  def root_inputs(self, module: nn.Module, args: Tuple,
+                  kwargs: Dict) -> None:
+    """Forward pre-hook of the root: shards batch inputs in place."""
+    first = next((t for t in list(args) + list(kwargs.values())
+                  if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    self.batch_size = None if first is None else int(first.shape[0])
+    if self.batch_size is not None and self.batch_size % data_degree(
+        self.mesh) != 0:
+      if not self._warned:
+        warnings.warn(
+            f"batch size {self.batch_size} is not divisible by the "
+            f"{data_degree(self.mesh)} devices of the mesh; activations are "
+            "left unannotated and the partitioner may replicate them. Use a "
+            "global batch that is a multiple of the device count.")
+        self._warned = True
+      self.batch_size = None
+      return
+    for tensor in list(args) + list(kwargs.values()):
+      # In place: the inputs are usually device data, and sharding the data
+      # itself means each device only receives its slice.
+      if self._applies(tensor) and not is_sharded(tensor):
+        xs.mark_sharding(tensor, self.mesh, batch_spec(tensor, self.mesh))
+
+  def annotate(self, tree: Any) -> Any:
+    """Batch-shards tensors in `tree` and, through autograd, their grads."""
+    if self._applies(tree):
+      return xs.mark_sharding_with_gradients(tree, self.mesh,
+                                             batch_spec(tree, self.mesh))
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+      return tuple(self.annotate(t) for t in tree)
+    if isinstance(tree, list):
+      return [self.annotate(t) for t in tree]
+    if isinstance(tree, dict):
+      # Model outputs (dict subclasses) cannot always be rebuilt; annotate
+      # their tensors in place (forward only).
+      for value in tree.values():
+        if self._applies(value):
+          xs.mark_sharding(value, self.mesh, batch_spec(value, self.mesh))
+    return tree
+
+  def unit_inputs(self, module: nn.Module, args: Tuple, kwargs: Dict):
+    return self.annotate(args), self.annotate(kwargs)
+
+  def unit_output(self, module: nn.Module, args: Tuple, output: Any) -> Any:
+    return self.annotate(output)
+
+
+class CheckpointedForward:
+  """A unit's forward run under torch_xla's activation checkpoint.
+
+  torch_xla's checkpoint puts an optimization barrier on the saved inputs so
+  that XLA's CSE cannot fold the recomputation back into the forward. It
+  accepts positional tensors only, so keyword arguments are flattened into
+  the positional list and rebuilt inside.
+  """
+
+  def __init__(self, inner: Callable[..., Any],
+               own_cast: Optional[ComputeCast]):
+    self.inner = inner
+    self.own_cast = own_cast
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+      return self.inner(*args, **kwargs)
+    names = list(kwargs)
+    num_args = len(args)
+
+    def run(*flat: Any) -> Any:
+      rebuilt = dict(zip(names, flat[num_args:]))
+      # The unit's own parameters are cast by hooks around __call__, which
+      # the recompute in backward does not go through.
+      if self.own_cast is not None:
+        self.own_cast.enter()
+      try:
+        return self.inner(*flat[:num_args], **rebuilt)
+      finally:
+        if self.own_cast is not None:
+          self.own_cast.exit()
+
+    return xla_checkpoint.checkpoint(run, *args, *kwargs.values())
+
+
+def checkpoint_unit(unit: nn.Module, own_cast: Optional[ComputeCast]) -> None:
+  """Replaces `unit.forward` (instance attribute) by a checkpointed one."""
+  if isinstance(unit.__dict__.get("forward"), CheckpointedForward):
+    return
+  unit.forward = CheckpointedForward(unit.forward, own_cast)

@@ -1,0 +1,126 @@
+"""Which modules are SPMD units, and how a unit's parameters get onto the mesh.
+
+A unit is the granularity of the engine's per-module treatment: meta
+materialization (`param_init_fn`), activation annotations and activation
+checkpointing. The compiler, not the unit, decides where the all-gathers go.
+Units are found with the same policy protocol as torch_xla's FSDP
+(`policy(module=, recurse=, unwrapped_params=)`), but nothing is wrapped: the
+modules stay where they are, so parameter names do not change.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, List, Optional, Set
+
+import torch
+import torch.nn as nn
+import torch_xla
+import torch_xla.distributed.spmd as xs
+
+from xla_fsdp.spmd_mesh import param_spec
+
+WrapPolicy = Callable[..., bool]
+ParamInitFn = Callable[[nn.Module], None]
+
+
+def find_units(root: nn.Module,
+               auto_wrap_policy: Optional[WrapPolicy]) -> List[nn.Module]:
+  """Units in post-order (innermost first); `root` is always the last one.
+
+  Mirrors torch_xla's recursive wrapping decisions: descend while
+  `policy(recurse=True)` says so, then make a module a unit when
+  `policy(recurse=False)` accepts the parameters its units have not taken.
+  """
+  units: List[nn.Module] = []
+  if auto_wrap_policy is not None:
+    for child in root.children():
+      _collect_units(child, auto_wrap_policy, units)
+  units.append(root)
+  return units
+
+
+def _collect_units(module: nn.Module, policy: WrapPolicy,
+                   units: List[nn.Module]) -> int:
+  """Appends the units under `module`; returns the parameter count they took."""
+  total = sum(p.numel() for p in module.parameters())
+  if not policy(module=module, recurse=True, unwrapped_params=total):
+    return 0
+  taken = sum(_collect_units(child, policy, units)
+              for child in module.children())
+  if policy(module=module, recurse=False, unwrapped_params=total - taken):
+    units.append(module)
+    return total
+  return taken
+
+
+def unit_tensors(unit: nn.Module,
+                 claimed: Set[int]) -> Iterator[torch.Tensor]:
+  """Parameters and buffers of `unit` not already owned by an inner unit."""
+  for tensor in list(unit.parameters()) + list(unit.buffers()):
+    if id(tensor) not in claimed:
+      yield tensor
+
+
+def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor],
+                     param_init_fn: Optional[ParamInitFn]) -> None:
+  """Turns the unit's meta tensors into real ones before they are sharded.
+
+  Runs per unit so that a deferred model never has to exist in full on the
+  host beyond one unit plus the shards already on the devices.
+  """
+  if not any(t.is_meta for t in tensors):
+    return
+  if param_init_fn is not None:
+    param_init_fn(unit)
+  else:
+    # Same default as torch FSDP: allocate, then the module's own init.
+    for module in unit.modules():
+      own = list(module.parameters(recurse=False)) + list(
+          module.buffers(recurse=False))
+      if not any(t.is_meta for t in own):
+        continue
+      module.to_empty(device="cpu", recurse=False)
+      reset = getattr(module, "reset_parameters", None)
+      if reset is None:
+        raise ValueError(
+            f"module {type(module).__name__} of unit {type(unit).__name__} is "
+            "on the meta device and has no reset_parameters(); pass "
+            "param_init_fn to materialize it.")
+      with torch.no_grad():
+        reset()
+  still_meta = [
+      name for name, t in list(unit.named_parameters()) +
+      list(unit.named_buffers()) if t.is_meta
+  ]
+  if still_meta:
+    raise ValueError(
+        f"after param_init_fn, unit {type(unit).__name__} still has meta "
+        f"tensors {still_meta[:5]}; param_init_fn must materialize every meta "
+        "parameter and buffer of the module it is given.")
+
+
+def place_and_shard(tensors: List[torch.Tensor], mesh: xs.Mesh,
+                    device: torch.device, buffer_dtype: Optional[torch.dtype],
+                    params: Set[int]) -> None:
+  """Moves tensors to the XLA device in place; shards parameters on dim 0.
+
+  `tensor.data` is replaced rather than the Parameter, so tied weights and
+  names survive. Buffers stay replicated: they are small and often read
+  whole (masks, position ids).
+  """
+  for tensor in tensors:
+    data = tensor.data
+    if (buffer_dtype is not None and id(tensor) not in params and
+        data.is_floating_point()):
+      data = data.to(buffer_dtype)
+    if data.device != device:
+      data = data.to(device)
+    if data is not tensor.data:
+      tensor.data = data
+    if id(tensor) in params and tensor.dim() > 0 and not is_sharded(tensor):
+      xs.mark_sharding(tensor, mesh, param_spec(tensor))
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+  """Whether the XLA tensor already carries a sharding annotation."""
+  return torch_xla._XLAC._get_xla_sharding_spec(tensor) != ""
