@@ -1,0 +1,188 @@
+"""Throughput and model-FLOPS-utilization arithmetic, and per-chip peaks.
+
+The MFU definition is the one our users already quote from the 2023
+PyTorch/XLA + Hugging Face GPT-2 recipe: 6 FLOPs per parameter per token
+(forward + backward), attention ignored unless asked for, divided by
+step time, chip count and the chip's dense bf16 peak. Keeping their
+definition makes our numbers comparable with the published ones.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+# Dense bf16 TFLOPS per chip, from Google's published TPU specifications.
+TPU_PEAK_TFLOPS = {
+    "v4": 275.0,
+    "v5e": 197.0,
+    "v5p": 459.0,
+    "v6e": 918.0,
+}
+
+
+def gpt2_num_params(config) -> int:
+    """Parameters of a `GPT2LMHeadModel` computed from its config alone.
+
+    Deferred (not yet materialized) models have no storage, so counting has
+    to work from shapes; config arithmetic also lets the launcher size a
+    model before building it. The LM head is tied to the token embedding
+    (GPT-2 default), so it is counted once.
+    """
+    d = config.n_embd
+    inner = getattr(config, "n_inner", None) or 4 * d
+    per_layer = (
+        2 * d                      # ln_1
+        + d * 3 * d + 3 * d        # attn.c_attn
+        + d * d + d                # attn.c_proj
+        + 2 * d                    # ln_2
+        + d * inner + inner        # mlp.c_fc
+        + inner * d + d            # mlp.c_proj
+    )
+    embeddings = config.vocab_size * d + config.n_positions * d
+    untied_head = 0 if getattr(config, "tie_word_embeddings", True) else config.vocab_size * d
+    return embeddings + config.n_layer * per_layer + 2 * d + untied_head
+
+
+def tokens_per_step(global_batch: int, seq_len: int) -> int:
+    """Tokens one optimizer step consumes across all chips."""
+    return global_batch * seq_len
+
+
+def flops_per_step(num_params: int, tokens: int, *, n_layer: int = 0,
+                   n_embd: int = 0, seq_len: int = 0,
+                   include_attention: bool = False) -> float:
+    """Training FLOPs of one step: 6·N·T, plus 12·L·d·S·T when asked.
+
+    The attention term counts the QK^T and AV matmuls (forward and
+    backward) that 6·N·T leaves out; it matters once seq_len is not small
+    against n_embd.
+    """
+    flops = 6.0 * num_params * tokens
+    if include_attention:
+        if not (n_layer and n_embd and seq_len):
+            raise ValueError("include_attention=True needs n_layer, n_embd and seq_len; "
+                             "pass them from the model config")
+        flops += 12.0 * n_layer * n_embd * seq_len * tokens
+    return flops
+
+
+def mfu(step_flops: float, step_time_s: float, chips: int, peak_flops_per_chip: float) -> float:
+    """Model FLOPS utilization as a fraction (0.357 means 35.7 %)."""
+    if step_time_s <= 0 or chips <= 0 or peak_flops_per_chip <= 0:
+        raise ValueError(f"mfu needs positive step time, chips and peak; got "
+                         f"step_time_s={step_time_s}, chips={chips}, peak={peak_flops_per_chip}")
+    return step_flops / step_time_s / chips / peak_flops_per_chip
+
+
+def tpu_generation(kind: str) -> str | None:
+    """Map a TPU device kind or accelerator type to a `TPU_PEAK_TFLOPS` key.
+
+    Accepts PJRT device kinds ("TPU v4", "TPU v5 lite", "TPU v5p",
+    "TPU v6 lite") and Cloud accelerator types ("v4-8", "v5litepod-16",
+    "v5p-8", "v6e-8"). Returns None when the string names no known chip.
+    """
+    text = kind.strip().lower()
+    m = re.search(r"v(\d)\s*(lite|e|p)?", text)
+    if not m:
+        return None
+    gen, suffix = m.group(1), m.group(2) or ""
+    if gen == "4":
+        return "v4"
+    if gen in ("5", "6"):
+        if suffix in ("lite", "e"):
+            return f"v{gen}e"
+        if gen == "5":
+            # "TPU v5" (no suffix) is how PJRT names v5p.
+            return "v5p"
+    return None
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A per-chip peak and where it came from (reported beside every MFU)."""
+    flops_per_chip: float
+    source: str
+
+
+_cpu_peak_cache: Peak | None = None
+
+
+def measure_cpu_matmul_peak(n: int = 1024, seconds: float = 0.5) -> Peak:
+    """Measured fp32 matmul FLOPS of this host, cached per process.
+
+    There is no vendor peak for "an XLA:CPU device"; a timed torch matmul
+    loop is the best achievable dense rate on this host, so MFU on CPU reads
+    as "fraction of what a plain matmul gets here".
+    """
+    global _cpu_peak_cache
+    if _cpu_peak_cache is None:
+        import torch
+        a = torch.randn(n, n)
+        b = torch.randn(n, n)
+        a @ b  # warm-up: thread pool and allocator
+        iters, start = 0, time.perf_counter()
+        while True:
+            a @ b
+            iters += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds and iters >= 3:
+                break
+        _cpu_peak_cache = Peak(2.0 * n ** 3 * iters / elapsed,
+                               f"measured fp32 {n}x{n} torch matmul on this host")
+    return _cpu_peak_cache
+
+
+def detect_peak(device_type: str, device_kind: str = "", override_tflops: float | None = None) -> Peak:
+    """Peak FLOPS per chip for the running device.
+
+    Order: an explicit `--peak_tflops` override; the TPU table keyed by the
+    device kind or `TPU_ACCELERATOR_TYPE`; a measured matmul peak on CPU.
+    """
+    if override_tflops is not None:
+        return Peak(override_tflops * 1e12, "--peak_tflops")
+    if device_type.upper() == "TPU":
+        for kind in (device_kind, os.environ.get("TPU_ACCELERATOR_TYPE", "")):
+            gen = tpu_generation(kind) if kind else None
+            if gen:
+                return Peak(TPU_PEAK_TFLOPS[gen] * 1e12, f"table: TPU {gen} bf16 dense")
+        raise ValueError(f"unknown TPU kind {device_kind!r}; pass --peak_tflops "
+                         f"(bf16 dense TFLOPS per chip) to compute MFU")
+    if device_type.upper() == "CPU":
+        return measure_cpu_matmul_peak()
+    raise ValueError(f"no peak FLOPS known for device type {device_type!r}; pass --peak_tflops")
+
+
+class ThroughputMeter:
+    """Tokens/s and MFU over windows of steps whose end the caller synced.
+
+    Lazy XLA steps run asynchronously, so only a window closed after a
+    device sync (a loss fetch, or `wait_device_ops`) has a true duration.
+    """
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, chips: int, peak: Peak):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_step = flops_per_step
+        self.chips = chips
+        self.peak = peak
+        self._start_time = time.perf_counter()
+        self._start_step = 0
+
+    def restart(self, step: int) -> None:
+        """Open a new window after `step` (already synced)."""
+        self._start_time, self._start_step = time.perf_counter(), step
+
+    def close(self, step: int) -> dict:
+        """Close the window at synced `step`; returns its figures and reopens."""
+        elapsed = time.perf_counter() - self._start_time
+        steps = max(step - self._start_step, 1)
+        step_time = elapsed / steps
+        figures = {
+            "steps": steps,
+            "step_time_s": step_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "mfu": mfu(self.flops_per_step, step_time, self.chips, self.peak.flops_per_chip),
+        }
+        self.restart(step)
+        return figures

@@ -1,0 +1,1 @@
+"""The pieces of the GPT-2 causal-LM job (`launch/run_clm.py`): flags, data, model, loop."""

@@ -1,0 +1,140 @@
+"""Flags of run_clm: the names Hugging Face's run_clm.py users already type.
+
+Plain argparse, no HF Trainer. Boolean-valued flags accept the HF spellings
+(`--do_train`, `--do_train true`, `--adafactor false`). Unknown flags are an
+error naming the flag, so a typo never silently trains with a default.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+FSDP_TOKENS = {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "auto_wrap"}
+STRATEGY_OF_TOKEN = {
+    "full_shard": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "no_shard": "NO_SHARD",
+    "hybrid_shard": "HYBRID_SHARD",
+}
+OPTIMIZERS = ("adamw", "adamw_torch", "adafactor")
+# Above this many parameters the model is built deferred, so no host holds
+# the full unsharded fp32 model at once (the 2023 recipe ran hosts out of memory).
+DEFERRED_INIT_PARAMS = 1_000_000_000
+
+
+def str2bool(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in ("true", "1", "yes", "y"):
+        return True
+    if low in ("false", "0", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _bool_flag(parser, name: str, help: str) -> None:
+    # nargs="?" lets both `--do_train` and `--do_train true` work, as in HF.
+    parser.add_argument(name, type=str2bool, nargs="?", const=True, default=False, help=help)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # argparse says "unrecognized arguments: --foo"; keep that, add the fix.
+        if "unrecognized arguments" in message:
+            message += " (not a run_clm flag; see --help for the accepted flags)"
+        super().error(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="run_clm.py", allow_abbrev=False,
+                description="Train a GPT-2 causal LM with xla_fsdp (HF run_clm.py flag names).")
+    model = p.add_argument_group("model")
+    model.add_argument("--config_name", required=True, help="GPT2Config JSON file")
+    model.add_argument("--tokenizer_name", default=None,
+                       help="HF tokenizer name or local dir; default: byte-level tokenizer (257 ids)")
+    model.add_argument("--cache_dir", default=None, help="cache for HF datasets/tokenizers")
+    _bool_flag(model, "--deferred_init",
+               f"build the model deferred (automatic above {DEFERRED_INIT_PARAMS:.0e} parameters)")
+    _bool_flag(model, "--gradient_checkpointing", "recompute activations in backward")
+    _bool_flag(model, "--bf16", "bfloat16 autocast for forward/backward")
+
+    data = p.add_argument_group("data")
+    data.add_argument("--dataset_name", default=None, help="HF dataset (needs `datasets`)")
+    data.add_argument("--dataset_config_name", default=None)
+    data.add_argument("--train_file", default=None, help="local plain-text file")
+    data.add_argument("--block_size", type=int, default=None,
+                      help="tokens per sequence; default min(n_positions, 1024)")
+    data.add_argument("--max_train_samples", type=int, default=None, help="cap on training blocks")
+
+    fsdp = p.add_argument_group("fsdp")
+    fsdp.add_argument("--fsdp", default="",
+                      help='space-separated: full_shard|shard_grad_op|no_shard|hybrid_shard [auto_wrap]')
+    fsdp.add_argument("--fsdp_config", default=None, help="HF fsdp_config JSON file")
+
+    train = p.add_argument_group("training")
+    train.add_argument("--output_dir", required=True)
+    _bool_flag(train, "--overwrite_output_dir", "allow a non-empty --output_dir")
+    _bool_flag(train, "--do_train", "train (default when neither --do_train nor --do_eval is given)")
+    _bool_flag(train, "--do_eval", "evaluate on the held-out split (same default)")
+    train.add_argument("--per_device_train_batch_size", type=int, default=8)
+    train.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    train.add_argument("--num_train_epochs", type=float, default=3.0)
+    train.add_argument("--max_steps", type=int, default=-1, help="overrides --num_train_epochs when > 0")
+    train.add_argument("--optim", choices=OPTIMIZERS, default="adamw_torch")
+    train.add_argument("--adafactor", type=str2bool, nargs="?", const=True, default=False,
+                       help="legacy HF switch: same as --optim adafactor")
+    train.add_argument("--learning_rate", type=float, default=None,
+                       help="default 5e-5 (HF) with --dataset_name/--train_file; "
+                            "1e-3 on the embedded corpus, where the demo must learn within minutes")
+    train.add_argument("--weight_decay", type=float, default=0.0)
+    train.add_argument("--warmup_steps", type=int, default=0)
+    train.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
+    train.add_argument("--seed", type=int, default=42)
+
+    report = p.add_argument_group("reporting")
+    report.add_argument("--logging_strategy", choices=("no", "steps", "epoch"), default="steps")
+    report.add_argument("--logging_steps", type=int, default=10)
+    report.add_argument("--save_strategy", choices=("no", "steps", "epoch"), default="no")
+    report.add_argument("--save_steps", type=int, default=500)
+    _bool_flag(report, "--mfu_include_attention", "add 12·L·d·S FLOPs/token for attention to MFU")
+    report.add_argument("--peak_tflops", type=float, default=None,
+                        help="override the per-chip peak (dense bf16 TFLOPS) used for MFU")
+    return p
+
+
+def parse_fsdp(text: str) -> tuple[str | None, bool]:
+    """`--fsdp "full_shard auto_wrap"` -> ("FULL_SHARD", True); "" -> (None, False)."""
+    tokens = text.split()
+    unknown = [t for t in tokens if t not in FSDP_TOKENS]
+    if unknown:
+        raise SystemExit(f"--fsdp {text!r}: unknown option(s) {unknown}; "
+                         f"use one of {sorted(STRATEGY_OF_TOKEN)} optionally with auto_wrap")
+    strategies = [STRATEGY_OF_TOKEN[t] for t in tokens if t in STRATEGY_OF_TOKEN]
+    if len(strategies) > 1:
+        raise SystemExit(f"--fsdp {text!r} names {len(strategies)} sharding strategies; give one")
+    if not strategies and tokens:
+        strategies = ["FULL_SHARD"]  # bare "auto_wrap" means full sharding, as in HF
+    return (strategies[0] if strategies else None), "auto_wrap" in tokens
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and resolve run_clm flags; errors exit with a message naming the flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.adafactor:
+        args.optim = "adafactor"
+    if args.dataset_name and args.train_file:
+        parser.error("give --dataset_name or --train_file, not both")
+    if not (args.do_train or args.do_eval):
+        args.do_train = args.do_eval = True
+    if args.learning_rate is None:
+        embedded = not (args.dataset_name or args.train_file)
+        args.learning_rate = 1e-3 if embedded else 5e-5
+    if not os.path.isfile(args.config_name):
+        parser.error(f"--config_name {args.config_name}: no such file; give a GPT2Config JSON "
+                     f"(e.g. configs/models/gpt2-tiny.json)")
+    if args.fsdp_config and not os.path.isfile(args.fsdp_config):
+        parser.error(f"--fsdp_config {args.fsdp_config}: no such file")
+    if args.logging_steps <= 0:
+        parser.error(f"--logging_steps must be positive, got {args.logging_steps}")
+    args.sharding_strategy, args.auto_wrap = parse_fsdp(args.fsdp)
+    return args

@@ -1,0 +1,177 @@
+"""Training text, tokenizers and fixed-length block batching for run_clm.
+
+The embedded default corpus is Python's own reference documentation
+(`pydoc_data.topics`, ~460 KB of English prose and code shipped with every
+CPython), tokenized to bytes, so the job trains on real text on any machine
+with no download. Hugging Face datasets/tokenizers are used only when the
+user names them, and are optional dependencies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EVAL_FRACTION = 0.05  # tail of the token stream held out for --do_eval
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, plus an end-of-text id 256."""
+
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def embedded_documents() -> list[str]:
+    """The stdlib reference-documentation topics, in a fixed (sorted) order."""
+    from pydoc_data.topics import topics
+    return [topics[key] for key in sorted(topics)]
+
+
+def read_text_file(path: str) -> list[str]:
+    """A local plain-text file; blank-line-separated paragraphs become documents."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    docs = [p for p in text.split("\n\n") if p.strip()]
+    if not docs:
+        raise ValueError(f"--train_file {path} has no text; give a non-empty UTF-8 file")
+    return docs
+
+
+def hf_dataset_documents(name: str, config_name: str | None, cache_dir: str | None) -> tuple[list[str], list[str] | None]:
+    """Train (and validation, if the dataset has one) texts of a HF dataset."""
+    try:
+        import datasets
+    except ImportError:
+        raise SystemExit("--dataset_name needs the `datasets` package: pip install datasets; "
+                         "or omit it to train on the embedded corpus (or use --train_file)") from None
+    ds = datasets.load_dataset(name, config_name, cache_dir=cache_dir)
+    column = "text" if "text" in ds["train"].column_names else ds["train"].column_names[0]
+    train = [t for t in ds["train"][column] if t.strip()]
+    val = None
+    for split in ("validation", "test"):
+        if split in ds:
+            val = [t for t in ds[split][column] if t.strip()]
+            break
+    return train, val
+
+
+def load_tokenizer(name: str | None, cache_dir: str | None):
+    """`ByteTokenizer` by default, or a `transformers.AutoTokenizer` by name."""
+    if name is None:
+        return ByteTokenizer()
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(name, cache_dir=cache_dir)
+    except Exception as e:  # no network, unknown name, missing files
+        raise SystemExit(f"--tokenizer_name {name!r} could not be loaded ({e}); give a local "
+                         f"tokenizer directory, or omit it to use the byte tokenizer") from None
+
+
+def tokenize_stream(docs: list[str], tokenizer) -> torch.Tensor:
+    """All documents as one id stream, each followed by the EOS id."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for doc in docs:
+        ids.extend(tokenizer.encode(doc, add_special_tokens=False))
+        if eos is not None:
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def to_blocks(stream: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cut the stream into [num_blocks, block_size] rows, dropping the ragged tail
+    (as HF's run_clm `group_texts` does)."""
+    n = stream.numel() // block_size
+    if n == 0:
+        raise ValueError(f"only {stream.numel()} tokens, fewer than one block of --block_size "
+                         f"{block_size}; use a smaller --block_size or more text")
+    return stream[: n * block_size].view(n, block_size)
+
+
+def split_stream(stream: torch.Tensor, eval_fraction: float = EVAL_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic train/eval split: the last `eval_fraction` of the stream is eval.
+
+    A contiguous tail (not a random sample of blocks) keeps eval text out of
+    every training block, so eval loss measures generalization.
+    """
+    cut = int(stream.numel() * (1.0 - eval_fraction))
+    return stream[:cut], stream[cut:]
+
+
+@dataclass
+class Corpus:
+    """Train and eval blocks plus what the report needs to describe them."""
+    train: torch.Tensor
+    eval: torch.Tensor
+    vocab_size: int
+    source: str
+
+
+def build_corpus(args, config_vocab_size: int) -> Corpus:
+    """Load, tokenize, split and block the text the flags select."""
+    tokenizer = load_tokenizer(args.tokenizer_name, args.cache_dir)
+    vocab = len(tokenizer) if not isinstance(tokenizer, ByteTokenizer) else tokenizer.vocab_size
+    if vocab > config_vocab_size:
+        raise SystemExit(f"tokenizer has {vocab} ids but --config_name has vocab_size "
+                         f"{config_vocab_size}; raise vocab_size in the model config to at least {vocab}")
+    val_docs = None
+    if args.dataset_name:
+        docs, val_docs = hf_dataset_documents(args.dataset_name, args.dataset_config_name, args.cache_dir)
+        source = f"dataset {args.dataset_name}" + (f"/{args.dataset_config_name}" if args.dataset_config_name else "")
+    elif args.train_file:
+        docs, source = read_text_file(args.train_file), f"file {args.train_file}"
+    else:
+        docs, source = embedded_documents(), "embedded corpus: pydoc_data.topics (Python reference docs)"
+    stream = tokenize_stream(docs, tokenizer)
+    if val_docs is not None:
+        train_stream, eval_stream = stream, tokenize_stream(val_docs, tokenizer)
+    else:
+        train_stream, eval_stream = split_stream(stream)
+    train = to_blocks(train_stream, args.block_size)
+    if args.max_train_samples is not None:  # HF semantics: a cap on training blocks
+        train = train[: args.max_train_samples]
+    return Corpus(train, to_blocks(eval_stream, args.block_size), vocab, source)
+
+
+class BlockBatches:
+    """Batches of blocks for one rank: a seeded shuffle per epoch, shared by
+    all ranks, each rank taking its own contiguous slice of every global batch.
+
+    An explicit generator (not torch's global RNG) keeps the order identical
+    across ranks even when ranks are threads of one process (XLA:CPU).
+    """
+
+    def __init__(self, blocks: torch.Tensor, global_batch: int, rank: int = 0,
+                 world: int = 1, seed: int = 0, shuffle: bool = True):
+        if global_batch % world:
+            raise ValueError(f"global batch {global_batch} is not divisible by {world} ranks")
+        if blocks.shape[0] < global_batch:
+            raise SystemExit(f"only {blocks.shape[0]} blocks of text but one global batch needs "
+                             f"{global_batch}; lower --per_device_train_batch_size or --block_size")
+        self.blocks, self.global_batch = blocks, global_batch
+        self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle
+
+    def __len__(self) -> int:
+        """Full global batches per epoch (the ragged last batch is dropped)."""
+        return self.blocks.shape[0] // self.global_batch
+
+    def epoch(self, epoch: int):
+        """Yield this rank's [global_batch / world, block_size] batches for `epoch`."""
+        n = self.blocks.shape[0]
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(n, generator=gen)
+        else:
+            order = torch.arange(n)
+        local = self.global_batch // self.world
+        for b in range(len(self)):
+            rows = order[b * self.global_batch + self.rank * local:
+                         b * self.global_batch + (self.rank + 1) * local]
+            yield self.blocks[rows]

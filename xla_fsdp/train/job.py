@@ -1,0 +1,160 @@
+"""run_clm end to end: flags -> data -> model -> engine -> loop -> report.
+
+Order matters on XLA: the SPMD mode must be switched on before the first
+device tensor exists, and the optimizer must be built from the parameters
+the engine returns (local shards), never from the unwrapped model.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from xla_fsdp import metrics
+from xla_fsdp.train import data, loop
+from xla_fsdp.train.args import parse_args
+from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, selected_engine,
+                                  wants_deferred_init, wrap_model)
+
+
+def check_output_dir(args) -> None:
+    """HF semantics: refuse to train into a non-empty directory unless told to."""
+    d = args.output_dir
+    if args.do_train and os.path.isdir(d) and os.listdir(d) and not args.overwrite_output_dir:
+        raise SystemExit(f"--output_dir {d} already exists and is not empty; "
+                         f"add --overwrite_output_dir to reuse it, or pick another directory")
+    if os.path.exists(d) and not os.path.isdir(d):
+        raise SystemExit(f"--output_dir {d} exists and is a file; give a directory path")
+
+
+def device_facts(spmd: bool) -> dict:
+    """Device type/kind, data-parallel degree, this rank, and chips counted for MFU."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    device_type = xr.device_type()
+    if spmd:
+        dp, rank, world = xr.global_runtime_device_count(), 0, 1
+    else:
+        dp, rank, world = xr.world_size(), xr.global_ordinal(), xr.world_size()
+    kind = xm.xla_device_kind() if device_type == "TPU" else device_type
+    # On CPU the measured peak is the whole host's, so the host is the "chip";
+    # virtual CPU devices share its cores.
+    chips = dp if device_type != "CPU" else max(xr.process_count(), 1)
+    return {"device_type": device_type, "device_kind": kind, "data_parallel": dp,
+            "rank": rank, "world": world, "chips": chips}
+
+
+def run(argv=None) -> dict:
+    """Train and/or evaluate as the flags say; returns the metrics written to metrics.json."""
+    args = parse_args(argv)
+    check_output_dir(args)
+    config = load_config(args.config_name)
+    args.block_size = args.block_size or min(config.n_positions, 1024)
+    if args.block_size > config.n_positions:
+        raise SystemExit(f"--block_size {args.block_size} exceeds n_positions {config.n_positions} "
+                         f"of --config_name; lower --block_size")
+    fsdp_config = load_fsdp_config(args.fsdp_config)
+    engine = selected_engine(fsdp_config)
+    spmd = engine == "spmd"
+
+    import torch_xla
+    import torch_xla.runtime as xr
+    if spmd:
+        xr.use_spmd()  # before the first device tensor
+    device = torch_xla.device()
+    facts = device_facts(spmd)
+    is_master = facts["rank"] == 0
+    log = print if is_master else (lambda *a, **k: None)
+
+    corpus = data.build_corpus(args, config.vocab_size)
+    num_params = metrics.gpt2_num_params(config)
+    global_batch = args.per_device_train_batch_size * facts["data_parallel"]
+    train_batches = data.BlockBatches(corpus.train, global_batch, facts["rank"], facts["world"], args.seed)
+    steps_per_epoch = len(train_batches)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+
+    torch.manual_seed(args.seed)
+    deferred = wants_deferred_init(config, args.deferred_init)
+    model = build_model(config, deferred)
+    wrapped = wrap_model(model, args, fsdp_config, device, spmd)
+    model = wrapped.model
+    peak = metrics.detect_peak(facts["device_type"], facts["device_kind"], args.peak_tflops)
+    tokens = metrics.tokens_per_step(global_batch, args.block_size)
+    step_flops = metrics.flops_per_step(num_params, tokens, n_layer=config.n_layer, n_embd=config.n_embd,
+                                        seq_len=args.block_size, include_attention=args.mfu_include_attention)
+    ctx = loop.StepContext(device, wrapped.mesh,
+                           allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
+                           is_master=is_master, bf16=args.bf16)
+
+    log(f"run_clm: {num_params / 1e6:.2f}M params ({'deferred' if deferred else 'eager'} init), "
+        f"engine {wrapped.engine}, {facts['data_parallel']} x {facts['device_kind']}, "
+        f"global batch {global_batch} x {args.block_size} tokens, {total_steps} steps "
+        f"({steps_per_epoch}/epoch), optim {args.optim} lr {args.learning_rate:g}")
+    log(f"run_clm: data {corpus.source}: {corpus.train.shape[0]} train / {corpus.eval.shape[0]} eval blocks")
+    log(f"run_clm: peak {peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {facts['chips']} ({peak.source})")
+
+    report = {"params": num_params, "engine": wrapped.engine, "device": facts["device_kind"],
+              "devices": facts["data_parallel"], "chips": facts["chips"],
+              "peak_flops_per_chip": peak.flops_per_chip, "peak_source": peak.source,
+              "global_batch": global_batch, "block_size": args.block_size,
+              "tokens_per_step": tokens, "flops_per_step": step_flops,
+              "mfu_includes_attention": args.mfu_include_attention, "data": corpus.source,
+              "learning_rate": args.learning_rate, "optim": args.optim}
+    started = time.perf_counter()
+    if args.do_train:
+        optimizer = loop.make_optimizer(model.parameters(), args)
+        scheduler = loop.make_scheduler(optimizer, args.warmup_steps, total_steps)
+        meter = metrics.ThroughputMeter(tokens, step_flops, facts["chips"], peak)
+        progress = _progress(total_steps, is_master)
+        result = loop.train(model, optimizer, scheduler, train_batches, total_steps, ctx, meter, args,
+                            log=progress.write if progress else log, progress=progress)
+        if progress:
+            progress.close()
+        report.update(steps=result.steps, losses=result.losses, windows=result.windows,
+                      train_wall_time_s=result.wall_time_s, **result.summary)
+        if result.summary:
+            s = result.summary
+            log(f"run_clm: trained {result.steps} steps in {result.wall_time_s:.1f} s; loss "
+                f"{result.losses[0][1]:.4f} -> {result.losses[-1][1]:.4f}; after {loop.WARMUP_STEPS} "
+                f"warm-up steps: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step, "
+                f"MFU {100 * s['mfu']:.2f}% of {peak.flops_per_chip / 1e12:.3f} TFLOPS x {facts['chips']}")
+    if args.do_eval:
+        eval_global = args.per_device_eval_batch_size * facts["data_parallel"]
+        eval_batches = data.BlockBatches(corpus.eval, min(eval_global, corpus.eval.shape[0] // facts["world"] * facts["world"]),
+                                         facts["rank"], facts["world"], shuffle=False)
+        ev = loop.evaluate(model, eval_batches, ctx)
+        report.update(ev)
+        log(f"run_clm: eval loss {ev['eval_loss']:.4f}, perplexity {ev['perplexity']:.2f} "
+            f"({ev['eval_batches']} batches)")
+    report["wall_time_s"] = time.perf_counter() - started
+    if args.do_train and args.save_strategy != "no":
+        _save(model, args, facts)
+    if is_master:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        log(f"run_clm: metrics written to {os.path.join(args.output_dir, 'metrics.json')}")
+    return report
+
+
+def _progress(total: int, is_master: bool):
+    if not is_master:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional: fall back to plain log lines
+        return None
+    return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def _save(model, args, facts) -> None:
+    """Each rank writes its own state dict (shards under FSDP; state-dict keys
+    are the unwrapped model's), enough to resume or to consolidate offline."""
+    import torch_xla.core.xla_model as xm
+    out = os.path.join(args.output_dir, "checkpoint-final")
+    os.makedirs(out, exist_ok=True)
+    xm.save(model.state_dict(), os.path.join(out, f"model_rank{facts['rank']}.pt"), master_only=False)

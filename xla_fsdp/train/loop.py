@@ -1,0 +1,177 @@
+"""The training and evaluation loops of run_clm, written for lazy XLA tensors.
+
+One `torch_xla.sync()` per step cuts the graph; the loss is copied to the
+host only at logging steps, because every host read waits for the device
+and would serialize the otherwise asynchronous step pipeline.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from xla_fsdp.metrics import ThroughputMeter
+
+# Steps excluded from throughput: step 1 compiles the forward/backward graph,
+# step 2 compiles again because the optimizer state now exists.
+WARMUP_STEPS = 2
+
+
+def make_optimizer(params, args):
+    """AdamW (HF default) or Adafactor (the 2023 recipe's `--optim adafactor`)."""
+    params = list(params)
+    if args.optim == "adafactor":
+        return torch.optim.Adafactor(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    # foreach=False: the per-tensor loop traces to the same XLA graph and
+    # avoids foreach kernels' host-side grouping by device and dtype.
+    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
+                             foreach=False)
+
+
+def make_scheduler(optimizer, warmup_steps: int, total_steps: int):
+    """Linear warmup then linear decay to 0 (HF's default `linear` schedule)."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(warmup_steps, 1)
+        return max(0.0, (total_steps - step) / max(total_steps - warmup_steps, 1))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass
+class StepContext:
+    """What the loop needs to know about devices and layout."""
+    device: torch.device
+    spmd_mesh: object = None            # shard batches on dim 0 over this mesh
+    allreduce_grads: bool = False       # plain replication across collective ranks
+    is_master: bool = True
+    bf16: bool = False
+
+    def to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(self.device)
+        if self.spmd_mesh is not None:
+            import torch_xla.distributed.spmd as xs
+            from xla_fsdp.spmd_mesh import batch_spec
+            xs.mark_sharding(batch, self.spmd_mesh, batch_spec(batch, self.spmd_mesh))
+        return batch
+
+    def autocast(self):
+        return torch.autocast("xla", dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0
+    losses: list = field(default_factory=list)      # [step, loss] at logging steps
+    windows: list = field(default_factory=list)     # per-logging-window throughput
+    summary: dict = field(default_factory=dict)     # throughput over steps after warmup
+    wall_time_s: float = 0.0
+
+
+def _sync():
+    import torch_xla
+    torch_xla.sync()
+
+
+def _wait():
+    import torch_xla.core.xla_model as xm
+    xm.wait_device_ops()
+
+
+def _clip(model, max_norm: float):
+    if max_norm <= 0:
+        return
+    clip = getattr(model, "clip_grad_norm_", None)  # sharded engines: norm across shards
+    if clip is not None:
+        clip(max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepContext,
+          meter: ThroughputMeter, args, log=print, progress=None) -> TrainResult:
+    """Run `total_steps` optimizer steps over `batches` (a `BlockBatches`)."""
+    import torch_xla.core.xla_model as xm
+    result = TrainResult()
+    started = time.perf_counter()
+    model.train()
+    step, epoch = 0, 0
+    log_every = args.logging_steps if args.logging_strategy == "steps" else None
+    while step < total_steps:
+        epoch_loss = None
+        for batch in batches.epoch(epoch):
+            input_ids = ctx.to_device(batch)
+            with ctx.autocast():
+                loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+            if ctx.allreduce_grads:
+                xm.reduce_gradients(optimizer)
+            _clip(model, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync()
+            step += 1
+            epoch_loss = loss.detach()
+            if progress is not None:
+                progress.update(1)
+            if step == WARMUP_STEPS or (step == total_steps and step < WARMUP_STEPS):
+                _wait()
+                meter.restart(step)
+                summary_start = (time.perf_counter(), step)
+            if step == 1 or (log_every and step % log_every == 0) or step == total_steps:
+                value = loss.item()  # the one host read: waits for this step
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"loss is {value} at step {step}; lower --learning_rate "
+                                             f"or raise --warmup_steps")
+                result.losses.append([step, value])
+                line = f"step {step}/{total_steps} loss {value:.4f} lr {scheduler.get_last_lr()[0]:.2e}"
+                if step > WARMUP_STEPS:
+                    w = meter.close(step)
+                    w["step"] = step
+                    result.windows.append(w)
+                    line += (f" | {w['tokens_per_s']:.0f} tokens/s, {w['step_time_s'] * 1e3:.1f} ms/step, "
+                             f"MFU {100 * w['mfu']:.2f}%")
+                if log_every or step == total_steps:
+                    log(line)
+            if step >= total_steps:
+                break
+        if args.logging_strategy == "epoch" and epoch_loss is not None:
+            log(f"epoch {epoch} done at step {step}: loss {epoch_loss.item():.4f}")
+        epoch += 1
+    _wait()
+    result.steps, result.wall_time_s = step, time.perf_counter() - started
+    if step > WARMUP_STEPS:
+        t0, s0 = summary_start
+        step_time = (time.perf_counter() - t0) / (step - s0)
+        result.summary = _figures(meter, step_time, step - s0)
+    return result
+
+
+def _figures(meter: ThroughputMeter, step_time: float, steps: int) -> dict:
+    from xla_fsdp.metrics import mfu
+    return {
+        "measured_steps": steps,
+        "step_time_s": step_time,
+        "tokens_per_s": meter.tokens_per_step / step_time,
+        "mfu": mfu(meter.flops_per_step, step_time, meter.chips, meter.peak.flops_per_chip),
+    }
+
+
+@torch.no_grad()
+def evaluate(model, batches, ctx: StepContext) -> dict:
+    """Mean causal-LM loss over the eval blocks, and its perplexity."""
+    model.eval()
+    total, count = None, 0
+    for batch in batches.epoch(0):
+        input_ids = ctx.to_device(batch)
+        with ctx.autocast():
+            loss = model(input_ids=input_ids, labels=input_ids).loss.detach().float()
+        total = loss if total is None else total + loss
+        count += 1
+        _sync()
+    model.train()
+    mean = total.item() / count
+    return {"eval_loss": mean, "perplexity": math.exp(min(mean, 50.0)), "eval_batches": count}

@@ -1,0 +1,133 @@
+"""Model construction and the one place run_clm hands the model to an engine.
+
+`wrap_model` is the only function that knows which engine runs: the
+collectives engine, the SPMD engine, or (no `--fsdp`) plain replication.
+Everything that needs a sharding decision (the batch layout, the optimizer's
+parameters) asks the object it returns.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from xla_fsdp.metrics import gpt2_num_params
+from xla_fsdp.train.args import DEFERRED_INIT_PARAMS
+
+ENGINE_ENV = "XLA_FSDP_ENGINE"
+
+
+def load_config(path: str):
+    """The GPT2Config of `--config_name`; non-GPT-2 configs are refused by name."""
+    from transformers import GPT2Config
+    config = GPT2Config.from_json_file(path)
+    if config.model_type != "gpt2":
+        raise SystemExit(f"--config_name {path} has model_type {config.model_type!r}; "
+                         f"run_clm trains GPT-2 (model_type \"gpt2\") only")
+    return config
+
+
+def wants_deferred_init(config, forced: bool) -> bool:
+    """Deferred build when asked, or when the model would crowd host memory."""
+    return forced or gpt2_num_params(config) > DEFERRED_INIT_PARAMS
+
+
+def build_model(config, deferred: bool) -> torch.nn.Module:
+    """A randomly initialized `GPT2LMHeadModel`, on the host or deferred.
+
+    Deferred: no parameter storage until the engine materializes each unit
+    right after wrapping it, so no host ever holds the whole fp32 model.
+    """
+    from transformers import GPT2LMHeadModel
+    if deferred:
+        import xla_fsdp  # lazy: the deferred-init module is optional for small runs
+        return xla_fsdp.deferred_init(GPT2LMHeadModel, config)
+    return GPT2LMHeadModel(config)
+
+
+def selected_engine(fsdp_config) -> str:
+    """"spmd" when the fsdp config says xla_fsdp_v2 or the launcher exported
+    XLA_FSDP_ENGINE=spmd; else "collectives"."""
+    env = os.environ.get(ENGINE_ENV, "").strip().lower()
+    if env not in ("", "spmd", "collectives"):
+        raise SystemExit(f"{ENGINE_ENV}={env!r}: expected 'spmd' or 'collectives' (or unset)")
+    if env == "spmd" or (fsdp_config is not None and fsdp_config.use_spmd):
+        return "spmd"
+    return "collectives"
+
+
+def load_fsdp_config(path: str | None):
+    """The validated HF fsdp_config, or None without `--fsdp_config`."""
+    if path is None:
+        return None
+    from xla_fsdp.config import load_fsdp_config as load  # lazy: needs only for FSDP runs
+    try:
+        return load(path)
+    except ValueError as e:
+        raise SystemExit(f"--fsdp_config {path}: {e}") from None
+
+
+@dataclass
+class Wrapped:
+    """The trainable model and how its batches must be laid out."""
+    model: torch.nn.Module
+    engine: str                      # "spmd" | "collectives" | "none"
+    mesh: object = None              # SPMD mesh (batch sharded over it)
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def reduces_grads(self) -> bool:
+        """Whether the engine (or the SPMD partitioner) already reduces gradients
+        across data-parallel ranks; if not, the loop all-reduces them."""
+        return self.engine != "none" or self.mesh is not None
+
+
+def engine_kwargs(args, fsdp_config) -> dict:
+    """Engine keyword arguments from `--fsdp_config` and the `--fsdp` string."""
+    kwargs = dict(fsdp_config.engine_kwargs()) if fsdp_config is not None else {}
+    if args.auto_wrap and "auto_wrap_policy" not in kwargs:
+        # HF's `--fsdp auto_wrap` without a policy wraps the model's
+        # no-split layer class; for GPT-2 that is GPT2Block.
+        from xla_fsdp.wrap import transformer_auto_wrap_policy
+        import functools
+        kwargs["auto_wrap_policy"] = functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={"GPT2Block"})
+    if args.sharding_strategy and args.sharding_strategy != "FULL_SHARD":
+        kwargs["sharding_strategy"] = args.sharding_strategy
+    return kwargs
+
+
+def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) -> Wrapped:
+    """Hand `model` to the selected engine; the only engine-specific code in run_clm."""
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp_config is not None:
+        fsdp_config.check_model(model)
+    mesh = None
+    if spmd:
+        from xla_fsdp.spmd_mesh import build_fsdp_mesh
+        mesh = build_fsdp_mesh()
+    if not args.sharding_strategy:
+        # No --fsdp: every rank holds the whole model (plain data parallel).
+        if fsdp_config is not None:
+            raise SystemExit("--fsdp_config was given without --fsdp; add e.g. --fsdp full_shard")
+        return Wrapped(model.to(device), "none", mesh)
+    import xla_fsdp
+    kwargs = engine_kwargs(args, fsdp_config)
+    if spmd:
+        kwargs["engine"] = "spmd"
+        kwargs.setdefault("mesh", mesh)
+    else:
+        kwargs.pop("engine", None)
+        model = model.to(device) if not _is_deferred(model) else model
+    wrapped = xla_fsdp.XlaFullyShardedDataParallel(model, **kwargs)
+    return Wrapped(wrapped, "spmd" if spmd else "collectives", mesh, kwargs)
+
+
+def _is_deferred(model) -> bool:
+    try:
+        from xla_fsdp import is_deferred
+    except ImportError:
+        return False
+    return is_deferred(model)
