@@ -1,0 +1,26 @@
+"""xla_fsdp: fully sharded data parallel training for PyTorch/XLA.
+
+Public entry points: `XlaFullyShardedDataParallel` (alias `FSDP`), the auto-wrap
+policies in `xla_fsdp.wrap`, `checkpoint_module`, deferred initialization
+(`deferred_init`, `materialize_module`, `is_deferred`) and the Hugging Face
+`fsdp_config` loader (`xla_fsdp.config.load_fsdp_config`).
+"""
+from .activation_checkpoint import checkpoint_module
+from .api import FSDP, XlaFullyShardedDataParallel
+from .options import MixedPrecision, ShardingStrategy
+from .wrap import (always_wrap_policy, lambda_auto_wrap_policy, size_based_auto_wrap_policy,
+                   transformer_auto_wrap_policy)
+
+# the function shadows the submodule of the same name on purpose (torchdistx's call shape);
+# import the module as `xla_fsdp.deferred_init` via `from xla_fsdp.deferred_init import ...`
+try:
+    from .deferred_init import deferred_init, is_deferred, materialize_module
+except ImportError:  # pragma: no cover - only while deferred_init.py is being written
+    pass
+
+
+__all__ = [
+    "XlaFullyShardedDataParallel", "FSDP", "checkpoint_module", "MixedPrecision", "ShardingStrategy",
+    "always_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy", "deferred_init", "materialize_module", "is_deferred",
+]

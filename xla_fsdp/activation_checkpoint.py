@@ -1,0 +1,154 @@
+"""Per-layer gradient checkpointing (`checkpoint_module`).
+
+The forward of a checkpointed module runs without saving activations; its
+backward re-runs the forward and back-propagates through the recomputation.
+On an FSDP unit the whole unit forward (gather, compute, free) is what is
+recomputed, so the recomputation sees full parameters.
+
+[Note: recompute barrier] XLA traces forward and backward into one graph, and
+common-subexpression elimination would notice that the recomputation equals
+the forward and reuse the forward's activations, silently undoing the memory
+saving. The recomputation therefore starts from inputs passed through an
+optimization barrier together with the incoming gradients, which makes it a
+different computation that can only run once those gradients exist.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed forward is being re-run inside backward."""
+    return getattr(_local, "depth", 0) > 0
+
+
+class _CheckpointMixin:
+    """Class mixed into a plain module by `checkpoint_module`."""
+
+    def forward(self, *args, **kwargs):
+        return checkpointed_call(super().forward, args, kwargs, None)
+
+
+_classes: Dict[type, type] = {}
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """Checkpoint `module`'s forward; returns `module` itself (parameter names unchanged).
+
+    Works before or after FSDP wrapping: `FSDP(checkpoint_module(layer))` (torch_xla's
+    order) and `checkpoint_module(FSDP(layer))` both recompute the unit including its gather.
+    """
+    from .api import XlaFullyShardedDataParallel
+
+    if isinstance(module, XlaFullyShardedDataParallel):
+        module._fsdp_checkpointed = True
+        return module
+    if isinstance(module, _CheckpointMixin):
+        return module
+    if type(module).forward is nn.Module.forward:
+        raise ValueError(f"{type(module).__name__} has no forward() to checkpoint; checkpoint its children")
+    base = type(module)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(f"Checkpointed{base.__name__}", (_CheckpointMixin, base), {"__module__": base.__module__})
+        _classes[base] = cls
+    module.__class__ = cls
+    return module
+
+
+def strip_checkpoint(module: nn.Module) -> bool:
+    """Undo `checkpoint_module`'s class change; returns whether it had been applied."""
+    if isinstance(module, _CheckpointMixin):
+        module.__class__ = type(module).__mro__[2]
+        return True
+    return False
+
+
+def _rng_state(comm) -> Tuple[Any, Any]:
+    xla_state = None
+    if comm is not None and comm.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        xla_state = xm.get_rng_state()
+    return torch.get_rng_state(), xla_state
+
+
+def _set_rng_state(state) -> None:
+    cpu, xla_state = state
+    torch.set_rng_state(cpu)
+    if xla_state is not None:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(xla_state)
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, spec, leaves, tensor_pos, comm, out_holder, *tensors):
+        # tensors travel through save_for_backward only; keep the rest of the call's structure
+        leaves = [None if i in set(tensor_pos) else x for i, x in enumerate(leaves)]
+        ctx.run, ctx.spec, ctx.leaves, ctx.tensor_pos, ctx.comm = run, spec, leaves, tensor_pos, comm
+        ctx.rng = _rng_state(comm)
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            args, kwargs = _rebuild(spec, leaves, tensor_pos, tensors)
+            out = run(*args, **kwargs)
+        out_leaves, out_spec = tree_flatten(out)
+        out_holder["spec"] = out_spec
+        out_holder["leaves"] = out_leaves
+        out_holder["tensor_pos"] = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        return tuple(out_leaves[i] for i in out_holder["tensor_pos"])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        inputs = [t.detach() for t in saved]
+        if ctx.comm is not None and ctx.comm.is_xla:
+            live = [g for g in grads if g is not None]
+            inputs = ctx.comm.optimization_barrier([*inputs, *live])[: len(inputs)]
+        inputs = [x.requires_grad_(t.requires_grad) for x, t in zip(inputs, saved)]
+        current = _rng_state(ctx.comm)
+        _set_rng_state(ctx.rng)
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            with torch.enable_grad():
+                args, kwargs = _rebuild(ctx.spec, ctx.leaves, ctx.tensor_pos, inputs)
+                out = ctx.run(*args, **kwargs)
+        finally:
+            _local.depth -= 1
+            _set_rng_state(current)
+        out_leaves, _ = tree_flatten(out)
+        outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) * 6 + tuple(x.grad if x.requires_grad else None for x in inputs)
+
+
+def _rebuild(spec, leaves, tensor_pos, tensors):
+    leaves = list(leaves)
+    for pos, t in zip(tensor_pos, tensors):
+        leaves[pos] = t
+    return tree_unflatten(leaves, spec)
+
+
+def checkpointed_call(run: Callable, args, kwargs, comm) -> Any:
+    """Call `run(*args, **kwargs)` without keeping activations; recompute them in backward."""
+    if not torch.is_grad_enabled():
+        return run(*args, **kwargs)
+    leaves, spec = tree_flatten((args, kwargs))
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    tensors = [leaves[i] for i in tensor_pos]
+    holder: Dict[str, Any] = {}
+    outs = _Checkpoint.apply(run, spec, leaves, tensor_pos, comm, holder, *tensors)
+    out_leaves = list(holder["leaves"])
+    for pos, t in zip(holder["tensor_pos"], outs):
+        out_leaves[pos] = t
+    return tree_unflatten(out_leaves, holder["spec"])

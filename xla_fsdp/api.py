@@ -1,0 +1,339 @@
+"""The public front door: `XlaFullyShardedDataParallel` (alias `FSDP`).
+
+It accepts torch_xla's keyword names, so switching from
+`torch_xla.distributed.fsdp.XlaFullyShardedDataParallel` is an import change.
+
+[Note: no wrapper module] Like PyTorch's FSDP2, wrapping does not put the
+module inside a container: `XlaFullyShardedDataParallel(m)` returns `m` itself
+with its class swapped to a subclass of both `XlaFullyShardedDataParallel` and
+`type(m)`. Parameter names and state-dict keys stay those of the unwrapped
+model, `isinstance(m, XlaFullyShardedDataParallel)` holds, and `m.parameters()`
+yields the local shards.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from . import options as opts
+from .options import FSDPOptions, ShardingLayout, ShardingStrategy
+
+# torch_xla's keywords and their defaults, plus ours (`all_gather_impl`,
+# `sharding_strategy`, `engine`, `mesh`)
+DEFAULTS: Dict[str, Any] = dict(
+    reshard_after_forward=True,
+    flatten_parameters=True,
+    execute_sharding_on_init=True,
+    optimization_barrier_in_forward=True,
+    optimization_barrier_in_backward=True,
+    sync_on_finalization=False,
+    disable_reshard_on_root=True,
+    compute_dtype=None,
+    buffer_dtype=None,
+    fp32_reduce_scatter=False,
+    sharding_groups=None,
+    sharding_rank=None,
+    sharding_world_size=None,
+    shard_param_on_dim_0=True,
+    pin_layout_in_collective_ops=True,
+    reduce_scatter_bucket_size_mb=0,
+    auto_wrap_policy=None,
+    auto_wrapper_callable=None,
+    param_init_fn=None,
+    all_gather_impl="all_gather",
+    sharding_strategy="FULL_SHARD",
+    engine="collectives",
+    mesh=None,
+    collectives=None,
+)
+ENGINES = ("collectives", "spmd")
+
+_dynamic_classes: Dict[type, type] = {}
+# id(original parameter) -> (weakref to it, "<unit class>.<param name>"), for tied-weight errors
+_consumed_params: Dict[int, Any] = {}
+
+
+def _is_deferred(module: nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+class XlaFullyShardedDataParallel(nn.Module):
+    """Shard every parameter of `module` on dim 0 across the sharding group.
+
+    See README for the keywords. Returns `module` itself (see [Note: no wrapper module]).
+    """
+
+    def __new__(cls, module: nn.Module = None, *args, **kwargs):
+        if args:
+            raise TypeError("XlaFullyShardedDataParallel takes the module positionally and options as keywords")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"XlaFullyShardedDataParallel expects an nn.Module, got {type(module).__name__}")
+        unknown = sorted(set(kwargs) - set(DEFAULTS))
+        if unknown:
+            import difflib
+
+            hints = [f"{k!r} (did you mean {difflib.get_close_matches(k, DEFAULTS, 1)[0]!r}?)"
+                     if difflib.get_close_matches(k, DEFAULTS, 1) else repr(k) for k in unknown]
+            raise TypeError(f"XlaFullyShardedDataParallel got unexpected keyword argument(s): {', '.join(hints)}")
+        if isinstance(module, XlaFullyShardedDataParallel):
+            raise ValueError(
+                f"{type(module).__name__} is already wrapped by XlaFullyShardedDataParallel; "
+                "wrap each module once (auto_wrap_policy skips wrapped children)"
+            )
+        if type(module).forward is nn.Module.forward:
+            raise ValueError(
+                f"{type(module).__name__} has no forward(), so it can never gather its parameters; "
+                "wrap its children (e.g. each layer of a ModuleList) or the module that calls them"
+            )
+        from .activation_checkpoint import strip_checkpoint
+
+        checkpointed = strip_checkpoint(module)  # FSDP(checkpoint_module(m)): recompute the whole unit
+        base = type(module)
+        dyn = _dynamic_classes.get(base)
+        if dyn is None:
+            dyn = type(f"FSDP{base.__name__}", (cls, base), {"__module__": base.__module__})
+            _dynamic_classes[base] = dyn
+        module.__class__ = dyn
+        module._fsdp_checkpointed = checkpointed
+        return module
+
+    def __init__(self, module: nn.Module, **kwargs):  # noqa: D107 - nn.Module.__init__ must not run again
+        try:
+            self._fsdp_init(module, kwargs)
+        except BaseException:
+            module.__class__ = type(module).__mro__[2]  # undo the class swap: nothing half-wrapped
+            raise
+
+    def _fsdp_init(self, module, kwargs):
+        from .state import FSDPState
+
+        kw = {**DEFAULTS, **kwargs}
+        if kw["engine"] not in ENGINES:
+            raise ValueError(f"engine={kw['engine']!r} is not valid; use one of {ENGINES}")
+        if kw["engine"] == "spmd":
+            raise ValueError("engine='spmd' is handled by xla_fsdp.spmd; call XlaFullyShardedDataParallel"
+                             "(module, engine='spmd') before any other wrapping")
+        if not kw["shard_param_on_dim_0"]:
+            raise ValueError("shard_param_on_dim_0=False is not supported: xla_fsdp always shards on dim 0 "
+                             "(drop the option or set it to True)")
+        if kw["mesh"] is not None:
+            raise ValueError("mesh= is only used with engine='spmd'")
+
+        if kw["auto_wrap_policy"] is not None:
+            from .wrap import auto_wrap_children
+
+            auto_wrap_children(module, kw)
+        _materialize(module, kw["param_init_fn"])
+        options = _build_options(kw)
+        comm = kw["collectives"] or _build_collectives(module, kw, options)
+        group = _build_group(module, comm, options)
+        self._fsdp_state = FSDPState(module, group, options)
+        _cast_buffers(module, options, comm.device)
+        if options.execute_sharding_on_init:
+            comm.sync(group.shards)
+
+    # -- runtime -----------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        run = super().forward
+        if getattr(self, "_fsdp_checkpointed", False):
+            from .activation_checkpoint import checkpointed_call
+
+            return checkpointed_call(lambda *a, **k: self._fsdp_state.forward(run, a, k), args, kwargs,
+                                     self._fsdp_state.group.comm)
+        return self._fsdp_state.forward(run, args, kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients of all shards of all units so their global norm is at most `max_norm`."""
+        from .clip_grad import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    @property
+    def sharding_layout(self) -> ShardingLayout:
+        return self._fsdp_state.group.comm.layout
+
+    def extra_repr(self) -> str:
+        layout = self.sharding_layout
+        return (f"[xla_fsdp unit: {len(self._fsdp_state.group.params)} params, "
+                f"shard {layout.shard_rank}/{layout.shard_world_size}]")
+
+
+FSDP = XlaFullyShardedDataParallel
+
+
+def _build_options(kw) -> FSDPOptions:
+    strategy = ShardingStrategy.parse(kw["sharding_strategy"])
+    if strategy is ShardingStrategy.HYBRID_SHARD and kw["sharding_groups"] is None:
+        raise ValueError("sharding_strategy=HYBRID_SHARD needs sharding_groups=[[ranks of group 0], ...]")
+    if strategy is ShardingStrategy.NO_SHARD and kw["sharding_groups"] is not None:
+        raise ValueError("sharding_strategy=NO_SHARD replicates everything; drop sharding_groups")
+    reshard = kw["reshard_after_forward"] and strategy not in (ShardingStrategy.SHARD_GRAD_OP,
+                                                               ShardingStrategy.NO_SHARD)
+    return FSDPOptions(
+        strategy=strategy,
+        mixed_precision=opts.MixedPrecision(
+            compute_dtype=kw["compute_dtype"] or torch.float32,
+            buffer_dtype=kw["buffer_dtype"],
+            fp32_reduce_scatter=bool(kw["fp32_reduce_scatter"]),
+        ),
+        collectives=opts.CollectiveOptions(
+            pin_layout=bool(kw["pin_layout_in_collective_ops"]),
+            all_gather_impl=kw["all_gather_impl"],
+            flatten_parameters=bool(kw["flatten_parameters"]),
+            reduce_scatter_bucket_size_mb=float(kw["reduce_scatter_bucket_size_mb"] or 0),
+            optimization_barrier_in_forward=bool(kw["optimization_barrier_in_forward"]),
+            optimization_barrier_in_backward=bool(kw["optimization_barrier_in_backward"]),
+        ),
+        reshard=opts.ReshardPolicy(bool(reshard), bool(kw["disable_reshard_on_root"])),
+        sync_on_finalization=bool(kw["sync_on_finalization"]),
+        execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
+    )
+
+
+def _on_xla(module: nn.Module) -> bool:
+    return any(t.device.type == "xla" for t in module.parameters())
+
+
+def _build_collectives(module, kw, options: FSDPOptions):
+    import torch.distributed as dist
+
+    use_dist = not _on_xla(module) and dist.is_available() and dist.is_initialized()
+    if use_dist:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        import torch_xla.runtime as xr
+
+        rank, world = xr.global_ordinal(), xr.world_size()
+    layout = _build_layout(rank, world, kw, options.strategy)
+    if use_dist:
+        from .collectives import DistCollectives
+
+        device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+        return DistCollectives(layout, options.collectives, device)
+    from .collectives import XlaCollectives
+
+    return XlaCollectives(layout, options.collectives)
+
+
+def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> ShardingLayout:
+    groups = kw["sharding_groups"]
+    if strategy is ShardingStrategy.NO_SHARD:
+        groups = [[r] for r in range(world)]
+    layout = ShardingLayout.build(rank, world, groups)
+    if kw["sharding_rank"] is not None and kw["sharding_rank"] != layout.shard_rank:
+        raise ValueError(f"sharding_rank={kw['sharding_rank']} but this rank ({rank}) is position "
+                         f"{layout.shard_rank} of its sharding group {list(layout.shard_group)}")
+    if kw["sharding_world_size"] is not None and kw["sharding_world_size"] != layout.shard_world_size:
+        raise ValueError(f"sharding_world_size={kw['sharding_world_size']} but the sharding group "
+                         f"{list(layout.shard_group)} has {layout.shard_world_size} ranks")
+    return layout
+
+
+def _owned_params(module: nn.Module):
+    """(module, name, param, fqn) for parameters not inside an already wrapped child unit."""
+    out = []
+
+    def visit(m: nn.Module, prefix: str):
+        for name, p in m._parameters.items():
+            if p is not None:
+                out.append((m, name, p, prefix + name))
+        for cname, child in m._modules.items():
+            if child is None or isinstance(child, XlaFullyShardedDataParallel):
+                continue
+            visit(child, f"{prefix}{cname}.")
+
+    visit(module, "")
+    return out
+
+
+def _build_group(module: nn.Module, comm, options: FSDPOptions):
+    from .param import FSDPParam, ParamSite
+    from .param_group import FSDPParamGroup
+
+    by_id: Dict[int, List] = {}
+    order: List[int] = []
+    for m, name, p, fqn in _owned_params(module):
+        consumed = _consumed_params.get(id(p))
+        if consumed is not None and consumed[0]() is p:
+            raise ValueError(
+                f"parameter {fqn!r} of {type(module).__name__} is tied to {consumed[1]}, which is already "
+                "sharded in its own FSDP unit; tied weights must stay in one unit: wrap their common "
+                "parent instead (auto-wrap policies do this for you)"
+            )
+        if id(p) not in by_id:
+            by_id[id(p)] = [p, []]
+            order.append(id(p))
+        by_id[id(p)][1].append(ParamSite(m, name, fqn))
+    layout = comm.layout
+    params = []
+    for pid in order:
+        p, sites = by_id[pid]
+        rec = FSDPParam(p, sites, layout.shard_rank, layout.shard_world_size, comm.device)
+        rec.register(rec.sharded)
+        _consumed_params[pid] = (weakref.ref(p), f"{type(module).__name__}.{sites[0].fqn}")
+        params.append(rec)
+    return FSDPParamGroup(params, comm, options)
+
+
+def _materialize(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
+    """Give a deferred or meta-device unit real storage right before it is sharded."""
+    if param_init_fn is not None:
+        if _is_deferred(_unit_view(module)):
+            param_init_fn(module)
+        return
+    try:
+        from .deferred_init import is_deferred, materialize_module
+    except ImportError:  # pragma: no cover - only while the module is being written
+        is_deferred = None
+    if is_deferred is not None and is_deferred(module):
+        materialize_module(module, check_fn=lambda m: m is module or not isinstance(m, XlaFullyShardedDataParallel))
+    leftover = [fqn for _, _, p, fqn in _owned_params(module) if p.is_meta]
+    if leftover:
+        raise ValueError(
+            f"{type(module).__name__} has parameters without storage ({', '.join(leftover[:3])}...); build it "
+            "with xla_fsdp.deferred_init(...) or pass param_init_fn= to materialize each unit"
+        )
+
+
+def _unit_view(module):
+    """A tiny module exposing only the unit's own parameters (for deferral checks)."""
+    holder = nn.Module()
+    for i, (_, _, p, _) in enumerate(_owned_params(module)):
+        holder.register_parameter(f"p{i}", p)
+    return holder
+
+
+def _cast_buffers(module: nn.Module, options: FSDPOptions, device) -> None:
+    mp = options.mixed_precision
+    dtype = mp.buffer_dtype or (mp.compute_dtype if mp.enabled else None)
+
+    def visit(m):
+        for name, b in m._buffers.items():
+            if b is not None:
+                target = b.to(device)
+                if dtype is not None and b.is_floating_point():
+                    target = target.to(dtype)
+                m._buffers[name] = target
+        for child in m._modules.values():
+            if child is not None and not isinstance(child, XlaFullyShardedDataParallel):
+                visit(child)
+
+    visit(module)
+
+
+def numel_unsharded(module: nn.Module) -> int:
+    """Parameter count of the unwrapped model (shards report their original shapes)."""
+    seen, total = set(), 0
+    for m in module.modules():
+        state = getattr(m, "_fsdp_state", None)
+        if state is None:
+            continue
+        for p in state.group.params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += math.prod(p.orig_shape)
+    return total

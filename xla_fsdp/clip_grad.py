@@ -1,0 +1,39 @@
+"""Gradient-norm clipping across the shards of every unit.
+
+Each rank sums |g|^p over its own shards (padding rows hold zero gradients),
+the sums are all-reduced over the shard group only (replicas hold the same
+shards and must not be counted twice), and every shard is scaled by the
+factor `torch.nn.utils.clip_grad_norm_` would use on the unsharded model.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .collectives import REDUCE_MAX, REDUCE_SUM
+
+
+def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    state = getattr(root, "_fsdp_state", None)
+    if state is None:
+        raise ValueError("clip_grad_norm_ must be called on a module wrapped by XlaFullyShardedDataParallel")
+    if state.is_root is False:
+        raise ValueError("call clip_grad_norm_ on the root unit (the outermost wrapped module), not on a nested unit")
+    comm = state.group.comm
+    norm_type = float(norm_type)
+    grads = [p.grad for p in root.parameters() if p.grad is not None]
+    device = comm.device
+    if math.isinf(norm_type):
+        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
+            torch.zeros((), device=device)
+        total = comm.all_reduce(local.reshape(1), "shard", REDUCE_MAX).reshape(())
+    else:
+        local = torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in grads]).sum() if grads else \
+            torch.zeros((), device=device)
+        total = comm.all_reduce(local.reshape(1), "shard", REDUCE_SUM).reshape(()) ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return total

@@ -1,0 +1,178 @@
+"""Every collective the engine issues, behind one small interface.
+
+`Collectives` is what a parameter group talks to. Two implementations:
+`XlaCollectives` (pinned-layout HLO collectives, rank-independent graphs) and
+`DistCollectives` (torch.distributed, e.g. gloo on CPU tensors, so the same
+engine trains across real processes on a machine without accelerators).
+Tests and benchmarks may pass their own implementation.
+
+[Note: rank as data] On XLA every replica must compile the same program, and
+collectives in separately compiled programs never rendezvous. So nothing here
+may depend on the rank as a Python constant: the all-reduce emulation of
+all-gather places the shard with `index_copy` at an index held in a device
+tensor (data), not with a rank-dependent pad.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .options import CollectiveOptions, ShardingLayout
+
+REDUCE_SUM = "sum"
+REDUCE_MAX = "max"
+
+
+class Collectives(abc.ABC):
+    """Communication within a sharding layout (shard group and replicate group)."""
+
+    layout: ShardingLayout
+    device: torch.device
+
+    @abc.abstractmethod
+    def all_gather(self, flat_shard: torch.Tensor) -> torch.Tensor:
+        """1-D shard -> 1-D concatenation of every shard-group member's shard, in group order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """1-D tensor of N equal chunks -> this rank's chunk summed over the shard group."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, group: str, op: str = REDUCE_SUM) -> torch.Tensor:
+        """Reduce over the "shard" or "replicate" group; returns a new tensor."""
+
+    def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Keep the compiler from moving work across this point. Identity off XLA."""
+        return list(tensors)
+
+    def sync(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Materialize pending work for these tensors. No-op off XLA."""
+
+    @property
+    def is_xla(self) -> bool:
+        return False
+
+
+def _groups_arg(groups: Tuple[Tuple[int, ...], ...]) -> List[List[int]]:
+    return [list(g) for g in groups]
+
+
+class XlaCollectives(Collectives):
+    """Pinned-layout XLA collectives (TPU; XLA:CPU at world size 1 or traced)."""
+
+    def __init__(self, layout: ShardingLayout, options: CollectiveOptions, device=None):
+        import torch_xla
+
+        self._xlac = torch_xla._XLAC
+        self.layout = layout
+        self.options = options
+        self.device = device if device is not None else torch_xla.device()
+        # the shard rank enters graphs as data (see [Note: rank as data])
+        self._rank_index = torch.tensor([layout.shard_rank], dtype=torch.long).to(self.device)
+
+    @property
+    def is_xla(self) -> bool:
+        return True
+
+    def _group(self, name: str):
+        groups = self.layout.shard_groups if name == "shard" else self.layout.replicate_groups
+        return _groups_arg(groups), len(groups[0])
+
+    def all_gather(self, flat_shard):
+        groups, count = self._group("shard")
+        if count == 1:
+            return flat_shard
+        if self.options.all_gather_impl == "all_gather":
+            return self._xlac._xla_all_gather(flat_shard, 0, count, groups, self.options.pin_layout, None, None)
+        # emulation: zero buffer with our shard at row `rank`, summed across the group
+        buf = torch.zeros(count, flat_shard.numel(), dtype=flat_shard.dtype, device=flat_shard.device)
+        buf = buf.index_copy(0, self._rank_index, flat_shard.unsqueeze(0))
+        out = self._xlac._xla_all_reduce(REDUCE_SUM, buf.reshape(-1), 1.0, groups, self.options.pin_layout)
+        return out
+
+    def reduce_scatter(self, flat):
+        groups, count = self._group("shard")
+        if count == 1:
+            return flat
+        token = self._xlac._get_all_reduce_token(self.device)
+        out, new_token = self._xlac._xla_reduce_scatter(
+            REDUCE_SUM, flat, token, 1.0, 0, count, groups, self.options.pin_layout, None, None
+        )
+        self._xlac._set_all_reduce_token(self.device, new_token)
+        return out
+
+    def all_reduce(self, tensor, group, op=REDUCE_SUM):
+        groups, count = self._group(group)
+        if count == 1:
+            return tensor
+        return self._xlac._xla_all_reduce(op, tensor, 1.0, groups, self.options.pin_layout)
+
+    def optimization_barrier(self, tensors):
+        out = [t.clone() for t in tensors]  # the barrier is in place; never touch the caller's tensors
+        self._xlac._xla_optimization_barrier_(out)
+        return out
+
+    def sync(self, tensors):
+        tensors = [t for t in tensors if t is not None]
+        if tensors:
+            self._xlac._xla_sync_multi(tensors, devices=[], wait=False)
+
+
+_DIST_GROUPS: Dict[Tuple[Tuple[int, ...], ...], List] = {}
+
+
+def _dist_subgroups(groups: Tuple[Tuple[int, ...], ...]):
+    """Process groups for a partition, created once (all ranks must create them in the same order)."""
+    import torch.distributed as dist
+
+    if groups not in _DIST_GROUPS:
+        _DIST_GROUPS[groups] = [dist.new_group(list(g)) for g in groups]
+    return _DIST_GROUPS[groups]
+
+
+class DistCollectives(Collectives):
+    """torch.distributed collectives (gloo on CPU). XLA-only mechanics are no-ops here."""
+
+    def __init__(self, layout: ShardingLayout, options: CollectiveOptions, device=None):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.layout = layout
+        self.options = options
+        self.device = device if device is not None else torch.device("cpu")
+        shard_pgs = _dist_subgroups(layout.shard_groups)
+        rep_pgs = _dist_subgroups(layout.replicate_groups)
+        self._pg = {
+            "shard": shard_pgs[layout.shard_groups.index(layout.shard_group)],
+            "replicate": rep_pgs[layout.replicate_groups.index(layout.replicate_group)],
+        }
+
+    def _size(self, group: str) -> int:
+        return self.layout.shard_world_size if group == "shard" else self.layout.replicate_world_size
+
+    def all_gather(self, flat_shard):
+        n = self._size("shard")
+        if n == 1:
+            return flat_shard
+        parts = [torch.empty_like(flat_shard) for _ in range(n)]
+        self._dist.all_gather(parts, flat_shard.contiguous(), group=self._pg["shard"])
+        return torch.cat(parts)
+
+    def reduce_scatter(self, flat):
+        n = self._size("shard")
+        if n == 1:
+            return flat
+        # gloo has no reduce-scatter; all-reduce then keep our chunk (same result, 2x bytes)
+        total = flat.contiguous().clone()
+        self._dist.all_reduce(total, group=self._pg["shard"])
+        return total.view(n, -1)[self.layout.shard_rank].clone()
+
+    def all_reduce(self, tensor, group, op=REDUCE_SUM):
+        if self._size(group) == 1:
+            return tensor
+        out = tensor.contiguous().clone()
+        red = self._dist.ReduceOp.SUM if op == REDUCE_SUM else self._dist.ReduceOp.MAX
+        self._dist.all_reduce(out, op=red, group=self._pg[group])
+        return out

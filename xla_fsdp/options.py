@@ -1,0 +1,189 @@
+"""Typed policy objects behind the keyword-compatible front door.
+
+The public constructor accepts torch_xla's flat keyword list; `api.py` turns it
+into these frozen records once, so the engine never reads loose booleans.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ShardingStrategy(enum.Enum):
+    """How parameters and gradients are split across ranks."""
+
+    FULL_SHARD = "FULL_SHARD"  # params, grads, optimizer state all 1/N; regather for backward
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"  # keep gathered params from forward until backward ends
+    NO_SHARD = "NO_SHARD"  # replicated params, all-reduced grads (DDP)
+    HYBRID_SHARD = "HYBRID_SHARD"  # shard inside `sharding_groups`, replicate across them
+
+    @classmethod
+    def parse(cls, value) -> "ShardingStrategy":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().upper().replace("-", "_")
+            if key in cls.__members__:
+                return cls[key]
+        valid = ", ".join(cls.__members__)
+        raise ValueError(f"sharding_strategy={value!r} is not valid; use one of: {valid}")
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in its step; transitions are idempotent."""
+
+    IDLE = "IDLE"
+    FORWARD = "FORWARD"
+    PRE_BACKWARD = "PRE_BACKWARD"
+
+
+def _check_dtype(name: str, dtype: Optional[torch.dtype]) -> None:
+    if dtype is not None and dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{name}={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16"
+        )
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes used around the fp32 shards (shards and optimizer state stay fp32)."""
+
+    # dtype of gathered parameters and of the unit's compute; shards are cast
+    # before the all-gather, so the gather moves compute-dtype bytes.
+    compute_dtype: torch.dtype = torch.float32
+    # dtype for floating-point buffers (None: same as compute_dtype)
+    buffer_dtype: Optional[torch.dtype] = None
+    # reduce-scatter gradients in fp32 even when computing in lower precision
+    fp32_reduce_scatter: bool = False
+
+    def __post_init__(self):
+        _check_dtype("compute_dtype", self.compute_dtype)
+        _check_dtype("buffer_dtype", self.buffer_dtype)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return torch.float32 if self.fp32_reduce_scatter else self.compute_dtype
+
+    @property
+    def effective_buffer_dtype(self) -> torch.dtype:
+        return self.buffer_dtype or self.compute_dtype
+
+    @property
+    def enabled(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+
+ALL_GATHER_IMPLS = ("all_gather", "all_reduce")
+
+
+@dataclass(frozen=True)
+class CollectiveOptions:
+    """How a unit talks to its peers. See README "Gathering: all_gather vs all_reduce"."""
+
+    # pin the layout of every collective (constrain_layout=true in the HLO) so
+    # replicas compiling slightly different programs cannot disagree on layouts
+    pin_layout: bool = True
+    # "all_gather": native all-gather HLO (moves (N-1)/N of the bytes);
+    # "all_reduce": zero-padded all-reduce emulation (2(N-1)/N), torch_xla's pinned default
+    all_gather_impl: str = "all_gather"
+    # one collective for all parameters of a unit (True) or one per parameter
+    flatten_parameters: bool = True
+    # split a unit's gradient reduce-scatter into buckets of at most this many MB (0: one bucket)
+    reduce_scatter_bucket_size_mb: float = 0.0
+    optimization_barrier_in_forward: bool = True
+    optimization_barrier_in_backward: bool = True
+
+    def __post_init__(self):
+        if self.all_gather_impl not in ALL_GATHER_IMPLS:
+            raise ValueError(
+                f"all_gather_impl={self.all_gather_impl!r} is not valid; use one of {ALL_GATHER_IMPLS}"
+            )
+        if self.reduce_scatter_bucket_size_mb < 0:
+            raise ValueError("reduce_scatter_bucket_size_mb must be >= 0 (0 means one bucket per unit)")
+
+
+@dataclass(frozen=True)
+class ReshardPolicy:
+    """When gathered parameters are freed."""
+
+    # free after forward and gather again for backward (FULL_SHARD); False keeps
+    # them from forward until the unit's backward ends (SHARD_GRAD_OP)
+    reshard_after_forward: bool = True
+    # the root's backward starts right after its forward, so freeing it there only adds a gather
+    disable_reshard_on_root: bool = True
+
+
+@dataclass(frozen=True)
+class ShardingLayout:
+    """Who holds which shard. Ranks are global replica ordinals."""
+
+    rank: int
+    world_size: int
+    # groups of ranks that split each parameter among themselves
+    shard_groups: Tuple[Tuple[int, ...], ...]
+    # groups of ranks holding the same shard (gradients are all-reduced across them)
+    replicate_groups: Tuple[Tuple[int, ...], ...]
+
+    def __post_init__(self):
+        sizes = {len(g) for g in self.shard_groups}
+        if len(sizes) != 1:
+            raise ValueError(f"sharding_groups must all have the same size, got sizes {sorted(sizes)}")
+        flat = sorted(r for g in self.shard_groups for r in g)
+        if flat != list(range(self.world_size)):
+            raise ValueError(
+                f"sharding_groups {list(map(list, self.shard_groups))} must partition ranks "
+                f"0..{self.world_size - 1} exactly once each"
+            )
+        if not any(self.rank in g for g in self.shard_groups):
+            raise ValueError(
+                f"sharding_groups {list(map(list, self.shard_groups))} do not contain this rank "
+                f"({self.rank}); every rank must belong to exactly one group"
+            )
+
+    @property
+    def shard_group(self) -> Tuple[int, ...]:
+        return next(g for g in self.shard_groups if self.rank in g)
+
+    @property
+    def replicate_group(self) -> Tuple[int, ...]:
+        return next(g for g in self.replicate_groups if self.rank in g)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.shard_group.index(self.rank)
+
+    @property
+    def shard_world_size(self) -> int:
+        return len(self.shard_group)
+
+    @property
+    def replicate_world_size(self) -> int:
+        return len(self.replicate_group)
+
+    @classmethod
+    def build(cls, rank: int, world_size: int, groups: Optional[Sequence[Sequence[int]]]) -> "ShardingLayout":
+        if groups is None:
+            groups = [list(range(world_size))]
+        shard_groups = tuple(tuple(int(r) for r in g) for g in groups)
+        size = len(shard_groups[0]) if shard_groups else 0
+        replicate_groups = tuple(tuple(g[i] for g in shard_groups) for i in range(size))
+        return cls(rank, world_size, shard_groups, replicate_groups)
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """Everything a unit needs to know, grouped by concern."""
+
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision
+    collectives: CollectiveOptions
+    reshard: ReshardPolicy
+    # sync shard gradients at the end of backward (one execution, XLA only)
+    sync_on_finalization: bool = False
+    # run pending sharding work right away at construction (XLA only)
+    execute_sharding_on_init: bool = True

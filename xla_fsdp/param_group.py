@@ -1,0 +1,119 @@
+"""`FSDPParamGroup`: the parameters of one unit and its collectives.
+
+One flat all-gather rebuilds all of a unit's parameters (`unshard`), one flat
+reduce-scatter (optionally bucketed) turns their full gradients into shard
+gradients (`reduce_grads`). With `flatten_parameters=False` each parameter is
+its own bucket instead.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .collectives import Collectives
+from .options import FSDPOptions
+from .param import FSDPParam
+
+
+class _GatherParams(torch.autograd.Function):
+    """Shards -> full parameters; backward reduce-scatters the full gradients."""
+
+    @staticmethod
+    def forward(ctx, group: "FSDPParamGroup", barrier_with, *shards):
+        ctx.group = group
+        return tuple(group.gather(barrier_with))
+
+    @staticmethod
+    def backward(ctx, *full_grads):
+        group = ctx.group
+        shard_grads = group.reduce_grads(full_grads)
+        group.on_grads_reduced()
+        return (None, None, *shard_grads)
+
+
+class FSDPParamGroup:
+    def __init__(self, params: List[FSDPParam], comm: Collectives, options: FSDPOptions):
+        self.params = params
+        self.comm = comm
+        self.options = options
+        self.on_grads_reduced = lambda: None  # set by the owning state
+        if options.collectives.flatten_parameters:
+            self.gather_buckets = [list(range(len(params)))] if params else []
+        else:
+            self.gather_buckets = [[i] for i in range(len(params))]
+        self.reduce_buckets = self._reduce_buckets()
+
+    def _reduce_buckets(self) -> List[List[int]]:
+        cap_mb = self.options.collectives.reduce_scatter_bucket_size_mb
+        if not self.options.collectives.flatten_parameters:
+            return [[i] for i in range(len(self.params))]
+        if cap_mb <= 0:
+            return [list(range(len(self.params)))] if self.params else []
+        elem = torch.finfo(self.options.mixed_precision.reduce_dtype).bits // 8
+        buckets, cur, cur_bytes = [], [], 0
+        for i, p in enumerate(self.params):
+            nbytes = p.shard_numel * p.world * elem
+            if cur and cur_bytes + nbytes > cap_mb * 2**20:
+                buckets.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append(i)
+            cur_bytes += nbytes
+        return buckets + ([cur] if cur else [])
+
+    @property
+    def shards(self) -> List[torch.nn.Parameter]:
+        return [p.sharded for p in self.params]
+
+    # -- gather -------------------------------------------------------------
+    def gather(self, barrier_with: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
+        """All-gather every parameter of the unit in compute dtype (no autograd)."""
+        dtype = self.options.mixed_precision.compute_dtype
+        out: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        with torch.no_grad():
+            for bucket in self.gather_buckets:
+                flat = torch.cat([self.params[i].sharded.detach().to(dtype).reshape(-1) for i in bucket])
+                if barrier_with and self.comm.is_xla:
+                    flat = self.comm.optimization_barrier([flat, *barrier_with])[0]
+                gathered = self.comm.all_gather(flat).view(self.comm.layout.shard_world_size, -1)
+                offset = 0
+                for i in bucket:
+                    p = self.params[i]
+                    rows = gathered[:, offset: offset + p.shard_numel].reshape(p.padded_rows, *p.row_shape)
+                    out[i] = p.unpad(rows)
+                    offset += p.shard_numel
+        return out  # type: ignore[return-value]
+
+    def gather_for_forward(self, barrier_with: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Full parameters wired into autograd, so their gradients flow back to the shards."""
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in self.params):
+            return self.gather(barrier_with)
+        return list(_GatherParams.apply(self, tuple(barrier_with), *self.shards))
+
+    # -- reduce -------------------------------------------------------------
+    def reduce_grads(self, full_grads: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """Full gradients -> shard gradients averaged over every rank holding a replica of the batch."""
+        layout = self.comm.layout
+        scale = 1.0 / (layout.shard_world_size * layout.replicate_world_size)
+        rdtype = self.options.mixed_precision.reduce_dtype
+        out: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        with torch.no_grad():
+            for bucket in self.reduce_buckets:
+                live = [i for i in bucket if self.params[i].requires_grad]
+                if not live:
+                    continue
+                chunks = []
+                for i in live:
+                    g = full_grads[i]
+                    if g is None:
+                        g = torch.zeros(self.params[i].orig_shape, dtype=rdtype, device=self.comm.device)
+                    chunks.append(self.params[i].pad_grad(g.to(rdtype)))
+                flat = torch.cat(chunks, dim=1).reshape(-1) * scale  # pre-divide: keeps bf16 sums in range
+                shard = self.comm.reduce_scatter(flat)
+                shard = self.comm.all_reduce(shard, "replicate")
+                offset = 0
+                for i in live:
+                    p = self.params[i]
+                    out[i] = shard[offset: offset + p.shard_numel].view(p.shard_shape).to(p.sharded.dtype)
+                    offset += p.shard_numel
+        return out

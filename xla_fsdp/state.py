@@ -1,0 +1,193 @@
+"""`FSDPState`: what a unit does around its module's forward and backward.
+
+[Note: freeing gathered parameters] Autograd normally keeps every tensor an op
+saves for backward, which would keep each unit's full parameters alive from
+forward to backward. While a unit that reshards runs its forward, a
+saved-tensor hook replaces any saved full parameter (or a view of one) by a
+small token. In backward a hook on the unit's outputs gathers the parameters
+again (behind an optimization barrier tied to the incoming gradient, so XLA
+can neither merge this gather with the forward one nor hoist it), and the
+token unpacks to the fresh copy (re-applying the view). The reduce-scatter of
+the unit's gradients runs in the backward of `_GatherParams`, after which the
+copy is dropped. On CPU the forward copy's storage is released at once, so a
+saved tensor that escaped the hook fails loudly instead of silently costing memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .activation_checkpoint import is_recomputing
+from .options import FSDPOptions, ShardingStrategy, TrainingState
+from .param_group import FSDPParamGroup
+
+_local = threading.local()
+
+
+def _registry() -> Dict[int, Tuple["FSDPState", int, torch.Tensor]]:
+    if not hasattr(_local, "registry"):
+        _local.registry = {}
+        _local.active = []
+    return _local.registry
+
+
+def _active_units() -> List["FSDPState"]:
+    _registry()
+    return _local.active
+
+
+class _ParamToken:
+    __slots__ = ("state", "index", "view_of")
+
+    def __init__(self, state: "FSDPState", index: int, view_of: Optional[torch.Tensor]):
+        self.state, self.index, self.view_of = state, index, view_of
+
+
+def _pack(t: torch.Tensor):
+    reg = _registry()
+    hit = reg.get(id(t))
+    if hit is not None and hit[2] is t:
+        return _ParamToken(hit[0], hit[1], None)
+    base = t._base
+    if base is not None:
+        hit = reg.get(id(base))
+        if hit is not None and hit[2] is base:
+            return _ParamToken(hit[0], hit[1], t)
+    return t
+
+
+def _unpack(x):
+    if not isinstance(x, _ParamToken):
+        return x
+    full = x.state.full_params_for_backward()[x.index]
+    return full if x.view_of is None else x.view_of._view_func(full)
+
+
+class FSDPState:
+    """Hooks and bookkeeping of one FSDP unit."""
+
+    def __init__(self, module: torch.nn.Module, group: FSDPParamGroup, options: FSDPOptions):
+        self.module = module
+        self.group = group
+        self.options = options
+        self.is_root: Optional[bool] = None
+        self.training_state = TrainingState.IDLE
+        self._full_for_backward: Optional[List[torch.Tensor]] = None
+        self._forward_buffers: List[torch.Tensor] = []
+        group.on_grads_reduced = self._after_grads_reduced
+
+    # -- properties --------------------------------------------------------
+    @property
+    def _reshards_after_forward(self) -> bool:
+        if self.options.strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+            return False
+        if self.is_root and self.options.reshard.disable_reshard_on_root:
+            return False
+        if is_recomputing():  # the backward of this recomputation follows at once
+            return False
+        return self.options.reshard.reshard_after_forward
+
+    # -- forward -----------------------------------------------------------
+    def forward(self, run: Callable, args: Tuple, kwargs: Dict) -> Any:
+        active = _active_units()
+        if self.is_root is None:
+            self.is_root = not active
+        if self.is_root and self.options.mixed_precision.enabled:
+            args, kwargs = self._cast_inputs(args, kwargs)
+        barrier_with = self._forward_barrier_tensors(args, kwargs)
+        self.training_state = TrainingState.FORWARD
+        full = self.group.gather_for_forward(barrier_with)
+        reshard = self._reshards_after_forward and torch.is_grad_enabled()
+        for p, t in zip(self.group.params, full):
+            p.register(t)
+        reg = _registry()
+        if reshard:
+            for i, t in enumerate(full):
+                reg[id(t)] = (self, i, t)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack) if reshard else contextlib.nullcontext()
+        active.append(self)
+        try:
+            with hooks:
+                out = run(*args, **kwargs)
+        finally:
+            active.pop()
+            for p in self.group.params:
+                p.register(p.sharded)
+            for t in full:
+                reg.pop(id(t), None)
+            self.training_state = TrainingState.IDLE
+        if reshard:
+            self._release(full)
+        else:
+            self._full_for_backward = full if torch.is_grad_enabled() else None
+        if torch.is_grad_enabled():
+            self._register_pre_backward(out)
+        return out
+
+    def _cast_inputs(self, args, kwargs):
+        dtype = self.options.mixed_precision.compute_dtype
+
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                return x.to(dtype)
+            return x
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _forward_barrier_tensors(self, args, kwargs) -> Tuple[torch.Tensor, ...]:
+        """An input activation to tie the forward gather to, so XLA cannot hoist it earlier."""
+        if not (self.group.comm.is_xla and self.options.collectives.optimization_barrier_in_forward):
+            return ()
+        leaves, _ = tree_flatten((args, kwargs))
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.device == self.group.comm.device:
+                return (x.detach(),)
+        return ()
+
+    def _release(self, full: List[torch.Tensor]) -> None:
+        if not self.group.comm.is_xla:
+            for t in full:
+                if t.device.type == "cpu":
+                    t.untyped_storage().resize_(0)
+
+    # -- backward ----------------------------------------------------------
+    def _register_pre_backward(self, out) -> None:
+        leaves, _ = tree_flatten(out)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+        for t in tensors:
+            t.register_hook(self._pre_backward)
+
+    def _pre_backward(self, grad: torch.Tensor):
+        if self.is_root and self.training_state != TrainingState.PRE_BACKWARD:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self._full_for_backward is None and self._reshards_after_forward:
+            barrier = ()
+            if self.options.collectives.optimization_barrier_in_backward and self.group.comm.is_xla:
+                barrier = (grad.detach(),)
+            self._full_for_backward = self.group.gather(barrier)
+        return grad
+
+    def full_params_for_backward(self) -> List[torch.Tensor]:
+        if self._full_for_backward is None:  # an output escaped the pre-backward hook
+            self._full_for_backward = self.group.gather()
+        return self._full_for_backward
+
+    def _after_grads_reduced(self) -> None:
+        self._full_for_backward = None
+
+    def _finalize_backward(self) -> None:
+        for state in _all_states(self.module):
+            state.training_state = TrainingState.IDLE
+            state._full_for_backward = None
+        if self.options.sync_on_finalization:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            self.group.comm.sync(grads)
+
+
+def _all_states(root: torch.nn.Module) -> List[FSDPState]:
+    return [m._fsdp_state for m in root.modules() if getattr(m, "_fsdp_state", None) is not None]

@@ -1,0 +1,121 @@
+"""Auto-wrap policies and the recursive wrapper.
+
+A policy is called as `policy(module, recurse, unwrapped_params)`: with
+`recurse=True` it answers "look inside this module for units?", with
+`recurse=False` "make this module a unit?". torch_xla's and older PyTorch
+policies have the same shape, so they work here too.
+
+[Note: tied parameters] A parameter registered in two modules (tied input and
+output embeddings) must live in one unit. The wrapper never makes a unit of a
+module whose parameters are also used outside it; such parameters stay in the
+common parent. Wrapping by hand in a way that splits them raises an error.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, Iterable, Set, Type, Union
+
+import torch.nn as nn
+
+
+def _class_matches(module: nn.Module, classes: Set[Union[type, str]]) -> bool:
+    for cls in type(module).__mro__:
+        if cls in classes or cls.__name__ in classes:
+            return True
+    return False
+
+
+def always_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, **_) -> bool:
+    """Every module with parameters becomes a unit."""
+    return True
+
+
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, *,
+                                min_num_params: int = int(1e8),
+                                force_leaf_modules: Iterable[type] = (nn.MultiheadAttention,),
+                                exclude_wrap_modules: Iterable[type] = (nn.ModuleList, nn.ModuleDict)) -> bool:
+    """Wrap a module once its not-yet-wrapped parameters reach `min_num_params`."""
+    if recurse:
+        return not isinstance(module, tuple(force_leaf_modules))
+    return unwrapped_params >= min_num_params and not isinstance(module, tuple(exclude_wrap_modules))
+
+
+def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, *,
+                                 transformer_layer_cls: Iterable[Union[Type[nn.Module], str]]) -> bool:
+    """Wrap every instance of the given layer classes (classes or class names, e.g. ["GPT2Block"])."""
+    if recurse:
+        return True
+    if isinstance(transformer_layer_cls, (str, type)):
+        transformer_layer_cls = [transformer_layer_cls]
+    return _class_matches(module, set(transformer_layer_cls))
+
+
+def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, *,
+                            lambda_fn: Callable[[nn.Module], bool]) -> bool:
+    """Wrap the modules for which `lambda_fn(module)` is true."""
+    if recurse:
+        return True
+    return bool(lambda_fn(module))
+
+
+def transformer_policy(layer_classes) -> Callable:
+    """`transformer_auto_wrap_policy` bound to some layer classes (convenience)."""
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes))
+
+
+def _param_users(root: nn.Module) -> Dict[int, Set[int]]:
+    """id(param) -> ids of modules that register it."""
+    users: Dict[int, Set[int]] = {}
+    for m in root.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                users.setdefault(id(p), set()).add(id(m))
+    return users
+
+
+def auto_wrap_children(root: nn.Module, kwargs: dict) -> None:
+    """Wrap the children of `root` (bottom-up) that the policy selects, with the same options."""
+    from .api import XlaFullyShardedDataParallel
+
+    policy = kwargs["auto_wrap_policy"]
+    wrapper = kwargs.get("auto_wrapper_callable") or XlaFullyShardedDataParallel
+    child_kwargs = {k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "auto_wrapper_callable")}
+    users = _param_users(root)
+
+    def unwrapped_numel(m: nn.Module) -> int:
+        seen, n = set(), 0
+        for sub in _unwrapped_modules(m):
+            for p in sub._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    n += p.numel()
+        return n
+
+    def shared_outside(m: nn.Module) -> bool:
+        inside = {id(x) for x in m.modules()}
+        for sub in m.modules():
+            for p in sub._parameters.values():
+                if p is not None and not users.get(id(p), set()) <= inside:
+                    return True
+        return False
+
+    def visit(m: nn.Module):
+        for name, child in list(m._modules.items()):
+            if child is None or isinstance(child, XlaFullyShardedDataParallel):
+                continue
+            if policy(child, True, unwrapped_numel(child)):
+                visit(child)
+            if (policy(child, False, unwrapped_numel(child)) and unwrapped_numel(child) > 0
+                    and type(child).forward is not nn.Module.forward and not shared_outside(child)):
+                m._modules[name] = wrapper(child, **child_kwargs)
+
+    visit(root)
+
+
+def _unwrapped_modules(m: nn.Module):
+    from .api import XlaFullyShardedDataParallel
+
+    yield m
+    for child in m._modules.values():
+        if child is not None and not isinstance(child, XlaFullyShardedDataParallel):
+            yield from _unwrapped_modules(child)
