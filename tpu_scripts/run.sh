@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Run the GPT-2 training job on every worker of a TPU VM (one job per pod).
+set -euo pipefail
+# shellcheck source=tpu_scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+USAGE="usage: ${SCRIPT_NAME} --name NAME --zone ZONE [--project PROJECT] [--num-cores 4]
+       [--remote-dir xla_fsdp] [--no-default-args] [--dry-run] [-- TRAINING_ARGS...]
+
+Runs 'PJRT_DEVICE=TPU python3 launch/xla_spawn.py --num_cores N launch/run_clm.py ARGS'
+on every worker (--worker=all); PJRT joins the workers of a pod into one job.
+--num-cores is the TPU devices per worker (4 on v4). ARGS are the 2B GPT-2 job
+of the PyTorch/XLA FSDP recipe, then TRAINING_ARGS (a repeated flag: the last
+one wins); --no-default-args drops the recipe's flags."
+VALUE_OPTIONS=(name zone project num-cores remote-dir)
+FLAG_OPTIONS=(no-default-args)
+OPT_NAME=""
+OPT_ZONE=""
+OPT_PROJECT=""
+OPT_NUM_CORES="4"
+OPT_REMOTE_DIR="xla_fsdp"
+FLAG_NO_DEFAULT_ARGS=0
+parse_options "$@"
+require_options name zone
+[[ "$OPT_NUM_CORES" =~ ^[1-9][0-9]*$ ]] ||
+  die_usage "--num-cores must be a positive integer, got '${OPT_NUM_CORES}'"
+gcloud_location_flags
+
+RECIPE_ARGS=(
+  --config_name configs/models/gpt2-2b.json
+  --fsdp full_shard
+  --fsdp_config configs/fsdp/gpt2_xla_fsdp.json
+  --per_device_train_batch_size 32
+  --block_size 1024
+  --optim adafactor
+  --num_train_epochs 1
+  --output_dir /tmp/test-clm
+)
+train_args=()
+if ((!FLAG_NO_DEFAULT_ARGS)); then train_args=("${RECIPE_ARGS[@]}"); fi
+train_args+=("${EXTRA_ARGS[@]}")
+
+remote="$(remote_script \
+  "$(quote_command cd "$OPT_REMOTE_DIR")" \
+  "$(quote_command . .venv/bin/activate)" \
+  "$(quote_command PJRT_DEVICE=TPU python3 -u launch/xla_spawn.py \
+      --num_cores "$OPT_NUM_CORES" launch/run_clm.py "${train_args[@]}")")"
+
+run gcloud compute tpus tpu-vm ssh "$OPT_NAME" "${GCLOUD_LOCATION[@]}" --worker=all \
+  "--command=${remote}"
