@@ -1,0 +1,12 @@
+"""Deferred module construction without torchdistx (see ``materialize.py``)."""
+
+from .graph import DeferredInitError
+from .materialize import deferred_init, is_deferred, materialize_module, materialize_tensor
+
+__all__ = [
+    "DeferredInitError",
+    "deferred_init",
+    "is_deferred",
+    "materialize_module",
+    "materialize_tensor",
+]

@@ -1,0 +1,33 @@
+"""torchdistx-compatible deferred initialization: ``deferred_init``,
+``materialize_module``, ``materialize_tensor``, ``is_deferred``.
+
+Users of the published recipe wrote ``deferred_init.deferred_init(fn, cfg)`` and
+``materialize_module(m, check_fn=...)`` against torchdistx.  torchdistx is not
+built for torch >= 2.0, so when it cannot be imported we use our own recorder
+(``xla_fsdp/deferred/``); when it can, we delegate so both behave the same.
+"""
+
+try:  # pragma: no cover - torchdistx is not installable on current torch
+    from torchdistx.deferred_init import (  # type: ignore[import-not-found]
+        deferred_init,
+        is_deferred,
+        materialize_module,
+        materialize_tensor,
+    )
+
+    BACKEND = "torchdistx"
+except ImportError:
+    from .deferred import deferred_init, is_deferred, materialize_module, materialize_tensor
+
+    BACKEND = "xla_fsdp"
+
+from .deferred import DeferredInitError
+
+__all__ = [
+    "BACKEND",
+    "DeferredInitError",
+    "deferred_init",
+    "is_deferred",
+    "materialize_module",
+    "materialize_tensor",
+]
