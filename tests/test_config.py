@@ -12,6 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from xla_fsdp.config import (
     ENGINE_KEYWORDS,
+    SPMD_ENGINE_KEYWORDS,
     FSDPConfig,
     FSDPConfigError,
     XlaFSDPSettings,
@@ -223,15 +224,28 @@ def test_strategy_contradicting_reshard_flag():
     assert "SHARD_GRAD_OP" in msg and "reshard_after_forward" in msg
 
 
-def test_sharding_groups_must_be_complete_and_consistent():
-    msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_groups": [[0, 1]]}})
-    assert "missing sharding_rank, sharding_world_size" in msg
+def test_sharding_groups_checks():
     msg = _error({"xla": True, "xla_fsdp_settings": {
-        "sharding_groups": [[0, 1, 2]], "sharding_rank": 0, "sharding_world_size": 2}})
+        "sharding_groups": [[0, 1, 2]], "sharding_world_size": 2}})
     assert "has 3 ranks but sharding_world_size is 2" in msg
+    msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_groups": [[0, 1], [2]]}})
+    assert "all groups must be the same size" in msg
+    msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_groups": [[0, 1], [1, 2]]}})
+    assert "more than once" in msg
+    msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_groups": [0, 1]}})
+    assert "list of non-empty lists" in msg
+    msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_rank": 2, "sharding_world_size": 2}})
+    assert "sharding_rank 2 is out of range" in msg
+    msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_strategy": "hybrid_shard"}})
+    assert "HYBRID_SHARD needs xla_fsdp_settings.sharding_groups" in msg
+    msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_strategy": "NO_SHARD",
+                                                     "sharding_groups": [[0, 1]]}})
+    assert "NO_SHARD" in msg and "remove one" in msg
+    # Groups alone are enough: the engine derives each process's rank from them.
     good = load_fsdp_config({"xla": True, "xla_fsdp_settings": {
-        "sharding_groups": [[0, 1], [2, 3]], "sharding_rank": 1, "sharding_world_size": 2}})
+        "sharding_strategy": "HYBRID_SHARD", "sharding_groups": [[0, 1], [2, 3]]}})
     assert good.xla_fsdp_settings.engine_kwargs()["sharding_groups"] == [[0, 1], [2, 3]]
+    assert load_fsdp_config(good.to_dict()) == good
 
 
 def test_file_errors_name_the_file(tmp_path):
@@ -246,7 +260,8 @@ def test_file_errors_name_the_file(tmp_path):
 
 
 def test_check_model_names_missing_layer_class():
-    tiny = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=300))
+    tiny = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=300,
+                                       bos_token_id=256, eos_token_id=256))
     cfg = load_fsdp_config({"xla": True, "fsdp_transformer_layer_cls_to_wrap": ["GPT2Blok"]})
     with pytest.raises(FSDPConfigError, match="did you mean 'GPT2Block'"):
         cfg.check_model(tiny)
@@ -344,6 +359,24 @@ def test_layer_policy_selects_gpt2_blocks_only():
     del wrap
     cfg = load_fsdp_config(os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json"))
     policy = cfg.auto_wrap_policy()
-    tiny = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=300))
+    tiny = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=300,
+                                       bos_token_id=256, eos_token_id=256))
     chosen = [name for name, m in tiny.named_modules() if policy(m, recurse=False, unwrapped_params=0)]
     assert chosen == ["transformer.h.0", "transformer.h.1"]
+
+
+def test_spmd_grad_ckpt_uses_engine_checkpointing():
+    pytest.importorskip("xla_fsdp.wrap")
+    cfg = load_fsdp_config(os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_v2.json"))
+    kw = cfg.engine_kwargs()
+    assert kw["engine"] == "spmd" and kw["activation_checkpointing"] is True
+    assert "auto_wrapper_callable" not in kw
+
+
+def test_spmd_rejects_collective_only_settings():
+    msg = _error({"xla": True, "xla_fsdp_v2": True,
+                  "xla_fsdp_settings": {"compute_dtype": "bf16", "shard_param_on_dim_0": True}})
+    assert "xla_fsdp_settings.shard_param_on_dim_0 has no effect with xla_fsdp_v2" in msg
+    assert set(SPMD_ENGINE_KEYWORDS) <= set(ENGINE_KEYWORDS)
+    ok = load_fsdp_config({"xla": True, "xla_fsdp_v2": True, "xla_fsdp_settings": {"buffer_dtype": "fp32"}})
+    assert ok.engine_kwargs() == {"buffer_dtype": torch.float32, "engine": "spmd"}

@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "ENGINE_KEYWORDS",
+    "SPMD_ENGINE_KEYWORDS",
     "FSDPConfig",
     "FSDPConfigError",
     "XlaFSDPSettings",
@@ -54,6 +55,11 @@ ENGINE_KEYWORDS: tuple[str, ...] = (
     "all_gather_impl",
     "sharding_strategy",
 )
+
+# The settings the SPMD engine (`xla_fsdp_v2`) acts on. The others schedule
+# explicit collectives, which under SPMD the XLA partitioner inserts itself,
+# so giving them with xla_fsdp_v2 would be silently ignored.
+SPMD_ENGINE_KEYWORDS: tuple[str, ...] = ("compute_dtype", "buffer_dtype")
 
 # Engine keywords that take Python callables, which JSON cannot carry. Naming
 # the JSON key that replaces each is kinder than "unknown key".
@@ -275,46 +281,54 @@ class XlaFSDPSettings:
         self._check_strategy_against_reshard(where)
 
     def _check_sharding_groups(self, where: str) -> None:
-        given = {
-            "sharding_groups": self.sharding_groups,
-            "sharding_rank": self.sharding_rank,
-            "sharding_world_size": self.sharding_world_size,
-        }
-        present = [k for k, v in given.items() if v is not None]
-        if not present:
-            return
-        # A group without this process's place in it (or vice versa) cannot be acted on.
-        if len(present) != 3:
-            missing = [k for k in given if k not in present]
-            raise FSDPConfigError(
-                f"{where}{present[0]} needs sharding_groups, sharding_rank and "
-                f"sharding_world_size together; missing {', '.join(missing)}"
-            )
-        _check_int(where + "sharding_world_size", self.sharding_world_size, 1)
-        _check_int(where + "sharding_rank", self.sharding_rank, 0)
-        if self.sharding_rank >= self.sharding_world_size:
-            raise FSDPConfigError(
-                f"{where}sharding_rank {self.sharding_rank} is out of range for "
-                f"sharding_world_size {self.sharding_world_size}"
-            )
+        # One JSON file is read by every process, so sharding_groups (the same
+        # for all) is the useful key; the engine derives each process's
+        # position from it and treats sharding_rank/sharding_world_size as
+        # assertions. Only what can be checked without knowing the rank is checked here.
+        if self.sharding_world_size is not None:
+            _check_int(where + "sharding_world_size", self.sharding_world_size, 1)
+        if self.sharding_rank is not None:
+            _check_int(where + "sharding_rank", self.sharding_rank, 0)
+            if self.sharding_world_size is not None and self.sharding_rank >= self.sharding_world_size:
+                raise FSDPConfigError(
+                    f"{where}sharding_rank {self.sharding_rank} is out of range for "
+                    f"sharding_world_size {self.sharding_world_size}"
+                )
+        strategy = self.sharding_strategy
         groups = self.sharding_groups
+        if groups is None:
+            if strategy == "HYBRID_SHARD":
+                raise FSDPConfigError(
+                    f"{where}sharding_strategy HYBRID_SHARD needs {where}sharding_groups, "
+                    f"e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] (shard inside each group, replicate across)"
+                )
+            return
+        if strategy == "NO_SHARD":
+            raise FSDPConfigError(
+                f"{where}sharding_strategy NO_SHARD replicates every parameter, so "
+                f"{where}sharding_groups has no effect; remove one of the two"
+            )
         if not isinstance(groups, (list, tuple)) or not groups or not all(
-            isinstance(g, (list, tuple)) and all(type(r) is int and r >= 0 for r in g) for g in groups
+            isinstance(g, (list, tuple)) and g and all(type(r) is int and r >= 0 for r in g)
+            for g in groups
         ):
             raise FSDPConfigError(
-                f"{where}sharding_groups must be a non-empty list of lists of "
+                f"{where}sharding_groups must be a non-empty list of non-empty lists of "
                 f"non-negative int ranks, e.g. [[0, 1], [2, 3]]; got {groups!r}"
             )
+        size = self.sharding_world_size if self.sharding_world_size is not None else len(groups[0])
         for group in groups:
-            if len(group) != self.sharding_world_size:
+            # Groups shard the same parameters, so they must cut them into the same number of pieces.
+            if len(group) != size:
                 raise FSDPConfigError(
-                    f"{where}sharding_groups: group {list(group)} has {len(group)} "
-                    f"ranks but sharding_world_size is {self.sharding_world_size}"
+                    f"{where}sharding_groups: group {list(group)} has {len(group)} ranks but "
+                    + (f"sharding_world_size is {size}" if self.sharding_world_size is not None
+                       else f"group {list(groups[0])} has {size}; all groups must be the same size")
                 )
         ranks = [r for g in groups for r in g]
         if len(ranks) != len(set(ranks)):
-            raise FSDPConfigError(f"{where}sharding_groups: a rank appears in more than one place: {groups!r}")
-        # Frozen and hashable-in-spirit: store tuples, not the caller's lists.
+            raise FSDPConfigError(f"{where}sharding_groups: a rank appears more than once: {groups!r}")
+        # Frozen: store tuples, not the caller's (mutable) lists.
         object.__setattr__(self, "sharding_groups", tuple(tuple(g) for g in groups))
 
     def _check_strategy_against_reshard(self, where: str) -> None:
@@ -444,6 +458,15 @@ class FSDPConfig:
             )
         if self.xla_fsdp_v2 and not self.xla:
             raise FSDPConfigError("xla_fsdp_v2 requires xla: true; set \"xla\": true")
+        if self.xla_fsdp_v2:
+            ignored = [k for k in self.xla_fsdp_settings.given() if k not in SPMD_ENGINE_KEYWORDS]
+            if ignored:
+                raise FSDPConfigError(
+                    f"xla_fsdp_settings.{ignored[0]} has no effect with xla_fsdp_v2 (the SPMD "
+                    f"partitioner places the collectives itself); remove "
+                    f"{', '.join(ignored)} or set xla_fsdp_v2 to false. With xla_fsdp_v2 "
+                    f"xla_fsdp_settings takes only: {', '.join(SPMD_ENGINE_KEYWORDS)}"
+                )
         if self.xla_fsdp_settings.given() and not self.xla:
             raise FSDPConfigError(
                 "xla_fsdp_settings is given but xla is false, so it would be ignored; "
@@ -476,7 +499,14 @@ class FSDPConfig:
         return functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=self.min_num_params)
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `xla_fsdp.XlaFullyShardedDataParallel(module, **kwargs)`."""
+        """Keyword arguments for `xla_fsdp.XlaFullyShardedDataParallel(module, **kwargs)`.
+
+        The settings (dtype names -> torch dtypes), `auto_wrap_policy` when a
+        policy is configured, and for `xla_fsdp_grad_ckpt` either
+        `auto_wrapper_callable=checkpointed_wrapper` (collectives engine) or
+        `activation_checkpointing=True` together with `engine="spmd"`
+        (`xla_fsdp_v2`).
+        """
         if not self.xla:
             raise FSDPConfigError(
                 "this fsdp_config has xla: false, which selects Hugging Face's torch FSDP; "
@@ -486,10 +516,16 @@ class FSDPConfig:
         policy = self.auto_wrap_policy()
         if policy is not None:
             kwargs["auto_wrap_policy"] = policy
-        if self.xla_fsdp_grad_ckpt:
-            kwargs["auto_wrapper_callable"] = checkpointed_wrapper
         if self.xla_fsdp_v2:
             kwargs["engine"] = "spmd"
+            if self.xla_fsdp_grad_ckpt:
+                # Under SPMD a unit is not an XlaFullyShardedDataParallel
+                # instance, so checkpointed_wrapper (which builds one) would be
+                # wrong; the SPMD engine checkpoints its units itself, keeping
+                # the compute-dtype casts inside the recomputation.
+                kwargs["activation_checkpointing"] = True
+        elif self.xla_fsdp_grad_ckpt:
+            kwargs["auto_wrapper_callable"] = checkpointed_wrapper
         return kwargs
 
     def check_model(self, model: torch.nn.Module) -> None:
