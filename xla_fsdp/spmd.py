@@ -17,7 +17,7 @@ unwrapped model's. The steps, in order:
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Set
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -74,16 +74,10 @@ def apply_spmd_fsdp(
   if auto_wrapper_callable is not None:
     units = _apply_wrapper(module, units, auto_wrapper_callable)
 
-  params: Set[int] = {id(p) for p in module.parameters()}
-  claimed: Set[int] = set()
+  done: Dict[int, torch.Tensor] = {}
   for unit in units:
-    tensors = list(unit_tensors(unit, claimed))
-    materialize_unit(unit, tensors, param_init_fn)
-    # Materialization may have replaced tensors; list them again.
-    tensors = list(unit_tensors(unit, claimed))
-    params |= {id(p) for p in unit.parameters()}
-    place_and_shard(tensors, mesh, device, buffer_dtype, params)
-    claimed |= {id(t) for t in tensors}
+    materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
+    place_and_shard(unit, done, mesh, device, buffer_dtype)
 
   casts = {}
   if compute_dtype is not None:

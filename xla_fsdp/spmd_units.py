@@ -10,7 +10,7 @@ modules stay where they are, so parameter names do not change.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, Optional, Set
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -54,10 +54,10 @@ def _collect_units(module: nn.Module, policy: WrapPolicy,
 
 
 def unit_tensors(unit: nn.Module,
-                 claimed: Set[int]) -> Iterator[torch.Tensor]:
-  """Parameters and buffers of `unit` not already owned by an inner unit."""
+                 done: Dict[int, torch.Tensor]) -> Iterator[torch.Tensor]:
+  """Parameters and buffers of `unit` not already placed by an inner unit."""
   for tensor in list(unit.parameters()) + list(unit.buffers()):
-    if id(tensor) not in claimed:
+    if id(tensor) not in done:
       yield tensor
 
 
@@ -99,26 +99,44 @@ def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor],
         "parameter and buffer of the module it is given.")
 
 
-def place_and_shard(tensors: List[torch.Tensor], mesh: xs.Mesh,
-                    device: torch.device, buffer_dtype: Optional[torch.dtype],
-                    params: Set[int]) -> None:
-  """Moves tensors to the XLA device in place; shards parameters on dim 0.
+def place_and_shard(unit: nn.Module, done: Dict[int, torch.Tensor],
+                    mesh: xs.Mesh, device: torch.device,
+                    buffer_dtype: Optional[torch.dtype]) -> None:
+  """Moves the unit's tensors to the XLA device; shards parameters on dim 0.
 
-  `tensor.data` is replaced rather than the Parameter, so tied weights and
-  names survive. Buffers stay replicated: they are small and often read
-  whole (masks, position ids).
+  A CPU Parameter cannot take XLA data through `.data =`, so each one is
+  replaced by a new Parameter under the same name. `done` maps the id of
+  every tensor already handled (old and new) to its replacement: tied weights
+  registered in two modules get the same new Parameter, and tensors of inner
+  units are left alone. Buffers stay replicated: they are small and usually
+  read whole (masks, position ids).
   """
-  for tensor in tensors:
-    data = tensor.data
-    if (buffer_dtype is not None and id(tensor) not in params and
-        data.is_floating_point()):
-      data = data.to(buffer_dtype)
-    if data.device != device:
-      data = data.to(device)
-    if data is not tensor.data:
-      tensor.data = data
-    if id(tensor) in params and tensor.dim() > 0 and not is_sharded(tensor):
-      xs.mark_sharding(tensor, mesh, param_spec(tensor))
+  for module in unit.modules():
+    for table, is_param in ((module._parameters, True),
+                            (module._buffers, False)):
+      for name, tensor in list(table.items()):
+        if tensor is None:
+          continue
+        if id(tensor) not in done:
+          new = _placed(tensor, is_param, mesh, device, buffer_dtype)
+          done[id(tensor)] = new
+          done[id(new)] = new
+        table[name] = done[id(tensor)]
+
+
+def _placed(tensor: torch.Tensor, is_param: bool, mesh: xs.Mesh,
+            device: torch.device,
+            buffer_dtype: Optional[torch.dtype]) -> torch.Tensor:
+  data = tensor.detach()
+  if not is_param and buffer_dtype is not None and data.is_floating_point():
+    data = data.to(buffer_dtype)
+  data = data.to(device)
+  if not is_param:
+    return data
+  param = nn.Parameter(data, requires_grad=tensor.requires_grad)
+  if param.dim() > 0 and not is_sharded(param):
+    xs.mark_sharding(param, mesh, param_spec(param))
+  return param
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

@@ -1,0 +1,174 @@
+"""One SPMD scenario in a fresh process; prints `RESULT <json>` for the test.
+
+SPMD mode is process-global and must be chosen before the runtime starts,
+so tests/test_spmd.py runs this file with CPU_NUM_DEVICES set.
+
+  run_case.py train --model mlp|gpt2 [--dtype bf16] [--meta-init]
+  run_case.py checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch_xla.runtime as xr
+
+xr.use_spmd()
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.debug.metrics as met  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
+from xla_fsdp.spmd import apply_spmd_fsdp  # noqa: E402
+
+
+def compile_count() -> int:
+  data = met.metric_data("CompileTime")
+  return 0 if data is None else int(data[0])
+
+
+def shard_report(model: nn.Module) -> dict:
+  report = {}
+  for name, param in model.named_parameters():
+    spec = torch_xla._XLAC._get_xla_sharding_spec(param)
+    shards = (xs.xla_sharding.wrap_as_sharded_tensor(param).local_shards
+              if spec else [])
+    report[name] = {
+        "shape": list(param.shape),
+        "spec": spec,
+        "shard_shapes": [list(s.data.shape) for s in shards],
+        "shard_rows": [[s.indices[0].start, s.indices[0].stop]
+                       if param.dim() else None for s in shards],
+    }
+  return report
+
+
+def meta_init_fn(reference: nn.Module, meta_model: nn.Module, calls: list):
+  """param_init_fn that fills meta tensors with the reference's values."""
+  prefix = {m: n for n, m in meta_model.named_modules()}
+  values = reference.state_dict()
+
+  def init(unit: nn.Module) -> None:
+    calls.append(prefix[unit])
+    for module in unit.modules():
+      own = dict(module.named_parameters(recurse=False))
+      if not any(t.is_meta for t in own.values()):
+        continue
+      module.to_empty(device="cpu", recurse=False)
+      with torch.no_grad():
+        for name, param in module.named_parameters(recurse=False):
+          key = f"{prefix[module]}.{name}".lstrip(".")
+          param.copy_(values[key])
+
+  return init
+
+
+def train_case(args) -> dict:
+  # The autograd engine sizes its per-device queues at the first backward;
+  # start the XLA runtime (device count) before the eager reference runs one.
+  xr.global_runtime_device_count()
+  device = torch_xla.device()
+  build = models.build_mlp if args.model == "mlp" else models.build_gpt2
+  policy = models.mlp_policy() if args.model == "mlp" else models.gpt2_policy()
+  batches = (models.mlp_batches(args.steps)
+             if args.model == "mlp" else models.gpt2_batches(args.steps))
+
+  model = build()
+  reference = models.reference_copy(model)
+  init_calls: list = []
+  param_init_fn = None
+  if args.meta_init:
+    model = models.TinyMLP(device="meta")
+    param_init_fn = meta_init_fn(reference, model, init_calls)
+  ref_losses = models.train_eager(reference, args.model, batches)
+
+  dtype = torch.bfloat16 if args.dtype == "bf16" else None
+  names_before = [n for n, _ in model.named_parameters()]
+  model = apply_spmd_fsdp(model, compute_dtype=dtype, auto_wrap_policy=policy,
+                          param_init_fn=param_init_fn)
+  names_after = [n for n, _ in model.named_parameters()]
+  shards = shard_report(model)
+
+  opt = torch.optim.AdamW(model.parameters(), lr=models.LR)
+  losses, compiles = [], []
+  for batch in batches:
+    batch = tuple(t.to(device) for t in batch)
+    opt.zero_grad()
+    loss = models.loss_of(model, args.model, batch)
+    loss.backward()
+    opt.step()
+    torch_xla.sync()
+    losses.append(loss.item())
+    compiles.append(compile_count())
+
+  ref_params = dict(reference.named_parameters())
+  param_diff = {}
+  for name, param in model.named_parameters():
+    got = param.detach().cpu()
+    want = ref_params[name].detach()
+    param_diff[name] = float((got - want).abs().max())
+  return {
+      "losses": losses,
+      "ref_losses": ref_losses,
+      "compiles": compiles,
+      "param_max_abs_diff": param_diff,
+      "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+      "names_same": names_before == names_after,
+      "shards": shards,
+      "init_calls": init_calls,
+      "devices": xr.global_runtime_device_count(),
+  }
+
+
+def count(hlo: str, needle: str) -> int:
+  return hlo.count(needle)
+
+
+def checkpoint_case(args) -> dict:
+  batch = models.gpt2_batches(1)[0]
+  device = torch_xla.device()
+  results = {}
+  grads = {}
+  for ckpt in (False, True):
+    model = apply_spmd_fsdp(models.build_gpt2(), auto_wrap_policy=models.gpt2_policy(),
+                            activation_checkpointing=ckpt)
+    ids, labels = (t.to(device) for t in batch)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    named = [(n, p.grad) for n, p in model.named_parameters()]
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([g for _, g in named])
+    torch_xla.sync()
+    grads[ckpt] = {n: g.cpu() for n, g in named}
+    results[str(ckpt)] = {
+        "dots": count(hlo, " dot("),
+        "opt_barriers": count(hlo, "opt-barrier("),
+        "loss": loss.item(),
+    }
+  results["grad_max_abs_diff"] = max(
+      float((grads[True][n] - grads[False][n]).abs().max()) for n in grads[True])
+  results["grad_max_abs"] = max(
+      float(g.abs().max()) for g in grads[False].values())
+  return results
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("case", choices=["train", "checkpoint"])
+  parser.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
+  parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--meta-init", action="store_true")
+  args = parser.parse_args()
+  result = train_case(args) if args.case == "train" else checkpoint_case(args)
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main()
