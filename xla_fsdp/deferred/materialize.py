@@ -86,12 +86,13 @@ def deferred_init(module_fn: Callable[..., M], *args, **kwargs) -> M:
 
 
 def is_deferred(obj) -> bool:
-    """True for a deferred tensor, or a module holding at least one."""
+    """True for a deferred (meta placeholder) tensor, or a module holding one."""
     if isinstance(obj, nn.Module):
         return any(is_deferred(t) for t in (*obj.parameters(), *obj.buffers()))
     if isinstance(obj, torch.Tensor):
-        entry = _ENTRIES.get(obj)
-        return entry is not None and entry.replacement is None
+        # A placeholder stays deferred even after a tied alias elsewhere was
+        # materialized: the module holding it still has no real tensor.
+        return obj in _ENTRIES
     raise TypeError(
         f"is_deferred expects a torch.Tensor or nn.Module, got {type(obj).__name__}."
     )
