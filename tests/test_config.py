@@ -181,6 +181,7 @@ def test_bad_dtype_lists_valid_names():
     ({"xla": True, "xla_fsdp_v2": 1}, "xla_fsdp_v2", "bool"),
     ({"xla": True, "fsdp_min_num_params": "1e6"}, "fsdp_min_num_params", "int"),
     ({"xla": True, "fsdp_min_num_params": True}, "fsdp_min_num_params", "int"),
+    ({"xla": True, "fsdp_min_num_params": 1.5e6 + 0.5}, "fsdp_min_num_params", "int"),
     ({"xla": True, "fsdp_transformer_layer_cls_to_wrap": [1]}, "fsdp_transformer_layer_cls_to_wrap", "list"),
     ({"xla": True, "xla_fsdp_settings": ["compute_dtype"]}, "xla_fsdp_settings", "dict"),
     ({"xla": True, "xla_fsdp_settings": {"shard_param_on_dim_0": "yes"}},
@@ -297,6 +298,10 @@ def test_min_num_params_zero_means_unset():
                             "fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"]})
     assert cfg.uses_auto_wrap and cfg.min_num_params == 0
     assert not load_fsdp_config({"xla": True}).uses_auto_wrap
+    # JSON writes big thresholds as 1e8 (a float); an integral float is accepted.
+    cfg = load_fsdp_config({"xla": True, "fsdp_min_num_params": 1e8})
+    assert cfg.min_num_params == 100_000_000 and type(cfg.min_num_params) is int
+    assert "must be >= 0" in _error({"xla": True, "fsdp_min_num_params": -1})
 
 
 def test_engine_kwargs_refuses_torch_fsdp_config():

@@ -118,7 +118,16 @@ _TOP_LEVEL_ALIASES: dict[str, str] = {
 
 # Keys that only Hugging Face's torch-FSDP path (xla false) reads. Accepting
 # them would let a user believe they had an effect on XLA FSDP.
+_TORCH_FSDP_ONLY_HINT = (
+    "it is read only by Hugging Face's torch FSDP path, which XLA FSDP does "
+    "not use; remove it (engine options go in xla_fsdp_settings)"
+)
 _TORCH_FSDP_ONLY_KEYS: dict[str, str] = {
+    **{key: _TORCH_FSDP_ONLY_HINT for key in (
+        "version", "cpu_offload", "offload_params", "backward_prefetch", "forward_prefetch",
+        "limit_all_gathers", "use_orig_params", "sync_module_states",
+        "cpu_ram_efficient_loading", "state_dict_type",
+    )},
     "activation_checkpointing": "use xla_fsdp_grad_ckpt for per-layer gradient checkpointing",
     "reshard_after_forward": "move it into xla_fsdp_settings",
     "auto_wrap_policy": (
@@ -126,17 +135,6 @@ _TORCH_FSDP_ONLY_KEYS: dict[str, str] = {
         "fsdp_min_num_params; remove it"
     ),
 }
-for _key in (
-    "version", "cpu_offload", "offload_params", "backward_prefetch", "forward_prefetch",
-    "limit_all_gathers", "use_orig_params", "sync_module_states",
-    "cpu_ram_efficient_loading", "state_dict_type",
-):
-    _TORCH_FSDP_ONLY_KEYS.setdefault(
-        _key,
-        "it is read only by Hugging Face's torch FSDP path, which XLA FSDP "
-        "does not use; remove it (engine options go in xla_fsdp_settings)",
-    )
-del _key
 
 
 class FSDPConfigError(ValueError):
@@ -424,6 +422,9 @@ class FSDPConfig:
         _check_bool("xla", self.xla)
         _check_bool("xla_fsdp_grad_ckpt", self.xla_fsdp_grad_ckpt)
         _check_bool("xla_fsdp_v2", self.xla_fsdp_v2)
+        if isinstance(self.min_num_params, float) and self.min_num_params.is_integer():
+            # JSON has no integer exponent form, so thresholds get written as 1e8.
+            object.__setattr__(self, "min_num_params", int(self.min_num_params))
         _check_int("fsdp_min_num_params", self.min_num_params, 0)
         if isinstance(self.xla_fsdp_settings, Mapping):
             object.__setattr__(self, "xla_fsdp_settings", XlaFSDPSettings.from_dict(self.xla_fsdp_settings))
@@ -439,7 +440,7 @@ class FSDPConfig:
 
     def _check_combinations(self) -> None:
         if self.transformer_layer_cls_to_wrap and self.min_num_params > 0:
-            # Hugging Face silently prefers min_num_params; say so instead of guessing.
+            # Hugging Face silently lets min_num_params win; refuse rather than guess.
             raise FSDPConfigError(
                 "fsdp_transformer_layer_cls_to_wrap and fsdp_min_num_params are mutually "
                 "exclusive auto-wrap policies; keep one (layer classes for transformers, "
