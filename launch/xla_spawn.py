@@ -340,7 +340,7 @@ def run_spawned(entry: ScriptEntry) -> int:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # BrokenProcessPool and anything re-raised by the pool
-        log(f"a replica failed ({type(exc).__name__}); its traceback is above. "
+        log(f"a replica failed ({type(exc).__name__}); its message is above. "
             "The other replicas were stopped.")
         return EXIT_FAILED
     return 0
