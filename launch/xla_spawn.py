@@ -39,7 +39,9 @@ Multi-host pods: run the *same* command on every worker
 (``gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...``, as
 ``tpu_scripts/run.sh`` does). PJRT reads the pod topology from the TPU
 metadata on each worker and joins the processes of all workers into one job;
-the launcher needs no address or rank flags.
+the launcher needs no address or rank flags. ``--num_cores`` counts the
+devices of one worker; ``--num_cores 1`` on a pod worker runs a separate
+one-chip job there, which is only useful for debugging.
 
 Failures: if a replica raises, the launcher prints that replica's traceback and
 exits 1; in the spawn path the failing replica exits at once so the process
@@ -117,7 +119,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], Optional[str], list[str]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG}.py",
-        usage=f"%(prog)s [--num_cores N] [--spmd] SCRIPT [SCRIPT_ARGS ...]",
+        usage="%(prog)s [--num_cores N] [--spmd] SCRIPT [SCRIPT_ARGS ...]",
         description="Run SCRIPT's _mp_fn(index) on XLA devices. Everything after "
                     "SCRIPT is passed to it untouched.",
         epilog=f"On CPU, --num_cores takes 1..{CPU_MAX_DEVICES} and N>1 runs the "
