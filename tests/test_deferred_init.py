@@ -103,6 +103,33 @@ def test_check_fn_leaves_unchecked_modules_deferred_and_ties_survive_split_calls
     assert not is_deferred(model)
 
 
+class Orphaned(nn.Module):
+    """b's own weight is drawn, then dropped for a's: an orphan random op."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.c = nn.Linear(4, 4)
+
+
+def test_whole_model_call_replays_orphan_draws_to_stay_equal_to_eager():
+    torch.manual_seed(0)
+    eager = Orphaned()
+    torch.manual_seed(0)
+    model = deferred_init(Orphaned)
+    materialize_module(model)
+    _assert_same_state(eager, model)
+
+    # Partial calls skip orphans (they would cost memory and cannot match
+    # eager anyway), so c's draws come earlier in the stream than eagerly.
+    torch.manual_seed(0)
+    model = deferred_init(Orphaned)
+    materialize_module(model.c)
+    assert not torch.equal(model.c.weight, eager.c.weight)
+
+
 def test_buffers_only():
     model = deferred_init(Toy)
     materialize_module(model, buffers_only=True)

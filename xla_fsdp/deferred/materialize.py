@@ -155,7 +155,8 @@ def _materialize(targets) -> None:
     for group in by_graph.values():
         graph = group[0][1].graph
         pending = _PENDING[graph]
-        covers_all = all(any(t is g for g, _ in group) for t in pending.keys())
+        in_group = {id(t) for t, _ in group}
+        covers_all = all(id(t) in in_group for t in pending.keys())
         reals = graph.replay([e.ref for _, e in group], with_orphan_random=covers_all)
         for (tensor, entry), real in zip(group, reals):
             entry.replacement = _like(tensor, real)
