@@ -154,7 +154,8 @@ class BlockBatches:
             raise ValueError(f"global batch {global_batch} is not divisible by {world} ranks")
         if blocks.shape[0] < global_batch:
             raise SystemExit(f"only {blocks.shape[0]} blocks of text but one global batch needs "
-                             f"{global_batch}; lower --per_device_train_batch_size or --block_size")
+                             f"{global_batch}; lower --per_device_{'train' if shuffle else 'eval'}"
+                             f"_batch_size or --block_size, or give more text")
         self.blocks, self.global_batch = blocks, global_batch
         self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle
 

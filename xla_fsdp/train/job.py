@@ -57,9 +57,11 @@ def run(argv=None) -> dict:
     if args.block_size > config.n_positions:
         raise SystemExit(f"--block_size {args.block_size} exceeds n_positions {config.n_positions} "
                          f"of --config_name; lower --block_size")
+    # Data and configs before the XLA runtime starts: their errors come in
+    # seconds, not after device setup.
+    corpus = data.build_corpus(args, config.vocab_size)
     fsdp_config = load_fsdp_config(args.fsdp_config)
-    engine = selected_engine(fsdp_config)
-    spmd = engine == "spmd"
+    spmd = selected_engine(fsdp_config) == "spmd"
 
     import torch_xla
     import torch_xla.runtime as xr
@@ -70,7 +72,6 @@ def run(argv=None) -> dict:
     is_master = facts["rank"] == 0
     log = print if is_master else (lambda *a, **k: None)
 
-    corpus = data.build_corpus(args, config.vocab_size)
     num_params = metrics.gpt2_num_params(config)
     global_batch = args.per_device_train_batch_size * facts["data_parallel"]
     train_batches = data.BlockBatches(corpus.train, global_batch, facts["rank"], facts["world"], args.seed)
@@ -124,13 +125,14 @@ def run(argv=None) -> dict:
                 f"MFU {100 * s['mfu']:.2f}% of {peak.flops_per_chip / 1e12:.3f} TFLOPS x {facts['chips']}")
     if args.do_eval:
         eval_global = args.per_device_eval_batch_size * facts["data_parallel"]
-        eval_batches = data.BlockBatches(corpus.eval, min(eval_global, corpus.eval.shape[0] // facts["world"] * facts["world"]),
-                                         facts["rank"], facts["world"], shuffle=False)
+        eval_batches = data.BlockBatches(corpus.eval, eval_global, facts["rank"], facts["world"],
+                                         shuffle=False)
         ev = loop.evaluate(model, eval_batches, ctx)
         report.update(ev)
         log(f"run_clm: eval loss {ev['eval_loss']:.4f}, perplexity {ev['perplexity']:.2f} "
             f"({ev['eval_batches']} batches)")
     report["wall_time_s"] = time.perf_counter() - started
+    report["xla_compiles"] = _compile_count()
     if args.do_train and args.save_strategy != "no":
         _save(model, args, facts)
     if is_master:
@@ -139,6 +141,13 @@ def run(argv=None) -> dict:
             json.dump(report, f, indent=2)
         log(f"run_clm: metrics written to {os.path.join(args.output_dir, 'metrics.json')}")
     return report
+
+
+def _compile_count() -> int:
+    """XLA graph compilations so far; a count growing with steps means recompiles."""
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
 
 
 def _progress(total: int, is_master: bool):
