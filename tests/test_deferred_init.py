@@ -130,6 +130,19 @@ def test_whole_model_call_replays_orphan_draws_to_stay_equal_to_eager():
     assert not torch.equal(model.c.weight, eager.c.weight)
 
 
+def test_explicit_generator_is_drawn_from_at_replay():
+    def build():
+        gen = torch.Generator().manual_seed(5)
+        lin = nn.Linear(3, 3)
+        nn.init.normal_(lin.weight, generator=gen)
+        return lin
+
+    eager = build()
+    model = deferred_init(build)
+    materialize_module(model)
+    assert torch.equal(model.weight, eager.weight)
+
+
 def test_buffers_only():
     model = deferred_init(Toy)
     materialize_module(model, buffers_only=True)
@@ -187,8 +200,10 @@ def test_external_tensor_is_read_at_replay_and_mutation_is_detected():
 
     model = deferred_init(Copy, ext)
     ext.add_(1.0)
-    with pytest.raises(DeferredInitError, match="modified in place after deferred_init"):
+    with pytest.raises(DeferredInitError, match="modified in place after deferred_init") as info:
         materialize_module(model)
+    assert "Copy.__init__" in str(info.value)  # where the tensor was read
+    assert "while materializing 'p'" in info.value.__notes__[0]
 
 
 def test_item_in_constructor_is_a_clear_error():

@@ -150,15 +150,21 @@ def _materialize(targets) -> None:
             continue
         seen.add(id(tensor))
         _check_unchanged(name, tensor, entry)
-        by_graph.setdefault(id(entry.graph), []).append((tensor, entry))
+        by_graph.setdefault(id(entry.graph), []).append((name, tensor, entry))
 
     for group in by_graph.values():
-        graph = group[0][1].graph
+        graph = group[0][2].graph
         pending = _PENDING[graph]
-        in_group = {id(t) for t, _ in group}
+        in_group = {id(t) for _, t, _ in group}
         covers_all = all(id(t) in in_group for t in pending.keys())
-        reals = graph.replay([e.ref for _, e in group], with_orphan_random=covers_all)
-        for (tensor, entry), real in zip(group, reals):
+        try:
+            reals = graph.replay([e.ref for _, _, e in group], with_orphan_random=covers_all)
+        except DeferredInitError as exc:
+            names = ", ".join(repr(n) for n, _, _ in group[:4])
+            more = f" and {len(group) - 4} more" if len(group) > 4 else ""
+            exc.add_note(f"while materializing {names}{more}")
+            raise
+        for (_, tensor, entry), real in zip(group, reals):
             entry.replacement = _like(tensor, real)
             del pending[tensor]
         graph.prune({e.ref.storage for e in pending.values()})
