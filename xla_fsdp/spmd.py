@@ -84,6 +84,7 @@ def apply_spmd_fsdp(
     _, casts = install_compute_dtype(module, compute_dtype)
 
   if activation_checkpointing:
+    _disable_kv_cache(module)
     for unit in units[:-1]:
       checkpoint_unit(unit, casts.get(unit))
 
@@ -97,6 +98,19 @@ def apply_spmd_fsdp(
     unit.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
     unit.register_forward_hook(batch.unit_output)
   return module
+
+
+def _disable_kv_cache(module: nn.Module) -> None:
+  """Turns off a Hugging Face model's KV cache before checkpointing it.
+
+  A cache is state the forward appends to; the recompute in backward would
+  append the keys a second time and attend over both copies, giving wrong
+  gradients. Training never reads the cache (the HF Trainer makes the same
+  change when gradient checkpointing is on).
+  """
+  config = getattr(module, "config", None)
+  if getattr(config, "use_cache", False):
+    config.use_cache = False
 
 
 def _apply_wrapper(root: nn.Module, units: List[nn.Module],

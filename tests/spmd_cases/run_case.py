@@ -82,6 +82,7 @@ def train_case(args) -> dict:
 
   model = build()
   reference = models.reference_copy(model)
+  initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
   init_calls: list = []
   param_init_fn = None
   if args.meta_init:
@@ -110,15 +111,21 @@ def train_case(args) -> dict:
 
   ref_params = dict(reference.named_parameters())
   param_diff = {}
+  diff_sq = update_sq = 0.0
   for name, param in model.named_parameters():
     got = param.detach().cpu()
     want = ref_params[name].detach()
     param_diff[name] = float((got - want).abs().max())
+    diff_sq += float(((got - want)**2).sum())
+    update_sq += float(((want - initial[name])**2).sum())
   return {
       "losses": losses,
       "ref_losses": ref_losses,
       "compiles": compiles,
       "param_max_abs_diff": param_diff,
+      # ||theta - theta_ref|| / ||theta_ref - theta_0||: error relative to
+      # how far training moved the weights.
+      "update_rel_err": (diff_sq / update_sq)**0.5,
       "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
       "names_same": names_before == names_after,
       "shards": shards,
