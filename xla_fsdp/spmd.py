@@ -17,7 +17,7 @@ unwrapped model's. The steps, in order:
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,7 @@ import torch_xla.runtime as xr
 from xla_fsdp.spmd_activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_mesh import resolve_mesh
 from xla_fsdp.spmd_precision import install_compute_dtype
-from xla_fsdp.spmd_units import (ParamInitFn, WrapPolicy, find_units,
+from xla_fsdp.spmd_units import (ParamInitFn, Placed, WrapPolicy, find_units,
                                  materialize_unit, place_and_shard,
                                  unit_tensors)
 
@@ -74,7 +74,7 @@ def apply_spmd_fsdp(
   if auto_wrapper_callable is not None:
     units = _apply_wrapper(module, units, auto_wrapper_callable)
 
-  done: Dict[int, torch.Tensor] = {}
+  done: Placed = {}
   for unit in units:
     materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
     place_and_shard(unit, done, mesh, device, buffer_dtype)

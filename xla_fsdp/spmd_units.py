@@ -10,7 +10,7 @@ modules stay where they are, so parameter names do not change.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,8 @@ from xla_fsdp.spmd_mesh import param_spec
 
 WrapPolicy = Callable[..., bool]
 ParamInitFn = Callable[[nn.Module], None]
+# id(tensor) -> (tensor, its placed replacement), for every tensor handled.
+Placed = Dict[int, Tuple[torch.Tensor, torch.Tensor]]
 
 
 def find_units(root: nn.Module,
@@ -53,8 +55,7 @@ def _collect_units(module: nn.Module, policy: WrapPolicy,
   return taken
 
 
-def unit_tensors(unit: nn.Module,
-                 done: Dict[int, torch.Tensor]) -> Iterator[torch.Tensor]:
+def unit_tensors(unit: nn.Module, done: Placed) -> Iterator[torch.Tensor]:
   """Parameters and buffers of `unit` not already placed by an inner unit."""
   for tensor in list(unit.parameters()) + list(unit.buffers()):
     if id(tensor) not in done:
@@ -99,7 +100,7 @@ def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor],
         "parameter and buffer of the module it is given.")
 
 
-def place_and_shard(unit: nn.Module, done: Dict[int, torch.Tensor],
+def place_and_shard(unit: nn.Module, done: Placed,
                     mesh: xs.Mesh, device: torch.device,
                     buffer_dtype: Optional[torch.dtype]) -> None:
   """Moves the unit's tensors to the XLA device; shards parameters on dim 0.
@@ -108,7 +109,8 @@ def place_and_shard(unit: nn.Module, done: Dict[int, torch.Tensor],
   replaced by a new Parameter under the same name. `done` maps the id of
   every tensor already handled (old and new) to its replacement: tied weights
   registered in two modules get the same new Parameter, and tensors of inner
-  units are left alone. Buffers stay replicated: they are small and usually
+  units are left alone. `done` also holds the replaced tensors themselves:
+  an id is only unique while its object lives. Buffers stay replicated: they are small and usually
   read whole (masks, position ids).
   """
   for module in unit.modules():
@@ -119,9 +121,9 @@ def place_and_shard(unit: nn.Module, done: Dict[int, torch.Tensor],
           continue
         if id(tensor) not in done:
           new = _placed(tensor, is_param, mesh, device, buffer_dtype)
-          done[id(tensor)] = new
-          done[id(new)] = new
-        table[name] = done[id(tensor)]
+          done[id(tensor)] = (tensor, new)
+          done[id(new)] = (new, new)
+        table[name] = done[id(tensor)][1]
 
 
 def _placed(tensor: torch.Tensor, is_param: bool, mesh: xs.Mesh,

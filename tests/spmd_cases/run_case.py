@@ -50,10 +50,9 @@ def shard_report(model: nn.Module) -> dict:
   return report
 
 
-def meta_init_fn(reference: nn.Module, meta_model: nn.Module, calls: list):
-  """param_init_fn that fills meta tensors with the reference's values."""
+def meta_init_fn(values: dict, meta_model: nn.Module, calls: list):
+  """param_init_fn that fills meta tensors with the given initial values."""
   prefix = {m: n for n, m in meta_model.named_modules()}
-  values = reference.state_dict()
 
   def init(unit: nn.Module) -> None:
     calls.append(prefix[unit])
@@ -87,7 +86,7 @@ def train_case(args) -> dict:
   param_init_fn = None
   if args.meta_init:
     model = models.TinyMLP(device="meta")
-    param_init_fn = meta_init_fn(reference, model, init_calls)
+    param_init_fn = meta_init_fn(initial, model, init_calls)
   ref_losses = models.train_eager(reference, args.model, batches)
 
   dtype = torch.bfloat16 if args.dtype == "bf16" else None
