@@ -327,3 +327,16 @@ def test_gpt2_per_unit_materialization_statistics_and_reproducibility():
         else:
             assert p.std().item() == pytest.approx(0.02, rel=0.15), name
             assert abs(p.mean().item()) < 0.005, name
+
+
+def test_recipe_call_shape_from_config_with_dtype_equals_eager():
+    """The recipe's `deferred_init(AutoModelForCausalLM.from_config, config)`;
+    `dtype=` makes Hugging Face switch the default dtype during construction."""
+    auto = transformers.AutoModelForCausalLM
+    torch.manual_seed(3)
+    eager = auto.from_config(_gpt2_config(), dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    model = deferred_init(auto.from_config, _gpt2_config(), dtype=torch.bfloat16)
+    assert model.transformer.wte.weight.dtype == torch.bfloat16 and is_deferred(model)
+    materialize_module(model, check_fn=lambda m: True)
+    _assert_same_state(eager, model)
