@@ -139,11 +139,21 @@ def _rebuild(spec, leaves, tensor_pos, tensors):
     return tree_unflatten(leaves, spec)
 
 
+def _is_kv_cache(x) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__)
+
+
 def checkpointed_call(run: Callable, args, kwargs, comm) -> Any:
     """Call `run(*args, **kwargs)` without keeping activations; recompute them in backward."""
     if not torch.is_grad_enabled():
         return run(*args, **kwargs)
+    # Hugging Face layers append to their KV cache in forward; the recomputation
+    # would append a second time and attend over doubled keys. HF's own
+    # checkpointing drops the cache for the same reason.
+    if kwargs.get("use_cache"):
+        kwargs = {**kwargs, "use_cache": False}
     leaves, spec = tree_flatten((args, kwargs))
+    leaves = [None if _is_kv_cache(x) else x for x in leaves]
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensors = [leaves[i] for i in tensor_pos]
     holder: Dict[str, Any] = {}

@@ -48,8 +48,12 @@ DEFAULTS: Dict[str, Any] = dict(
     sharding_strategy="FULL_SHARD",
     engine="collectives",
     mesh=None,
+    activation_checkpointing=False,
     collectives=None,
 )
+# what engine="spmd" acts on; anything else set to a non-default value is an error there
+SPMD_KEYWORDS = ("compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrapper_callable",
+                 "param_init_fn", "mesh", "activation_checkpointing", "engine")
 ENGINES = ("collectives", "spmd")
 
 _dynamic_classes: Dict[type, type] = {}
@@ -89,6 +93,8 @@ class XlaFullyShardedDataParallel(nn.Module):
                 f"{type(module).__name__} has no forward(), so it can never gather its parameters; "
                 "wrap its children (e.g. each layer of a ModuleList) or the module that calls them"
             )
+        if kwargs.get("engine", "collectives") == "spmd":
+            return _apply_spmd(module, kwargs)
         from .activation_checkpoint import strip_checkpoint
 
         checkpointed = strip_checkpoint(module)  # FSDP(checkpoint_module(m)): recompute the whole unit
@@ -114,9 +120,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         kw = {**DEFAULTS, **kwargs}
         if kw["engine"] not in ENGINES:
             raise ValueError(f"engine={kw['engine']!r} is not valid; use one of {ENGINES}")
-        if kw["engine"] == "spmd":
-            raise ValueError("engine='spmd' is handled by xla_fsdp.spmd; call XlaFullyShardedDataParallel"
-                             "(module, engine='spmd') before any other wrapping")
         if not kw["shard_param_on_dim_0"]:
             raise ValueError("shard_param_on_dim_0=False is not supported: xla_fsdp always shards on dim 0 "
                              "(drop the option or set it to True)")
@@ -163,6 +166,17 @@ class XlaFullyShardedDataParallel(nn.Module):
 
 
 FSDP = XlaFullyShardedDataParallel
+
+
+def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
+    """engine="spmd": annotate parameters on a 1-D "fsdp" mesh; the compiler inserts collectives."""
+    ignored = sorted(k for k, v in kwargs.items() if k not in SPMD_KEYWORDS and v != DEFAULTS[k])
+    if ignored:
+        raise ValueError(f"engine='spmd' does not use {', '.join(ignored)}: the XLA partitioner schedules "
+                         "the collectives; drop these options or use engine='collectives'")
+    from .spmd import apply_spmd_fsdp
+
+    return apply_spmd_fsdp(module, **{k: v for k, v in kwargs.items() if k != "engine"})
 
 
 def _build_options(kw) -> FSDPOptions:

@@ -96,11 +96,11 @@ class XlaCollectives(Collectives):
         groups, count = self._group("shard")
         if count == 1:
             return flat
-        token = self._xlac._get_all_reduce_token(self.device)
+        token = self._xlac._get_all_reduce_token(str(self.device))
         out, new_token = self._xlac._xla_reduce_scatter(
             REDUCE_SUM, flat, token, 1.0, 0, count, groups, self.options.pin_layout, None, None
         )
-        self._xlac._set_all_reduce_token(self.device, new_token)
+        self._xlac._set_all_reduce_token(str(self.device), new_token)
         return out
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):

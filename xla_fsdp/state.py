@@ -41,10 +41,19 @@ def _active_units() -> List["FSDPState"]:
 
 
 class _ParamToken:
-    __slots__ = ("state", "index", "view_of")
+    """Stands in for a saved full parameter (or a view of one) between forward and backward."""
+
+    __slots__ = ("state", "index", "view_of", "geometry")
 
     def __init__(self, state: "FSDPState", index: int, view_of: Optional[torch.Tensor]):
         self.state, self.index, self.view_of = state, index, view_of
+        # CPU bases lose their storage at reshard, after which a view can no longer
+        # replay itself; the strided geometry rebuilds it on the fresh contiguous copy
+        self.geometry = None
+        if view_of is not None and view_of.device.type == "cpu":
+            self.geometry = (view_of.size(), view_of.stride(),
+                             view_of.storage_offset() - view_of._base.storage_offset())
+            self.view_of = None
 
 
 def _pack(t: torch.Tensor):
@@ -64,6 +73,8 @@ def _unpack(x):
     if not isinstance(x, _ParamToken):
         return x
     full = x.state.full_params_for_backward()[x.index]
+    if x.geometry is not None:
+        return full.as_strided(*x.geometry)
     return full if x.view_of is None else x.view_of._view_func(full)
 
 

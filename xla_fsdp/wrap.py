@@ -107,7 +107,12 @@ def auto_wrap_children(root: nn.Module, kwargs: dict) -> None:
                 visit(child)
             if (policy(child, False, unwrapped_numel(child)) and unwrapped_numel(child) > 0
                     and type(child).forward is not nn.Module.forward and not shared_outside(child)):
-                m._modules[name] = wrapper(child, **child_kwargs)
+                unit = wrapper(child, **child_kwargs)
+                if kwargs.get("activation_checkpointing"):
+                    from .activation_checkpoint import checkpoint_module
+
+                    checkpoint_module(unit)
+                m._modules[name] = unit
 
     visit(root)
 

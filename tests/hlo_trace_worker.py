@@ -1,0 +1,96 @@
+"""Trace (never execute) one training step on every device thread and dump its HLO.
+
+Run as: CPU_NUM_DEVICES=8 PJRT_DEVICE=CPU python hlo_trace_worker.py OUT_DIR CONFIGS_JSON
+where CONFIGS_JSON is a list of {"name", "model", "engine", "kwargs"}; each rank
+writes OUT_DIR/<name>.rank<r>.hlo.
+Explicit collectives across CPU devices hang when executed (see the notes on
+XLA on CPU), but tracing is safe: each device thread builds the same wrapped
+model, runs forward and backward lazily, and writes the HLO text of the graph
+that would compute the shard gradients. Nothing here may force execution
+(no .item(), no sync, execute_sharding_on_init=False).
+
+MODEL is "mlp_nested" (a root unit and one nested unit) or "gpt2" (auto-wrap
+on GPT2Block). Shared by tests/test_hlo.py and bench/comm_volume.py.
+"""
+import json
+import os
+import sys
+import threading
+
+import torch
+
+_lock = threading.Lock()
+
+
+def build(model_kind: str, engine: str, kwargs: dict, device):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parity_cases import build_model
+
+    with _lock:  # device threads share the global RNG; keep construction whole
+        model = build_model("gpt2" if model_kind == "gpt2" else "mlp_nested")
+    if engine == "torch_xla":
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as TXFSDP
+
+        if model_kind == "gpt2":
+            import functools
+
+            from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+            policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={GPT2Block})
+            return TXFSDP(model.to(device), auto_wrap_policy=policy, **kwargs)
+        model[2] = TXFSDP(model[2].to(device), **kwargs)
+        return TXFSDP(model.to(device), **kwargs)
+    import xla_fsdp
+    from xla_fsdp import FSDP
+
+    kwargs = {"execute_sharding_on_init": False, **kwargs}
+    if model_kind == "gpt2":
+        return FSDP(model, auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]), **kwargs)
+    model[2] = FSDP(model[2], **kwargs)
+    return FSDP(model, **kwargs)
+
+
+def trace_all(index: int, out_dir: str, configs: list) -> None:
+    import torch_xla
+
+    for cfg in configs:
+        # collectives chain through a per-device token (as after a step boundary, start a new chain)
+        torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
+        kwargs = {k: _parse_value(v) for k, v in cfg.get("kwargs", {}).items()}
+        step_hlo(out_dir, cfg["name"], cfg["model"], cfg.get("engine", "xla_fsdp"), kwargs)
+
+
+def step_hlo(out_dir: str, name: str, model_kind: str, engine: str, kwargs: dict) -> None:
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    device = torch_xla.device()
+    model = build(model_kind, engine, kwargs, device)
+    if model_kind == "gpt2":
+        ids = torch.zeros(2, 16, dtype=torch.long).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+    else:
+        x = torch.zeros(2, 32).to(device)
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+    rank = xr.global_ordinal()
+    with open(os.path.join(out_dir, f"{name}.rank{rank}.hlo"), "w") as f:
+        f.write(hlo)
+
+
+def _parse_value(v):
+    return torch.bfloat16 if v == "bfloat16" else v
+
+
+def main():
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    out_dir, configs = sys.argv[1], json.loads(sys.argv[2])
+    xmp.spawn(trace_all, args=(out_dir, configs))
+
+
+if __name__ == "__main__":
+    main()
