@@ -90,8 +90,9 @@ def _release_freed_memory(args) -> None:
 def _run_eager(args):
     from transformers import GPT2LMHeadModel
 
+    start = time.perf_counter()
     model = GPT2LMHeadModel(_config(args))
-    return _model_bytes(model), {}
+    return _model_bytes(model), {"build_s": round(time.perf_counter() - start, 2)}
 
 
 def _run_deferred(args):

@@ -143,6 +143,47 @@ def test_explicit_generator_is_drawn_from_at_replay():
     assert torch.equal(model.weight, eager.weight)
 
 
+TORCH_INITS = {
+    "orthogonal_": nn.init.orthogonal_,
+    "trunc_normal_": lambda t: nn.init.trunc_normal_(t, std=0.02),
+    "xavier_uniform_": nn.init.xavier_uniform_,
+    "kaiming_normal_": nn.init.kaiming_normal_,
+    "sparse_": lambda t: nn.init.sparse_(t, 0.5),  # randperm + index_put_
+    "eye_": nn.init.eye_,
+    "dirac_": lambda t: nn.init.dirac_(t.view(4, 6, 1)),  # on a view
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_INITS))
+def test_torch_init_functions_replay_exactly(name):
+    def build():
+        lin = nn.Linear(6, 4)
+        TORCH_INITS[name](lin.weight.data)
+        return lin
+
+    torch.manual_seed(0)
+    eager = build()
+    torch.manual_seed(0)
+    model = deferred_init(build)
+    materialize_module(model)
+    _assert_same_state(eager, model)
+
+
+def test_tensors_created_on_a_deferred_tensors_device_replay_on_the_host():
+    class FollowsDevice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(5))
+            with torch.no_grad():
+                self.w.add_(torch.arange(5, device=self.w.device))
+                self.w[torch.tensor([1, 3])] = 7.0
+
+    model = deferred_init(FollowsDevice)
+    materialize_module(model)
+    assert model.w.device.type == "cpu"
+    assert torch.equal(model.w, torch.tensor([0.0, 7.0, 2.0, 7.0, 4.0]))
+
+
 def test_buffers_only():
     model = deferred_init(Toy)
     materialize_module(model, buffers_only=True)

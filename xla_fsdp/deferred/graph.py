@@ -198,6 +198,13 @@ class InitGraph:
             ) from exc
         flat_out, _ = tree_flatten(out)
         for index, sid, layout, nbytes in event.creates:
+            if flat_out[index].is_meta:
+                # A meta operand makes some CPU kernels silently do nothing.
+                raise DeferredInitError(
+                    f"deferred_init({self.label}): replaying {event.func} produced "
+                    "a meta tensor (was deferred_init called with the meta device "
+                    "as default?). Call it without a meta device context."
+                )
             real[sid] = _own_storage(flat_out[index], layout, nbytes)
 
     def _view(self, real: dict[int, torch.UntypedStorage], ref: TensorRef) -> torch.Tensor:

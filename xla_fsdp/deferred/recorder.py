@@ -130,7 +130,7 @@ class RecordingMode(TorchDispatchMode):
         schema_args = {a.name for a in func._schema.arguments}
         if "device" not in schema_args:
             return func(*args, **kwargs)  # nothing we can redirect; stays real
-        recorded = dict(kwargs)
+        recorded = _replay_devices(dict(kwargs))
         if recorded.get("device") is None:
             recorded["device"] = torch.get_default_device()
         meta_kwargs = dict(recorded, device=torch.device("meta"))
@@ -168,8 +168,8 @@ class RecordingMode(TorchDispatchMode):
             reads.add(sid)
             return self.ref(x, sid)
 
-        ref_args = tree_map(to_ref, args)
-        ref_kwargs = tree_map(to_ref, kwargs)
+        ref_args = _replay_devices(tree_map(to_ref, args))
+        ref_kwargs = _replay_devices(tree_map(to_ref, kwargs))
         writes = self._written_storages(func, args, kwargs)
         if real_inputs:
             args, kwargs = tree_map(_to_meta, (args, kwargs))
@@ -227,6 +227,22 @@ class RecordingMode(TorchDispatchMode):
             writes=writes, creates=tuple(creates),
             random=torch.Tag.nondeterministic_seeded in func.tags,
         ))
+
+
+def _replay_devices(tree):
+    """Map ``device="meta"`` in recorded arguments to the default device.
+
+    Deferred tensors are meta while recording, so constructor code that
+    follows them (``torch.arange(n, device=self.weight.device)``, the value
+    tensor of ``weight[idx] = 0``) names the meta device; at replay those
+    tensors live on the real device, and so must whatever follows them.
+    """
+    def swap(x):
+        if isinstance(x, torch.device) and x.type == "meta":
+            return torch.get_default_device()
+        return x
+
+    return tree_map(swap, tree)
 
 
 def _to_meta(x):
