@@ -381,3 +381,12 @@ def test_recipe_call_shape_from_config_with_dtype_equals_eager():
     assert model.transformer.wte.weight.dtype == torch.bfloat16 and is_deferred(model)
     materialize_module(model, check_fn=lambda m: True)
     _assert_same_state(eager, model)
+
+
+def test_recipe_spelling_through_the_package_export():
+    from xla_fsdp import deferred_init as recipe_module  # torchdistx's module name
+
+    model = recipe_module.deferred_init(nn.Linear, 2, 2)
+    assert recipe_module.is_deferred(model)
+    recipe_module.materialize_module(model, check_fn=lambda k: True)
+    assert not model.weight.is_meta

@@ -23,6 +23,15 @@ except ImportError:
 
 from .deferred import DeferredInitError
 
+# `xla_fsdp/__init__.py` exports the *function* `deferred_init`, which shadows
+# this module as the attribute `xla_fsdp.deferred_init`.  The recipe's code is
+# `deferred_init.deferred_init(fn, cfg)` and `deferred_init.materialize_module(m)`
+# on the torchdistx *module*; giving the function the module's public names
+# keeps that code working after `from xla_fsdp import deferred_init`.
+for _name in ("deferred_init", "materialize_module", "materialize_tensor", "is_deferred"):
+    setattr(deferred_init, _name, globals()[_name])
+del _name
+
 __all__ = [
     "BACKEND",
     "DeferredInitError",
