@@ -54,11 +54,9 @@ def references():
     return {c.name: train_reference(c) for c in CASES}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,world", [(c, w) for c in CASES for w in c.worlds],
+                         ids=lambda x: x.name if isinstance(x, Case) else f"w{x}")
 def test_parity(case, world, dist_results, references):
-    if world not in case.worlds:
-        pytest.skip(f"{case.name} needs world size {case.worlds}")
     tol, rel = (BF16, BF16_PARAM_REL) if "bf16" in case.name else (FP32, FP32_PARAM_REL)
     ranks = [r[case.name] for r in dist_results[world]]
     ref = references[case.name]

@@ -57,7 +57,8 @@ SPMD_KEYWORDS = ("compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrap
 ENGINES = ("collectives", "spmd")
 
 _dynamic_classes: Dict[type, type] = {}
-# id(original parameter) -> (weakref to it, "<unit class>.<param name>"), for tied-weight errors
+# id(original parameter) -> (weakref to it, weakref to the unit that sharded it, its name there),
+# so a tied weight split across units can be reported by name
 _consumed_params: Dict[int, Any] = {}
 
 
@@ -126,13 +127,14 @@ class XlaFullyShardedDataParallel(nn.Module):
         if kw["mesh"] is not None:
             raise ValueError("mesh= is only used with engine='spmd'")
 
+        # validate everything before touching the module: a bad option leaves it as it was
+        options = _build_options(kw)
+        comm = kw["collectives"] or _build_collectives(module, kw, options)
         if kw["auto_wrap_policy"] is not None:
             from .wrap import auto_wrap_children
 
-            auto_wrap_children(module, kw)
+            auto_wrap_children(module, {**kw, "collectives": comm})
         _materialize(module, kw["param_init_fn"])
-        options = _build_options(kw)
-        comm = kw["collectives"] or _build_collectives(module, kw, options)
         group = _build_group(module, comm, options)
         self._fsdp_state = FSDPState(module, group, options)
         _cast_buffers(module, options, comm.device)
@@ -273,8 +275,11 @@ def _build_group(module: nn.Module, comm, options: FSDPOptions):
     for m, name, p, fqn in _owned_params(module):
         consumed = _consumed_params.get(id(p))
         if consumed is not None and consumed[0]() is p:
+            unit, pname = consumed[1](), consumed[2]
+            where = next((f"{n}.{pname}" for n, mm in module.named_modules() if mm is unit and n), None)
+            other = repr(where) if where else f"{_class_name(unit)}.{pname}"
             raise ValueError(
-                f"parameter {fqn!r} of {type(module).__name__} is tied to {consumed[1]}, which is already "
+                f"parameter {fqn!r} of {_class_name(module)} is tied to {other}, which is already "
                 "sharded in its own FSDP unit; tied weights must stay in one unit: wrap their common "
                 "parent instead (auto-wrap policies do this for you)"
             )
@@ -288,9 +293,16 @@ def _build_group(module: nn.Module, comm, options: FSDPOptions):
         p, sites = by_id[pid]
         rec = FSDPParam(p, sites, layout.shard_rank, layout.shard_world_size, comm.device)
         rec.register(rec.sharded)
-        _consumed_params[pid] = (weakref.ref(p), f"{type(module).__name__}.{sites[0].fqn}")
+        _consumed_params[pid] = (weakref.ref(p), weakref.ref(module), sites[0].fqn)
         params.append(rec)
     return FSDPParamGroup(params, comm, options)
+
+
+def _class_name(module) -> str:
+    """The user's class name (not the FSDP subclass made at wrap time)."""
+    if isinstance(module, XlaFullyShardedDataParallel):
+        return type(module).__mro__[2].__name__
+    return type(module).__name__
 
 
 def _materialize(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
@@ -308,7 +320,7 @@ def _materialize(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
     leftover = [fqn for _, _, p, fqn in _owned_params(module) if p.is_meta]
     if leftover:
         raise ValueError(
-            f"{type(module).__name__} has parameters without storage ({', '.join(leftover[:3])}...); build it "
+            f"{_class_name(module)} has parameters without storage ({', '.join(leftover[:3])}...); build it "
             "with xla_fsdp.deferred_init(...) or pass param_init_fn= to materialize each unit"
         )
 

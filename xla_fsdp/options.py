@@ -130,6 +130,11 @@ class ShardingLayout:
     replicate_groups: Tuple[Tuple[int, ...], ...]
 
     def __post_init__(self):
+        if not any(self.rank in g for g in self.shard_groups):
+            raise ValueError(
+                f"sharding_groups {list(map(list, self.shard_groups))} do not contain this rank "
+                f"({self.rank}); every rank must belong to exactly one group"
+            )
         sizes = {len(g) for g in self.shard_groups}
         if len(sizes) != 1:
             raise ValueError(f"sharding_groups must all have the same size, got sizes {sorted(sizes)}")
@@ -138,11 +143,6 @@ class ShardingLayout:
             raise ValueError(
                 f"sharding_groups {list(map(list, self.shard_groups))} must partition ranks "
                 f"0..{self.world_size - 1} exactly once each"
-            )
-        if not any(self.rank in g for g in self.shard_groups):
-            raise ValueError(
-                f"sharding_groups {list(map(list, self.shard_groups))} do not contain this rank "
-                f"({self.rank}); every rank must belong to exactly one group"
             )
 
     @property
@@ -170,7 +170,9 @@ class ShardingLayout:
         if groups is None:
             groups = [list(range(world_size))]
         shard_groups = tuple(tuple(int(r) for r in g) for g in groups)
-        size = len(shard_groups[0]) if shard_groups else 0
+        if not shard_groups or not all(shard_groups):
+            raise ValueError(f"sharding_groups={groups!r} must be a non-empty list of non-empty rank lists")
+        size = min(len(g) for g in shard_groups)
         replicate_groups = tuple(tuple(g[i] for g in shard_groups) for i in range(size))
         return cls(rank, world_size, shard_groups, replicate_groups)
 
