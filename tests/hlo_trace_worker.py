@@ -9,8 +9,8 @@ model, runs forward and backward lazily, and writes the HLO text of the graph
 that would compute the shard gradients. Nothing here may force execution
 (no .item(), no sync, execute_sharding_on_init=False).
 
-MODEL is "mlp_nested" (a root unit and one nested unit) or "gpt2" (auto-wrap
-on GPT2Block). Shared by tests/test_hlo.py and bench/comm_volume.py.
+MODEL is "mlp_nested" (a root unit and one nested unit), "gpt2" or
+"gpt2_small" (auto-wrap on GPT2Block). Shared by tests/test_hlo.py and bench/comm_volume.py.
 """
 import json
 import os
@@ -27,11 +27,13 @@ def build(model_kind: str, engine: str, kwargs: dict, device):
     from parity_cases import build_model
 
     with _lock:  # device threads share the global RNG; keep construction whole
-        model = build_model("gpt2" if model_kind == "gpt2" else "mlp_nested")
+        model = build_model(model_kind)
     if engine == "torch_xla":
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as TXFSDP
 
-        if model_kind == "gpt2":
+        kwargs = {"execute_sharding_on_init": False, **kwargs}  # its init would execute the graph
+
+        if model_kind.startswith("gpt2"):
             import functools
 
             from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -45,7 +47,7 @@ def build(model_kind: str, engine: str, kwargs: dict, device):
     from xla_fsdp import FSDP
 
     kwargs = {"execute_sharding_on_init": False, **kwargs}
-    if model_kind == "gpt2":
+    if model_kind.startswith("gpt2"):
         return FSDP(model, auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]), **kwargs)
     model[2] = FSDP(model[2], **kwargs)
     return FSDP(model, **kwargs)
@@ -54,7 +56,10 @@ def build(model_kind: str, engine: str, kwargs: dict, device):
 def trace_all(index: int, out_dir: str, configs: list) -> None:
     import torch_xla
 
+    import gc
+
     for cfg in configs:
+        gc.collect()  # drop the previous trace's tensors before starting a new graph
         # collectives chain through a per-device token (as after a step boundary, start a new chain)
         torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
         kwargs = {k: _parse_value(v) for k, v in cfg.get("kwargs", {}).items()}
@@ -67,7 +72,7 @@ def step_hlo(out_dir: str, name: str, model_kind: str, engine: str, kwargs: dict
 
     device = torch_xla.device()
     model = build(model_kind, engine, kwargs, device)
-    if model_kind == "gpt2":
+    if model_kind.startswith("gpt2"):
         ids = torch.zeros(2, 16, dtype=torch.long).to(device)
         loss = model(input_ids=ids, labels=ids).loss
     else:

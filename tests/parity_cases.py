@@ -33,11 +33,12 @@ class Case:
         return dict(self.fsdp)
 
 
-def gpt2_config():
+def gpt2_config(size: str = "tiny"):
     from transformers import GPT2Config
 
-    return GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128, n_positions=32, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0)
+    dims = {"tiny": dict(n_embd=64, n_layer=2, n_head=2, vocab_size=128),
+            "small": dict(n_embd=256, n_layer=4, n_head=4, vocab_size=8192)}[size]
+    return GPT2Config(n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **dims)
 
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:
@@ -46,10 +47,10 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         # 67 rows do not divide by 2 or 4: every rank holds padding somewhere
         return nn.Sequential(nn.Linear(32, 67), nn.GELU(), nn.Sequential(nn.Linear(67, 67), nn.Tanh()),
                              nn.Linear(67, 5))
-    if kind == "gpt2":
+    if kind in ("gpt2", "gpt2_small"):
         from transformers import GPT2LMHeadModel
 
-        return GPT2LMHeadModel(gpt2_config())
+        return GPT2LMHeadModel(gpt2_config("small" if kind == "gpt2_small" else "tiny"))
     raise ValueError(kind)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -82,7 +83,7 @@ class FSDPState:
     """Hooks and bookkeeping of one FSDP unit."""
 
     def __init__(self, module: torch.nn.Module, group: FSDPParamGroup, options: FSDPOptions):
-        self.module = module
+        self._module = weakref.ref(module)  # the module owns this state; no reference cycle
         self.group = group
         self.options = options
         self.is_root: Optional[bool] = None
@@ -192,11 +193,14 @@ class FSDPState:
         self._full_for_backward = None
 
     def _finalize_backward(self) -> None:
-        for state in _all_states(self.module):
+        module = self._module()
+        if module is None:
+            return
+        for state in _all_states(module):
             state.training_state = TrainingState.IDLE
             state._full_for_backward = None
         if self.options.sync_on_finalization:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
             self.group.comm.sync(grads)
 
 

@@ -1,0 +1,90 @@
+"""Communication volume of one training step at world size 8, from traced HLO.
+
+Traces (never executes) one forward+backward of a small GPT-2 (d 256, 4
+layers, vocab 8192; `--model gpt2` for the tests' tiny one; auto-wrap on GPT2Block) on 8 XLA:CPU device threads, for xla_fsdp with
+each gather implementation and for torch_xla's XlaFullyShardedDataParallel
+(pinned layouts, its default), then counts collectives and the bytes each rank
+sends on a ring:
+
+    all-gather of an S-byte result       (N-1)/N * S
+    reduce-scatter of an S-byte input    (N-1)/N * S
+    all-reduce of S bytes                2(N-1)/N * S
+
+The ideal for FSDP is 3(N-1)/N * P (gather for forward, gather again for
+backward, reduce-scatter gradients; P = fp32 parameter bytes). Both engines
+keep the root unit gathered between its forward and backward by default
+(disable_reshard_on_root), so the ideal is met with every unit resharded:
+the figures are printed for that setting too.
+
+    python bench/comm_volume.py [--world 8] [--model gpt2_small|gpt2]
+"""
+import argparse
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from hlo_utils import COLLECTIVES, ops, read, result_bytes, trace  # noqa: E402
+
+RUNS = [
+    ("xla_fsdp all_gather", "xla_fsdp", {"all_gather_impl": "all_gather"}),
+    ("xla_fsdp all_reduce", "xla_fsdp", {"all_gather_impl": "all_reduce"}),
+    ("torch_xla FSDPv1 (pinned)", "torch_xla", {}),
+    ("xla_fsdp all_gather, root resharded", "xla_fsdp",
+     {"all_gather_impl": "all_gather", "disable_reshard_on_root": False}),
+    ("xla_fsdp all_reduce, root resharded", "xla_fsdp",
+     {"all_gather_impl": "all_reduce", "disable_reshard_on_root": False}),
+    ("torch_xla FSDPv1, root resharded", "torch_xla", {"disable_reshard_on_root": False}),
+]
+
+
+def ring_bytes(hlo: str, world: int):
+    counts, sent = {}, 0.0
+    frac = (world - 1) / world
+    for op in COLLECTIVES:
+        lines = ops(hlo, op)
+        counts[op] = len(lines)
+        for line in lines:
+            size = result_bytes(line)
+            if op == "all-gather":
+                sent += frac * size
+            elif op == "reduce-scatter":
+                sent += frac * size * world
+            else:
+                # torch_xla reduces its clipping/loss scalars too; count everything it sends
+                sent += 2 * frac * size
+    return counts, sent
+
+
+def param_bytes(kind: str) -> int:
+    from parity_cases import build_model
+
+    model = build_model(kind)
+    return sum(p.numel() for p in model.parameters()) * 4
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--model", default="gpt2_small", choices=["gpt2_small", "gpt2"])
+    args = ap.parse_args()
+    n = args.world
+    configs = [{"name": f"run{i}", "model": args.model, "engine": engine, "kwargs": kwargs}
+               for i, (_, engine, kwargs) in enumerate(RUNS)]
+    with tempfile.TemporaryDirectory() as out:
+        trace(configs, out, world=n, timeout=1800)
+        texts = {c["name"]: read(out, c["name"], n)[0] for c in configs}
+    p = param_bytes(args.model)
+    ideal = 3 * (n - 1) / n * p
+    print(f"{args.model}, world size {n}, fp32 parameter bytes P = {p:,}; ideal 3(N-1)/N*P = {ideal:,.0f} B/rank")
+    print(f"{'engine':40s} {'all-gather':>10s} {'all-reduce':>10s} {'red-scatter':>11s} {'bytes/rank':>14s} {'x ideal':>8s}")
+    for (label, _, _), cfg in zip(RUNS, configs):
+        counts, sent = ring_bytes(texts[cfg["name"]], n)
+        print(f"{label:40s} {counts['all-gather']:>10d} {counts['all-reduce']:>10d} "
+              f"{counts['reduce-scatter']:>11d} {sent:>14,.0f} {sent / ideal:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
