@@ -1,0 +1,196 @@
+"""Step time of a tiny GPT-2 under xla_fsdp's SPMD engine, torch_xla's FSDPv2
+and a single XLA device, on virtual CPU devices.
+
+Each configuration runs in its own process (SPMD mode is process-global);
+the parent prints median step time, trace time, compile counts, ratios and
+the number of "involuntary full rematerialization" warnings in each child's
+stderr (XLA log lines from the SPMD partitioner).
+
+  PJRT_DEVICE=CPU python bench/spmd_step.py [--devices 8] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = ("single", "fsdpv2", "xla_fsdp")
+REMAT = "involuntary full rematerialization"
+
+
+def gpt2_config():
+  from transformers import GPT2Config
+  return GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=8192,
+                    n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
+                    attn_pdrop=0.0)
+
+
+def hf_shard_output(output, mesh):
+  """What the HF Trainer passes FSDPv2: shard the (first) output on the batch
+  dim; it is called for every wrapped block and for the root."""
+  import torch
+  import torch_xla.distributed.spmd as xs
+  if isinstance(output, torch.Tensor):
+    real = output
+  elif isinstance(output, tuple):
+    real = output[0]
+  else:
+    real = output.logits
+  xs.mark_sharding(real, mesh, ("fsdp",) + (None,) * (real.dim() - 1))
+
+
+def build(config_name: str, devices: int):
+  """Returns (model, prepare_batch) for one configuration."""
+  import functools
+
+  import numpy as np
+  import torch
+  import torch_xla
+  import torch_xla.distributed.spmd as xs
+  from transformers import GPT2LMHeadModel
+  from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+  torch.manual_seed(0)
+  model = GPT2LMHeadModel(gpt2_config())
+  if config_name == "single":
+    model = model.to(torch_xla.device())
+    # Module.to() gives each module its own new Parameter when moving to
+    # XLA, which unties lm_head from wte; the HF Trainer re-ties the same way.
+    model.tie_weights()
+    return model, lambda t: t
+
+  mesh = xs.Mesh(np.arange(devices), (devices,), ("fsdp",))
+  if config_name == "fsdpv2":
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import \
+        SpmdFullyShardedDataParallel
+    policy = functools.partial(transformer_auto_wrap_policy,
+                               transformer_layer_cls={GPT2Block})
+    model = SpmdFullyShardedDataParallel(model, mesh=mesh,
+                                         auto_wrap_policy=policy,
+                                         shard_output=hf_shard_output)
+    model.module.tie_weights()  # FSDPv2 moved the model with Module.to()
+
+    def shard_batch(t):
+      # The HF Trainer's input pipeline shards batches for FSDPv2.
+      xs.mark_sharding(t, mesh, ("fsdp", None))
+      return t
+
+    return model, shard_batch
+
+  from xla_fsdp.spmd import apply_spmd_fsdp
+  from xla_fsdp.wrap import transformer_auto_wrap_policy as policy_fn
+  policy = functools.partial(policy_fn, transformer_layer_cls={GPT2Block})
+  return apply_spmd_fsdp(model, mesh=mesh, auto_wrap_policy=policy), \
+      lambda t: t
+
+
+def child(config_name: str, devices: int, steps: int, warmup: int,
+          batch: int, seq: int) -> dict:
+  import torch_xla.runtime as xr
+  if config_name != "single":
+    xr.use_spmd()
+  import torch
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+  import torch_xla.debug.metrics as met
+
+  model, prepare = build(config_name, devices)
+  hf = getattr(model, "module", model)
+  assert hf.lm_head.weight is hf.transformer.wte.weight, "embeddings untied"
+  gen = torch.Generator().manual_seed(1)
+  ids = torch.randint(0, 8192, (batch, seq), generator=gen)
+  ids = prepare(ids.to(torch_xla.device()))
+  opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+  step_s, trace_s, losses = [], [], []
+  compiles_after_warmup = None
+  for step in range(warmup + steps):
+    if step == warmup:
+      compiles_after_warmup = met.metric_data("CompileTime")[0]
+    start = time.perf_counter()
+    opt.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    torch_xla.sync()
+    traced = time.perf_counter()
+    xm.wait_device_ops()
+    done = time.perf_counter()
+    if step >= warmup:
+      step_s.append(done - start)
+      trace_s.append(traced - start)
+    losses.append(loss)
+  compiles = met.metric_data("CompileTime")[0]
+  return {
+      "config": config_name,
+      "devices": xr.global_runtime_device_count(),
+      "median_step_ms": 1e3 * statistics.median(step_s),
+      "median_trace_ms": 1e3 * statistics.median(trace_s),
+      "compiles_total": compiles,
+      "compiles_in_timed_steps": compiles - compiles_after_warmup,
+      "final_loss": losses[-1].item(),
+      "losses": [round(l.item(), 5) for l in losses],
+  }
+
+
+def run_config(name: str, args) -> dict:
+  env = dict(os.environ, PJRT_DEVICE="CPU",
+             CPU_NUM_DEVICES="1" if name == "single" else str(args.devices))
+  env.pop("XLA_USE_SPMD", None)
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", name,
+         "--devices", str(args.devices), "--steps", str(args.steps),
+         "--warmup", str(args.warmup), "--batch", str(args.batch),
+         "--seq", str(args.seq)]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                        timeout=1800)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  if proc.returncode != 0 or not lines:
+    raise RuntimeError(f"{name} failed (rc={proc.returncode}):\n"
+                       f"{proc.stderr[-3000:]}")
+  result = json.loads(lines[-1][len("RESULT "):])
+  result["remat_warnings"] = proc.stderr.lower().count(REMAT)
+  return result
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--batch", type=int, default=8, help="global batch")
+  parser.add_argument("--seq", type=int, default=128)
+  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    result = child(args.child, args.devices, args.steps, args.warmup,
+                   args.batch, args.seq)
+    print("RESULT " + json.dumps(result), flush=True)
+    return
+
+  results = {}
+  for name in args.configs.split(","):
+    results[name] = run_config(name, args)
+    r = results[name]
+    print(f"{name:9s} devices={r['devices']} step={r['median_step_ms']:.1f}ms "
+          f"trace={r['median_trace_ms']:.1f}ms compiles={r['compiles_total']} "
+          f"(timed steps: {r['compiles_in_timed_steps']}) "
+          f"remat_warnings={r['remat_warnings']}", flush=True)
+    print(f"{'':9s} losses per step: {r['losses']}", flush=True)
+  step = {k: v["median_step_ms"] for k, v in results.items()}
+  if "xla_fsdp" in step and "fsdpv2" in step:
+    print(f"xla_fsdp / fsdpv2 step time: {step['xla_fsdp'] / step['fsdpv2']:.2f}x")
+  for name in ("xla_fsdp", "fsdpv2"):
+    if name in step and "single" in step:
+      print(f"{name} / single-device step time: "
+            f"{step[name] / step['single']:.2f}x")
+
+
+if __name__ == "__main__":
+  main()
