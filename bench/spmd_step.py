@@ -83,11 +83,12 @@ def build(config_name: str, devices: int):
 
     return model, shard_batch
 
-  from xla_fsdp.spmd import apply_spmd_fsdp
-  from xla_fsdp.wrap import transformer_auto_wrap_policy as policy_fn
-  policy = functools.partial(policy_fn, transformer_layer_cls={GPT2Block})
-  return apply_spmd_fsdp(model, mesh=mesh, auto_wrap_policy=policy), \
-      lambda t: t
+  import xla_fsdp
+  policy = functools.partial(xla_fsdp.wrap.transformer_auto_wrap_policy,
+                             transformer_layer_cls={GPT2Block})
+  model = xla_fsdp.XlaFullyShardedDataParallel(
+      model, engine="spmd", mesh=mesh, auto_wrap_policy=policy)
+  return model, lambda t: t
 
 
 def child(config_name: str, devices: int, steps: int, warmup: int,

@@ -26,7 +26,12 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
-from xla_fsdp.spmd import apply_spmd_fsdp  # noqa: E402
+import xla_fsdp  # noqa: E402
+
+
+def shard(model: nn.Module, **options) -> nn.Module:
+  """The public front door with engine="spmd" (calls spmd.apply_spmd_fsdp)."""
+  return xla_fsdp.XlaFullyShardedDataParallel(model, engine="spmd", **options)
 
 
 def compile_count() -> int:
@@ -91,8 +96,8 @@ def train_case(args) -> dict:
 
   dtype = torch.bfloat16 if args.dtype == "bf16" else None
   names_before = [n for n, _ in model.named_parameters()]
-  model = apply_spmd_fsdp(model, compute_dtype=dtype, auto_wrap_policy=policy,
-                          param_init_fn=param_init_fn)
+  model = shard(model, compute_dtype=dtype, auto_wrap_policy=policy,
+                param_init_fn=param_init_fn)
   names_after = [n for n, _ in model.named_parameters()]
   shards = shard_report(model)
 
@@ -143,8 +148,8 @@ def checkpoint_case(args) -> dict:
   results = {}
   grads = {}
   for ckpt in (False, True):
-    model = apply_spmd_fsdp(models.build_gpt2(), auto_wrap_policy=models.gpt2_policy(),
-                            activation_checkpointing=ckpt)
+    model = shard(models.build_gpt2(), auto_wrap_policy=models.gpt2_policy(),
+                  activation_checkpointing=ckpt)
     ids, labels = (t.to(device) for t in batch)
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
