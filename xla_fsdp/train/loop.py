@@ -21,10 +21,18 @@ WARMUP_STEPS = 2
 
 
 def make_optimizer(params, args):
-    """AdamW (HF default) or Adafactor (the 2023 recipe's `--optim adafactor`)."""
+    """AdamW (HF default) or Adafactor (the 2023 recipe's `--optim adafactor`).
+
+    Adafactor is Hugging Face's, configured as HF Trainer does for
+    `--optim adafactor` (fixed lr, no parameter scaling). torch.optim.Adafactor
+    is not usable on XLA: it calls `.item()` on every parameter's norm each
+    step, and every host read there cuts and runs a separate small graph.
+    """
     params = list(params)
     if args.optim == "adafactor":
-        return torch.optim.Adafactor(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        from transformers.optimization import Adafactor
+        return Adafactor(params, lr=args.learning_rate, weight_decay=args.weight_decay,
+                         scale_parameter=False, relative_step=False, warmup_init=False)
     # foreach=False: the per-tensor loop traces to the same XLA graph and
     # avoids foreach kernels' host-side grouping by device and dtype.
     return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,

@@ -101,7 +101,11 @@ def engine_kwargs(args, fsdp_config) -> dict:
 def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) -> Wrapped:
     """Hand `model` to the selected engine; the only engine-specific code in run_clm."""
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Not HF's gradient_checkpointing_enable(): torch.utils.checkpoint has no
+        # XLA device module, and XLA's CSE would undo a plain recompute anyway.
+        from xla_fsdp import checkpoint_module
+        for block in model.transformer.h:
+            checkpoint_module(block)
     if fsdp_config is not None:
         fsdp_config.check_model(model)
     mesh = None
