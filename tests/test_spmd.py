@@ -37,6 +37,7 @@ SCENARIOS = {
     "gpt2_8": (8, ["train", "--model", "gpt2"]),
     "gpt2_4_bf16": (4, ["train", "--model", "gpt2", "--dtype", "bf16"]),
     "checkpoint4": (4, ["checkpoint"]),
+    "errors4": (4, ["errors"]),
 }
 
 
@@ -155,6 +156,14 @@ def test_activation_checkpointing_same_grads_and_recomputes(runs):
   # forward by optimization barriers (one per checkpointed GPT2Block).
   assert ckpt["dots"] > plain["dots"], r
   assert plain["opt_barriers"] == 0 and ckpt["opt_barriers"] >= 2, r
+
+
+def test_misuse_is_refused_and_buffer_dtype_applies(runs):
+  r = runs["errors4"].result()
+  assert r["buffer_dtype"] == "torch.bfloat16"
+  assert r["param_dtype"] == "torch.float32"
+  assert "already" in r.get("twice", ""), r
+  assert "'fsdp'" in r.get("no_fsdp_axis", "") and "data" in r["no_fsdp_axis"], r
 
 
 def test_units_follow_policy_innermost_first():

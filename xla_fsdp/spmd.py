@@ -17,6 +17,7 @@ unwrapped model's. The steps, in order:
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, List, Optional
 
 import torch
@@ -31,6 +32,10 @@ from xla_fsdp.spmd_precision import install_compute_dtype
 from xla_fsdp.spmd_units import (ParamInitFn, Placed, WrapPolicy, find_units,
                                  materialize_unit, place_and_shard,
                                  unit_tensors)
+
+# Roots already handled: a second application would stack a second set of
+# hooks (double casts and annotations). Weak, so models can be freed.
+_applied: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def apply_spmd_fsdp(
@@ -67,6 +72,10 @@ def apply_spmd_fsdp(
     raise RuntimeError(
         "the SPMD engine needs SPMD mode: call torch_xla.runtime.use_spmd() "
         "(or set XLA_USE_SPMD=1) before any XLA tensor is created.")
+  if module in _applied:
+    raise ValueError(
+        f"{type(module).__name__} is already sharded by the SPMD engine; "
+        "apply it once, to the root model.")
   mesh = resolve_mesh(mesh)
   device = torch_xla.device()
 
@@ -97,6 +106,7 @@ def apply_spmd_fsdp(
   for unit in units[:-1]:
     unit.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
     unit.register_forward_hook(batch.unit_output)
+  _applied.add(module)
   return module
 
 

@@ -169,15 +169,35 @@ def checkpoint_case(args) -> dict:
   return results
 
 
+def errors_case(args) -> dict:
+  """Misuse is refused with a message naming the fix; buffer_dtype applies."""
+  import numpy as np
+  out = {}
+  model = shard(models.build_mlp(), buffer_dtype=torch.bfloat16)
+  out["buffer_dtype"] = str(model.offset.dtype)
+  out["param_dtype"] = str(model.head.weight.dtype)
+  try:
+    shard(model)
+  except ValueError as e:
+    out["twice"] = str(e)
+  n = xr.global_runtime_device_count()
+  try:
+    shard(models.build_mlp(), mesh=xs.Mesh(np.arange(n), (n,), ("data",)))
+  except ValueError as e:
+    out["no_fsdp_axis"] = str(e)
+  return out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("case", choices=["train", "checkpoint"])
+  parser.add_argument("case", choices=["train", "checkpoint", "errors"])
   parser.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
   parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--meta-init", action="store_true")
   args = parser.parse_args()
-  result = train_case(args) if args.case == "train" else checkpoint_case(args)
+  result = {"train": train_case, "checkpoint": checkpoint_case,
+            "errors": errors_case}[args.case](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 
