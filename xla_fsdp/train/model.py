@@ -116,7 +116,10 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) ->
         # No --fsdp: every rank holds the whole model (plain data parallel).
         if fsdp_config is not None:
             raise SystemExit("--fsdp_config was given without --fsdp; add e.g. --fsdp full_shard")
-        return Wrapped(model.to(device), "none", mesh)
+        model = model.to(device)
+        # Module.to() gives XLA copies new Parameters, untying lm_head from wte.
+        model.tie_weights()
+        return Wrapped(model, "none", mesh)
     import xla_fsdp
     kwargs = engine_kwargs(args, fsdp_config)
     if spmd:
@@ -124,14 +127,8 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) ->
         kwargs.setdefault("mesh", mesh)
     else:
         kwargs.pop("engine", None)
-        model = model.to(device) if not _is_deferred(model) else model
+    # The engine places each unit on the device itself (after materializing
+    # it, if deferred); moving the model first would untie lm_head from wte.
     wrapped = xla_fsdp.XlaFullyShardedDataParallel(model, **kwargs)
     return Wrapped(wrapped, "spmd" if spmd else "collectives", mesh, kwargs)
 
-
-def _is_deferred(model) -> bool:
-    try:
-        from xla_fsdp import is_deferred
-    except ImportError:
-        return False
-    return is_deferred(model)
