@@ -57,20 +57,39 @@ class _ParamToken:
             self.view_of = None
 
 
-def _pack(t: torch.Tensor):
-    reg = _registry()
-    hit = reg.get(id(t))
-    if hit is not None and hit[2] is t:
-        return _ParamToken(hit[0], hit[1], None)
-    base = t._base
-    if base is not None:
-        hit = reg.get(id(base))
-        if hit is not None and hit[2] is base:
-            return _ParamToken(hit[0], hit[1], t)
-    return t
+class _Outer:
+    """A tensor handed to the saved-tensor hooks that were active outside the unit."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed, unpack):
+        self.packed, self.unpack = packed, unpack
+
+
+def _make_hooks(outer):
+    """Our pack/unpack pair; anything that is not a gathered parameter goes to `outer`
+    (hooks active around the unit, e.g. torch.autograd.graph.save_on_cpu), if any."""
+
+    def pack(t: torch.Tensor):
+        reg = _registry()
+        hit = reg.get(id(t))
+        if hit is not None and hit[2] is t:
+            return _ParamToken(hit[0], hit[1], None)
+        base = t._base
+        if base is not None:
+            hit = reg.get(id(base))
+            if hit is not None and hit[2] is base:
+                return _ParamToken(hit[0], hit[1], t)
+        if outer is not None:
+            return _Outer(outer[0](t), outer[1])
+        return t
+
+    return pack, _unpack
 
 
 def _unpack(x):
+    if isinstance(x, _Outer):
+        return x.unpack(x.packed)
     if not isinstance(x, _ParamToken):
         return x
     full = x.state.full_params_for_backward()[x.index]
@@ -120,7 +139,10 @@ class FSDPState:
         if reshard:
             for i, t in enumerate(full):
                 reg[id(t)] = (self, i, t)
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack) if reshard else contextlib.nullcontext()
+        hooks = contextlib.nullcontext()
+        if reshard:
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                *_make_hooks(torch._C._autograd._top_saved_tensors_default_hooks(False)))
         active.append(self)
         try:
             with hooks:
