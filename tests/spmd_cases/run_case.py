@@ -62,14 +62,17 @@ def meta_init_fn(values: dict, meta_model: nn.Module, calls: list):
   def init(unit: nn.Module) -> None:
     calls.append(prefix[unit])
     for module in unit.modules():
-      own = dict(module.named_parameters(recurse=False))
-      if not any(t.is_meta for t in own.values()):
+      own = list(module.named_parameters(recurse=False)) + list(
+          module.named_buffers(recurse=False))
+      if not any(t.is_meta for _, t in own):
         continue
       module.to_empty(device="cpu", recurse=False)
+      own = list(module.named_parameters(recurse=False)) + list(
+          module.named_buffers(recurse=False))
       with torch.no_grad():
-        for name, param in module.named_parameters(recurse=False):
+        for name, tensor in own:
           key = f"{prefix[module]}.{name}".lstrip(".")
-          param.copy_(values[key])
+          tensor.copy_(values[key])
 
   return init
 
@@ -86,7 +89,7 @@ def train_case(args) -> dict:
 
   model = build()
   reference = models.reference_copy(model)
-  initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+  initial = {n: t.detach().clone() for n, t in reference.state_dict().items()}
   init_calls: list = []
   param_init_fn = None
   if args.meta_init:
