@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from . import options as opts
 from .options import FSDPOptions, ShardingLayout, ShardingStrategy
+from .host_memory import release_freed_host_memory
 
 # torch_xla's keywords and their defaults, plus ours (`all_gather_impl`,
 # `sharding_strategy`, `engine`, `mesh`)
@@ -290,11 +291,16 @@ def _build_group(module: nn.Module, comm, options: FSDPOptions):
     layout = comm.layout
     params = []
     for pid in order:
-        p, sites = by_id[pid]
+        # popped, so each full tensor is freed as soon as its shard is registered in its place
+        p, sites = by_id.pop(pid)
         rec = FSDPParam(p, sites, layout.shard_rank, layout.shard_world_size, comm.device)
         rec.register(rec.sharded)
         _consumed_params[pid] = (weakref.ref(p), weakref.ref(module), sites[0].fqn)
         params.append(rec)
+    p = None  # the last full tensor too, before its pages are handed back
+    # collect: recursive closures in `_owned_params` and `materialize_module` keep the full
+    # tensors in reference cycles; see [Note: freed host memory stays in the process]
+    release_freed_host_memory(collect=True)
     return FSDPParamGroup(params, comm, options)
 
 
