@@ -189,3 +189,26 @@ def assert_rel_close(got: torch.Tensor, want: torch.Tensor, rel: float, what: st
     got, want = got.double(), want.double()
     err = (got - want).norm() / want.norm().clamp_min(1e-12)
     assert err <= rel, f"{what}: relative error {err:.3g} > {rel:g} (max abs diff {(got - want).abs().max():.3g})"
+
+
+def run_distributed_fn(fn, world: int, tmp_dir: str, *args) -> None:
+    """Run module-level `fn(rank, world, tmp_dir, *args)` on `world` gloo processes."""
+    import torch.multiprocessing as mp
+
+    import uuid
+
+    store = os.path.join(tmp_dir, f"store-{uuid.uuid4().hex}")  # a FileStore file serves one group only
+    mp.start_processes(_fn_worker, args=(world, store, fn, tmp_dir, args), nprocs=world, join=True,
+                       start_method="spawn")
+
+
+def _fn_worker(rank, world, store, fn, tmp_dir, args):
+    import torch.distributed as dist
+
+    os.environ.pop("PJRT_DEVICE", None)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, tmp_dir, *args)
+    finally:
+        dist.destroy_process_group()
