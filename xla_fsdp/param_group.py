@@ -66,13 +66,15 @@ class FSDPParamGroup:
         return [p.sharded for p in self.params]
 
     # -- gather -------------------------------------------------------------
-    def gather(self, barrier_with: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
-        """All-gather every parameter of the unit in compute dtype (no autograd)."""
-        dtype = self.options.mixed_precision.compute_dtype
+    def gather(self, barrier_with: Sequence[torch.Tensor] = (), full_precision: bool = False) -> List[torch.Tensor]:
+        """All-gather every parameter of the unit in compute dtype, or in the shards'
+        dtype with `full_precision` (for saving). No autograd."""
+        dtype = None if full_precision else self.options.mixed_precision.compute_dtype
         out: List[Optional[torch.Tensor]] = [None] * len(self.params)
         with torch.no_grad():
             for bucket in self.gather_buckets:
-                flat = torch.cat([self.params[i].sharded.detach().to(dtype).reshape(-1) for i in bucket])
+                flat = torch.cat([self.params[i].sharded.detach().to(dtype or self.params[i].sharded.dtype)
+                                  .reshape(-1) for i in bucket])
                 if barrier_with and self.comm.is_xla:
                     flat = self.comm.optimization_barrier([flat, *barrier_with])[0]
                 gathered = self.comm.all_gather(flat).view(self.comm.layout.shard_world_size, -1)
