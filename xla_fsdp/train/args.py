@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = p.add_argument_group("reporting")
     report.add_argument("--logging_strategy", choices=("no", "steps", "epoch"), default="steps")
-    report.add_argument("--logging_steps", type=int, default=10)
+    report.add_argument("--logging_steps", type=int, default=10,
+                        help="log loss, tokens/s, step time and MFU every N steps (HF default 500 "
+                             "is too sparse for the short CPU runs this job is mostly used for)")
     report.add_argument("--save_strategy", choices=("no", "steps", "epoch"), default="no")
     report.add_argument("--save_steps", type=int, default=500)
     _bool_flag(report, "--mfu_include_attention", "add 12·L·d·S FLOPs/token for attention to MFU")

@@ -30,7 +30,11 @@ class ByteTokenizer:
 
 def embedded_documents() -> list[str]:
     """The stdlib reference-documentation topics, in a fixed (sorted) order."""
-    from pydoc_data.topics import topics
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distro builds split the stdlib docs out
+        raise SystemExit("the embedded corpus needs the stdlib module pydoc_data, missing from this "
+                         "Python build; pass --train_file with any plain-text file instead") from None
     return [topics[key] for key in sorted(topics)]
 
 

@@ -69,78 +69,86 @@ def run(argv=None) -> dict:
         xr.use_spmd()  # before the first device tensor
     device = torch_xla.device()
     facts = device_facts(spmd)
-    is_master = facts["rank"] == 0
-    log = print if is_master else (lambda *a, **k: None)
-
-    num_params = metrics.gpt2_num_params(config)
-    global_batch = args.per_device_train_batch_size * facts["data_parallel"]
-    train_batches = data.BlockBatches(corpus.train, global_batch, facts["rank"], facts["world"], args.seed)
-    steps_per_epoch = len(train_batches)
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    log = print if facts["rank"] == 0 else (lambda *a, **k: None)
 
     torch.manual_seed(args.seed)
     deferred = wants_deferred_init(config, args.deferred_init)
-    model = build_model(config, deferred)
-    wrapped = wrap_model(model, args, fsdp_config, device, spmd)
-    model = wrapped.model
-    peak = metrics.detect_peak(facts["device_type"], facts["device_kind"], args.peak_tflops)
-    tokens = metrics.tokens_per_step(global_batch, args.block_size)
-    step_flops = metrics.flops_per_step(num_params, tokens, n_layer=config.n_layer, n_embd=config.n_embd,
-                                        seq_len=args.block_size, include_attention=args.mfu_include_attention)
-    ctx = loop.StepContext(device, wrapped.mesh,
-                           allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
-                           is_master=is_master, bf16=args.bf16)
-
-    log(f"run_clm: {num_params / 1e6:.2f}M params ({'deferred' if deferred else 'eager'} init), "
-        f"engine {wrapped.engine}, {facts['data_parallel']} x {facts['device_kind']}, "
-        f"global batch {global_batch} x {args.block_size} tokens, {total_steps} steps "
-        f"({steps_per_epoch}/epoch), optim {args.optim} lr {args.learning_rate:g}")
-    log(f"run_clm: data {corpus.source}: {corpus.train.shape[0]} train / {corpus.eval.shape[0]} eval blocks")
-    log(f"run_clm: peak {peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {facts['chips']} ({peak.source})")
-
+    wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, spmd)
+    ctx = loop.StepContext(device, wrapped.mesh, bf16=args.bf16,
+                           allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1)
+    global_batch = args.per_device_train_batch_size * facts["data_parallel"]
+    num_params = metrics.gpt2_num_params(config)
+    meter = _meter(args, config, num_params, global_batch, facts, log)
     report = {"params": num_params, "engine": wrapped.engine, "device": facts["device_kind"],
               "devices": facts["data_parallel"], "chips": facts["chips"],
-              "peak_flops_per_chip": peak.flops_per_chip, "peak_source": peak.source,
+              "peak_flops_per_chip": meter.peak.flops_per_chip, "peak_source": meter.peak.source,
               "global_batch": global_batch, "block_size": args.block_size,
-              "tokens_per_step": tokens, "flops_per_step": step_flops,
+              "tokens_per_step": meter.tokens_per_step, "flops_per_step": meter.flops_per_step,
               "mfu_includes_attention": args.mfu_include_attention, "data": corpus.source,
               "learning_rate": args.learning_rate, "optim": args.optim}
+    log(f"run_clm: {num_params / 1e6:.2f}M params ({'deferred' if deferred else 'eager'} init), "
+        f"engine {wrapped.engine}, {facts['data_parallel']} x {facts['device_kind']}, "
+        f"global batch {global_batch} x {args.block_size} tokens, optim {args.optim} "
+        f"lr {args.learning_rate:g}")
+    log(f"run_clm: data {corpus.source}: {corpus.train.shape[0]} train / {corpus.eval.shape[0]} eval blocks")
+
     started = time.perf_counter()
     if args.do_train:
-        optimizer = loop.make_optimizer(model.parameters(), args)
-        scheduler = loop.make_scheduler(optimizer, args.warmup_steps, total_steps)
-        meter = metrics.ThroughputMeter(tokens, step_flops, facts["chips"], peak)
-        progress = _progress(total_steps, is_master)
-        result = loop.train(model, optimizer, scheduler, train_batches, total_steps, ctx, meter, args,
-                            log=progress.write if progress else log, progress=progress)
-        if progress:
-            progress.close()
-        report.update(steps=result.steps, losses=result.losses, windows=result.windows,
-                      train_wall_time_s=result.wall_time_s, **result.summary)
-        if result.summary:
-            s = result.summary
-            log(f"run_clm: trained {result.steps} steps in {result.wall_time_s:.1f} s; loss "
-                f"{result.losses[0][1]:.4f} -> {result.losses[-1][1]:.4f}; after {loop.WARMUP_STEPS} "
-                f"warm-up steps: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step, "
-                f"MFU {100 * s['mfu']:.2f}% of {peak.flops_per_chip / 1e12:.3f} TFLOPS x {facts['chips']}")
+        batches = data.BlockBatches(corpus.train, global_batch, facts["rank"], facts["world"], args.seed)
+        report.update(_train(wrapped.model, batches, ctx, meter, args, facts, log))
     if args.do_eval:
-        eval_global = args.per_device_eval_batch_size * facts["data_parallel"]
-        eval_batches = data.BlockBatches(corpus.eval, eval_global, facts["rank"], facts["world"],
-                                         shuffle=False)
-        ev = loop.evaluate(model, eval_batches, ctx)
+        eval_batches = data.BlockBatches(corpus.eval, args.per_device_eval_batch_size * facts["data_parallel"],
+                                         facts["rank"], facts["world"], shuffle=False)
+        ev = loop.evaluate(wrapped.model, eval_batches, ctx)
         report.update(ev)
         log(f"run_clm: eval loss {ev['eval_loss']:.4f}, perplexity {ev['perplexity']:.2f} "
             f"({ev['eval_batches']} batches)")
     report["wall_time_s"] = time.perf_counter() - started
     report["xla_compiles"] = _compile_count()
-    if args.do_train and args.save_strategy != "no":
-        _save(model, args, facts)
-    if is_master:
+    if facts["rank"] == 0:
+        path = os.path.join(args.output_dir, "metrics.json")
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
+        with open(path, "w") as f:
             json.dump(report, f, indent=2)
-        log(f"run_clm: metrics written to {os.path.join(args.output_dir, 'metrics.json')}")
+        log(f"run_clm: metrics written to {path}")
     return report
+
+
+def _meter(args, config, num_params: int, global_batch: int, facts: dict, log) -> metrics.ThroughputMeter:
+    """Tokens and FLOPs per step, and the per-chip peak MFU is measured against."""
+    try:
+        peak = metrics.detect_peak(facts["device_type"], facts["device_kind"], args.peak_tflops)
+    except ValueError as e:
+        # An unknown chip must not stop training: report MFU as NaN instead.
+        log(f"run_clm: no MFU: {e}")
+        peak = metrics.Peak(float("nan"), "unknown (pass --peak_tflops)")
+    tokens = metrics.tokens_per_step(global_batch, args.block_size)
+    step_flops = metrics.flops_per_step(num_params, tokens, n_layer=config.n_layer, n_embd=config.n_embd,
+                                        seq_len=args.block_size, include_attention=args.mfu_include_attention)
+    log(f"run_clm: peak {peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {facts['chips']} ({peak.source})")
+    return metrics.ThroughputMeter(tokens, step_flops, facts["chips"], peak)
+
+
+def _train(model, batches, ctx, meter, args, facts, log) -> dict:
+    """The training phase: optimizer, schedule, progress bar, loop, summary line."""
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * len(batches))
+    log(f"run_clm: {total_steps} steps ({len(batches)} per epoch)")
+    optimizer = loop.make_optimizer(model.parameters(), args)
+    scheduler = loop.make_scheduler(optimizer, args.warmup_steps, total_steps)
+    progress = _progress(total_steps, facts["rank"] == 0)
+    save = (lambda step: _save(model, args, facts, step)) if args.save_strategy != "no" else None
+    result = loop.train(model, optimizer, scheduler, batches, total_steps, ctx, meter, args,
+                        log=progress.write if progress else log, progress=progress, save=save)
+    if progress:
+        progress.close()
+    if result.summary:
+        s = result.summary
+        log(f"run_clm: trained {result.steps} steps in {result.wall_time_s:.1f} s; loss "
+            f"{result.losses[0][1]:.4f} -> {result.losses[-1][1]:.4f}; after {loop.WARMUP_STEPS} "
+            f"warm-up steps: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step, "
+            f"MFU {100 * s['mfu']:.2f}% of {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS x {meter.chips}")
+    return dict(steps=result.steps, losses=result.losses, windows=result.windows,
+                train_wall_time_s=result.wall_time_s, **result.summary)
 
 
 def _compile_count() -> int:
@@ -160,10 +168,10 @@ def _progress(total: int, is_master: bool):
     return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
-def _save(model, args, facts) -> None:
+def _save(model, args, facts, step: int) -> None:
     """Each rank writes its own state dict (shards under FSDP; state-dict keys
     are the unwrapped model's), enough to resume or to consolidate offline."""
     import torch_xla.core.xla_model as xm
-    out = os.path.join(args.output_dir, "checkpoint-final")
+    out = os.path.join(args.output_dir, f"checkpoint-{step}")
     os.makedirs(out, exist_ok=True)
     xm.save(model.state_dict(), os.path.join(out, f"model_rank{facts['rank']}.pt"), master_only=False)

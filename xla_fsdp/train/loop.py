@@ -54,7 +54,6 @@ class StepContext:
     device: torch.device
     spmd_mesh: object = None            # shard batches on dim 0 over this mesh
     allreduce_grads: bool = False       # plain replication across collective ranks
-    is_master: bool = True
     bf16: bool = False
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
@@ -99,8 +98,12 @@ def _clip(model, max_norm: float):
 
 
 def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepContext,
-          meter: ThroughputMeter, args, log=print, progress=None) -> TrainResult:
-    """Run `total_steps` optimizer steps over `batches` (a `BlockBatches`)."""
+          meter: ThroughputMeter, args, log=print, progress=None, save=None) -> TrainResult:
+    """Run `total_steps` optimizer steps over `batches` (a `BlockBatches`).
+
+    `save(step)`, if given, is called per `--save_strategy` (every
+    `--save_steps`, or at each epoch end) and after the last step.
+    """
     import torch_xla.core.xla_model as xm
     result = TrainResult()
     started = time.perf_counter()
@@ -144,10 +147,14 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
                              f"MFU {100 * w['mfu']:.2f}%")
                 if log_every or step == total_steps:
                     log(line)
+            if save and args.save_strategy == "steps" and step % args.save_steps == 0 and step < total_steps:
+                save(step)
             if step >= total_steps:
                 break
         if args.logging_strategy == "epoch" and epoch_loss is not None:
             log(f"epoch {epoch} done at step {step}: loss {epoch_loss.item():.4f}")
+        if save and args.save_strategy == "epoch" and step < total_steps:
+            save(step)
         epoch += 1
     _wait()
     result.steps, result.wall_time_s = step, time.perf_counter() - started
@@ -155,6 +162,8 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
         t0, s0 = summary_start
         step_time = (time.perf_counter() - t0) / (step - s0)
         result.summary = _figures(meter, step_time, step - s0)
+    if save:
+        save(step)  # after the clocks stop: saving is not training throughput
     return result
 
 
