@@ -10,7 +10,9 @@ unwrapped model's. The steps, in order:
    `auto_wrapper_callable` to each non-root unit;
 2. per unit: materialize meta tensors (`param_init_fn`), move its tensors to
    the XLA device and shard its parameters;
-3. install compute-dtype casts ([Note: casting sharded parameters]);
+3. install the compute views: each module computes with a gathered
+   (replicated-annotated), optionally compute-dtype copy of its parameters
+   ([Note: gathering parameters by annotation] in spmd_params.py);
 4. checkpoint every non-root unit if asked;
 5. annotate activations on the batch dim ([Note: why annotate activations]).
 """
@@ -28,7 +30,7 @@ import torch_xla.runtime as xr
 
 from xla_fsdp.spmd_activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_mesh import resolve_mesh
-from xla_fsdp.spmd_precision import install_compute_dtype
+from xla_fsdp.spmd_params import install_compute_views
 from xla_fsdp.spmd_units import (ParamInitFn, Placed, WrapPolicy, find_units,
                                  materialize_unit, place_and_shard,
                                  unit_tensors)
@@ -88,14 +90,12 @@ def apply_spmd_fsdp(
     materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
     place_and_shard(unit, done, mesh, device, buffer_dtype)
 
-  casts = {}
-  if compute_dtype is not None:
-    _, casts = install_compute_dtype(module, compute_dtype)
+  _, views = install_compute_views(module, compute_dtype, mesh)
 
   if activation_checkpointing:
     _disable_kv_cache(module)
     for unit in units[:-1]:
-      checkpoint_unit(unit, casts.get(unit))
+      checkpoint_unit(unit, views.get(unit))
 
   batch = BatchSharding(mesh)
   # prepend: see the batch before the compute-dtype cast of the inputs.

@@ -25,7 +25,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.utils.checkpoint as xla_checkpoint
 
 from xla_fsdp.spmd_mesh import batch_spec, data_degree
-from xla_fsdp.spmd_precision import ComputeCast
+from xla_fsdp.spmd_params import ComputeView
 from xla_fsdp.spmd_units import is_sharded
 
 
@@ -98,9 +98,9 @@ class CheckpointedForward:
   """
 
   def __init__(self, inner: Callable[..., Any],
-               own_cast: Optional[ComputeCast]):
+               own_view: Optional[ComputeView]):
     self.inner = inner
-    self.own_cast = own_cast
+    self.own_view = own_view
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
@@ -110,21 +110,21 @@ class CheckpointedForward:
 
     def run(*flat: Any) -> Any:
       rebuilt = dict(zip(names, flat[num_args:]))
-      # The unit's own parameters are cast by hooks around __call__, which
-      # the recompute in backward does not go through.
-      if self.own_cast is not None:
-        self.own_cast.enter()
+      # The unit's own parameter views are set by hooks around __call__,
+      # which the recompute in backward does not go through.
+      if self.own_view is not None:
+        self.own_view.enter()
       try:
         return self.inner(*flat[:num_args], **rebuilt)
       finally:
-        if self.own_cast is not None:
-          self.own_cast.exit()
+        if self.own_view is not None:
+          self.own_view.exit()
 
     return xla_checkpoint.checkpoint(run, *args, *kwargs.values())
 
 
-def checkpoint_unit(unit: nn.Module, own_cast: Optional[ComputeCast]) -> None:
+def checkpoint_unit(unit: nn.Module, own_view: Optional[ComputeView]) -> None:
   """Replaces `unit.forward` (instance attribute) by a checkpointed one."""
   if isinstance(unit.__dict__.get("forward"), CheckpointedForward):
     return
-  unit.forward = CheckpointedForward(unit.forward, own_cast)
+  unit.forward = CheckpointedForward(unit.forward, own_view)

@@ -1,41 +1,84 @@
-"""Compute-dtype casting for the SPMD engine: fp32 master weights, low-precision math.
+"""What a module computes with: a gathered, compute-dtype view of its sharded
+parameters (the SPMD engine's unshard, written as a sharding).
+
+[Note: gathering parameters by annotation]
+Sharding a weight on dim 0 and the activations on the batch does not make
+GSPMD do FSDP: for `x @ W` with W split on its contracting dim the
+partitioner may instead move `x` to a contracting-dim split (all-to-all) and
+all-reduce partial sums, i.e. tensor parallelism with activation traffic.
+So, for the length of each module's own forward, every parameter is swapped
+for a view annotated as replicated (`GatheredView`): the forward must
+all-gather the weight, and the view's gradient is annotated with the
+Parameter's dim-0 sharding, so the backward reduce-scatters it. That is FSDP
+exactly, and leaves activations batch-sharded end to end.
 
 [Note: casting sharded parameters]
-Each module that owns parameters swaps them, for the length of its own
-forward, for `param.to(compute_dtype)`. The cast is differentiable, so the
-gradient lands on the fp32 Parameter in fp32, and because the cast is applied
-to the dim-0 sharded parameter the partitioner gathers the low-precision copy
-(half the bytes). The swap writes `module._parameters[name]` directly, the
-same trick PyTorch FSDP2 uses, because `setattr` refuses a non-Parameter.
-The swap is per module owning the tensor, not per unit, so that a
-checkpointed unit recomputes with the same casts in backward.
+With a compute dtype the view is `param.to(compute_dtype)` before the
+replicated annotation. The cast is differentiable, so the gradient lands on
+the fp32 Parameter in fp32, and because the cast precedes the gather the
+partitioner gathers the low-precision copy (half the bytes).
+
+The swap writes `module._parameters[name]` directly, the same trick PyTorch
+FSDP2 uses, because `setattr` refuses a non-Parameter. It is per module
+owning the tensor, not per unit, so a checkpointed unit recomputes (and
+re-gathers) the same views in backward.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch_xla.distributed.spmd as xs
 from torch.utils.hooks import RemovableHandle
 
+from xla_fsdp.spmd_mesh import param_spec
 
-class ComputeCast:
-  """Swaps a module's own parameters for compute-dtype copies during forward."""
 
-  def __init__(self, module: nn.Module, dtype: torch.dtype):
+class GatheredView(torch.autograd.Function):
+  """Identity whose output is annotated replicated and whose gradient is
+  annotated with the parameter's own (dim-0) sharding."""
+
+  @staticmethod
+  def forward(ctx, tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
+    ctx.mesh = mesh
+    return _annotated(tensor, mesh, (None,) * tensor.dim())
+
+  @staticmethod
+  def backward(ctx, grad: torch.Tensor):
+    return _annotated(grad, ctx.mesh, param_spec(grad)), None
+
+
+def _annotated(tensor: torch.Tensor, mesh: xs.Mesh, spec) -> torch.Tensor:
+  # `* 1` makes a new IR value (exact, even for -0.0 and NaN): annotating a
+  # clone of device data would collide with the data's own sharding.
+  fresh = tensor * 1
+  xs.mark_sharding(fresh, mesh, spec)
+  return fresh
+
+
+class ComputeView:
+  """Swaps a module's own parameters for their compute views during forward."""
+
+  def __init__(self, module: nn.Module, dtype: Optional[torch.dtype],
+               mesh: xs.Mesh):
     self.module = module
     self.dtype = dtype
+    self.mesh = mesh
     self.masters: Dict[str, nn.Parameter] = {}
 
   def enter(self) -> None:
-    if self.masters:  # re-entered (e.g. recursion); already cast
+    if self.masters:  # re-entered (e.g. recursion); views already in place
       return
     for name, param in list(self.module._parameters.items()):
       if param is None or not param.is_floating_point():
         continue
+      view = param if self.dtype is None else param.to(self.dtype)
+      if view.dim() > 0:
+        view = GatheredView.apply(view, self.mesh)
       self.masters[name] = param
-      self.module._parameters[name] = param.to(self.dtype)
+      self.module._parameters[name] = view
 
   def exit(self) -> None:
     for name, param in self.masters.items():
@@ -56,32 +99,35 @@ def cast_floating(tree, dtype: torch.dtype):
   return tree
 
 
-def install_compute_dtype(
-    root: nn.Module, dtype: torch.dtype
-) -> Tuple[List[RemovableHandle], Dict[nn.Module, ComputeCast]]:
-  """Casts parameters of every module under `root`, and root's float inputs.
+def install_compute_views(
+    root: nn.Module, dtype: Optional[torch.dtype], mesh: xs.Mesh
+) -> Tuple[List[RemovableHandle], Dict[nn.Module, ComputeView]]:
+  """Installs views on every module under `root` owning parameters; with a
+  compute dtype, also casts root's floating inputs.
 
-  Returns the hook handles and the per-module casts (the checkpoint wrapper
-  re-enters a unit's own cast during recompute, which runs outside hooks).
+  Returns the hook handles and the per-module views (the checkpoint wrapper
+  re-enters a unit's own view during recompute, which runs outside hooks).
   """
   handles: List[RemovableHandle] = []
-  casts: Dict[nn.Module, ComputeCast] = {}
+  views: Dict[nn.Module, ComputeView] = {}
   for module in root.modules():
     if not any(p is not None for p in module._parameters.values()):
       continue
-    cast = ComputeCast(module, dtype)
-    casts[module] = cast
+    view = ComputeView(module, dtype, mesh)
+    views[module] = view
     handles.append(
-        module.register_forward_pre_hook(lambda m, args, c=cast: c.enter()))
+        module.register_forward_pre_hook(lambda m, args, v=view: v.enter()))
     # always_call: a forward that raises must still put the masters back.
     handles.append(
         module.register_forward_hook(
-            lambda m, args, out, c=cast: c.exit(), always_call=True))
+            lambda m, args, out, v=view: v.exit(), always_call=True))
 
-  def cast_inputs(module: nn.Module, args: Tuple, kwargs: Dict):
-    return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+  if dtype is not None:
 
-  handles.append(
-      root.register_forward_pre_hook(
-          cast_inputs, with_kwargs=True, prepend=True))
-  return handles, casts
+    def cast_inputs(module: nn.Module, args: Tuple, kwargs: Dict):
+      return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    handles.append(
+        root.register_forward_pre_hook(
+            cast_inputs, with_kwargs=True, prepend=True))
+  return handles, views
