@@ -158,3 +158,32 @@ def test_bad_fsdp_option_names_it(tiny_config):
     from xla_fsdp.train.args import parse_args
     with pytest.raises(SystemExit, match="offload"):
         parse_args(["--config_name", tiny_config, "--output_dir", "o", "--fsdp", "full_shard offload"])
+
+
+def test_engine_selection(monkeypatch):
+    from xla_fsdp.config import load_fsdp_config
+    from xla_fsdp.train.model import selected_engine
+    for name in ("XLA_FSDP_ENGINE", "XLA_USE_SPMD"):
+        monkeypatch.delenv(name, raising=False)
+    v1 = load_fsdp_config({"xla": True})
+    v2 = load_fsdp_config({"xla": True, "xla_fsdp_v2": True})
+    assert selected_engine(None) == "collectives" and selected_engine(v1) == "collectives"
+    assert selected_engine(v2) == "spmd"
+    monkeypatch.setenv("XLA_FSDP_ENGINE", "spmd")          # what the launcher exports
+    assert selected_engine(v1) == "spmd"
+    monkeypatch.setenv("XLA_FSDP_ENGINE", "smpd")
+    with pytest.raises(SystemExit, match="XLA_FSDP_ENGINE"):
+        selected_engine(None)
+
+
+def test_fsdp_flag_becomes_engine_keywords(tiny_config):
+    from xla_fsdp.train.args import parse_args
+    from xla_fsdp.train.model import engine_kwargs
+
+    def kwargs(fsdp):
+        return engine_kwargs(parse_args(["--config_name", tiny_config, "--output_dir", "o",
+                                         "--fsdp", fsdp]), None)
+    assert kwargs("full_shard") == {}                       # the engine's default strategy
+    assert kwargs("shard_grad_op") == {"sharding_strategy": "SHARD_GRAD_OP"}
+    policy = kwargs("full_shard auto_wrap")["auto_wrap_policy"]
+    assert policy.keywords["transformer_layer_cls"] == {"GPT2Block"}

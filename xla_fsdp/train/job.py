@@ -91,6 +91,8 @@ def run(argv=None) -> dict:
         f"global batch {global_batch} x {args.block_size} tokens, optim {args.optim} "
         f"lr {args.learning_rate:g}")
     log(f"run_clm: data {corpus.source}: {corpus.train.shape[0]} train / {corpus.eval.shape[0]} eval blocks")
+    log(f"run_clm: peak {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {meter.chips} "
+        f"({meter.peak.source})")
 
     started = time.perf_counter()
     if args.do_train:
@@ -125,7 +127,6 @@ def _meter(args, config, num_params: int, global_batch: int, facts: dict, log) -
     tokens = metrics.tokens_per_step(global_batch, args.block_size)
     step_flops = metrics.flops_per_step(num_params, tokens, n_layer=config.n_layer, n_embd=config.n_embd,
                                         seq_len=args.block_size, include_attention=args.mfu_include_attention)
-    log(f"run_clm: peak {peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {facts['chips']} ({peak.source})")
     return metrics.ThroughputMeter(tokens, step_flops, facts["chips"], peak)
 
 

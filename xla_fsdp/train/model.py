@@ -47,12 +47,15 @@ def build_model(config, deferred: bool) -> torch.nn.Module:
 
 
 def selected_engine(fsdp_config) -> str:
-    """"spmd" when the fsdp config says xla_fsdp_v2 or the launcher exported
-    XLA_FSDP_ENGINE=spmd; else "collectives"."""
+    """"spmd" when the fsdp config says xla_fsdp_v2, the launcher exported
+    XLA_FSDP_ENGINE=spmd, or torch_xla's XLA_USE_SPMD=1 is set; else "collectives"."""
     env = os.environ.get(ENGINE_ENV, "").strip().lower()
     if env not in ("", "spmd", "collectives"):
         raise SystemExit(f"{ENGINE_ENV}={env!r}: expected 'spmd' or 'collectives' (or unset)")
-    if env == "spmd" or (fsdp_config is not None and fsdp_config.use_spmd):
+    # XLA_USE_SPMD=1 (torch_xla's own switch) puts the runtime in SPMD mode,
+    # where only the SPMD engine can run.
+    xla_spmd = os.environ.get("XLA_USE_SPMD", "") == "1"
+    if env == "spmd" or xla_spmd or (fsdp_config is not None and fsdp_config.use_spmd):
         return "spmd"
     return "collectives"
 
