@@ -127,7 +127,7 @@ def test_cpu_peak_is_measured_once_per_process():
 
 
 def test_throughput_meter_windows(monkeypatch):
-    clock = iter([100.0, 100.0, 103.0])      # init, restart at step 2, close at step 5
+    clock = iter([100.0, 100.0, 103.0, 107.0, 107.0])  # init, restart@2, close@5, close@7, summary@7
     monkeypatch.setattr(m.time, "perf_counter", lambda: next(clock))
     meter = m.ThroughputMeter(tokens_per_step=1000, flops_per_step=6e9, chips=2, peak=m.Peak(1e10, "t"))
     meter.restart(2)
@@ -136,3 +136,12 @@ def test_throughput_meter_windows(monkeypatch):
     assert w["tokens_per_s"] == pytest.approx(1000.0)
     assert w["mfu"] == pytest.approx(6e9 / 1.0 / 2 / 1e10)
     assert math.isclose(w["mfu"], 0.3)
+    w2 = meter.close(7)                       # the next window starts where the last ended
+    assert w2["steps"] == 2 and w2["step_time_s"] == pytest.approx(2.0)
+    total = meter.summary(7)                  # steps 3..7 after the warm-up restart at 2
+    assert total["measured_steps"] == 5 and total["step_time_s"] == pytest.approx(7.0 / 5)
+
+
+def test_throughput_summary_needs_a_restart():
+    meter = m.ThroughputMeter(1, 1.0, 1, m.Peak(1.0, "t"))
+    assert meter.summary(10) == {}

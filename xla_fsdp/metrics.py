@@ -169,22 +169,36 @@ class ThroughputMeter:
         self.peak = peak
         self._start_time = time.perf_counter()
         self._start_step = 0
+        self._summary_start: tuple[float, int] | None = None
 
     def restart(self, step: int) -> None:
-        """Open a new window after `step` (already synced)."""
+        """Open a new window after `step` (already synced); the first call
+        also starts the run summary (so warm-up steps before it are excluded)."""
         self._start_time, self._start_step = time.perf_counter(), step
+        if self._summary_start is None:
+            self._summary_start = (self._start_time, step)
 
-    def close(self, step: int) -> dict:
-        """Close the window at synced `step`; returns its figures and reopens."""
-        now = time.perf_counter()
-        elapsed = now - self._start_time
-        steps = max(step - self._start_step, 1)
-        step_time = elapsed / steps
-        figures = {
+    def _figures(self, elapsed: float, steps: int) -> dict:
+        step_time = elapsed / max(steps, 1)
+        return {
             "steps": steps,
             "step_time_s": step_time,
             "tokens_per_s": self.tokens_per_step / step_time,
             "mfu": mfu(self.flops_per_step, step_time, self.chips, self.peak.flops_per_chip),
         }
+
+    def close(self, step: int) -> dict:
+        """Close the window at synced `step`; returns its figures and reopens."""
+        now = time.perf_counter()
+        figures = self._figures(now - self._start_time, step - self._start_step)
         self._start_time, self._start_step = now, step  # windows abut: no time lost between them
+        return figures
+
+    def summary(self, step: int) -> dict:
+        """Figures from the first `restart` to synced `step`; {} if never restarted."""
+        if self._summary_start is None or step <= self._summary_start[1]:
+            return {}
+        t0, s0 = self._summary_start
+        figures = self._figures(time.perf_counter() - t0, step - s0)
+        figures["measured_steps"] = figures.pop("steps")
         return figures

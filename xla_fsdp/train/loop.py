@@ -97,84 +97,83 @@ def _clip(model, max_norm: float):
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
+def train_step(model, optimizer, scheduler, batch, ctx: StepContext, max_grad_norm: float):
+    """One optimizer step, traced lazily and cut by one sync; returns the
+    step's loss as a device tensor (reading it would wait for the device)."""
+    input_ids = ctx.to_device(batch)
+    with ctx.autocast():
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    if ctx.allreduce_grads:
+        import torch_xla.core.xla_model as xm
+        xm.reduce_gradients(optimizer)
+    _clip(model, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    _sync()
+    return loss.detach()
+
+
 def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepContext,
           meter: ThroughputMeter, args, log=print, progress=None, save=None) -> TrainResult:
     """Run `total_steps` optimizer steps over `batches` (a `BlockBatches`).
 
-    `save(step)`, if given, is called per `--save_strategy` (every
-    `--save_steps`, or at each epoch end) and after the last step.
+    The loss is read on step 1, every `--logging_steps` and on the last
+    step; throughput windows close at those reads. `save(step)`, if given,
+    is called per `--save_strategy` and after the last step.
     """
-    import torch_xla.core.xla_model as xm
     result = TrainResult()
     started = time.perf_counter()
     model.train()
     step, epoch = 0, 0
     log_every = args.logging_steps if args.logging_strategy == "steps" else None
     while step < total_steps:
-        epoch_loss = None
+        loss = None
         for batch in batches.epoch(epoch):
-            input_ids = ctx.to_device(batch)
-            with ctx.autocast():
-                loss = model(input_ids=input_ids, labels=input_ids).loss
-            loss.backward()
-            if ctx.allreduce_grads:
-                xm.reduce_gradients(optimizer)
-            _clip(model, args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync()
+            loss = train_step(model, optimizer, scheduler, batch, ctx, args.max_grad_norm)
             step += 1
-            epoch_loss = loss.detach()
             if progress is not None:
                 progress.update(1)
-            if step == WARMUP_STEPS or (step == total_steps and step < WARMUP_STEPS):
+            if step == WARMUP_STEPS:
                 _wait()
                 meter.restart(step)
-                summary_start = (time.perf_counter(), step)
             if step == 1 or (log_every and step % log_every == 0) or step == total_steps:
-                value = loss.item()  # the one host read: waits for this step
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"loss is {value} at step {step}; lower --learning_rate "
-                                             f"or raise --warmup_steps")
-                result.losses.append([step, value])
-                line = f"step {step}/{total_steps} loss {value:.4f} lr {scheduler.get_last_lr()[0]:.2e}"
-                if step > WARMUP_STEPS:
-                    w = meter.close(step)
-                    w["step"] = step
-                    result.windows.append(w)
-                    line += (f" | {w['tokens_per_s']:.0f} tokens/s, {w['step_time_s'] * 1e3:.1f} ms/step, "
-                             f"MFU {100 * w['mfu']:.2f}%")
+                line = _record(result, step, total_steps, loss, scheduler, meter)
                 if log_every or step == total_steps:
                     log(line)
             if save and args.save_strategy == "steps" and step % args.save_steps == 0 and step < total_steps:
                 save(step)
             if step >= total_steps:
                 break
-        if args.logging_strategy == "epoch" and epoch_loss is not None:
-            log(f"epoch {epoch} done at step {step}: loss {epoch_loss.item():.4f}")
+        if args.logging_strategy == "epoch" and loss is not None:
+            log(f"epoch {epoch} done at step {step}: loss {loss.item():.4f}")
         if save and args.save_strategy == "epoch" and step < total_steps:
             save(step)
         epoch += 1
     _wait()
     result.steps, result.wall_time_s = step, time.perf_counter() - started
-    if step > WARMUP_STEPS:
-        t0, s0 = summary_start
-        step_time = (time.perf_counter() - t0) / (step - s0)
-        result.summary = _figures(meter, step_time, step - s0)
+    result.summary = meter.summary(step)
     if save:
         save(step)  # after the clocks stop: saving is not training throughput
     return result
 
 
-def _figures(meter: ThroughputMeter, step_time: float, steps: int) -> dict:
-    from xla_fsdp.metrics import mfu
-    return {
-        "measured_steps": steps,
-        "step_time_s": step_time,
-        "tokens_per_s": meter.tokens_per_step / step_time,
-        "mfu": mfu(meter.flops_per_step, step_time, meter.chips, meter.peak.flops_per_chip),
-    }
+def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, meter) -> str:
+    """Read the loss (the one host read: it waits for this step), close the
+    throughput window, and return the log line."""
+    value = loss.item()
+    if not math.isfinite(value):
+        raise FloatingPointError(f"loss is {value} at step {step}; lower --learning_rate "
+                                 f"or raise --warmup_steps")
+    result.losses.append([step, value])
+    line = f"step {step}/{total_steps} loss {value:.4f} lr {scheduler.get_last_lr()[0]:.2e}"
+    if step > WARMUP_STEPS:
+        window = dict(meter.close(step), step=step)
+        result.windows.append(window)
+        line += (f" | {window['tokens_per_s']:.0f} tokens/s, {window['step_time_s'] * 1e3:.1f} ms/step, "
+                 f"MFU {100 * window['mfu']:.2f}%")
+    return line
 
 
 @torch.no_grad()
