@@ -290,6 +290,7 @@ def _build_group(module: nn.Module, comm, options: FSDPOptions):
         by_id[id(p)][1].append(ParamSite(m, name, fqn))
     layout = comm.layout
     params = []
+    dropped = [weakref.ref(by_id[pid][0]) for pid in order]
     for pid in order:
         # popped, so each full tensor is freed as soon as its shard is registered in its place
         p, sites = by_id.pop(pid)
@@ -298,9 +299,7 @@ def _build_group(module: nn.Module, comm, options: FSDPOptions):
         _consumed_params[pid] = (weakref.ref(p), weakref.ref(module), sites[0].fqn)
         params.append(rec)
     p = None  # the last full tensor too, before its pages are handed back
-    # collect: recursive closures in `_owned_params` and `materialize_module` keep the full
-    # tensors in reference cycles; see [Note: freed host memory stays in the process]
-    release_freed_host_memory(collect=True)
+    release_freed_host_memory(dropped)  # see [Note: freed host memory stays in the process]
     return FSDPParamGroup(params, comm, options)
 
 

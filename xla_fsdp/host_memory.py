@@ -1,20 +1,23 @@
 """Handing freed host memory back to the operating system.
 
-[Note: freed host memory stays in the process] Sharding a unit frees its
-full-size parameters, but glibc keeps freed blocks below its mmap threshold
-(which grows to 32 MiB as large blocks are freed) in its arenas for reuse.
-The next unit's tensors are allocated elsewhere often enough that the
-process's resident size grows by about a unit per unit, and a deferred model
-wrapped at world size 1 peaked at 2x its size although nothing held the freed
-tensors. `malloc_trim(0)` returns those pages; it is cheap next to
-materializing a unit, so the engine calls it once per unit.
+[Note: freed host memory stays in the process] Sharding a unit drops its
+full-size parameters, but two things keep their bytes resident. Reference
+cycles: the recursive closures that list a unit's tensors (`_owned_params` in
+api.py, `materialize_module`) sit in cycles with those lists until the cycle
+collector runs. And glibc: freed blocks below its mmap threshold (which grows
+to 32 MiB as large blocks are freed) stay in its arenas. Measured on a
+deferred 4-block GPT-2 wrapped at XLA world size 1: the process grew to 2.7x
+the model while 1.0x was live at the end. A young-generation collection
+(when a dropped tensor is still alive) and `malloc_trim(0)` once per unit keep
+it near what is live, for a few ms per unit.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import gc
-from typing import Callable, Optional
+import weakref
+from typing import Callable, Optional, Sequence
 
 _trim: Optional[Callable[[int], int]] = None
 _looked_up = False
@@ -33,14 +36,18 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
     return _trim
 
 
-def release_freed_host_memory(collect: bool = False) -> None:
+def release_freed_host_memory(dropped: Sequence[weakref.ref] = ()) -> None:
     """Return freed heap pages to the OS; a no-op where the C library cannot.
 
-    `collect=True` first runs the cycle collector, for callers that may have
-    dropped tensors held only by reference cycles (it costs tens of ms).
+    `dropped`: weak references to tensors the caller has let go of. While a
+    reference cycle still holds one, the cycle collector runs, youngest
+    generations first: a full collection takes about 0.5 s in a process with
+    transformers and torch_xla loaded, a young one milliseconds.
     """
-    if collect:
-        gc.collect()
+    for generation in (1, 2):
+        if not any(ref() is not None for ref in dropped):
+            break
+        gc.collect(generation)
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -67,7 +67,7 @@ class FSDPParam:
         pad = self.rows_per_rank - max(0, stop - start)
         if pad:
             local = torch.cat([local, rows.new_zeros(pad, *self.row_shape)])
-        elif _hands_over_host_memory(device):
+        elif _hands_over_host_memory(local, device):
             local = local.clone()
         else:
             moved = local.to(device)
@@ -106,9 +106,10 @@ class FSDPParam:
 # may write updated parameters into a donated buffer in place.
 
 
-def _hands_over_host_memory(device: torch.device) -> bool:
+def _hands_over_host_memory(tensor: torch.Tensor, device: torch.device) -> bool:
+    """True when `tensor` is in host memory and `device` is XLA:CPU."""
     device = torch.device(device)
-    if device.type != "xla":
+    if tensor.device.type != "cpu" or device.type != "xla":
         return False
     import torch_xla
 
@@ -117,7 +118,7 @@ def _hands_over_host_memory(device: torch.device) -> bool:
 
 def _move_owned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host`, which nothing else references, on `device` (see the note above)."""
-    if _hands_over_host_memory(device):
+    if _hands_over_host_memory(host, device):
         from torch_xla.utils.dlpack import from_dlpack
 
         moved = from_dlpack(host.contiguous())
