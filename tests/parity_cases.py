@@ -6,7 +6,6 @@ tensors so the parent process can compare them.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from typing import Dict, List, Optional

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .class_swap import mix_into, unmix
+
 _local = threading.local()
 
 
@@ -34,9 +36,6 @@ class _CheckpointMixin:
 
     def forward(self, *args, **kwargs):
         return checkpointed_call(super().forward, args, kwargs, None)
-
-
-_classes: Dict[type, type] = {}
 
 
 def checkpoint_module(module: nn.Module) -> nn.Module:
@@ -54,19 +53,13 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
         return module
     if type(module).forward is nn.Module.forward:
         raise ValueError(f"{type(module).__name__} has no forward() to checkpoint; checkpoint its children")
-    base = type(module)
-    cls = _classes.get(base)
-    if cls is None:
-        cls = type(f"Checkpointed{base.__name__}", (_CheckpointMixin, base), {"__module__": base.__module__})
-        _classes[base] = cls
-    module.__class__ = cls
-    return module
+    return mix_into(module, _CheckpointMixin, "Checkpointed")
 
 
 def strip_checkpoint(module: nn.Module) -> bool:
     """Undo `checkpoint_module`'s class change; returns whether it had been applied."""
     if isinstance(module, _CheckpointMixin):
-        module.__class__ = type(module).__mro__[2]
+        unmix(module)
         return True
     return False
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import options as opts
+from .class_swap import mix_into, unmix
 from .options import FSDPOptions, ShardingLayout, ShardingStrategy
 from .host_memory import release_freed_host_memory
 
@@ -57,7 +58,6 @@ SPMD_KEYWORDS = ("compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrap
                  "param_init_fn", "mesh", "activation_checkpointing", "engine")
 ENGINES = ("collectives", "spmd")
 
-_dynamic_classes: Dict[type, type] = {}
 # id(original parameter) -> (weakref to it, weakref to the unit that sharded it, its name there),
 # so a tied weight split across units can be reported by name
 _consumed_params: Dict[int, Any] = {}
@@ -100,12 +100,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         from .activation_checkpoint import strip_checkpoint
 
         checkpointed = strip_checkpoint(module)  # FSDP(checkpoint_module(m)): recompute the whole unit
-        base = type(module)
-        dyn = _dynamic_classes.get(base)
-        if dyn is None:
-            dyn = type(f"FSDP{base.__name__}", (cls, base), {"__module__": base.__module__})
-            _dynamic_classes[base] = dyn
-        module.__class__ = dyn
+        mix_into(module, cls, "FSDP")
         module._fsdp_checkpointed = checkpointed
         return module
 
@@ -113,7 +108,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         try:
             self._fsdp_init(module, kwargs)
         except BaseException:
-            module.__class__ = type(module).__mro__[2]  # undo the class swap: nothing half-wrapped
+            unmix(module)  # nothing half-wrapped
             raise
 
     def _fsdp_init(self, module, kwargs):
