@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 import torch_xla.utils.checkpoint as xla_checkpoint
 
-from xla_fsdp.spmd_mesh import batch_spec, data_degree
+from xla_fsdp.spmd_mesh import ShardedView, batch_spec, data_degree
 from xla_fsdp.spmd_params import ComputeView
 from xla_fsdp.spmd_units import is_sharded
 
@@ -67,8 +67,8 @@ class BatchSharding:
   def annotate(self, tree: Any) -> Any:
     """Batch-shards tensors in `tree` and, through autograd, their grads."""
     if self._applies(tree):
-      return xs.mark_sharding_with_gradients(tree, self.mesh,
-                                             batch_spec(tree, self.mesh))
+      spec = batch_spec(tree, self.mesh)
+      return ShardedView.apply(tree, self.mesh, spec, spec)
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
       return tuple(self.annotate(t) for t in tree)
     if isinstance(tree, list):

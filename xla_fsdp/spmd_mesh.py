@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 import torch
+import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
@@ -69,3 +70,36 @@ def batch_spec(tensor: torch.Tensor, mesh: xs.Mesh) -> PartitionSpec:
   axes = tuple(mesh.axis_names)
   first = axes[0] if len(axes) == 1 else axes
   return (first,) + (None,) * (tensor.dim() - 1)
+
+
+def annotate(tensor: torch.Tensor, mesh: xs.Mesh,
+             spec: PartitionSpec) -> torch.Tensor:
+  """Puts a sharding annotation on a fresh copy of `tensor` and returns it.
+
+  Runs for every parameter and unit boundary on every step, so it skips
+  `xs.mark_sharding`'s XLAShardedTensor wrapper (and, in
+  `mark_sharding_with_gradients`, a mesh re-parse per call); the OpSharding
+  itself is cached by the mesh. `* 1` makes a new IR value (exact, even for
+  -0.0 and NaN): annotating a clone of device data would collide with the
+  data's own sharding.
+  """
+  fresh = tensor * 1
+  torch_xla._XLAC._xla_mark_sharding(fresh, mesh.get_op_sharding(spec))
+  return fresh
+
+
+class ShardedView(torch.autograd.Function):
+  """Identity whose output is annotated `forward_spec` and whose gradient is
+  annotated `backward_spec`."""
+
+  @staticmethod
+  def forward(ctx, tensor: torch.Tensor, mesh: xs.Mesh,
+              forward_spec: PartitionSpec,
+              backward_spec: PartitionSpec) -> torch.Tensor:
+    ctx.mesh = mesh
+    ctx.backward_spec = backward_spec
+    return annotate(tensor, mesh, forward_spec)
+
+  @staticmethod
+  def backward(ctx, grad: torch.Tensor):
+    return annotate(grad, ctx.mesh, ctx.backward_spec), None, None, None

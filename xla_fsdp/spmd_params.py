@@ -7,7 +7,7 @@ GSPMD do FSDP: for `x @ W` with W split on its contracting dim the
 partitioner may instead move `x` to a contracting-dim split (all-to-all) and
 all-reduce partial sums, i.e. tensor parallelism with activation traffic.
 So, for the length of each module's own forward, every parameter is swapped
-for a view annotated as replicated (`GatheredView`): the forward must
+for a view annotated as replicated (`ShardedView`): the forward must
 all-gather the weight, and the view's gradient is annotated with the
 Parameter's dim-0 sharding, so the backward reduce-scatters it. That is FSDP
 exactly, and leaves activations batch-sharded end to end.
@@ -33,29 +33,7 @@ import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 from torch.utils.hooks import RemovableHandle
 
-from xla_fsdp.spmd_mesh import param_spec
-
-
-class GatheredView(torch.autograd.Function):
-  """Identity whose output is annotated replicated and whose gradient is
-  annotated with the parameter's own (dim-0) sharding."""
-
-  @staticmethod
-  def forward(ctx, tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
-    ctx.mesh = mesh
-    return _annotated(tensor, mesh, (None,) * tensor.dim())
-
-  @staticmethod
-  def backward(ctx, grad: torch.Tensor):
-    return _annotated(grad, ctx.mesh, param_spec(grad)), None
-
-
-def _annotated(tensor: torch.Tensor, mesh: xs.Mesh, spec) -> torch.Tensor:
-  # `* 1` makes a new IR value (exact, even for -0.0 and NaN): annotating a
-  # clone of device data would collide with the data's own sharding.
-  fresh = tensor * 1
-  xs.mark_sharding(fresh, mesh, spec)
-  return fresh
+from xla_fsdp.spmd_mesh import ShardedView, param_spec
 
 
 class ComputeView:
@@ -76,7 +54,8 @@ class ComputeView:
         continue
       view = param if self.dtype is None else param.to(self.dtype)
       if view.dim() > 0:
-        view = GatheredView.apply(view, self.mesh)
+        view = ShardedView.apply(view, self.mesh, (None,) * view.dim(),
+                                 param_spec(view))
       self.masters[name] = param
       self.module._parameters[name] = view
 
