@@ -246,19 +246,22 @@ def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> Shar
 
 
 def _owned_params(module: nn.Module):
-    """(module, name, param, fqn) for parameters not inside an already wrapped child unit."""
-    out = []
+    """(module, name, param, fqn) for parameters not inside an already wrapped child unit.
 
-    def visit(m: nn.Module, prefix: str):
+    An explicit stack, not a recursive closure: a closure that refers to itself
+    is a reference cycle, which would keep the full tensors alive until the
+    cycle collector runs.
+    """
+    out = []
+    stack = [(module, "")]
+    while stack:
+        m, prefix = stack.pop()
         for name, p in m._parameters.items():
             if p is not None:
                 out.append((m, name, p, prefix + name))
-        for cname, child in m._modules.items():
-            if child is None or isinstance(child, XlaFullyShardedDataParallel):
-                continue
-            visit(child, f"{prefix}{cname}.")
-
-    visit(module, "")
+        children = [(c, f"{prefix}{n}.") for n, c in m._modules.items()
+                    if c is not None and not isinstance(c, XlaFullyShardedDataParallel)]
+        stack.extend(reversed(children))  # keep definition order
     return out
 
 
