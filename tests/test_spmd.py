@@ -3,6 +3,8 @@
 Each scenario runs tests/spmd_cases/run_case.py in its own process, because
 SPMD mode and the device count are fixed when the XLA runtime starts. All
 scenarios are started at once (one fixture) and each test waits for its own.
+mlp4 and gpt2_4_bf16 run with gather_params=True (forced FSDP gathers), the
+others with the default (GSPMD chooses; batch-annotated activations).
 
 Tolerances (fp32, 5 AdamW steps at lr 1e-2, eager CPU reference):
   - per-step loss: relative 1e-5;
@@ -32,10 +34,11 @@ CASE = ROOT / "tests" / "spmd_cases" / "run_case.py"
 REMAT = "involuntary full rematerialization"
 
 SCENARIOS = {
-    "mlp4": (4, ["train", "--model", "mlp"]),
+    "mlp4": (4, ["train", "--model", "mlp", "--gather-params"]),
     "mlp8_meta": (8, ["train", "--model", "mlp", "--meta-init"]),
     "gpt2_8": (8, ["train", "--model", "gpt2"]),
-    "gpt2_4_bf16": (4, ["train", "--model", "gpt2", "--dtype", "bf16"]),
+    "gpt2_4_bf16": (4, ["train", "--model", "gpt2", "--dtype", "bf16",
+                        "--gather-params"]),
     "checkpoint4": (4, ["checkpoint"]),
     "errors4": (4, ["errors"]),
 }
@@ -103,7 +106,7 @@ def assert_one_compile_after_warmup(r: Dict) -> None:
   assert r["compiles"][2] == r["compiles"][4] >= 1, r["compiles"]
 
 
-def test_mlp_padded_dims_match_eager_on_4_devices(runs):
+def test_mlp_padded_dims_gathered_views_match_eager_on_4_devices(runs):
   r = runs["mlp4"].result()
   assert r["devices"] == 4 and r["names_same"]
   assert_losses_close(r, 1e-5)
@@ -135,7 +138,7 @@ def test_gpt2_matches_eager_on_8_devices(runs):
   assert r["remat_warnings"] == 0
 
 
-def test_gpt2_bf16_compute_close_to_fp32_eager(runs):
+def test_gpt2_bf16_compute_gathered_views_close_to_fp32_eager(runs):
   r = runs["gpt2_4_bf16"].result()
   # Master weights stay fp32; only the math is bf16.
   assert r["param_dtypes"] == ["torch.float32"]

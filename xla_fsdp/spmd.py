@@ -10,8 +10,8 @@ unwrapped model's. The steps, in order:
    `auto_wrapper_callable` to each non-root unit;
 2. per unit: materialize meta tensors (`param_init_fn`), move its tensors to
    the XLA device and shard its parameters;
-3. install the compute views: each module computes with a gathered
-   (replicated-annotated), optionally compute-dtype copy of its parameters
+3. install the compute views: each module computes with a compute-dtype
+   and/or gathered (replicated-annotated) copy of its parameters
    ([Note: gathering parameters by annotation] in spmd_params.py);
 4. checkpoint every non-root unit if asked;
 5. annotate activations on the batch dim ([Note: why annotate activations]).
@@ -50,6 +50,7 @@ def apply_spmd_fsdp(
     auto_wrapper_callable: Optional[Callable[[nn.Module], nn.Module]] = None,
     param_init_fn: Optional[ParamInitFn] = None,
     activation_checkpointing: bool = False,
+    gather_params: bool = False,
 ) -> nn.Module:
   """Shards `module` in place over the SPMD mesh and returns it.
 
@@ -69,6 +70,9 @@ def apply_spmd_fsdp(
       tensors, before they are sharded; default: `to_empty` on the host and
       `reset_parameters()`.
     activation_checkpointing: recompute every non-root unit in backward.
+    gather_params: make every module compute with a replicated view of its
+      parameters, forcing FSDP's all-gather / reduce-scatter pattern instead
+      of letting GSPMD choose ([Note: gathering parameters by annotation]).
   """
   if not xr.is_spmd():
     raise RuntimeError(
@@ -90,7 +94,7 @@ def apply_spmd_fsdp(
     materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
     place_and_shard(unit, done, mesh, device, buffer_dtype)
 
-  _, views = install_compute_views(module, compute_dtype, mesh)
+  _, views = install_compute_views(module, compute_dtype, mesh, gather_params)
 
   if activation_checkpointing:
     _disable_kv_cache(module)

@@ -6,11 +6,17 @@ Sharding a weight on dim 0 and the activations on the batch does not make
 GSPMD do FSDP: for `x @ W` with W split on its contracting dim the
 partitioner may instead move `x` to a contracting-dim split (all-to-all) and
 all-reduce partial sums, i.e. tensor parallelism with activation traffic.
-So, for the length of each module's own forward, every parameter is swapped
-for a view annotated as replicated (`ShardedView`): the forward must
+So, with `gather_params=True`, for the length of each module's own forward,
+every parameter is swapped for a view annotated as replicated
+(`ShardedView`): the forward must
 all-gather the weight, and the view's gradient is annotated with the
 Parameter's dim-0 sharding, so the backward reduce-scatters it. That is FSDP
-exactly, and leaves activations batch-sharded end to end.
+exactly, and leaves activations batch-sharded end to end. It is off by
+default: with the batch annotations alone GSPMD already avoids every full
+rematerialization, and on the tiny CPU benchmark its own choice (some
+activation all-to-alls inside attention) measured ~20% faster than forced
+gathers (bench/spmd_step.py). Turn it on where weight traffic must stay
+independent of batch and sequence length (large activations).
 
 [Note: casting sharded parameters]
 With a compute dtype the view is `param.to(compute_dtype)` before the
@@ -40,10 +46,11 @@ class ComputeView:
   """Swaps a module's own parameters for their compute views during forward."""
 
   def __init__(self, module: nn.Module, dtype: Optional[torch.dtype],
-               mesh: xs.Mesh):
+               mesh: xs.Mesh, gather: bool):
     self.module = module
     self.dtype = dtype
     self.mesh = mesh
+    self.gather = gather
     self.masters: Dict[str, nn.Parameter] = {}
 
   def enter(self) -> None:
@@ -53,7 +60,7 @@ class ComputeView:
       if param is None or not param.is_floating_point():
         continue
       view = param if self.dtype is None else param.to(self.dtype)
-      if view.dim() > 0:
+      if self.gather and view.dim() > 0:
         view = ShardedView.apply(view, self.mesh, (None,) * view.dim(),
                                  param_spec(view))
       self.masters[name] = param
@@ -79,8 +86,8 @@ def cast_floating(tree, dtype: torch.dtype):
 
 
 def install_compute_views(
-    root: nn.Module, dtype: Optional[torch.dtype], mesh: xs.Mesh
-) -> Tuple[List[RemovableHandle], Dict[nn.Module, ComputeView]]:
+    root: nn.Module, dtype: Optional[torch.dtype], mesh: xs.Mesh,
+    gather: bool) -> Tuple[List[RemovableHandle], Dict[nn.Module, ComputeView]]:
   """Installs views on every module under `root` owning parameters; with a
   compute dtype, also casts root's floating inputs.
 
@@ -89,10 +96,12 @@ def install_compute_views(
   """
   handles: List[RemovableHandle] = []
   views: Dict[nn.Module, ComputeView] = {}
+  if dtype is None and not gather:
+    return handles, views  # the view would be the parameter itself
   for module in root.modules():
     if not any(p is not None for p in module._parameters.values()):
       continue
-    view = ComputeView(module, dtype, mesh)
+    view = ComputeView(module, dtype, mesh, gather)
     views[module] = view
     handles.append(
         module.register_forward_pre_hook(lambda m, args, v=view: v.enter()))
