@@ -71,8 +71,14 @@ def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor],
   """
   if not any(t.is_meta for t in tensors):
     return
+  from xla_fsdp.deferred_init import is_deferred, materialize_module
+
   if param_init_fn is not None:
     param_init_fn(unit)
+  elif is_deferred(unit):
+    # built by xla_fsdp.deferred_init: replay the recorded constructor (units
+    # come innermost first, so this takes only what inner units left)
+    materialize_module(unit)
   else:
     # Same default as torch FSDP: allocate, then the module's own init.
     for module in unit.modules():
