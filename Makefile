@@ -18,7 +18,7 @@ install: $(VENV)/.installed
 train: install
 	PJRT_DEVICE=CPU $(PY) launch/xla_spawn.py --num_cores $(NUM_CORES) launch/run_clm.py \
 	  --config_name configs/models/gpt2-tiny.json --fsdp full_shard \
-	  --fsdp_config configs/fsdp/tiny_cpu.json --output_dir out/tiny-cpu
+	  --fsdp_config configs/fsdp/tiny_cpu.json --output_dir out/tiny-cpu --overwrite_output_dir
 
 test: install
 	PJRT_DEVICE=CPU $(PY) -m pytest -q tests
