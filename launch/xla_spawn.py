@@ -25,7 +25,7 @@ any + --spmd  (see --help)    one process per host, ``XLA_FSDP_ENGINE=spmd``,
 
 Why CPU never spawns several replicas: explicit XLA collectives across several
 CPU devices race their compiles and hang (pytorch/xla issues 5005 and 9089;
-docs in /work/shared/notes/xla-on-cpu.md), while the SPMD engine runs the same
+see README "Engines"), while the SPMD engine runs the same
 data-parallel job on N virtual devices in one process. The launcher says so in
 one line when it makes that choice.
 

@@ -128,20 +128,9 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) ->
     if spmd:
         kwargs["engine"] = "spmd"
         kwargs.setdefault("mesh", mesh)
-        if _is_deferred(model):
-            # The SPMD engine's default init is reset_parameters(), which HF's
-            # Conv1D lacks; replaying the recorded init reproduces eager init.
-            from xla_fsdp import materialize_module
-            kwargs.setdefault("param_init_fn", materialize_module)
     else:
         kwargs.pop("engine", None)
     # The engine places each unit on the device itself (after materializing
     # it, if deferred); moving the model first would untie lm_head from wte.
     wrapped = xla_fsdp.XlaFullyShardedDataParallel(model, **kwargs)
     return Wrapped(wrapped, "spmd" if spmd else "collectives", mesh, kwargs)
-
-
-
-def _is_deferred(model: torch.nn.Module) -> bool:
-    from xla_fsdp import is_deferred
-    return is_deferred(model)
