@@ -34,3 +34,25 @@ def test_xla_world1_parity(case, impl):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tol)
     for name, full in ref["params"].items():
         assert_rel_close(got["shards"][name].reshape(full.shape), full, rel, f"{case.name} {impl} {name}")
+
+
+def test_model_already_on_the_xla_device(monkeypatch):
+    """torch_xla users often write FSDP(model.to(device)): shards are then sliced on the device."""
+    import parity_cases
+
+    case = Case("gpt2_on_device", "gpt2", "adamw", clip=0.5)
+    ref = train_reference(case)
+    build = parity_cases.build_model
+
+    def build_on_device(kind, seed=0):
+        model = build(kind, seed).to(torch_xla.device())
+        # Module.to(xla) gives each parameter a new object, untying the head (README, troubleshooting)
+        assert model.lm_head.weight is not model.transformer.wte.weight
+        model.lm_head.weight = model.transformer.wte.weight
+        return model
+
+    monkeypatch.setattr(parity_cases, "build_model", build_on_device)
+    got = train_sharded(case, 0, 1, device=torch_xla.device(), sync=torch_xla.sync)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
+    for name, full in ref["params"].items():
+        assert_rel_close(got["shards"][name].reshape(full.shape), full, 1e-5, name)
