@@ -108,7 +108,6 @@ class FSDPState:
         self.is_root: Optional[bool] = None
         self.training_state = TrainingState.IDLE
         self._full_for_backward: Optional[List[torch.Tensor]] = None
-        self._forward_buffers: List[torch.Tensor] = []
         group.on_grads_reduced = self._after_grads_reduced
 
     # -- properties --------------------------------------------------------
