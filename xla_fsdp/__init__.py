@@ -13,10 +13,7 @@ from .wrap import (always_wrap_policy, lambda_auto_wrap_policy, size_based_auto_
 
 # the function shadows the submodule of the same name on purpose (torchdistx's call shape);
 # import the module as `xla_fsdp.deferred_init` via `from xla_fsdp.deferred_init import ...`
-try:
-    from .deferred_init import deferred_init, is_deferred, materialize_module
-except ImportError:  # pragma: no cover - only while deferred_init.py is being written
-    pass
+from .deferred_init import deferred_init, is_deferred, materialize_module
 
 
 __all__ = [

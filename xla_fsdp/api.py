@@ -12,7 +12,6 @@ yields the local shards.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -61,10 +60,6 @@ ENGINES = ("collectives", "spmd")
 # id(original parameter) -> (weakref to it, weakref to the unit that sharded it, its name there),
 # so a tied weight split across units can be reported by name
 _consumed_params: Dict[int, Any] = {}
-
-
-def _is_deferred(module: nn.Module) -> bool:
-    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
 class XlaFullyShardedDataParallel(nn.Module):
@@ -311,14 +306,12 @@ def _class_name(module) -> str:
 def _materialize(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
     """Give a deferred or meta-device unit real storage right before it is sharded."""
     if param_init_fn is not None:
-        if _is_deferred(_unit_view(module)):
+        if any(p.is_meta for _, _, p, _ in _owned_params(module)):
             param_init_fn(module)
         return
-    try:
-        from .deferred_init import is_deferred, materialize_module
-    except ImportError:  # pragma: no cover - only while the module is being written
-        is_deferred = None
-    if is_deferred is not None and is_deferred(module):
+    from .deferred_init import is_deferred, materialize_module
+
+    if is_deferred(module):
         materialize_module(module, check_fn=lambda m: m is module or not isinstance(m, XlaFullyShardedDataParallel))
     leftover = [fqn for _, _, p, fqn in _owned_params(module) if p.is_meta]
     if leftover:
@@ -326,14 +319,6 @@ def _materialize(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
             f"{_class_name(module)} has parameters without storage ({', '.join(leftover[:3])}...); build it "
             "with xla_fsdp.deferred_init(...) or pass param_init_fn= to materialize each unit"
         )
-
-
-def _unit_view(module):
-    """A tiny module exposing only the unit's own parameters (for deferral checks)."""
-    holder = nn.Module()
-    for i, (_, _, p, _) in enumerate(_owned_params(module)):
-        holder.register_parameter(f"p{i}", p)
-    return holder
 
 
 def _cast_buffers(module: nn.Module, options: FSDPOptions, device) -> None:
@@ -352,17 +337,3 @@ def _cast_buffers(module: nn.Module, options: FSDPOptions, device) -> None:
                 visit(child)
 
     visit(module)
-
-
-def numel_unsharded(module: nn.Module) -> int:
-    """Parameter count of the unwrapped model (shards report their original shapes)."""
-    seen, total = set(), 0
-    for m in module.modules():
-        state = getattr(m, "_fsdp_state", None)
-        if state is None:
-            continue
-        for p in state.group.params:
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += math.prod(p.orig_shape)
-    return total

@@ -50,6 +50,14 @@ class FSDPParam:
     def fqn(self) -> str:
         return self.sites[0].fqn
 
+    def local_rows(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s padded rows of `full` (a view of it unless padding was needed)."""
+        rows = full.detach().reshape(self.rows, *self.row_shape)
+        start = min(rank * self.rows_per_rank, self.rows)
+        local = rows[start:start + self.rows_per_rank]
+        pad = self.rows_per_rank - local.shape[0]
+        return torch.cat([local, rows.new_zeros(pad, *self.row_shape)]) if pad else local
+
     def _local_rows(self, full: torch.Tensor, rank: int, device: torch.device) -> torch.Tensor:
         """This rank's padded rows on `device`, in memory of their own.
 
@@ -60,19 +68,13 @@ class FSDPParam:
         peak. On XLA:CPU the clone is the copy and the move is free (see
         [Note: XLA:CPU shards without a transfer]).
         """
-        rows = full.detach().reshape(self.rows, *self.row_shape)
-        start = rank * self.rows_per_rank
-        stop = min(start + self.rows_per_rank, self.rows)
-        local = rows[start:stop]
-        pad = self.rows_per_rank - max(0, stop - start)
-        if pad:
-            local = torch.cat([local, rows.new_zeros(pad, *self.row_shape)])
-        elif _hands_over_host_memory(local, device):
-            local = local.clone()
-        else:
-            moved = local.to(device)
-            return local.clone() if moved is local else moved  # `.to` hands back its input when no move is needed
-        return _move_owned(local, device)
+        local = self.local_rows(full, rank)
+        if (rank + 1) * self.rows_per_rank > self.rows:  # padded: already memory of its own
+            return _move_owned(local, device)
+        if _hands_over_host_memory(local, device):
+            return _move_owned(local.clone(), device)
+        moved = local.to(device)
+        return local.clone() if moved is local else moved  # `.to` hands back its input when no move is needed
 
     def unpad(self, padded_rows: torch.Tensor) -> torch.Tensor:
         """(padded_rows, *row_shape) -> the full parameter, its own base tensor.

@@ -78,19 +78,10 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
     with torch.no_grad():
         for names, rec, group in records:
             layout = group.comm.layout
-            local = _shard_of(rec, state[names[0]], layout.shard_rank)
+            local = rec.local_rows(state[names[0]], layout.shard_rank)
             rec.sharded.copy_(local.to(rec.sharded.dtype).to(rec.sharded.device))
         for name, b in buffers.items():
             b.copy_(state[name].to(b.dtype).to(b.device))
-
-
-def _shard_of(rec: FSDPParam, full: torch.Tensor, rank: int) -> torch.Tensor:
-    """Rank `rank`'s padded dim-0 rows of `full` (see [Note: dim-0 sharding])."""
-    rows = full.detach().reshape(rec.rows, *rec.row_shape)
-    start = min(rank * rec.rows_per_rank, rec.rows)
-    local = rows[start:start + rec.rows_per_rank]
-    pad = rec.rows_per_rank - local.shape[0]
-    return torch.cat([local, rows.new_zeros(pad, *rec.row_shape)]) if pad else local
 
 
 def sharded_state_dict(model: nn.Module) -> Dict:
