@@ -14,7 +14,11 @@ unwrapped model's. The steps, in order:
    and/or gathered (replicated-annotated) copy of its parameters
    ([Note: gathering parameters by annotation] in spmd_params.py);
 4. checkpoint every non-root unit if asked;
-5. annotate activations on the batch dim ([Note: why annotate activations]).
+5. give layer norms a batch-partitionable forward ([Note: why the SPMD
+   engine rewrites LayerNorm] in spmd_norms.py);
+6. annotate activations on the batch dim ([Note: why annotate activations]):
+   the inputs and outputs of every unit and the inputs of every module that
+   owns parameters.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch_xla.runtime as xr
 
 from xla_fsdp.spmd_activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_mesh import resolve_mesh
+from xla_fsdp.spmd_norms import install_partitionable_layer_norms
 from xla_fsdp.spmd_params import install_compute_views
 from xla_fsdp.spmd_units import (ParamInitFn, Placed, WrapPolicy, find_units,
                                  materialize_unit, place_and_shard,
@@ -101,6 +106,7 @@ def apply_spmd_fsdp(
     for unit in units[:-1]:
       checkpoint_unit(unit, views.get(unit))
 
+  install_partitionable_layer_norms(module)
   batch = BatchSharding(mesh)
   # prepend: see the batch before the compute-dtype cast of the inputs.
   module.register_forward_pre_hook(
@@ -110,8 +116,19 @@ def apply_spmd_fsdp(
   for unit in units[:-1]:
     unit.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
     unit.register_forward_hook(batch.unit_output)
+  for owner in _param_owners(module, exclude=units):
+    owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
   _applied.add(module)
   return module
+
+
+def _param_owners(root: nn.Module, exclude: List[nn.Module]) -> List[nn.Module]:
+  """Modules under `root` that own a parameter, other than `exclude`."""
+  skip = set(map(id, exclude))
+  return [
+      m for m in root.modules() if id(m) not in skip and any(
+          p is not None for p in m._parameters.values())
+  ]
 
 
 def _disable_kv_cache(module: nn.Module) -> None:

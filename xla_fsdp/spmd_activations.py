@@ -9,6 +9,14 @@ Pinning every unit's inputs and outputs, and their gradients, to a batch-dim
 sharding leaves the partitioner one consistent choice: gather the parameter,
 keep the batch split. Annotations never change values, only layouts.
 
+Unit boundaries alone are not enough inside a unit. The weight gradient of
+`x @ W` with W sharded on dim 0 is local if `x` is split on its feature dim,
+so propagating backwards from the gradient's sharding GSPMD moved GPT-2's
+attention output (an unannotated chain of reshapes and transposes) to a
+feature split: 4 all-to-alls and an activation-sized all-reduce per block.
+So the inputs of every module that owns parameters are pinned to the batch
+split too (the matmul's input is then fixed and the weight is gathered).
+
 Only tensors whose dim 0 equals the batch size seen at the root are
 annotated; anything else (masks broadcast over the batch, position tables)
 is left to propagation.

@@ -12,11 +12,13 @@ every parameter is swapped for a view annotated as replicated
 all-gather the weight, and the view's gradient is annotated with the
 Parameter's dim-0 sharding, so the backward reduce-scatters it. That is FSDP
 exactly, and leaves activations batch-sharded end to end. It is off by
-default: with the batch annotations alone GSPMD already avoids every full
-rematerialization, and on the tiny CPU benchmark its own choice (some
-activation all-to-alls inside attention) measured ~20% faster than forced
-gathers (bench/spmd_step.py). Turn it on where weight traffic must stay
-independent of batch and sequence length (large activations).
+default: with the batch annotations (spmd_activations.py) GSPMD already
+gathers the blocks' weights and keeps their activations on the batch split,
+and where it may choose (embedding lookup, LM head) it picks vocab-parallel
+forms that move activations instead of the embedding table; on the CPU
+benchmark both settings measure the same within noise (bench/spmd_step.py).
+Turn it on where weight traffic must stay independent of batch and sequence
+length (large activations) or to get exactly FSDP's collectives.
 
 [Note: casting sharded parameters]
 With a compute dtype the view is `param.to(compute_dtype)` before the

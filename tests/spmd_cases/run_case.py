@@ -5,7 +5,7 @@ so tests/test_spmd.py runs this file with CPU_NUM_DEVICES set.
 
   run_case.py train --model mlp|gpt2 [--dtype bf16] [--meta-init]
                     [--gather-params]
-  run_case.py checkpoint
+  run_case.py checkpoint | errors | partition
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch_xla.runtime as xr
@@ -179,6 +180,39 @@ def checkpoint_case(args) -> dict:
   return results
 
 
+COLLECTIVE = re.compile(
+    r"= (\S+) (all-gather|all-reduce|all-to-all|reduce-scatter|"
+    r"collective-permute)\(")
+
+
+def partition_case(args) -> dict:
+  """Compiles GPT-2 training steps and reports the collectives XLA placed.
+
+  The test sets XLA_SAVE_TENSORS_FILE (and XLA_DUMP_POST_OPTIMIZATIONS), so
+  torch_xla writes the partitioned, optimized HLO of each compiled graph;
+  the training step is the largest module. 8 x 20 = 160 tokens is a size no
+  parameter dim has, so a collective over a [.., 160, ..] tensor moves
+  activations, not parameters.
+  """
+  device = torch_xla.device()
+  model = shard(models.build_gpt2(), auto_wrap_policy=models.gpt2_policy())
+  opt = torch.optim.AdamW(model.parameters(), lr=models.LR)
+  for batch in models.gpt2_batches(2, seq=20):
+    ids, labels = (t.to(device) for t in batch)
+    opt.zero_grad()
+    models.loss_of(model, "gpt2", (ids, labels)).backward()
+    opt.step()
+    torch_xla.sync()
+  text = open(os.environ["XLA_SAVE_TENSORS_FILE"] + ".0").read()
+  modules = text.split("HloModule ")[1:]
+  step = max(modules, key=len)
+  return {
+      "collectives": [[op, shape] for shape, op in COLLECTIVE.findall(step)],
+      "param_shapes": sorted({tuple(p.shape) for p in model.parameters()}),
+      "tokens": 8 * 20,
+  }
+
+
 def errors_case(args) -> dict:
   """Misuse is refused with a message naming the fix; buffer_dtype applies."""
   import numpy as np
@@ -200,7 +234,8 @@ def errors_case(args) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("case", choices=["train", "checkpoint", "errors"])
+  parser.add_argument("case",
+                      choices=["train", "checkpoint", "errors", "partition"])
   parser.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
   parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
   parser.add_argument("--steps", type=int, default=5)
@@ -208,7 +243,7 @@ def main() -> None:
   parser.add_argument("--gather-params", action="store_true")
   args = parser.parse_args()
   result = {"train": train_case, "checkpoint": checkpoint_case,
-            "errors": errors_case}[args.case](args)
+            "errors": errors_case, "partition": partition_case}[args.case](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 
