@@ -76,6 +76,11 @@ def test_install_changes_plain_layer_norms_only_and_keeps_outputs():
   torch.testing.assert_close(model(x), before, rtol=1e-6, atol=1e-6)
   # A second install finds nothing left to change.
   assert install_partitionable_layer_norms(model) == 0
+  # A forward set on the instance (another wrapper's) is left alone.
+  other = nn.LayerNorm(8)
+  other.forward = lambda t: t
+  assert install_partitionable_layer_norms(other) == 0
+  assert other(x) is x
   # The parameters are still the module's (no copies captured).
   with torch.no_grad():
     model[1].weight.mul_(0)

@@ -13,9 +13,9 @@ unwrapped model's. The steps, in order:
 3. install the compute views: each module computes with a compute-dtype
    and/or gathered (replicated-annotated) copy of its parameters
    ([Note: gathering parameters by annotation] in spmd_params.py);
-4. checkpoint every non-root unit if asked;
-5. give layer norms a batch-partitionable forward ([Note: why the SPMD
+4. give layer norms a batch-partitionable forward ([Note: why the SPMD
    engine rewrites LayerNorm] in spmd_norms.py);
+5. checkpoint every non-root unit if asked;
 6. annotate activations on the batch dim ([Note: why annotate activations]):
    the inputs and outputs of every unit and the inputs of every module that
    owns parameters.
@@ -101,12 +101,13 @@ def apply_spmd_fsdp(
 
   _, views = install_compute_views(module, compute_dtype, mesh, gather_params)
 
+  # Before checkpointing: a LayerNorm unit's checkpoint must wrap this forward.
+  install_partitionable_layer_norms(module)
   if activation_checkpointing:
     _disable_kv_cache(module)
     for unit in units[:-1]:
       checkpoint_unit(unit, views.get(unit))
 
-  install_partitionable_layer_norms(module)
   batch = BatchSharding(mesh)
   # prepend: see the batch before the compute-dtype cast of the inputs.
   module.register_forward_pre_hook(

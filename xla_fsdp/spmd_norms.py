@@ -62,8 +62,9 @@ class _PartitionableLayerNorm:
 def install_partitionable_layer_norms(root: nn.Module) -> int:
   """Gives every plain `nn.LayerNorm` under `root` the decomposed forward.
 
-  Subclasses that override `forward` keep theirs (we cannot know what they
-  compute). Returns how many modules were changed.
+  Subclasses that override `forward`, and instances that were given their
+  own `forward`, keep it (we cannot know what it computes). Returns how many
+  modules were changed.
   """
   changed = 0
   for module in root.modules():
@@ -71,8 +72,8 @@ def install_partitionable_layer_norms(root: nn.Module) -> int:
       continue
     if type(module).forward is not nn.LayerNorm.forward:
       continue
-    if isinstance(module.__dict__.get("forward"), _PartitionableLayerNorm):
-      continue
+    if "forward" in module.__dict__:
+      continue  # ours already, or a forward someone set on the instance
     module.forward = _PartitionableLayerNorm(module)
     changed += 1
   return changed
