@@ -136,17 +136,29 @@ def _is_kv_cache(x) -> bool:
     return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__)
 
 
+def without_kv_cache(args, kwargs) -> Tuple[tuple, dict]:
+    """The call's arguments with Hugging Face KV caches replaced by None and
+    `use_cache` turned off.
+
+    HF layers append to their KV cache in forward; a checkpoint's
+    recomputation would append a second time and attend over doubled keys.
+    HF's own gradient checkpointing drops the cache for the same reason;
+    training never reads it. Used by both engines' checkpoint wrappers.
+    """
+    if kwargs.get("use_cache"):
+        kwargs = {**kwargs, "use_cache": False}
+    leaves, spec = tree_flatten((args, kwargs))
+    if any(_is_kv_cache(x) for x in leaves):
+        args, kwargs = tree_unflatten([None if _is_kv_cache(x) else x for x in leaves], spec)
+    return tuple(args), dict(kwargs)
+
+
 def checkpointed_call(run: Callable, args, kwargs, comm) -> Any:
     """Call `run(*args, **kwargs)` without keeping activations; recompute them in backward."""
     if not torch.is_grad_enabled():
         return run(*args, **kwargs)
-    # Hugging Face layers append to their KV cache in forward; the recomputation
-    # would append a second time and attend over doubled keys. HF's own
-    # checkpointing drops the cache for the same reason.
-    if kwargs.get("use_cache"):
-        kwargs = {**kwargs, "use_cache": False}
+    args, kwargs = without_kv_cache(args, kwargs)
     leaves, spec = tree_flatten((args, kwargs))
-    leaves = [None if _is_kv_cache(x) else x for x in leaves]
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensors = [leaves[i] for i in tensor_pos]
     holder: Dict[str, Any] = {}

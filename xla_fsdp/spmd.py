@@ -104,7 +104,6 @@ def apply_spmd_fsdp(
   # Before checkpointing: a LayerNorm unit's checkpoint must wrap this forward.
   install_partitionable_layer_norms(module)
   if activation_checkpointing:
-    _disable_kv_cache(module)
     for unit in units[:-1]:
       checkpoint_unit(unit, views.get(unit))
 
@@ -130,19 +129,6 @@ def _param_owners(root: nn.Module, exclude: List[nn.Module]) -> List[nn.Module]:
       m for m in root.modules() if id(m) not in skip and any(
           p is not None for p in m._parameters.values())
   ]
-
-
-def _disable_kv_cache(module: nn.Module) -> None:
-  """Turns off a Hugging Face model's KV cache before checkpointing it.
-
-  A cache is state the forward appends to; the recompute in backward would
-  append the keys a second time and attend over both copies, giving wrong
-  gradients. Training never reads the cache (the HF Trainer makes the same
-  change when gradient checkpointing is on).
-  """
-  config = getattr(module, "config", None)
-  if getattr(config, "use_cache", False):
-    config.use_cache = False
 
 
 def _apply_wrapper(root: nn.Module, units: List[nn.Module],

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 import torch_xla.utils.checkpoint as xla_checkpoint
 
+from xla_fsdp.activation_checkpoint import without_kv_cache
 from xla_fsdp.spmd_mesh import ShardedView, batch_spec, data_degree
 from xla_fsdp.spmd_params import ComputeView
 from xla_fsdp.spmd_units import is_sharded
@@ -102,7 +103,8 @@ class CheckpointedForward:
   torch_xla's checkpoint puts an optimization barrier on the saved inputs so
   that XLA's CSE cannot fold the recomputation back into the forward. It
   accepts positional tensors only, so keyword arguments are flattened into
-  the positional list and rebuilt inside.
+  the positional list and rebuilt inside. KV caches are dropped from the
+  call first (`without_kv_cache`), as in the collectives engine.
   """
 
   def __init__(self, inner: Callable[..., Any],
@@ -113,6 +115,7 @@ class CheckpointedForward:
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
       return self.inner(*args, **kwargs)
+    args, kwargs = without_kv_cache(args, kwargs)
     names = list(kwargs)
     num_args = len(args)
 
