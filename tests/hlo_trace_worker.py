@@ -71,6 +71,8 @@ def step_hlo(out_dir: str, name: str, model_kind: str, engine: str, kwargs: dict
     import torch_xla.runtime as xr
 
     device = torch_xla.device()
+    kwargs = dict(kwargs)
+    logged_loss = kwargs.pop("logged_loss", False)  # trace the logged loss, not the step
     model = build(model_kind, engine, kwargs, device)
     if model_kind.startswith("gpt2"):
         ids = torch.zeros(2, 16, dtype=torch.long).to(device)
@@ -78,9 +80,16 @@ def step_hlo(out_dir: str, name: str, model_kind: str, engine: str, kwargs: dict
     else:
         x = torch.zeros(2, 32).to(device)
         loss = model(x).float().pow(2).mean()
-    loss.backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+    if logged_loss:
+        # What the training job reads at a logging step: the loss averaged
+        # over the replicas (xla_fsdp.train.loop.StepContext.replica_mean).
+        from xla_fsdp.train.loop import StepContext
+        ctx = StepContext(device, replicas=xr.world_size())
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([ctx.replica_mean(loss.detach())])
+    else:
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
     rank = xr.global_ordinal()
     with open(os.path.join(out_dir, f"{name}.rank{rank}.hlo"), "w") as f:
         f.write(hlo)

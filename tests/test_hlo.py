@@ -21,6 +21,7 @@ CONFIGS = [
     {"name": "nested_unpinned", "model": "mlp_nested", "kwargs": {"pin_layout_in_collective_ops": False}},
     {"name": "nested_bf16", "model": "mlp_nested", "kwargs": {"compute_dtype": "bfloat16"}},
     {"name": "gpt2", "model": "gpt2", "kwargs": {}},
+    {"name": "gpt2_logged_loss", "model": "gpt2", "kwargs": {"logged_loss": True}},
 ]
 
 
@@ -83,3 +84,18 @@ def test_gpt2_one_gather_per_unit_and_backward_regather(hlo):
     # root (embeddings, final norm, tied head) + 2 GPT2Block units regathered in backward
     assert len(ops(text, "all-gather")) == 1 + 2 * 2
     assert len(ops(text, "reduce-scatter")) == 3
+
+
+def test_logged_loss_is_the_mean_over_replicas(hlo):
+    # The job logs (and evaluates) the global loss, not rank 0's micro-batch
+    # loss: one all-reduce of the scalar over all 8 ranks, scaled by 1/8.
+    text = hlo["gpt2_logged_loss"][0]
+    reduces = ops(text, "all-reduce")
+    assert len(reduces) == 1, reduces
+    # Operands: the scalar loss and torch_xla's ordering token; an empty
+    # replica_groups means every replica.
+    assert "all-reduce(f32[]" in reduces[0], reduces[0]
+    assert "replica_groups={}" in reduces[0] or "replica_groups={{0,1,2,3,4,5,6,7}}" in reduces[0], reduces[0]
+    assert "0.125" in text, "the sum is not scaled by 1/world"
+    # (The forward's gathers are in this graph too: nothing was executed.)
+    assert not ops(text, "reduce-scatter"), "no backward was traced"

@@ -75,7 +75,8 @@ def run(argv=None) -> dict:
     deferred = wants_deferred_init(config, args.deferred_init)
     wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, spmd)
     ctx = loop.StepContext(device, wrapped.mesh, bf16=args.bf16,
-                           allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1)
+                           allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
+                           replicas=facts["world"])  # 1 under SPMD: one global graph
     global_batch = args.per_device_train_batch_size * facts["data_parallel"]
     num_params = metrics.gpt2_num_params(config)
     meter = _meter(args, config, num_params, global_batch, facts, log)

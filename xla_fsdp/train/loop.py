@@ -55,6 +55,7 @@ class StepContext:
     spmd_mesh: object = None            # shard batches on dim 0 over this mesh
     allreduce_grads: bool = False       # plain replication across collective ranks
     bf16: bool = False
+    replicas: int = 1                   # processes whose losses are averaged for logging
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         batch = batch.to(self.device)
@@ -63,6 +64,21 @@ class StepContext:
             from xla_fsdp.spmd_mesh import batch_spec
             xs.mark_sharding(batch, self.spmd_mesh, batch_spec(batch, self.spmd_mesh))
         return batch
+
+    def replica_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` averaged over the data-parallel replicas.
+
+        With one process per device (the collectives engine) each replica
+        computes the loss of its own micro-batch (or eval slice); the logged
+        figure must be the global one. Under SPMD one graph already computes
+        the global loss, and `replicas` is 1. Called only where the value is
+        read anyway (logging steps, end of eval), so the all-reduce adds no
+        collective to the training step's graph.
+        """
+        if self.replicas <= 1:
+            return value
+        import torch_xla.core.xla_model as xm
+        return xm.all_reduce(xm.REDUCE_SUM, value, scale=1.0 / self.replicas)
 
     def autocast(self):
         return torch.autocast("xla", dtype=torch.bfloat16) if self.bf16 else nullcontext()
@@ -139,7 +155,7 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
                 _wait()
                 meter.restart(step)
             if step == 1 or (log_every and step % log_every == 0) or step == total_steps:
-                line = _record(result, step, total_steps, loss, scheduler, meter)
+                line = _record(result, step, total_steps, ctx.replica_mean(loss), scheduler, meter)
                 if log_every or step == total_steps:
                     log(line)
             if save and args.save_strategy == "steps" and step % args.save_steps == 0 and step < total_steps:
@@ -147,7 +163,7 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
             if step >= total_steps:
                 break
         if args.logging_strategy == "epoch" and loss is not None:
-            log(f"epoch {epoch} done at step {step}: loss {loss.item():.4f}")
+            log(f"epoch {epoch} done at step {step}: loss {ctx.replica_mean(loss).item():.4f}")
         if save and args.save_strategy == "epoch" and step < total_steps:
             save(step)
         epoch += 1
@@ -189,5 +205,5 @@ def evaluate(model, batches, ctx: StepContext) -> dict:
         count += 1
         _sync()
     model.train()
-    mean = total.item() / count
+    mean = ctx.replica_mean(total / count).item()
     return {"eval_loss": mean, "perplexity": math.exp(min(mean, 50.0)), "eval_batches": count}
