@@ -130,17 +130,22 @@ def child(config_name: str, devices: int, steps: int, warmup: int,
   ids = prepare(ids.to(torch_xla.device()))
   opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
+  def train_step():
+    """One optimizer step, traced and handed to the devices; returns the loss."""
+    opt.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    torch_xla.sync()
+    return loss
+
   step_s, trace_s, losses = [], [], []
   compiles_after_warmup = None
   for step in range(warmup + steps):
     if step == warmup:
       compiles_after_warmup = met.metric_data("CompileTime")[0]
     start = time.perf_counter()
-    opt.zero_grad()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    torch_xla.sync()
+    loss = train_step()
     traced = time.perf_counter()
     xm.wait_device_ops()
     done = time.perf_counter()
@@ -154,11 +159,7 @@ def child(config_name: str, devices: int, steps: int, warmup: int,
   # last interval includes draining the queue.
   ends = [time.perf_counter()]
   for _ in range(steps):
-    opt.zero_grad()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    torch_xla.sync()
+    train_step()
     ends.append(time.perf_counter())
   xm.wait_device_ops()
   ends[-1] = time.perf_counter()

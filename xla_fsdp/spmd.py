@@ -35,7 +35,7 @@ import torch_xla.runtime as xr
 from xla_fsdp.spmd_activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_mesh import resolve_mesh
 from xla_fsdp.spmd_norms import install_partitionable_layer_norms
-from xla_fsdp.spmd_params import install_compute_views
+from xla_fsdp.spmd_params import install_compute_views, owns_parameters
 from xla_fsdp.spmd_units import (ParamInitFn, Placed, WrapPolicy, find_units,
                                  materialize_unit, place_and_shard,
                                  unit_tensors)
@@ -125,10 +125,7 @@ def apply_spmd_fsdp(
 def _param_owners(root: nn.Module, exclude: List[nn.Module]) -> List[nn.Module]:
   """Modules under `root` that own a parameter, other than `exclude`."""
   skip = set(map(id, exclude))
-  return [
-      m for m in root.modules() if id(m) not in skip and any(
-          p is not None for p in m._parameters.values())
-  ]
+  return [m for m in root.modules() if id(m) not in skip and owns_parameters(m)]
 
 
 def _apply_wrapper(root: nn.Module, units: List[nn.Module],

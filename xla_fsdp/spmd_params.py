@@ -74,6 +74,11 @@ class ComputeView:
     self.masters = {}
 
 
+def owns_parameters(module: nn.Module) -> bool:
+  """Whether `module` itself (not a child) registers a parameter."""
+  return any(p is not None for p in module._parameters.values())
+
+
 def cast_floating(tree, dtype: torch.dtype):
   """Casts every floating tensor in a (possibly nested) args structure."""
   if isinstance(tree, torch.Tensor):
@@ -101,7 +106,7 @@ def install_compute_views(
   if dtype is None and not gather:
     return handles, views  # the view would be the parameter itself
   for module in root.modules():
-    if not any(p is not None for p in module._parameters.values()):
+    if not owns_parameters(module):
       continue
     view = ComputeView(module, dtype, mesh, gather)
     views[module] = view
