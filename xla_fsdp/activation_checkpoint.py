@@ -44,10 +44,9 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
     Works before or after FSDP wrapping: `FSDP(checkpoint_module(layer))` (torch_xla's
     order) and `checkpoint_module(FSDP(layer))` both recompute the unit including its gather.
     """
-    from .api import XlaFullyShardedDataParallel
-
-    if isinstance(module, XlaFullyShardedDataParallel):
-        module._fsdp_checkpointed = True
+    enable = getattr(module, "enable_activation_checkpointing", None)
+    if enable is not None:  # an FSDP unit checkpoints its own forward, gather included
+        enable()
         return module
     if isinstance(module, _CheckpointMixin):
         return module

@@ -124,7 +124,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         if kw["auto_wrap_policy"] is not None:
             from .wrap import auto_wrap_children
 
-            auto_wrap_children(module, {**kw, "collectives": comm})
+            auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
         _materialize(module, kw["param_init_fn"])
         group = _build_group(module, comm, options)
         self._fsdp_state = FSDPState(module, group, options)
@@ -141,6 +141,11 @@ class XlaFullyShardedDataParallel(nn.Module):
             return checkpointed_call(lambda *a, **k: self._fsdp_state.forward(run, a, k), args, kwargs,
                                      self._fsdp_state.group.comm)
         return self._fsdp_state.forward(run, args, kwargs)
+
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute this unit's whole forward (gather, compute, free) in backward;
+        what `checkpoint_module(unit)` calls on a unit."""
+        self._fsdp_checkpointed = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients of all shards of all units so their global norm is at most `max_norm`."""

@@ -73,18 +73,21 @@ def _param_users(root: nn.Module) -> Dict[int, Set[int]]:
     return users
 
 
-def auto_wrap_children(root: nn.Module, kwargs: dict) -> None:
-    """Wrap the children of `root` (bottom-up) that the policy selects, with the same options."""
-    from .api import XlaFullyShardedDataParallel
+def auto_wrap_children(root: nn.Module, kwargs: dict, wrapper_cls: type) -> None:
+    """Wrap the children of `root` (bottom-up) that the policy selects, with the same options.
 
+    `wrapper_cls` is the unit class (the front door passes itself, so this
+    module never imports it): the default wrapper, and what marks a child as
+    already wrapped.
+    """
     policy = kwargs["auto_wrap_policy"]
-    wrapper = kwargs.get("auto_wrapper_callable") or XlaFullyShardedDataParallel
+    wrapper = kwargs.get("auto_wrapper_callable") or wrapper_cls
     child_kwargs = {k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "auto_wrapper_callable")}
     users = _param_users(root)
 
     def unwrapped_numel(m: nn.Module) -> int:
         seen, n = set(), 0
-        for sub in _unwrapped_modules(m):
+        for sub in _unwrapped_modules(m, wrapper_cls):
             for p in sub._parameters.values():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
@@ -101,7 +104,7 @@ def auto_wrap_children(root: nn.Module, kwargs: dict) -> None:
 
     def visit(m: nn.Module):
         for name, child in list(m._modules.items()):
-            if child is None or isinstance(child, XlaFullyShardedDataParallel):
+            if child is None or isinstance(child, wrapper_cls):
                 continue
             if policy(child, True, unwrapped_numel(child)):
                 visit(child)
@@ -117,10 +120,8 @@ def auto_wrap_children(root: nn.Module, kwargs: dict) -> None:
     visit(root)
 
 
-def _unwrapped_modules(m: nn.Module):
-    from .api import XlaFullyShardedDataParallel
-
+def _unwrapped_modules(m: nn.Module, wrapper_cls: type):
     yield m
     for child in m._modules.values():
-        if child is not None and not isinstance(child, XlaFullyShardedDataParallel):
-            yield from _unwrapped_modules(child)
+        if child is not None and not isinstance(child, wrapper_cls):
+            yield from _unwrapped_modules(child, wrapper_cls)
