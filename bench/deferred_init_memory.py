@@ -41,12 +41,13 @@ MiB when wrapping returns.
 
 Where the extra copies came from (deferred, XLA world 1): freed full tensors
 kept alive by reference cycles until a full gc, and by glibc's arenas
-(`xla_fsdp/host_memory.py`); and `.to(xla)` on XLA:CPU staging a second host
-copy, so each parameter briefly took 3x its size (`xla_fsdp/param.py`, now a
-DLPack hand-over). After the fix both deferred runs peak at the bound: the
-shards so far plus one materialized unit. Eager now peaks while HF builds the
-model on the host (1x plus the untied LM head it initializes and drops);
-wrapping adds ~5 MiB, so the issue's "eager >= 2x" holds only for the old engine.
+(`xla_fsdp/memory/host.py`); and `.to(xla)` on XLA:CPU staging a second host
+copy, so each parameter briefly took 3x its size
+(`xla_fsdp/collective_engine/param.py`, now a DLPack hand-over). After the
+fix both deferred runs peak at the bound: the shards so far plus one
+materialized unit. Eager now peaks while HF builds the model on the host (1x
+plus the untied LM head it initializes and drops); wrapping adds ~5 MiB, so
+the issue's "eager >= 2x" holds only for the old engine.
 
 Usage:
   PJRT_DEVICE=CPU python bench/deferred_init_memory.py

@@ -20,8 +20,8 @@ import torch.nn as nn
 
 from . import options as opts
 from .class_swap import mix_into, unmix
+from .memory.host import release_freed_host_memory
 from .options import FSDPOptions, ShardingLayout, ShardingStrategy
-from .host_memory import release_freed_host_memory
 
 # torch_xla's keywords and their defaults, plus ours (`all_gather_impl`,
 # `sharding_strategy`, `engine`, `mesh`)
@@ -107,7 +107,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             raise
 
     def _fsdp_init(self, module, kwargs):
-        from .state import FSDPState
+        from .collective_engine.state import FSDPState
 
         kw = {**DEFAULTS, **kwargs}
         if kw["engine"] not in ENGINES:
@@ -149,7 +149,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients of all shards of all units so their global norm is at most `max_norm`."""
-        from .clip_grad import clip_grad_norm_
+        from .collective_engine.clip_grad import clip_grad_norm_
 
         return clip_grad_norm_(self, max_norm, norm_type)
 
@@ -172,7 +172,7 @@ def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
     if ignored:
         raise ValueError(f"engine='spmd' does not use {', '.join(ignored)}: the XLA partitioner schedules "
                          "the collectives; drop these options or use engine='collectives'")
-    from .spmd import apply_spmd_fsdp
+    from .spmd_engine.engine import apply_spmd_fsdp
 
     return apply_spmd_fsdp(module, **{k: v for k, v in kwargs.items() if k != "engine"})
 
@@ -222,11 +222,11 @@ def _build_collectives(module, kw, options: FSDPOptions):
         rank, world = xr.global_ordinal(), xr.world_size()
     layout = _build_layout(rank, world, kw, options.strategy)
     if use_dist:
-        from .collectives import DistCollectives
+        from .collective_engine.collectives import DistCollectives
 
         device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
         return DistCollectives(layout, options.collectives, device)
-    from .collectives import XlaCollectives
+    from .collective_engine.collectives import XlaCollectives
 
     return XlaCollectives(layout, options.collectives)
 
@@ -266,8 +266,8 @@ def _owned_params(module: nn.Module):
 
 
 def _build_group(module: nn.Module, comm, options: FSDPOptions):
-    from .param import FSDPParam, ParamSite
-    from .param_group import FSDPParamGroup
+    from .collective_engine.param import FSDPParam, ParamSite
+    from .collective_engine.param_group import FSDPParamGroup
 
     by_id: Dict[int, List] = {}
     order: List[int] = []

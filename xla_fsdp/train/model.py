@@ -113,7 +113,7 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) ->
         fsdp_config.check_model(model)
     mesh = None
     if spmd:
-        from xla_fsdp.spmd_mesh import build_fsdp_mesh
+        from xla_fsdp.mesh import build_fsdp_mesh
         mesh = build_fsdp_mesh()
     if not args.sharding_strategy:
         # No --fsdp: every rank holds the whole model (plain data parallel).

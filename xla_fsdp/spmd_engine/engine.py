@@ -2,7 +2,7 @@
 
 FSDP expressed as shardings: every parameter is sharded on dim 0 over the
 mesh axis "fsdp" and the XLA SPMD partitioner inserts the all-gathers and
-reduce-scatters (see [Note: SPMD sharding layout] in spmd_mesh.py). The
+reduce-scatters (see [Note: SPMD sharding layout] in xla_fsdp/mesh.py). The
 module is changed in place, so parameter names and state-dict keys are the
 unwrapped model's. The steps, in order:
 
@@ -12,11 +12,12 @@ unwrapped model's. The steps, in order:
    the XLA device and shard its parameters;
 3. install the compute views: each module computes with a compute-dtype
    and/or gathered (replicated-annotated) copy of its parameters
-   ([Note: gathering parameters by annotation] in spmd_params.py);
+   ([Note: gathering parameters by annotation] in params.py);
 4. give layer norms a batch-partitionable forward ([Note: why the SPMD
-   engine rewrites LayerNorm] in spmd_norms.py);
+   engine rewrites LayerNorm] in norms.py);
 5. checkpoint every non-root unit if asked;
-6. annotate activations on the batch dim ([Note: why annotate activations]):
+6. annotate activations on the batch dim ([Note: why annotate activations]
+   in activations.py):
    the inputs and outputs of every unit and the inputs of every module that
    owns parameters.
 """
@@ -32,13 +33,13 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from xla_fsdp.spmd_activations import BatchSharding, checkpoint_unit
-from xla_fsdp.spmd_mesh import resolve_mesh
-from xla_fsdp.spmd_norms import install_partitionable_layer_norms
-from xla_fsdp.spmd_params import install_compute_views, owns_parameters
-from xla_fsdp.spmd_units import (ParamInitFn, Placed, WrapPolicy, find_units,
-                                 materialize_unit, place_and_shard,
-                                 unit_tensors)
+from xla_fsdp.mesh import resolve_mesh
+from xla_fsdp.spmd_engine.activations import BatchSharding, checkpoint_unit
+from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms
+from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters
+from xla_fsdp.spmd_engine.units import (ParamInitFn, Placed, WrapPolicy,
+                                        find_units, materialize_unit,
+                                        place_and_shard, unit_tensors)
 
 # Roots already handled: a second application would stack a second set of
 # hooks (double casts and annotations). Weak, so models can be freed.

@@ -33,9 +33,9 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.utils.checkpoint as xla_checkpoint
 
 from xla_fsdp.activation_checkpoint import without_kv_cache
-from xla_fsdp.spmd_mesh import ShardedView, batch_spec, data_degree
-from xla_fsdp.spmd_params import ComputeView
-from xla_fsdp.spmd_units import is_sharded
+from xla_fsdp.mesh import ShardedView, batch_spec, data_degree
+from xla_fsdp.spmd_engine.params import ComputeView
+from xla_fsdp.spmd_engine.units import is_sharded
 
 
 class BatchSharding:

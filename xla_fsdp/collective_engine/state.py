@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .activation_checkpoint import is_recomputing
-from .options import FSDPOptions, ShardingStrategy, TrainingState
+from ..activation_checkpoint import is_recomputing
+from ..options import FSDPOptions, ShardingStrategy, TrainingState
 from .param_group import FSDPParamGroup
 
 _local = threading.local()

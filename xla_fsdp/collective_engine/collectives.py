@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .options import CollectiveOptions, ShardingLayout
+from ..options import CollectiveOptions, ShardingLayout
 
 REDUCE_SUM = "sum"
 REDUCE_MAX = "max"

@@ -12,7 +12,7 @@ every parameter is swapped for a view annotated as replicated
 all-gather the weight, and the view's gradient is annotated with the
 Parameter's dim-0 sharding, so the backward reduce-scatters it. That is FSDP
 exactly, and leaves activations batch-sharded end to end. It is off by
-default: with the batch annotations (spmd_activations.py) GSPMD already
+default: with the batch annotations (activations.py) GSPMD already
 gathers the blocks' weights and keeps their activations on the batch split,
 and where it may choose (embedding lookup, LM head) it picks vocab-parallel
 forms that move activations instead of the embedding table; on the CPU
@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 from torch.utils.hooks import RemovableHandle
 
-from xla_fsdp.spmd_mesh import ShardedView, param_spec
+from xla_fsdp.mesh import ShardedView, param_spec
 
 
 class ComputeView:

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .collectives import Collectives
-from .options import FSDPOptions
+from ..options import FSDPOptions
 from .param import FSDPParam
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from xla_fsdp.spmd_mesh import param_spec
+from xla_fsdp.mesh import param_spec
 
 WrapPolicy = Callable[..., bool]
 ParamInitFn = Callable[[nn.Module], None]

@@ -1,0 +1,144 @@
+"""Saving and loading a sharded model.
+
+Two formats, as PyTorch FSDP users expect:
+- full: the unwrapped model's `state_dict()` (same keys, full shapes, CPU
+  tensors), gathered from the shards. Every rank must call it (it gathers);
+  with `rank0_only=True` only sharding rank 0 gets the tensors. Loads into any
+  layout and into the unwrapped model.
+- sharded: each rank's own shards plus a record of the layout they belong to,
+  for fast intermediate checkpoints. Loads only into the same layout; anything
+  else is refused before a single tensor is written.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..collective_engine.param import FSDPParam
+
+SHARDED_FORMAT = "xla_fsdp.sharded/1"
+
+
+def _units(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    for prefix, module in model.named_modules():
+        if getattr(module, "_fsdp_state", None) is not None:
+            yield (prefix + "." if prefix else ""), module
+
+
+def _records(model: nn.Module) -> List[Tuple[List[str], FSDPParam, "object"]]:
+    """(state-dict names, record, group) for every sharded parameter in the model."""
+    out = []
+    for prefix, unit in _units(model):
+        group = unit._fsdp_state.group
+        for rec in group.params:
+            out.append(([prefix + site.fqn for site in rec.sites], rec, group))
+    if not out:
+        raise ValueError("the model has no XlaFullyShardedDataParallel units; use model.state_dict()")
+    return out
+
+
+def _buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
+    """The unwrapped model's state dict (full parameters, fp32, on CPU). Call on every rank."""
+    layout = model._fsdp_state.group.comm.layout
+    keep = not rank0_only or layout.shard_rank == 0
+    out: Dict[str, torch.Tensor] = {}
+    for prefix, unit in _units(model):
+        group = unit._fsdp_state.group
+        full = group.gather(full_precision=True)
+        group.comm.sync(full)
+        if keep:
+            for rec, tensor in zip(group.params, full):
+                cpu = tensor.detach().cpu().clone()
+                for site in rec.sites:
+                    out[prefix + site.fqn] = cpu
+    if keep:
+        out.update(_buffers(model))
+        order = list(model.state_dict().keys())
+        return {k: out[k] for k in order if k in out}
+    return {}
+
+
+def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """Load a full (unwrapped-model) state dict into the shards of this rank."""
+    records = _records(model)
+    expected = {name: rec.orig_shape for names, rec, _ in records for name in names}
+    buffers = dict(model.named_buffers())
+    expected.update({n: b.shape for n, b in buffers.items()})
+    _check_keys(set(state), set(expected), "full state dict")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise ValueError(f"full state dict: {name!r} has shape {tuple(state[name].shape)}, the model expects "
+                             f"{tuple(shape)}; was it saved from a different model configuration?")
+    with torch.no_grad():
+        for names, rec, group in records:
+            layout = group.comm.layout
+            local = rec.local_rows(state[names[0]], layout.shard_rank)
+            rec.sharded.copy_(local.to(rec.sharded.dtype).to(rec.sharded.device))
+        for name, b in buffers.items():
+            b.copy_(state[name].to(b.dtype).to(b.device))
+
+
+def sharded_state_dict(model: nn.Module) -> Dict:
+    """This rank's shards and the layout they belong to (CPU tensors)."""
+    records = _records(model)
+    layout = model._fsdp_state.group.comm.layout
+    return {
+        "format": SHARDED_FORMAT,
+        "layout": {"world_size": layout.world_size, "shard_world_size": layout.shard_world_size,
+                   "shard_rank": layout.shard_rank, "rank": layout.rank,
+                   "shard_groups": [list(g) for g in layout.shard_groups]},
+        "shapes": {names[0]: list(rec.orig_shape) for names, rec, _ in records},
+        "params": {names[0]: rec.sharded.detach().cpu().clone() for names, rec, _ in records},
+        "buffers": _buffers(model),
+    }
+
+
+def load_sharded_state_dict(model: nn.Module, state: Dict) -> None:
+    """Load this rank's shards saved by `sharded_state_dict` under the same layout."""
+    if not isinstance(state, dict) or state.get("format") != SHARDED_FORMAT:
+        raise ValueError(f"not an xla_fsdp sharded checkpoint (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, "
+                         f"expected {SHARDED_FORMAT!r}); for a full state dict use load_full_state_dict")
+    records = _records(model)
+    layout = model._fsdp_state.group.comm.layout
+    saved = state["layout"]
+    mine = {"world_size": layout.world_size, "shard_world_size": layout.shard_world_size,
+            "shard_rank": layout.shard_rank, "shard_groups": [list(g) for g in layout.shard_groups]}
+    for key, value in mine.items():
+        if saved.get(key) != value:
+            raise ValueError(
+                f"sharded checkpoint is from another layout: it was saved with {key}={saved.get(key)}, this model "
+                f"has {key}={value}. Load it with the same world size and sharding groups, or consolidate it "
+                "with full_state_dict on the original layout and load that with load_full_state_dict")
+    names = {names[0]: rec for names, rec, _ in records}
+    _check_keys(set(state["params"]), set(names), "sharded checkpoint")
+    for name, rec in names.items():
+        if list(rec.orig_shape) != list(state["shapes"][name]):
+            raise ValueError(f"sharded checkpoint: {name!r} was {tuple(state['shapes'][name])}, the model has "
+                             f"{tuple(rec.orig_shape)}; it was saved from a different model configuration")
+        if tuple(state["params"][name].shape) != tuple(rec.sharded.shape):
+            raise ValueError(f"sharded checkpoint: shard of {name!r} is {tuple(state['params'][name].shape)}, "
+                             f"expected {tuple(rec.sharded.shape)}")
+    buffers = dict(model.named_buffers())
+    _check_keys(set(state["buffers"]), set(buffers), "sharded checkpoint buffers")
+    with torch.no_grad():
+        for name, rec in names.items():
+            rec.sharded.copy_(state["params"][name].to(rec.sharded.device))
+        for name, b in buffers.items():
+            b.copy_(state["buffers"][name].to(b.dtype).to(b.device))
+
+
+def _check_keys(got: set, want: set, what: str) -> None:
+    missing, unexpected = sorted(want - got), sorted(got - want)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        raise ValueError(f"{what} does not match the model: {'; '.join(parts)}. Nothing was loaded.")
