@@ -1,0 +1,290 @@
+"""Hugging Face `fsdp_config` JSON -> validated `FSDPConfig` -> engine keywords.
+
+Users bring the JSON they pass to the Hugging Face Trainer as
+`--fsdp_config fsdp_config.json` (see docs/DESIGN.md and the recipe notes).
+This module owns reading it, rejecting what would otherwise be silently
+ignored (misspelt keys, keys only the torch-FSDP path reads, contradictory
+combinations), and turning it into keyword arguments for
+`xla_fsdp.XlaFullyShardedDataParallel`. The keys and the checks on single
+values are in `schema.py`.
+
+The engine modules are imported lazily inside the functions that need them so
+that loading and validating a config never pulls in torch_xla or the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
+
+from .schema import (_TOP_LEVEL_ALIASES, _TOP_LEVEL_KEYS, _TORCH_FSDP_ONLY_KEYS, ENGINE_KEYWORDS,
+                     SPMD_ENGINE_KEYWORDS, FSDPConfigError, XlaFSDPSettings, _check_bool, _check_int,
+                     _suggest, _type_name)
+
+
+def checkpointed_wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    """`auto_wrapper_callable` for `xla_fsdp_grad_ckpt`: checkpoint the layer, then shard it.
+
+    A module-level function rather than a lambda so that engine options
+    holding it stay picklable and print by name.
+    """
+    # lazy: the engine is not needed to load a config
+    from xla_fsdp.activation_checkpoint import checkpoint_module
+    from xla_fsdp.api import XlaFullyShardedDataParallel
+
+    return XlaFullyShardedDataParallel(checkpoint_module(module), *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPConfig:
+    """A validated Hugging Face `fsdp_config` for XLA FSDP.
+
+    Build it with `load_fsdp_config(path_or_dict)`; direct construction is
+    validated the same way (lists and dicts are normalized to tuples and
+    `XlaFSDPSettings`).
+    """
+
+    xla: bool = False
+    """HF key `xla`: use XLA FSDP. False is Hugging Face's torch-FSDP path, which this library does not run."""
+    xla_fsdp_settings: XlaFSDPSettings = dataclasses.field(default_factory=XlaFSDPSettings)
+    """HF key `xla_fsdp_settings`: engine keyword arguments (see `ENGINE_KEYWORDS`)."""
+    transformer_layer_cls_to_wrap: tuple[str, ...] = ()
+    """HF key `fsdp_transformer_layer_cls_to_wrap`: class names wrapped as one unit each; () = not set."""
+    min_num_params: int = 0
+    """HF key `fsdp_min_num_params`: size-based wrap threshold; 0 = not set (Hugging Face's default)."""
+    xla_fsdp_grad_ckpt: bool = False
+    """HF key `xla_fsdp_grad_ckpt`: gradient checkpointing on every auto-wrapped layer."""
+    xla_fsdp_v2: bool = False
+    """HF key `xla_fsdp_v2`: use the SPMD engine (`engine="spmd"`)."""
+
+    def __post_init__(self) -> None:
+        _check_bool("xla", self.xla)
+        _check_bool("xla_fsdp_grad_ckpt", self.xla_fsdp_grad_ckpt)
+        _check_bool("xla_fsdp_v2", self.xla_fsdp_v2)
+        if isinstance(self.min_num_params, float) and self.min_num_params.is_integer():
+            # JSON has no integer exponent form, so thresholds get written as 1e8.
+            object.__setattr__(self, "min_num_params", int(self.min_num_params))
+        _check_int("fsdp_min_num_params", self.min_num_params, 0)
+        if isinstance(self.xla_fsdp_settings, Mapping):
+            object.__setattr__(self, "xla_fsdp_settings", XlaFSDPSettings.from_dict(self.xla_fsdp_settings))
+        elif not isinstance(self.xla_fsdp_settings, XlaFSDPSettings):
+            raise FSDPConfigError(
+                f"xla_fsdp_settings must be a dict of engine keyword arguments, got "
+                f"{_type_name(self.xla_fsdp_settings)} {self.xla_fsdp_settings!r}"
+            )
+        object.__setattr__(
+            self, "transformer_layer_cls_to_wrap", _layer_names(self.transformer_layer_cls_to_wrap)
+        )
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.transformer_layer_cls_to_wrap and self.min_num_params > 0:
+            # Hugging Face silently lets min_num_params win; refuse rather than guess.
+            raise FSDPConfigError(
+                "fsdp_transformer_layer_cls_to_wrap and fsdp_min_num_params are mutually "
+                "exclusive auto-wrap policies; keep one (layer classes for transformers, "
+                "e.g. [\"GPT2Block\"])"
+            )
+        if self.xla_fsdp_grad_ckpt and not self.xla:
+            raise FSDPConfigError(
+                "xla_fsdp_grad_ckpt requires xla: true (it checkpoints XLA FSDP units); "
+                "set \"xla\": true or drop xla_fsdp_grad_ckpt"
+            )
+        if self.xla_fsdp_grad_ckpt and not self.uses_auto_wrap:
+            raise FSDPConfigError(
+                "xla_fsdp_grad_ckpt requires an auto-wrap policy (it checkpoints each "
+                "auto-wrapped layer); add fsdp_transformer_layer_cls_to_wrap, e.g. "
+                "[\"GPT2Block\"], or fsdp_min_num_params"
+            )
+        if self.xla_fsdp_v2 and not self.xla:
+            raise FSDPConfigError("xla_fsdp_v2 requires xla: true; set \"xla\": true")
+        if self.xla_fsdp_v2:
+            ignored = [k for k in self.xla_fsdp_settings.given() if k not in SPMD_ENGINE_KEYWORDS]
+            if ignored:
+                raise FSDPConfigError(
+                    f"xla_fsdp_settings.{ignored[0]} has no effect with xla_fsdp_v2 (the SPMD "
+                    f"partitioner places the collectives itself); remove "
+                    f"{', '.join(ignored)} or set xla_fsdp_v2 to false. With xla_fsdp_v2 "
+                    f"xla_fsdp_settings takes only: {', '.join(SPMD_ENGINE_KEYWORDS)}"
+                )
+        if self.xla_fsdp_settings.given() and not self.xla:
+            raise FSDPConfigError(
+                "xla_fsdp_settings is given but xla is false, so it would be ignored; "
+                "set \"xla\": true"
+            )
+
+    @property
+    def use_spmd(self) -> bool:
+        """Whether the SPMD engine is selected (`xla_fsdp_v2`)."""
+        return self.xla_fsdp_v2
+
+    @property
+    def uses_auto_wrap(self) -> bool:
+        """Whether an auto-wrap policy (layer classes or size threshold) is configured."""
+        return bool(self.transformer_layer_cls_to_wrap) or self.min_num_params > 0
+
+    def auto_wrap_policy(self) -> Optional[functools.partial]:
+        """The engine's auto-wrap policy for this config, or None when none is configured."""
+        if not self.uses_auto_wrap:
+            return None
+        # lazy: see module docstring
+        from xla_fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+        if self.transformer_layer_cls_to_wrap:
+            # Names, not classes: the policy matches by class name, so the
+            # config does not need the model's module to be imported.
+            return functools.partial(
+                transformer_auto_wrap_policy,
+                transformer_layer_cls=set(self.transformer_layer_cls_to_wrap),
+            )
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=self.min_num_params)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `xla_fsdp.XlaFullyShardedDataParallel(module, **kwargs)`.
+
+        The settings (dtype names -> torch dtypes), `auto_wrap_policy` when a
+        policy is configured, and for `xla_fsdp_grad_ckpt` either
+        `auto_wrapper_callable=checkpointed_wrapper` (collectives engine) or
+        `activation_checkpointing=True` together with `engine="spmd"`
+        (`xla_fsdp_v2`).
+        """
+        if not self.xla:
+            raise FSDPConfigError(
+                "this fsdp_config has xla: false, which selects Hugging Face's torch FSDP; "
+                "xla_fsdp runs XLA FSDP only; set \"xla\": true"
+            )
+        kwargs = self.xla_fsdp_settings.engine_kwargs()
+        policy = self.auto_wrap_policy()
+        if policy is not None:
+            kwargs["auto_wrap_policy"] = policy
+        if self.xla_fsdp_v2:
+            kwargs["engine"] = "spmd"
+            if self.xla_fsdp_grad_ckpt:
+                # Under SPMD a unit is not an XlaFullyShardedDataParallel
+                # instance, so checkpointed_wrapper (which builds one) would be
+                # wrong; the SPMD engine checkpoints its units itself, keeping
+                # the compute-dtype casts inside the recomputation.
+                kwargs["activation_checkpointing"] = True
+        elif self.xla_fsdp_grad_ckpt:
+            kwargs["auto_wrapper_callable"] = checkpointed_wrapper
+        return kwargs
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Fail early if a layer class named in the config does not occur in `model`.
+
+        Otherwise the policy would wrap nothing and the whole model would be
+        one unit: it runs, but gathers every parameter at once.
+        """
+        # Base-class names count too: the wrap policy matches along the MRO.
+        present = sorted({cls.__name__ for m in model.modules() for cls in type(m).__mro__})
+        for name in self.transformer_layer_cls_to_wrap:
+            if name not in present:
+                close = difflib.get_close_matches(name, present, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else f"classes in the model: {', '.join(present)}"
+                raise FSDPConfigError(
+                    f"fsdp_transformer_layer_cls_to_wrap names {name!r}, but no module of "
+                    f"{type(model).__name__} has that class; {hint}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as Hugging Face JSON (canonical `fsdp_`-prefixed keys); loads back equal."""
+        out: dict[str, Any] = {"xla": self.xla}
+        settings = self.xla_fsdp_settings.given()
+        if settings:
+            out["xla_fsdp_settings"] = settings
+        if self.transformer_layer_cls_to_wrap:
+            out["fsdp_transformer_layer_cls_to_wrap"] = list(self.transformer_layer_cls_to_wrap)
+        if self.min_num_params:
+            out["fsdp_min_num_params"] = self.min_num_params
+        out["xla_fsdp_grad_ckpt"] = self.xla_fsdp_grad_ckpt
+        out["xla_fsdp_v2"] = self.xla_fsdp_v2
+        return out
+
+
+def _layer_names(value: Any) -> tuple[str, ...]:
+    # Hugging Face accepts a single class name as a string; so do we.
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise FSDPConfigError(
+            "fsdp_transformer_layer_cls_to_wrap must be a list of class-name strings, "
+            f"e.g. [\"GPT2Block\"]; got {_type_name(value)} {value!r}"
+        )
+    return tuple(value)
+
+
+def _canonical_top_level(raw: Mapping) -> dict[str, Any]:
+    """Map aliases to canonical keys and reject keys XLA FSDP would not honour."""
+    out: dict[str, Any] = {}
+    valid = _TOP_LEVEL_KEYS + tuple(_TOP_LEVEL_ALIASES)
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise FSDPConfigError(f"fsdp_config keys must be strings, got {key!r}")
+        canonical = _TOP_LEVEL_ALIASES.get(key, key)
+        if canonical in _TOP_LEVEL_KEYS:
+            if canonical in out:
+                raise FSDPConfigError(
+                    f"fsdp_config gives both {canonical!r} and its alias "
+                    f"{canonical[len('fsdp_'):]!r}; keep one"
+                )
+            out[canonical] = value
+            continue
+        bare = key[len("fsdp_"):] if key.startswith("fsdp_") else key
+        if bare in _TORCH_FSDP_ONLY_KEYS:
+            raise FSDPConfigError(f"fsdp_config key {key!r} is not used by XLA FSDP: {_TORCH_FSDP_ONLY_KEYS[bare]}")
+        if key in ENGINE_KEYWORDS:
+            raise FSDPConfigError(
+                f"fsdp_config key {key!r} is an engine option; move it into xla_fsdp_settings"
+            )
+        raise FSDPConfigError(f"unknown key {key!r} in fsdp_config; {_suggest(key, list(valid))}")
+    return out
+
+
+def load_fsdp_config(source: Union[str, os.PathLike, Mapping, FSDPConfig]) -> FSDPConfig:
+    """Read a Hugging Face `fsdp_config` (JSON path or already-loaded dict) and validate it.
+
+    Raises `FSDPConfigError` (a ValueError) naming the offending key and the
+    fix; for a path, the message starts with the path.
+    """
+    if isinstance(source, FSDPConfig):
+        return source
+    origin = "fsdp_config"
+    if isinstance(source, (str, os.PathLike)):
+        origin = os.fspath(source)
+        try:
+            with open(origin, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"fsdp_config file not found: {origin}") from None
+        except json.JSONDecodeError as e:
+            raise FSDPConfigError(
+                f"{origin}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}"
+            ) from None
+    elif isinstance(source, Mapping):
+        raw = source
+    else:
+        raise TypeError(
+            f"load_fsdp_config takes a JSON path or a dict, got {type(source).__name__}"
+        )
+    if not isinstance(raw, Mapping):
+        raise FSDPConfigError(f"{origin}: the top level must be a JSON object, got {_type_name(raw)}")
+    try:
+        keys = _canonical_top_level(raw)
+        return FSDPConfig(
+            xla=keys.get("xla", False),
+            xla_fsdp_settings=keys.get("xla_fsdp_settings", {}),
+            transformer_layer_cls_to_wrap=keys.get("fsdp_transformer_layer_cls_to_wrap", ()),
+            min_num_params=keys.get("fsdp_min_num_params", 0),
+            xla_fsdp_grad_ckpt=keys.get("xla_fsdp_grad_ckpt", False),
+            xla_fsdp_v2=keys.get("xla_fsdp_v2", False),
+        )
+    except FSDPConfigError as e:
+        if origin == "fsdp_config":
+            raise
+        raise FSDPConfigError(f"{origin}: {e}") from None
