@@ -12,15 +12,13 @@ yields the local shards.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict
 
 import torch
 import torch.nn as nn
 
 from . import options as opts
 from .class_swap import mix_into, unmix
-from .memory.host import release_freed_host_memory
 from .options import FSDPOptions, ShardingLayout, ShardingStrategy
 
 # torch_xla's keywords and their defaults, plus ours (`all_gather_impl`,
@@ -56,11 +54,6 @@ DEFAULTS: Dict[str, Any] = dict(
 SPMD_KEYWORDS = ("compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrapper_callable",
                  "param_init_fn", "mesh", "activation_checkpointing", "engine")
 ENGINES = ("collectives", "spmd")
-
-# id(original parameter) -> (weakref to it, weakref to the unit that sharded it, its name there),
-# so a tied weight split across units can be reported by name
-_consumed_params: Dict[int, Any] = {}
-
 
 class XlaFullyShardedDataParallel(nn.Module):
     """Shard every parameter of `module` on dim 0 across the sharding group.
@@ -107,6 +100,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             raise
 
     def _fsdp_init(self, module, kwargs):
+        from .collective_engine import build
         from .collective_engine.state import FSDPState
 
         kw = {**DEFAULTS, **kwargs}
@@ -120,15 +114,15 @@ class XlaFullyShardedDataParallel(nn.Module):
 
         # validate everything before touching the module: a bad option leaves it as it was
         options = _build_options(kw)
-        comm = kw["collectives"] or _build_collectives(module, kw, options)
+        comm = kw["collectives"] or build.build_collectives(module, kw, options)
         if kw["auto_wrap_policy"] is not None:
             from .wrap import auto_wrap_children
 
             auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
-        _materialize(module, kw["param_init_fn"])
-        group = _build_group(module, comm, options)
+        build.materialize(module, kw["param_init_fn"], XlaFullyShardedDataParallel)
+        group = build.build_group(module, comm, options, XlaFullyShardedDataParallel)
         self._fsdp_state = FSDPState(module, group, options)
-        _cast_buffers(module, options, comm.device)
+        build.cast_buffers(module, options, comm.device, XlaFullyShardedDataParallel)
         if options.execute_sharding_on_init:
             comm.sync(group.shards)
 
@@ -204,141 +198,3 @@ def _build_options(kw) -> FSDPOptions:
         sync_on_finalization=bool(kw["sync_on_finalization"]),
         execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
     )
-
-
-def _on_xla(module: nn.Module) -> bool:
-    return any(t.device.type == "xla" for t in module.parameters())
-
-
-def _build_collectives(module, kw, options: FSDPOptions):
-    import torch.distributed as dist
-
-    use_dist = not _on_xla(module) and dist.is_available() and dist.is_initialized()
-    if use_dist:
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        import torch_xla.runtime as xr
-
-        rank, world = xr.global_ordinal(), xr.world_size()
-    layout = _build_layout(rank, world, kw, options.strategy)
-    if use_dist:
-        from .collective_engine.collectives import DistCollectives
-
-        device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
-        return DistCollectives(layout, options.collectives, device)
-    from .collective_engine.collectives import XlaCollectives
-
-    return XlaCollectives(layout, options.collectives)
-
-
-def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> ShardingLayout:
-    groups = kw["sharding_groups"]
-    if strategy is ShardingStrategy.NO_SHARD:
-        groups = [[r] for r in range(world)]
-    layout = ShardingLayout.build(rank, world, groups)
-    if kw["sharding_rank"] is not None and kw["sharding_rank"] != layout.shard_rank:
-        raise ValueError(f"sharding_rank={kw['sharding_rank']} but this rank ({rank}) is position "
-                         f"{layout.shard_rank} of its sharding group {list(layout.shard_group)}")
-    if kw["sharding_world_size"] is not None and kw["sharding_world_size"] != layout.shard_world_size:
-        raise ValueError(f"sharding_world_size={kw['sharding_world_size']} but the sharding group "
-                         f"{list(layout.shard_group)} has {layout.shard_world_size} ranks")
-    return layout
-
-
-def _owned_params(module: nn.Module):
-    """(module, name, param, fqn) for parameters not inside an already wrapped child unit.
-
-    An explicit stack, not a recursive closure: a closure that refers to itself
-    is a reference cycle, which would keep the full tensors alive until the
-    cycle collector runs.
-    """
-    out = []
-    stack = [(module, "")]
-    while stack:
-        m, prefix = stack.pop()
-        for name, p in m._parameters.items():
-            if p is not None:
-                out.append((m, name, p, prefix + name))
-        children = [(c, f"{prefix}{n}.") for n, c in m._modules.items()
-                    if c is not None and not isinstance(c, XlaFullyShardedDataParallel)]
-        stack.extend(reversed(children))  # keep definition order
-    return out
-
-
-def _build_group(module: nn.Module, comm, options: FSDPOptions):
-    from .collective_engine.param import FSDPParam, ParamSite
-    from .collective_engine.param_group import FSDPParamGroup
-
-    by_id: Dict[int, List] = {}
-    order: List[int] = []
-    for m, name, p, fqn in _owned_params(module):
-        consumed = _consumed_params.get(id(p))
-        if consumed is not None and consumed[0]() is p:
-            unit, pname = consumed[1](), consumed[2]
-            where = next((f"{n}.{pname}" for n, mm in module.named_modules() if mm is unit and n), None)
-            other = repr(where) if where else f"{_class_name(unit)}.{pname}"
-            raise ValueError(
-                f"parameter {fqn!r} of {_class_name(module)} is tied to {other}, which is already "
-                "sharded in its own FSDP unit; tied weights must stay in one unit: wrap their common "
-                "parent instead (auto-wrap policies do this for you)"
-            )
-        if id(p) not in by_id:
-            by_id[id(p)] = [p, []]
-            order.append(id(p))
-        by_id[id(p)][1].append(ParamSite(m, name, fqn))
-    layout = comm.layout
-    params = []
-    dropped = [weakref.ref(by_id[pid][0]) for pid in order]
-    for pid in order:
-        # popped, so each full tensor is freed as soon as its shard is registered in its place
-        p, sites = by_id.pop(pid)
-        rec = FSDPParam(p, sites, layout.shard_rank, layout.shard_world_size, comm.device)
-        rec.register(rec.sharded)
-        _consumed_params[pid] = (weakref.ref(p), weakref.ref(module), sites[0].fqn)
-        params.append(rec)
-    p = None  # the last full tensor too, before its pages are handed back
-    release_freed_host_memory(dropped)  # see [Note: freed host memory stays in the process]
-    return FSDPParamGroup(params, comm, options)
-
-
-def _class_name(module) -> str:
-    """The user's class name (not the FSDP subclass made at wrap time)."""
-    if isinstance(module, XlaFullyShardedDataParallel):
-        return type(module).__mro__[2].__name__
-    return type(module).__name__
-
-
-def _materialize(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
-    """Give a deferred or meta-device unit real storage right before it is sharded."""
-    if param_init_fn is not None:
-        if any(p.is_meta for _, _, p, _ in _owned_params(module)):
-            param_init_fn(module)
-        return
-    from .deferred_init import is_deferred, materialize_module
-
-    if is_deferred(module):
-        materialize_module(module, check_fn=lambda m: m is module or not isinstance(m, XlaFullyShardedDataParallel))
-    leftover = [fqn for _, _, p, fqn in _owned_params(module) if p.is_meta]
-    if leftover:
-        raise ValueError(
-            f"{_class_name(module)} has parameters without storage ({', '.join(leftover[:3])}...); build it "
-            "with xla_fsdp.deferred_init(...) or pass param_init_fn= to materialize each unit"
-        )
-
-
-def _cast_buffers(module: nn.Module, options: FSDPOptions, device) -> None:
-    mp = options.mixed_precision
-    dtype = mp.buffer_dtype or (mp.compute_dtype if mp.enabled else None)
-
-    def visit(m):
-        for name, b in m._buffers.items():
-            if b is not None:
-                target = b.to(device)
-                if dtype is not None and b.is_floating_point():
-                    target = target.to(dtype)
-                m._buffers[name] = target
-        for child in m._modules.values():
-            if child is not None and not isinstance(child, XlaFullyShardedDataParallel):
-                visit(child)
-
-    visit(module)

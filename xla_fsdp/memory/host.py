@@ -2,9 +2,9 @@
 
 [Note: freed host memory stays in the process] Sharding a unit drops its
 full-size parameters, but two things keep their bytes resident. Reference
-cycles: the recursive closures that list a unit's tensors (`_owned_params` in
-api.py, `materialize_module`) sit in cycles with those lists until the cycle
-collector runs. And glibc: freed blocks below its mmap threshold (which grows
+cycles: the recursive closures that list a unit's tensors (`owned_params` in
+collective_engine/build.py, `materialize_module`) sit in cycles with those
+lists until the cycle collector runs. And glibc: freed blocks below its mmap threshold (which grows
 to 32 MiB as large blocks are freed) stay in its arenas. Measured on a
 deferred 4-block GPT-2 wrapped at XLA world size 1: the process grew to 2.7x
 the model while 1.0x was live at the end. A young-generation collection

@@ -1,0 +1,163 @@
+"""Building a unit of the collectives engine: its collectives and layout, its
+parameter group (one shard record per parameter), its buffers.
+
+The front door (`xla_fsdp.api`) validates the keywords and calls these in
+order. `unit_cls` is the wrapper class it passes in; an instance of it is a
+child that is already a unit, whose parameters and buffers are its own.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from ..memory.host import release_freed_host_memory
+from ..options import FSDPOptions, ShardingLayout, ShardingStrategy
+from .collectives import Collectives, DistCollectives, XlaCollectives
+from .param import FSDPParam, ParamSite
+from .param_group import FSDPParamGroup
+
+# id(original parameter) -> (weakref to it, weakref to the unit that sharded it, its name there),
+# so a tied weight split across units can be reported by name
+_consumed_params: Dict[int, Any] = {}
+
+
+def _on_xla(module: nn.Module) -> bool:
+    return any(t.device.type == "xla" for t in module.parameters())
+
+
+def build_collectives(module: nn.Module, kw: Dict[str, Any], options: FSDPOptions) -> Collectives:
+    """The collectives of a new unit: torch.distributed when a process group is up and the
+    parameters are not on an XLA device, else pinned-layout XLA collectives."""
+    import torch.distributed as dist
+
+    use_dist = not _on_xla(module) and dist.is_available() and dist.is_initialized()
+    if use_dist:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        import torch_xla.runtime as xr
+
+        rank, world = xr.global_ordinal(), xr.world_size()
+    layout = _build_layout(rank, world, kw, options.strategy)
+    if use_dist:
+        device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+        return DistCollectives(layout, options.collectives, device)
+    return XlaCollectives(layout, options.collectives)
+
+
+def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> ShardingLayout:
+    groups = kw["sharding_groups"]
+    if strategy is ShardingStrategy.NO_SHARD:
+        groups = [[r] for r in range(world)]
+    layout = ShardingLayout.build(rank, world, groups)
+    if kw["sharding_rank"] is not None and kw["sharding_rank"] != layout.shard_rank:
+        raise ValueError(f"sharding_rank={kw['sharding_rank']} but this rank ({rank}) is position "
+                         f"{layout.shard_rank} of its sharding group {list(layout.shard_group)}")
+    if kw["sharding_world_size"] is not None and kw["sharding_world_size"] != layout.shard_world_size:
+        raise ValueError(f"sharding_world_size={kw['sharding_world_size']} but the sharding group "
+                         f"{list(layout.shard_group)} has {layout.shard_world_size} ranks")
+    return layout
+
+
+def owned_params(module: nn.Module, unit_cls: type):
+    """(module, name, param, fqn) for parameters not inside an already wrapped child unit.
+
+    An explicit stack, not a recursive closure: a closure that refers to itself
+    is a reference cycle, which would keep the full tensors alive until the
+    cycle collector runs.
+    """
+    out = []
+    stack = [(module, "")]
+    while stack:
+        m, prefix = stack.pop()
+        for name, p in m._parameters.items():
+            if p is not None:
+                out.append((m, name, p, prefix + name))
+        children = [(c, f"{prefix}{n}.") for n, c in m._modules.items()
+                    if c is not None and not isinstance(c, unit_cls)]
+        stack.extend(reversed(children))  # keep definition order
+    return out
+
+
+def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit_cls: type) -> FSDPParamGroup:
+    """Shard the parameters `module` owns (not those of wrapped children) into one group.
+
+    Each full tensor is freed as soon as its shard takes its place; a parameter
+    already sharded by another unit (a tied weight split across units) is an error.
+    """
+    by_id: Dict[int, List] = {}
+    order: List[int] = []
+    for m, name, p, fqn in owned_params(module, unit_cls):
+        consumed = _consumed_params.get(id(p))
+        if consumed is not None and consumed[0]() is p:
+            unit, pname = consumed[1](), consumed[2]
+            where = next((f"{n}.{pname}" for n, mm in module.named_modules() if mm is unit and n), None)
+            other = repr(where) if where else f"{_class_name(unit, unit_cls)}.{pname}"
+            raise ValueError(
+                f"parameter {fqn!r} of {_class_name(module, unit_cls)} is tied to {other}, which is already "
+                "sharded in its own FSDP unit; tied weights must stay in one unit: wrap their common "
+                "parent instead (auto-wrap policies do this for you)"
+            )
+        if id(p) not in by_id:
+            by_id[id(p)] = [p, []]
+            order.append(id(p))
+        by_id[id(p)][1].append(ParamSite(m, name, fqn))
+    layout = comm.layout
+    params = []
+    dropped = [weakref.ref(by_id[pid][0]) for pid in order]
+    for pid in order:
+        # popped, so each full tensor is freed as soon as its shard is registered in its place
+        p, sites = by_id.pop(pid)
+        rec = FSDPParam(p, sites, layout.shard_rank, layout.shard_world_size, comm.device)
+        rec.register(rec.sharded)
+        _consumed_params[pid] = (weakref.ref(p), weakref.ref(module), sites[0].fqn)
+        params.append(rec)
+    p = None  # the last full tensor too, before its pages are handed back
+    release_freed_host_memory(dropped)  # see [Note: freed host memory stays in the process]
+    return FSDPParamGroup(params, comm, options)
+
+
+def _class_name(module, unit_cls: type) -> str:
+    """The user's class name (not the FSDP subclass made at wrap time)."""
+    if isinstance(module, unit_cls):
+        return type(module).__mro__[2].__name__
+    return type(module).__name__
+
+
+def materialize(module: nn.Module, param_init_fn: Optional[Callable], unit_cls: type) -> None:
+    """Give a deferred or meta-device unit real storage right before it is sharded."""
+    if param_init_fn is not None:
+        if any(p.is_meta for _, _, p, _ in owned_params(module, unit_cls)):
+            param_init_fn(module)
+        return
+    from ..deferred_init import is_deferred, materialize_module
+
+    if is_deferred(module):
+        materialize_module(module, check_fn=lambda m: m is module or not isinstance(m, unit_cls))
+    leftover = [fqn for _, _, p, fqn in owned_params(module, unit_cls) if p.is_meta]
+    if leftover:
+        raise ValueError(
+            f"{_class_name(module, unit_cls)} has parameters without storage ({', '.join(leftover[:3])}...); build it "
+            "with xla_fsdp.deferred_init(...) or pass param_init_fn= to materialize each unit"
+        )
+
+
+def cast_buffers(module: nn.Module, options: FSDPOptions, device, unit_cls: type) -> None:
+    """Move the buffers `module` owns to `device`, cast to the buffer (or compute) dtype."""
+    mp = options.mixed_precision
+    dtype = mp.buffer_dtype or (mp.compute_dtype if mp.enabled else None)
+
+    def visit(m):
+        for name, b in m._buffers.items():
+            if b is not None:
+                target = b.to(device)
+                if dtype is not None and b.is_floating_point():
+                    target = target.to(dtype)
+                m._buffers[name] = target
+        for child in m._modules.values():
+            if child is not None and not isinstance(child, unit_cls):
+                visit(child)
+
+    visit(module)
