@@ -1,0 +1,256 @@
+"""The package layout (docs/DESIGN.md, "Layers"): no import cycles, no module
+importing a layer above its own (least of all the front door), small files.
+
+Every module under xla_fsdp/ is parsed with `ast`, so imports inside functions
+count as much as those at the top of a file; nothing is imported.
+"""
+from __future__ import annotations
+
+import ast
+import os
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "xla_fsdp"
+FRONT_DOOR = "xla_fsdp.api"
+MAX_LINES = 400
+
+# Every module belongs to a room; a name covers the module and, for a folder,
+# everything under it. A new top-level file fails `test_every_module_has_a_room`
+# until it is given one here (and in docs/DESIGN.md).
+ROOMS: Dict[str, str] = {
+    # layer 1: base
+    "xla_fsdp.options": "base",
+    "xla_fsdp.class_swap": "base",
+    "xla_fsdp.mesh": "base",
+    "xla_fsdp.memory": "base",
+    "xla_fsdp.deferred_init": "base",
+    "xla_fsdp.deferred": "base",
+    "xla_fsdp.metrics": "base",
+    # layer 2: mechanisms both engines share
+    "xla_fsdp.wrap": "shared",
+    "xla_fsdp.activation_checkpoint": "shared",
+    # layer 3: the engines, one folder each
+    "xla_fsdp.collective_engine": "collective_engine",
+    "xla_fsdp.spmd_engine": "spmd_engine",
+    # layer 4: the front door
+    "xla_fsdp.api": "front_door",
+    # layer 5: on top
+    "xla_fsdp.checkpoint": "checkpoint",
+    "xla_fsdp.state_dict": "on_top",  # the README's name for xla_fsdp.checkpoint.state_dict
+    "xla_fsdp.config": "config",
+    "xla_fsdp.train": "on_top",
+    "xla_fsdp": "on_top",  # the package root re-exports the front door
+}
+LAYER = {"base": 1, "shared": 2, "collective_engine": 3, "spmd_engine": 3, "front_door": 4,
+         "checkpoint": 5, "config": 5, "on_top": 5}
+_BELOW_ENGINES = {"base", "shared"}
+_ENGINES = {"collective_engine", "spmd_engine"}
+# which rooms a room may import (its own included)
+ALLOWED: Dict[str, set] = {
+    "base": {"base"},
+    "shared": _BELOW_ENGINES,
+    "collective_engine": _BELOW_ENGINES | {"collective_engine"},
+    "spmd_engine": _BELOW_ENGINES | {"spmd_engine"},
+    "front_door": _BELOW_ENGINES | _ENGINES | {"front_door"},
+    "checkpoint": _BELOW_ENGINES | _ENGINES | {"checkpoint"},
+    "config": _BELOW_ENGINES | _ENGINES | {"front_door", "config"},
+    "on_top": set(LAYER),
+}
+# rooms whose module-level imports stay inside the room: loading a config must
+# not pull in the engines or torch_xla (they are imported inside functions)
+LAZY_OUTSIDE = {"config"}
+
+
+# ----------------------------------------------------------------- the graph
+def package_sources(root: str = ROOT) -> Dict[str, Tuple[str, bool]]:
+    """module name -> (source, is_package) for every .py under xla_fsdp/."""
+    out = {}
+    for folder, _, files in os.walk(os.path.join(root, PACKAGE)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, root)[:-len(".py")].split(os.sep)
+                is_package = rel[-1] == "__init__"
+                with open(path, encoding="utf-8") as f:
+                    out[".".join(rel[:-1] if is_package else rel)] = (f.read(), is_package)
+    return out
+
+
+class Import:
+    """One `import` statement's target inside the package."""
+
+    def __init__(self, target: str, line: int, lazy: bool):
+        self.target, self.line, self.lazy = target, line, lazy
+
+
+def _statements(tree: ast.Module):
+    """(node, inside a function or class body?) for every import statement."""
+    def visit(node, nested):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, nested
+            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            yield from visit(child, inner)
+
+    yield from visit(tree, False)
+
+
+def imports_of(module: str, source: str, is_package: bool, known: Iterable[str]) -> List[Import]:
+    """The package modules `module` imports (relative imports resolved); `from pkg
+    import name` is `pkg.name` when that is a module in `known`, else `pkg`."""
+    known = set(known)
+    here = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node, lazy in _statements(ast.parse(source, filename=module)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            if node.level:
+                base = here.split(".")
+                base = ".".join(base[:len(base) - node.level + 1])
+                origin = f"{base}.{node.module}" if node.module else base
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in known else origin for a in node.names]
+        for target in targets:
+            if target == PACKAGE or target.startswith(PACKAGE + "."):
+                out.append(Import(target, node.lineno, lazy))
+    return out
+
+
+def import_graph(sources: Mapping[str, Tuple[str, bool]]) -> Dict[str, List[Import]]:
+    """module -> its imports of modules that exist (see `test_every_import_resolves`)."""
+    return {m: [i for i in imports_of(m, src, pkg, sources) if i.target in sources]
+            for m, (src, pkg) in sources.items()}
+
+
+def find_cycles(graph: Mapping[str, List[Import]]) -> List[Tuple[List[str], List[str]]]:
+    """(modules, one cycle through them) per strongly connected component: every
+    module of a component reaches every other, so each is on some cycle."""
+    edges = {m: sorted({i.target for i in imps}) for m, imps in graph.items()}
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack = set()
+    components = []
+
+    def connect(v):  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in edges.get(v, ()):
+                components.append(set(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return [(sorted(c), _cycle_in(sorted(c)[0], c, edges)) for c in components]
+
+
+def _cycle_in(start: str, component: set, edges) -> List[str]:
+    """A shortest path start -> ... -> start inside the component (breadth first)."""
+    parent: Dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in edges[v]:
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return list(reversed(path)) + [start]
+                if w in component and w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{start} is on no cycle")
+
+
+def room_of(module: str) -> Optional[str]:
+    name = module
+    while name:
+        if name in ROOMS and (name != PACKAGE or module == PACKAGE):
+            return ROOMS[name]
+        name = name.rpartition(".")[0]
+    return None
+
+
+# ----------------------------------------------------------------- the tests
+@pytest.fixture(scope="module")
+def sources():
+    return package_sources()
+
+
+@pytest.fixture(scope="module")
+def graph(sources):
+    return import_graph(sources)
+
+
+def test_every_import_resolves(sources):
+    # a lazy import of a moved module fails only when its function runs
+    missing = [f"{m} (line {i.line}) imports {i.target}" for m, (src, pkg) in sorted(sources.items())
+               for i in imports_of(m, src, pkg, sources) if i.target not in sources]
+    assert not missing, "imports of modules that do not exist: " + "; ".join(missing)
+
+
+def test_every_module_has_a_room(sources):
+    unclassified = sorted(m for m in sources if room_of(m) is None)
+    assert not unclassified, (f"modules without a layer: {unclassified}; add them to ROOMS in "
+                              "tests/test_layout.py and to the layer table in docs/DESIGN.md")
+
+
+def test_no_import_cycles(graph):
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(
+        f"{len(mods)} modules {mods}, e.g. {' -> '.join(path)}" for mods, path in cycles)
+
+
+def test_front_door_is_imported_only_from_above(graph):
+    bad = [f"{m} (line {i.line}) imports {i.target}"
+           for m, imps in sorted(graph.items()) for i in imps
+           if i.target in (FRONT_DOOR, PACKAGE) and LAYER.get(room_of(m)) is not None
+           and (LAYER[room_of(m)] < LAYER["front_door"] or room_of(m) == "checkpoint")]
+    assert not bad, ("below the front door, pass the wrapper class or a callable instead: "
+                     + "; ".join(bad))
+
+
+def test_layers(graph):
+    bad = []
+    for m, imps in sorted(graph.items()):
+        room = room_of(m)
+        for i in imps:
+            if room is not None and room_of(i.target) not in ALLOWED[room]:
+                bad.append(f"{m} ({room}, line {i.line}) imports {i.target} ({room_of(i.target)})")
+    assert not bad, "imports against the layer table: " + "; ".join(bad)
+
+
+def test_config_imports_the_rest_lazily(graph):
+    bad = [f"{m} (line {i.line}) imports {i.target} at module level"
+           for m, imps in sorted(graph.items()) if room_of(m) in LAZY_OUTSIDE for i in imps
+           if not i.lazy and room_of(i.target) != room_of(m)]
+    assert not bad, "loading a config must not load the engines: " + "; ".join(bad)
+
+
+def test_no_module_over_the_line_limit(sources):
+    long = sorted((len(src.splitlines()), m) for m, (src, _) in sources.items()
+                  if len(src.splitlines()) > MAX_LINES)
+    assert not long, f"modules over {MAX_LINES} lines (split them by concern): " + ", ".join(
+        f"{m} ({n})" for n, m in long)
