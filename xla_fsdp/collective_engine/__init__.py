@@ -7,7 +7,9 @@ reduce-scattered by collectives this engine issues itself:
   for `unshard()`, `reshard()` and `reduce_grads()`;
 - `state.py`: `FSDPState`, the hooks around a unit's forward and backward;
 - `collectives.py`: every collective, behind the `Collectives` interface;
-- `clip_grad.py`: gradient-norm clipping across shards.
+- `clip_grad.py`: gradient-norm clipping across shards;
+- `build.py`: building a unit (collectives and layout, parameter group, buffers).
 
-The front door (`xla_fsdp.api`) builds these; nothing here imports it.
+The front door (`xla_fsdp.api`) calls `build.py` and hands it the unit class;
+nothing here imports the front door.
 """
