@@ -32,6 +32,32 @@ class Case:
         return dict(self.fsdp)
 
 
+# The parity matrix: every variant of the engine against the unsharded reference.
+# Shared by the gloo runtime (tests/test_parity_dist.py) and the single-controller
+# runtime (tests/test_single_controller.py).
+MATRIX = [
+    Case("mlp_sgd", "mlp", "sgd"),
+    Case("mlp_adamw", "mlp", "adamw"),
+    Case("mlp_nested_adamw", "mlp_nested", "adamw"),
+    Case("gpt2_sgd", "gpt2", "sgd"),
+    Case("gpt2_adamw", "gpt2", "adamw"),
+    Case("gpt2_no_reshard", "gpt2", "adamw", fsdp=(("reshard_after_forward", False),)),
+    Case("gpt2_reshard_root", "gpt2", "adamw", fsdp=(("disable_reshard_on_root", False),)),
+    Case("mlp_shard_grad_op", "mlp_nested", "adamw", fsdp=(("sharding_strategy", "SHARD_GRAD_OP"),)),
+    Case("gpt2_no_shard", "gpt2", "adamw", fsdp=(("sharding_strategy", "NO_SHARD"),)),
+    Case("gpt2_clip", "gpt2", "adamw", clip=0.05),
+    Case("mlp_clip_sgd", "mlp_nested", "sgd", clip=0.1),
+    Case("mlp_unflat_buckets", "mlp_nested", "adamw", fsdp=(("flatten_parameters", False),)),
+    Case("gpt2_rs_buckets", "gpt2", "adamw", fsdp=(("reduce_scatter_bucket_size_mb", 0.01),)),
+    Case("gpt2_checkpoint", "gpt2", "adamw", checkpoint=True),
+    Case("mlp_bf16", "mlp_nested", "sgd", fsdp=(("compute_dtype", torch.bfloat16),)),
+    Case("gpt2_bf16_fp32rs", "gpt2", "sgd", fsdp=(("compute_dtype", torch.bfloat16),
+                                                  ("fp32_reduce_scatter", True))),
+    Case("gpt2_hybrid", "gpt2", "adamw", worlds=(4,),
+         fsdp=(("sharding_strategy", "HYBRID_SHARD"), ("sharding_groups", [[0, 1], [2, 3]]))),
+]
+
+
 def gpt2_config(size: str = "tiny"):
     from transformers import GPT2Config
 
@@ -133,6 +159,37 @@ def train_sharded(case: Case, rank: int, world: int, device=None, sync=None) -> 
     return {"losses": [float(l.cpu()) for l in losses],
             "shards": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
             "groups": [list(g) for g in model.sharding_layout.shard_groups]}
+
+
+def train_single_controller(case: Case, steps: int = STEPS) -> Dict:
+    """The single-controller runtime (torch_xla's SPMD runtime must be on): one process
+    feeds the global batch; returns the per-step global losses and the full parameters
+    cut from the global (dim-0 padded) tensors."""
+    import torch_xla
+
+    device = torch_xla.device()
+    model = wrap(case, build_model(case.model))
+    opt = make_optimizer(case.optim, model.parameters())
+    losses: List[torch.Tensor] = []
+    for step in range(steps):
+        x, y = batch(case.model, step)
+        loss = loss_fn(case.model, model, x.to(device), y.to(device))
+        loss.backward()
+        if case.clip is not None:
+            model.clip_grad_norm_(case.clip)
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.detach())
+    padded = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    return {"losses": [float(l.cpu()) for l in losses], "padded": padded,
+            "groups": [list(g) for g in model.sharding_layout.shard_groups]}
+
+
+def unpad(padded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A global dim-0 padded parameter -> the unwrapped parameter's shape."""
+    rows = like.shape[0] if like.dim() else 1
+    return padded.reshape(-1, *like.shape[1:])[:rows].reshape(like.shape)
 
 
 def assemble(ref_params: Dict[str, torch.Tensor], shards_by_rank: List[Dict[str, torch.Tensor]],

@@ -78,7 +78,7 @@ def test_auto_wrap_keeps_tied_weights_in_the_parent():
     ({"compute_dtype": torch.int8}, r"compute_dtype=torch.int8 is not supported"),
     ({"sharding_groups": [[0]], "sharding_rank": 1}, r"sharding_rank=1 but this rank \(0\) is position 0"),
     ({"engine": "gspmd"}, r"engine='gspmd' is not valid"),
-    ({"mesh": object()}, r"mesh= is only used with engine='spmd'"),
+    ({"mesh": object()}, r"mesh= needs the SPMD runtime"),
 ])
 def test_bad_options_leave_module_untouched(kwargs, message):
     m = nn.Linear(4, 3)

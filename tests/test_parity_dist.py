@@ -7,7 +7,7 @@ unsharded model trained on the global batch.
 import pytest
 import torch
 
-from parity_cases import Case, assemble, assert_rel_close, run_distributed, train_reference
+from parity_cases import MATRIX, Case, assemble, assert_rel_close, run_distributed, train_reference
 
 # losses: elementwise; parameters: tensor-relative (see assert_rel_close)
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -17,36 +17,7 @@ FP32_PARAM_REL = 1e-5
 BF16 = dict(rtol=3e-2, atol=3e-2)
 BF16_PARAM_REL = 2e-2
 
-CASES = [
-    Case("mlp_sgd", "mlp", "sgd"),
-    Case("mlp_adamw", "mlp", "adamw"),
-    Case("mlp_nested_adamw", "mlp_nested", "adamw"),
-    Case("gpt2_sgd", "gpt2", "sgd"),
-    Case("gpt2_adamw", "gpt2", "adamw"),
-    Case("gpt2_no_reshard", "gpt2", "adamw", fsdp=(("reshard_after_forward", False),)),
-    Case("gpt2_reshard_root", "gpt2", "adamw", fsdp=(("disable_reshard_on_root", False),)),
-    Case("mlp_shard_grad_op", "mlp_nested", "adamw", fsdp=(("sharding_strategy", "SHARD_GRAD_OP"),)),
-    Case("gpt2_no_shard", "gpt2", "adamw", fsdp=(("sharding_strategy", "NO_SHARD"),)),
-    Case("gpt2_clip", "gpt2", "adamw", clip=0.05),
-    Case("mlp_clip_sgd", "mlp_nested", "sgd", clip=0.1),
-    Case("mlp_unflat_buckets", "mlp_nested", "adamw", fsdp=(("flatten_parameters", False),)),
-    Case("gpt2_rs_buckets", "gpt2", "adamw", fsdp=(("reduce_scatter_bucket_size_mb", 0.01),)),
-    Case("gpt2_checkpoint", "gpt2", "adamw", checkpoint=True),
-    Case("mlp_bf16", "mlp_nested", "sgd", fsdp=(("compute_dtype", torch.bfloat16),)),
-    Case("gpt2_bf16_fp32rs", "gpt2", "sgd", fsdp=(("compute_dtype", torch.bfloat16),
-                                                  ("fp32_reduce_scatter", True))),
-    Case("gpt2_hybrid", "gpt2", "adamw", worlds=(4,),
-         fsdp=(("sharding_strategy", "HYBRID_SHARD"), ("sharding_groups", [[0, 1], [2, 3]]))),
-]
-
-
-@pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    out = {}
-    for world in (2, 4):
-        cases = [c for c in CASES if world in c.worlds]
-        out[world] = run_distributed(cases, world, str(tmp_path_factory.mktemp(f"w{world}")))
-    return out
+CASES = MATRIX
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,7 @@ DEFAULTS: Dict[str, Any] = dict(
     engine="collectives",
     mesh=None,
     activation_checkpointing=False,
+    is_batched_input=None,
     collectives=None,
 )
 # what engine="spmd" acts on; anything else set to a non-default value is an error there
@@ -109,8 +110,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         if not kw["shard_param_on_dim_0"]:
             raise ValueError("shard_param_on_dim_0=False is not supported: xla_fsdp always shards on dim 0 "
                              "(drop the option or set it to True)")
-        if kw["mesh"] is not None:
-            raise ValueError("mesh= is only used with engine='spmd'")
 
         # validate everything before touching the module: a bad option leaves it as it was
         options = _build_options(kw)
@@ -197,4 +196,5 @@ def _build_options(kw) -> FSDPOptions:
         reshard=opts.ReshardPolicy(bool(reshard), bool(kw["disable_reshard_on_root"])),
         sync_on_finalization=bool(kw["sync_on_finalization"]),
         execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
+        is_batched_input=kw["is_batched_input"],
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -189,3 +189,5 @@ class FSDPOptions:
     sync_on_finalization: bool = False
     # run pending sharding work right away at construction (XLA only)
     execute_sharding_on_init: bool = True
+    # single-controller runtime: which root inputs are batched (see manual_region.ManualRegion)
+    is_batched_input: Optional[Callable[[str, torch.Tensor], bool]] = None

@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from ..memory.host import release_freed_host_memory
 from ..options import FSDPOptions, ShardingLayout, ShardingStrategy
-from .collectives import Collectives, DistCollectives, XlaCollectives
+from .collectives import Collectives, DistCollectives, SpmdCollectives, XlaCollectives
+from .manual_region import DevicePlacement
 from .param import FSDPParam, ParamSite
 from .param_group import FSDPParamGroup
 
@@ -28,12 +29,26 @@ def _on_xla(module: nn.Module) -> bool:
     return any(t.device.type == "xla" for t in module.parameters())
 
 
+def _spmd_runtime() -> bool:
+    try:
+        import torch_xla.runtime as xr
+    except ImportError:
+        return False
+    return xr.is_spmd()
+
+
 def build_collectives(module: nn.Module, kw: Dict[str, Any], options: FSDPOptions) -> Collectives:
     """The collectives of a new unit: torch.distributed when a process group is up and the
-    parameters are not on an XLA device, else pinned-layout XLA collectives."""
+    parameters are not on an XLA device; under torch_xla's SPMD runtime the devices of this
+    process (single controller); else pinned-layout XLA collectives between processes."""
     import torch.distributed as dist
 
     use_dist = not _on_xla(module) and dist.is_available() and dist.is_initialized()
+    if not use_dist and _spmd_runtime():
+        return _build_single_controller(kw, options)
+    if kw["mesh"] is not None:
+        raise ValueError("mesh= needs the SPMD runtime (call torch_xla.runtime.use_spmd() before wrapping) or "
+                         "engine='spmd'; with one process per device the processes are the mesh")
     if use_dist:
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
@@ -45,6 +60,26 @@ def build_collectives(module: nn.Module, kw: Dict[str, Any], options: FSDPOption
         device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
         return DistCollectives(layout, options.collectives, device)
     return XlaCollectives(layout, options.collectives)
+
+
+def _build_single_controller(kw: Dict[str, Any], options: FSDPOptions) -> SpmdCollectives:
+    """Collectives between the devices of this process ([Note: single-controller runtime])."""
+    import torch_xla.runtime as xr
+
+    devices = xr.global_runtime_device_count()
+    if kw["sharding_rank"] is not None:
+        raise ValueError("sharding_rank= has no meaning in the single-controller runtime (one process drives "
+                         "every device); drop it and give sharding_groups as device ids")
+    groups = kw["sharding_groups"]
+    if options.strategy is ShardingStrategy.NO_SHARD:
+        if kw["mesh"] is not None:
+            raise ValueError("sharding_strategy=NO_SHARD replicates every parameter over every device; drop mesh=")
+        groups = [[d] for d in range(devices)]
+    placement = DevicePlacement.build(kw["mesh"], groups, devices)
+    # the controller speaks for the first device; the groups are what every device shares
+    layout = _build_layout(placement.shard_groups[0][0], devices,
+                           {**kw, "sharding_groups": placement.shard_groups}, ShardingStrategy.FULL_SHARD)
+    return SpmdCollectives(layout, options.collectives, placement)
 
 
 def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> ShardingLayout:
@@ -104,13 +139,12 @@ def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit
             by_id[id(p)] = [p, []]
             order.append(id(p))
         by_id[id(p)][1].append(ParamSite(m, name, fqn))
-    layout = comm.layout
     params = []
     dropped = [weakref.ref(by_id[pid][0]) for pid in order]
     for pid in order:
         # popped, so each full tensor is freed as soon as its shard is registered in its place
         p, sites = by_id.pop(pid)
-        rec = FSDPParam(p, sites, layout.shard_rank, layout.shard_world_size, comm.device)
+        rec = FSDPParam(p, sites, comm)
         rec.register(rec.sharded)
         _consumed_params[pid] = (weakref.ref(p), weakref.ref(module), sites[0].fqn)
         params.append(rec)

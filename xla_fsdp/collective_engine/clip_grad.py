@@ -1,6 +1,6 @@
 """Gradient-norm clipping across the shards of every unit.
 
-Each rank sums |g|^p over its own shards (padding rows hold zero gradients),
+Each rank (or device, in the single-controller runtime) sums |g|^p over its own shards (padding rows hold zero gradients),
 the sums are all-reduced over the shard group only (replicas hold the same
 shards and must not be counted twice), and every shard is scaled by the
 factor `torch.nn.utils.clip_grad_norm_` would use on the unsharded model.
@@ -24,15 +24,17 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
     comm = state.group.comm
     norm_type = float(norm_type)
     grads = [p.grad for p in root.parameters() if p.grad is not None]
-    device = comm.device
+    if not grads:
+        return torch.zeros((), device=comm.device)
+    # this device's pieces (single-controller runtime: the gradients are global tensors)
+    local_grads = [comm.local_view(g, "param", grad=False) for g in grads]
     if math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
-            torch.zeros((), device=device)
-        total = comm.all_reduce(local.reshape(1), "shard", REDUCE_MAX).reshape(())
+        local = torch.stack([g.abs().max().float() for g in local_grads]).max()
+        total = comm.all_reduce(local.reshape(1), "shard", REDUCE_MAX)
     else:
-        local = torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in grads]).sum() if grads else \
-            torch.zeros((), device=device)
-        total = comm.all_reduce(local.reshape(1), "shard", REDUCE_SUM).reshape(()) ** (1.0 / norm_type)
+        local = torch.stack([g.float().norm(norm_type) ** norm_type for g in local_grads]).sum()
+        total = comm.all_reduce(local.reshape(1), "shard", REDUCE_SUM) ** (1.0 / norm_type)
+    total = comm.global_value(total).reshape(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(coef.to(g.dtype))

@@ -20,6 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..options import CollectiveOptions, ShardingLayout
+from .manual_region import ToLocal, to_global, to_local
 
 REDUCE_SUM = "sum"
 REDUCE_MAX = "max"
@@ -41,7 +42,7 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: str, op: str = REDUCE_SUM) -> torch.Tensor:
-        """Reduce over the "shard" or "replicate" group; returns a new tensor."""
+        """Reduce over the "shard" group, the "replicate" group or the whole "world"; returns a new tensor."""
 
     def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Keep the compiler from moving work across this point. Identity off XLA."""
@@ -53,6 +54,24 @@ class Collectives(abc.ABC):
     @property
     def is_xla(self) -> bool:
         return False
+
+    @property
+    def is_single_controller(self) -> bool:
+        """One process driving every device (see manual_region.py), or one process per replica."""
+        return False
+
+    @property
+    def grad_scale(self) -> float:
+        """Factor on full gradients before they are summed: each rank's loss is its own mean."""
+        return 1.0 / (self.layout.shard_world_size * self.layout.replicate_world_size)
+
+    def local_view(self, tensor: torch.Tensor, kind: str = "param", grad: bool = True) -> torch.Tensor:
+        """This device's piece of a tensor (parameters are already local: one process per replica)."""
+        return tensor if grad else tensor.detach()
+
+    def global_value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A value equal on every device, as seen from outside the device program."""
+        return tensor
 
 
 def _groups_arg(groups: Tuple[Tuple[int, ...], ...]) -> List[List[int]]:
@@ -70,13 +89,21 @@ class XlaCollectives(Collectives):
         self.options = options
         self.device = device if device is not None else torch_xla.device()
         # the shard rank enters graphs as data (see [Note: rank as data])
-        self._rank_index = torch.tensor([layout.shard_rank], dtype=torch.long).to(self.device)
+        self._rank = torch.tensor([layout.shard_rank], dtype=torch.long).to(self.device)
+
+    # channel id and global device ids: none between processes ([Note: channel ids])
+    _channel: Tuple = (None, None)
+
+    def _rank_index(self) -> torch.Tensor:
+        return self._rank
 
     @property
     def is_xla(self) -> bool:
         return True
 
     def _group(self, name: str):
+        if name == "world":
+            return [list(range(self.layout.world_size))], self.layout.world_size
         groups = self.layout.shard_groups if name == "shard" else self.layout.replicate_groups
         return _groups_arg(groups), len(groups[0])
 
@@ -85,12 +112,12 @@ class XlaCollectives(Collectives):
         if count == 1:
             return flat_shard
         if self.options.all_gather_impl == "all_gather":
-            return self._xlac._xla_all_gather(flat_shard, 0, count, groups, self.options.pin_layout, None, None)
+            return self._xlac._xla_all_gather(flat_shard, 0, count, groups, self.options.pin_layout,
+                                              *self._channel)
         # emulation: zero buffer with our shard at row `rank`, summed across the group
         buf = torch.zeros(count, flat_shard.numel(), dtype=flat_shard.dtype, device=flat_shard.device)
-        buf = buf.index_copy(0, self._rank_index, flat_shard.unsqueeze(0))
-        out = self._xlac._xla_all_reduce(REDUCE_SUM, buf.reshape(-1), 1.0, groups, self.options.pin_layout)
-        return out
+        buf = buf.index_copy(0, self._rank_index(), flat_shard.unsqueeze(0))
+        return self.all_reduce(buf.reshape(-1), "shard")
 
     def reduce_scatter(self, flat):
         groups, count = self._group("shard")
@@ -98,7 +125,7 @@ class XlaCollectives(Collectives):
             return flat
         token = self._xlac._get_all_reduce_token(str(self.device))
         out, new_token = self._xlac._xla_reduce_scatter(
-            REDUCE_SUM, flat, token, 1.0, 0, count, groups, self.options.pin_layout, None, None
+            REDUCE_SUM, flat, token, 1.0, 0, count, groups, self.options.pin_layout, *self._channel
         )
         self._xlac._set_all_reduce_token(str(self.device), new_token)
         return out
@@ -147,10 +174,12 @@ class DistCollectives(Collectives):
         self._pg = {
             "shard": shard_pgs[layout.shard_groups.index(layout.shard_group)],
             "replicate": rep_pgs[layout.replicate_groups.index(layout.replicate_group)],
+            "world": None,  # the default group
         }
 
     def _size(self, group: str) -> int:
-        return self.layout.shard_world_size if group == "shard" else self.layout.replicate_world_size
+        return {"shard": self.layout.shard_world_size, "replicate": self.layout.replicate_world_size,
+                "world": self.layout.world_size}[group]
 
     def all_gather(self, flat_shard):
         n = self._size("shard")
@@ -176,3 +205,71 @@ class DistCollectives(Collectives):
         red = self._dist.ReduceOp.SUM if op == REDUCE_SUM else self._dist.ReduceOp.MAX
         self._dist.all_reduce(out, op=red, group=self._pg[group])
         return out
+
+
+
+# [Note: channel ids] Inside a manual-sharding region a collective runs
+# across the partitions of one SPMD program, which XLA expresses with a
+# channel id and global device ids (`use_global_device_ids`). Without them XLA
+# reads the groups as replica ids, and an SPMD program has one replica. The
+# channel id only marks the collective as cross-partition (one program,
+# nothing to pair up), so every collective carries the same one and the
+# traced graph stays identical from step to step.
+SPMD_CHANNEL_ID = 1
+
+
+class SpmdCollectives(XlaCollectives):
+    """The same pinned collectives between the devices of one process, inside manual-sharding regions.
+
+    The single-controller runtime ([Note: single-controller runtime] in
+    manual_region.py). Groups are device ids; parameters are global tensors
+    and `local_view` gives a device's piece inside the region. Gradients
+    arrive pre-scaled by the region's output rules, so reduce-scatters sum.
+    """
+
+    _channel = (SPMD_CHANNEL_ID, True)
+
+    def __init__(self, layout: ShardingLayout, options: CollectiveOptions, placement, device=None):
+        import torch_xla.distributed.spmd as xs
+
+        super().__init__(layout, options, device)
+        self.placement = placement
+        # each device's position in its shard group, as data
+        self._positions = torch.tensor(placement.shard_positions(), dtype=torch.long).to(self.device)
+        xs.mark_sharding(self._positions, placement.mesh, placement.spec("batch", 1))
+
+    @property
+    def is_single_controller(self) -> bool:
+        return True
+
+    @property
+    def grad_scale(self) -> float:
+        return 1.0
+
+    def local_view(self, tensor, kind="param", grad=True):
+        spec = self.placement.spec(kind, tensor.dim())
+        if grad and tensor.requires_grad and torch.is_grad_enabled():
+            return ToLocal.apply(tensor, self.placement.mesh, spec, None)
+        return to_local(tensor.detach(), self.placement.mesh, spec)
+
+    def global_value(self, tensor):
+        return to_global(tensor, self.placement.mesh, self.placement.spec("replicated", tensor.dim()), tensor.shape)
+
+    def place_global(self, padded: torch.Tensor) -> torch.Tensor:
+        """A padded full parameter -> the global device tensor, sharded on dim 0."""
+        import torch_xla.distributed.spmd as xs
+
+        data = padded.to(self.device)
+        xs.mark_sharding(data, self.placement.mesh, self.placement.spec("param", data.dim()))
+        return data
+
+    def _rank_index(self):
+        return to_local(self._positions, self.placement.mesh, self.placement.spec("batch", 1))
+
+    def all_reduce(self, tensor, group, op=REDUCE_SUM):
+        groups, count = self._group(group)
+        if count == 1:
+            return tensor
+        # torch_xla 2.9 has no layout-pinned cross-partition all-reduce; pinning guards
+        # separately compiled programs, and here one program serves every device
+        return self._xlac._xla_spmd_all_reduce(op, tensor, 1.0, groups)

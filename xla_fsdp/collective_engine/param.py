@@ -29,8 +29,7 @@ class ParamSite:
 class FSDPParam:
     """Sizes, padding and the local shard of one parameter."""
 
-    def __init__(self, full: torch.Tensor, sites: List[ParamSite], shard_rank: int, shard_world: int,
-                 device: torch.device):
+    def __init__(self, full: torch.Tensor, sites: List[ParamSite], comm):
         self.sites = sites
         self.orig_shape = full.shape
         self.requires_grad = full.requires_grad
@@ -38,13 +37,17 @@ class FSDPParam:
         self.rows = full.shape[0] if full.dim() > 0 else 1
         self.row_shape: Tuple[int, ...] = tuple(full.shape[1:]) if full.dim() > 0 else ()
         self.row_numel = math.prod(self.row_shape)
-        self.world = shard_world
-        self.rows_per_rank = max(1, -(-self.rows // shard_world))
-        self.padded_rows = self.rows_per_rank * shard_world
+        self.world = comm.layout.shard_world_size
+        self.rows_per_rank = max(1, -(-self.rows // self.world))
+        self.padded_rows = self.rows_per_rank * self.world
         self.shard_shape = (self.rows_per_rank, *self.row_shape)
         self.shard_numel = self.rows_per_rank * self.row_numel
-        self.sharded = nn.Parameter(self._local_rows(full, shard_rank, device),
-                                    requires_grad=self.requires_grad)
+        if comm.is_single_controller:
+            # one global tensor of every shard ([Note: single-controller runtime])
+            data = comm.place_global(self.padded(full))
+        else:
+            data = self._local_rows(full, comm.layout.shard_rank, comm.device)
+        self.sharded = nn.Parameter(data, requires_grad=self.requires_grad)
 
     @property
     def fqn(self) -> str:
@@ -57,6 +60,12 @@ class FSDPParam:
         local = rows[start:start + self.rows_per_rank]
         pad = self.rows_per_rank - local.shape[0]
         return torch.cat([local, rows.new_zeros(pad, *self.row_shape)]) if pad else local
+
+    def padded(self, full: torch.Tensor) -> torch.Tensor:
+        """`full` as (padded_rows, *row_shape): every rank's rows, zero rows appended."""
+        rows = full.detach().reshape(self.rows, *self.row_shape)
+        pad = self.padded_rows - self.rows
+        return torch.cat([rows, rows.new_zeros(pad, *self.row_shape)]) if pad else rows
 
     def _local_rows(self, full: torch.Tensor, rank: int, device: torch.device) -> torch.Tensor:
         """This rank's padded rows on `device`, in memory of their own.

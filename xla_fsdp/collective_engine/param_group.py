@@ -22,7 +22,7 @@ class _GatherParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: "FSDPParamGroup", barrier_with, *shards):
         ctx.group = group
-        return tuple(group.gather(barrier_with))
+        return tuple(group.gather(barrier_with, shards=shards))
 
     @staticmethod
     def backward(ctx, *full_grads):
@@ -66,15 +66,21 @@ class FSDPParamGroup:
         return [p.sharded for p in self.params]
 
     # -- gather -------------------------------------------------------------
-    def gather(self, barrier_with: Sequence[torch.Tensor] = (), full_precision: bool = False) -> List[torch.Tensor]:
+    def local_shards(self, grad: bool = False) -> List[torch.Tensor]:
+        """Each parameter's shard on this device (inside the single-controller
+        runtime's region, this device's piece of the global parameter)."""
+        return [self.comm.local_view(p.sharded, "param", grad) for p in self.params]
+
+    def gather(self, barrier_with: Sequence[torch.Tensor] = (), full_precision: bool = False,
+               shards: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
         """All-gather every parameter of the unit in compute dtype, or in the shards'
         dtype with `full_precision` (for saving). No autograd."""
         dtype = None if full_precision else self.options.mixed_precision.compute_dtype
         out: List[Optional[torch.Tensor]] = [None] * len(self.params)
         with torch.no_grad():
+            shards = self.local_shards() if shards is None else [s.detach() for s in shards]
             for bucket in self.gather_buckets:
-                flat = torch.cat([self.params[i].sharded.detach().to(dtype or self.params[i].sharded.dtype)
-                                  .reshape(-1) for i in bucket])
+                flat = torch.cat([shards[i].to(dtype or shards[i].dtype).reshape(-1) for i in bucket])
                 if barrier_with and self.comm.is_xla:
                     flat = self.comm.optimization_barrier([flat, *barrier_with])[0]
                 gathered = self.comm.all_gather(flat).view(self.comm.layout.shard_world_size, -1)
@@ -90,13 +96,13 @@ class FSDPParamGroup:
         """Full parameters wired into autograd, so their gradients flow back to the shards."""
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in self.params):
             return self.gather(barrier_with)
-        return list(_GatherParams.apply(self, tuple(barrier_with), *self.shards))
+        return list(_GatherParams.apply(self, tuple(barrier_with), *self.local_shards(grad=True)))
 
     # -- reduce -------------------------------------------------------------
     def reduce_grads(self, full_grads: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """Full gradients -> shard gradients averaged over every rank holding a replica of the batch."""
-        layout = self.comm.layout
-        scale = 1.0 / (layout.shard_world_size * layout.replicate_world_size)
+        """Full gradients -> shard gradients summed over every rank holding a replica of
+        the shard, scaled so the result is the gradient of the global loss."""
+        scale = self.comm.grad_scale
         rdtype = self.options.mixed_precision.reduce_dtype
         out: List[Optional[torch.Tensor]] = [None] * len(self.params)
         with torch.no_grad():
@@ -116,6 +122,6 @@ class FSDPParamGroup:
                 offset = 0
                 for i in live:
                     p = self.params[i]
-                    out[i] = shard[offset: offset + p.shard_numel].view(p.shard_shape).to(p.sharded.dtype)
+                    out[i] = shard[offset: offset + p.shard_numel].view(p.shard_shape).to(p.orig_dtype)
                     offset += p.shard_numel
         return out

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..activation_checkpoint import is_recomputing
 from ..options import FSDPOptions, ShardingStrategy, TrainingState
+from .manual_region import ManualRegion
 from .param_group import FSDPParamGroup
 
 _local = threading.local()
@@ -109,6 +110,9 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self._full_for_backward: Optional[List[torch.Tensor]] = None
         group.on_grads_reduced = self._after_grads_reduced
+        self.region = None
+        if group.comm.is_single_controller:
+            self.region = ManualRegion(group.comm.placement, group.comm, options.is_batched_input)
 
     # -- properties --------------------------------------------------------
     @property
@@ -126,6 +130,25 @@ class FSDPState:
         active = _active_units()
         if self.is_root is None:
             self.is_root = not active
+        if self.is_root:
+            self._check_runtime_unchanged()
+            if self.region is not None:  # the root of a single-controller model
+                return self.region.run(self._module(), lambda a, k: self._forward(run, a, k), args, kwargs)
+        return self._forward(run, args, kwargs)
+
+    def _check_runtime_unchanged(self) -> None:
+        comm = self.group.comm
+        if comm.is_xla and not comm.is_single_controller:
+            import torch_xla.runtime as xr
+
+            if xr.is_spmd():
+                raise RuntimeError(
+                    f"{type(self._module()).__mro__[2].__name__} was wrapped for one process per device, and "
+                    "the SPMD runtime was turned on afterwards; call torch_xla.runtime.use_spmd() before "
+                    "wrapping (and before creating any XLA tensor) to run the single-controller runtime")
+
+    def _forward(self, run: Callable, args: Tuple, kwargs: Dict) -> Any:
+        active = _active_units()
         if self.is_root and self.options.mixed_precision.enabled:
             args, kwargs = self._cast_inputs(args, kwargs)
         barrier_with = self._forward_barrier_tensors(args, kwargs)

@@ -1,0 +1,170 @@
+"""The collective engine's single-controller runtime in one process with N XLA:CPU devices.
+
+SPMD mode and the device count are fixed when the XLA runtime starts, so
+tests/test_single_controller.py runs this file in a fresh process with
+CPU_NUM_DEVICES set. Results go to a torch file:
+
+  run.py parity OUT CASE[:IMPL] ...   per-step losses and full parameters of each case
+                                      (IMPL: all_gather (default) or all_reduce), and the
+                                      unsharded reference's
+  run.py program OUT                  the collectives of the partitioned per-device program
+                                      (XLA_FLAGS dumps it after SPMD partitioning)
+  run.py compiles OUT                 XLA compiles over a 20-step run
+  run.py errors OUT                   bad input: messages, and whether the module was touched
+  run.py late_spmd OUT                wrap first, turn the SPMD runtime on afterwards
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import parity_cases as pc  # noqa: E402
+from xla_fsdp import FSDP  # noqa: E402
+
+DEVICES = int(os.environ.get("CPU_NUM_DEVICES", "1"))
+
+
+def case_for_world(case: pc.Case) -> pc.Case:
+    """HYBRID_SHARD's groups are two halves of the devices."""
+    if dict(case.fsdp).get("sharding_strategy") != "HYBRID_SHARD":
+        return case
+    half = DEVICES // 2
+    fsdp = dict(case.fsdp, sharding_groups=[list(range(half)), list(range(half, DEVICES))])
+    return dataclasses.replace(case, fsdp=tuple(fsdp.items()))
+
+
+def parity(names):
+    by_name = {c.name: c for c in pc.MATRIX}
+    out = {}
+    for spec in names:
+        name, _, impl = spec.partition(":")
+        case = case_for_world(by_name[name])
+        if impl:
+            case = dataclasses.replace(case, fsdp=case.fsdp + (("all_gather_impl", impl),))
+        ref = pc.train_reference(case)
+        got = pc.train_single_controller(case)
+        full = {n: pc.unpad(got["padded"][n], p) for n, p in ref["params"].items()}
+        shapes = {n: list(t.shape) for n, t in got["padded"].items()}
+        out[spec] = {"losses": got["losses"], "ref_losses": ref["losses"], "params": full,
+                     "ref_params": ref["params"], "padded_shapes": shapes, "groups": got["groups"]}
+    return out
+
+
+COLLECTIVE = re.compile(r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\((.*)$")
+
+
+def program():
+    """Compile two GPT-2 steps (AdamW, clipping) and read the partitioned program of the step.
+
+    XLA_FLAGS (set by the test) dumps every SyncTensorsGraph right after SPMD
+    partitioning; the training step is the module with the reduce-scatters.
+    """
+    case = pc.Case("program", "gpt2", "adamw", clip=1.0)
+    got = pc.train_single_controller(case, steps=2)
+    dumps = glob.glob(os.path.join(os.environ["DUMP_DIR"], "*after_spmd-partitioning*.txt"))
+    step = max((open(p).read() for p in dumps), key=lambda text: text.count(" reduce-scatter("))
+    found = [COLLECTIVE.search(line) for line in step.splitlines()]
+    found = [m for m in found if m]
+    groups = [re.search(r"replica_groups=(\{\{[^}]*\}\})", m.group(2)) for m in found]
+    model = pc.wrap(case, pc.build_model("gpt2"))
+    units = [m for m in model.modules() if getattr(m, "_fsdp_state", None) is not None]
+    return {"ops": [m.group(1) for m in found], "units": len(units), "losses": got["losses"],
+            "groups": [g.group(1) if g else None for g in groups],
+            "pinned": sum("constrain_layout=true" in m.group(2) for m in found)}
+
+
+def compiles():
+    """Compiles counted from before wrapping to the end of step 20 (parameters are not read back)."""
+    def count():
+        data = met.metric_data("CompileTime")
+        return 0 if data is None else int(data[0])
+
+    case = pc.Case("compiles", "gpt2", "adamw", clip=1.0)
+    device = torch_xla.device()
+    before = count()
+    model = pc.wrap(case, pc.build_model("gpt2"))
+    opt = pc.make_optimizer(case.optim, model.parameters())
+    per_step = []
+    for step in range(20):
+        x, y = pc.batch("gpt2", step)
+        loss = pc.loss_fn("gpt2", model, x.to(device), y.to(device))
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+        per_step.append(count() - before)
+    return {"compiles": per_step[-1], "per_step": per_step, "loss": float(loss.detach().cpu())}
+
+
+def errors():
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except (ValueError, RuntimeError, TypeError) as e:
+            out[key] = str(e)
+
+    def untouched_after(key, build, **kwargs):
+        model = build()
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        attempt(key, lambda: FSDP(model, **kwargs))
+        out[key + "_untouched"] = (type(model) is type(build()) and not hasattr(model, "_fsdp_state")
+                                   and shapes == {n: tuple(p.shape) for n, p in model.named_parameters()})
+
+    mlp = lambda: pc.build_model("mlp")  # noqa: E731
+    untouched_after("no_fsdp_axis", mlp, mesh=xs.Mesh(np.arange(DEVICES), (DEVICES,), ("data",)))
+    untouched_after("groups_overlap", mlp, sharding_strategy="HYBRID_SHARD",
+                    sharding_groups=[[0, 1], [1, 2]])
+    untouched_after("groups_missing", mlp, sharding_strategy="HYBRID_SHARD",
+                    sharding_groups=[list(range(DEVICES // 2))])
+    untouched_after("groups_unequal", mlp, sharding_strategy="HYBRID_SHARD",
+                    sharding_groups=[[0], list(range(1, DEVICES))])
+    untouched_after("sharding_rank", mlp, sharding_rank=0)
+    model = FSDP(pc.build_model("mlp"))
+    x = torch.randn(DEVICES + 1, 32).to(torch_xla.device())
+    attempt("batch_not_divisible", lambda: model(x))
+    bn = FSDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    attempt("buffer_in_place", lambda: bn(torch.randn(DEVICES, 4).to(torch_xla.device())))
+    return out
+
+
+def late_spmd():
+    model = FSDP(pc.build_model("mlp"))  # one process per device: this process is rank 0 of 1
+    xr.use_spmd()
+    try:
+        model(torch.randn(8, 32).to(torch_xla.device()))
+    except RuntimeError as e:
+        return {"late_spmd": str(e)}
+    return {"late_spmd": None}
+
+
+def main():
+    mode, path, *rest = sys.argv[1:]
+    if mode != "late_spmd":
+        xr.use_spmd()
+        # the autograd engine sizes its device queues at the first backward: start the
+        # runtime (all devices) before the eager reference runs one
+        assert xr.global_runtime_device_count() == DEVICES
+    torch_xla.device()
+    result = {"parity": lambda: parity(rest), "program": program, "compiles": compiles,
+              "errors": errors, "late_spmd": late_spmd}[mode]()
+    torch.save(result, path)
+
+
+if __name__ == "__main__":
+    main()

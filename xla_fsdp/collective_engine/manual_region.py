@@ -1,0 +1,341 @@
+"""The single-controller runtime's boundary: global tensors outside, per-device tensors inside.
+
+[Note: single-controller runtime] Under torch_xla's SPMD runtime one process
+drives every device of the host. The collective engine runs there unchanged,
+per device, inside an SPMD *manual-sharding region* (torch_xla's counterpart
+of JAX's `shard_map`): at the root unit's forward every input is turned into
+its per-device piece (`SPMDFullToShardShape`), every unit gathers its
+parameters and reduce-scatters their gradients with the same explicit pinned
+collectives as one process per chip, and the root's outputs are turned back
+into global tensors (`SPMDShardToFullShape`). The partitioner treats the
+region as partitioned already and inserts no collective of its own there, so
+the program holds exactly the engine's schedule.
+
+What the user sees is global. A parameter is one tensor of shape
+`[N * rows_per_rank, *rest]` (padded on dim 0) sharded on dim 0 over the
+mesh's "fsdp" axis; any optimizer steps on it without communication. The
+model takes the global batch and returns global outputs (`ManualRegion`
+states the rules).
+
+Gradient scale: the output rules make the root's result a mean over devices
+(scalars) or a batch concatenation (whose loss the user averages over the
+global batch), so each device's gradient already carries its 1/D share and
+the engine's reduce-scatter sums instead of averaging.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+
+from ..mesh import FSDP_AXIS
+
+REPLICATE_AXIS = "replicate"
+
+# is_batched_input(path, tensor) -> bool; `path` names the argument, e.g. "input_ids" or "args[0]"
+BatchedInputFn = Callable[[str, torch.Tensor], bool]
+
+_local = threading.local()
+
+
+def in_manual_region() -> bool:
+    """True while a root unit's forward runs per device."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@dataclass(frozen=True)
+class DevicePlacement:
+    """The mesh of the single-controller runtime and the sharding groups laid on it.
+
+    `shard_groups[i]` lists the device ids along the "fsdp" axis: they split
+    each parameter among themselves. Devices at the same position of
+    different groups hold the same shard (hybrid sharding). The batch is
+    split over every device of the mesh.
+    """
+
+    mesh: Any  # torch_xla.distributed.spmd.Mesh
+    shard_groups: Tuple[Tuple[int, ...], ...]
+
+    @classmethod
+    def build(cls, mesh, sharding_groups, num_devices: int) -> "DevicePlacement":
+        import torch_xla.distributed.spmd as xs
+
+        if mesh is not None:
+            names = tuple(mesh.axis_names)
+            if FSDP_AXIS not in names:
+                raise ValueError(
+                    f"mesh axes {names} have no {FSDP_AXIS!r} axis; the collective engine shards "
+                    f"parameters over the axis named {FSDP_AXIS!r}. Name one axis {FSDP_AXIS!r} "
+                    "(the others split the batch), or pass mesh=None for a 1-D mesh over all devices")
+            ids = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
+            ids = np.moveaxis(ids, names.index(FSDP_AXIS), -1).reshape(-1, ids.shape[names.index(FSDP_AXIS)])
+            groups = tuple(tuple(int(d) for d in row) for row in ids)
+            if sharding_groups is not None and sorted(map(tuple, sharding_groups)) != sorted(groups):
+                raise ValueError(
+                    f"sharding_groups={[list(g) for g in sharding_groups]} disagree with the mesh, whose "
+                    f"{FSDP_AXIS!r} axis gives groups {[list(g) for g in groups]}; give one of the two")
+            return cls(mesh, groups)
+        groups = [list(range(num_devices))] if sharding_groups is None else [list(g) for g in sharding_groups]
+        _check_partition(groups, num_devices)
+        grid = np.asarray(groups, dtype=np.int64)
+        mesh = xs.Mesh(grid.reshape(-1), grid.shape, (REPLICATE_AXIS, FSDP_AXIS))
+        return cls(mesh, tuple(tuple(g) for g in groups))
+
+    @property
+    def num_devices(self) -> int:
+        return int(np.prod(self.mesh.mesh_shape))
+
+    @property
+    def shard_degree(self) -> int:
+        return len(self.shard_groups[0])
+
+    def spec(self, kind: str, ndim: int) -> tuple:
+        """Partition spec of a `kind` ("param", "batch" or "replicated") tensor of `ndim` dims."""
+        if kind == "param":
+            return (FSDP_AXIS,) + (None,) * (ndim - 1) if ndim else ()
+        if kind == "batch":
+            axes = tuple(self.mesh.axis_names)
+            return ((axes[0] if len(axes) == 1 else axes),) + (None,) * (ndim - 1)
+        return (None,) * ndim
+
+    def batch_order(self) -> List[int]:
+        """Device ids in the order of the batch shards (row-major over the mesh)."""
+        return [int(d) for d in np.asarray(self.mesh.device_ids).reshape(-1)]
+
+    def shard_positions(self) -> List[int]:
+        """For each batch shard, its device's position in its shard group."""
+        where = {d: g.index(d) for g in self.shard_groups for d in g}
+        return [where[d] for d in self.batch_order()]
+
+
+def _check_partition(groups: List[List[int]], num_devices: int) -> None:
+    flat = sorted(d for g in groups for d in g)
+    if flat != list(range(num_devices)) or len({len(g) for g in groups}) != 1:
+        raise ValueError(
+            f"sharding_groups={groups} must split the {num_devices} devices of this process "
+            f"(ids 0..{num_devices - 1}) into groups of equal size, each device exactly once, "
+            "e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] for 8 devices")
+
+
+# -- the two conversions ------------------------------------------------------
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    # a new IR value: annotating device data in place would change the data's own sharding
+    return t * 1 if t.is_floating_point() or t.is_complex() else t + 0
+
+
+def to_local(t: torch.Tensor, mesh, spec: tuple) -> torch.Tensor:
+    """Global tensor -> this device's piece (no autograd)."""
+    import torch_xla
+
+    x = _fresh(t)
+    torch_xla._XLAC._xla_mark_sharding(x, mesh.get_op_sharding(spec))
+    return torch_xla._XLAC._spmd_full_to_shard_shape(x)
+
+
+def to_global(t: torch.Tensor, mesh, spec: tuple, shape: torch.Size) -> torch.Tensor:
+    """Per-device pieces -> the global tensor of `shape` laid out as `spec` (no autograd)."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    x = _fresh(t)
+    manual = torch_xla._XLAC.OpSharding([], [], [], xs.ShardingType.MANUAL)
+    torch_xla._XLAC._mark_manual_sharding(x, manual)
+    return torch_xla._XLAC._spmd_shard_to_full_shape(x, mesh.get_op_sharding(spec), shape, x.dtype)
+
+
+class ToLocal(torch.autograd.Function):
+    """`to_local` whose gradient goes back to the global layout.
+
+    For a replicated input every device used the whole tensor, so its global
+    gradient is the sum of the per-device gradients (`sum_replicas`).
+    """
+
+    @staticmethod
+    def forward(ctx, t, mesh, spec, sum_replicas):
+        ctx.mesh, ctx.spec, ctx.shape, ctx.sum_replicas = mesh, spec, t.shape, sum_replicas
+        return to_local(t, mesh, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sum_replicas is not None:
+            grad = ctx.sum_replicas(grad)
+        return to_global(grad, ctx.mesh, ctx.spec, ctx.shape), None, None, None
+
+
+class MeanOverDevices(torch.autograd.Function):
+    """Per-device values -> their mean, one global (replicated) tensor.
+
+    The sum is an all-reduce the engine issues inside the region, so the
+    partitioner has nothing to add; each device's gradient is 1/D of the
+    incoming one.
+    """
+
+    @staticmethod
+    def forward(ctx, t, comm, mesh):
+        ctx.mesh, ctx.devices = mesh, comm.layout.world_size
+        total = comm.all_reduce(t, "world") / ctx.devices
+        return to_global(total, mesh, (None,) * t.dim(), t.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_local(grad, ctx.mesh, (None,) * grad.dim()) / ctx.devices, None, None
+
+
+class ToGlobal(torch.autograd.Function):
+    """`to_global` whose gradient is handed back to each device's piece."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, spec, shape):
+        ctx.mesh, ctx.spec = mesh, spec
+        return to_global(t, mesh, spec, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_local(grad, ctx.mesh, ctx.spec), None, None, None
+
+
+# -- the region ---------------------------------------------------------------
+
+def _is_kv_cache(x) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__)
+
+
+class ManualRegion:
+    """Runs a root unit's forward per device; see [Note: single-controller runtime].
+
+    Inputs: the batch size is dim 0 of the first tensor argument (with at
+    least one dim). A tensor argument whose dim 0 equals it is *batched* and
+    split on dim 0 over every device; any other tensor (a mask broadcast over
+    the batch, a position table, a 0-dim scalar) reaches every device whole.
+    `is_batched_input(path, tensor)` overrides the rule per argument.
+
+    Outputs: a tensor whose dim 0 is the per-device batch is concatenated
+    over devices back to the global batch; any other floating tensor (a
+    loss, an auxiliary loss vector) is averaged over devices; Hugging Face
+    KV caches (per-device tensors, used for generation only) become None.
+    Other outputs are refused by name.
+
+    Buffers reach every device whole; a forward that updates a buffer in
+    place (BatchNorm running statistics) would update one device's copy, so
+    it is refused.
+    """
+
+    def __init__(self, placement: DevicePlacement, comm, is_batched_input: Optional[BatchedInputFn] = None):
+        self.placement = placement
+        self.comm = comm
+        self.is_batched_input = is_batched_input
+
+    def run(self, root: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if in_manual_region():
+            return forward(args, kwargs)
+        args, kwargs, local_batch = self._inputs(args, kwargs)
+        swapped = self._localize_buffers(root)
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            out = forward(args, kwargs)
+        finally:
+            _local.depth -= 1
+            self._restore_buffers(swapped)
+        return self._outputs(out, local_batch)
+
+    # -- inputs ---------------------------------------------------------------
+    def _inputs(self, args, kwargs):
+        mesh, devices = self.placement.mesh, self.placement.num_devices
+        leaves, spec = tree_flatten_with_path((args, kwargs))
+        batch = next((x.shape[0] for _, x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+        out = []
+        for path, x in leaves:
+            if not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
+            name = _arg_name(path)
+            if self.is_batched_input is not None:
+                batched = bool(self.is_batched_input(name, x))
+            else:
+                batched = x.dim() > 0 and x.shape[0] == batch
+            if batched and (x.dim() == 0 or x.shape[0] % devices):
+                raise ValueError(
+                    f"input {name} has batch size {x.shape[0] if x.dim() else 'none (0-dim)'}, which does "
+                    f"not divide over the {devices} devices of the mesh; use a global batch that is a "
+                    f"multiple of {devices} (each device takes an equal slice)")
+            x = x.to(self.comm.device)
+            kind = "batch" if batched else "replicated"
+            sum_replicas = None if batched else self._sum_over_devices
+            if x.requires_grad:
+                out.append(ToLocal.apply(x, mesh, self.placement.spec(kind, x.dim()), sum_replicas))
+            else:
+                out.append(to_local(x, mesh, self.placement.spec(kind, x.dim())))
+        args, kwargs = tree_unflatten(out, spec)
+        local_batch = None if batch is None else batch // devices
+        return args, kwargs, local_batch
+
+    def _sum_over_devices(self, grad: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.comm.all_reduce(grad, "shard"), "replicate")
+
+    # -- buffers --------------------------------------------------------------
+    def _localize_buffers(self, root: nn.Module) -> List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]]:
+        swapped = []
+        for m in root.modules():
+            for name, b in m._buffers.items():
+                if b is None:
+                    continue
+                local = to_local(b, self.placement.mesh, self.placement.spec("replicated", b.dim()))
+                m._buffers[name] = local
+                swapped.append((m, name, b, local, local._version))
+        return swapped
+
+    @staticmethod
+    def _restore_buffers(swapped) -> None:
+        changed = []
+        for m, name, b, local, version in swapped:
+            if m._buffers.get(name) is not local or local._version != version:
+                changed.append(f"{type(m).__name__}.{name}")
+            m._buffers[name] = b
+        if changed:
+            raise RuntimeError(
+                f"the forward updated buffer(s) {', '.join(changed)} in place; under the single-controller "
+                "runtime each device would update its own copy and the result would depend on the "
+                "device. Put such modules in eval mode (e.g. BatchNorm running statistics), or run the "
+                "multi-process runtime (launch/xla_spawn.py without --spmd)")
+
+    # -- outputs --------------------------------------------------------------
+    def _outputs(self, out, local_batch: Optional[int]):
+        leaves, spec = tree_flatten_with_path(out)
+        mesh, devices = self.placement.mesh, self.placement.num_devices
+        result = []
+        for path, x in leaves:
+            if _is_kv_cache(x):
+                result.append(None)
+                continue
+            if not isinstance(x, torch.Tensor):
+                result.append(x)
+                continue
+            name = "output" + keystr(path)
+            if x.dim() > 0 and local_batch is not None and x.shape[0] == local_batch:
+                shape = torch.Size([x.shape[0] * devices, *x.shape[1:]])
+                result.append(ToGlobal.apply(x, mesh, self.placement.spec("batch", x.dim()), shape))
+            elif x.is_floating_point():
+                result.append(MeanOverDevices.apply(x, self.comm, mesh))
+            else:
+                raise ValueError(
+                    f"{name} (shape {tuple(x.shape)}, {x.dtype}) is neither batched (dim 0 = the "
+                    f"per-device batch {local_batch}) nor floating point, so it has no global value: "
+                    "return it as a floating tensor to get its mean over devices, or batched")
+        return tree_unflatten(result, spec)
+
+
+def _arg_name(path) -> str:
+    # path into ((args...), {kwargs}): args[i] or the keyword's name
+    text = keystr(path)
+    if text.startswith("[0]"):
+        return "args" + text[3:]
+    if text.startswith("[1]"):
+        rest = text[3:]
+        return rest[2:-2] if rest.startswith("['") and rest.endswith("']") else "kwargs" + rest
+    return text
