@@ -15,19 +15,22 @@ What runs where:
 device        --num_cores     behaviour
 ============  ==============  ================================================
 any           1               ``_mp_fn(0)`` in this process, no spawn
-CPU           2..64           one process, ``CPU_NUM_DEVICES=N``,
-                              ``XLA_FSDP_ENGINE=spmd`` (see below)
+CPU           2..64           one process drives the N devices (single-controller
+                              runtime): ``CPU_NUM_DEVICES=N``,
+                              ``XLA_FSDP_RUNTIME=single_controller``
 TPU           every local     ``xmp.spawn``: one process per chip
               device
-any + --spmd  (see --help)    one process per host, ``XLA_FSDP_ENGINE=spmd``,
+any + --spmd  (see --help)    one process per host (single-controller runtime),
                               ``_mp_fn(0)`` in this process
 ============  ==============  ================================================
 
-Why CPU never spawns several replicas: explicit XLA collectives across several
-CPU devices race their compiles and hang (pytorch/xla issues 5005 and 9089;
-see README "Engines"), while the SPMD engine runs the same
-data-parallel job on N virtual devices in one process. The launcher says so in
-one line when it makes that choice.
+The engine is the script's choice (``xla_fsdp_v2`` in the fsdp config, or
+``XLA_FSDP_ENGINE=spmd``, selects the GSPMD engine; the collective engine runs
+in either runtime). Why CPU never spawns several replicas: explicit XLA
+collectives between processes (device threads, on CPU) race their compiles and
+hang (pytorch/xla issues 5005 and 9089), while one process driving N virtual
+devices runs the same collectives inside one SPMD program. The launcher says
+so in one line when it makes that choice.
 
 TPU subsets: PJRT runs one process per chip and uses every chip the host's
 topology exposes, so the valid counts are 1 and "every local device". To use
@@ -75,6 +78,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 ENTRY_POINT = "_mp_fn"
+# read by the training job (xla_fsdp.train.model.single_controller)
+RUNTIME_ENV = "XLA_FSDP_RUNTIME"
+SINGLE_CONTROLLER = "single_controller"
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
                  "TPU_PROCESS_BOUNDS", "TPU_SKIP_MDS_QUERY")
@@ -122,18 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
         usage="%(prog)s [--num_cores N] [--spmd] SCRIPT [SCRIPT_ARGS ...]",
         description="Run SCRIPT's _mp_fn(index) on XLA devices. Everything after "
                     "SCRIPT is passed to it untouched.",
-        epilog=f"On CPU, --num_cores takes 1..{CPU_MAX_DEVICES} and N>1 runs the "
-               "SPMD engine in one process (explicit XLA collectives across CPU "
-               "devices hang). On TPU it takes 1 or every local device. On a "
-               "multi-host pod run the same command on every worker.")
+        epilog=f"On CPU, --num_cores takes 1..{CPU_MAX_DEVICES} and N>1 runs one "
+               "process driving the N devices (single-controller runtime; one "
+               "process per CPU device would hang on explicit collectives). On TPU "
+               "it takes 1 or every local device. On a multi-host pod run the same "
+               "command on every worker.")
     parser.add_argument(
         "--num_cores", default=None, metavar="N",
         help="number of XLA devices (replicas) on this host; default: every "
              "local device (on CPU: $CPU_NUM_DEVICES, else 1)")
     parser.add_argument(
         "--spmd", action="store_true",
-        help="one process per host for the SPMD engine: sets XLA_FSDP_ENGINE=spmd "
-             "and calls _mp_fn(0) once")
+        help="one process per host driving every local device (torch_xla's SPMD "
+             "runtime; the single-controller runtime of the collective engine, or "
+             "the GSPMD engine): sets XLA_FSDP_RUNTIME=single_controller and calls "
+             "_mp_fn(0) once")
     return parser
 
 
@@ -233,14 +242,15 @@ def make_plan(device: str, num_cores: int, spmd: bool) -> LaunchPlan:
     if device == "CPU":
         env["CPU_NUM_DEVICES"] = str(num_cores)
     if spmd:
-        env["XLA_FSDP_ENGINE"] = "spmd"
+        env[RUNTIME_ENV] = SINGLE_CONTROLLER
         return LaunchPlan(device, num_cores, False, env)
     if device == "CPU" and num_cores > 1:
-        env["XLA_FSDP_ENGINE"] = "spmd"
+        env[RUNTIME_ENV] = SINGLE_CONTROLLER
         return LaunchPlan(device, num_cores, False, env, reason=(
-            f"--num_cores {num_cores} on CPU: running one process with the SPMD "
-            f"engine (XLA_FSDP_ENGINE=spmd, CPU_NUM_DEVICES={num_cores}) because "
-            "explicit XLA collectives across several CPU devices hang"))
+            f"--num_cores {num_cores} on CPU: one process drives the {num_cores} devices "
+            f"(single-controller runtime: {RUNTIME_ENV}={SINGLE_CONTROLLER}, "
+            f"CPU_NUM_DEVICES={num_cores}) because explicit XLA collectives between "
+            "one process per CPU device hang"))
     if num_cores == 1:
         if device == "TPU":
             # One process on one chip, as xmp.spawn(nprocs=1) would configure it.

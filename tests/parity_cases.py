@@ -20,7 +20,7 @@ STEPS = 5
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    model: str  # "mlp" | "mlp_nested" | "gpt2"
+    model: str  # "mlp" | "mlp_nested" | "mlp_mixed" | "gpt2"
     optim: str = "adamw"  # "sgd" | "adamw"
     fsdp: tuple = ()  # engine keyword arguments as (key, value) pairs
     clip: Optional[float] = None
@@ -48,6 +48,8 @@ MATRIX = [
     Case("gpt2_clip", "gpt2", "adamw", clip=0.05),
     Case("mlp_clip_sgd", "mlp_nested", "sgd", clip=0.1),
     Case("mlp_unflat_buckets", "mlp_nested", "adamw", fsdp=(("flatten_parameters", False),)),
+    Case("mlp_mixed_sizes", "mlp_mixed", "adamw"),  # default buckets: small ones together, large alone
+    Case("gpt2_flat", "gpt2", "sgd", fsdp=(("flatten_parameters", True),)),
     Case("gpt2_rs_buckets", "gpt2", "adamw", fsdp=(("reduce_scatter_bucket_size_mb", 0.01),)),
     Case("gpt2_checkpoint", "gpt2", "adamw", checkpoint=True),
     Case("mlp_bf16", "mlp_nested", "sgd", fsdp=(("compute_dtype", torch.bfloat16),)),
@@ -68,6 +70,10 @@ def gpt2_config(size: str = "tiny"):
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "mlp_mixed":
+        # two weights above the small-parameter bucket's 16384 elements (521 rows: padding too)
+        return nn.Sequential(nn.Linear(32, 521), nn.GELU(), nn.Sequential(nn.Linear(521, 67), nn.Tanh()),
+                             nn.Linear(67, 5))
     if kind in ("mlp", "mlp_nested"):
         # 67 rows do not divide by 2 or 4: every rank holds padding somewhere
         return nn.Sequential(nn.Linear(32, 67), nn.GELU(), nn.Sequential(nn.Linear(67, 67), nn.Tanh()),

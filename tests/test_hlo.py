@@ -5,7 +5,10 @@ Model "mlp_nested": a root unit (layers 0 and 3: 67x32+67 and 5x67+5 params,
 (67x67+67: 612 per rank). Per step: the root gathers once (it is not resharded
 before its own backward), the nested unit gathers in forward and again in
 backward when `reshard_after_forward=True` (its forward copy is not kept
-alive), and each unit reduce-scatters its gradients once.
+alive), and each unit reduce-scatters its gradients once. These configs set
+`flatten_parameters=True` (one collective per unit); `False` (torch_xla's
+default) issues one per parameter with the same bytes ("nested_per_param"); the
+default groups small parameters and gathers large ones alone (tests/test_buckets.py).
 """
 import pytest
 
@@ -14,14 +17,16 @@ from hlo_utils import normalized, ops, result_elements, trace, read
 WORLD = 8
 ROOT, INNER = 365, 612  # flat shard elements per rank
 
+FLAT = {"flatten_parameters": True}
 CONFIGS = [
-    {"name": "nested_ag", "model": "mlp_nested", "kwargs": {}},
-    {"name": "nested_ar", "model": "mlp_nested", "kwargs": {"all_gather_impl": "all_reduce"}},
-    {"name": "nested_keep", "model": "mlp_nested", "kwargs": {"reshard_after_forward": False}},
-    {"name": "nested_unpinned", "model": "mlp_nested", "kwargs": {"pin_layout_in_collective_ops": False}},
-    {"name": "nested_bf16", "model": "mlp_nested", "kwargs": {"compute_dtype": "bfloat16"}},
-    {"name": "gpt2", "model": "gpt2", "kwargs": {}},
-    {"name": "gpt2_logged_loss", "model": "gpt2", "kwargs": {"logged_loss": True}},
+    {"name": "nested_ag", "model": "mlp_nested", "kwargs": FLAT},
+    {"name": "nested_ar", "model": "mlp_nested", "kwargs": {**FLAT, "all_gather_impl": "all_reduce"}},
+    {"name": "nested_keep", "model": "mlp_nested", "kwargs": {**FLAT, "reshard_after_forward": False}},
+    {"name": "nested_unpinned", "model": "mlp_nested", "kwargs": {**FLAT, "pin_layout_in_collective_ops": False}},
+    {"name": "nested_bf16", "model": "mlp_nested", "kwargs": {**FLAT, "compute_dtype": "bfloat16"}},
+    {"name": "nested_per_param", "model": "mlp_nested", "kwargs": {"flatten_parameters": False}},
+    {"name": "gpt2", "model": "gpt2", "kwargs": FLAT},
+    {"name": "gpt2_logged_loss", "model": "gpt2", "kwargs": {**FLAT, "logged_loss": True}},
 ]
 
 
@@ -48,6 +53,18 @@ def test_native_gather_counts_sizes_and_pinned_layout(hlo):
     for line in gathers + scatters:
         assert "constrain_layout=true" in line, line
         assert "replica_groups={{0,1,2,3,4,5,6,7}}" in line, line
+
+
+def test_default_gathers_each_parameter_with_the_same_bytes(hlo):
+    text = hlo["nested_per_param"][0]
+    gathers = ops(text, "all-gather")
+    # root: 2 weights + 2 biases, once; nested unit: weight + bias, in forward and backward
+    assert len(gathers) == 4 + 2 * 2
+    assert sum(result_elements(g) for g in gathers) == WORLD * (ROOT + 2 * INNER)
+    scatters = ops(text, "reduce-scatter")
+    assert len(scatters) == 4 + 2 and sum(result_elements(s) for s in scatters) == ROOT + INNER
+    for line in gathers + scatters:
+        assert "constrain_layout=true" in line, line
 
 
 def test_all_reduce_emulation(hlo):

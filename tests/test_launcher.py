@@ -23,7 +23,7 @@ TIMEOUT_S = 60
 
 def launcher_env(**overrides):
     env = dict(os.environ)
-    for name in ("CPU_NUM_DEVICES", "XLA_FSDP_ENGINE", "TPU_ACCELERATOR_TYPE",
+    for name in ("CPU_NUM_DEVICES", "XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "TPU_ACCELERATOR_TYPE",
                  "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_BOUNDS",
                  "TPU_SKIP_MDS_QUERY"):
         env.pop(name, None)
@@ -64,14 +64,14 @@ def test_num_cores_1_runs_in_process_with_argv_untouched(record):
     assert seen["argv"] == [str(script), *script_args]
     assert seen["index"] == 0
     assert seen["CPU_NUM_DEVICES"] == "1"
-    assert seen["XLA_FSDP_ENGINE"] is None
+    assert seen["XLA_FSDP_ENGINE"] is None and seen["XLA_FSDP_RUNTIME"] is None
     assert seen["PJRT_DEVICE"] == "CPU"
     # No spawn on the single-replica path, so the launcher never pulled in XLA.
     assert seen["torch_xla_imported"] is False
     assert "PJRT_DEVICE=CPU (from environment)" in result.stderr
 
 
-def test_num_cores_4_on_cpu_chooses_one_process_spmd_and_says_why(record):
+def test_num_cores_4_on_cpu_chooses_one_process_for_all_devices_and_says_why(record):
     script = FIXTURES / "spawn_record.py"
     result = launch("--num_cores", "4", script, "--record", record, "--num_cores", "2")
     assert result.returncode == 0, result.stderr
@@ -79,18 +79,18 @@ def test_num_cores_4_on_cpu_chooses_one_process_spmd_and_says_why(record):
     assert seen["argv"] == [str(script), "--record", str(record), "--num_cores", "2"]
     assert seen["index"] == 0
     assert seen["CPU_NUM_DEVICES"] == "4"
-    assert seen["XLA_FSDP_ENGINE"] == "spmd"
-    reason = [line for line in result.stderr.splitlines() if "SPMD engine" in line]
+    assert seen["XLA_FSDP_RUNTIME"] == "single_controller" and seen["XLA_FSDP_ENGINE"] is None
+    reason = [line for line in result.stderr.splitlines() if "single-controller runtime" in line]
     assert len(reason) == 1, result.stderr
     assert "CPU_NUM_DEVICES=4" in reason[0] and "collectives" in reason[0]
 
 
-def test_spmd_flag_sets_engine_and_device_count(record):
+def test_spmd_flag_sets_runtime_and_device_count(record):
     result = launch("--spmd", "--num_cores", "2", FIXTURES / "spawn_record.py",
                     "--record", record)
     assert result.returncode == 0, result.stderr
     seen = json.loads(record.read_text())
-    assert (seen["index"], seen["CPU_NUM_DEVICES"], seen["XLA_FSDP_ENGINE"]) == (0, "2", "spmd")
+    assert (seen["index"], seen["CPU_NUM_DEVICES"], seen["XLA_FSDP_RUNTIME"]) == (0, "2", "single_controller")
 
 
 def test_default_num_cores_on_cpu_follows_cpu_num_devices(record):
@@ -98,7 +98,7 @@ def test_default_num_cores_on_cpu_follows_cpu_num_devices(record):
                     env=launcher_env(CPU_NUM_DEVICES="3"))
     assert result.returncode == 0, result.stderr
     seen = json.loads(record.read_text())
-    assert (seen["CPU_NUM_DEVICES"], seen["XLA_FSDP_ENGINE"]) == ("3", "spmd")
+    assert (seen["CPU_NUM_DEVICES"], seen["XLA_FSDP_RUNTIME"]) == ("3", "single_controller")
 
 
 def test_script_flags_after_double_dash_are_passed_through(record):
@@ -256,9 +256,9 @@ def test_tpu_valid_counts_and_plans():
         xla_spawn.device_counts("TPU", spmd=False, environ={}, local_devices=lambda: 0)
 
     spawn = xla_spawn.make_plan("TPU", 4, spmd=False)
-    assert spawn.spawn and "XLA_FSDP_ENGINE" not in spawn.env and "CPU_NUM_DEVICES" not in spawn.env
+    assert spawn.spawn and "XLA_FSDP_RUNTIME" not in spawn.env and "CPU_NUM_DEVICES" not in spawn.env
     single = xla_spawn.make_plan("TPU", 1, spmd=False)
     assert not single.spawn and single.env["TPU_VISIBLE_CHIPS"] == "0"
     assert single.env["TPU_PROCESS_BOUNDS"] == "1,1,1"
     spmd = xla_spawn.make_plan("TPU", 4, spmd=True)
-    assert not spmd.spawn and spmd.env["XLA_FSDP_ENGINE"] == "spmd"
+    assert not spmd.spawn and spmd.env["XLA_FSDP_RUNTIME"] == "single_controller"

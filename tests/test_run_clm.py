@@ -176,6 +176,21 @@ def test_engine_selection(monkeypatch):
         selected_engine(None)
 
 
+def test_runtime_selection(monkeypatch):
+    from xla_fsdp.train.model import single_controller
+    for name in ("XLA_FSDP_RUNTIME", "XLA_USE_SPMD"):
+        monkeypatch.delenv(name, raising=False)
+    assert not single_controller("collectives") and single_controller("spmd")
+    monkeypatch.setenv("XLA_FSDP_RUNTIME", "single_controller")  # what the launcher exports
+    assert single_controller("collectives")
+    monkeypatch.setenv("XLA_FSDP_RUNTIME", "single")
+    with pytest.raises(SystemExit, match="XLA_FSDP_RUNTIME"):
+        single_controller("collectives")
+    monkeypatch.delenv("XLA_FSDP_RUNTIME")
+    monkeypatch.setenv("XLA_USE_SPMD", "1")  # torch_xla's own switch
+    assert single_controller("collectives")
+
+
 def test_fsdp_flag_becomes_engine_keywords(tiny_config):
     from xla_fsdp.train.args import parse_args
     from xla_fsdp.train.model import engine_kwargs

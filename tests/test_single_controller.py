@@ -47,9 +47,9 @@ CROSS_RUNTIME_TENSOR_REL = 2e-6
 # one of each variant in the default run: (devices, "case[:gather impl]")
 DEFAULT = {
     4: ["mlp_sgd", "mlp_nested_adamw", "gpt2_adamw", "gpt2_hybrid", "gpt2_checkpoint", "mlp_bf16",
-        "mlp_clip_sgd:all_reduce"],
+        "mlp_clip_sgd:all_reduce", "gpt2_flat"],
     8: ["gpt2_hybrid", "gpt2_clip:all_reduce", "gpt2_no_reshard", "gpt2_reshard_root", "mlp_shard_grad_op",
-        "gpt2_no_shard", "mlp_unflat_buckets", "gpt2_rs_buckets", "gpt2_bf16_fp32rs"],
+        "gpt2_no_shard", "mlp_unflat_buckets", "mlp_mixed_sizes", "gpt2_rs_buckets", "gpt2_bf16_fp32rs"],
 }
 SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")] for n in (4, 8)}
 
@@ -86,6 +86,7 @@ def _start(tmp: Path, cases_by_devices):
     runs["compiles"] = Run(8, "compiles", tmp / "compiles.pt")
     runs["errors"] = Run(4, "errors", tmp / "errors.pt")
     runs["late_spmd"] = Run(4, "late_spmd", tmp / "late.pt")
+    runs["state_dicts"] = Run(4, "state_dicts", tmp / "state_dicts.pt")
     return runs
 
 
@@ -172,6 +173,24 @@ def test_bad_input_is_refused_by_name(runs):
 def test_spmd_turned_on_after_wrapping_is_refused(runs):
     got = runs["late_spmd"].result()["late_spmd"]
     assert got is not None and "turned on afterwards" in got and "use_spmd() before" in got
+
+
+def test_state_dicts_round_trip_and_load_into_the_plain_model(runs):
+    got = runs["state_dicts"].result()
+    full = got["full"]
+    assert list(full) == got["keys"]  # the unwrapped model's keys, in its order
+    assert full["lm_head.weight"] is full["transformer.wte.weight"]  # tie kept
+    for other in ("again", "after_sharded"):  # full -> fresh model -> full; sharded -> fresh model -> full
+        for key in got["keys"]:
+            assert torch.equal(got[other][key], full[key]), (other, key)
+    # a plain GPT-2 loaded from it computes what the sharded model computes
+    torch.testing.assert_close(got["plain_logits"], got["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_deferred_model_is_materialized_unit_by_unit(runs):
+    got = runs["state_dicts"].result()
+    for key in got["keys"]:
+        assert torch.equal(got["deferred"][key], got["host_per_unit"][key]), key
 
 
 @pytest.mark.slow

@@ -149,6 +149,14 @@ def test_run_passes_extra_training_args_through_after_the_recipe():
     assert "--config_name" in train
 
 
+def test_run_spmd_launches_one_process_per_worker():
+    (words,) = dry_run("run.sh", *LOCATION, "--spmd")
+    train = remote_commands(words)[-1]
+    assert train[4:8] == ["--num_cores", "4", "--spmd", "launch/run_clm.py"]
+    (plain,) = dry_run("run.sh", *LOCATION)
+    assert "--spmd" not in remote_commands(plain)[-1]
+
+
 def test_run_without_default_args_sends_only_the_given_ones():
     (words,) = dry_run("run.sh", *LOCATION, "--no-default-args", "--", "--config_name", "c.json")
     train = remote_commands(words)[-1]

@@ -5,21 +5,24 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 USAGE="usage: ${SCRIPT_NAME} --name NAME --zone ZONE [--project PROJECT] [--num-cores 4]
-       [--remote-dir xla_fsdp] [--no-default-args] [--dry-run] [-- TRAINING_ARGS...]
+       [--spmd] [--remote-dir xla_fsdp] [--no-default-args] [--dry-run] [-- TRAINING_ARGS...]
 
 Runs 'PJRT_DEVICE=TPU python3 launch/xla_spawn.py --num_cores N launch/run_clm.py ARGS'
 on every worker (--worker=all); PJRT joins the workers of a pod into one job.
---num-cores is the TPU devices per worker (4 on v4). ARGS are the 2B GPT-2 job
-of the PyTorch/XLA FSDP recipe, then TRAINING_ARGS (a repeated flag: the last
-one wins); --no-default-args drops the recipe's flags."
+--num-cores is the TPU devices per worker (4 on v4). --spmd runs one process per
+worker driving all of its chips (single-controller runtime) instead of one
+process per chip. ARGS are the 2B GPT-2 job of the PyTorch/XLA FSDP recipe, then
+TRAINING_ARGS (a repeated flag: the last one wins); --no-default-args drops the
+recipe's flags."
 VALUE_OPTIONS=(name zone project num-cores remote-dir)
-FLAG_OPTIONS=(no-default-args)
+FLAG_OPTIONS=(no-default-args spmd)
 OPT_NAME=""
 OPT_ZONE=""
 OPT_PROJECT=""
 OPT_NUM_CORES="4"
 OPT_REMOTE_DIR="xla_fsdp"
 FLAG_NO_DEFAULT_ARGS=0
+FLAG_SPMD=0
 parse_options "$@"
 require_options name zone
 [[ "$OPT_NUM_CORES" =~ ^[1-9][0-9]*$ ]] ||
@@ -39,12 +42,14 @@ RECIPE_ARGS=(
 train_args=()
 if ((!FLAG_NO_DEFAULT_ARGS)); then train_args=("${RECIPE_ARGS[@]}"); fi
 train_args+=("${EXTRA_ARGS[@]}")
+launcher_args=(--num_cores "$OPT_NUM_CORES")
+if ((FLAG_SPMD)); then launcher_args+=(--spmd); fi
 
 remote="$(remote_script \
   "$(quote_command cd "$OPT_REMOTE_DIR")" \
   "$(quote_command . .venv/bin/activate)" \
   "$(quote_command PJRT_DEVICE=TPU python3 -u launch/xla_spawn.py \
-      --num_cores "$OPT_NUM_CORES" launch/run_clm.py "${train_args[@]}")")"
+      "${launcher_args[@]}" launch/run_clm.py "${train_args[@]}")")"
 
 run gcloud compute tpus tpu-vm ssh "$OPT_NAME" "${GCLOUD_LOCATION[@]}" --worker=all \
   "--command=${remote}"

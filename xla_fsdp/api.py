@@ -25,7 +25,7 @@ from .options import FSDPOptions, ShardingLayout, ShardingStrategy
 # `sharding_strategy`, `engine`, `mesh`)
 DEFAULTS: Dict[str, Any] = dict(
     reshard_after_forward=True,
-    flatten_parameters=True,
+    flatten_parameters=None,
     execute_sharding_on_init=True,
     optimization_barrier_in_forward=True,
     optimization_barrier_in_backward=True,
@@ -147,6 +147,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         return clip_grad_norm_(self, max_norm, norm_type)
 
     @property
+    def device_mesh(self):
+        """The mesh the single-controller runtime shards over (None with one process per device)."""
+        comm = self._fsdp_state.group.comm
+        return comm.placement.mesh if comm.is_single_controller else None
+
+    @property
     def sharding_layout(self) -> ShardingLayout:
         return self._fsdp_state.group.comm.layout
 
@@ -188,7 +194,7 @@ def _build_options(kw) -> FSDPOptions:
         collectives=opts.CollectiveOptions(
             pin_layout=bool(kw["pin_layout_in_collective_ops"]),
             all_gather_impl=kw["all_gather_impl"],
-            flatten_parameters=bool(kw["flatten_parameters"]),
+            flatten_parameters=None if kw["flatten_parameters"] is None else bool(kw["flatten_parameters"]),
             reduce_scatter_bucket_size_mb=float(kw["reduce_scatter_bucket_size_mb"] or 0),
             optimization_barrier_in_forward=bool(kw["optimization_barrier_in_forward"]),
             optimization_barrier_in_backward=bool(kw["optimization_barrier_in_backward"]),

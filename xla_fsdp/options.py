@@ -91,8 +91,11 @@ class CollectiveOptions:
     # "all_gather": native all-gather HLO (moves (N-1)/N of the bytes);
     # "all_reduce": zero-padded all-reduce emulation (2(N-1)/N), torch_xla's pinned default
     all_gather_impl: str = "all_gather"
-    # one collective for all parameters of a unit (True) or one per parameter
-    flatten_parameters: bool = True
+    # one collective for all parameters of a unit (True), one per parameter (False), or
+    # None: small parameters together in one, each large one on its own (see [Note: buckets])
+    flatten_parameters: Optional[bool] = None
+    # with flatten_parameters=None: parameters of at most this many elements share a bucket
+    small_param_numel: int = 2**14
     # split a unit's gradient reduce-scatter into buckets of at most this many MB (0: one bucket)
     reduce_scatter_bucket_size_mb: float = 0.0
     optimization_barrier_in_forward: bool = True

@@ -12,6 +12,7 @@ CPU_NUM_DEVICES set. Results go to a torch file:
   run.py compiles OUT                 XLA compiles over a 20-step run
   run.py errors OUT                   bad input: messages, and whether the module was touched
   run.py late_spmd OUT                wrap first, turn the SPMD runtime on afterwards
+  run.py state_dicts OUT              full and sharded state dicts; deferred init unit by unit
 """
 from __future__ import annotations
 
@@ -143,6 +144,54 @@ def errors():
     return out
 
 
+def state_dicts():
+    """Full and sharded state dicts of a trained GPT-2, and a deferred build materialized per unit."""
+    import xla_fsdp
+    from xla_fsdp.checkpoint import (full_state_dict, load_full_state_dict, load_sharded_state_dict,
+                                     sharded_state_dict)
+
+    case = pc.Case("state", "gpt2", "adamw")
+    device = torch_xla.device()
+    model = pc.wrap(case, pc.build_model("gpt2"))
+    opt = pc.make_optimizer(case.optim, model.parameters())
+    for step in range(2):
+        x, y = pc.batch("gpt2", step)
+        pc.loss_fn("gpt2", model, x.to(device), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+    full = full_state_dict(model)
+    sharded = sharded_state_dict(model)
+    x, _ = pc.batch("gpt2", 9)
+    logits = model(input_ids=x.to(device)).logits.detach().cpu()
+
+    fresh = pc.wrap(case, pc.build_model("gpt2", seed=1))
+    load_full_state_dict(fresh, full)
+    again = full_state_dict(fresh)
+    fresh2 = pc.wrap(case, pc.build_model("gpt2", seed=2))
+    load_sharded_state_dict(fresh2, sharded)
+    plain = pc.build_model("gpt2", seed=3)
+    plain.load_state_dict(full)
+    with torch.no_grad():
+        plain_logits = plain(input_ids=x).logits
+
+    # deferred: each unit is materialized right before it is sharded (blocks, then the root);
+    # the same order on the host gives the same values
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(5)
+    deferred = pc.wrap(case, xla_fsdp.deferred_init(GPT2LMHeadModel, pc.gpt2_config()))
+    torch.manual_seed(5)
+    host = xla_fsdp.deferred_init(GPT2LMHeadModel, pc.gpt2_config())
+    inside = {id(m) for block in host.transformer.h for m in block.modules()}
+    for block in host.transformer.h:
+        xla_fsdp.materialize_module(block)
+    xla_fsdp.materialize_module(host, check_fn=lambda m: id(m) not in inside)
+    return {"full": full, "again": again, "after_sharded": full_state_dict(fresh2),
+            "keys": list(pc.build_model("gpt2").state_dict()), "logits": logits, "plain_logits": plain_logits,
+            "deferred": full_state_dict(deferred), "host_per_unit": host.state_dict()}
+
+
 def late_spmd():
     model = FSDP(pc.build_model("mlp"))  # one process per device: this process is rank 0 of 1
     xr.use_spmd()
@@ -162,7 +211,7 @@ def main():
         assert xr.global_runtime_device_count() == DEVICES
     torch_xla.device()
     result = {"parity": lambda: parity(rest), "program": program, "compiles": compiles,
-              "errors": errors, "late_spmd": late_spmd}[mode]()
+              "errors": errors, "late_spmd": late_spmd, "state_dicts": state_dicts}[mode]()
     torch.save(result, path)
 
 

@@ -50,7 +50,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torc
     out: Dict[str, torch.Tensor] = {}
     for prefix, unit in _units(model):
         group = unit._fsdp_state.group
-        full = group.gather(full_precision=True)
+        full = group.full_params()
         group.comm.sync(full)
         if keep:
             for rec, tensor in zip(group.params, full):
@@ -77,9 +77,7 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
                              f"{tuple(shape)}; was it saved from a different model configuration?")
     with torch.no_grad():
         for names, rec, group in records:
-            layout = group.comm.layout
-            local = rec.local_rows(state[names[0]], layout.shard_rank)
-            rec.sharded.copy_(local.to(rec.sharded.dtype).to(rec.sharded.device))
+            rec.load_full(state[names[0]], group.comm)
         for name, b in buffers.items():
             b.copy_(state[name].to(b.dtype).to(b.device))
 
@@ -127,8 +125,9 @@ def load_sharded_state_dict(model: nn.Module, state: Dict) -> None:
     buffers = dict(model.named_buffers())
     _check_keys(set(state["buffers"]), set(buffers), "sharded checkpoint buffers")
     with torch.no_grad():
+        comm = model._fsdp_state.group.comm
         for name, rec in names.items():
-            rec.sharded.copy_(state["params"][name].to(rec.sharded.device))
+            rec.load_shard(state["params"][name], comm)
         for name, b in buffers.items():
             b.copy_(state["buffers"][name].to(b.dtype).to(b.device))
 

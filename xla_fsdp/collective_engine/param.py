@@ -85,6 +85,20 @@ class FSDPParam:
         moved = local.to(device)
         return local.clone() if moved is local else moved  # `.to` hands back its input when no move is needed
 
+    def load_full(self, full: torch.Tensor, comm) -> None:
+        """Overwrite this parameter's shard with its rows of `full` (the unwrapped parameter)."""
+        single = comm.is_single_controller
+        self.load_shard(self.padded(full) if single else self.local_rows(full, comm.layout.shard_rank), comm)
+
+    def load_shard(self, shard: torch.Tensor, comm) -> None:
+        """Overwrite the shard (single-controller runtime: the padded global tensor) in place."""
+        with torch.no_grad():
+            shard = shard.to(self.orig_dtype)
+            if comm.is_single_controller:
+                self.sharded.data = comm.place_global(shard)  # keeps the Parameter the optimizer holds
+            else:
+                self.sharded.copy_(shard.to(self.sharded.device))
+
     def unpad(self, padded_rows: torch.Tensor) -> torch.Tensor:
         """(padded_rows, *row_shape) -> the full parameter, its own base tensor.
 

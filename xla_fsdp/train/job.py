@@ -18,7 +18,7 @@ from xla_fsdp import metrics
 from xla_fsdp.train import data, loop
 from xla_fsdp.train.args import parse_args
 from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, selected_engine,
-                                  wants_deferred_init, wrap_model)
+                                  single_controller, wants_deferred_init, wrap_model)
 
 
 def check_output_dir(args) -> None:
@@ -61,7 +61,8 @@ def run(argv=None) -> dict:
     # seconds, not after device setup.
     corpus = data.build_corpus(args, config.vocab_size)
     fsdp_config = load_fsdp_config(args.fsdp_config)
-    spmd = selected_engine(fsdp_config) == "spmd"
+    engine = selected_engine(fsdp_config)
+    spmd = single_controller(engine)  # one process drives every device of the host
 
     import torch_xla
     import torch_xla.runtime as xr
@@ -73,14 +74,15 @@ def run(argv=None) -> dict:
 
     torch.manual_seed(args.seed)
     deferred = wants_deferred_init(config, args.deferred_init)
-    wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, spmd)
+    wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, engine, spmd)
     ctx = loop.StepContext(device, wrapped.mesh, bf16=args.bf16,
                            allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
                            replicas=facts["world"])  # 1 under SPMD: one global graph
     global_batch = args.per_device_train_batch_size * facts["data_parallel"]
     num_params = metrics.gpt2_num_params(config)
     meter = _meter(args, config, num_params, global_batch, facts, log)
-    report = {"params": num_params, "engine": wrapped.engine, "device": facts["device_kind"],
+    report = {"params": num_params, "engine": wrapped.engine,
+              "runtime": "single_controller" if spmd else "multi_process", "device": facts["device_kind"],
               "devices": facts["data_parallel"], "chips": facts["chips"],
               "peak_flops_per_chip": meter.peak.flops_per_chip, "peak_source": meter.peak.source,
               "global_batch": global_batch, "block_size": args.block_size,
@@ -88,7 +90,8 @@ def run(argv=None) -> dict:
               "mfu_includes_attention": args.mfu_include_attention, "data": corpus.source,
               "learning_rate": args.learning_rate, "optim": args.optim}
     log(f"run_clm: {num_params / 1e6:.2f}M params ({'deferred' if deferred else 'eager'} init), "
-        f"engine {wrapped.engine}, {facts['data_parallel']} x {facts['device_kind']}, "
+        f"engine {wrapped.engine} ({'single controller' if spmd else 'one process per device'}), "
+        f"{facts['data_parallel']} x {facts['device_kind']}, "
         f"global batch {global_batch} x {args.block_size} tokens, optim {args.optim} "
         f"lr {args.learning_rate:g}")
     log(f"run_clm: data {corpus.source}: {corpus.train.shape[0]} train / {corpus.eval.shape[0]} eval blocks")

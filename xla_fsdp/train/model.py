@@ -16,6 +16,8 @@ from xla_fsdp.metrics import gpt2_num_params
 from xla_fsdp.train.args import DEFERRED_INIT_PARAMS
 
 ENGINE_ENV = "XLA_FSDP_ENGINE"
+# set by launch/xla_spawn.py for --spmd and for several CPU devices: one process drives every device
+RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 
 
 def load_config(path: str):
@@ -47,17 +49,27 @@ def build_model(config, deferred: bool) -> torch.nn.Module:
 
 
 def selected_engine(fsdp_config) -> str:
-    """"spmd" when the fsdp config says xla_fsdp_v2, the launcher exported
-    XLA_FSDP_ENGINE=spmd, or torch_xla's XLA_USE_SPMD=1 is set; else "collectives"."""
+    """"spmd" (the GSPMD engine) when the fsdp config says xla_fsdp_v2 or
+    XLA_FSDP_ENGINE=spmd is set; else "collectives". The runtime is a separate
+    choice (`single_controller`)."""
     env = os.environ.get(ENGINE_ENV, "").strip().lower()
     if env not in ("", "spmd", "collectives"):
         raise SystemExit(f"{ENGINE_ENV}={env!r}: expected 'spmd' or 'collectives' (or unset)")
-    # XLA_USE_SPMD=1 (torch_xla's own switch) puts the runtime in SPMD mode,
-    # where only the SPMD engine can run.
-    xla_spmd = os.environ.get("XLA_USE_SPMD", "") == "1"
-    if env == "spmd" or xla_spmd or (fsdp_config is not None and fsdp_config.use_spmd):
+    if env == "spmd" or (fsdp_config is not None and fsdp_config.use_spmd):
         return "spmd"
     return "collectives"
+
+
+def single_controller(engine: str) -> bool:
+    """Whether this process drives every device of its host (torch_xla's SPMD runtime).
+
+    Always for the GSPMD engine; for the collective engine when the launcher
+    exported XLA_FSDP_RUNTIME=single_controller or torch_xla's XLA_USE_SPMD=1 is set.
+    """
+    runtime = os.environ.get(RUNTIME_ENV, "").strip().lower()
+    if runtime not in ("", "single_controller", "multi_process"):
+        raise SystemExit(f"{RUNTIME_ENV}={runtime!r}: expected 'single_controller' or 'multi_process' (or unset)")
+    return engine == "spmd" or runtime == "single_controller" or os.environ.get("XLA_USE_SPMD", "") == "1"
 
 
 def load_fsdp_config(path: str | None):
@@ -76,7 +88,7 @@ class Wrapped:
     """The trainable model and how its batches must be laid out."""
     model: torch.nn.Module
     engine: str                      # "spmd" | "collectives" | "none"
-    mesh: object = None              # SPMD mesh (batch sharded over it)
+    mesh: object = None              # single controller: the mesh the batch is split over
     kwargs: dict = field(default_factory=dict)
 
     @property
@@ -101,8 +113,9 @@ def engine_kwargs(args, fsdp_config) -> dict:
     return kwargs
 
 
-def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) -> Wrapped:
-    """Hand `model` to the selected engine; the only engine-specific code in run_clm."""
+def wrap_model(model: torch.nn.Module, args, fsdp_config, device, engine: str, spmd: bool) -> Wrapped:
+    """Hand `model` to `engine` ("spmd" or "collectives"; `spmd`: the single-controller
+    runtime is on); the only engine-specific code in run_clm."""
     if args.gradient_checkpointing:
         # Not HF's gradient_checkpointing_enable(): torch.utils.checkpoint has no
         # XLA device module, and XLA's CSE would undo a plain recompute anyway.
@@ -125,7 +138,7 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) ->
         return Wrapped(model, "none", mesh)
     import xla_fsdp
     kwargs = engine_kwargs(args, fsdp_config)
-    if spmd:
+    if engine == "spmd":
         kwargs["engine"] = "spmd"
         kwargs.setdefault("mesh", mesh)
     else:
@@ -133,4 +146,6 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, spmd: bool) ->
     # The engine places each unit on the device itself (after materializing
     # it, if deferred); moving the model first would untie lm_head from wte.
     wrapped = xla_fsdp.XlaFullyShardedDataParallel(model, **kwargs)
-    return Wrapped(wrapped, "spmd" if spmd else "collectives", mesh, kwargs)
+    if engine == "collectives" and spmd:
+        mesh = wrapped.device_mesh  # the batch is split over the devices the engine placed
+    return Wrapped(wrapped, engine, mesh, kwargs)

@@ -1,13 +1,14 @@
-"""Step time of a tiny GPT-2 under xla_fsdp's SPMD engine, torch_xla's FSDPv2
-and a single XLA device, on virtual CPU devices.
+"""Step time of a tiny GPT-2 on virtual CPU devices: xla_fsdp's collective
+engine in the single-controller runtime ("collectives"), xla_fsdp's GSPMD
+engine ("gspmd"), torch_xla's FSDPv2 ("fsdpv2") and one XLA device ("single").
 
 Each configuration runs in its own process (SPMD mode is process-global);
 the parent prints median step time, trace time, compile counts, ratios and
 the number of "involuntary full rematerialization" warnings in each child's
 stderr (XLA log lines from the SPMD partitioner).
 
-  PJRT_DEVICE=CPU python bench/spmd_step.py [--devices 8] [--steps 10]
-      [--repeats 5]
+  PJRT_DEVICE=CPU python bench/step_time.py [--devices 8] [--steps 10]
+      [--repeats 5] [--configs collectives,gspmd,fsdpv2,single]
 
 Two step times per config: with the host waiting for the devices after
 every step (`xm.wait_device_ops()`), and pipelined (no wait, as a training
@@ -40,7 +41,10 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("single", "fsdpv2", "xla_fsdp")
+CONFIGS = ("single", "fsdpv2", "gspmd", "collectives")
+# (numerator, denominator) of the ratios printed
+RATIOS = (("collectives", "fsdpv2"), ("collectives", "gspmd"), ("collectives", "single"),
+          ("gspmd", "fsdpv2"), ("gspmd", "single"), ("fsdpv2", "single"))
 REMAT = "involuntary full rematerialization"
 
 
@@ -105,11 +109,23 @@ def build(config_name: str, devices: int):
     return model, shard_batch
 
   import xla_fsdp
+  from xla_fsdp.mesh import batch_spec
   policy = functools.partial(xla_fsdp.wrap.transformer_auto_wrap_policy,
                              transformer_layer_cls={GPT2Block})
-  model = xla_fsdp.XlaFullyShardedDataParallel(
-      model, engine="spmd", mesh=mesh, auto_wrap_policy=policy)
-  return model, lambda t: t
+  if config_name == "gspmd":
+    model = xla_fsdp.XlaFullyShardedDataParallel(
+        model, engine="spmd", mesh=mesh, auto_wrap_policy=policy)
+    return model, lambda t: t
+  # the collective engine: SPMD runtime on, default engine
+  extra = json.loads(os.environ.get("STEP_TIME_KWARGS", "{}"))  # experiments: extra engine keywords
+  model = xla_fsdp.XlaFullyShardedDataParallel(model, auto_wrap_policy=policy, **extra)
+
+  def place_batch(t):
+    # the batch arrives split over the devices, as a sharded input pipeline gives it
+    xs.mark_sharding(t, mesh, batch_spec(t, mesh))
+    return t
+
+  return model, place_batch
 
 
 def child(config_name: str, devices: int, steps: int, warmup: int,
@@ -243,8 +259,7 @@ def main() -> None:
                      ("pipelined_step_ms", "pipelined step time")):
     step = {k: v[key] for k, v in results.items()}
     print(f"{label}, best run per config:")
-    for num, den in (("xla_fsdp", "fsdpv2"), ("xla_fsdp", "single"),
-                     ("fsdpv2", "single")):
+    for num, den in RATIOS:
       if num in step and den in step:
         print(f"  {num} / {den}: {step[num] / step[den]:.2f}x")
     if args.repeats > 1:
@@ -252,8 +267,7 @@ def main() -> None:
       # similar load), and their median: less sensitive to one lucky run
       # than the ratio of per-config minima above.
       print(f"{label}, per repeat:")
-      for num, den in (("xla_fsdp", "fsdpv2"), ("xla_fsdp", "single"),
-                       ("fsdpv2", "single")):
+      for num, den in RATIOS:
         ratios = [r[num][key] / r[den][key] for r in per_repeat
                   if num in r and den in r]
         if ratios:
