@@ -41,7 +41,7 @@ def readme_table() -> dict:
 
 def test_shipped_files_exist():
     names = {os.path.basename(f) for f in FSDP_FILES}
-    assert {"gpt2_xla_fsdp.json", "gpt2_xla_fsdp_v2.json", "tiny_cpu.json", "size_based.json"} <= names
+    assert {"gpt2_xla_fsdp.json", "gpt2_xla_fsdp_v2.json", "tiny_cpu.json", "tiny_cpu_v2.json", "size_based.json"} <= names
     models = {os.path.basename(f) for f in MODEL_FILES}
     for size in ("tiny", "125m", "2b", "16b", "20b", "32b", "64b", "128b"):
         assert f"gpt2-{size}.json" in models
@@ -68,9 +68,10 @@ def test_blog_fsdp_config_contents():
     }
 
 
-def test_tiny_cpu_config_is_spmd_fp32():
-    cfg = load_fsdp_config(os.path.join(ROOT, "configs", "fsdp", "tiny_cpu.json"))
-    assert cfg.use_spmd
+@pytest.mark.parametrize("name,spmd", [("tiny_cpu.json", False), ("tiny_cpu_v2.json", True)])
+def test_tiny_cpu_configs_are_fp32_per_block(name, spmd):
+    cfg = load_fsdp_config(os.path.join(ROOT, "configs", "fsdp", name))
+    assert cfg.use_spmd is spmd  # tiny_cpu.json: the collective engine (make train)
     assert cfg.xla_fsdp_settings.engine_kwargs()["compute_dtype"] is torch.float32
     assert cfg.transformer_layer_cls_to_wrap == ("GPT2Block",)
     tiny = GPT2LMHeadModel(GPT2Config.from_json_file(os.path.join(ROOT, "configs", "models", "gpt2-tiny.json")))

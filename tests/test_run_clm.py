@@ -98,17 +98,20 @@ def test_trains_at_world_size_1_and_writes_metrics(tiny_config, tmp_path):
     assert report["xla_compiles"] <= 8
 
 
-def test_spmd_engine_through_the_launcher(tiny_config, tmp_path):
-    # The README main command's shape, shortened: CPU --num_cores N>1 runs
-    # the SPMD engine in one process; per-device batch x N devices.
-    if not os.path.exists(TINY_FSDP_CONFIG):
-        pytest.skip("configs/fsdp/tiny_cpu.json not in this checkout")
+@pytest.mark.parametrize("config,engine", [(TINY_FSDP_CONFIG, "collectives"),
+                                           (TINY_FSDP_CONFIG.replace("tiny_cpu", "tiny_cpu_v2"), "spmd")],
+                         ids=["collectives", "gspmd"])
+def test_both_engines_through_the_launcher(tiny_config, tmp_path, config, engine):
+    # The README main command's shape, shortened: CPU --num_cores N>1 runs one
+    # process driving N devices; per-device batch x N devices. Both engines see
+    # the same data and start from the same model, so they log the same losses.
     report, _ = _train(tmp_path, [
-        "--config_name", tiny_config, "--fsdp", "full_shard", "--fsdp_config", TINY_FSDP_CONFIG,
+        "--config_name", tiny_config, "--fsdp", "full_shard", "--fsdp_config", config,
         "--do_train", "--max_steps", "8", "--per_device_train_batch_size", "4",
         "--block_size", "32", "--logging_steps", "4", "--learning_rate", "3e-3"], launcher_cores=2)
     losses = [loss for _, loss in report["losses"]]
-    assert report["engine"] == "spmd" and report["devices"] == 2
+    assert report["engine"] == engine and report["devices"] == 2
+    assert report["runtime"] == "single_controller"
     assert report["global_batch"] == 2 * 4 and report["tokens_per_step"] == 8 * 32
     assert losses[-1] < losses[0] - 1.0, losses
 

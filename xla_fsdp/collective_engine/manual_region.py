@@ -133,9 +133,26 @@ def to_local(t: torch.Tensor, mesh, spec: tuple) -> torch.Tensor:
     """Global tensor -> this device's piece (no autograd)."""
     import torch_xla
 
-    x = _fresh(t)
-    torch_xla._XLAC._xla_mark_sharding(x, mesh.get_op_sharding(spec))
+    x = t
+    if torch_xla._XLAC._get_xla_sharding_spec(t) != _spec_text(mesh, spec):  # parameters are laid out so already
+        x = _fresh(t)
+        torch_xla._XLAC._xla_mark_sharding(x, mesh.get_op_sharding(spec))
     return torch_xla._XLAC._spmd_full_to_shard_shape(x)
+
+
+_SPEC_TEXT: Dict[Tuple[int, tuple], str] = {}
+
+
+def _spec_text(mesh, spec: tuple) -> str:
+    """How torch_xla prints the sharding `spec` on `mesh` (read once from a small probe)."""
+    key = (id(mesh), spec)
+    if key not in _SPEC_TEXT:
+        import torch_xla
+
+        probe = torch.zeros([int(np.prod(mesh.mesh_shape))] * len(spec)).to(torch_xla.device())
+        torch_xla._XLAC._xla_mark_sharding(probe, mesh.get_op_sharding(spec))
+        _SPEC_TEXT[key] = torch_xla._XLAC._get_xla_sharding_spec(probe)
+    return _SPEC_TEXT[key]
 
 
 def to_global(t: torch.Tensor, mesh, spec: tuple, shape: torch.Size) -> torch.Tensor:
