@@ -125,11 +125,11 @@ def wrap(case: Case, model: nn.Module, extra: Optional[dict] = None) -> nn.Modul
     return FSDP(model, **kwargs)
 
 
-def train_reference(case: Case) -> Dict:
+def train_reference(case: Case, steps: int = STEPS) -> Dict:
     model = build_model(case.model)
     opt = make_optimizer(case.optim, model.parameters())
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = batch(case.model, step)
         loss = loss_fn(case.model, model, x, y)
         loss.backward()

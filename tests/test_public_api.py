@@ -85,7 +85,7 @@ def test_state_dict_is_the_checkpoint_package():
     import xla_fsdp.checkpoint
     import xla_fsdp.state_dict
 
-    for name in xla_fsdp.checkpoint.__all__:
+    for name in ("full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict"):
         assert getattr(xla_fsdp.state_dict, name) is getattr(xla_fsdp.checkpoint, name)
 
 

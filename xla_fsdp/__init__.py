@@ -2,11 +2,13 @@
 
 Public entry points: `XlaFullyShardedDataParallel` (alias `FSDP`), the auto-wrap
 policies in `xla_fsdp.wrap`, `checkpoint_module`, deferred initialization
-(`deferred_init`, `materialize_module`, `is_deferred`) and the Hugging Face
-`fsdp_config` loader (`xla_fsdp.config.load_fsdp_config`).
+(`deferred_init`, `materialize_module`, `is_deferred`), the Hugging Face
+`fsdp_config` loader (`xla_fsdp.config.load_fsdp_config`), checkpoints
+(`xla_fsdp.checkpoint`; torch_xla's `consolidate_sharded_model_checkpoints`).
 """
 from .activation_checkpoint import checkpoint_module
 from .api import FSDP, XlaFullyShardedDataParallel
+from .checkpoint import consolidate_sharded_model_checkpoints
 from .options import MixedPrecision, ShardingStrategy
 from .wrap import (always_wrap_policy, lambda_auto_wrap_policy, size_based_auto_wrap_policy,
                    transformer_auto_wrap_policy)
@@ -20,4 +22,5 @@ __all__ = [
     "XlaFullyShardedDataParallel", "FSDP", "checkpoint_module", "MixedPrecision", "ShardingStrategy",
     "always_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy", "deferred_init", "materialize_module", "is_deferred",
+    "consolidate_sharded_model_checkpoints",
 ]

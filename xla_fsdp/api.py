@@ -146,6 +146,20 @@ class XlaFullyShardedDataParallel(nn.Module):
 
         return clip_grad_norm_(self, max_norm, norm_type)
 
+    def get_shard_metadata(self) -> dict:
+        """How this rank's `state_dict()` is sharded (torch_xla's name); saved next to it, it lets
+        `xla_fsdp.consolidate_sharded_model_checkpoints` rebuild the full model."""
+        from .collective_engine.shard_metadata import shard_metadata
+
+        return shard_metadata(self)
+
+    @property
+    def module(self) -> nn.Module:
+        """The module itself: torch_xla's FSDP wraps it in `.module`, here the module is the
+        wrapper. A child named "module" of the user's model keeps its name."""
+        child = self._modules.get("module")
+        return child if child is not None else self
+
     @property
     def device_mesh(self):
         """The mesh the single-controller runtime shards over (None with one process per device)."""

@@ -51,6 +51,13 @@ class Collectives(abc.ABC):
     def sync(self, tensors: Sequence[torch.Tensor]) -> None:
         """Materialize pending work for these tensors. No-op off XLA."""
 
+    def barrier(self) -> None:
+        """Wait until every process of the job gets here (host side, for files). One process: no-op."""
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether `ok` holds on every process of the job (host side, for files)."""
+        return ok
+
     @property
     def is_xla(self) -> bool:
         return False
@@ -146,6 +153,19 @@ class XlaCollectives(Collectives):
         if tensors:
             self._xlac._xla_sync_multi(tensors, devices=[], wait=False)
 
+    def barrier(self):
+        if self.layout.world_size > 1:
+            import torch_xla.core.xla_model as xm
+
+            xm.rendezvous("xla_fsdp.barrier")
+
+    def all_ok(self, ok):
+        if self.layout.world_size == 1:
+            return ok
+        import torch_xla.core.xla_model as xm
+
+        return bool(xm.mesh_reduce("xla_fsdp.all_ok", int(bool(ok)), min))
+
 
 _DIST_GROUPS: Dict[Tuple[Tuple[int, ...], ...], List] = {}
 
@@ -206,6 +226,14 @@ class DistCollectives(Collectives):
         self._dist.all_reduce(out, op=red, group=self._pg[group])
         return out
 
+    def barrier(self):
+        self._dist.barrier()
+
+    def all_ok(self, ok):
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MIN)
+        return bool(flag.item())
+
 
 
 # [Note: channel ids] Inside a manual-sharding region a collective runs
@@ -245,6 +273,12 @@ class SpmdCollectives(XlaCollectives):
     @property
     def grad_scale(self) -> float:
         return 1.0
+
+    def barrier(self):
+        """One process drives every device: nothing to wait for."""
+
+    def all_ok(self, ok):
+        return ok
 
     def local_view(self, tensor, kind="param", grad=True):
         spec = self.placement.spec(kind, tensor.dim())

@@ -1,0 +1,75 @@
+"""Offline consolidation: a sharded checkpoint -> one full model file, one tensor at a time.
+
+Needs neither the model's code, nor torch_xla, nor the layout that saved it:
+each parameter is assembled from the row ranges the index lists, written and
+dropped before the next is read, so peak memory is the largest tensor plus
+the interpreter. With the Hugging Face config recorded at save time the
+output is a `save_pretrained` directory (`config.json` + `model.safetensors`,
+tied weights stored once) that `from_pretrained` loads; otherwise a
+`model.safetensors` alone.
+
+    python -m xla_fsdp.checkpoint consolidate CHECKPOINT_DIR OUT_DIR
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Dict, List, Optional
+
+import torch
+
+from . import format as fmt
+from .format import CheckpointError
+
+
+def consolidate(checkpoint: str, out_dir: str) -> str:
+    """Write the full model of `checkpoint` into `out_dir`; returns the safetensors file's path."""
+    checkpoint = os.path.abspath(checkpoint)
+    if not fmt.is_complete(checkpoint):
+        raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {fmt.COMPLETE} marker)")
+    meta = fmt.read_json(os.path.join(checkpoint, fmt.METADATA), "checkpoint metadata")
+    index = fmt.RowIndex(checkpoint, range(meta["world_size"]))
+    index.open_all()
+    entries = []
+    for name, p in meta["params"].items():  # tied parameters once, under their first name
+        shape = p["shape"]
+        rows = shape[0] if shape else 1
+
+        def produce(name=name, shape=shape, rows=rows, dtype=fmt.dtype_from_name(p["dtype"])):
+            out = torch.empty((rows, *shape[1:]), dtype=dtype)
+            index.read_rows(f"param/{name}", 0, rows, out=out)
+            return out.reshape(shape)
+
+        entries.append((name, fmt.dtype_from_name(p["dtype"]), shape, produce))
+    for name, b in meta.get("buffers", {}).items():
+        entries.append((name, fmt.dtype_from_name(b["dtype"]), b["shape"],
+                        lambda name=name: index.read_rank(f"buffer/{name}", 0)))
+    os.makedirs(out_dir, exist_ok=True)
+    target = os.path.join(out_dir, "model.safetensors")
+    partial = target + fmt.PARTIAL_SUFFIX
+    fmt.write_safetensors(partial, entries, metadata={"format": "pt"})
+    os.replace(partial, target)
+    config = os.path.join(checkpoint, fmt.HF_CONFIG)
+    if os.path.isfile(config):
+        shutil.copyfile(config, os.path.join(out_dir, "config.json"))
+    return target
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m xla_fsdp.checkpoint",
+                                     description="Offline tools for xla_fsdp checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cons = sub.add_parser("consolidate", help="write the full model of a sharded checkpoint (streamed, "
+                                              "one tensor at a time)")
+    cons.add_argument("checkpoint", help="a checkpoint directory (e.g. out/checkpoint-500)")
+    cons.add_argument("out_dir", help="where to write model.safetensors (and config.json for Hugging Face "
+                                      "models: a from_pretrained directory)")
+    args = parser.parse_args(argv)
+    try:
+        path = consolidate(args.checkpoint, args.out_dir)
+    except CheckpointError as e:
+        parser.exit(2, f"error: {e}\n")
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,219 @@
+"""What this process holds of each parameter and optimizer state, in rows of the full tensor.
+
+A checkpoint stores rows of full (unwrapped, unpadded) tensors; this module
+maps every place a parameter can live to rows and back:
+
+- the collective engine, one process per device: a shard, rows
+  [r * rows_per_rank, (r + 1) * rows_per_rank) clipped to the real rows;
+  only the first sharding group writes (the other groups hold copies);
+- the collective engine's single-controller runtime: one global tensor padded
+  on dim 0, all rows;
+- anything else (the GSPMD engine, a plain module): the tensor itself, all rows.
+
+A parameter of shape (d0, *rest) has d0 rows of shape rest; a 0-dim one has
+one row of shape (). Optimizer state follows its parameter when it has the
+parameter's (local) shape, or is Adafactor's row factor (the parameter's rows,
+the last dim averaged away); other tensors (Adafactor's column factor, which
+each shard computes over its own rows) belong to the rank that computed them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+# optimizer state tensors with one entry per row of the parameter (the rest averaged away)
+ROW_FACTORED = ("exp_avg_sq_row",)
+
+
+@dataclass
+class ProcessInfo:
+    """This process's place in the job, for file names and agreement."""
+
+    rank: int
+    world: int
+    barrier: Callable[[], None]
+    all_ok: Callable[[bool], bool]  # True on every process iff `ok` is True on every process
+
+
+class Holding:
+    """One parameter: its full shape and how this process holds it."""
+
+    def __init__(self, name: str, aliases: List[str], param: torch.Tensor, full_shape: torch.Size,
+                 rows: Tuple[int, int], writes: bool, load: Callable[[torch.Tensor], None],
+                 local_rows: int, place_state: Callable[[torch.Tensor], torch.Tensor]):
+        self.name = name
+        self.aliases = aliases
+        self.param = param
+        self.full_shape = torch.Size(full_shape)
+        self.rows = rows  # [start, stop) of the full parameter's rows held here (padding excluded)
+        self.writes = writes
+        self._load = load
+        self.local_rows = local_rows  # dim 0 of the local tensor (padding included)
+        self._place_state = place_state
+
+    @property
+    def row_shape(self) -> Tuple[int, ...]:
+        return tuple(self.full_shape[1:])
+
+    @property
+    def num_rows(self) -> int:
+        return self.full_shape[0] if len(self.full_shape) else 1
+
+    def as_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A local tensor shaped like the parameter -> its real rows, on the host."""
+        t = tensor.detach().reshape(self.local_rows, *tensor.shape[1:]) if tensor.dim() else tensor.detach().reshape(1)
+        return t[: self.rows[1] - self.rows[0]].cpu()
+
+    def load(self, rows: torch.Tensor) -> None:
+        """Set the parameter from its full rows [self.rows) (host tensor)."""
+        self._load(rows)
+
+    def place_state(self, rows: torch.Tensor, full_shape: torch.Size) -> torch.Tensor:
+        """Rows of an optimizer state tensor (of `full_shape` when whole) -> the tensor the
+        optimizer keeps for this parameter."""
+        return self._place_state(rows, torch.Size(full_shape))
+
+    def state_kind(self, key: str, value: Any) -> str:
+        """"rows", "scalar" or "per_rank" (see the module docstring)."""
+        if not isinstance(value, torch.Tensor):
+            return "scalar"
+        if value.dim() == 0:
+            return "scalar"
+        if tuple(value.shape) == tuple(self.param.shape):
+            return "rows"
+        if key in ROW_FACTORED and value.shape[0] == self.local_rows:
+            return "rows"
+        return "per_rank"
+
+
+def _padded(rows: torch.Tensor, total: int) -> torch.Tensor:
+    pad = total - rows.shape[0]
+    return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]) if pad > 0 else rows
+
+
+def _full_shape_of(rows: torch.Tensor, like: torch.Size) -> torch.Tensor:
+    return rows.reshape(like) if len(like) else rows.reshape(())
+
+
+def holdings(model: nn.Module) -> List[Holding]:
+    """Every parameter of `model` (tied ones once, under their first name), as held here."""
+    records = {}
+    for module in model.modules():
+        state = getattr(module, "_fsdp_state", None)
+        if state is not None:
+            for rec in state.group.params:
+                records[id(rec.sharded)] = (rec, state.group.comm)
+    names: Dict[int, List[str]] = {}
+    params: Dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    out = []
+    for pid, p in params.items():
+        name, aliases = names[pid][0], names[pid][1:]
+        if pid in records:
+            out.append(_engine_holding(name, aliases, p, *records[pid]))
+        else:
+            out.append(_plain_holding(name, aliases, p))
+    return out
+
+
+def _engine_holding(name, aliases, param, rec, comm) -> Holding:
+    full = rec.orig_shape
+    rows = rec.rows
+    if comm.is_single_controller:
+        def load(full_rows):
+            rec.load_shard(_padded(full_rows, rec.padded_rows).reshape(rec.padded_rows, *rec.row_shape), comm)
+
+        def place(state_rows, full_shape):
+            return comm.place_global(_padded(state_rows, rec.padded_rows))
+
+        return Holding(name, aliases, param, full, (0, rows), True, load, rec.padded_rows, place)
+    layout = comm.layout
+    start = min(layout.shard_rank * rec.rows_per_rank, rows)
+    stop = min(start + rec.rows_per_rank, rows)
+    writes = layout.rank in layout.shard_groups[0]
+
+    def load(local_rows):
+        rec.load_shard(_padded(local_rows, rec.rows_per_rank).reshape(rec.shard_shape), comm)
+
+    def place(state_rows, full_shape):
+        return _padded(state_rows, rec.rows_per_rank).to(comm.device)
+
+    return Holding(name, aliases, param, full, (start, stop), writes, load, rec.rows_per_rank, place)
+
+
+def _plain_holding(name, aliases, param) -> Holding:
+    full = param.shape
+    rows = full[0] if len(full) else 1
+
+    def load(full_rows):
+        with torch.no_grad():
+            _copy_keeping_layout(param, _full_shape_of(full_rows, full))
+
+    def place(state_rows, full_shape):
+        return _like(param, _full_shape_of(state_rows, full_shape))
+
+    return Holding(name, aliases, param, full, (0, rows), True, load, rows, place)
+
+
+def _like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` on `reference`'s device, with its sharding when it has one (GSPMD)."""
+    moved = value.to(reference.device)
+    if reference.device.type == "xla":
+        import torch_xla
+
+        sharding = torch_xla._XLAC._get_xla_op_sharding(reference)
+        if sharding is not None and value.shape == reference.shape:
+            torch_xla._XLAC._xla_mark_sharding(moved, sharding)
+    return moved
+
+
+def _copy_keeping_layout(param: torch.Tensor, value: torch.Tensor) -> None:
+    if param.device.type == "xla":
+        param.data = _like(param, value.to(param.dtype))
+    else:
+        param.copy_(value)
+
+
+def process_info(model: nn.Module) -> ProcessInfo:
+    """Rank, world size and agreement for the processes that save or load together."""
+    comm = next((m._fsdp_state.group.comm for m in model.modules() if getattr(m, "_fsdp_state", None)), None)
+    if comm is not None and not comm.is_single_controller:
+        return ProcessInfo(comm.layout.rank, comm.layout.world_size, comm.barrier, comm.all_ok)
+    return ProcessInfo(0, 1, lambda: None, lambda ok: ok)
+
+
+def layout_record(model: nn.Module) -> Dict[str, Any]:
+    """How the model is laid out (recorded with a checkpoint; equal records mean per-rank state
+    can be loaded back rank by rank)."""
+    comm = next((m._fsdp_state.group.comm for m in model.modules() if getattr(m, "_fsdp_state", None)), None)
+    if comm is None:
+        return {"engine": "plain or GSPMD", "processes": 1}
+    layout = comm.layout
+    return {"engine": "collectives",
+            "runtime": "single_controller" if comm.is_single_controller else "multi_process",
+            "world_size": layout.world_size, "shard_groups": [list(g) for g in layout.shard_groups]}
+
+
+def optimizer_names(optimizer, held: List[Holding]) -> Dict[int, Holding]:
+    """Optimizer parameter index (its state_dict numbering) -> the holding of that parameter."""
+    by_id = {id(h.param): h for h in held}
+    out: Dict[int, Holding] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the model; build it "
+                    "from model.parameters() after wrapping")
+            out[index] = by_id[id(p)]
+            index += 1
+    return out
+
+
+def state_value(value: Any) -> Optional[torch.Tensor]:
+    return value if isinstance(value, torch.Tensor) else None

@@ -1,0 +1,195 @@
+"""Loading a sharded checkpoint into a model (and optimizer) of any layout.
+
+Everything is checked before anything is written: the checkpoint is complete,
+its parameters and optimizer match the model's by name, shape and kind, and
+every file it needs is present and whole. Then each process reads the rows it
+holds (for another layout: from whichever files hold them), and the
+optimizer gets a state dict in its own numbering.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from . import format as fmt
+from .format import CheckpointError
+from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                    extra_state: Optional[Dict[str, Any]] = None, per_rank_state: str = "error") -> Dict[str, Any]:
+    """Load the checkpoint at `path` into `model` (and `optimizer`); call on every process.
+
+    Works for any layout on both sides (world size, sharding strategy, engine,
+    runtime). `extra_state` objects with `load_state_dict` (an LR scheduler)
+    are loaded in place; RNG states are restored. Returns {"step": ..., "extra":
+    {name: saved value}}.
+
+    Optimizer state that each rank computes over its own shard (Adafactor's
+    column factor) has no exact value on another layout: loading it there is an
+    error unless `per_rank_state="average"` (the mean over the saved ranks).
+    """
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    if not fmt.is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {fmt.COMPLETE} marker: the save did "
+                              "not finish); load an earlier one, e.g. with resume 'auto'")
+    meta = fmt.read_json(os.path.join(path, fmt.METADATA), "checkpoint metadata")
+    if meta.get("format") != fmt.FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {fmt.FORMAT!r}")
+    if per_rank_state not in ("error", "average"):
+        raise ValueError(f"per_rank_state={per_rank_state!r}: use 'error' or 'average'")
+    info = process_info(model)
+    held = holdings(model)
+    _check_params(path, meta, held)
+    buffers = dict(model.named_buffers())
+    _check_buffers(path, meta, buffers)
+    index = fmt.RowIndex(path, range(meta["world_size"]))
+    same_layout = meta["layout"] == layout_record(model)
+    plan = _optimizer_plan(path, meta, optimizer, held, index, same_layout, info.rank, per_rank_state)
+    extra_path = os.path.join(path, fmt.extra_file(info.rank if info.rank < meta["world_size"] else 0))
+    extra = _read_extra(extra_path)
+
+    # read everything this process needs (a bad file fails here, before anything changes) ...
+    index.open_all()
+    params = [index.read_rows(f"param/{h.name}", *h.rows).to(h.param.dtype) for h in held]
+    values = {name: index.read_rank(f"buffer/{name}", 0) for name in buffers}
+    optim_state = plan() if optimizer is not None else None
+    # ... then write it
+    for h, rows in zip(held, params):
+        h.load(rows)
+    with torch.no_grad():
+        for name, b in buffers.items():
+            b.copy_(values[name].to(b.dtype).to(b.device))
+    if optimizer is not None:
+        optimizer.load_state_dict(optim_state)
+    _restore_rng(extra["rng"])
+    for name, obj in (extra_state or {}).items():
+        if name in extra["user"] and hasattr(obj, "load_state_dict"):
+            obj.load_state_dict(extra["user"][name])
+    return {"step": meta.get("step"), "extra": extra["user"]}
+
+
+def _check_params(path: str, meta: Dict[str, Any], held: List[Holding]) -> None:
+    saved = meta["params"]
+    mine = {h.name: h for h in held}
+    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"the model has {missing[:4]}{' ...' if len(missing) > 4 else ''} which the checkpoint lacks")
+        if unexpected:
+            parts.append(f"the checkpoint has {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} which the "
+                         "model lacks")
+        raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(parts)}. Nothing was loaded.")
+    for name, h in mine.items():
+        if list(h.full_shape) != saved[name]["shape"]:
+            raise CheckpointError(f"checkpoint {path} is of another model: {name!r} is {tuple(saved[name]['shape'])} "
+                                  f"there and {tuple(h.full_shape)} here. Nothing was loaded.")
+
+
+def _check_buffers(path: str, meta: Dict[str, Any], buffers: Dict[str, torch.Tensor]) -> None:
+    saved = meta.get("buffers", {})
+    if set(saved) != set(buffers):
+        raise CheckpointError(f"checkpoint {path} is of another model: buffers differ "
+                              f"({sorted(set(saved) ^ set(buffers))[:4]}). Nothing was loaded.")
+    for name, b in buffers.items():
+        if list(b.shape) != saved[name]["shape"]:
+            raise CheckpointError(f"checkpoint {path} is of another model: buffer {name!r} is "
+                                  f"{tuple(saved[name]['shape'])} there and {tuple(b.shape)} here. Nothing was loaded.")
+
+
+def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_rank_state):
+    """Check the optimizer against the checkpoint now; return a function that builds its state dict."""
+    if optimizer is None:
+        return None
+    saved = meta.get("optimizer")
+    if saved is None:
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it without an optimizer "
+                              "(the optimizer then starts fresh)")
+    cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if saved["class"] != cls:
+        raise CheckpointError(f"checkpoint {path} holds {saved['class']} state, the optimizer is {cls}; build the "
+                              "same optimizer class as when saving")
+    named = optimizer_names(optimizer, held)
+    current = optimizer.state_dict()
+    groups = current["param_groups"]
+    if len(groups) != len(saved["param_groups"]) or any(
+            [named[i].name for i in g["params"]] != s["params"] for g, s in zip(groups, saved["param_groups"])):
+        raise CheckpointError(f"checkpoint {path}: the optimizer's parameter groups differ from the saved ones "
+                              "(same parameters, same order, same grouping needed)")
+    for h_name, entries in saved["state"].items():
+        for key, entry in entries.items():
+            if entry["kind"] == "rows" and not index.has(f"optim/{h_name}/{key}"):
+                raise CheckpointError(f"checkpoint {path} lacks optimizer state {key!r} of {h_name!r}")
+            if entry["kind"] == "per_rank" and not same_layout and per_rank_state == "error":
+                raise CheckpointError(
+                    f"checkpoint {path} holds optimizer state {key!r} of {h_name!r} that each rank computed over "
+                    f"its own shard (e.g. Adafactor's column factor); it has no exact value on this layout "
+                    f"({meta['layout']} -> another). Load on the saved layout, or pass "
+                    "per_rank_state='average' to use the mean over the saved ranks")
+    by_name = {named[i].name: i for i in named}
+
+    def build() -> Dict[str, Any]:
+        state: Dict[int, Dict[str, Any]] = {}
+        for h_name, entries in saved["state"].items():
+            h = next(named[i] for i in named if named[i].name == h_name)
+            out: Dict[str, Any] = {}
+            for key, entry in entries.items():
+                if entry["kind"] == "scalar":
+                    value = entry["value"]
+                    out[key] = torch.tensor(value, dtype=fmt.dtype_from_name(entry["dtype"])) \
+                        if entry.get("tensor") else value
+                elif entry["kind"] == "rows":
+                    rows = index.read_rows(f"optim/{h_name}/{key}", *h.rows)
+                    out[key] = h.place_state(rows, torch.Size(entry["shape"]))
+                else:
+                    ranks = index.ranks_with(f"optim_rank/{h_name}/{key}")
+                    if same_layout and rank in ranks:
+                        value = index.read_rank(f"optim_rank/{h_name}/{key}", rank)
+                    else:
+                        value = torch.stack([index.read_rank(f"optim_rank/{h_name}/{key}", r) for r in ranks]).mean(0)
+                    out[key] = value.to(h.param.device)
+            state[by_name[h_name]] = out
+        return {"state": state, "param_groups": [
+            {**{k: _restore_type(v, g.get(k)) for k, v in s["hyper"].items()}, "params": g["params"]}
+            for g, s in zip(groups, saved["param_groups"])]}
+
+    return build
+
+
+def _restore_type(saved, current):
+    # JSON turned tuples (betas) into lists
+    if isinstance(current, tuple) and isinstance(saved, list):
+        return tuple(saved)
+    return saved
+
+
+def _read_extra(path: str) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file is missing: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint file is corrupt: {path} ({e})") from None
+
+
+def _restore_rng(states: Dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "numpy" in states:
+        import numpy as np
+
+        np.random.set_state(states["numpy"])
+    if "xla" in states:
+        try:
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(states["xla"])
+        except Exception:
+            pass
