@@ -105,3 +105,62 @@ def resume_worker(rank: int, world: int, tmp: str, jobs: List[dict]) -> None:
         out[job["name"]] = {"step": got["step"], "losses": losses, "params": full_params(model)}
     if rank == 0:
         torch.save(out, os.path.join(tmp, f"resumed-w{world}.pt"))
+
+
+# -- one process driving several devices (run as a script: SPMD mode is process-wide) -----
+
+def spmd_main(argv: List[str]) -> None:
+    """checkpoint_cases.py save|resume ENGINE TMP JOBS_JSON, under torch_xla's SPMD runtime.
+
+    ENGINE: "collectives" (the single-controller runtime) or "gspmd" (engine="spmd").
+    save: train K steps and save each job; resume: load each job into a fresh model,
+    train MORE steps and write losses and full parameters to TMP/resumed-<engine>.pt.
+    """
+    import json
+
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    import torch_xla
+
+    from xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
+
+    mode, engine, tmp, jobs = argv[0], argv[1], argv[2], json.loads(argv[3])
+    devices = xr.global_runtime_device_count()
+    device = torch_xla.device()
+    out = {}
+    for job in jobs:
+        kwargs = {"engine": "spmd"} if engine == "gspmd" else Layout(job["layout"]).kwargs(devices)
+        model, opt = wrapped(job["kind"], job["optim"], kwargs, seed=0 if mode == "save" else 7)
+        if mode == "save":
+            losses = train(model, opt, job["kind"], range(K), device=device, sync=torch_xla.sync, global_batch=True)
+            save_checkpoint(job["path"], model, opt, step=K, extra_state={"losses": losses})
+        else:
+            got = load_checkpoint(job["path"], model, opt)
+            losses = train(model, opt, job["kind"], range(K, K + MORE), device=device, sync=torch_xla.sync,
+                           global_batch=True)
+            params = {n: p.detach().cpu() for n, p in model.state_dict().items()} if engine == "gspmd" \
+                else full_params(model)
+            out[job["name"]] = {"step": got["step"], "losses": losses, "params": params}
+    if mode == "resume":
+        torch.save(out, os.path.join(tmp, f"resumed-{engine}.pt"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    spmd_main(sys.argv[1:])
+
+
+def export_worker(rank: int, world: int, tmp: str) -> None:
+    """Train GPT-2 2 steps on `world` gloo ranks, save, and keep the model's logits on a batch."""
+    from xla_fsdp.checkpoint import save_checkpoint
+
+    model, opt = wrapped("gpt2", "adamw", {})
+    train(model, opt, "gpt2", range(2), rank, world)
+    save_checkpoint(os.path.join(tmp, "ckpt"), model, opt, step=2)
+    x, _ = pc.batch("gpt2", 7)
+    with torch.no_grad():
+        logits = model(input_ids=x).logits  # every rank the whole batch: the same logits
+    if rank == 0:
+        torch.save(logits, os.path.join(tmp, "logits.pt"))

@@ -1,5 +1,10 @@
 """Save at one layout, load at another, go on training: the same run as never stopping.
 
+Engines and runtimes mix too: checkpoints of gloo world 4 load into the
+single-controller runtime (8 devices) and the GSPMD engine (8 devices); the
+single-controller runtime's (4 devices) and the GSPMD engine's (4 devices)
+load into gloo world 2 and XLA world 1.
+
 A gloo world of 4 trains K=3 AdamW steps under FULL_SHARD, SHARD_GRAD_OP and
 HYBRID_SHARD ([[0, 1], [2, 3]]) and saves model and optimizer state. Fresh,
 differently seeded models on gloo worlds 2 and 8 (same strategy; HYBRID as two
@@ -8,7 +13,10 @@ losses and final parameters must equal the unsharded reference trained 6
 steps without stopping (fp32: losses 1e-5 relative, parameters 1e-5
 tensor-relative).
 """
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,3 +102,53 @@ def test_the_checkpoint_holds_each_row_once(saved):
                     rows[key[6:]] = rows.get(key[6:], 0) + info["rows"][1] - info["rows"][0]
         for name, p in meta["params"].items():
             assert rows[name] == (p["shape"][0] if p["shape"] else 1), (job["layout"], name)
+
+
+def _spmd(mode, engine, devices, tmp, jobs):
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
+    env.pop("XLA_USE_SPMD", None)
+    proc = subprocess.run([sys.executable, cc.__file__, mode, engine, tmp, json.dumps(jobs)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def across_runtimes(saved, tmp_path_factory):
+    """(saved by, loaded by) -> results."""
+    tmp, gloo_jobs = saved
+    out = {}
+    # gloo world 4 -> single controller and GSPMD engine, 8 devices
+    jobs = [dict(j, name=_name(j["kind"], j["optim"], j["layout"])) for j in gloo_jobs]
+    _spmd("resume", "collectives", 8, tmp, jobs)
+    out["gloo4", "single8"] = torch.load(os.path.join(tmp, "resumed-collectives.pt"), weights_only=False)
+    plain = [j for j in jobs if j["layout"] == "FULL_SHARD"]
+    _spmd("resume", "gspmd", 8, tmp, plain)
+    out["gloo4", "gspmd8"] = torch.load(os.path.join(tmp, "resumed-gspmd.pt"), weights_only=False)
+    # single controller and GSPMD engine, 4 devices -> gloo world 2 and XLA world 1
+    for engine in ("collectives", "gspmd"):
+        sub = str(tmp_path_factory.mktemp(f"from-{engine}"))
+        jobs = [{"kind": k, "optim": o, "layout": "FULL_SHARD", "name": _name(k, o, "FULL_SHARD"),
+                 "path": os.path.join(sub, _name(k, o, "FULL_SHARD"))} for k, o in (("mlp", "adamw"),)]
+        if engine == "collectives":
+            jobs.append({"kind": "gpt2", "optim": "adamw", "layout": "HYBRID_SHARD",
+                         "name": _name("gpt2", "adamw", "HYBRID_SHARD"),
+                         "path": os.path.join(sub, _name("gpt2", "adamw", "HYBRID_SHARD"))})
+        _spmd("save", engine, 4, sub, jobs)
+        run_distributed_fn(cc.resume_worker, 2, sub, jobs)
+        out[engine + "4", "gloo2"] = torch.load(os.path.join(sub, "resumed-w2.pt"), weights_only=False)
+        out[engine + "4", "xla1"] = _resume_on_xla_world1(jobs)
+    return out
+
+
+@pytest.mark.parametrize("source,target", [("gloo4", "single8"), ("gloo4", "gspmd8"), ("collectives4", "gloo2"),
+                                           ("collectives4", "xla1"), ("gspmd4", "gloo2"), ("gspmd4", "xla1")])
+def test_resumes_across_engines_and_runtimes(across_runtimes, source, target):
+    results = across_runtimes[source, target]
+    assert results
+    for name, got in results.items():
+        kind, optim = name.split("-")[:2]
+        ref = cc.reference(kind, optim, cc.K + cc.MORE)
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][cc.K:]),
+                                   rtol=2e-5, atol=2e-6)
+        for pname, want in ref["params"].items():
+            assert_rel_close(got["params"][pname], want, 1e-5, f"{source} -> {target}: {name} {pname}")

@@ -27,7 +27,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-FSDP_AXIS = "fsdp"
+from xla_fsdp.options import FSDP_AXIS  # re-exported: the SPMD engine reads it from here
 
 PartitionSpec = Tuple[object, ...]
 

@@ -12,6 +12,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the mesh axis parameters are sharded over (both engines, under the SPMD runtime)
+FSDP_AXIS = "fsdp"
 
 
 class ShardingStrategy(enum.Enum):

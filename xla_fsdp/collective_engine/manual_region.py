@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
-from ..mesh import FSDP_AXIS
+from ..options import FSDP_AXIS
 
 REPLICATE_AXIS = "replicate"
 
