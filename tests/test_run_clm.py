@@ -205,3 +205,46 @@ def test_fsdp_flag_becomes_engine_keywords(tiny_config):
     assert kwargs("shard_grad_op") == {"sharding_strategy": "SHARD_GRAD_OP"}
     policy = kwargs("full_shard auto_wrap")["auto_wrap_policy"]
     assert policy.keywords["transformer_layer_cls"] == {"GPT2Block"}
+
+
+def test_preempted_job_resumes_the_same_loss_curve_and_writes_a_final_model(tiny_config, tmp_path):
+    """run_clm with --save_steps: an uninterrupted 8-step run, and the same command killed
+    (SIGKILL) once checkpoint-4 is complete and run again: the rerun finds the checkpoint in
+    --output_dir (Hugging Face semantics), resumes model, optimizer, LR schedule and data
+    position, and logs the losses of the uninterrupted run. Both leave a from_pretrained
+    directory and at most --save_total_limit checkpoints."""
+    import signal
+    import time
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    flags = ["--config_name", tiny_config, "--do_train", "--fsdp", "full_shard auto_wrap", "--max_steps", "8",
+             "--per_device_train_batch_size", "4", "--block_size", "32", "--logging_steps", "1",
+             "--warmup_steps", "2", "--save_strategy", "steps", "--save_steps", "4", "--save_total_limit", "1"]
+    whole, _ = _train(tmp_path / "whole", flags)
+    out = tmp_path / "whole" / "out"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-8"]
+    model = GPT2LMHeadModel.from_pretrained(str(out))
+    ids = torch.arange(32).reshape(1, 32)
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+    killed = tmp_path / "killed" / "out"
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--output_dir", str(killed)] + flags, env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoint-4" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, "the job ended before checkpoint-4"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "checkpoint-8").exists(), "killed too late: the job had finished"
+    resumed, output = _train(tmp_path / "killed", flags)
+    assert "resuming from" in output and "resumed from" in output
+    want = dict((s, l) for s, l in whole["losses"])
+    got = dict((s, l) for s, l in resumed["losses"])
+    assert sorted(got) == [5, 6, 7, 8]
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step], rel=1e-5), step
+    assert (killed / "model.safetensors").exists() and (killed / "config.json").exists()

@@ -7,10 +7,12 @@
   keep-last-K rotation, the newest complete one for resuming (`manager.py`).
 - `consolidate` and `python -m xla_fsdp.checkpoint consolidate`: the full
   model, streamed, as a Hugging Face `save_pretrained` directory (`consolidate.py`).
+- `save_pretrained`: the running job's model as a Hugging Face directory (`export.py`).
 - `consolidate_sharded_model_checkpoints`: torch_xla's per-rank flow (`torch_xla_compat.py`).
 - In-memory full and sharded state dicts (`state_dict.py`).
 """
 from .consolidate import consolidate
+from .export import save_pretrained
 from .format import CheckpointError
 from .load import load_checkpoint
 from .manager import CheckpointManager, complete_checkpoints, latest_checkpoint
@@ -20,7 +22,7 @@ from .torch_xla_compat import consolidate_sharded_model_checkpoints, consolidate
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "CheckpointManager", "latest_checkpoint", "complete_checkpoints",
-    "consolidate", "consolidate_sharded_model_checkpoints", "consolidate_sharded_state_dicts",
+    "consolidate", "save_pretrained", "consolidate_sharded_model_checkpoints", "consolidate_sharded_state_dicts",
     "CheckpointError", "CheckpointWriteError",
     "full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
 ]

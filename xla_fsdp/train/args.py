@@ -96,8 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--logging_steps", type=int, default=10,
                         help="log loss, tokens/s, step time and MFU every N steps (HF default 500 "
                              "is too sparse for the short CPU runs this job is mostly used for)")
-    report.add_argument("--save_strategy", choices=("no", "steps", "epoch"), default="no")
+    report.add_argument("--save_strategy", choices=("no", "steps", "epoch"), default="no",
+                        help="sharded checkpoints (model, optimizer, scheduler, RNG, data position) "
+                             "into OUTPUT_DIR/checkpoint-<step>")
     report.add_argument("--save_steps", type=int, default=500)
+    report.add_argument("--save_total_limit", type=int, default=None,
+                        help="keep only the newest N checkpoints")
+    report.add_argument("--resume_from_checkpoint", default=None,
+                        help="a checkpoint-<step> directory, or 'auto' for the newest complete one in "
+                             "--output_dir (none: start fresh)")
     _bool_flag(report, "--mfu_include_attention", "add 12·L·d·S FLOPs/token for attention to MFU")
     report.add_argument("--peak_tflops", type=float, default=None,
                         help="override the per-chip peak (dense bf16 TFLOPS) used for MFU")
@@ -145,5 +152,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--fsdp_config {args.fsdp_config}: no such file")
     if args.logging_steps <= 0:
         parser.error(f"--logging_steps must be positive, got {args.logging_steps}")
+    if args.save_steps <= 0:
+        parser.error(f"--save_steps must be positive, got {args.save_steps}")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        parser.error(f"--save_total_limit must be at least 1, got {args.save_total_limit}")
+    if args.resume_from_checkpoint not in (None, "auto") and not os.path.isdir(args.resume_from_checkpoint):
+        parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such directory "
+                     "(give a checkpoint-<step> folder, or 'auto')")
     args.sharding_strategy, args.auto_wrap = parse_fsdp(args.fsdp)
     return args

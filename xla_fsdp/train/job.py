@@ -22,13 +22,23 @@ from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, se
 
 
 def check_output_dir(args) -> None:
-    """HF semantics: refuse to train into a non-empty directory unless told to."""
+    """Hugging Face's run_clm semantics: a non-empty --output_dir is refused unless
+    --overwrite_output_dir is given, or it holds a checkpoint to resume from (which,
+    without --resume_from_checkpoint, is then resumed: the preempted job's restart)."""
     d = args.output_dir
-    if args.do_train and os.path.isdir(d) and os.listdir(d) and not args.overwrite_output_dir:
-        raise SystemExit(f"--output_dir {d} already exists and is not empty; "
-                         f"add --overwrite_output_dir to reuse it, or pick another directory")
     if os.path.exists(d) and not os.path.isdir(d):
         raise SystemExit(f"--output_dir {d} exists and is a file; give a directory path")
+    if args.do_train and os.path.isdir(d) and os.listdir(d) and not args.overwrite_output_dir:
+        from xla_fsdp.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(d)
+        if last is None and args.resume_from_checkpoint is None:
+            raise SystemExit(f"--output_dir {d} already exists and is not empty; "
+                             f"add --overwrite_output_dir to reuse it, or pick another directory")
+        if args.resume_from_checkpoint is None:
+            print(f"run_clm: checkpoint detected in {d}; resuming from {last} "
+                  "(add --overwrite_output_dir to train from scratch)")
+            args.resume_from_checkpoint = last
 
 
 def device_facts(spmd: bool) -> dict:
@@ -140,12 +150,27 @@ def _train(model, batches, ctx, meter, args, facts, log) -> dict:
     log(f"run_clm: {total_steps} steps ({len(batches)} per epoch)")
     optimizer = loop.make_optimizer(model.parameters(), args)
     scheduler = loop.make_scheduler(optimizer, args.warmup_steps, total_steps)
+    start = _resume(model, optimizer, scheduler, args, log)
     progress = _progress(total_steps, facts["rank"] == 0)
-    save = (lambda step: _save(model, args, facts, step)) if args.save_strategy != "no" else None
+    if progress and start:
+        progress.update(start)
+    save = None
+    if args.save_strategy != "no":
+        from xla_fsdp.checkpoint import CheckpointManager
+
+        manager = CheckpointManager(args.output_dir, keep_last=args.save_total_limit)
+
+        def save(step):
+            manager.save(step, model, optimizer, extra_state={"scheduler": scheduler, "data_position": step})
     result = loop.train(model, optimizer, scheduler, batches, total_steps, ctx, meter, args,
-                        log=progress.write if progress else log, progress=progress, save=save)
+                        log=progress.write if progress else log, progress=progress, save=save, start_step=start)
     if progress:
         progress.close()
+    if result.steps > start:
+        from xla_fsdp.checkpoint import save_pretrained
+
+        save_pretrained(model, args.output_dir)  # what Hugging Face's run_clm leaves: from_pretrained loads it
+        log(f"run_clm: final model written to {args.output_dir} (config.json + model.safetensors)")
     if result.summary:
         s = result.summary
         log(f"run_clm: trained {result.steps} steps in {result.wall_time_s:.1f} s; loss "
@@ -173,10 +198,21 @@ def _progress(total: int, is_master: bool):
     return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
-def _save(model, args, facts, step: int) -> None:
-    """Each rank writes its own state dict (shards under FSDP; state-dict keys
-    are the unwrapped model's), enough to resume or to consolidate offline."""
-    import torch_xla.core.xla_model as xm
-    out = os.path.join(args.output_dir, f"checkpoint-{step}")
-    os.makedirs(out, exist_ok=True)
-    xm.save(model.state_dict(), os.path.join(out, f"model_rank{facts['rank']}.pt"), master_only=False)
+def _resume(model, optimizer, scheduler, args, log) -> int:
+    """Load --resume_from_checkpoint (a path, or 'auto': the newest complete one in
+    --output_dir); returns the step to continue from (0: a fresh start)."""
+    from xla_fsdp.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = args.resume_from_checkpoint
+    if path is None:
+        return 0
+    if path == "auto":
+        path = latest_checkpoint(args.output_dir)
+        if path is None:
+            log(f"run_clm: --resume_from_checkpoint auto: no complete checkpoint in {args.output_dir}; "
+                "starting fresh")
+            return 0
+    got = load_checkpoint(path, model, optimizer, extra_state={"scheduler": scheduler})
+    step = int(got["extra"]["data_position"])
+    log(f"run_clm: resumed from {path} at step {step}")
+    return step

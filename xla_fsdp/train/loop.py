@@ -132,30 +132,36 @@ def train_step(model, optimizer, scheduler, batch, ctx: StepContext, max_grad_no
 
 
 def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepContext,
-          meter: ThroughputMeter, args, log=print, progress=None, save=None) -> TrainResult:
-    """Run `total_steps` optimizer steps over `batches` (a `BlockBatches`).
+          meter: ThroughputMeter, args, log=print, progress=None, save=None, start_step: int = 0) -> TrainResult:
+    """Run optimizer steps `start_step`..`total_steps` over `batches` (a `BlockBatches`).
 
-    The loss is read on step 1, every `--logging_steps` and on the last
-    step; throughput windows close at those reads. `save(step)`, if given,
-    is called per `--save_strategy` and after the last step.
+    The loss is read on the first step, every `--logging_steps` and on the
+    last step; throughput windows close at those reads. `save(step)`, if
+    given, is called per `--save_strategy` and after the last step. A resumed
+    run (`start_step` > 0) skips the batches the saved run already used, so
+    it sees the same data in the same order.
     """
     result = TrainResult()
     started = time.perf_counter()
     model.train()
-    step, epoch = 0, 0
+    step = start_step
+    epoch, skip = divmod(start_step, len(batches))
     log_every = args.logging_steps if args.logging_strategy == "steps" else None
     while step < total_steps:
         loss = None
-        for batch in batches.epoch(epoch):
+        for index, batch in enumerate(batches.epoch(epoch)):
+            if index < skip:
+                continue
             loss = train_step(model, optimizer, scheduler, batch, ctx, args.max_grad_norm)
             step += 1
             if progress is not None:
                 progress.update(1)
-            if step == WARMUP_STEPS:
+            if step == start_step + WARMUP_STEPS:
                 _wait()
                 meter.restart(step)
-            if step == 1 or (log_every and step % log_every == 0) or step == total_steps:
-                line = _record(result, step, total_steps, ctx.replica_mean(loss), scheduler, meter)
+            if step == start_step + 1 or (log_every and step % log_every == 0) or step == total_steps:
+                line = _record(result, step, total_steps, ctx.replica_mean(loss), scheduler, meter,
+                               warm=step > start_step + WARMUP_STEPS)
                 if log_every or step == total_steps:
                     log(line)
             if save and args.save_strategy == "steps" and step % args.save_steps == 0 and step < total_steps:
@@ -166,16 +172,16 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
             log(f"epoch {epoch} done at step {step}: loss {ctx.replica_mean(loss).item():.4f}")
         if save and args.save_strategy == "epoch" and step < total_steps:
             save(step)
-        epoch += 1
+        epoch, skip = epoch + 1, 0
     _wait()
     result.steps, result.wall_time_s = step, time.perf_counter() - started
     result.summary = meter.summary(step)
-    if save:
+    if save and step > start_step:
         save(step)  # after the clocks stop: saving is not training throughput
     return result
 
 
-def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, meter) -> str:
+def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, meter, warm: bool) -> str:
     """Read the loss (the one host read: it waits for this step), close the
     throughput window, and return the log line."""
     value = loss.item()
@@ -184,7 +190,7 @@ def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, m
                                  f"or raise --warmup_steps")
     result.losses.append([step, value])
     line = f"step {step}/{total_steps} loss {value:.4f} lr {scheduler.get_last_lr()[0]:.2e}"
-    if step > WARMUP_STEPS:
+    if warm:
         window = dict(meter.close(step), step=step)
         result.windows.append(window)
         line += (f" | {window['tokens_per_s']:.0f} tokens/s, {window['step_time_s'] * 1e3:.1f} ms/step, "

@@ -1,0 +1,42 @@
+"""`save_pretrained`: the trained model as a Hugging Face directory, written from the running job.
+
+The full parameters are gathered to rank 0 (one unit at a time; rank 0 holds
+the whole model once, as Hugging Face's own save does), tied weights are
+stored once under their first name, and the config is the model's own, so
+`from_pretrained` loads the directory. For models too large for one host use
+a sharded checkpoint and the offline `consolidate`, which streams.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import torch
+import torch.nn as nn
+
+from . import format as fmt
+from .holdings import holdings, process_info
+from .state_dict import full_state_dict
+
+
+def save_pretrained(model: nn.Module, out_dir: str) -> None:
+    """Write `config.json` (when the model has a Hugging Face config) and `model.safetensors`.
+    Call on every process (the gathers are collective); rank 0 writes."""
+    info = process_info(model)
+    held = holdings(model)
+    if any(getattr(m, "_fsdp_state", None) is not None for m in model.modules()):
+        state = full_state_dict(model, rank0_only=True)
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if info.rank == 0:
+        aliases = {alias for h in held for alias in h.aliases}
+        tensors: Dict[str, torch.Tensor] = {k: v.contiguous() for k, v in state.items() if k not in aliases}
+        os.makedirs(out_dir, exist_ok=True)
+        target = os.path.join(out_dir, "model.safetensors")
+        entries = [(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in tensors.items()]
+        fmt.write_safetensors(target + fmt.PARTIAL_SUFFIX, entries, metadata={"format": "pt"})
+        os.replace(target + fmt.PARTIAL_SUFFIX, target)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_json_file"):
+            config.to_json_file(os.path.join(out_dir, "config.json"))
+    info.barrier()
