@@ -85,11 +85,11 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
-def batch(kind: str, step: int):
+def batch(kind: str, step: int, size: int = GLOBAL_BATCH):
     gen = torch.Generator().manual_seed(1000 + step)
     if kind.startswith("mlp"):
-        return torch.randn(GLOBAL_BATCH, 32, generator=gen), torch.randn(GLOBAL_BATCH, 5, generator=gen)
-    ids = torch.randint(0, 128, (GLOBAL_BATCH, 16), generator=gen)
+        return torch.randn(size, 32, generator=gen), torch.randn(size, 5, generator=gen)
+    ids = torch.randint(0, 128, (size, 16), generator=gen)
     return ids, ids
 
 
@@ -125,12 +125,14 @@ def wrap(case: Case, model: nn.Module, extra: Optional[dict] = None) -> nn.Modul
     return FSDP(model, **kwargs)
 
 
-def train_reference(case: Case, steps: int = STEPS) -> Dict:
+def train_reference(case: Case, steps: int = STEPS, rows: slice = slice(None), size: int = GLOBAL_BATCH) -> Dict:
+    """The unsharded model trained on the global batch of `size` (or on `rows` of it)."""
     model = build_model(case.model)
     opt = make_optimizer(case.optim, model.parameters())
     losses = []
     for step in range(steps):
-        x, y = batch(case.model, step)
+        x, y = batch(case.model, step, size)
+        x, y = x[rows], y[rows]
         loss = loss_fn(case.model, model, x, y)
         loss.backward()
         if case.clip is not None:
@@ -274,3 +276,64 @@ def _fn_worker(rank, world, store, fn, tmp_dir, args):
         fn(rank, world, tmp_dir, *args)
     finally:
         dist.destroy_process_group()
+
+
+def train_accumulated(case: Case, rank: int, world: int, mode: str, micro: int = 2, device=None, sync=None,
+                      global_batch: bool = False, size: int = GLOBAL_BATCH) -> Dict:
+    """STEPS optimizer steps, each over `micro` micro-batches of this rank's slice (the whole
+    batch when `global_batch`: the single-controller runtime), gradients accumulated with
+    `mode`: "no_sync" (torch_xla/Accelerate), "requires_sync" (FSDP2's
+    set_requires_gradient_sync) or "shards" (reduce-scatter every micro-batch)."""
+    import contextlib
+
+    model = wrap(case, build_model(case.model))
+    opt = make_optimizer(case.optim, model.parameters())
+    per = size if global_batch else size // world
+    start = 0 if global_batch else rank * per
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(case.model, step, size)
+        x, y = x[start:start + per], y[start:start + per]
+        each = per // micro
+        total = 0.0
+        for m in range(micro):
+            last = m == micro - 1
+            xm_, ym_ = x[m * each:(m + 1) * each], y[m * each:(m + 1) * each]
+            if device is not None:
+                xm_, ym_ = xm_.to(device), ym_.to(device)
+            ctx = contextlib.nullcontext()
+            if mode == "no_sync" and not last:
+                ctx = model.no_sync()
+            if mode == "requires_sync":
+                model.set_requires_gradient_sync(last)
+            with ctx:
+                loss = loss_fn(case.model, model, xm_, ym_) / micro
+                loss.backward()
+            total = total + loss.detach()
+        opt.step()
+        opt.zero_grad()
+        if sync is not None:
+            sync()
+        losses.append(total)
+    return {"losses": [float(l.cpu()) for l in losses],
+            "shards": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+            "groups": [list(g) for g in model.sharding_layout.shard_groups]}
+
+
+def _accumulate_worker(rank: int, world: int, tmp_dir: str, cases: List[Case], modes: List[str]) -> None:
+    import torch.distributed as dist
+
+    out = {}
+    for case in cases:
+        for mode in modes:
+            res = train_accumulated(case, rank, world, mode)
+            mean = torch.tensor(res["losses"])
+            dist.all_reduce(mean)
+            res["losses"] = (mean / world).tolist()
+            out[(case.name, mode)] = res
+    torch.save(out, os.path.join(tmp_dir, f"acc-rank{rank}.pt"))
+
+
+def run_accumulated(cases: List[Case], modes: List[str], world: int, tmp_dir: str) -> List[Dict]:
+    run_distributed_fn(_accumulate_worker, world, tmp_dir, cases, modes)
+    return [torch.load(os.path.join(tmp_dir, f"acc-rank{r}.pt"), weights_only=False) for r in range(world)]

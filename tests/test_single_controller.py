@@ -47,9 +47,11 @@ CROSS_RUNTIME_TENSOR_REL = 2e-6
 # one of each variant in the default run: (devices, "case[:gather impl]")
 DEFAULT = {
     4: ["mlp_sgd", "mlp_nested_adamw", "gpt2_adamw", "gpt2_hybrid", "gpt2_checkpoint", "mlp_bf16",
-        "mlp_clip_sgd:all_reduce", "gpt2_flat"],
+        "mlp_clip_sgd:all_reduce", "gpt2_flat", "acc/no_sync/gpt2_adamw", "acc/requires_sync/gpt2_adamw",
+        "acc/shards/gpt2_adamw"],
     8: ["gpt2_hybrid", "gpt2_clip:all_reduce", "gpt2_no_reshard", "gpt2_reshard_root", "mlp_shard_grad_op",
-        "gpt2_no_shard", "mlp_unflat_buckets", "mlp_mixed_sizes", "gpt2_rs_buckets", "gpt2_bf16_fp32rs"],
+        "gpt2_no_shard", "mlp_unflat_buckets", "mlp_mixed_sizes", "gpt2_rs_buckets", "gpt2_bf16_fp32rs",
+        "acc/no_sync/gpt2_hybrid"],
 }
 SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")] for n in (4, 8)}
 
@@ -119,7 +121,7 @@ def test_hybrid_groups_are_the_halves(runs):
     assert runs[("parity", 4)].result()["gpt2_hybrid"]["groups"] == [[0, 1], [2, 3]]
 
 
-@pytest.mark.parametrize("spec", [c for c in DEFAULT[4] if "bf16" not in c])
+@pytest.mark.parametrize("spec", [c for c in DEFAULT[4] if "bf16" not in c and "/" not in c])
 def test_same_parameters_as_the_multi_process_runtime(runs, dist_results, spec):
     """gloo world 4 (one process per replica, each on its micro-batch) and this runtime
     at 4 devices end at the same parameters."""

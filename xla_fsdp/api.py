@@ -12,6 +12,7 @@ yields the local shards.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict
 
 import torch
@@ -140,11 +141,41 @@ class XlaFullyShardedDataParallel(nn.Module):
         what `checkpoint_module(unit)` calls on a unit."""
         self._fsdp_checkpointed = True
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients of all shards of all units so their global norm is at most `max_norm`."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, groups=None) -> torch.Tensor:
+        """Clip gradients of all shards of all units so their global norm is at most `max_norm`.
+
+        `groups` (torch_xla's keyword): lists of ranks over which the norm is summed, for
+        FSDP mixed with model parallelism; default the sharding group.
+        """
         from .collective_engine.clip_grad import clip_grad_norm_
 
-        return clip_grad_norm_(self, max_norm, norm_type)
+        return clip_grad_norm_(self, max_norm, norm_type, groups)
+
+    # -- gradient accumulation ---------------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch: with False, backward reduces nothing and each rank accumulates full
+        gradients (full-size memory) until a backward with True reduces them all together.
+        The XLA-friendly alternative keeps it True: each backward reduce-scatters and the shard
+        gradients accumulate, 1/N the memory for a collective per micro-batch."""
+        units = [m for m in self.modules() if getattr(m, "_fsdp_state", None) is not None] if recurse else [self]
+        for unit in units:
+            unit._fsdp_state.group.requires_grad_sync = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """torch_xla's (and Accelerate's) gradient accumulation: inside, backward skips all
+        communication and accumulates full gradients; the first backward after it reduces."""
+        if self._fsdp_state.is_root is False:
+            raise RuntimeError(f"no_sync() must be called on the root unit, not on {type(self).__mro__[2].__name__}")
+        units = [m._fsdp_state.group for m in self.modules() if getattr(m, "_fsdp_state", None) is not None]
+        before = [g.requires_grad_sync for g in units]
+        for g in units:
+            g.requires_grad_sync = False
+        try:
+            yield
+        finally:
+            for g, value in zip(units, before):
+                g.requires_grad_sync = value
 
     def get_shard_metadata(self) -> dict:
         """How this rank's `state_dict()` is sharded (torch_xla's name); saved next to it, it lets

@@ -50,6 +50,18 @@ def parity(names):
     by_name = {c.name: c for c in pc.MATRIX}
     out = {}
     for spec in names:
+        if spec.startswith("acc/"):  # acc/<mode>/<case>: gradient accumulation over 2 micro-batches
+            _, mode, name = spec.split("/")
+            case = case_for_world(by_name[name])
+            size = 2 * DEVICES  # two micro-batches of one sample per device
+            ref = pc.train_reference(case, size=size)
+            got = pc.train_accumulated(case, 0, 1, mode, device=torch_xla.device(), sync=torch_xla.sync,
+                                       global_batch=True, size=size)
+            full = {n: pc.unpad(got["shards"][n], p) for n, p in ref["params"].items()}
+            out[spec] = {"losses": got["losses"], "ref_losses": ref["losses"], "params": full,
+                         "ref_params": ref["params"], "groups": got["groups"],
+                         "padded_shapes": {n: list(t.shape) for n, t in got["shards"].items()}}
+            continue
         name, _, impl = spec.partition(":")
         case = case_for_world(by_name[name])
         if impl:

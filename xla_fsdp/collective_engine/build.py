@@ -76,6 +76,13 @@ def _build_single_controller(kw: Dict[str, Any], options: FSDPOptions) -> SpmdCo
             raise ValueError("sharding_strategy=NO_SHARD replicates every parameter over every device; drop mesh=")
         groups = [[d] for d in range(devices)]
     placement = DevicePlacement.build(kw["mesh"], groups, devices)
+    if len(placement.shard_groups) > 1 and options.strategy not in (ShardingStrategy.HYBRID_SHARD,
+                                                                    ShardingStrategy.NO_SHARD):
+        raise ValueError(
+            f"{len(placement.shard_groups)} sharding groups with sharding_strategy={options.strategy.value}: in the "
+            "single-controller runtime the batch is split over every device, so several groups mean hybrid "
+            "sharding; pass sharding_strategy='HYBRID_SHARD'. (torch_xla's meaning of sharding_groups, FSDP "
+            "mixed with model parallelism, needs one process per device.)")
     # the controller speaks for the first device; the groups are what every device shares
     layout = _build_layout(placement.shard_groups[0][0], devices,
                            {**kw, "sharding_groups": placement.shard_groups}, ShardingStrategy.FULL_SHARD)

@@ -42,7 +42,8 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: str, op: str = REDUCE_SUM) -> torch.Tensor:
-        """Reduce over the "shard" group, the "replicate" group or the whole "world"; returns a new tensor."""
+        """Reduce over the "shard" group, the "replicate" group, the whole "world", or explicit rank
+        groups (a tuple of tuples, every rank in one); returns a new tensor."""
 
     def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Keep the compiler from moving work across this point. Identity off XLA."""
@@ -50,6 +51,14 @@ class Collectives(abc.ABC):
 
     def sync(self, tensors: Sequence[torch.Tensor]) -> None:
         """Materialize pending work for these tensors. No-op off XLA."""
+
+    def stash(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Keep a per-device tensor beyond the current step (see `unstash`)."""
+        return tensor
+
+    def unstash(self, kept: torch.Tensor) -> torch.Tensor:
+        """This device's tensor again, from what `stash` returned."""
+        return kept
 
     def barrier(self) -> None:
         """Wait until every process of the job gets here (host side, for files). One process: no-op."""
@@ -67,10 +76,12 @@ class Collectives(abc.ABC):
         """One process driving every device (see manual_region.py), or one process per replica."""
         return False
 
-    @property
-    def grad_scale(self) -> float:
-        """Factor on full gradients before they are summed: each rank's loss is its own mean."""
-        return 1.0 / (self.layout.shard_world_size * self.layout.replicate_world_size)
+    def grad_scale(self, across_replicas: bool) -> float:
+        """Factor on full gradients before they are summed: each rank's loss is its own mean,
+        so the sum over the ranks that reduce together becomes their average."""
+        if across_replicas:
+            return 1.0 / (self.layout.shard_world_size * self.layout.replicate_world_size)
+        return 1.0 / self.layout.shard_world_size
 
     def local_view(self, tensor: torch.Tensor, kind: str = "param", grad: bool = True) -> torch.Tensor:
         """This device's piece of a tensor (parameters are already local: one process per replica)."""
@@ -108,7 +119,9 @@ class XlaCollectives(Collectives):
     def is_xla(self) -> bool:
         return True
 
-    def _group(self, name: str):
+    def _group(self, name):
+        if isinstance(name, tuple):  # explicit rank groups (torch_xla's clip_grad_norm_(groups=))
+            return _groups_arg(name), len(name[0])
         if name == "world":
             return [list(range(self.layout.world_size))], self.layout.world_size
         groups = self.layout.shard_groups if name == "shard" else self.layout.replicate_groups
@@ -197,9 +210,17 @@ class DistCollectives(Collectives):
             "world": None,  # the default group
         }
 
-    def _size(self, group: str) -> int:
+    def _size(self, group) -> int:
+        if isinstance(group, tuple):
+            return len(next(g for g in group if self.layout.rank in g))
         return {"shard": self.layout.shard_world_size, "replicate": self.layout.replicate_world_size,
                 "world": self.layout.world_size}[group]
+
+    def _process_group(self, group):
+        if isinstance(group, tuple):
+            pgs = _dist_subgroups(group)
+            return pgs[next(i for i, g in enumerate(group) if self.layout.rank in g)]
+        return self._pg[group]
 
     def all_gather(self, flat_shard):
         n = self._size("shard")
@@ -223,7 +244,7 @@ class DistCollectives(Collectives):
             return tensor
         out = tensor.contiguous().clone()
         red = self._dist.ReduceOp.SUM if op == REDUCE_SUM else self._dist.ReduceOp.MAX
-        self._dist.all_reduce(out, op=red, group=self._pg[group])
+        self._dist.all_reduce(out, op=red, group=self._process_group(group))
         return out
 
     def barrier(self):
@@ -270,9 +291,17 @@ class SpmdCollectives(XlaCollectives):
     def is_single_controller(self) -> bool:
         return True
 
-    @property
-    def grad_scale(self) -> float:
+    def grad_scale(self, across_replicas: bool) -> float:
         return 1.0
+
+    def stash(self, tensor):
+        # a per-device tensor lives on as one global tensor with a leading device dim
+        spec = self.placement.spec("batch", tensor.dim() + 1)
+        return to_global(tensor.unsqueeze(0), self.placement.mesh, spec,
+                         torch.Size([self.placement.num_devices, *tensor.shape]))
+
+    def unstash(self, kept):
+        return to_local(kept, self.placement.mesh, self.placement.spec("batch", kept.dim()))[0]
 
     def barrier(self):
         """One process drives every device: nothing to wait for."""

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .collectives import Collectives
-from ..options import FSDPOptions
+from ..options import FSDPOptions, ShardingStrategy
 from .param import FSDPParam
 
 
@@ -65,6 +65,17 @@ class FSDPParamGroup:
         self.comm = comm
         self.options = options
         self.on_grads_reduced = lambda: None  # set by the owning state
+        # [Note: sharding groups] HYBRID_SHARD (and NO_SHARD) replicate shards across groups and
+        # average gradients over all of them; FULL_SHARD / SHARD_GRAD_OP with sharding_groups mean
+        # what torch_xla means: FSDP inside each group, mixed with model parallelism across
+        # groups, so gradients are averaged within the group alone.
+        self.across_replicas = options.strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.NO_SHARD)
+        # [Note: gradient accumulation without communication] With gradient sync off (`no_sync()`,
+        # `set_requires_gradient_sync(False)`) backward reduces nothing: each parameter's full
+        # local gradient is added to `pending` (full size on every rank, the memory torch_xla's
+        # no_sync also costs) and folded into the next synced reduce-scatter.
+        self.requires_grad_sync = True
+        self.pending: dict = {}
         self.gather_buckets = gather_buckets([p.padded_rows * p.row_numel for p in params], options.collectives)
         self.reduce_buckets = self._reduce_buckets()
 
@@ -137,7 +148,7 @@ class FSDPParamGroup:
     def reduce_grads(self, full_grads: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """Full gradients -> shard gradients summed over every rank holding a replica of
         the shard, scaled so the result is the gradient of the global loss."""
-        scale = self.comm.grad_scale
+        scale = self.comm.grad_scale(self.across_replicas)
         rdtype = self.options.mixed_precision.reduce_dtype
         out: List[Optional[torch.Tensor]] = [None] * len(self.params)
         with torch.no_grad():
@@ -150,10 +161,20 @@ class FSDPParamGroup:
                     g = full_grads[i]
                     if g is None:
                         g = torch.zeros(self.params[i].orig_shape, dtype=rdtype, device=self.comm.device)
-                    chunks.append(self.params[i].pad_grad(g.to(rdtype)))
+                    chunk = self.params[i].pad_grad(g.to(rdtype))
+                    if i in self.pending:
+                        chunk = chunk + self.comm.unstash(self.pending[i]).to(rdtype)
+                    chunks.append(chunk)
+                if not self.requires_grad_sync:
+                    for i, chunk in zip(live, chunks):
+                        self.pending[i] = self.comm.stash(chunk)
+                    continue
+                for i in live:
+                    self.pending.pop(i, None)
                 flat = torch.cat(chunks, dim=1).reshape(-1) * scale  # pre-divide: keeps bf16 sums in range
                 shard = self.comm.reduce_scatter(flat)
-                shard = self.comm.all_reduce(shard, "replicate")
+                if self.across_replicas:
+                    shard = self.comm.all_reduce(shard, "replicate")
                 offset = 0
                 for i in live:
                     p = self.params[i]
