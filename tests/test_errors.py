@@ -99,11 +99,22 @@ def test_positional_options_and_non_modules():
         FSDP(torch.zeros(2))
 
 
-def test_meta_parameters_without_init_fn():
+class NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 4))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_meta_module_without_reset_parameters_is_named_and_left_alone():
     with torch.device("meta"):
-        m = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=r"parameters without storage \(weight, bias.*deferred_init.*param_init_fn"):
+        m = nn.Sequential(nn.Linear(4, 4), NoReset())
+    with pytest.raises(ValueError, match=r"no reset_parameters\(\) to initialize them: 1 \(NoReset\).*"
+                                         r"deferred_init.*param_init_fn"):
         FSDP(m)
+    assert type(m) is nn.Sequential and all(p.is_meta for p in m.parameters())
 
 
 def test_clip_on_nested_unit_is_refused():

@@ -189,6 +189,13 @@ def test_state_dicts_round_trip_and_load_into_the_plain_model(runs):
     torch.testing.assert_close(got["plain_logits"], got["logits"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("engine", ["collectives", "spmd"])
+def test_meta_device_model_is_materialized_by_reset_parameters(runs, engine):
+    import meta_cases
+
+    meta_cases.check(runs["state_dicts"].result()["meta"][engine])
+
+
 def test_deferred_model_is_materialized_unit_by_unit(runs):
     got = runs["state_dicts"].result()
     for key in got["keys"]:

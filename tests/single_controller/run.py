@@ -199,7 +199,11 @@ def state_dicts():
     for block in host.transformer.h:
         xla_fsdp.materialize_module(block)
     xla_fsdp.materialize_module(host, check_fn=lambda m: id(m) not in inside)
-    return {"full": full, "again": again, "after_sharded": full_state_dict(fresh2),
+    import meta_cases
+
+    meta = {engine: meta_cases.run(device=device, sync=torch_xla.sync, engine=engine, global_batch=True)
+            for engine in ("collectives", "spmd")}
+    return {"meta": meta, "full": full, "again": again, "after_sharded": full_state_dict(fresh2),
             "keys": list(pc.build_model("gpt2").state_dict()), "logits": logits, "plain_logits": plain_logits,
             "deferred": full_state_dict(deferred), "host_per_unit": host.state_dict()}
 

@@ -177,12 +177,29 @@ def materialize(module: nn.Module, param_init_fn: Optional[Callable], unit_cls: 
 
     if is_deferred(module):
         materialize_module(module, check_fn=lambda m: m is module or not isinstance(m, unit_cls))
+    elif any(p.is_meta for _, _, p, _ in owned_params(module, unit_cls)):
+        # built under torch.device("meta"): FSDP's default, to_empty + reset_parameters()
+        from ..deferred import reset_meta_modules
+
+        reset_meta_modules(_unit_modules(module, unit_cls), _class_name(module, unit_cls))
     leftover = [fqn for _, _, p, fqn in owned_params(module, unit_cls) if p.is_meta]
     if leftover:
         raise ValueError(
             f"{_class_name(module, unit_cls)} has parameters without storage ({', '.join(leftover[:3])}...); build it "
             "with xla_fsdp.deferred_init(...) or pass param_init_fn= to materialize each unit"
         )
+
+
+def _unit_modules(module: nn.Module, unit_cls: type):
+    """(name, module) for `module` and its descendants outside already wrapped child units."""
+    out, stack = [], [("", module)]
+    while stack:
+        name, m = stack.pop()
+        out.append((name, m))
+        children = [(f"{name}.{n}" if name else n, c) for n, c in m._modules.items()
+                    if c is not None and not isinstance(c, unit_cls)]
+        stack.extend(reversed(children))  # definition order, as named_modules()
+    return out
 
 
 def cast_buffers(module: nn.Module, options: FSDPOptions, device, unit_cls: type) -> None:

@@ -2,6 +2,7 @@
 
 from .graph import DeferredInitError
 from .materialize import deferred_init, is_deferred, materialize_module, materialize_tensor
+from .meta_init import reset_meta_modules
 
 __all__ = [
     "DeferredInitError",
@@ -9,4 +10,5 @@ __all__ = [
     "is_deferred",
     "materialize_module",
     "materialize_tensor",
+    "reset_meta_modules",
 ]

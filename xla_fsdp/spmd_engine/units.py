@@ -81,20 +81,9 @@ def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor],
     materialize_module(unit)
   else:
     # Same default as torch FSDP: allocate, then the module's own init.
-    for module in unit.modules():
-      own = list(module.parameters(recurse=False)) + list(
-          module.buffers(recurse=False))
-      if not any(t.is_meta for t in own):
-        continue
-      module.to_empty(device="cpu", recurse=False)
-      reset = getattr(module, "reset_parameters", None)
-      if reset is None:
-        raise ValueError(
-            f"module {type(module).__name__} of unit {type(unit).__name__} is "
-            "on the meta device and has no reset_parameters(); pass "
-            "param_init_fn to materialize it.")
-      with torch.no_grad():
-        reset()
+    from xla_fsdp.deferred import reset_meta_modules
+
+    reset_meta_modules(unit.named_modules(), f"unit {type(unit).__name__}")
   still_meta = [
       name for name, t in list(unit.named_parameters()) +
       list(unit.named_buffers()) if t.is_meta
