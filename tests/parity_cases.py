@@ -26,6 +26,9 @@ class Case:
     clip: Optional[float] = None
     checkpoint: bool = False
     worlds: tuple = (2, 4)
+    # other libraries' per-module wrappers (see wrap()): "txla_ckpt", "txla_ckpt_after",
+    # "txla_linear", "txla_linear_after", "torch_ckpt_wrapper"
+    foreign: str = ""
 
     @property
     def kwargs(self) -> dict:
@@ -50,6 +53,12 @@ MATRIX = [
     Case("mlp_unflat_buckets", "mlp_nested", "adamw", fsdp=(("flatten_parameters", False),)),
     Case("mlp_mixed_sizes", "mlp_mixed", "adamw"),  # default buckets: small ones together, large alone
     Case("gpt2_flat", "gpt2", "sgd", fsdp=(("flatten_parameters", True),)),
+    Case("gpt2_txla_ckpt", "gpt2", "adamw", foreign="txla_ckpt"),
+    Case("gpt2_torch_ckpt_wrapper", "gpt2", "adamw", foreign="torch_ckpt_wrapper"),
+    Case("mlp_txla_linear", "mlp", "adamw", foreign="txla_linear"),
+    Case("mlp_txla_linear_after", "mlp", "adamw", foreign="txla_linear_after"),
+    # torch_xla's checkpoint only runs on XLA tensors: the single-controller runtime and XLA world 1
+    Case("gpt2_txla_ckpt_after", "gpt2", "adamw", foreign="txla_ckpt_after", worlds=()),
     Case("gpt2_rs_buckets", "gpt2", "adamw", fsdp=(("reduce_scatter_bucket_size_mb", 0.01),)),
     Case("gpt2_checkpoint", "gpt2", "adamw", checkpoint=True),
     Case("mlp_bf16", "mlp_nested", "sgd", fsdp=(("compute_dtype", torch.bfloat16),)),
@@ -114,6 +123,8 @@ def wrap(case: Case, model: nn.Module, extra: Optional[dict] = None) -> nn.Modul
     from xla_fsdp import FSDP
 
     kwargs = {**case.kwargs, **(extra or {})}
+    if case.foreign:
+        return _wrap_foreign(case, model, kwargs)
     if case.model == "gpt2":
         kwargs.setdefault("auto_wrap_policy", xla_fsdp.wrap.transformer_policy(["GPT2Block"]))
         if case.checkpoint:
@@ -123,6 +134,31 @@ def wrap(case: Case, model: nn.Module, extra: Optional[dict] = None) -> nn.Modul
         if case.checkpoint:
             xla_fsdp.checkpoint_module(model[2])
     return FSDP(model, **kwargs)
+
+
+def _wrap_foreign(case: Case, model: nn.Module, kwargs: dict) -> nn.Module:
+    """Units made the way torch_xla / Hugging Face / torch users make them."""
+    import xla_fsdp
+    from xla_fsdp import FSDP
+
+    if case.foreign in ("txla_ckpt", "txla_ckpt_after", "torch_ckpt_wrapper"):
+        from torch_xla.distributed.fsdp import checkpoint_module as txla_checkpoint
+
+        if case.foreign == "txla_ckpt":  # Hugging Face Trainer's xla_fsdp_grad_ckpt: FSDP(checkpoint_module(layer))
+            wrapper = lambda m, **kw: FSDP(txla_checkpoint(m), **kw)  # noqa: E731
+        elif case.foreign == "txla_ckpt_after":
+            wrapper = lambda m, **kw: txla_checkpoint(FSDP(m, **kw))  # noqa: E731
+        else:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            wrapper = lambda m, **kw: FSDP(checkpoint_wrapper(m), **kw)  # noqa: E731
+        return FSDP(model, auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
+                    auto_wrapper_callable=wrapper, **kwargs)
+    from torch_xla.distributed.fsdp.utils import apply_xla_patch_to_nn_linear
+
+    if case.foreign == "txla_linear":  # every Linear patched, then each its own unit
+        return FSDP(apply_xla_patch_to_nn_linear(model), auto_wrap_policy=xla_fsdp.always_wrap_policy, **kwargs)
+    return apply_xla_patch_to_nn_linear(FSDP(model, auto_wrap_policy=xla_fsdp.always_wrap_policy, **kwargs))
 
 
 def train_reference(case: Case, steps: int = STEPS, rows: slice = slice(None), size: int = GLOBAL_BATCH) -> Dict:
@@ -165,7 +201,7 @@ def train_sharded(case: Case, rank: int, world: int, device=None, sync=None) -> 
             sync()
         losses.append(loss.detach())
     return {"losses": [float(l.cpu()) for l in losses],
-            "shards": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+            "shards": {_plain_name(n): p.detach().cpu().clone() for n, p in model.named_parameters()},
             "groups": [list(g) for g in model.sharding_layout.shard_groups]}
 
 
@@ -189,7 +225,7 @@ def train_single_controller(case: Case, steps: int = STEPS) -> Dict:
         opt.zero_grad()
         torch_xla.sync()
         losses.append(loss.detach())
-    padded = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    padded = {_plain_name(n): p.detach().cpu() for n, p in model.named_parameters()}
     return {"losses": [float(l.cpu()) for l in losses], "padded": padded,
             "groups": [list(g) for g in model.sharding_layout.shard_groups]}
 
@@ -198,6 +234,11 @@ def unpad(padded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A global dim-0 padded parameter -> the unwrapped parameter's shape."""
     rows = like.shape[0] if like.dim() else 1
     return padded.reshape(-1, *like.shape[1:])[:rows].reshape(like.shape)
+
+
+def _plain_name(name: str) -> str:
+    # torch's checkpoint_wrapper registers the module it wraps under this name (its state_dict drops it)
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def assemble(ref_params: Dict[str, torch.Tensor], shards_by_rank: List[Dict[str, torch.Tensor]],
@@ -316,7 +357,7 @@ def train_accumulated(case: Case, rank: int, world: int, mode: str, micro: int =
             sync()
         losses.append(total)
     return {"losses": [float(l.cpu()) for l in losses],
-            "shards": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+            "shards": {_plain_name(n): p.detach().cpu().clone() for n, p in model.named_parameters()},
             "groups": [list(g) for g in model.sharding_layout.shard_groups]}
 
 

@@ -132,3 +132,27 @@ def test_names_and_shards():
     assert [n for n, _ in m.named_parameters()] == names
     assert list(m.state_dict().keys()) == ["0.weight", "0.bias", "1.0.weight", "1.0.bias"]
     assert isinstance(m[0], FSDP) and isinstance(m[1][0], FSDP)
+
+
+def test_unknown_instance_forward_is_refused_and_left_alone():
+    m = nn.Linear(4, 4)
+    m.forward = lambda x: x * 2  # nobody can tell what this reads, or when
+    with pytest.raises(ValueError, match=r"Linear has an instance-level forward \(.*<lambda>\).*never gather"):
+        FSDP(m)
+    assert type(m) is nn.Linear and m.forward(torch.ones(1)).item() == 2.0
+
+
+def test_forward_replaced_after_wrapping_is_refused_at_call():
+    m = FSDP(nn.Linear(4, 4))
+    m.forward = lambda x: x
+    with pytest.raises(RuntimeError, match=r"Linear was given an instance-level forward .* after it was wrapped"):
+        m(torch.ones(1, 4).to(m.weight.device))
+
+
+def test_checkpointed_module_inside_a_unit_is_refused():
+    from torch_xla.distributed.fsdp import checkpoint_module as txla_checkpoint
+
+    m = nn.Sequential(nn.Linear(4, 4), txla_checkpoint(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match=r"1 \(Linear\) inside Sequential recompute\(s\) in backward.*unit of its own"):
+        FSDP(m)
+    assert type(m) is nn.Sequential and not hasattr(m, "_fsdp_state")

@@ -32,6 +32,7 @@ ROOMS: Dict[str, str] = {
     # layer 2: mechanisms both engines share
     "xla_fsdp.wrap": "shared",
     "xla_fsdp.activation_checkpoint": "shared",
+    "xla_fsdp.forward_overrides": "shared",
     # layer 3: the engines, one folder each
     "xla_fsdp.collective_engine": "collective_engine",
     "xla_fsdp.spmd_engine": "spmd_engine",

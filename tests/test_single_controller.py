@@ -51,7 +51,8 @@ DEFAULT = {
         "acc/shards/gpt2_adamw"],
     8: ["gpt2_hybrid", "gpt2_clip:all_reduce", "gpt2_no_reshard", "gpt2_reshard_root", "mlp_shard_grad_op",
         "gpt2_no_shard", "mlp_unflat_buckets", "mlp_mixed_sizes", "gpt2_rs_buckets", "gpt2_bf16_fp32rs",
-        "acc/no_sync/gpt2_hybrid"],
+        "acc/no_sync/gpt2_hybrid", "gpt2_txla_ckpt", "gpt2_txla_ckpt_after", "mlp_txla_linear",
+        "gpt2_torch_ckpt_wrapper"],
 }
 SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")] for n in (4, 8)}
 

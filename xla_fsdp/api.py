@@ -88,17 +88,27 @@ class XlaFullyShardedDataParallel(nn.Module):
         if kwargs.get("engine", "collectives") == "spmd":
             return _apply_spmd(module, kwargs)
         from .activation_checkpoint import strip_checkpoint
+        from .forward_overrides import adopt
 
-        checkpointed = strip_checkpoint(module)  # FSDP(checkpoint_module(m)): recompute the whole unit
+        recompute, inner, removed = adopt(module)  # see [Note: foreign forwards]
+        checkpointed = strip_checkpoint(module) or recompute  # FSDP(checkpoint_module(m)): recompute the unit
         mix_into(module, cls, "FSDP")
         module._fsdp_checkpointed = checkpointed
+        module._fsdp_inner_forward = inner
+        module._fsdp_removed_attrs = removed
         return module
 
     def __init__(self, module: nn.Module, **kwargs):  # noqa: D107 - nn.Module.__init__ must not run again
         try:
             self._fsdp_init(module, kwargs)
         except BaseException:
+            from .forward_overrides import restore
+
+            removed = module.__dict__.pop("_fsdp_removed_attrs", {})
+            for name in ("_fsdp_checkpointed", "_fsdp_inner_forward"):
+                module.__dict__.pop(name, None)
             unmix(module)  # nothing half-wrapped
+            restore(module, removed)
             raise
 
     def _fsdp_init(self, module, kwargs):
@@ -119,16 +129,26 @@ class XlaFullyShardedDataParallel(nn.Module):
             from .wrap import auto_wrap_children
 
             auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
+        from .forward_overrides import checkpointed_inside, guard
+
+        inside = checkpointed_inside(module, lambda m: isinstance(m, XlaFullyShardedDataParallel))
+        if inside:
+            raise ValueError(
+                f"{', '.join(inside)} inside {type(module).__mro__[2].__name__} recompute(s) in backward, when the "
+                "unit's parameters are shards again: make each such module a unit of its own (wrap it, or "
+                "auto-wrap its class) so the recomputation gathers too, or use activation_checkpointing=True")
         build.materialize(module, kw["param_init_fn"], XlaFullyShardedDataParallel)
         group = build.build_group(module, comm, options, XlaFullyShardedDataParallel)
         self._fsdp_state = FSDPState(module, group, options)
+        module.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
+        module.__dict__.pop("_fsdp_removed_attrs", None)
         build.cast_buffers(module, options, comm.device, XlaFullyShardedDataParallel)
         if options.execute_sharding_on_init:
             comm.sync(group.shards)
 
     # -- runtime -----------------------------------------------------------
     def forward(self, *args, **kwargs):
-        run = super().forward
+        run = self._fsdp_inner_forward or super().forward
         if getattr(self, "_fsdp_checkpointed", False):
             from .activation_checkpoint import checkpointed_call
 

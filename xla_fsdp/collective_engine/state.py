@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..activation_checkpoint import is_recomputing
 from ..options import FSDPOptions, ShardingStrategy, TrainingState
+from ..forward_overrides import convert_checkpoint_after_wrapping
 from .manual_region import ManualRegion
 from .param_group import FSDPParamGroup
 
@@ -110,6 +111,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self._full_for_backward: Optional[List[torch.Tensor]] = None
         group.on_grads_reduced = self._after_grads_reduced
+        self._units: Optional[List[torch.nn.Module]] = None  # the root's, once it has run
         self.region = None
         if group.comm.is_single_controller:
             self.region = ManualRegion(group.comm.placement, group.comm, options.is_batched_input)
@@ -132,9 +134,17 @@ class FSDPState:
             self.is_root = not active
         if self.is_root:
             self._check_runtime_unchanged()
+            self._convert_foreign_checkpoints()
             if self.region is not None:  # the root of a single-controller model
                 return self.region.run(self._module(), lambda a, k: self._forward(run, a, k), args, kwargs)
         return self._forward(run, args, kwargs)
+
+    def _convert_foreign_checkpoints(self) -> None:
+        if self._units is None:
+            self._units = [m for m in self._module().modules() if getattr(m, "_fsdp_state", None) is not None]
+        for unit in self._units:
+            if "forward" in unit.__dict__:
+                convert_checkpoint_after_wrapping(unit)
 
     def _check_runtime_unchanged(self) -> None:
         comm = self.group.comm
