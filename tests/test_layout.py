@@ -33,6 +33,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.wrap": "shared",
     "xla_fsdp.activation_checkpoint": "shared",
     "xla_fsdp.forward_overrides": "shared",
+    "xla_fsdp.keywords": "base",
     # layer 3: the engines, one folder each
     "xla_fsdp.collective_engine": "collective_engine",
     "xla_fsdp.spmd_engine": "spmd_engine",

@@ -190,6 +190,13 @@ def test_state_dicts_round_trip_and_load_into_the_plain_model(runs):
     torch.testing.assert_close(got["plain_logits"], got["logits"], rtol=1e-5, atol=1e-5)
 
 
+def test_gspmd_engine_returns_an_fsdp_instance_with_its_methods(runs):
+    got = runs["state_dicts"].result()["gspmd"]
+    assert got["is_fsdp"] and got["name"] == "FSDPSequential" and got["module_is_self"] and got["mesh"]
+    assert got["clip"] > 1e-3 and got["norm_after"] == pytest.approx(1e-3, rel=1e-3)
+    assert "global tensors" in got["metadata"]
+
+
 @pytest.mark.parametrize("engine", ["collectives", "spmd"])
 def test_meta_device_model_is_materialized_by_reset_parameters(runs, engine):
     import meta_cases

@@ -18,44 +18,10 @@ from typing import Any, Dict
 import torch
 import torch.nn as nn
 
-from . import options as opts
-from .class_swap import mix_into, unmix
-from .options import FSDPOptions, ShardingLayout, ShardingStrategy
+from .class_swap import mix_into, original_class, unmix
+from .keywords import DEFAULTS, SPMD_KEYWORDS, build_options, resolve
+from .options import ShardingLayout
 
-# torch_xla's keywords and their defaults, plus ours (`all_gather_impl`,
-# `sharding_strategy`, `engine`, `mesh`)
-DEFAULTS: Dict[str, Any] = dict(
-    reshard_after_forward=True,
-    flatten_parameters=None,
-    execute_sharding_on_init=True,
-    optimization_barrier_in_forward=True,
-    optimization_barrier_in_backward=True,
-    sync_on_finalization=False,
-    disable_reshard_on_root=True,
-    compute_dtype=None,
-    buffer_dtype=None,
-    fp32_reduce_scatter=False,
-    sharding_groups=None,
-    sharding_rank=None,
-    sharding_world_size=None,
-    shard_param_on_dim_0=True,
-    pin_layout_in_collective_ops=True,
-    reduce_scatter_bucket_size_mb=0,
-    auto_wrap_policy=None,
-    auto_wrapper_callable=None,
-    param_init_fn=None,
-    all_gather_impl="all_gather",
-    sharding_strategy="FULL_SHARD",
-    engine="collectives",
-    mesh=None,
-    activation_checkpointing=False,
-    is_batched_input=None,
-    collectives=None,
-)
-# what engine="spmd" acts on; anything else set to a non-default value is an error there
-SPMD_KEYWORDS = ("compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrapper_callable",
-                 "param_init_fn", "mesh", "activation_checkpointing", "engine")
-ENGINES = ("collectives", "spmd")
 
 class XlaFullyShardedDataParallel(nn.Module):
     """Shard every parameter of `module` on dim 0 across the sharding group.
@@ -115,15 +81,9 @@ class XlaFullyShardedDataParallel(nn.Module):
         from .collective_engine import build
         from .collective_engine.state import FSDPState
 
-        kw = {**DEFAULTS, **kwargs}
-        if kw["engine"] not in ENGINES:
-            raise ValueError(f"engine={kw['engine']!r} is not valid; use one of {ENGINES}")
-        if not kw["shard_param_on_dim_0"]:
-            raise ValueError("shard_param_on_dim_0=False is not supported: xla_fsdp always shards on dim 0 "
-                             "(drop the option or set it to True)")
-
         # validate everything before touching the module: a bad option leaves it as it was
-        options = _build_options(kw)
+        kw = resolve(kwargs)
+        options = build_options(kw)
         comm = kw["collectives"] or build.build_collectives(module, kw, options)
         if kw["auto_wrap_policy"] is not None:
             from .wrap import auto_wrap_children
@@ -134,7 +94,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         inside = checkpointed_inside(module, lambda m: isinstance(m, XlaFullyShardedDataParallel))
         if inside:
             raise ValueError(
-                f"{', '.join(inside)} inside {type(module).__mro__[2].__name__} recompute(s) in backward, when the "
+                f"{', '.join(inside)} inside {original_class(module).__name__} recompute(s) in backward, when the "
                 "unit's parameters are shards again: make each such module a unit of its own (wrap it, or "
                 "auto-wrap its class) so the recomputation gathers too, or use activation_checkpointing=True")
         build.materialize(module, kw["param_init_fn"], XlaFullyShardedDataParallel)
@@ -171,6 +131,30 @@ class XlaFullyShardedDataParallel(nn.Module):
 
         return clip_grad_norm_(self, max_norm, norm_type, groups)
 
+    # -- full parameters ------------------------------------------------------------
+    def unshard(self) -> None:
+        """FSDP2's unshard(): this unit's parameters whole until `reshard()` (not its child units).
+        Collective: every rank calls it. For evaluation and inspection (no gradients flow)."""
+        self._fsdp_state.unshard()
+
+    def reshard(self) -> None:
+        """Back to the shards after `unshard()`."""
+        self._fsdp_state.reshard()
+
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True):
+        """PyTorch FSDP's context with every parameter whole (of all units below, with
+        `recurse`), e.g. to evaluate or generate without per-layer gathers. With `writeback`,
+        in-place changes to the full parameters are kept. Collective: every rank enters it."""
+        units = [m for m in self.modules() if getattr(m, "_fsdp_state", None) is not None] if recurse else [self]
+        for unit in units:
+            unit._fsdp_state.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit._fsdp_state.reshard(writeback)
+
     # -- gradient accumulation ---------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """FSDP2's switch: with False, backward reduces nothing and each rank accumulates full
@@ -186,7 +170,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         """torch_xla's (and Accelerate's) gradient accumulation: inside, backward skips all
         communication and accumulates full gradients; the first backward after it reduces."""
         if self._fsdp_state.is_root is False:
-            raise RuntimeError(f"no_sync() must be called on the root unit, not on {type(self).__mro__[2].__name__}")
+            raise RuntimeError(f"no_sync() must be called on the root unit, not on {original_class(self).__name__}")
         units = [m._fsdp_state.group for m in self.modules() if getattr(m, "_fsdp_state", None) is not None]
         before = [g.requires_grad_sync for g in units]
         for g in units:
@@ -231,41 +215,76 @@ FSDP = XlaFullyShardedDataParallel
 
 
 def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
-    """engine="spmd": annotate parameters on a 1-D "fsdp" mesh; the compiler inserts collectives."""
+    """engine="spmd": annotate parameters on a 1-D "fsdp" mesh; the compiler inserts collectives.
+    The module becomes a `GspmdFullyShardedDataParallel` (an `XlaFullyShardedDataParallel`)."""
     ignored = sorted(k for k, v in kwargs.items() if k not in SPMD_KEYWORDS and v != DEFAULTS[k])
     if ignored:
         raise ValueError(f"engine='spmd' does not use {', '.join(ignored)}: the XLA partitioner schedules "
                          "the collectives; drop these options or use engine='collectives'")
     from .spmd_engine.engine import apply_spmd_fsdp
 
-    return apply_spmd_fsdp(module, **{k: v for k, v in kwargs.items() if k != "engine"})
+    kw = resolve(kwargs)
+    spmd = {k: kw[k] for k in ("mesh", "compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrapper_callable",
+                               "param_init_fn", "activation_checkpointing")}
+    mesh = spmd["mesh"]
+    apply_spmd_fsdp(module, **spmd)
+    mix_into(module, GspmdFullyShardedDataParallel, "FSDP")
+    from .mesh import resolve_mesh
+
+    module._fsdp_mesh = resolve_mesh(mesh)
+    return module
 
 
-def _build_options(kw) -> FSDPOptions:
-    strategy = ShardingStrategy.parse(kw["sharding_strategy"])
-    if strategy is ShardingStrategy.HYBRID_SHARD and kw["sharding_groups"] is None:
-        raise ValueError("sharding_strategy=HYBRID_SHARD needs sharding_groups=[[ranks of group 0], ...]")
-    if strategy is ShardingStrategy.NO_SHARD and kw["sharding_groups"] is not None:
-        raise ValueError("sharding_strategy=NO_SHARD replicates everything; drop sharding_groups")
-    reshard = kw["reshard_after_forward"] and strategy not in (ShardingStrategy.SHARD_GRAD_OP,
-                                                               ShardingStrategy.NO_SHARD)
-    return FSDPOptions(
-        strategy=strategy,
-        mixed_precision=opts.MixedPrecision(
-            compute_dtype=kw["compute_dtype"] or torch.float32,
-            buffer_dtype=kw["buffer_dtype"],
-            fp32_reduce_scatter=bool(kw["fp32_reduce_scatter"]),
-        ),
-        collectives=opts.CollectiveOptions(
-            pin_layout=bool(kw["pin_layout_in_collective_ops"]),
-            all_gather_impl=kw["all_gather_impl"],
-            flatten_parameters=None if kw["flatten_parameters"] is None else bool(kw["flatten_parameters"]),
-            reduce_scatter_bucket_size_mb=float(kw["reduce_scatter_bucket_size_mb"] or 0),
-            optimization_barrier_in_forward=bool(kw["optimization_barrier_in_forward"]),
-            optimization_barrier_in_backward=bool(kw["optimization_barrier_in_backward"]),
-        ),
-        reshard=opts.ReshardPolicy(bool(reshard), bool(kw["disable_reshard_on_root"])),
-        sync_on_finalization=bool(kw["sync_on_finalization"]),
-        execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
-        is_batched_input=kw["is_batched_input"],
-    )
+class GspmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
+    """A module sharded by the GSPMD engine: the same methods, where they mean something.
+
+    Parameters are global tensors the partitioner splits, so there is no shard to gather,
+    summon or reduce by hand: `summon_full_params`, `unshard`/`reshard` and `no_sync` do
+    nothing (accumulated gradients are exact either way), and clipping is the plain
+    `clip_grad_norm_` over the global gradients.
+    """
+
+    def __init__(self, module: nn.Module, **kwargs):  # noqa: D107 - already sharded in __new__
+        pass
+
+    def forward(self, *args, **kwargs):
+        return super(XlaFullyShardedDataParallel, self).forward(*args, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, groups=None) -> torch.Tensor:
+        if groups is not None:
+            raise ValueError("clip_grad_norm_(groups=...) is for one process per device; the GSPMD engine's "
+                             "gradients are global tensors")
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True):
+        yield
+
+    def unshard(self) -> None:
+        pass
+
+    def reshard(self) -> None:
+        pass
+
+    def get_shard_metadata(self) -> dict:
+        raise NotImplementedError(
+            "the GSPMD engine's parameters are global tensors, not per-rank shards: save model.state_dict() "
+            "as it is, or use xla_fsdp.checkpoint.save_checkpoint")
+
+    @property
+    def device_mesh(self):
+        return self._fsdp_mesh
+
+    @property
+    def sharding_layout(self) -> ShardingLayout:
+        raise AttributeError("the GSPMD engine has no per-rank sharding layout; see device_mesh")
+
+    def extra_repr(self) -> str:
+        return f"[xla_fsdp GSPMD engine: mesh {dict(zip(self._fsdp_mesh.axis_names, self._fsdp_mesh.mesh_shape))}]"

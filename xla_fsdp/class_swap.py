@@ -17,7 +17,8 @@ def mix_into(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
     base = type(module)
     cls = _classes.get((mixin, base))
     if cls is None:
-        cls = type(f"{prefix}{base.__name__}", (mixin, base), {"__module__": base.__module__})
+        cls = type(f"{prefix}{base.__name__}", (mixin, base), {"__module__": base.__module__,
+                                                                "_swapped_from": base})
         _classes[(mixin, base)] = cls
     module.__class__ = cls
     return module
@@ -25,5 +26,10 @@ def mix_into(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
 
 def unmix(module: nn.Module) -> nn.Module:
     """Undo `mix_into`: back to the class the module had before."""
-    module.__class__ = type(module).__mro__[2]
+    module.__class__ = original_class(module)
     return module
+
+
+def original_class(module: nn.Module) -> type:
+    """The class `module` had before `mix_into` (its own class if it was never swapped)."""
+    return type(module).__dict__.get("_swapped_from", type(module))

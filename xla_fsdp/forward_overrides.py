@@ -29,6 +29,7 @@ import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
+from .class_swap import original_class
 
 _XLA_CKPT = "_xla_checkpointed_forward_original"
 _XLA_CKPT_HELPER = "_xla_checkpointed_forward_no_kwargs"
@@ -152,7 +153,7 @@ def guard(unit: nn.Module, args) -> None:
     if original is not None and getattr(original, "__func__", None) is type(unit).forward:
         return
     raise RuntimeError(
-        f"{type(unit).__mro__[2].__name__} was given an instance-level forward ({_kind(override)}) after it was "
+        f"{original_class(unit).__name__} was given an instance-level forward ({_kind(override)}) after it was "
         "wrapped by XlaFullyShardedDataParallel; it replaces the unit's forward, which gathers the parameters, "
         "so it would compute with shards. Set it before wrapping (torch_xla's checkpoint_module and patched "
         "Linear are handled there) or remove it")

@@ -201,9 +201,24 @@ def state_dicts():
     xla_fsdp.materialize_module(host, check_fn=lambda m: id(m) not in inside)
     import meta_cases
 
+    # the GSPMD engine returns an XlaFullyShardedDataParallel with the same methods
+    gs = FSDP(pc.build_model("mlp"), engine="spmd")
+    gx = torch.randn(8, 32).to(device)
+    gs(gx).sum().backward()
+    with gs.no_sync(), gs.summon_full_params():
+        pass
+    gspmd = {"is_fsdp": isinstance(gs, FSDP), "name": type(gs).__name__, "module_is_self": gs.module is gs,
+             "clip": float(gs.clip_grad_norm_(1e-3)),
+             "norm_after": float(torch.stack([p.grad.norm() for p in gs.parameters()]).norm()),
+             "mesh": gs.device_mesh is not None}
+    try:
+        gs.get_shard_metadata()
+    except NotImplementedError as e:
+        gspmd["metadata"] = str(e)
+
     meta = {engine: meta_cases.run(device=device, sync=torch_xla.sync, engine=engine, global_batch=True)
             for engine in ("collectives", "spmd")}
-    return {"meta": meta, "full": full, "again": again, "after_sharded": full_state_dict(fresh2),
+    return {"gspmd": gspmd, "meta": meta, "full": full, "again": again, "after_sharded": full_state_dict(fresh2),
             "keys": list(pc.build_model("gpt2").state_dict()), "logits": logits, "plain_logits": plain_logits,
             "deferred": full_state_dict(deferred), "host_per_unit": host.state_dict()}
 

@@ -19,6 +19,7 @@ from .collectives import Collectives, DistCollectives, SpmdCollectives, XlaColle
 from .manual_region import DevicePlacement
 from .param import FSDPParam, ParamSite
 from .param_group import FSDPParamGroup
+from ..class_swap import original_class
 
 # id(original parameter) -> (weakref to it, weakref to the unit that sharded it, its name there),
 # so a tied weight split across units can be reported by name
@@ -163,7 +164,7 @@ def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit
 def _class_name(module, unit_cls: type) -> str:
     """The user's class name (not the FSDP subclass made at wrap time)."""
     if isinstance(module, unit_cls):
-        return type(module).__mro__[2].__name__
+        return original_class(module).__name__
     return type(module).__name__
 
 

@@ -27,6 +27,7 @@ from ..options import FSDPOptions, ShardingStrategy, TrainingState
 from ..forward_overrides import convert_checkpoint_after_wrapping
 from .manual_region import ManualRegion
 from .param_group import FSDPParamGroup
+from ..class_swap import original_class
 
 _local = threading.local()
 
@@ -112,6 +113,7 @@ class FSDPState:
         self._full_for_backward: Optional[List[torch.Tensor]] = None
         group.on_grads_reduced = self._after_grads_reduced
         self._units: Optional[List[torch.nn.Module]] = None  # the root's, once it has run
+        self.unsharded: Optional[List[torch.Tensor]] = None  # full parameters while unshard()-ed
         self.region = None
         if group.comm.is_single_controller:
             self.region = ManualRegion(group.comm.placement, group.comm, options.is_batched_input)
@@ -128,7 +130,32 @@ class FSDPState:
         return self.options.reshard.reshard_after_forward
 
     # -- forward -----------------------------------------------------------
+    # -- unshard() / reshard() ---------------------------------------------
+    def unshard(self) -> None:
+        """Register every parameter of the unit whole (gathered, in its own dtype) until `reshard`."""
+        if self.unsharded is not None:
+            return
+        full = self.group.full_params()
+        for p, t in zip(self.group.params, full):
+            p.register(t)
+        self.unsharded = full
+
+    def reshard(self, writeback: bool = False) -> None:
+        """Back to the shards; with `writeback`, changes made to the full parameters are kept."""
+        if self.unsharded is None:
+            return
+        for p, t in zip(self.group.params, self.unsharded):
+            if writeback:
+                p.load_full(t.detach(), self.group.comm)
+            p.register(p.sharded)
+        self.unsharded = None
+
     def forward(self, run: Callable, args: Tuple, kwargs: Dict) -> Any:
+        if self.unsharded is not None:
+            if torch.is_grad_enabled() and any(p.requires_grad for p in self.group.params):
+                raise RuntimeError("this unit is unsharded (unshard() or summon_full_params()): its gradients "
+                                   "would not reach the shards. Call reshard(), or run under torch.no_grad()")
+            return run(*args, **kwargs)  # the full parameters are registered: plain compute
         active = _active_units()
         if self.is_root is None:
             self.is_root = not active
@@ -153,7 +180,7 @@ class FSDPState:
 
             if xr.is_spmd():
                 raise RuntimeError(
-                    f"{type(self._module()).__mro__[2].__name__} was wrapped for one process per device, and "
+                    f"{original_class(self._module()).__name__} was wrapped for one process per device, and "
                     "the SPMD runtime was turned on afterwards; call torch_xla.runtime.use_spmd() before "
                     "wrapping (and before creating any XLA tensor) to run the single-controller runtime")
 

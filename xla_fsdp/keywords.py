@@ -1,0 +1,153 @@
+"""The front door's keywords: torch_xla's FSDPv1 list plus ours, what each does here, and the
+typed options they become.
+
+Every keyword of torch_xla 2.9's `XlaFullyShardedDataParallel` is accepted
+(`tests/test_keywords.py` reads its signature and fails on one that is not
+classified below). Those with no counterpart here have a documented
+behaviour (`NO_EFFECT`) or are refused when set (`REFUSED`); nothing is
+silently ignored that would change results.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from . import options as opts
+from .options import FSDPOptions, ShardingStrategy
+
+# torch_xla's keywords and their defaults (ours where they differ: flatten_parameters,
+# shard_param_on_dim_0), then ours
+DEFAULTS: Dict[str, Any] = dict(
+    reshard_after_forward=True,
+    flatten_parameters=None,
+    execute_sharding_on_init=True,
+    optimization_barrier_in_forward=True,
+    optimization_barrier_in_backward=True,
+    sync_on_finalization=False,
+    disable_reshard_on_root=True,
+    compute_dtype=None,
+    buffer_dtype=None,
+    fp32_reduce_scatter=False,
+    sharding_groups=None,
+    sharding_rank=None,
+    sharding_world_size=None,
+    shard_param_on_dim_0=True,
+    pin_layout_in_collective_ops=True,
+    reduce_scatter_bucket_size_mb=0,
+    coalesce_all_gather_ops=False,
+    auto_wrap_policy=None,
+    auto_wrapper_callable=None,
+    param_init_fn=None,
+    _shard_size_multiple=128,
+    _use_xla_patched_linear=True,
+    _debug_dummy_forward_pass=False,
+    _debug_msg="xla_fsdp",
+    _debug_print=False,
+    _debug_dummy_all_gather_op=False,
+    _debug_dummy_all_reduce_op=False,
+    _debug_dummy_reduce_scatter_op=False,
+    _debug_dummy_optimization_barrier_op=False,
+    # ours
+    mixed_precision=None,
+    all_gather_impl="all_gather",
+    sharding_strategy="FULL_SHARD",
+    engine="collectives",
+    mesh=None,
+    activation_checkpointing=False,
+    is_batched_input=None,
+    collectives=None,
+)
+
+# torch_xla keywords accepted with no effect, and why (README "Migrating from torch_xla's FSDP")
+NO_EFFECT = {
+    "_shard_size_multiple": "shards are padded to the sharding group's size on dim 0 only",
+    "_use_xla_patched_linear": "the engine's saved-tensor hooks already keep nn.Linear's backward from "
+                               "holding gathered weights, the problem torch_xla's patch solves",
+    "_debug_msg": "a label for torch_xla's debug prints, which xla_fsdp does not have",
+}
+# torch_xla debugging switches: refused when set
+REFUSED = ("_debug_dummy_forward_pass", "_debug_print", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
+           "_debug_dummy_reduce_scatter_op", "_debug_dummy_optimization_barrier_op")
+
+# what engine="spmd" acts on; anything else set to a non-default value is an error there
+SPMD_KEYWORDS = ("compute_dtype", "buffer_dtype", "mixed_precision", "auto_wrap_policy", "auto_wrapper_callable",
+                 "param_init_fn", "mesh", "activation_checkpointing", "engine") + tuple(NO_EFFECT)
+ENGINES = ("collectives", "spmd")
+
+
+def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Defaults filled in, torch_xla's spellings mapped onto ours, contradictions refused."""
+    kw = {**DEFAULTS, **kwargs}
+    if kw["engine"] not in ENGINES:
+        raise ValueError(f"engine={kw['engine']!r} is not valid; use one of {ENGINES}")
+    for name in REFUSED:
+        if kw[name] != DEFAULTS[name]:
+            raise ValueError(f"{name} is a debugging switch of torch_xla's FSDP that xla_fsdp does not have; "
+                             "drop it")
+    if not kw["shard_param_on_dim_0"]:
+        raise ValueError("shard_param_on_dim_0=False is not supported: xla_fsdp always shards on dim 0 "
+                         "(drop the option or set it to True)")
+    if kw["coalesce_all_gather_ops"]:
+        # torch_xla: one coalesced all-gather for a unit's parameters; here, one flat bucket
+        if kw["flatten_parameters"] is False:
+            raise ValueError("coalesce_all_gather_ops=True asks for one collective per unit and "
+                             "flatten_parameters=False for one per parameter; drop one of the two")
+        kw["flatten_parameters"] = True
+    if kw["mixed_precision"] is not None:
+        _apply_mixed_precision(kw)
+    return kw
+
+
+def _apply_mixed_precision(kw: Dict[str, Any]) -> None:
+    """`mixed_precision=` as our MixedPrecision or torch's (param_dtype, reduce_dtype, buffer_dtype)."""
+    policy = kw["mixed_precision"]
+    given = [k for k in ("compute_dtype", "buffer_dtype", "fp32_reduce_scatter") if kw[k] != DEFAULTS[k]]
+    if given:
+        raise ValueError(f"mixed_precision= and {', '.join(given)} both set the dtypes; give one of them")
+    if isinstance(policy, opts.MixedPrecision):
+        kw.update(compute_dtype=policy.compute_dtype, buffer_dtype=policy.buffer_dtype,
+                  fp32_reduce_scatter=policy.fp32_reduce_scatter)
+        return
+    if all(hasattr(policy, a) for a in ("param_dtype", "reduce_dtype", "buffer_dtype")):  # torch FSDP's
+        compute = policy.param_dtype or torch.float32
+        reduce = policy.reduce_dtype or compute
+        if reduce not in (compute, torch.float32):
+            raise ValueError(f"mixed_precision.reduce_dtype={reduce} with param_dtype={compute}: xla_fsdp reduces "
+                             "in the compute dtype or in float32 (fp32_reduce_scatter)")
+        kw.update(compute_dtype=compute, buffer_dtype=policy.buffer_dtype,
+                  fp32_reduce_scatter=reduce == torch.float32 and compute != torch.float32)
+        return
+    raise TypeError(f"mixed_precision must be xla_fsdp.MixedPrecision or torch.distributed.fsdp.MixedPrecision, "
+                    f"got {type(policy).__name__}")
+
+
+def build_options(kw: Dict[str, Any]) -> FSDPOptions:
+    """The typed policy objects the engine reads (`kw` as `resolve` returns it)."""
+    strategy = ShardingStrategy.parse(kw["sharding_strategy"])
+    if strategy is ShardingStrategy.HYBRID_SHARD and kw["sharding_groups"] is None:
+        raise ValueError("sharding_strategy=HYBRID_SHARD needs sharding_groups=[[ranks of group 0], ...]")
+    if strategy is ShardingStrategy.NO_SHARD and kw["sharding_groups"] is not None:
+        raise ValueError("sharding_strategy=NO_SHARD replicates everything; drop sharding_groups")
+    reshard = kw["reshard_after_forward"] and strategy not in (ShardingStrategy.SHARD_GRAD_OP,
+                                                               ShardingStrategy.NO_SHARD)
+    return FSDPOptions(
+        strategy=strategy,
+        mixed_precision=opts.MixedPrecision(
+            compute_dtype=kw["compute_dtype"] or torch.float32,
+            buffer_dtype=kw["buffer_dtype"],
+            fp32_reduce_scatter=bool(kw["fp32_reduce_scatter"]),
+        ),
+        collectives=opts.CollectiveOptions(
+            pin_layout=bool(kw["pin_layout_in_collective_ops"]),
+            all_gather_impl=kw["all_gather_impl"],
+            flatten_parameters=None if kw["flatten_parameters"] is None else bool(kw["flatten_parameters"]),
+            reduce_scatter_bucket_size_mb=float(kw["reduce_scatter_bucket_size_mb"] or 0),
+            optimization_barrier_in_forward=bool(kw["optimization_barrier_in_forward"]),
+            optimization_barrier_in_backward=bool(kw["optimization_barrier_in_backward"]),
+        ),
+        reshard=opts.ReshardPolicy(bool(reshard), bool(kw["disable_reshard_on_root"])),
+        sync_on_finalization=bool(kw["sync_on_finalization"]),
+        execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
+        is_batched_input=kw["is_batched_input"],
+    )
