@@ -44,6 +44,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.state_dict": "on_top",  # the README's name for xla_fsdp.checkpoint.state_dict
     "xla_fsdp.config": "config",
     "xla_fsdp.train": "on_top",
+    "xla_fsdp.integrations": "on_top",
     "xla_fsdp": "on_top",  # the package root re-exports the front door
 }
 LAYER = {"base": 1, "shared": 2, "collective_engine": 3, "spmd_engine": 3, "front_door": 4,

@@ -19,15 +19,21 @@ from .holdings import holdings, process_info
 from .state_dict import full_state_dict
 
 
+def full_model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The unwrapped model's state dict on the host, tied weights as one tensor (rank 0; {} on
+    the others). Collective for the collective engine: every process calls it."""
+    if any(getattr(m, "_fsdp_state", None) is not None for m in model.modules()):
+        return full_state_dict(model, rank0_only=True)
+    host: Dict[int, torch.Tensor] = {}
+    return {k: host.setdefault(id(v), v.detach().cpu()) for k, v in model.state_dict(keep_vars=True).items()}
+
+
 def save_pretrained(model: nn.Module, out_dir: str) -> None:
     """Write `config.json` (when the model has a Hugging Face config) and `model.safetensors`.
     Call on every process (the gathers are collective); rank 0 writes."""
     info = process_info(model)
     held = holdings(model)
-    if any(getattr(m, "_fsdp_state", None) is not None for m in model.modules()):
-        state = full_state_dict(model, rank0_only=True)
-    else:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state = full_model_state(model)
     if info.rank == 0:
         aliases = {alias for h in held for alias in h.aliases}
         tensors: Dict[str, torch.Tensor] = {k: v.contiguous() for k, v in state.items() if k not in aliases}

@@ -1,0 +1,1 @@
+"""Other libraries' training loops on xla_fsdp: `transformers` (Hugging Face Trainer)."""

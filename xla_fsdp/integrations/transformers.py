@@ -1,0 +1,167 @@
+"""Hugging Face Trainer on xla_fsdp: `xla_fsdp.integrations.transformers.enable()`.
+
+After `enable()`, a `transformers.Trainer` run with `--fsdp full_shard
+--fsdp_config cfg.json`, where `cfg.json` holds `"xla": true`, wraps the model
+with xla_fsdp's collective engine instead of torch_xla's FSDP (with
+`"xla_fsdp_v2": true`, with xla_fsdp's GSPMD engine instead of torch_xla's
+FSDPv2). Nothing in transformers is edited; four names are replaced, each the
+narrowest point that serves (transformers 5.23; other versions are refused):
+
+- `transformers.trainer.wrap_model_xla_fsdp`: wraps with the config's
+  `xla_fsdp_settings` (dtype strings already converted by TrainingArguments),
+  the layer classes or size threshold, and `xla_fsdp_grad_ckpt` as
+  `FSDP(checkpoint_module(layer))`; a second call (a second `train()`)
+  returns the model as it is.
+- `transformers.trainer.save_tpu_checkpoint`: gathers the full model (every
+  rank) and writes a `save_pretrained` directory on the main process, instead
+  of per-rank files consolidated by torch_xla's function (which cannot read
+  xla_fsdp's shards).
+- `Trainer._clip_grad_norm` / `Trainer._get_grad_norm`: the norm over all
+  shards (`model.clip_grad_norm_`), and marks the gradients synced, because
+  Accelerate would otherwise all-reduce (sum) every rank's *different*
+  shard gradients before the optimizer step on XLA.
+- `Trainer._load_optimizer_and_scheduler`: refuses per-rank optimizer files
+  of another world size, which transformers skips without a word (use
+  `xla_fsdp.checkpoint` to reshard).
+
+Gradient accumulation goes through Accelerate's `no_sync(model)`, which calls
+the model's `no_sync()`.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from typing import Any, Dict
+
+SUPPORTED = ("5.23",)
+
+_originals: Dict[str, Any] = {}
+
+
+def enable() -> None:
+    """Route transformers.Trainer's XLA FSDP path to xla_fsdp (idempotent)."""
+    import transformers
+    import transformers.trainer as trainer_module
+
+    version = ".".join(transformers.__version__.split(".")[:2])
+    if version not in SUPPORTED:
+        raise RuntimeError(
+            f"xla_fsdp.integrations.transformers supports transformers {', '.join(SUPPORTED)}.x; this is "
+            f"{transformers.__version__}. Install transformers==5.23.0 (requirements.txt), or wrap the model "
+            "yourself and use a training loop")
+    Trainer = trainer_module.Trainer
+    needed = {"wrap_model_xla_fsdp": trainer_module, "save_tpu_checkpoint": trainer_module,
+              "_clip_grad_norm": Trainer, "_get_grad_norm": Trainer, "_load_optimizer_and_scheduler": Trainer}
+    missing = [name for name, owner in needed.items() if not callable(getattr(owner, name, None))]
+    if missing:
+        raise RuntimeError(f"transformers {transformers.__version__} has no {', '.join(missing)}; "
+                           "xla_fsdp.integrations.transformers cannot patch it")
+    if _originals:
+        return
+    for name, owner in needed.items():
+        _originals[name] = getattr(owner, name)
+    trainer_module.wrap_model_xla_fsdp = wrap_model
+    trainer_module.save_tpu_checkpoint = save_checkpoint
+    Trainer._clip_grad_norm = _clip_grad_norm
+    Trainer._get_grad_norm = _get_grad_norm
+    Trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+
+
+def _is_ours(model) -> bool:
+    from xla_fsdp.api import XlaFullyShardedDataParallel
+
+    return isinstance(model, XlaFullyShardedDataParallel)
+
+
+def wrap_model(model, args, is_fsdp_xla_v2_enabled: bool):
+    """`wrap_model_xla_fsdp` for xla_fsdp (same call shape)."""
+    from xla_fsdp import checkpoint_module, wrap
+    from xla_fsdp.api import XlaFullyShardedDataParallel as FSDP
+
+    if _is_ours(model):
+        return model
+    config = args.fsdp_config
+    kwargs: Dict[str, Any] = {}
+    layer_names = config.get("transformer_layer_cls_to_wrap") or getattr(model, "_no_split_modules", None)
+    if config.get("min_num_params", 0) > 0:
+        kwargs["auto_wrap_policy"] = functools.partial(wrap.size_based_auto_wrap_policy,
+                                                       min_num_params=config["min_num_params"])
+    elif layer_names:
+        present = {cls.__name__ for m in model.modules() for cls in type(m).__mro__}
+        absent = sorted(set(layer_names) - present)
+        if absent:
+            raise ValueError(f"fsdp_config transformer_layer_cls_to_wrap names {absent}, which {type(model).__name__} "
+                             "does not contain")
+        kwargs["auto_wrap_policy"] = functools.partial(wrap.transformer_auto_wrap_policy,
+                                                       transformer_layer_cls=set(layer_names))
+    grad_ckpt = bool(config.get("xla_fsdp_grad_ckpt"))
+    if grad_ckpt and getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False  # as transformers does: a recomputation would append to the cache twice
+    if is_fsdp_xla_v2_enabled:
+        settings = {k: v for k, v in args.xla_fsdp_config.items() if k in ("compute_dtype", "buffer_dtype")}
+        return FSDP(model, engine="spmd", activation_checkpointing=grad_ckpt, **settings, **kwargs)
+    if grad_ckpt:
+        kwargs["auto_wrapper_callable"] = lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)
+    return FSDP(model, **kwargs, **dict(args.xla_fsdp_config))
+
+
+def save_checkpoint(model, args, accelerator, processing_class, is_fsdp_xla_v1_enabled, output_dir=None):
+    """`save_tpu_checkpoint` for xla_fsdp models (others go to transformers' own)."""
+    if not _is_ours(model):
+        return _originals["save_tpu_checkpoint"](model, args, accelerator, processing_class, is_fsdp_xla_v1_enabled,
+                                                 output_dir)
+    import torch
+
+    from xla_fsdp.checkpoint.export import full_model_state
+    from xla_fsdp.checkpoint.holdings import process_info
+
+    output_dir = output_dir if output_dir is not None else args.output_dir
+    state = full_model_state(model)  # collective: every rank
+    if args.should_save:
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(args, os.path.join(output_dir, "training_args.bin"))
+        model.save_pretrained(output_dir, state_dict=state, is_main_process=True)
+        if processing_class is not None:
+            processing_class.save_pretrained(output_dir)
+    process_info(model).barrier()
+
+
+def _clip_grad_norm(self, model):
+    if not _is_ours(model):
+        return _originals["_clip_grad_norm"](self, model)
+    self.accelerator.gradient_state.is_xla_gradients_synced = True  # reduced by the engine already
+    return model.clip_grad_norm_(self.args.max_grad_norm)
+
+
+def _get_grad_norm(self, model, grad_norm=None):
+    if not _is_ours(model):
+        return _originals["_get_grad_norm"](self, model, grad_norm=grad_norm)
+    self.accelerator.gradient_state.is_xla_gradients_synced = True
+    return grad_norm if grad_norm is not None else model.clip_grad_norm_(float("inf"))
+
+
+def _load_optimizer_and_scheduler(self, checkpoint):
+    if checkpoint is not None and self.is_fsdp_xla_v1_enabled:
+        files = glob.glob(os.path.join(checkpoint, "rank*-of-*-optimizer.pt"))
+        worlds = {os.path.basename(f).split("-of-")[1].split("-")[0] for f in files}
+        if files and worlds != {str(self.args.world_size)}:
+            raise ValueError(
+                f"{checkpoint} holds optimizer state of world size {sorted(worlds)}, this run has "
+                f"{self.args.world_size}; transformers would skip it and train with a fresh optimizer. Resume on "
+                "the same number of devices, or save with xla_fsdp.checkpoint, which reshards")
+    return _originals["_load_optimizer_and_scheduler"](self, checkpoint)
+
+
+def disable() -> None:
+    """Undo `enable()` (tests)."""
+    if not _originals:
+        return
+    import transformers.trainer as trainer_module
+
+    trainer_module.wrap_model_xla_fsdp = _originals["wrap_model_xla_fsdp"]
+    trainer_module.save_tpu_checkpoint = _originals["save_tpu_checkpoint"]
+    for name in ("_clip_grad_norm", "_get_grad_norm", "_load_optimizer_and_scheduler"):
+        setattr(trainer_module.Trainer, name, _originals[name])
+    _originals.clear()
+
