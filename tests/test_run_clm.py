@@ -248,3 +248,20 @@ def test_preempted_job_resumes_the_same_loss_curve_and_writes_a_final_model(tiny
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], rel=1e-5), step
     assert (killed / "model.safetensors").exists() and (killed / "config.json").exists()
+
+
+def test_gradient_accumulation_equals_the_doubled_batch(tiny_config, tmp_path):
+    """--gradient_accumulation_steps 2 over batches of 4 = one batch of 8 per step: same data
+    (consecutive batches), same losses and the same LR schedule."""
+    common = ["--config_name", tiny_config, "--do_train", "--fsdp", "full_shard auto_wrap", "--max_steps", "6",
+              "--block_size", "32", "--logging_steps", "1", "--learning_rate", "3e-3", "--warmup_steps", "2"]
+    accumulated, output = _train(tmp_path / "acc", common + ["--per_device_train_batch_size", "4",
+                                                             "--gradient_accumulation_steps", "2"])
+    doubled, _ = _train(tmp_path / "big", common + ["--per_device_train_batch_size", "8"])
+    assert "2 micro-batches each" in output
+    assert accumulated["global_batch"] == doubled["global_batch"] == 8 and accumulated["micro_batch"] == 4
+    assert accumulated["tokens_per_step"] == doubled["tokens_per_step"]
+    got, want = dict(accumulated["losses"]), dict(doubled["losses"])
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--num_train_epochs", type=float, default=None,
                        help="default 3 (HF) with --dataset_name/--train_file; 1 on the embedded corpus")
     train.add_argument("--max_steps", type=int, default=-1, help="overrides --num_train_epochs when > 0")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                       help="micro-batches per optimizer step (each of --per_device_train_batch_size per device)")
     train.add_argument("--optim", choices=OPTIMIZERS, default="adamw_torch")
     train.add_argument("--adafactor", type=str2bool, nargs="?", const=True, default=False,
                        help="legacy HF switch: same as --optim adafactor")
@@ -152,6 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--fsdp_config {args.fsdp_config}: no such file")
     if args.logging_steps <= 0:
         parser.error(f"--logging_steps must be positive, got {args.logging_steps}")
+    if args.gradient_accumulation_steps < 1:
+        parser.error(f"--gradient_accumulation_steps must be at least 1, got {args.gradient_accumulation_steps}")
     if args.save_steps <= 0:
         parser.error(f"--save_steps must be positive, got {args.save_steps}")
     if args.save_total_limit is not None and args.save_total_limit < 1:

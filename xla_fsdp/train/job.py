@@ -88,14 +88,15 @@ def run(argv=None) -> dict:
     ctx = loop.StepContext(device, wrapped.mesh, bf16=args.bf16,
                            allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
                            replicas=facts["world"])  # 1 under SPMD: one global graph
-    global_batch = args.per_device_train_batch_size * facts["data_parallel"]
+    micro_batch = args.per_device_train_batch_size * facts["data_parallel"]  # one forward's batch
+    global_batch = micro_batch * args.gradient_accumulation_steps  # one optimizer step's
     num_params = metrics.gpt2_num_params(config)
     meter = _meter(args, config, num_params, global_batch, facts, log)
     report = {"params": num_params, "engine": wrapped.engine,
               "runtime": "single_controller" if spmd else "multi_process", "device": facts["device_kind"],
               "devices": facts["data_parallel"], "chips": facts["chips"],
               "peak_flops_per_chip": meter.peak.flops_per_chip, "peak_source": meter.peak.source,
-              "global_batch": global_batch, "block_size": args.block_size,
+              "global_batch": global_batch, "micro_batch": micro_batch, "block_size": args.block_size,
               "tokens_per_step": meter.tokens_per_step, "flops_per_step": meter.flops_per_step,
               "mfu_includes_attention": args.mfu_include_attention, "data": corpus.source,
               "learning_rate": args.learning_rate, "optim": args.optim}
@@ -110,7 +111,7 @@ def run(argv=None) -> dict:
 
     started = time.perf_counter()
     if args.do_train:
-        batches = data.BlockBatches(corpus.train, global_batch, facts["rank"], facts["world"], args.seed)
+        batches = data.BlockBatches(corpus.train, micro_batch, facts["rank"], facts["world"], args.seed)
         report.update(_train(wrapped.model, batches, ctx, meter, args, facts, log))
     if args.do_eval:
         eval_batches = data.BlockBatches(corpus.eval, args.per_device_eval_batch_size * facts["data_parallel"],
@@ -146,8 +147,10 @@ def _meter(args, config, num_params: int, global_batch: int, facts: dict, log) -
 
 def _train(model, batches, ctx, meter, args, facts, log) -> dict:
     """The training phase: optimizer, schedule, progress bar, loop, summary line."""
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * len(batches))
-    log(f"run_clm: {total_steps} steps ({len(batches)} per epoch)")
+    per_epoch = loop.steps_per_epoch(batches, args.gradient_accumulation_steps)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+    log(f"run_clm: {total_steps} steps ({per_epoch} per epoch"
+        + (f", {args.gradient_accumulation_steps} micro-batches each)" if args.gradient_accumulation_steps > 1 else ")"))
     optimizer = loop.make_optimizer(model.parameters(), args)
     scheduler = loop.make_scheduler(optimizer, args.warmup_steps, total_steps)
     start = _resume(model, optimizer, scheduler, args, log)

@@ -113,13 +113,22 @@ def _clip(model, max_norm: float):
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def train_step(model, optimizer, scheduler, batch, ctx: StepContext, max_grad_norm: float):
-    """One optimizer step, traced lazily and cut by one sync; returns the
-    step's loss as a device tensor (reading it would wait for the device)."""
-    input_ids = ctx.to_device(batch)
-    with ctx.autocast():
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-    loss.backward()
+def train_step(model, optimizer, scheduler, micro_batches, ctx: StepContext, max_grad_norm: float):
+    """One optimizer step over `micro_batches` (--gradient_accumulation_steps of them), traced
+    lazily and cut by one sync; returns the step's loss (their mean) as a device tensor.
+
+    Gradients accumulate the XLA-friendly way: each micro-batch's backward reduce-scatters
+    and the shard gradients add up (1/N memory, a collective per micro-batch), in the same
+    graph as the optimizer step. `model.no_sync()` would skip those collectives at the cost
+    of full-size gradients on every device.
+    """
+    loss = 0.0
+    for batch in micro_batches:
+        input_ids = ctx.to_device(batch)
+        with ctx.autocast():
+            micro = model(input_ids=input_ids, labels=input_ids).loss / len(micro_batches)
+        micro.backward()
+        loss = loss + micro.detach()
     if ctx.allreduce_grads:
         import torch_xla.core.xla_model as xm
         xm.reduce_gradients(optimizer)
@@ -129,6 +138,11 @@ def train_step(model, optimizer, scheduler, batch, ctx: StepContext, max_grad_no
     optimizer.zero_grad(set_to_none=True)
     _sync()
     return loss.detach()
+
+
+def steps_per_epoch(batches, accumulate: int) -> int:
+    """Optimizer steps in one pass over `batches` (a partial last group is dropped, as HF does)."""
+    return max(len(batches) // accumulate, 1)
 
 
 def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepContext,
@@ -145,14 +159,20 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     started = time.perf_counter()
     model.train()
     step = start_step
-    epoch, skip = divmod(start_step, len(batches))
+    accumulate = args.gradient_accumulation_steps
+    epoch, skip = divmod(start_step, steps_per_epoch(batches, accumulate))
     log_every = args.logging_steps if args.logging_strategy == "steps" else None
     while step < total_steps:
         loss = None
+        micro_batches = []
         for index, batch in enumerate(batches.epoch(epoch)):
-            if index < skip:
+            if index < skip * accumulate:
                 continue
-            loss = train_step(model, optimizer, scheduler, batch, ctx, args.max_grad_norm)
+            micro_batches.append(batch)
+            if len(micro_batches) < accumulate:
+                continue
+            loss = train_step(model, optimizer, scheduler, micro_batches, ctx, args.max_grad_norm)
+            micro_batches = []
             step += 1
             if progress is not None:
                 progress.update(1)
