@@ -47,14 +47,14 @@ CROSS_RUNTIME_TENSOR_REL = 2e-6
 # one of each variant in the default run: (devices, "case[:gather impl]")
 DEFAULT = {
     4: ["mlp_sgd", "mlp_nested_adamw", "gpt2_adamw", "gpt2_hybrid", "gpt2_checkpoint", "mlp_bf16",
-        "mlp_clip_sgd:all_reduce", "gpt2_flat", "acc/no_sync/gpt2_adamw", "acc/requires_sync/gpt2_adamw",
-        "acc/shards/gpt2_adamw"],
-    8: ["gpt2_hybrid", "gpt2_clip:all_reduce", "gpt2_no_reshard", "gpt2_reshard_root", "mlp_shard_grad_op",
-        "gpt2_no_shard", "mlp_unflat_buckets", "mlp_mixed_sizes", "gpt2_rs_buckets", "gpt2_bf16_fp32rs",
-        "acc/no_sync/gpt2_hybrid", "gpt2_txla_ckpt", "gpt2_txla_ckpt_after", "mlp_txla_linear",
-        "gpt2_torch_ckpt_wrapper"],
+        "mlp_clip_sgd:all_reduce", "acc/no_sync/gpt2_adamw"],
+    8: ["gpt2_hybrid", "gpt2_clip:all_reduce", "gpt2_no_reshard", "mlp_shard_grad_op", "gpt2_no_shard",
+        "mlp_mixed_sizes", "acc/requires_sync/gpt2_hybrid", "gpt2_txla_ckpt_after"],
 }
-SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")] for n in (4, 8)}
+# the rest runs with `pytest -m slow`: every case, both gather implementations, every accumulation mode
+SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")]
+         + [f"acc/{mode}/{case}" for mode in ("no_sync", "requires_sync", "shards") for case in ("gpt2_adamw", "gpt2_hybrid")]
+         for n in (4, 8)}
 
 
 class Run:
