@@ -92,6 +92,12 @@ def test_truncated_missing_and_corrupt_files_are_named(trained, tmp_path):
     os.remove(os.path.join(missing, "index-rank00000.json"))
     with pytest.raises(CheckpointError, match=r"index of rank 0 is missing.*index-rank00000\.json"):
         load_checkpoint(missing, model, opt)
+
+    no_shard = str(tmp_path / "no_shard")
+    shutil.copytree(path, no_shard)
+    os.remove(os.path.join(no_shard, "shards-rank00000.safetensors"))
+    with pytest.raises(CheckpointError, match=r"checkpoint file is missing: .*shards-rank00000\.safetensors"):
+        load_checkpoint(no_shard, model, opt)
     _assert_unchanged(model, opt, before)
 
 

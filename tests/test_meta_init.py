@@ -2,8 +2,8 @@
 modules' own reset_parameters() right before it is sharded (FSDPv1's and FSDP2's default).
 The result trains, keeps tied weights tied, and has the statistics of eager construction
 (per tensor, mean and std within 4 standard errors of two independent draws; constant
-tensors such as LayerNorm's are equal). XLA world 1 and gloo world 2 here; the
-single-controller runtime and the GSPMD engine in tests/test_single_controller.py."""
+tensors such as LayerNorm's are equal). XLA world 1 and gloo worlds 2 and 4 here;
+the single-controller runtime (4 and 8 devices) and the GSPMD engine in tests/test_single_controller.py."""
 import os
 
 import pytest
@@ -25,6 +25,7 @@ def _worker(rank, world, tmp):
         torch.save(result, os.path.join(tmp, "meta.pt"))
 
 
-def test_meta_model_at_gloo_world_2(tmp_path):
-    run_distributed_fn(_worker, 2, str(tmp_path))
+@pytest.mark.parametrize("world", [2, 4])
+def test_meta_model_at_gloo(tmp_path, world):
+    run_distributed_fn(_worker, world, str(tmp_path))
     meta_cases.check(torch.load(tmp_path / "meta.pt", weights_only=False))

@@ -49,7 +49,7 @@ DEFAULT = {
     4: ["mlp_sgd", "mlp_nested_adamw", "gpt2_adamw", "gpt2_hybrid", "gpt2_checkpoint", "mlp_bf16",
         "mlp_clip_sgd:all_reduce", "acc/no_sync/gpt2_adamw"],
     8: ["gpt2_hybrid", "gpt2_clip:all_reduce", "gpt2_no_reshard", "mlp_shard_grad_op", "gpt2_no_shard",
-        "mlp_mixed_sizes", "acc/requires_sync/gpt2_hybrid", "gpt2_txla_ckpt_after"],
+        "mlp_mixed_sizes", "acc/requires_sync/gpt2_hybrid", "gpt2_txla_ckpt_after", "meta"],
 }
 # the rest runs with `pytest -m slow`: every case, both gather implementations, every accumulation mode
 SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")]
@@ -111,7 +111,7 @@ def _check_parity(spec: str, got: dict) -> None:
         assert got["padded_shapes"][name][0] == -(-rows // size) * size, name
 
 
-@pytest.mark.parametrize("devices,spec", [(n, c) for n, cs in DEFAULT.items() for c in cs],
+@pytest.mark.parametrize("devices,spec", [(n, c) for n, cs in DEFAULT.items() for c in cs if c != "meta"],
                          ids=lambda x: str(x))
 def test_parity(runs, devices, spec):
     _check_parity(spec, runs[("parity", devices)].result()[spec])
@@ -188,6 +188,12 @@ def test_state_dicts_round_trip_and_load_into_the_plain_model(runs):
             assert torch.equal(got[other][key], full[key]), (other, key)
     # a plain GPT-2 loaded from it computes what the sharded model computes
     torch.testing.assert_close(got["plain_logits"], got["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_meta_device_model_at_8_devices(runs):
+    import meta_cases
+
+    meta_cases.check(runs[("parity", 8)].result()["meta"])
 
 
 def test_gspmd_engine_returns_an_fsdp_instance_with_its_methods(runs):

@@ -50,6 +50,11 @@ def parity(names):
     by_name = {c.name: c for c in pc.MATRIX}
     out = {}
     for spec in names:
+        if spec == "meta":  # a meta-device model materialized by reset_parameters()
+            import meta_cases
+
+            out[spec] = meta_cases.run(device=torch_xla.device(), sync=torch_xla.sync, global_batch=True)
+            continue
         if spec.startswith("acc/"):  # acc/<mode>/<case>: gradient accumulation over 2 micro-batches
             _, mode, name = spec.split("/")
             case = case_for_world(by_name[name])
