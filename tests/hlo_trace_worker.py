@@ -74,6 +74,16 @@ def step_hlo(out_dir: str, name: str, model_kind: str, engine: str, kwargs: dict
     kwargs = dict(kwargs)
     logged_loss = kwargs.pop("logged_loss", False)  # trace the logged loss, not the step
     model = build(model_kind, engine, kwargs, device)
+    if engine == "xla_fsdp":
+        # a first forward teaches the units their order, as step 1 does for step 2 (prefetch
+        # follows it); its graph is dropped: nothing is executed
+        with torch.no_grad():
+            if model_kind.startswith("gpt2"):
+                model(input_ids=torch.zeros(2, 16, dtype=torch.long).to(device))
+            else:
+                model(torch.zeros(2, 32).to(device))
+        # collectives chain through the device's token; a step boundary starts a new chain
+        torch_xla._XLAC._set_all_reduce_token(str(device), None)
     if model_kind.startswith("gpt2"):
         ids = torch.zeros(2, 16, dtype=torch.long).to(device)
         loss = model(input_ids=ids, labels=ids).loss

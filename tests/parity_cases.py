@@ -59,6 +59,8 @@ MATRIX = [
     Case("mlp_txla_linear_after", "mlp", "adamw", foreign="txla_linear_after"),
     # torch_xla's checkpoint only runs on XLA tensors: the single-controller runtime and XLA world 1
     Case("gpt2_txla_ckpt_after", "gpt2", "adamw", foreign="txla_ckpt_after", worlds=()),
+    Case("gpt2_no_prefetch", "gpt2", "adamw", worlds=(), fsdp=(("forward_prefetch", False),
+                                                              ("backward_prefetch", None))),
     Case("gpt2_rs_buckets", "gpt2", "adamw", fsdp=(("reduce_scatter_bucket_size_mb", 0.01),)),
     Case("gpt2_checkpoint", "gpt2", "adamw", checkpoint=True),
     Case("mlp_bf16", "mlp_nested", "sgd", fsdp=(("compute_dtype", torch.bfloat16),)),

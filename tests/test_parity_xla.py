@@ -20,6 +20,8 @@ CASES = [
     Case("gpt2_no_reshard", "gpt2", "sgd", fsdp=(("reshard_after_forward", False),)),
     Case("mlp_bf16", "mlp_nested", "sgd", fsdp=(("compute_dtype", torch.bfloat16),)),
     Case("gpt2_txla_ckpt_after", "gpt2", "adamw", foreign="txla_ckpt_after"),
+    Case("gpt2_no_prefetch", "gpt2", "adamw", fsdp=(("forward_prefetch", False), ("backward_prefetch", None))),
+    Case("gpt2_prefetch_post", "gpt2", "adamw", checkpoint=True, fsdp=(("backward_prefetch", "BACKWARD_POST"),)),
     Case("mlp_txla_linear", "mlp", "adamw", foreign="txla_linear"),
 ]
 

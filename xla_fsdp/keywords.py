@@ -48,8 +48,10 @@ DEFAULTS: Dict[str, Any] = dict(
     _debug_dummy_all_reduce_op=False,
     _debug_dummy_reduce_scatter_op=False,
     _debug_dummy_optimization_barrier_op=False,
-    # ours
+    # ours (PyTorch FSDP's names for the first three)
     mixed_precision=None,
+    forward_prefetch=True,
+    backward_prefetch="BACKWARD_PRE",
     all_gather_impl="all_gather",
     sharding_strategy="FULL_SHARD",
     engine="collectives",
@@ -150,4 +152,5 @@ def build_options(kw: Dict[str, Any]) -> FSDPOptions:
         sync_on_finalization=bool(kw["sync_on_finalization"]),
         execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
         is_batched_input=kw["is_batched_input"],
+        prefetch=opts.PrefetchPolicy.parse(kw["forward_prefetch"], kw["backward_prefetch"]),
     )

@@ -182,6 +182,32 @@ class ShardingLayout:
         return cls(rank, world_size, shard_groups, replicate_groups)
 
 
+BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST")
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """Which gathers start early, overlapping the previous unit's compute ([Note: prefetch])."""
+
+    # gather the next unit (in the order units ran last step) tied to this unit's input
+    forward: bool = True
+    # in backward, gather the next unit tied to this unit's incoming gradient (BACKWARD_PRE)
+    # or to its reduced gradients (BACKWARD_POST); None: each unit gathers when its gradient arrives
+    backward: Optional[str] = "BACKWARD_PRE"
+
+    def __post_init__(self):
+        if self.backward is not None and self.backward not in BACKWARD_PREFETCH:
+            raise ValueError(f"backward_prefetch={self.backward!r} is not valid; use one of "
+                             f"{BACKWARD_PREFETCH} or None")
+
+    @classmethod
+    def parse(cls, forward, backward) -> "PrefetchPolicy":
+        name = getattr(backward, "name", backward)  # torch.distributed.fsdp.BackwardPrefetch members too
+        if isinstance(name, str):
+            name = name.upper()
+        return cls(bool(forward), name)
+
+
 @dataclass(frozen=True)
 class FSDPOptions:
     """Everything a unit needs to know, grouped by concern."""
@@ -196,3 +222,4 @@ class FSDPOptions:
     execute_sharding_on_init: bool = True
     # single-controller runtime: which root inputs are batched (see manual_region.ManualRegion)
     is_batched_input: Optional[Callable[[str, torch.Tensor], bool]] = None
+    prefetch: PrefetchPolicy = PrefetchPolicy()

@@ -28,7 +28,7 @@ class _GatherParams(torch.autograd.Function):
     def backward(ctx, *full_grads):
         group = ctx.group
         shard_grads = group.reduce_grads(full_grads)
-        group.on_grads_reduced()
+        group.on_grads_reduced(shard_grads)
         return (None, None, *shard_grads)
 
 
@@ -64,7 +64,7 @@ class FSDPParamGroup:
         self.params = params
         self.comm = comm
         self.options = options
-        self.on_grads_reduced = lambda: None  # set by the owning state
+        self.on_grads_reduced = lambda reduced: None  # set by the owning state
         # [Note: sharding groups] HYBRID_SHARD (and NO_SHARD) replicate shards across groups and
         # average gradients over all of them; FULL_SHARD / SHARD_GRAD_OP with sharding_groups mean
         # what torch_xla means: FSDP inside each group, mixed with model parallelism across

@@ -11,6 +11,17 @@ token unpacks to the fresh copy (re-applying the view). The reduce-scatter of
 the unit's gradients runs in the backward of `_GatherParams`, after which the
 copy is dropped. On CPU the forward copy's storage is released at once, so a
 saved tensor that escaped the hook fails loudly instead of silently costing memory.
+
+[Note: prefetch] XLA overlaps a collective with compute only when neither
+depends on the other. A unit's gather is tied (optimization barrier) to its
+own input, which is the previous unit's output, so without prefetch nothing
+can run beside it. The root records the order its units ran in; next step,
+unit k starts unit k+1's gather tied to *its own* input (forward_prefetch),
+so it runs during unit k's compute, and no earlier: at most two units' full
+parameters are alive. In backward, unit k's incoming gradient also starts the
+re-gather of the unit whose backward comes next (BACKWARD_PRE), or unit k's
+reduced gradients do (BACKWARD_POST: less overlap, less memory). Measured on
+the traced program (bench/overlap.py, tests/test_overlap.py).
 """
 from __future__ import annotations
 
@@ -114,6 +125,12 @@ class FSDPState:
         group.on_grads_reduced = self._after_grads_reduced
         self._units: Optional[List[torch.nn.Module]] = None  # the root's, once it has run
         self.unsharded: Optional[List[torch.Tensor]] = None  # full parameters while unshard()-ed
+        # [Note: prefetch] the order units ran in during the root's last forward (root only),
+        # each unit's neighbours in it, and gathers started early by a neighbour
+        self._recording: Optional[List["FSDPState"]] = None
+        self.next_forward: Optional["FSDPState"] = None
+        self.next_backward: Optional["FSDPState"] = None
+        self._prefetched: Optional[List[torch.Tensor]] = None
         self.region = None
         if group.comm.is_single_controller:
             self.region = ManualRegion(group.comm.placement, group.comm, options.is_batched_input)
@@ -186,11 +203,18 @@ class FSDPState:
 
     def _forward(self, run: Callable, args: Tuple, kwargs: Dict) -> Any:
         active = _active_units()
+        if self.is_root:
+            self._recording = [self]
+        elif active and active[0]._recording is not None:
+            active[0]._recording.append(self)
         if self.is_root and self.options.mixed_precision.enabled:
             args, kwargs = self._cast_inputs(args, kwargs)
         barrier_with = self._forward_barrier_tensors(args, kwargs)
         self.training_state = TrainingState.FORWARD
-        full = self.group.gather_for_forward(barrier_with)
+        full, self._prefetched = self._prefetched, None
+        if full is None:
+            full = self.group.gather_for_forward(barrier_with)
+        self._prefetch_next_forward(barrier_with)
         reshard = self._reshards_after_forward and torch.is_grad_enabled()
         for p, t in zip(self.group.params, full):
             p.register(t)
@@ -219,7 +243,30 @@ class FSDPState:
             self._full_for_backward = full if torch.is_grad_enabled() else None
         if torch.is_grad_enabled():
             self._register_pre_backward(out)
+        if self.is_root:
+            self._learn_order()
         return out
+
+    # -- prefetch -------------------------------------------------------------
+    def _prefetch_next_forward(self, barrier_with) -> None:
+        """Start the next unit's gather now, tied to this unit's input: it runs while this unit computes."""
+        nxt = self.next_forward
+        if (nxt is None or not self.options.prefetch.forward or not torch.is_grad_enabled() or is_recomputing()
+                or nxt._prefetched is not None or nxt.unsharded is not None):
+            return
+        nxt._prefetched = nxt.group.gather_for_forward(barrier_with)
+
+    def _learn_order(self) -> None:
+        """After the root's forward: the order its units ran in is next step's prefetch order."""
+        order, self._recording = self._recording or [self], None
+        for state in order:
+            state._prefetched = None  # a unit that did not run this time must not keep a stale gather
+            state.next_forward = state.next_backward = None
+        for before, after in zip(order, order[1:]):
+            before.next_forward = after
+            after.next_backward = before
+        if len(order) > 1:  # backward starts at the root's outputs, then the last unit to run forward
+            order[0].next_backward = order[-1]
 
     def _cast_inputs(self, args, kwargs):
         dtype = self.options.mixed_precision.compute_dtype
@@ -258,20 +305,32 @@ class FSDPState:
         if self.is_root and self.training_state != TrainingState.PRE_BACKWARD:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.training_state = TrainingState.PRE_BACKWARD
+        barrier = ()
+        if self.options.collectives.optimization_barrier_in_backward and self.group.comm.is_xla:
+            barrier = (grad.detach(),)
         if self._full_for_backward is None and self._reshards_after_forward:
-            barrier = ()
-            if self.options.collectives.optimization_barrier_in_backward and self.group.comm.is_xla:
-                barrier = (grad.detach(),)
             self._full_for_backward = self.group.gather(barrier)
+        if self.options.prefetch.backward == "BACKWARD_PRE":
+            self._prefetch_next_backward(barrier)
         return grad
+
+    def _prefetch_next_backward(self, barrier) -> None:
+        """Gather the unit whose backward comes next, tied to `barrier`: it runs during this unit's backward."""
+        nxt = self.next_backward
+        if nxt is not None and nxt._full_for_backward is None and nxt._reshards_after_forward \
+                and nxt.unsharded is None:
+            nxt._full_for_backward = nxt.group.gather(barrier)
 
     def full_params_for_backward(self) -> List[torch.Tensor]:
         if self._full_for_backward is None:  # an output escaped the pre-backward hook
             self._full_for_backward = self.group.gather()
         return self._full_for_backward
 
-    def _after_grads_reduced(self) -> None:
+    def _after_grads_reduced(self, reduced: List[Optional[torch.Tensor]]) -> None:
         self._full_for_backward = None
+        if self.options.prefetch.backward == "BACKWARD_POST" and self.training_state == TrainingState.PRE_BACKWARD:
+            done = [g.detach() for g in reduced if g is not None][:1]
+            self._prefetch_next_backward(done if self.group.comm.is_xla else ())
 
     def _finalize_backward(self) -> None:
         module = self._module()

@@ -1,0 +1,82 @@
+"""How much of a step's communication can hide behind compute, from the traced program at world 8.
+
+Traces (never executes) one forward+backward on 8 XLA:CPU device threads and
+reads the dependency graph of the program (tests/hlo_graph.py). For each
+collective: its bytes (sent per rank on a ring), the matmul FLOPs that are
+neither its ancestors nor its descendants (work it can overlap with), and,
+for gathers, whether it is hoistable (no matmul before it: the compiler may
+move it to the start of the step, holding its buffer all step long).
+Summary per configuration: the fraction of gather + reduce-scatter bytes that
+have independent work, and the number of hoistable gathers.
+
+    python bench/overlap.py [--model gpt2_small|gpt2_125m] [--per-collective]
+
+Configurations: xla_fsdp with forward/backward prefetch on (the default),
+backward prefetch only, none, and torch_xla's FSDPv1 (pinned layouts, its
+defaults); every unit resharded after forward (root included), as in the
+issue's baseline measurement.
+"""
+import argparse
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from hlo_graph import HloGraph  # noqa: E402
+from hlo_utils import read, trace  # noqa: E402
+
+WORLD = 8
+RESHARD_ALL = {"disable_reshard_on_root": False}
+CONFIGS = [
+    ("xla_fsdp, prefetch forward + BACKWARD_PRE (default)", "xla_fsdp", dict(RESHARD_ALL)),
+    ("xla_fsdp, BACKWARD_POST, no forward prefetch", "xla_fsdp",
+     dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch="BACKWARD_POST")),
+    ("xla_fsdp, no prefetch", "xla_fsdp", dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch=None)),
+    ("torch_xla FSDPv1", "torch_xla", dict(RESHARD_ALL)),
+]
+
+
+def analyse(text: str, world: int = WORLD) -> dict:
+    g = HloGraph(text)
+    rows = []
+    for c in g.collectives(("all-gather", "reduce-scatter")):
+        rows.append({"op": c.opcode, "bytes": g.comm_bytes(c, world), "independent_flops": g.independent_flops(c.name),
+                     "hoistable": c.opcode == "all-gather" and g.hoistable(c.name)})
+    # torch_xla gathers with all-reduce (pinned layouts): count those too
+    for c in g.collectives(("all-reduce",)):
+        if c.bytes > 64:  # not the clipping / loss scalars
+            rows.append({"op": "all-reduce", "bytes": g.comm_bytes(c, world),
+                         "independent_flops": g.independent_flops(c.name), "hoistable": g.hoistable(c.name)})
+    total = sum(r["bytes"] for r in rows)
+    hidden = sum(r["bytes"] for r in rows if r["independent_flops"] > 0)
+    return {"rows": rows, "overlappable": hidden / total if total else 0.0,
+            "hoistable": sum(r["hoistable"] for r in rows if r["op"] != "reduce-scatter"), "flops": g.total_flops}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2_small", choices=["gpt2_small", "gpt2_125m", "gpt2"])
+    ap.add_argument("--per-collective", action="store_true")
+    args = ap.parse_args()
+    configs = [{"name": f"c{i}", "model": args.model, "engine": engine, "kwargs": kwargs}
+               for i, (_, engine, kwargs) in enumerate(CONFIGS)]
+    with tempfile.TemporaryDirectory() as out:
+        trace(configs, out, world=WORLD, timeout=3600)
+        texts = [read(out, c["name"], WORLD)[0] for c in configs]
+    print(f"{args.model}, world {WORLD}, every unit resharded (traced, per rank)")
+    print(f"{'configuration':52s} {'gathers':>7s} {'r-scat':>6s} {'bytes overlappable':>19s} {'hoistable gathers':>18s}")
+    for (label, _, _), text in zip(CONFIGS, texts):
+        a = analyse(text)
+        gathers = sum(r["op"] != "reduce-scatter" for r in a["rows"])
+        scatters = sum(r["op"] == "reduce-scatter" for r in a["rows"])
+        print(f"{label:52s} {gathers:>7d} {scatters:>6d} {a['overlappable']:>19.2f} {a['hoistable']:>18d}")
+        if args.per_collective:
+            for r in a["rows"]:
+                print(f"    {r['op']:15s} {r['bytes'] / 1e6:9.3f} MB  independent {r['independent_flops'] / 1e9:8.3f} GFLOP"
+                      f"{'  hoistable' if r['hoistable'] else ''}")
+
+
+if __name__ == "__main__":
+    main()
