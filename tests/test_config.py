@@ -160,8 +160,8 @@ def test_callable_settings_point_to_json_keys():
 
 
 def test_torch_fsdp_only_and_misplaced_keys():
-    msg = _error({"xla": True, "fsdp_backward_prefetch": "backward_pre"})
-    assert "'fsdp_backward_prefetch'" in msg and "not used by XLA FSDP" in msg
+    msg = _error({"xla": True, "fsdp_limit_all_gathers": True})
+    assert "'fsdp_limit_all_gathers'" in msg and "not used by XLA FSDP" in msg
     msg = _error({"xla": True, "activation_checkpointing": True})
     assert "xla_fsdp_grad_ckpt" in msg
     msg = _error({"xla": True, "compute_dtype": "bfloat16"})
@@ -386,3 +386,28 @@ def test_spmd_rejects_collective_only_settings():
     assert set(SPMD_ENGINE_KEYWORDS) <= set(ENGINE_KEYWORDS)
     ok = load_fsdp_config({"xla": True, "xla_fsdp_v2": True, "xla_fsdp_settings": {"buffer_dtype": "fp32"}})
     assert ok.engine_kwargs() == {"buffer_dtype": torch.float32, "engine": "spmd"}
+
+
+@pytest.mark.parametrize("raw,forward,backward", [
+    ({"forward_prefetch": False, "backward_prefetch": "backward_post"}, False, "BACKWARD_POST"),
+    ({"fsdp_forward_prefetch": True, "fsdp_backward_prefetch": "NO_PREFETCH"}, True, None),
+    ({"backward_prefetch": "BACKWARD_PRE"}, True, "BACKWARD_PRE"),
+])
+def test_prefetch_keys_reach_the_engine(raw, forward, backward):
+    """Hugging Face's fsdp_config prefetch keys (either spelling) set the wrapped model's policy."""
+    import xla_fsdp
+
+    cfg = load_fsdp_config({"xla": True, **raw})
+    assert load_fsdp_config(cfg.to_dict()) == cfg
+    model = xla_fsdp.FSDP(torch.nn.Sequential(torch.nn.Linear(4, 4)), **cfg.engine_kwargs())
+    policy = model._fsdp_state.options.prefetch
+    assert (policy.forward, policy.backward) == (forward, backward)
+
+
+def test_prefetch_key_errors():
+    msg = _error({"xla": True, "backward_prefetch": "backward_early"})
+    assert "backward_prefetch" in msg and "BACKWARD_PRE" in msg and "NO_PREFETCH" in msg
+    assert "bool" in _error({"xla": True, "forward_prefetch": "yes"})
+    msg = _error({"xla": True, "xla_fsdp_v2": True, "forward_prefetch": True})
+    assert "forward_prefetch" in msg and "xla_fsdp_v2" in msg
+    assert "xla is false" in _error({"backward_prefetch": "backward_pre"})

@@ -68,3 +68,28 @@ def test_unsupported_transformers_version_is_refused(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "4.40.0")
     with pytest.raises(RuntimeError, match=r"supports transformers 5.23.x; this is 4.40.0"):
         integration.enable()
+
+
+@pytest.mark.parametrize("hf,forward,backward", [
+    ({"forward_prefetch": "false", "backward_prefetch": "backward_post"}, False, "BACKWARD_POST"),
+    ({"backward_prefetch": "NO_PREFETCH"}, True, None),
+    ({}, True, "BACKWARD_PRE"),
+])
+def test_trainer_fsdp_config_prefetch_keys(hf, forward, backward):
+    """Trainer's fsdp_config (after TrainingArguments stripped "fsdp_") carries forward_prefetch /
+    backward_prefetch to the wrapped model; with xla_fsdp_v2 they are refused."""
+    from types import SimpleNamespace
+
+    from xla_fsdp.integrations.transformers import wrap_model
+
+    def args(**extra):
+        return SimpleNamespace(fsdp_config={"xla": True, "min_num_params": 0, **hf, **extra}, xla_fsdp_config={})
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    policy = wrap_model(model, args(), False)._fsdp_state.options.prefetch
+    assert (policy.forward, policy.backward) == (forward, backward)
+    if hf:
+        with pytest.raises(ValueError, match="no effect with xla_fsdp_v2"):
+            wrap_model(torch.nn.Linear(4, 4), args(), True)
+    with pytest.raises(ValueError, match="backward_prefetch"):
+        wrap_model(torch.nn.Linear(4, 4), args(backward_prefetch="later"), False)

@@ -23,9 +23,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .schema import (_TOP_LEVEL_ALIASES, _TOP_LEVEL_KEYS, _TORCH_FSDP_ONLY_KEYS, ENGINE_KEYWORDS,
-                     SPMD_ENGINE_KEYWORDS, FSDPConfigError, XlaFSDPSettings, _check_bool, _check_int,
-                     _suggest, _type_name)
+from .schema import (_TOP_LEVEL_ALIASES, _TOP_LEVEL_KEYS, _TORCH_FSDP_ONLY_KEYS, BACKWARD_PREFETCH_CHOICES,
+                     ENGINE_KEYWORDS, SPMD_ENGINE_KEYWORDS, FSDPConfigError, XlaFSDPSettings, _canonical_choice,
+                     _check_bool, _check_int, _suggest, _type_name)
 
 
 def checkpointed_wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -62,11 +62,20 @@ class FSDPConfig:
     """HF key `xla_fsdp_grad_ckpt`: gradient checkpointing on every auto-wrapped layer."""
     xla_fsdp_v2: bool = False
     """HF key `xla_fsdp_v2`: use the SPMD engine (`engine="spmd"`)."""
+    forward_prefetch: Optional[bool] = None
+    """HF key `forward_prefetch`: gather the next unit while this one computes; None = engine default (on)."""
+    backward_prefetch: Optional[str] = None
+    """HF key `backward_prefetch`: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH; None = engine default."""
 
     def __post_init__(self) -> None:
         _check_bool("xla", self.xla)
         _check_bool("xla_fsdp_grad_ckpt", self.xla_fsdp_grad_ckpt)
         _check_bool("xla_fsdp_v2", self.xla_fsdp_v2)
+        if self.forward_prefetch is not None:
+            _check_bool("forward_prefetch", self.forward_prefetch)
+        if self.backward_prefetch is not None:
+            object.__setattr__(self, "backward_prefetch", _canonical_choice(
+                "backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH_CHOICES, upper=True))
         if isinstance(self.min_num_params, float) and self.min_num_params.is_integer():
             # JSON has no integer exponent form, so thresholds get written as 1e8.
             object.__setattr__(self, "min_num_params", int(self.min_num_params))
@@ -113,6 +122,14 @@ class FSDPConfig:
                     f"{', '.join(ignored)} or set xla_fsdp_v2 to false. With xla_fsdp_v2 "
                     f"xla_fsdp_settings takes only: {', '.join(SPMD_ENGINE_KEYWORDS)}"
                 )
+        prefetch = [k for k in ("forward_prefetch", "backward_prefetch") if getattr(self, k) is not None]
+        if prefetch and self.xla_fsdp_v2:
+            raise FSDPConfigError(
+                f"{prefetch[0]} has no effect with xla_fsdp_v2 (the SPMD partitioner places the "
+                f"gathers itself); remove it or set xla_fsdp_v2 to false")
+        if prefetch and not self.xla:
+            raise FSDPConfigError(f"{prefetch[0]} is given but xla is false, so it would be ignored; "
+                                  "set \"xla\": true")
         if self.xla_fsdp_settings.given() and not self.xla:
             raise FSDPConfigError(
                 "xla_fsdp_settings is given but xla is false, so it would be ignored; "
@@ -173,6 +190,10 @@ class FSDPConfig:
                 kwargs["activation_checkpointing"] = True
         elif self.xla_fsdp_grad_ckpt:
             kwargs["auto_wrapper_callable"] = checkpointed_wrapper
+        if self.forward_prefetch is not None:
+            kwargs["forward_prefetch"] = self.forward_prefetch
+        if self.backward_prefetch is not None:
+            kwargs["backward_prefetch"] = None if self.backward_prefetch == "NO_PREFETCH" else self.backward_prefetch
         return kwargs
 
     def check_model(self, model: torch.nn.Module) -> None:
@@ -204,6 +225,10 @@ class FSDPConfig:
             out["fsdp_min_num_params"] = self.min_num_params
         out["xla_fsdp_grad_ckpt"] = self.xla_fsdp_grad_ckpt
         out["xla_fsdp_v2"] = self.xla_fsdp_v2
+        if self.forward_prefetch is not None:
+            out["fsdp_forward_prefetch"] = self.forward_prefetch
+        if self.backward_prefetch is not None:
+            out["fsdp_backward_prefetch"] = self.backward_prefetch
         return out
 
 
@@ -283,6 +308,8 @@ def load_fsdp_config(source: Union[str, os.PathLike, Mapping, FSDPConfig]) -> FS
             min_num_params=keys.get("fsdp_min_num_params", 0),
             xla_fsdp_grad_ckpt=keys.get("xla_fsdp_grad_ckpt", False),
             xla_fsdp_v2=keys.get("xla_fsdp_v2", False),
+            forward_prefetch=keys.get("fsdp_forward_prefetch"),
+            backward_prefetch=keys.get("fsdp_backward_prefetch"),
         )
     except FSDPConfigError as e:
         if origin == "fsdp_config":

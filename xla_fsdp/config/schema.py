@@ -94,11 +94,18 @@ _TOP_LEVEL_KEYS = (
     "fsdp_min_num_params",
     "xla_fsdp_grad_ckpt",
     "xla_fsdp_v2",
+    "fsdp_forward_prefetch",
+    "fsdp_backward_prefetch",
 )
 _TOP_LEVEL_ALIASES: dict[str, str] = {
     "transformer_layer_cls_to_wrap": "fsdp_transformer_layer_cls_to_wrap",
     "min_num_params": "fsdp_min_num_params",
+    "forward_prefetch": "fsdp_forward_prefetch",
+    "backward_prefetch": "fsdp_backward_prefetch",
 }
+# Hugging Face's (and accelerate's) spellings of `backward_prefetch`, case-insensitive;
+# NO_PREFETCH is the engine's None.
+BACKWARD_PREFETCH_CHOICES = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 
 # Keys that only Hugging Face's torch-FSDP path (xla false) reads. Accepting
 # them would let a user believe they had an effect on XLA FSDP.
@@ -108,8 +115,7 @@ _TORCH_FSDP_ONLY_HINT = (
 )
 _TORCH_FSDP_ONLY_KEYS: dict[str, str] = {
     **{key: _TORCH_FSDP_ONLY_HINT for key in (
-        "version", "cpu_offload", "offload_params", "backward_prefetch", "forward_prefetch",
-        "limit_all_gathers", "use_orig_params", "sync_module_states",
+        "version", "cpu_offload", "offload_params", "limit_all_gathers", "use_orig_params", "sync_module_states",
         "cpu_ram_efficient_loading", "state_dict_type",
     )},
     "activation_checkpointing": "use xla_fsdp_grad_ckpt for per-layer gradient checkpointing",

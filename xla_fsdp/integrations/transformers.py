@@ -98,12 +98,33 @@ def wrap_model(model, args, is_fsdp_xla_v2_enabled: bool):
     grad_ckpt = bool(config.get("xla_fsdp_grad_ckpt"))
     if grad_ckpt and getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False  # as transformers does: a recomputation would append to the cache twice
+    prefetch = _prefetch_kwargs(config)
     if is_fsdp_xla_v2_enabled:
+        if prefetch:
+            raise ValueError(f"fsdp_config {sorted(prefetch)[0]} has no effect with xla_fsdp_v2 (the SPMD "
+                             "partitioner places the gathers itself); remove it or set xla_fsdp_v2 to false")
         settings = {k: v for k, v in args.xla_fsdp_config.items() if k in ("compute_dtype", "buffer_dtype")}
         return FSDP(model, engine="spmd", activation_checkpointing=grad_ckpt, **settings, **kwargs)
     if grad_ckpt:
         kwargs["auto_wrapper_callable"] = lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)
-    return FSDP(model, **kwargs, **dict(args.xla_fsdp_config))
+    return FSDP(model, **kwargs, **prefetch, **dict(args.xla_fsdp_config))
+
+
+def _prefetch_kwargs(config) -> Dict[str, Any]:
+    """fsdp_config's forward_prefetch / backward_prefetch (Hugging Face's names and spellings,
+    "fsdp_" prefix already stripped by TrainingArguments) as engine keywords, checked."""
+    from xla_fsdp.config import FSDPConfig
+
+    forward, backward = config.get("forward_prefetch"), config.get("backward_prefetch")
+    if isinstance(forward, str) and forward.lower() in ("true", "false"):
+        forward = forward.lower() == "true"  # TrainingArguments reads it with str_to_bool too
+    checked = FSDPConfig(xla=True, forward_prefetch=forward, backward_prefetch=backward)
+    out: Dict[str, Any] = {}
+    if checked.forward_prefetch is not None:
+        out["forward_prefetch"] = checked.forward_prefetch
+    if checked.backward_prefetch is not None:
+        out["backward_prefetch"] = None if checked.backward_prefetch == "NO_PREFETCH" else checked.backward_prefetch
+    return out
 
 
 def save_checkpoint(model, args, accelerator, processing_class, is_fsdp_xla_v1_enabled, output_dir=None):
