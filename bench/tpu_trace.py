@@ -134,8 +134,10 @@ def trace_fsdpv2(out_path: str, cfg: dict) -> None:
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
     model = build_meta_model(cfg["model"], cfg["grad_ckpt"])
-    # a placeholder has no buffer; `* 1` makes it an IR value mark_sharding can annotate
-    _empty_like_meta(model, make=lambda t: xb.create_placeholder_tensor(tuple(t.shape), t.dtype) * 1)
+    if cfg.get("real_params"):  # only to check the placeholders: real (uninitialized) storage
+        _empty_like_meta(model)
+    else:  # a placeholder has no buffer; `* 1` makes it an IR value mark_sharding can annotate
+        _empty_like_meta(model, make=lambda t: xb.create_placeholder_tensor(tuple(t.shape), t.dtype) * 1)
 
     def shard_output(output, mesh):  # what the HF Trainer passes FSDPv2
         real = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else output.logits
@@ -152,17 +154,50 @@ def trace_fsdpv2(out_path: str, cfg: dict) -> None:
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    torch_xla._XLAC._xla_warm_up_cache(grads, [])  # compiles (and dumps), runs nothing
-    dumps = glob.glob(os.path.join(os.environ["TPU_TRACE_DUMP"], "*after_spmd-partitioning*.txt"))
-    text = max((open(p).read() for p in dumps), key=len)
+    # compile (never run) in the background; the partitioned program is dumped early in
+    # compilation, and XLA:CPU's code generation after it is not needed: exit once it is there
+    before = set(glob.glob(os.path.join(os.environ["TPU_TRACE_DUMP"], "*")))
+    threading.Thread(target=torch_xla._XLAC._xla_warm_up_cache, args=(grads, []), daemon=True).start()
+    text = _wait_for_dump(os.environ["TPU_TRACE_DUMP"], before)
     with open(out_path, "w") as f:
         f.write(text)
+    sys.stdout.flush()
+    import shutil
+
+    shutil.rmtree(os.environ["TPU_TRACE_DUMP"], ignore_errors=True)
+    os._exit(0)  # the compile thread is still in XLA
+
+
+def _wait_for_dump(dump_dir: str, before: set, timeout: float = 1800.0) -> str:
+    import time
+
+    deadline, last = time.time() + timeout, None
+    while time.time() < deadline:
+        time.sleep(1.0)
+        found = [p for p in glob.glob(os.path.join(dump_dir, "*after_spmd-partitioning*.txt")) if p not in before]
+        if found:
+            size = os.path.getsize(found[0])
+            if size == last and size > 0:
+                return open(found[0]).read()
+            last = size
+    raise TimeoutError("no partitioned program was dumped (is XLA_FLAGS set?)")
 
 
 def main():
     out_path, cfg = sys.argv[1], json.loads(sys.argv[2])
     sys.path.insert(0, REPO)
     if cfg["engine"] == "fsdpv2":
+        import tempfile
+
+        dump = tempfile.mkdtemp(prefix="tpu_trace_dump_")
+        os.environ["TPU_TRACE_DUMP"] = dump
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                                   " --xla_dump_hlo_pass_re=spmd-partitioning --xla_dump_hlo_module_re=SyncTensorsGraph"
+                                   " --xla_dump_hlo_pipeline_re=spmd-partitioner --xla_dump_disable_metadata=true")
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, dump, True)
         return trace_fsdpv2(out_path, cfg)
     import torch_xla.distributed.xla_multiprocessing as xmp
 

@@ -122,3 +122,30 @@ class HloGraph:
 
     def first_dot_after(self, name: str) -> Optional[str]:
         return next((n for n in self.order if self.instrs[n].opcode == "dot" and name in self.ancestors(n)), None)
+
+
+# --- used by bench/project_tpu.py (appended; nothing above depends on it) ---------------------
+
+def result_bytes(text: str) -> Dict[str, int]:
+    """Bytes of every entry instruction's result, tuple elements summed (`Instr.bytes` counts
+    only the first element of a tuple)."""
+    entry = text[text.index("ENTRY"):]
+    out: Dict[str, int] = {}
+    for line in entry[entry.index("{") + 1:].splitlines():
+        m = _LINE.match(line)
+        if m:
+            out[m.group(1)] = sum(math.prod(_dims(d)) * _WIDTH.get(t, 4) for t, d in _SHAPE.findall(m.group(2)))
+    return out
+
+
+def dot_flops(graph: "HloGraph", ins: Instr) -> float:
+    """`Instr.flops`, taking the lhs shape from its producer when the text omits operand shapes
+    (XLA's own dumps, e.g. the partitioned program, print `dot(%a, %b)`)."""
+    if ins.opcode != "dot":
+        return 0.0
+    if ins.operand_shapes:
+        return ins.flops
+    lhs = graph.instrs[ins.operands[0]].shape if ins.operands else []
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    contracted = math.prod(lhs[d] for d in _dims(m.group(1))) if m and lhs else 1
+    return 2.0 * math.prod(ins.shape) * contracted

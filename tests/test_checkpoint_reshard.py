@@ -3,7 +3,8 @@
 Engines and runtimes mix too: checkpoints of gloo world 4 load into the
 single-controller runtime (8 devices) and the GSPMD engine (8 devices); the
 single-controller runtime's (4 devices) and the GSPMD engine's (4 devices)
-load into gloo world 2 and XLA world 1.
+load into gloo world 2 and XLA world 1 (the default run covers three of these
+six pairs, one per engine and runtime; `pytest -m slow` all six).
 
 A gloo world of 4 trains K=3 AdamW steps under FULL_SHARD, SHARD_GRAD_OP and
 HYBRID_SHARD ([[0, 1], [2, 3]]) and saves model and optimizer state. Fresh,
@@ -112,38 +113,63 @@ def _spmd(mode, engine, devices, tmp, jobs):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+class _AcrossRuntimes:
+    """(saved by, loaded by) -> results, each computed when first asked for (the default run
+    asks for three pairs, `pytest -m slow` for all six)."""
+
+    def __init__(self, saved, tmp_path_factory):
+        self.tmp, gloo_jobs = saved
+        self.gloo_jobs = [dict(j, name=_name(j["kind"], j["optim"], j["layout"])) for j in gloo_jobs]
+        self.factory = tmp_path_factory
+        self.saved_by = {}  # engine -> (dir, jobs) saved at 4 devices
+        self.cache = {}
+
+    def _saved_at_4(self, engine):
+        if engine not in self.saved_by:
+            sub = str(self.factory.mktemp(f"from-{engine}"))
+            jobs = [{"kind": k, "optim": o, "layout": "FULL_SHARD", "name": _name(k, o, "FULL_SHARD"),
+                     "path": os.path.join(sub, _name(k, o, "FULL_SHARD"))} for k, o in (("mlp", "adamw"),)]
+            if engine == "collectives":
+                jobs.append({"kind": "gpt2", "optim": "adamw", "layout": "HYBRID_SHARD",
+                             "name": _name("gpt2", "adamw", "HYBRID_SHARD"),
+                             "path": os.path.join(sub, _name("gpt2", "adamw", "HYBRID_SHARD"))})
+            _spmd("save", engine, 4, sub, jobs)
+            self.saved_by[engine] = (sub, jobs)
+        return self.saved_by[engine]
+
+    def __call__(self, source, target):
+        if (source, target) not in self.cache:
+            self.cache[source, target] = self._run(source, target)
+        return self.cache[source, target]
+
+    def _run(self, source, target):
+        if source == "gloo4":  # gloo world 4 -> single controller or GSPMD engine, 8 devices
+            engine = {"single8": "collectives", "gspmd8": "gspmd"}[target]
+            jobs = self.gloo_jobs if engine == "collectives" else [j for j in self.gloo_jobs
+                                                                   if j["layout"] == "FULL_SHARD"]
+            _spmd("resume", engine, 8, self.tmp, jobs)
+            return torch.load(os.path.join(self.tmp, f"resumed-{engine}.pt"), weights_only=False)
+        # single controller or GSPMD engine, 4 devices -> gloo world 2 or XLA world 1
+        sub, jobs = self._saved_at_4(source[:-1])
+        if target == "gloo2":
+            run_distributed_fn(cc.resume_worker, 2, sub, jobs)
+            return torch.load(os.path.join(sub, "resumed-w2.pt"), weights_only=False)
+        return _resume_on_xla_world1(jobs)
+
+
 @pytest.fixture(scope="module")
 def across_runtimes(saved, tmp_path_factory):
-    """(saved by, loaded by) -> results."""
-    tmp, gloo_jobs = saved
-    out = {}
-    # gloo world 4 -> single controller and GSPMD engine, 8 devices
-    jobs = [dict(j, name=_name(j["kind"], j["optim"], j["layout"])) for j in gloo_jobs]
-    _spmd("resume", "collectives", 8, tmp, jobs)
-    out["gloo4", "single8"] = torch.load(os.path.join(tmp, "resumed-collectives.pt"), weights_only=False)
-    plain = [j for j in jobs if j["layout"] == "FULL_SHARD"]
-    _spmd("resume", "gspmd", 8, tmp, plain)
-    out["gloo4", "gspmd8"] = torch.load(os.path.join(tmp, "resumed-gspmd.pt"), weights_only=False)
-    # single controller and GSPMD engine, 4 devices -> gloo world 2 and XLA world 1
-    for engine in ("collectives", "gspmd"):
-        sub = str(tmp_path_factory.mktemp(f"from-{engine}"))
-        jobs = [{"kind": k, "optim": o, "layout": "FULL_SHARD", "name": _name(k, o, "FULL_SHARD"),
-                 "path": os.path.join(sub, _name(k, o, "FULL_SHARD"))} for k, o in (("mlp", "adamw"),)]
-        if engine == "collectives":
-            jobs.append({"kind": "gpt2", "optim": "adamw", "layout": "HYBRID_SHARD",
-                         "name": _name("gpt2", "adamw", "HYBRID_SHARD"),
-                         "path": os.path.join(sub, _name("gpt2", "adamw", "HYBRID_SHARD"))})
-        _spmd("save", engine, 4, sub, jobs)
-        run_distributed_fn(cc.resume_worker, 2, sub, jobs)
-        out[engine + "4", "gloo2"] = torch.load(os.path.join(sub, "resumed-w2.pt"), weights_only=False)
-        out[engine + "4", "xla1"] = _resume_on_xla_world1(jobs)
-    return out
+    return _AcrossRuntimes(saved, tmp_path_factory)
 
 
-@pytest.mark.parametrize("source,target", [("gloo4", "single8"), ("gloo4", "gspmd8"), ("collectives4", "gloo2"),
-                                           ("collectives4", "xla1"), ("gspmd4", "gloo2"), ("gspmd4", "xla1")])
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("source,target", [("gloo4", "single8"), pytest.param("gloo4", "gspmd8", marks=_SLOW),
+                                           ("collectives4", "gloo2"), pytest.param("collectives4", "xla1", marks=_SLOW),
+                                           pytest.param("gspmd4", "gloo2", marks=_SLOW), ("gspmd4", "xla1")])
 def test_resumes_across_engines_and_runtimes(across_runtimes, source, target):
-    results = across_runtimes[source, target]
+    results = across_runtimes(source, target)
     assert results
     for name, got in results.items():
         kind, optim = name.split("-")[:2]

@@ -35,7 +35,8 @@ def _job(out, flavour, *extra):
     return json.loads((out / "log.json").read_text())
 
 
-@pytest.mark.parametrize("flavour", ["v1", "v2"])
+# v2 (the GSPMD engine, 4 devices) under `pytest -m slow`: keeps the default run short
+@pytest.mark.parametrize("flavour", ["v1", pytest.param("v2", marks=pytest.mark.slow)])
 def test_trainer_trains_resumes_and_saves_with_xla_fsdp(tmp_path, flavour):
     from transformers import GPT2LMHeadModel
 
