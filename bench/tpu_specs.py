@@ -33,28 +33,40 @@ class TpuSlice:
 
 SCALING_BOOK = "https://jax-ml.github.io/scaling-book/tpus/ (ICI BW/link table)"
 
+V4_DOCS = "https://cloud.google.com/tpu/docs/v4"
+V5E_DOCS = "https://cloud.google.com/tpu/docs/v5e"
+V5P_DOCS = "https://cloud.google.com/tpu/docs/v5p"
+
 SLICES: Dict[str, TpuSlice] = {
     "v4-8": TpuSlice(
         "v4-8", chips=4, topology="2x2x1",
-        peak_bf16_flops=275e12,   # "Peak compute per chip 275 teraflops (bf16 or int8)": https://cloud.google.com/tpu/docs/v4
-        hbm_bytes_per_s=1200e9,   # "HBM2 capacity and bandwidth 32 GiB, 1200 GBps": https://cloud.google.com/tpu/docs/v4
-        hbm_gib=32,               # same page
-        ici_link_one_way=4.5e10,  # TPU v4p: 4.5e10 bytes/s one-way per link: https://jax-ml.github.io/scaling-book/tpus/
-        sources="https://cloud.google.com/tpu/docs/v4; " + SCALING_BOOK),
+        # V4_DOCS: "Peak compute per chip 275 teraflops (bf16 or int8)"
+        peak_bf16_flops=275e12,
+        # V4_DOCS: "HBM2 capacity and bandwidth 32 GiB, 1200 GBps"
+        hbm_bytes_per_s=1200e9, hbm_gib=32,
+        # SCALING_BOOK, TPU v4p row: 4.5e10 bytes/s one-way per link (the v4 docs page gives no ICI figure)
+        ici_link_one_way=4.5e10,
+        sources=f"{V4_DOCS}; {SCALING_BOOK}"),
     "v5e-8": TpuSlice(
         "v5e-8", chips=8, topology="2x4",
-        peak_bf16_flops=197e12,   # "Peak compute per chip (bf16) 197 TFLOPs": https://cloud.google.com/tpu/docs/v5e
-        hbm_bytes_per_s=819e9,    # "HBM2 capacity and bandwidth 16 GB, 819 GBps": https://cloud.google.com/tpu/docs/v5e
-        hbm_gib=16,               # same page (16 GB)
-        ici_link_one_way=5e10,    # TPU v5e: 5e10 bytes/s one-way per link: https://jax-ml.github.io/scaling-book/tpus/
-        sources="https://cloud.google.com/tpu/docs/v5e; " + SCALING_BOOK),   # (docs: 1600 Gbps per chip = 4 links)
+        # V5E_DOCS: "Peak compute per chip (bf16) 197 TFLOPs"
+        peak_bf16_flops=197e12,
+        # V5E_DOCS: "HBM2 capacity and bandwidth 16 GB, 819 GBps"
+        hbm_bytes_per_s=819e9, hbm_gib=16,
+        # SCALING_BOOK, TPU v5e row: 5e10 bytes/s one-way per link (V5E_DOCS: "Interchip Interconnect BW
+        # 1600 Gbps" per chip, i.e. 4 links x 50 GB/s)
+        ici_link_one_way=5e10,
+        sources=f"{V5E_DOCS}; {SCALING_BOOK}"),
     "v5p-8": TpuSlice(
         "v5p-8", chips=4, topology="2x2x1",
-        peak_bf16_flops=459e12,   # "Peak compute per chip (bf16) 459 TFLOPs": https://cloud.google.com/tpu/docs/v5p
-        hbm_bytes_per_s=2765e9,   # "HBM2e capacity and bandwidth 95GB, 2765 GBps": https://cloud.google.com/tpu/docs/v5p
-        hbm_gib=95,               # same page
-        ici_link_one_way=1e11,    # TPU v5p: 1e11 bytes/s one-way per link: https://jax-ml.github.io/scaling-book/tpus/
-        sources="https://cloud.google.com/tpu/docs/v5p; " + SCALING_BOOK),
+        # V5P_DOCS: "Peak compute per chip (bf16) 459 TFLOPs"
+        peak_bf16_flops=459e12,
+        # V5P_DOCS: "HBM2e capacity and bandwidth 95GB, 2765 GBps"
+        hbm_bytes_per_s=2765e9, hbm_gib=95,
+        # SCALING_BOOK, TPU v5p row: 1e11 bytes/s one-way per link (V5P_DOCS: "Interchip Interconnect BW
+        # 4800 Gbps" per chip, i.e. 6 links x 100 GB/s)
+        ici_link_one_way=1e11,
+        sources=f"{V5P_DOCS}; {SCALING_BOOK}"),
 }
 
 # TPUs run f32 matmuls at DEFAULT precision as one bf16 pass ("By default, TPUs perform matrix
@@ -64,8 +76,11 @@ SLICES: Dict[str, TpuSlice] = {
 F32_PASSES = {"default": 1, "high": 3, "highest": 6}
 
 
+ALIASES = {"v5litepod-8": "v5e-8"}
+
+
 def get(name: str) -> TpuSlice:
-    key = name.strip().lower()
+    key = ALIASES.get(name.strip().lower(), name.strip().lower())
     if key not in SLICES:
         raise SystemExit(f"unknown TPU {name!r}; known: {', '.join(sorted(SLICES))}")
     return SLICES[key]

@@ -6,7 +6,8 @@ Used by bench/project_tpu.py, one configuration per process:
 
 CONFIG_JSON: {"model": "configs/models/gpt2-2b.json", "engine": "xla_fsdp" |
 "torch_xla" | "fsdpv2", "kwargs": {...}, "batch": 32, "seq": 1024,
-"grad_ckpt": true}. "batch" is per device.
+"grad_ckpt": true}. "batch" is per device; "real_params": true (fsdpv2 only) traces
+with real, uninitialized parameters instead of placeholders, to check them.
 
 The model is built under torch.device("meta"), so no full parameter ever
 exists. Values never matter (nothing runs), so units are materialized with

@@ -45,9 +45,9 @@ CROSS_RUNTIME_MODEL_REL = 1e-6
 CROSS_RUNTIME_TENSOR_REL = 2e-6
 
 # one of each variant in the default run: (devices, "case[:gather impl]")
-# (checkpointing: torch_xla's checkpoint_module wrapped after FSDP; reshard off: SHARD_GRAD_OP)
+# (reshard off: SHARD_GRAD_OP; HYBRID at 8 only)
 DEFAULT = {
-    4: ["mlp_sgd", "gpt2_adamw", "gpt2_hybrid", "mlp_bf16", "mlp_clip_sgd:all_reduce", "acc/no_sync/gpt2_adamw",
+    4: ["mlp_sgd", "gpt2_adamw", "gpt2_checkpoint", "mlp_bf16", "mlp_clip_sgd:all_reduce", "acc/no_sync/gpt2_adamw",
         "gpt2_no_prefetch"],
     8: ["gpt2_hybrid", "mlp_shard_grad_op", "gpt2_no_shard", "mlp_mixed_sizes", "gpt2_txla_ckpt_after", "meta"],
 }
@@ -119,7 +119,6 @@ def test_parity(runs, devices, spec):
 
 def test_hybrid_groups_are_the_halves(runs):
     assert runs[("parity", 8)].result()["gpt2_hybrid"]["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert runs[("parity", 4)].result()["gpt2_hybrid"]["groups"] == [[0, 1], [2, 3]]
 
 
 # the cases the gloo suite also runs at world 4 (tests/conftest.py's dist_results)

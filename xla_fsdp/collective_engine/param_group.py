@@ -20,8 +20,10 @@ class _GatherParams(torch.autograd.Function):
     """Shards -> full parameters; backward reduce-scatters the full gradients."""
 
     @staticmethod
-    def forward(ctx, group: "FSDPParamGroup", barrier_with, *shards):
+    def forward(ctx, group: "FSDPParamGroup", barrier_with, gathered, *shards):
         ctx.group = group
+        if gathered is not None:  # gathered earlier (a prefetch): only the autograd wiring is new
+            return tuple(gathered)
         return tuple(group.gather(barrier_with, shards=shards))
 
     @staticmethod
@@ -29,7 +31,7 @@ class _GatherParams(torch.autograd.Function):
         group = ctx.group
         shard_grads = group.reduce_grads(full_grads)
         group.on_grads_reduced(shard_grads)
-        return (None, None, *shard_grads)
+        return (None, None, None, *shard_grads)
 
 
 # [Note: buckets] A flat bucket costs copies: the gathered buffer holds every
@@ -138,11 +140,13 @@ class FSDPParamGroup:
                 return [p.unpad(p.sharded.detach()) for p in self.params]
         return self.gather(full_precision=True)
 
-    def gather_for_forward(self, barrier_with: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Full parameters wired into autograd, so their gradients flow back to the shards."""
+    def gather_for_forward(self, barrier_with: Sequence[torch.Tensor],
+                           gathered: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
+        """Full parameters wired into autograd, so their gradients flow back to the shards;
+        `gathered`: the output of an earlier `gather` to wire instead of gathering again."""
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in self.params):
-            return self.gather(barrier_with)
-        return list(_GatherParams.apply(self, tuple(barrier_with), *self.local_shards(grad=True)))
+            return gathered if gathered is not None else self.gather(barrier_with)
+        return list(_GatherParams.apply(self, tuple(barrier_with), gathered, *self.local_shards(grad=True)))
 
     # -- reduce -------------------------------------------------------------
     def reduce_grads(self, full_grads: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:

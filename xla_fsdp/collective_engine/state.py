@@ -212,6 +212,11 @@ class FSDPState:
         barrier_with = self._forward_barrier_tensors(args, kwargs)
         self.training_state = TrainingState.FORWARD
         full, self._prefetched = self._prefetched, None
+        if full is None and is_recomputing() and self._full_for_backward is not None:
+            # a checkpointed unit re-running its forward in backward: the re-gather the
+            # previous unit's backward started for it (BACKWARD_PRE/POST) is this forward's gather
+            full = self.group.gather_for_forward((), gathered=self._full_for_backward)
+            self._full_for_backward = None
         if full is None:
             full = self.group.gather_for_forward(barrier_with)
         self._prefetch_next_forward(barrier_with)
