@@ -75,11 +75,15 @@ def test_checkpointed_units_use_the_prefetched_regather(graphs):
     previous block's backward started (BACKWARD_PRE), so it has work beside it and nothing is
     gathered twice: one gather per unit in forward (the root keeps its parameters) and one per
     block for the recomputation, as without prefetch (found by bench/project_tpu.py's trace:
-    an unused gather per block before)."""
+    an unused gather per block before), and the forward prefetches although a checkpointed
+    forward runs without autograd."""
     g = graphs["ckpt"]
     gathers = g.collectives(("all-gather",))
     assert len(gathers) == 5 + 4, [c.name for c in gathers]
-    _, backward, scatters = _phases(g)
+    forward, backward, scatters = _phases(g)
     assert len(backward) == 4 and len(scatters) == 5
     for c in backward:
         assert g.independent_flops(c.name) > 0, c.name
+    # the checkpointed forward runs under no_grad and still prefetches (blocks 1-3)
+    for c in forward[2:]:
+        assert g.independent_flops(c.name) >= 0.5 * BLOCK_FORWARD_FLOPS, c.name

@@ -20,8 +20,12 @@ unit k starts unit k+1's gather tied to *its own* input (forward_prefetch),
 so it runs during unit k's compute, and no earlier: at most two units' full
 parameters are alive. In backward, unit k's incoming gradient also starts the
 re-gather of the unit whose backward comes next (BACKWARD_PRE), or unit k's
-reduced gradients do (BACKWARD_POST: less overlap, less memory). Measured on
-the traced program (bench/overlap.py, tests/test_overlap.py).
+reduced gradients do (BACKWARD_POST: less overlap, less memory). Early gathers
+are plain tensors and are wired into autograd by the unit that uses them: a
+checkpointed unit's first forward runs without autograd and still prefetches,
+and its recomputation in backward takes the re-gather started for it instead
+of gathering again. Measured on the traced program (bench/overlap.py,
+tests/test_overlap.py).
 """
 from __future__ import annotations
 
@@ -211,14 +215,14 @@ class FSDPState:
             args, kwargs = self._cast_inputs(args, kwargs)
         barrier_with = self._forward_barrier_tensors(args, kwargs)
         self.training_state = TrainingState.FORWARD
+        # a gather started early (plain tensors) is wired into autograd here, so whoever started
+        # it (a unit under no_grad, e.g. inside its checkpoint) cannot decide whether grads flow
         full, self._prefetched = self._prefetched, None
         if full is None and is_recomputing() and self._full_for_backward is not None:
             # a checkpointed unit re-running its forward in backward: the re-gather the
             # previous unit's backward started for it (BACKWARD_PRE/POST) is this forward's gather
-            full = self.group.gather_for_forward((), gathered=self._full_for_backward)
-            self._full_for_backward = None
-        if full is None:
-            full = self.group.gather_for_forward(barrier_with)
+            full, self._full_for_backward = self._full_for_backward, None
+        full = self.group.gather_for_forward(barrier_with, gathered=full)
         self._prefetch_next_forward(barrier_with)
         reshard = self._reshards_after_forward and torch.is_grad_enabled()
         for p, t in zip(self.group.params, full):
@@ -256,10 +260,10 @@ class FSDPState:
     def _prefetch_next_forward(self, barrier_with) -> None:
         """Start the next unit's gather now, tied to this unit's input: it runs while this unit computes."""
         nxt = self.next_forward
-        if (nxt is None or not self.options.prefetch.forward or not torch.is_grad_enabled() or is_recomputing()
+        if (nxt is None or not self.options.prefetch.forward or is_recomputing()
                 or nxt._prefetched is not None or nxt.unsharded is not None):
             return
-        nxt._prefetched = nxt.group.gather_for_forward(barrier_with)
+        nxt._prefetched = nxt.group.gather(barrier_with)
 
     def _learn_order(self) -> None:
         """After the root's forward: the order its units ran in is next step's prefetch order."""
