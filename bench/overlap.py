@@ -10,6 +10,8 @@ Summary per configuration: the fraction of gather + reduce-scatter bytes that
 have independent work, and the number of hoistable gathers.
 
     python bench/overlap.py [--model gpt2_small|gpt2_125m] [--per-collective]
+    python bench/overlap.py --hlo-dir DIR   # the traces bench/project_tpu.py --hlo-dir DIR kept
+                                            # (GPT-2 125M and 2B at their TPU world size, real shapes)
 
 Configurations: xla_fsdp with forward/backward prefetch on (the default),
 backward prefetch only, none, and torch_xla's FSDPv1 (pinned layouts, its
@@ -55,11 +57,37 @@ def analyse(text: str, world: int = WORLD) -> dict:
             "hoistable": sum(r["hoistable"] for r in rows if r["op"] != "reduce-scatter"), "flops": g.total_flops}
 
 
+def _row(label: str, a: dict) -> str:
+    gathers = sum(r["op"] != "reduce-scatter" for r in a["rows"])
+    scatters = sum(r["op"] == "reduce-scatter" for r in a["rows"])
+    return f"{label:52s} {gathers:>7d} {scatters:>6d} {a['overlappable']:>19.2f} {a['hoistable']:>18d}"
+
+
+def from_traces(hlo_dir: str) -> None:
+    """The explicit-collective programs bench/project_tpu.py traced (file names
+    `<model>.<config>.w<world>.b<batch>.s<seq>.hlo`); FSDPv2's partitioned dump is left out."""
+    import glob
+    import re
+
+    print(f"{'trace (project_tpu.py)':52s} {'gathers':>7s} {'r-scat':>6s} {'bytes overlappable':>19s} "
+          f"{'hoistable gathers':>18s}")
+    for path in sorted(glob.glob(os.path.join(hlo_dir, "*.hlo"))):
+        name = os.path.basename(path)[:-4]
+        m = re.search(r"\.w(\d+)\.", name)
+        if "fsdpv2" in name or not m:
+            continue
+        print(_row(name, analyse(open(path).read(), world=int(m.group(1)))))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2_small", choices=["gpt2_small", "gpt2_125m", "gpt2"])
     ap.add_argument("--per-collective", action="store_true")
+    ap.add_argument("--hlo-dir", help="analyse the traces bench/project_tpu.py --hlo-dir kept instead of tracing")
     args = ap.parse_args()
+    if args.hlo_dir:
+        from_traces(args.hlo_dir)
+        return
     configs = [{"name": f"c{i}", "model": args.model, "engine": engine, "kwargs": kwargs}
                for i, (_, engine, kwargs) in enumerate(CONFIGS)]
     with tempfile.TemporaryDirectory() as out:
@@ -69,9 +97,7 @@ def main():
     print(f"{'configuration':52s} {'gathers':>7s} {'r-scat':>6s} {'bytes overlappable':>19s} {'hoistable gathers':>18s}")
     for (label, _, _), text in zip(CONFIGS, texts):
         a = analyse(text)
-        gathers = sum(r["op"] != "reduce-scatter" for r in a["rows"])
-        scatters = sum(r["op"] == "reduce-scatter" for r in a["rows"])
-        print(f"{label:52s} {gathers:>7d} {scatters:>6d} {a['overlappable']:>19.2f} {a['hoistable']:>18d}")
+        print(_row(label, a))
         if args.per_collective:
             for r in a["rows"]:
                 print(f"    {r['op']:15s} {r['bytes'] / 1e6:9.3f} MB  independent {r['independent_flops'] / 1e9:8.3f} GFLOP"
