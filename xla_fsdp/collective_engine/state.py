@@ -268,8 +268,11 @@ class FSDPState:
     def _learn_order(self) -> None:
         """After the root's forward: the order its units ran in is next step's prefetch order."""
         order, self._recording = self._recording or [self], None
-        for state in order:
-            state._prefetched = None  # a unit that did not run this time must not keep a stale gather
+        units = [m._fsdp_state for m in self._units] if self._units is not None else order
+        for state in units:
+            # every unit, not only those that ran: a gather started for one that did not run this
+            # time (the order changed) would hold old values by the time it runs
+            state._prefetched = None
             state.next_forward = state.next_backward = None
         for before, after in zip(order, order[1:]):
             before.next_forward = after
