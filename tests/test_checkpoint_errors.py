@@ -175,3 +175,30 @@ def test_a_save_that_cannot_complete_leaves_the_previous_checkpoint(trained, tmp
     assert sorted(os.listdir(path)) == before and not os.path.exists(path + ".partial")
     model2, opt2 = _fresh()
     assert load_checkpoint(path, model2, opt2)["step"] == 2  # the previous checkpoint is intact
+
+
+def test_spmd_over_several_hosts_is_refused_before_anything_is_written(tmp_path):
+    """Under the SPMD runtime one process holds the whole model only if it is the only process;
+    with several hosts (process_count() stubbed to 2: the one fact this machine cannot have),
+    save and load refuse by name instead of letting every host write as if alone."""
+    script = textwrap.dedent(f"""
+        import torch, torch_xla, torch_xla.runtime as xr
+        xr.use_spmd()
+        from xla_fsdp import FSDP
+        from xla_fsdp.checkpoint import save_checkpoint, load_checkpoint
+        model = FSDP(torch.nn.Sequential(torch.nn.Linear(8, 8)), engine="spmd")
+        save_checkpoint({str(tmp_path / "good")!r}, model)  # one host: fine
+        xr.process_count = lambda: 2
+        for call in (lambda: save_checkpoint({str(tmp_path / "ckpt")!r}, model),
+                     lambda: load_checkpoint({str(tmp_path / "good")!r}, model)):
+            try:
+                call()
+            except NotImplementedError as e:
+                print("REFUSED", e)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"))
+    refusals = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refusals) == 2, proc.stdout + proc.stderr[-3000:]
+    assert all("several hosts (2 processes)" in r and "xla_spawn" in r for r in refusals)
+    assert os.listdir(tmp_path) == ["good"]

@@ -184,7 +184,25 @@ def process_info(model: nn.Module) -> ProcessInfo:
     comm = next((m._fsdp_state.group.comm for m in model.modules() if getattr(m, "_fsdp_state", None)), None)
     if comm is not None and not comm.is_single_controller:
         return ProcessInfo(comm.layout.rank, comm.layout.world_size, comm.barrier, comm.all_ok)
+    _refuse_spmd_over_several_hosts()
     return ProcessInfo(0, 1, lambda: None, lambda ok: ok)
+
+
+def _refuse_spmd_over_several_hosts() -> None:
+    """One process holds the whole model only when it is the only process: under the SPMD runtime
+    on several hosts each would write (or read) as if it were alone."""
+    import sys
+
+    if "torch_xla" not in sys.modules:  # gloo-only and CPU processes never start the XLA runtime
+        return
+    import torch_xla.runtime as xr
+
+    if xr.is_spmd() and xr.process_count() > 1:
+        raise NotImplementedError(
+            f"sharded checkpoints of an SPMD run over several hosts ({xr.process_count()} processes) are not "
+            "supported yet: each host would write the checkpoint as if it were the only one. Run one process "
+            "per chip (launch/xla_spawn.py without --spmd) on multi-host slices, or save with "
+            "torch_xla.experimental.distributed_checkpoint")
 
 
 def layout_record(model: nn.Module) -> Dict[str, Any]:
