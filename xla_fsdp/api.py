@@ -141,12 +141,16 @@ class XlaFullyShardedDataParallel(nn.Module):
         """Back to the shards after `unshard()`."""
         self._fsdp_state.reshard()
 
+    def _units_below(self) -> list:
+        """This unit and every unit nested in it."""
+        return [m for m in self.modules() if getattr(m, "_fsdp_state", None) is not None]
+
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
         """PyTorch FSDP's context with every parameter whole (of all units below, with
         `recurse`), e.g. to evaluate or generate without per-layer gathers. With `writeback`,
         in-place changes to the full parameters are kept. Collective: every rank enters it."""
-        units = [m for m in self.modules() if getattr(m, "_fsdp_state", None) is not None] if recurse else [self]
+        units = self._units_below() if recurse else [self]
         for unit in units:
             unit._fsdp_state.unshard()
         try:
@@ -161,7 +165,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         gradients (full-size memory) until a backward with True reduces them all together.
         The XLA-friendly alternative keeps it True: each backward reduce-scatters and the shard
         gradients accumulate, 1/N the memory for a collective per micro-batch."""
-        units = [m for m in self.modules() if getattr(m, "_fsdp_state", None) is not None] if recurse else [self]
+        units = self._units_below() if recurse else [self]
         for unit in units:
             unit._fsdp_state.group.requires_grad_sync = bool(requires_gradient_sync)
 
@@ -171,7 +175,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         communication and accumulates full gradients; the first backward after it reduces."""
         if self._fsdp_state.is_root is False:
             raise RuntimeError(f"no_sync() must be called on the root unit, not on {original_class(self).__name__}")
-        units = [m._fsdp_state.group for m in self.modules() if getattr(m, "_fsdp_state", None) is not None]
+        units = [m._fsdp_state.group for m in self._units_below()]
         before = [g.requires_grad_sync for g in units]
         for g in units:
             g.requires_grad_sync = False
@@ -262,6 +266,10 @@ class GspmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
     @contextlib.contextmanager
     def no_sync(self):
         yield
+
+    def _units_below(self) -> list:
+        """This unit and every unit nested in it."""
+        return [m for m in self.modules() if getattr(m, "_fsdp_state", None) is not None]
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):

@@ -179,9 +179,14 @@ def _copy_keeping_layout(param: torch.Tensor, value: torch.Tensor) -> None:
         param.copy_(value)
 
 
+def _engine_comm(model: nn.Module):
+    """The collective engine's collectives of `model` (None: a plain or GSPMD-engine model)."""
+    return next((m._fsdp_state.group.comm for m in model.modules() if getattr(m, "_fsdp_state", None)), None)
+
+
 def process_info(model: nn.Module) -> ProcessInfo:
     """Rank, world size and agreement for the processes that save or load together."""
-    comm = next((m._fsdp_state.group.comm for m in model.modules() if getattr(m, "_fsdp_state", None)), None)
+    comm = _engine_comm(model)
     if comm is not None and not comm.is_single_controller:
         return ProcessInfo(comm.layout.rank, comm.layout.world_size, comm.barrier, comm.all_ok)
     _refuse_spmd_over_several_hosts()
@@ -208,7 +213,7 @@ def _refuse_spmd_over_several_hosts() -> None:
 def layout_record(model: nn.Module) -> Dict[str, Any]:
     """How the model is laid out (recorded with a checkpoint; equal records mean per-rank state
     can be loaded back rank by rank)."""
-    comm = next((m._fsdp_state.group.comm for m in model.modules() if getattr(m, "_fsdp_state", None)), None)
+    comm = _engine_comm(model)
     if comm is None:
         return {"engine": "plain or GSPMD", "processes": 1}
     layout = comm.layout

@@ -118,13 +118,8 @@ def _prefetch_kwargs(config) -> Dict[str, Any]:
     forward, backward = config.get("forward_prefetch"), config.get("backward_prefetch")
     if isinstance(forward, str) and forward.lower() in ("true", "false"):
         forward = forward.lower() == "true"  # TrainingArguments reads it with str_to_bool too
-    checked = FSDPConfig(xla=True, forward_prefetch=forward, backward_prefetch=backward)
-    out: Dict[str, Any] = {}
-    if checked.forward_prefetch is not None:
-        out["forward_prefetch"] = checked.forward_prefetch
-    if checked.backward_prefetch is not None:
-        out["backward_prefetch"] = None if checked.backward_prefetch == "NO_PREFETCH" else checked.backward_prefetch
-    return out
+    # checked and converted by our own config schema (an fsdp_config with only these keys)
+    return FSDPConfig(xla=True, forward_prefetch=forward, backward_prefetch=backward).engine_kwargs()
 
 
 def save_checkpoint(model, args, accelerator, processing_class, is_fsdp_xla_v1_enabled, output_dir=None):
