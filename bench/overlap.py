@@ -13,7 +13,8 @@ have independent work, and the number of hoistable gathers.
     python bench/overlap.py --hlo-dir DIR   # the traces bench/project_tpu.py --hlo-dir DIR kept
                                             # (GPT-2 125M and 2B at their TPU world size, real shapes)
 
-Configurations: xla_fsdp with forward/backward prefetch on (the default),
+Configurations: xla_fsdp with forward/backward prefetch on (the default; and
+with one flat collective per unit, where hoistable gathers count units),
 backward prefetch only, none, and torch_xla's FSDPv1 (pinned layouts, its
 defaults); every unit resharded after forward (root included), as in the
 issue's baseline measurement.
@@ -33,6 +34,7 @@ WORLD = 8
 RESHARD_ALL = {"disable_reshard_on_root": False}
 CONFIGS = [
     ("xla_fsdp, prefetch forward + BACKWARD_PRE (default)", "xla_fsdp", dict(RESHARD_ALL)),
+    ("xla_fsdp, the same, one flat gather per unit", "xla_fsdp", dict(RESHARD_ALL, flatten_parameters=True)),
     ("xla_fsdp, BACKWARD_POST, no forward prefetch", "xla_fsdp",
      dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch="BACKWARD_POST")),
     ("xla_fsdp, no prefetch", "xla_fsdp", dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch=None)),

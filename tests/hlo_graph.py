@@ -120,6 +120,25 @@ class HloGraph:
         anc = self.ancestors(consumer)
         return all(u in anc for u in self.users[producer])
 
+    def pieces(self, name: str) -> List[str]:
+        """The per-parameter cuts of a gathered buffer: slices of it, through reshapes."""
+        out, stack = [], [name]
+        while stack:
+            for u in self.users[stack.pop()]:
+                op = self.instrs[u].opcode
+                if op in ("reshape", "bitcast"):
+                    stack.append(u)
+                elif op == "slice":
+                    out.append(u)
+        return out
+
+    def bytes_in_use_at(self, producer: str, consumer: str) -> int:
+        """Bytes of `producer`'s pieces that still have a use when `consumer` runs (a use that
+        is not an ancestor of it)."""
+        anc = self.ancestors(consumer)
+        return sum(self.instrs[p].bytes for p in self.pieces(producer)
+                   if not all(u in anc for u in self.users[p]))
+
     def first_dot_after(self, name: str) -> Optional[str]:
         return next((n for n in self.order if self.instrs[n].opcode == "dot" and name in self.ancestors(n)), None)
 

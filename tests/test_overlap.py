@@ -3,11 +3,14 @@ d256, 4 blocks, one flat gather per unit, every unit resharded), and training is
 
 Forward: without prefetch each block's gather waits for the previous block's output, so no
 matmul can run beside it; with it, block k+1's gather is tied to block k's *input* and has
-block k's forward matmuls to overlap with. The root's gather (the first of the step) and
-block 0's (nothing computes before the first block but embedding lookups) have none either
-way, and with prefetch block 1's gather also precedes every matmul (hoistable). Backward: each re-gather and reduce-scatter has matmul work beside it. Liveness: when a
-block's forward gather runs, every use of the gather two blocks earlier is done, so at most
-two blocks' full parameters are alive (the root's stay gathered until the LM head at the end).
+block k's forward matmuls to overlap with. The root's gather and block 0's wait for the same
+input (the step's first), so they are one collective ([Note: the first gather of a step]);
+block 1's, prefetched beside block 0 whose input is an embedding lookup, also precedes every
+matmul: two hoistable gathers. Backward: each re-gather and reduce-scatter has matmul work
+beside it, the root's reduce-scatter too (block 0's weight gradients), since no collective
+waits for a reduce-scatter ([Note: no reduce-scatter chain]). Liveness: when a block's forward
+gather runs, every use of the gather two blocks earlier is done, so at most two blocks' full
+parameters are alive (the root's stay gathered until the LM head at the end).
 """
 import pytest
 
@@ -32,58 +35,63 @@ def graphs(tmp_path_factory):
     return {c["name"]: HloGraph(read(out, c["name"], WORLD)[0]) for c in configs}
 
 
-def _phases(g):
+def _phases(g, forward_gathers):
     """(forward gathers in unit order, backward gathers, reduce-scatters): a forward gather
     depends on fewer matmuls than any backward one (those need the whole forward)."""
     gathers = sorted(g.collectives(("all-gather",)),
                      key=lambda c: sum(g.instrs[a].opcode == "dot" for a in g.ancestors(c.name)))
-    units = 1 + 4
-    return gathers[:units], gathers[units:], g.collectives(("reduce-scatter",))
+    return gathers[:forward_gathers], gathers[forward_gathers:], g.collectives(("reduce-scatter",))
+
+
+ON_FORWARD = 4  # root and block 0 together, then blocks 1-3
+OFF_FORWARD = 5  # the root, then blocks 0-3
 
 
 def test_forward_gathers_overlap_the_previous_block(graphs):
-    forward, _, _ = _phases(graphs["on"])
-    for c in forward[2:]:  # blocks 1..3
+    forward, _, _ = _phases(graphs["on"], ON_FORWARD)
+    for c in forward[1:]:  # every gather but the first: blocks 1..3
         assert graphs["on"].independent_flops(c.name) >= 0.5 * BLOCK_FORWARD_FLOPS, c.name
-    off, _, _ = _phases(graphs["off"])
+    off, _, _ = _phases(graphs["off"], OFF_FORWARD)
     exposed = [graphs["off"].independent_flops(c.name) for c in off[2:]]
     assert max(exposed) < 0.5 * BLOCK_FORWARD_FLOPS, exposed  # the test can tell the difference
 
 
 def test_backward_collectives_have_work_beside_them(graphs):
     g = graphs["on"]
-    _, backward, scatters = _phases(g)
+    _, backward, scatters = _phases(g, ON_FORWARD)
     assert len(backward) == 5 and len(scatters) == 5
-    for c in backward + scatters[:-1]:  # the last reduce-scatter (the root's) ends the step
+    for c in backward + scatters:
         assert g.independent_flops(c.name) > 0, c.name
 
 
 def test_hoistable_gathers_and_two_blocks_alive(graphs):
     g = graphs["on"]
-    forward, _, _ = _phases(g)
-    # no matmul precedes the root's gather, block 0's, or (prefetched beside block 0, whose input
-    # is an embedding lookup) block 1's: three, one more than without prefetch (issue 12 asks for 2)
-    assert sum(g.hoistable(c.name) for c in g.collectives(("all-gather",))) == 3
+    forward, _, _ = _phases(g, ON_FORWARD)
+    assert sum(g.hoistable(c.name) for c in g.collectives(("all-gather",))) == 2
     assert sum(graphs["off"].hoistable(c.name) for c in graphs["off"].collectives(("all-gather",))) == 2
-    blocks = forward[1:]
-    for earlier, later in zip(blocks, blocks[2:]):
+    first, blocks = forward[0], forward[1:]
+    root_bytes = _phases(graphs["off"], OFF_FORWARD)[0][0].bytes  # the root's gather alone
+    # when block 2's gather runs, block 0's half of the first gather is no longer used
+    assert 0 < g.bytes_in_use_at(first.name, blocks[1].name) <= root_bytes
+    for earlier, later in zip(blocks, blocks[2:]):  # block 1 -> block 3
         assert g.uses_done_before(earlier.name, later.name), (earlier.name, later.name)
+        assert g.bytes_in_use_at(earlier.name, later.name) == 0
 
 
 def test_checkpointed_units_use_the_prefetched_regather(graphs):
     """Per-layer checkpointing: a block's recomputation in backward takes the re-gather the
     previous block's backward started (BACKWARD_PRE), so it has work beside it and nothing is
-    gathered twice: one gather per unit in forward (the root keeps its parameters) and one per
+    gathered twice: one gather per unit in forward (the root's and block 0's in one collective; the root keeps its parameters) and one per
     block for the recomputation, as without prefetch (found by bench/project_tpu.py's trace:
     an unused gather per block before), and the forward prefetches although a checkpointed
     forward runs without autograd."""
     g = graphs["ckpt"]
     gathers = g.collectives(("all-gather",))
-    assert len(gathers) == 5 + 4, [c.name for c in gathers]
-    forward, backward, scatters = _phases(g)
+    assert len(gathers) == ON_FORWARD + 4, [c.name for c in gathers]
+    forward, backward, scatters = _phases(g, ON_FORWARD)
     assert len(backward) == 4 and len(scatters) == 5
     for c in backward:
         assert g.independent_flops(c.name) > 0, c.name
     # the checkpointed forward runs under no_grad and still prefetches (blocks 1-3)
-    for c in forward[2:]:
+    for c in forward[1:]:
         assert g.independent_flops(c.name) >= 0.5 * BLOCK_FORWARD_FLOPS, c.name

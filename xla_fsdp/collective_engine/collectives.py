@@ -11,6 +11,17 @@ collectives in separately compiled programs never rendezvous. So nothing here
 may depend on the rank as a Python constant: the all-reduce emulation of
 all-gather places the shard with `index_copy` at an index held in a device
 tensor (data), not with a rank-dependent pad.
+
+[Note: no reduce-scatter chain] torch_xla threads a per-device token through
+its collectives, so each waits for the one issued before it. Its all-gather
+binding does this by itself, which matches the order units issue gathers in.
+A reduce-scatter here reads the token (so it still follows the gathers issued
+before it) but does not publish the one it returns: no later collective waits
+for a reduce-scatter. With the chain, the root's reduce-scatter, the step's
+last, waited for block 0's, which waits for block 0's weight-gradient matmuls,
+and nothing was left to overlap it with (tests/test_overlap.py). The devices
+need no chain to agree on the order: each runs the same compiled program
+([Note: rank as data]), scheduled the same way on each.
 """
 from __future__ import annotations
 
@@ -143,11 +154,11 @@ class XlaCollectives(Collectives):
         groups, count = self._group("shard")
         if count == 1:
             return flat
+        # [Note: no reduce-scatter chain] read the device's collective token, never publish ours
         token = self._xlac._get_all_reduce_token(str(self.device))
-        out, new_token = self._xlac._xla_reduce_scatter(
+        out, _ = self._xlac._xla_reduce_scatter(
             REDUCE_SUM, flat, token, 1.0, 0, count, groups, self.options.pin_layout, *self._channel
         )
-        self._xlac._set_all_reduce_token(str(self.device), new_token)
         return out
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):

@@ -7,7 +7,7 @@ its own bucket instead.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +32,31 @@ class _GatherParams(torch.autograd.Function):
         shard_grads = group.reduce_grads(full_grads)
         group.on_grads_reduced(shard_grads)
         return (None, None, None, *shard_grads)
+
+
+def _gather_flat(comm: Collectives, pieces, dtype, barrier_with) -> List[torch.Tensor]:
+    """One all-gather of the concatenated shards of `pieces` ((FSDPParam, local shard) pairs):
+    each parameter whole, in `dtype` (None: its shard's). No autograd."""
+    flat = torch.cat([s.to(dtype or s.dtype).reshape(-1) for _, s in pieces])
+    if barrier_with and comm.is_xla:
+        flat = comm.optimization_barrier([flat, *barrier_with])[0]
+    gathered = comm.all_gather(flat).view(comm.layout.shard_world_size, -1)
+    out, offset = [], 0
+    for p, _ in pieces:
+        out.append(p.unpad(gathered[:, offset: offset + p.shard_numel].reshape(p.padded_rows, *p.row_shape)))
+        offset += p.shard_numel
+    return out
+
+
+def gather_together(first: "FSDPParamGroup", second: "FSDPParamGroup",
+                    barrier_with: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Both groups' parameters in compute dtype from one collective, whatever their buckets
+    ([Note: the first gather of a step]). `first.gathers_with(second)` must hold. No autograd."""
+    dtype = first.options.mixed_precision.compute_dtype
+    with torch.no_grad():
+        pieces = list(zip(first.params, first.local_shards())) + list(zip(second.params, second.local_shards()))
+        full = _gather_flat(first.comm, pieces, dtype, barrier_with)
+    return full[:len(first.params)], full[len(first.params):]
 
 
 # [Note: buckets] A flat bucket costs copies: the gathered buffer holds every
@@ -117,17 +142,17 @@ class FSDPParamGroup:
         with torch.no_grad():
             shards = self.local_shards() if shards is None else [s.detach() for s in shards]
             for bucket in self.gather_buckets:
-                flat = torch.cat([shards[i].to(dtype or shards[i].dtype).reshape(-1) for i in bucket])
-                if barrier_with and self.comm.is_xla:
-                    flat = self.comm.optimization_barrier([flat, *barrier_with])[0]
-                gathered = self.comm.all_gather(flat).view(self.comm.layout.shard_world_size, -1)
-                offset = 0
-                for i in bucket:
-                    p = self.params[i]
-                    rows = gathered[:, offset: offset + p.shard_numel].reshape(p.padded_rows, *p.row_shape)
-                    out[i] = p.unpad(rows)
-                    offset += p.shard_numel
+                pieces = [(self.params[i], shards[i]) for i in bucket]
+                for i, t in zip(bucket, _gather_flat(self.comm, pieces, dtype, barrier_with)):
+                    out[i] = t
         return out  # type: ignore[return-value]
+
+    def gathers_with(self, other: "FSDPParamGroup") -> bool:
+        """Whether `gather_together` can serve both groups with one collective."""
+        a, b = self.comm, other.comm
+        return bool(self.params and other.params and a.is_xla and type(a) is type(b)
+                and a.layout.shard_groups == b.layout.shard_groups and a.device == b.device
+                and self.options.mixed_precision.compute_dtype == other.options.mixed_precision.compute_dtype)
 
     def full_params(self) -> List[torch.Tensor]:
         """Every parameter of the unit, whole and in its own dtype, for saving or inspection.

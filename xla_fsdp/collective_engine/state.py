@@ -26,6 +26,17 @@ checkpointed unit's first forward runs without autograd and still prefetches,
 and its recomputation in backward takes the re-gather started for it instead
 of gathering again. Measured on the traced program (bench/overlap.py,
 tests/test_overlap.py).
+
+[Note: the first gather of a step] A unit whose own gather was not started
+early (the root, every step) would issue two gathers tied to the same input:
+its own and the one it prefetches. For the root neither has a matmul before it, so both
+could be hoisted to the start of the program, and the first has no work
+beside it. One collective serves both (`gather_together`): one launch less
+and one exposed gather instead of two. The cost: a copy of both units'
+parameters out of the flat buffer once per step, and if the root computed
+much before its first child (in decoders it only looks up embeddings), the
+second unit's gather could no longer overlap that. Units whose collectives
+differ (groups, device, compute dtype) gather separately.
 """
 from __future__ import annotations
 
@@ -41,7 +52,7 @@ from ..activation_checkpoint import is_recomputing
 from ..options import FSDPOptions, ShardingStrategy, TrainingState
 from ..forward_overrides import convert_checkpoint_after_wrapping
 from .manual_region import ManualRegion
-from .param_group import FSDPParamGroup
+from .param_group import FSDPParamGroup, gather_together
 from ..class_swap import original_class
 
 _local = threading.local()
@@ -222,8 +233,14 @@ class FSDPState:
             # a checkpointed unit re-running its forward in backward: the re-gather the
             # previous unit's backward started for it (BACKWARD_PRE/POST) is this forward's gather
             full, self._full_for_backward = self._full_for_backward, None
+        nxt = self._next_to_prefetch()
+        if full is None and nxt is not None and self.group.gathers_with(nxt.group):
+            # [Note: the first gather of a step] this unit's gather and the one it prefetches
+            # would both wait for the same input: one collective serves both
+            full, nxt._prefetched = gather_together(self.group, nxt.group, barrier_with)
         full = self.group.gather_for_forward(barrier_with, gathered=full)
-        self._prefetch_next_forward(barrier_with)
+        if nxt is not None and nxt._prefetched is None:
+            nxt._prefetched = nxt.group.gather(barrier_with)
         reshard = self._reshards_after_forward and torch.is_grad_enabled()
         for p, t in zip(self.group.params, full):
             p.register(t)
@@ -257,13 +274,14 @@ class FSDPState:
         return out
 
     # -- prefetch -------------------------------------------------------------
-    def _prefetch_next_forward(self, barrier_with) -> None:
-        """Start the next unit's gather now, tied to this unit's input: it runs while this unit computes."""
+    def _next_to_prefetch(self) -> Optional["FSDPState"]:
+        """The unit whose gather this unit starts, tied to its own input, so that it runs while
+        this unit computes; None when prefetch is off or there is nothing to start."""
         nxt = self.next_forward
         if (nxt is None or not self.options.prefetch.forward or is_recomputing()
                 or nxt._prefetched is not None or nxt.unsharded is not None):
-            return
-        nxt._prefetched = nxt.group.gather(barrier_with)
+            return None
+        return nxt
 
     def _learn_order(self) -> None:
         """After the root's forward: the order its units ran in is next step's prefetch order."""
