@@ -7,11 +7,16 @@ neither its ancestors nor its descendants (work it can overlap with), and,
 for gathers, whether it is hoistable (no matmul before it: the compiler may
 move it to the start of the step, holding its buffer all step long).
 Summary per configuration: the fraction of gather + reduce-scatter bytes that
-have independent work, and the number of hoistable gathers.
+have independent work ("overlappable"), the fraction that have enough of it
+to hide behind ("hidden at TPU rates": independent FLOPs at the chip's bf16
+peak take at least the collective's time on the ICI ring, figures of
+bench/tpu_specs.py, --tpu; a bound, since several collectives may count the
+same matmuls), and the number of hoistable gathers.
 
-    python bench/overlap.py [--model gpt2_small|gpt2_125m] [--per-collective]
+    python bench/overlap.py [--per-collective] [--tpu v4-8]   # GPT-2 d256 L4 (gpt2_small), world 8
     python bench/overlap.py --hlo-dir DIR   # the traces bench/project_tpu.py --hlo-dir DIR kept
-                                            # (GPT-2 125M and 2B at their TPU world size, real shapes)
+                                            # (GPT-2 125M and 2B at the slice's world size, real
+                                            # shapes; --tpu v5e-8 there traces at world 8)
 
 Configurations: xla_fsdp with forward/backward prefetch on (the default; and
 with one flat collective per unit, where hoistable gathers count units),
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from hlo_graph import HloGraph  # noqa: E402
 from hlo_utils import read, trace  # noqa: E402
+import tpu_specs  # noqa: E402
 
 WORLD = 8
 RESHARD_ALL = {"disable_reshard_on_root": False}
@@ -38,11 +44,14 @@ CONFIGS = [
     ("xla_fsdp, BACKWARD_POST, no forward prefetch", "xla_fsdp",
      dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch="BACKWARD_POST")),
     ("xla_fsdp, no prefetch", "xla_fsdp", dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch=None)),
+    ("xla_fsdp, no prefetch, one flat gather per unit", "xla_fsdp",
+     dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch=None, flatten_parameters=True)),
     ("torch_xla FSDPv1", "torch_xla", dict(RESHARD_ALL)),
 ]
 
 
-def analyse(text: str, world: int = WORLD) -> dict:
+def analyse(text: str, world: int = WORLD, spec: "tpu_specs.TpuSlice" = None) -> dict:
+    spec = spec or tpu_specs.get("v4-8")
     g = HloGraph(text)
     rows = []
     for c in g.collectives(("all-gather", "reduce-scatter")):
@@ -54,51 +63,62 @@ def analyse(text: str, world: int = WORLD) -> dict:
             rows.append({"op": "all-reduce", "bytes": g.comm_bytes(c, world),
                          "independent_flops": g.independent_flops(c.name), "hoistable": g.hoistable(c.name)})
     total = sum(r["bytes"] for r in rows)
-    hidden = sum(r["bytes"] for r in rows if r["independent_flops"] > 0)
-    return {"rows": rows, "overlappable": hidden / total if total else 0.0,
+    overlappable = sum(r["bytes"] for r in rows if r["independent_flops"] > 0)
+    hidden = sum(r["bytes"] for r in rows if r["independent_flops"] / spec.peak_bf16_flops
+                 >= r["bytes"] / spec.ici_ring_bytes_per_s + spec.collective_latency_s)
+    return {"rows": rows, "overlappable": overlappable / total if total else 0.0,
+            "hidden": hidden / total if total else 0.0,
             "hoistable": sum(r["hoistable"] for r in rows if r["op"] != "reduce-scatter"), "flops": g.total_flops}
 
 
 def _row(label: str, a: dict) -> str:
     gathers = sum(r["op"] != "reduce-scatter" for r in a["rows"])
     scatters = sum(r["op"] == "reduce-scatter" for r in a["rows"])
-    return f"{label:52s} {gathers:>7d} {scatters:>6d} {a['overlappable']:>19.2f} {a['hoistable']:>18d}"
+    return (f"{label:52s} {gathers:>7d} {scatters:>6d} {a['overlappable']:>12.2f} {a['hidden']:>15.2f} "
+            f"{a['hoistable']:>9d}")
 
 
-def from_traces(hlo_dir: str) -> None:
+HEADER = (f"{'configuration':52s} {'gathers':>7s} {'r-scat':>6s} {'overlappable':>12s} {'hidden at TPU':>15s} "
+          f"{'hoistable':>9s}")
+
+
+def from_traces(hlo_dir: str, spec) -> None:
     """The explicit-collective programs bench/project_tpu.py traced (file names
     `<model>.<config>.w<world>.b<batch>.s<seq>.hlo`); FSDPv2's partitioned dump is left out."""
     import glob
     import re
 
-    print(f"{'trace (project_tpu.py)':52s} {'gathers':>7s} {'r-scat':>6s} {'bytes overlappable':>19s} "
-          f"{'hoistable gathers':>18s}")
+    print(f"fractions of gather + reduce-scatter bytes; hidden at {spec.name} rates")
+    print(HEADER.replace("configuration         ", "trace (project_tpu.py)"))
     for path in sorted(glob.glob(os.path.join(hlo_dir, "*.hlo"))):
         name = os.path.basename(path)[:-4]
         m = re.search(r"\.w(\d+)\.", name)
         if "fsdpv2" in name or not m:
             continue
-        print(_row(name, analyse(open(path).read(), world=int(m.group(1)))))
+        print(_row(name, analyse(open(path).read(), world=int(m.group(1)), spec=spec)))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt2_small", choices=["gpt2_small", "gpt2_125m", "gpt2"])
+    ap.add_argument("--model", default="gpt2_small", choices=["gpt2_small", "gpt2"])
+    ap.add_argument("--tpu", default="v4-8", help="chip figures for the 'hidden' column (bench/tpu_specs.py)")
     ap.add_argument("--per-collective", action="store_true")
     ap.add_argument("--hlo-dir", help="analyse the traces bench/project_tpu.py --hlo-dir kept instead of tracing")
     args = ap.parse_args()
+    spec = tpu_specs.get(args.tpu)
     if args.hlo_dir:
-        from_traces(args.hlo_dir)
+        from_traces(args.hlo_dir, spec)
         return
     configs = [{"name": f"c{i}", "model": args.model, "engine": engine, "kwargs": kwargs}
                for i, (_, engine, kwargs) in enumerate(CONFIGS)]
     with tempfile.TemporaryDirectory() as out:
         trace(configs, out, world=WORLD, timeout=3600)
         texts = [read(out, c["name"], WORLD)[0] for c in configs]
-    print(f"{args.model}, world {WORLD}, every unit resharded (traced, per rank)")
-    print(f"{'configuration':52s} {'gathers':>7s} {'r-scat':>6s} {'bytes overlappable':>19s} {'hoistable gathers':>18s}")
+    print(f"{args.model}, world {WORLD}, every unit resharded (traced, per rank); fractions of gather + "
+          f"reduce-scatter bytes; hidden at {spec.name} rates")
+    print(HEADER)
     for (label, _, _), text in zip(CONFIGS, texts):
-        a = analyse(text)
+        a = analyse(text, spec=spec)
         print(_row(label, a))
         if args.per_collective:
             for r in a["rows"]:

@@ -31,7 +31,8 @@ Cost model, per instruction of the entry computation (before XLA's fusion):
     HBM traffic across the fusion boundary: the bytes of each operand made by
     a non-fusible op (a read) plus its own result when a non-fusible op uses
     it (a write), at HBM bandwidth. Epilogues XLA would fuse into a matmul
-    (bias add) are still charged a read, so this part leans high.
+    (bias add) are still charged a read, so this part leans high. A slice
+    reads only the bytes it returns.
   - copy, concatenate, pad, sort, reduce-window: operands + result bytes;
     gather, dynamic-slice: 2 x result; scatter, dynamic-update-slice: 2 x the
     update; random bits: the result. parameter / constant / tuple /
@@ -153,7 +154,8 @@ def op_costs(g: HloGraph, rbytes: dict, spec, world: int, free_param_slices: boo
             t_math = dot_flops(g, ins) * passes / spec.peak_bf16_flops
             costs[name] = ("compute", max(t_math, (sum(ins_bytes) + out) / spec.hbm_bytes_per_s), "dot")
         elif _fusible(op):
-            moved = sum(b for o, b in zip(dict.fromkeys(ins.operands), ins_bytes)
+            moved = sum(min(b, out) if op == "slice" else b  # a slice reads only what it returns
+                        for o, b in zip(dict.fromkeys(ins.operands), ins_bytes)
                         if not _fusible(g.instrs[source(o)].opcode) and g.instrs[source(o)].opcode != "constant")
             outside = real_users(name)
             if not outside or any(not _fusible(g.instrs[u].opcode) for u in outside):
