@@ -8,7 +8,8 @@ backward when `reshard_after_forward=True` (its forward copy is not kept
 alive), and each unit reduce-scatters its gradients once. With prefetch (the
 default; the trace worker's first forward teaches the order) the nested unit's
 forward gather travels in the root's, which waits for the same input ([Note:
-the first gather of a step]): one collective of 365 + 612 elements per rank. These configs set
+the first gather of a step]): one collective of 365 + 612 elements per rank
+(one flat bucket per unit; not with a collective per parameter). These configs set
 `flatten_parameters=True` (one collective per unit); `False` (torch_xla's
 default) issues one per parameter with the same bytes ("nested_per_param"); the
 default groups small parameters and gathers large ones alone (tests/test_buckets.py).
@@ -62,9 +63,9 @@ def test_native_gather_counts_sizes_and_pinned_layout(hlo):
 def test_default_gathers_each_parameter_with_the_same_bytes(hlo):
     text = hlo["nested_per_param"][0]
     gathers = ops(text, "all-gather")
-    # forward: the root's 2 weights + 2 biases with the nested unit's weight + bias, in one
-    # collective (the step's first gather); backward: the nested unit's weight and bias
-    assert len(gathers) == 1 + 2
+    # root: 2 weights + 2 biases, once; nested unit: weight + bias, in forward and backward
+    # (each parameter is gathered in place, so the first gather is not joined: that would copy)
+    assert len(gathers) == 4 + 2 * 2
     assert sum(result_elements(g) for g in gathers) == WORLD * (ROOT + 2 * INNER)
     scatters = ops(text, "reduce-scatter")
     assert len(scatters) == 4 + 2 and sum(result_elements(s) for s in scatters) == ROOT + INNER

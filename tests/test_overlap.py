@@ -7,8 +7,8 @@ block k's forward matmuls to overlap with. The root's gather and block 0's wait 
 input (the step's first), so they are one collective ([Note: the first gather of a step]);
 block 1's, prefetched beside block 0 whose input is an embedding lookup, also precedes every
 matmul: two hoistable gathers. Backward: each re-gather and reduce-scatter has matmul work
-beside it, the root's reduce-scatter too (block 0's weight gradients), since no collective
-waits for a reduce-scatter ([Note: no reduce-scatter chain]). Liveness: when a block's forward
+beside it, the root's reduce-scatter too (block 0's weight gradients): it does not wait for
+block 0's ([Note: the last reduce-scatter]). Liveness: when a block's forward
 gather runs, every use of the gather two blocks earlier is done, so at most two blocks' full
 parameters are alive (the root's stay gathered until the LM head at the end).
 """

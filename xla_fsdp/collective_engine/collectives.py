@@ -12,16 +12,18 @@ may depend on the rank as a Python constant: the all-reduce emulation of
 all-gather places the shard with `index_copy` at an index held in a device
 tensor (data), not with a rank-dependent pad.
 
-[Note: no reduce-scatter chain] torch_xla threads a per-device token through
-its collectives, so each waits for the one issued before it. Its all-gather
-binding does this by itself, which matches the order units issue gathers in.
-A reduce-scatter here reads the token (so it still follows the gathers issued
-before it) but does not publish the one it returns: no later collective waits
-for a reduce-scatter. With the chain, the root's reduce-scatter, the step's
-last, waited for block 0's, which waits for block 0's weight-gradient matmuls,
-and nothing was left to overlap it with (tests/test_overlap.py). The devices
-need no chain to agree on the order: each runs the same compiled program
-([Note: rank as data]), scheduled the same way on each.
+[Note: the last reduce-scatter] torch_xla threads a per-device token through
+its collectives: each reads the token and publishes a new one that depends on
+its result, so the next one waits for it. For reduce-scatters this bounds
+how long full gradients live: unit k's must be reduced before the re-gather
+two units later starts. But the last reduce-scatter of a backward (the
+root's) then waits for block 0's, which waits for block 0's weight-gradient
+matmuls, the step's last, and has nothing to overlap with. So it starts from
+a fresh token (`follow_chain=False`) and runs beside those matmuls; it still
+publishes, so what follows it (clipping's all-reduce) waits. Measured on the
+traced program (tests/test_overlap.py). Dropping the chain for every
+reduce-scatter also overlaps, but leaves their placement, and so gradient
+memory, to the compiler, and cost 7% step time on XLA:CPU.
 """
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ class Collectives(abc.ABC):
         """1-D shard -> 1-D concatenation of every shard-group member's shard, in group order."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        """1-D tensor of N equal chunks -> this rank's chunk summed over the shard group."""
+    def reduce_scatter(self, flat: torch.Tensor, follow_chain: bool = True) -> torch.Tensor:
+        """1-D tensor of N equal chunks -> this rank's chunk summed over the shard group.
+        `follow_chain=False`: need not wait for earlier collectives ([Note: the last reduce-scatter])."""
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: str, op: str = REDUCE_SUM) -> torch.Tensor:
@@ -150,15 +153,18 @@ class XlaCollectives(Collectives):
         buf = buf.index_copy(0, self._rank_index(), flat_shard.unsqueeze(0))
         return self.all_reduce(buf.reshape(-1), "shard")
 
-    def reduce_scatter(self, flat):
+    def reduce_scatter(self, flat, follow_chain=True):
         groups, count = self._group("shard")
         if count == 1:
             return flat
-        # [Note: no reduce-scatter chain] read the device's collective token, never publish ours
-        token = self._xlac._get_all_reduce_token(str(self.device))
-        out, _ = self._xlac._xla_reduce_scatter(
+        device = str(self.device)
+        if not follow_chain:  # [Note: the last reduce-scatter]
+            self._xlac._set_all_reduce_token(device, None)
+        token = self._xlac._get_all_reduce_token(device)
+        out, new_token = self._xlac._xla_reduce_scatter(
             REDUCE_SUM, flat, token, 1.0, 0, count, groups, self.options.pin_layout, *self._channel
         )
+        self._xlac._set_all_reduce_token(device, new_token)
         return out
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):
@@ -241,7 +247,7 @@ class DistCollectives(Collectives):
         self._dist.all_gather(parts, flat_shard.contiguous(), group=self._pg["shard"])
         return torch.cat(parts)
 
-    def reduce_scatter(self, flat):
+    def reduce_scatter(self, flat, follow_chain=True):
         n = self._size("shard")
         if n == 1:
             return flat

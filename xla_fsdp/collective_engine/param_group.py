@@ -50,7 +50,7 @@ def _gather_flat(comm: Collectives, pieces, dtype, barrier_with) -> List[torch.T
 
 def gather_together(first: "FSDPParamGroup", second: "FSDPParamGroup",
                     barrier_with: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """Both groups' parameters in compute dtype from one collective, whatever their buckets
+    """Both groups' parameters in compute dtype from one collective
     ([Note: the first gather of a step]). `first.gathers_with(second)` must hold. No autograd."""
     dtype = first.options.mixed_precision.compute_dtype
     with torch.no_grad():
@@ -102,6 +102,7 @@ class FSDPParamGroup:
         # local gradient is added to `pending` (full size on every rank, the memory torch_xla's
         # no_sync also costs) and folded into the next synced reduce-scatter.
         self.requires_grad_sync = True
+        self.ends_backward = False  # the root's: its reduce-scatters are a step's last
         self.pending: dict = {}
         self.gather_buckets = gather_buckets([p.padded_rows * p.row_numel for p in params], options.collectives)
         self.reduce_buckets = self._reduce_buckets()
@@ -147,10 +148,15 @@ class FSDPParamGroup:
                     out[i] = t
         return out  # type: ignore[return-value]
 
+    def _one_flat_bucket(self) -> bool:
+        """Every parameter gathered in one collective, each copied out of it."""
+        return len(self.gather_buckets) == 1 and len(self.gather_buckets[0]) > 1
+
     def gathers_with(self, other: "FSDPParamGroup") -> bool:
-        """Whether `gather_together` can serve both groups with one collective."""
+        """Whether `gather_together` can serve both groups with one collective: each group
+        gathers as one flat bucket (so joining them copies nothing more), alike."""
         a, b = self.comm, other.comm
-        return bool(self.params and other.params and a.is_xla and type(a) is type(b)
+        return bool(self._one_flat_bucket() and other._one_flat_bucket() and a.is_xla and type(a) is type(b)
                 and a.layout.shard_groups == b.layout.shard_groups and a.device == b.device
                 and self.options.mixed_precision.compute_dtype == other.options.mixed_precision.compute_dtype)
 
@@ -201,7 +207,7 @@ class FSDPParamGroup:
                 for i in live:
                     self.pending.pop(i, None)
                 flat = torch.cat(chunks, dim=1).reshape(-1) * scale  # pre-divide: keeps bf16 sums in range
-                shard = self.comm.reduce_scatter(flat)
+                shard = self.comm.reduce_scatter(flat, follow_chain=not self.ends_backward)
                 if self.across_replicas:
                     shard = self.comm.all_reduce(shard, "replicate")
                 offset = 0
