@@ -183,9 +183,12 @@ def test_failing_replica_exits_nonzero_with_its_traceback(num_cores):
 
 def test_ctrl_c_stops_the_replica_with_exit_130(tmp_path):
     ready = tmp_path / "ready"
+    # a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT:
+    # give the launcher the default disposition, as a terminal's foreground job has
     proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--num_cores", "2",
                              str(FIXTURES / "spawn_sleep.py"), str(ready)],
-                            cwd=ROOT, env=launcher_env(), stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=launcher_env(), stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not ready.exists():
@@ -197,7 +200,7 @@ def test_ctrl_c_stops_the_replica_with_exit_130(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 130, (stderr, ready.read_text())
     assert "interrupted" in stderr
 
 
