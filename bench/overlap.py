@@ -78,8 +78,9 @@ def _row(label: str, a: dict) -> str:
             f"{a['hoistable']:>9d}")
 
 
-HEADER = (f"{'configuration':52s} {'gathers':>7s} {'r-scat':>6s} {'overlappable':>12s} {'hidden at TPU':>15s} "
-          f"{'hoistable':>9s}")
+def _header(first: str = "configuration") -> str:
+    return (f"{first:52s} {'gathers':>7s} {'r-scat':>6s} {'overlappable':>12s} {'hidden at TPU':>15s} "
+            f"{'hoistable':>9s}")
 
 
 def from_traces(hlo_dir: str, spec) -> None:
@@ -89,7 +90,7 @@ def from_traces(hlo_dir: str, spec) -> None:
     import re
 
     print(f"fractions of gather + reduce-scatter bytes; hidden at {spec.name} rates")
-    print(HEADER.replace("configuration         ", "trace (project_tpu.py)"))
+    print(_header("trace (project_tpu.py)"))
     for path in sorted(glob.glob(os.path.join(hlo_dir, "*.hlo"))):
         name = os.path.basename(path)[:-4]
         m = re.search(r"\.w(\d+)\.", name)
@@ -116,7 +117,7 @@ def main():
         texts = [read(out, c["name"], WORLD)[0] for c in configs]
     print(f"{args.model}, world {WORLD}, every unit resharded (traced, per rank); fractions of gather + "
           f"reduce-scatter bytes; hidden at {spec.name} rates")
-    print(HEADER)
+    print(_header())
     for (label, _, _), text in zip(CONFIGS, texts):
         a = analyse(text, spec=spec)
         print(_row(label, a))

@@ -267,10 +267,6 @@ class GspmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
     def no_sync(self):
         yield
 
-    def _units_below(self) -> list:
-        """This unit and every unit nested in it."""
-        return [m for m in self.modules() if getattr(m, "_fsdp_state", None) is not None]
-
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
         yield
