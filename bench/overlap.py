@@ -7,8 +7,13 @@ neither its ancestors nor its descendants (work it can overlap with), and,
 for gathers, whether it is hoistable (no matmul before it: the compiler may
 move it to the start of the step, holding its buffer all step long).
 Summary per configuration: the fraction of gather + reduce-scatter bytes that
-have independent work ("overlappable"), the fraction that have enough of it
-to hide behind ("hidden at TPU rates": independent FLOPs at the chip's bf16
+have independent work ("overlappable"); its ceiling for this program, 1 minus
+the fraction of bytes that every matmul depends on (the step's first gathers:
+the embeddings and what block 0's first matmul needs, and any gather before
+them in torch_xla's collective token chain; no schedule of this program can
+overlap them, and the shallower the model the larger their share); the
+fraction that have enough of it to hide behind ("hidden at TPU rates":
+independent FLOPs at the chip's bf16
 peak take at least the collective's time on the ICI ring, figures of
 bench/tpu_specs.py, --tpu; a bound, since several collectives may count the
 same matmuls), and the number of hoistable gathers.
@@ -56,31 +61,34 @@ def analyse(text: str, world: int = WORLD, spec: "tpu_specs.TpuSlice" = None) ->
     rows = []
     for c in g.collectives(("all-gather", "reduce-scatter")):
         rows.append({"op": c.opcode, "bytes": g.comm_bytes(c, world), "independent_flops": g.independent_flops(c.name),
-                     "hoistable": c.opcode == "all-gather" and g.hoistable(c.name)})
+                     "hoistable": c.opcode == "all-gather" and g.hoistable(c.name),
+                     "first": g.before_every_matmul(c.name)})
     # torch_xla gathers with all-reduce (pinned layouts): count those too
     for c in g.collectives(("all-reduce",)):
         if c.bytes > 64:  # not the clipping / loss scalars
             rows.append({"op": "all-reduce", "bytes": g.comm_bytes(c, world),
-                         "independent_flops": g.independent_flops(c.name), "hoistable": g.hoistable(c.name)})
+                         "independent_flops": g.independent_flops(c.name), "hoistable": g.hoistable(c.name),
+                         "first": g.before_every_matmul(c.name)})
     total = sum(r["bytes"] for r in rows)
     overlappable = sum(r["bytes"] for r in rows if r["independent_flops"] > 0)
+    first = sum(r["bytes"] for r in rows if r["first"])
     hidden = sum(r["bytes"] for r in rows if r["independent_flops"] / spec.peak_bf16_flops
                  >= r["bytes"] / spec.ici_ring_bytes_per_s + spec.collective_latency_s)
     return {"rows": rows, "overlappable": overlappable / total if total else 0.0,
-            "hidden": hidden / total if total else 0.0,
+            "hidden": hidden / total if total else 0.0, "ceiling": 1.0 - first / total if total else 0.0,
             "hoistable": sum(r["hoistable"] for r in rows if r["op"] != "reduce-scatter"), "flops": g.total_flops}
 
 
 def _row(label: str, a: dict) -> str:
     gathers = sum(r["op"] != "reduce-scatter" for r in a["rows"])
     scatters = sum(r["op"] == "reduce-scatter" for r in a["rows"])
-    return (f"{label:52s} {gathers:>7d} {scatters:>6d} {a['overlappable']:>12.2f} {a['hidden']:>15.2f} "
-            f"{a['hoistable']:>9d}")
+    return (f"{label:52s} {gathers:>7d} {scatters:>6d} {a['overlappable']:>12.2f} {a['ceiling']:>7.2f} "
+            f"{a['hidden']:>15.2f} {a['hoistable']:>9d}")
 
 
 def _header(first: str = "configuration") -> str:
-    return (f"{first:52s} {'gathers':>7s} {'r-scat':>6s} {'overlappable':>12s} {'hidden at TPU':>15s} "
-            f"{'hoistable':>9s}")
+    return (f"{first:52s} {'gathers':>7s} {'r-scat':>6s} {'overlappable':>12s} {'ceiling':>7s} "
+            f"{'hidden at TPU':>15s} {'hoistable':>9s}")
 
 
 def from_traces(hlo_dir: str, spec) -> None:
@@ -124,7 +132,7 @@ def main():
         if args.per_collective:
             for r in a["rows"]:
                 print(f"    {r['op']:15s} {r['bytes'] / 1e6:9.3f} MB  independent {r['independent_flops'] / 1e9:8.3f} GFLOP"
-                      f"{'  hoistable' if r['hoistable'] else ''}")
+                      f"{'  hoistable' if r['hoistable'] else ''}{'  every matmul waits for it' if r['first'] else ''}")
 
 
 if __name__ == "__main__":

@@ -103,6 +103,13 @@ class HloGraph:
         related = self.ancestors(name) | self.descendants(name)
         return sum(i.flops for n, i in self.instrs.items() if i.opcode == "dot" and n not in related)
 
+    def before_every_matmul(self, name: str) -> bool:
+        """Every matmul of the program depends on `name`, so no schedule of this program can run
+        one beside it: its time is exposed by construction (the step's first gathers)."""
+        desc = self.descendants(name)
+        dots = [n for n, i in self.instrs.items() if i.opcode == "dot"]
+        return bool(dots) and all(n in desc for n in dots)
+
     def hoistable(self, name: str) -> bool:
         return not any(self.instrs[a].opcode == "dot" for a in self.ancestors(name))
 

@@ -29,6 +29,7 @@ def graphs(tmp_path_factory):
     configs = [{"name": "on", "model": "gpt2_small", "kwargs": FLAT_ALL_RESHARDED},
                {"name": "off", "model": "gpt2_small",
                 "kwargs": dict(FLAT_ALL_RESHARDED, forward_prefetch=False, backward_prefetch=None)},
+               {"name": "default", "model": "gpt2_small", "kwargs": {"disable_reshard_on_root": False}},
                {"name": "ckpt", "model": "gpt2_small",
                 "kwargs": {"flatten_parameters": True, "activation_checkpointing": True}}]
     trace(configs, out, world=WORLD)
@@ -95,3 +96,20 @@ def test_checkpointed_units_use_the_prefetched_regather(graphs):
     # the checkpointed forward runs under no_grad and still prefetches (blocks 1-3)
     for c in forward[1:]:
         assert g.independent_flops(c.name) >= 0.5 * BLOCK_FORWARD_FLOPS, c.name
+
+
+def _unhidable(g):
+    """Gathers and reduce-scatters with no matmul beside them that some schedule could have
+    given one: neither independent work nor needed by every matmul (the step's first gathers)."""
+    return [c.name for c in g.collectives(("all-gather", "reduce-scatter"))
+            if g.independent_flops(c.name) == 0 and not g.before_every_matmul(c.name)]
+
+
+def test_prefetch_reaches_the_overlap_ceiling(graphs):
+    """With prefetch, what stays exposed is only what every matmul of the step waits for, in
+    the default buckets as in one flat gather per unit; without it, each block's gather is too."""
+    for name in ("on", "default"):
+        assert _unhidable(graphs[name]) == [], name
+        first = [c for c in graphs[name].collectives(("all-gather",)) if graphs[name].before_every_matmul(c.name)]
+        assert first and all(graphs[name].hoistable(c.name) for c in first), name
+    assert len(_unhidable(graphs["off"])) >= 3  # blocks 1-3 at least: the test can tell
