@@ -29,6 +29,7 @@ class Case:
     # other libraries' per-module wrappers (see wrap()): "txla_ckpt", "txla_ckpt_after",
     # "txla_linear", "txla_linear_after", "torch_ckpt_wrapper"
     foreign: str = ""
+    inner: tuple = ()  # mlp_nested: keyword arguments the inner unit has instead of fsdp's
 
     @property
     def kwargs(self) -> dict:
@@ -68,6 +69,15 @@ MATRIX = [
                                                   ("fp32_reduce_scatter", True))),
     Case("gpt2_hybrid", "gpt2", "adamw", worlds=(4,),
          fsdp=(("sharding_strategy", "HYBRID_SHARD"), ("sharding_groups", [[0, 1], [2, 3]]))),
+]
+
+# Nested units that shard differently from their root ([Note: units with different layouts] in
+# xla_fsdp/collective_engine/clip_grad.py), clipping active. Parameters are rebuilt per unit.
+MIXED_LAYOUTS = [
+    Case("mlp_no_shard_inside_full_shard", "mlp_nested", "adamw", clip=0.1, worlds=(2,),
+         inner=(("sharding_strategy", "NO_SHARD"),)),
+    Case("mlp_full_shard_inside_no_shard", "mlp_nested", "sgd", clip=0.1, worlds=(2,),
+         fsdp=(("sharding_strategy", "NO_SHARD"),), inner=(("sharding_strategy", "FULL_SHARD"),)),
 ]
 
 
@@ -132,7 +142,7 @@ def wrap(case: Case, model: nn.Module, extra: Optional[dict] = None) -> nn.Modul
         if case.checkpoint:
             kwargs["auto_wrapper_callable"] = lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw)
     if case.model == "mlp_nested":
-        model[2] = FSDP(model[2], **kwargs)
+        model[2] = FSDP(model[2], **{**kwargs, **dict(case.inner)})
         if case.checkpoint:
             xla_fsdp.checkpoint_module(model[2])
     return FSDP(model, **kwargs)
@@ -204,7 +214,19 @@ def train_sharded(case: Case, rank: int, world: int, device=None, sync=None) -> 
         losses.append(loss.detach())
     return {"losses": [float(l.cpu()) for l in losses],
             "shards": {_plain_name(n): p.detach().cpu().clone() for n, p in model.named_parameters()},
-            "groups": [list(g) for g in model.sharding_layout.shard_groups]}
+            "groups": [list(g) for g in model.sharding_layout.shard_groups],
+            "unit_groups": _unit_groups(model)}
+
+
+def _unit_groups(model: nn.Module) -> Dict[str, List[List[int]]]:
+    """Each parameter's sharding groups: those of the unit that owns it (nested units may differ)."""
+    owner = {}
+    for m in model.modules():
+        unit = getattr(m, "_fsdp_state", None)
+        if unit is not None:
+            for fp in unit.group.params:
+                owner[id(fp.sharded)] = [list(g) for g in unit.group.comm.layout.shard_groups]
+    return {_plain_name(n): owner[id(p)] for n, p in model.named_parameters()}
 
 
 def train_single_controller(case: Case, steps: int = STEPS) -> Dict:

@@ -7,7 +7,7 @@ unsharded model trained on the global batch.
 import pytest
 import torch
 
-from parity_cases import MATRIX, Case, assemble, assert_rel_close, run_distributed, train_reference
+from parity_cases import MATRIX, MIXED_LAYOUTS, Case, assemble, assert_rel_close, run_distributed, train_reference
 
 # losses: elementwise; parameters: tensor-relative (see assert_rel_close)
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -60,3 +60,21 @@ def test_sharding_groups_have_torch_xlas_meaning(tmp_path):
             assert_rel_close(rebuilt[name], full, FP32_PARAM_REL, f"group {group} {name}")
     # and the two groups did differ (their data did)
     assert not torch.equal(results[0]["shards"]["transformer.wte.weight"], results[2]["shards"]["transformer.wte.weight"])
+
+
+def test_nested_units_with_different_strategies(tmp_path):
+    """A unit nested in a root that shards differently ([Note: units with different layouts] in
+    collective_engine/clip_grad.py): training with clipping active matches the unsharded model, each
+    parameter rebuilt from the groups of the unit that owns it. Summing every gradient over the
+    root's group counted the replicated unit's gradients twice (norm 0.98 for 0.88): a silently
+    different model."""
+    ranks = run_distributed(MIXED_LAYOUTS, 2, str(tmp_path))
+    for case in MIXED_LAYOUTS:
+        results = [r[case.name] for r in ranks]
+        ref = train_reference(case)
+        torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), **FP32)
+        groups = results[0]["unit_groups"]
+        assert len({str(g) for g in groups.values()}) == 2, groups  # really two layouts
+        for name, full in ref["params"].items():
+            rebuilt = assemble({name: full}, [r["shards"] for r in results], groups[name][0])[name]
+            assert_rel_close(rebuilt, full, FP32_PARAM_REL, f"{case.name} {name}")

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity_cases import MATRIX, assemble, assert_rel_close
+from parity_cases import MATRIX, MIXED_LAYOUTS, assemble, assert_rel_close
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "single_controller" / "run.py"
@@ -79,7 +79,8 @@ class Run:
 def _start(tmp: Path, cases_by_devices):
     runs = {}
     for devices, cases in cases_by_devices.items():
-        runs[("parity", devices)] = Run(devices, "parity", tmp / f"parity{devices}.pt", cases)
+        extra = [c.name for c in MIXED_LAYOUTS] if devices == 4 else []
+        runs[("parity", devices)] = Run(devices, "parity", tmp / f"parity{devices}.pt", cases + extra)
     dump = tmp / "dump"
     runs["program"] = Run(8, "program", tmp / "program.pt", env={
         "DUMP_DIR": str(dump),
@@ -115,6 +116,15 @@ def _check_parity(spec: str, got: dict) -> None:
                          ids=lambda x: str(x))
 def test_parity(runs, devices, spec):
     _check_parity(spec, runs[("parity", devices)].result()[spec])
+
+
+@pytest.mark.parametrize("name", [c.name for c in MIXED_LAYOUTS])
+def test_nested_units_with_different_layouts(runs, name):
+    """A NO_SHARD unit in a FULL_SHARD root and the reverse, clipping active, at 4 devices."""
+    got = runs[("parity", 4)].result()[name]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["ref_losses"]), **FP32)
+    for param, want in got["ref_params"].items():
+        assert_rel_close(got["params"][param], want, FP32_PARAM_REL, f"{name} {param}")
 
 
 def test_hybrid_groups_are_the_halves(runs):

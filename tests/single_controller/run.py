@@ -47,7 +47,7 @@ def case_for_world(case: pc.Case) -> pc.Case:
 
 
 def parity(names):
-    by_name = {c.name: c for c in pc.MATRIX}
+    by_name = {c.name: c for c in pc.MATRIX + pc.MIXED_LAYOUTS}
     out = {}
     for spec in names:
         if spec == "meta":  # a meta-device model materialized by reset_parameters()

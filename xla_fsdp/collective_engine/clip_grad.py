@@ -4,10 +4,19 @@ Each rank (or device, in the single-controller runtime) sums |g|^p over its own 
 the sums are all-reduced over the shard group only (replicas hold the same
 shards and must not be counted twice), and every shard is scaled by the
 factor `torch.nn.utils.clip_grad_norm_` would use on the unsharded model.
+
+[Note: units with different layouts] Nested units may shard differently
+(e.g. a NO_SHARD unit inside a FULL_SHARD root: its gradients are whole on
+every rank). Summing every gradient over the root's shard group would count
+such a unit's gradients once per rank, a wrong norm and no error. So the
+gradients are grouped by the layout of the unit that owns them, each group's
+partial sum is reduced over its own shard group, and the groups' totals are
+added (or maxed), in the same order on every rank.
 """
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -26,19 +35,55 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0, gr
     grads = [p.grad for p in root.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros((), device=comm.device)
-    # this device's pieces (single-controller runtime: the gradients are global tensors)
-    local_grads = [comm.local_view(g, "param", grad=False) for g in grads]
+    by_layout = _grads_by_layout(root, comm)
+    if groups is not None and len(by_layout) > 1:
+        raise ValueError("clip_grad_norm_(groups=...) sums every gradient over the given rank groups, but the "
+                         "units below this root shard differently (sharding_strategy or sharding_groups differ "
+                         "between nested units); give every unit the same layout, or drop groups=")
+    partials = []
+    for unit_comm, unit_grads in by_layout.items():
+        # this device's pieces (single-controller runtime: the gradients are global tensors)
+        local_grads = [unit_comm.local_view(g, "param", grad=False) for g in unit_grads]
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max().float() for g in local_grads]).max()
+            partials.append(unit_comm.all_reduce(local.reshape(1), _norm_group(unit_comm, groups), REDUCE_MAX))
+        else:
+            local = torch.stack([g.float().norm(norm_type) ** norm_type for g in local_grads]).sum()
+            partials.append(unit_comm.all_reduce(local.reshape(1), _norm_group(unit_comm, groups), REDUCE_SUM))
     if math.isinf(norm_type):
-        local = torch.stack([g.abs().max().float() for g in local_grads]).max()
-        total = comm.all_reduce(local.reshape(1), _norm_group(comm, groups), REDUCE_MAX)
+        total = torch.stack(partials).max()
     else:
-        local = torch.stack([g.float().norm(norm_type) ** norm_type for g in local_grads]).sum()
-        total = comm.all_reduce(local.reshape(1), _norm_group(comm, groups), REDUCE_SUM) ** (1.0 / norm_type)
-    total = comm.global_value(total).reshape(())
+        total = torch.stack(partials).sum() ** (1.0 / norm_type)
+    total = comm.global_value(total.reshape(1)).reshape(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(coef.to(g.dtype))
     return total
+
+
+def _layout_key(comm):
+    layout = comm.layout
+    return (type(comm), layout.shard_groups, layout.replicate_groups)
+
+
+def _grads_by_layout(root: nn.Module, root_comm) -> "OrderedDict":
+    """Gradients (in `root.parameters()` order, the same on every rank) grouped by the sharding
+    layout of the unit that owns them, keyed by one of those units' `Collectives`."""
+    owner = {}
+    for m in root.modules():
+        unit = getattr(m, "_fsdp_state", None)
+        if unit is not None:
+            for fp in unit.group.params:
+                owner[id(fp.sharded)] = unit.group.comm
+    comm_for: dict = {}
+    out: "OrderedDict" = OrderedDict()
+    for p in root.parameters():
+        if p.grad is None:
+            continue
+        c = owner.get(id(p), root_comm)
+        c = comm_for.setdefault(_layout_key(c), c)
+        out.setdefault(c, []).append(p.grad)
+    return out
 
 
 def _norm_group(comm, groups):
