@@ -112,3 +112,36 @@ def test_consolidation_names_missing_and_foreign_rank_files(tmp_path):
     torch.save({"model": {}, "shard_metadata": {"world_size": 1, "rank": 0}}, tmp_path / "t_rank-0.pth")
     with pytest.raises(CheckpointError, match="is not a per-rank xla_fsdp checkpoint"):
         consolidate_sharded_model_checkpoints(str(tmp_path / "t"), "_rank-*.pth")
+
+
+def _mixed_layout_worker(rank, world, tmp_dir):
+    from xla_fsdp.checkpoint import full_state_dict
+
+    for case in pc.MIXED_LAYOUTS:
+        model = pc.wrap(case, pc.build_model(case.model))
+        opt = pc.make_optimizer(case.optim, model.parameters())
+        for step in range(2):
+            x, y = pc.batch(case.model, step)
+            pc.loss_fn(case.model, model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]).backward()
+            model.clip_grad_norm_(case.clip)
+            opt.step()
+            opt.zero_grad()
+        full = full_state_dict(model, rank0_only=False)
+        torch.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(), "full": full},
+                   os.path.join(tmp_dir, f"{case.name}_rank{rank}.pt"))
+
+
+def test_torch_xla_flow_consolidates_nested_units_of_different_layouts(tmp_path):
+    """torch_xla's per-rank flow with a NO_SHARD unit in a FULL_SHARD root and the reverse (gloo
+    world 2): each parameter is rebuilt from the ranks of the unit that holds it. With the root's
+    group for every parameter, a FULL_SHARD unit in a NO_SHARD root came back half."""
+    from xla_fsdp.checkpoint import consolidate_sharded_state_dicts
+
+    run_distributed_fn(_mixed_layout_worker, 2, str(tmp_path))
+    for case in pc.MIXED_LAYOUTS:
+        saved = [torch.load(tmp_path / f"{case.name}_rank{r}.pt", weights_only=False) for r in range(2)]
+        full = consolidate_sharded_state_dicts([s["model"] for s in saved], saved[0]["shard_metadata"])
+        want = saved[0]["full"]
+        assert set(full) == set(want), case.name
+        for name, value in want.items():
+            torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=f"{case.name} {name}")

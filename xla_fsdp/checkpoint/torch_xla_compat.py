@@ -34,8 +34,9 @@ def consolidate_sharded_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
             if p.get("tied_to") and p["tied_to"] in full:
                 full[name] = full[p["tied_to"]]
                 continue
-            shards = [state_dicts[r][name] for r in group]
-            for r, shard in zip(group, shards):
+            owners = p.get("shard_group", group)  # the unit's own group (nested units may differ)
+            shards = [state_dicts[r][name] for r in owners]
+            for r, shard in zip(owners, shards):
                 if shard.shape[0] != p["rows_per_rank"]:
                     raise CheckpointError(f"rank {r}'s {name!r} has {shard.shape[0]} rows, the metadata says "
                                           f"{p['rows_per_rank']} per rank")

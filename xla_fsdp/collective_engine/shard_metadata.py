@@ -27,6 +27,9 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
         if state is None:
             continue
         prefix = prefix + "." if prefix else ""
+        # the ranks whose shards make up one whole parameter: this unit's, which may differ from
+        # the root's (a NO_SHARD unit nested in a FULL_SHARD root, or the reverse)
+        group = [0] if single else list(state.group.comm.layout.shard_groups[0])
         for rec in state.group.params:
             names = [prefix + site.fqn for site in rec.sites]
             for name in names:
@@ -35,6 +38,7 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
                     # one process holds the whole padded tensor in the single-controller runtime
                     "rows_per_rank": rec.padded_rows if single else rec.rows_per_rank,
                     "tied_to": names[0] if name != names[0] else None,
+                    "shard_group": group,
                 }
     return {
         "format": FORMAT,
