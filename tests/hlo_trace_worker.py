@@ -47,6 +47,11 @@ def build(model_kind: str, engine: str, kwargs: dict, device):
     from xla_fsdp import FSDP
 
     kwargs = {"execute_sharding_on_init": False, **kwargs}
+    root_strategy = kwargs.pop("root_sharding_strategy", None)  # the root's alone (blocks keep kwargs')
+    if root_strategy is not None:
+        block_kwargs = {"sharding_strategy": "FULL_SHARD", **kwargs}
+        kwargs["sharding_strategy"] = root_strategy
+        kwargs["auto_wrapper_callable"] = lambda m, **kw: FSDP(m, **{**kw, **block_kwargs})
     if model_kind.startswith("gpt2"):
         return FSDP(model, auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]), **kwargs)
     model[2] = FSDP(model[2], **kwargs)

@@ -29,7 +29,9 @@ class Case:
     # other libraries' per-module wrappers (see wrap()): "txla_ckpt", "txla_ckpt_after",
     # "txla_linear", "txla_linear_after", "torch_ckpt_wrapper"
     foreign: str = ""
-    inner: tuple = ()  # mlp_nested: keyword arguments the inner unit has instead of fsdp's
+    # keyword arguments the inner units have instead of fsdp's: mlp_nested's inner unit, or
+    # gpt2's auto-wrapped blocks (through an auto_wrapper_callable)
+    inner: tuple = ()
 
     @property
     def kwargs(self) -> dict:
@@ -77,6 +79,10 @@ MIXED_LAYOUTS = [
     Case("mlp_no_shard_inside_full_shard", "mlp_nested", "adamw", clip=0.1, worlds=(2,),
          inner=(("sharding_strategy", "NO_SHARD"),)),
     Case("mlp_full_shard_inside_no_shard", "mlp_nested", "sgd", clip=0.1, worlds=(2,),
+         fsdp=(("sharding_strategy", "NO_SHARD"),), inner=(("sharding_strategy", "FULL_SHARD"),)),
+    # auto-wrapped blocks given FULL_SHARD by an auto_wrapper_callable under a NO_SHARD root
+    # (the embeddings replicated): [Note: collectives passed down]
+    Case("gpt2_full_shard_blocks_no_shard_root", "gpt2", "adamw", clip=0.05, worlds=(2,),
          fsdp=(("sharding_strategy", "NO_SHARD"),), inner=(("sharding_strategy", "FULL_SHARD"),)),
 ]
 
@@ -141,6 +147,8 @@ def wrap(case: Case, model: nn.Module, extra: Optional[dict] = None) -> nn.Modul
         kwargs.setdefault("auto_wrap_policy", xla_fsdp.wrap.transformer_policy(["GPT2Block"]))
         if case.checkpoint:
             kwargs["auto_wrapper_callable"] = lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw)
+        elif case.inner:
+            kwargs["auto_wrapper_callable"] = lambda m, **kw: FSDP(m, **{**kw, **dict(case.inner)})
     if case.model == "mlp_nested":
         model[2] = FSDP(model[2], **{**kwargs, **dict(case.inner)})
         if case.checkpoint:

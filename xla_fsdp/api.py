@@ -84,7 +84,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         # validate everything before touching the module: a bad option leaves it as it was
         kw = resolve(kwargs)
         options = build_options(kw)
-        comm = kw["collectives"] or build.build_collectives(module, kw, options)
+        comm = build.collectives_for(module, kw, options)
         if kw["auto_wrap_policy"] is not None:
             from .wrap import auto_wrap_children
 

@@ -38,6 +38,38 @@ def _spmd_runtime() -> bool:
     return xr.is_spmd()
 
 
+# [Note: collectives passed down] An auto-wrapping unit hands its `Collectives` to the
+# children it wraps, so that a model's units share one (and the process groups in it).
+# But an `auto_wrapper_callable` may give a child other options than its parent's (say
+# FULL_SHARD blocks under a NO_SHARD root). Reusing the parent's collectives there
+# would shard and reduce the child with the parent's layout, while the child believes
+# it has its own: unsharded blocks whose gradients no rank averages, and no error. So a
+# unit takes the collectives passed down only when they were built from the same
+# layout options (`_layout_key`), and builds its own otherwise. Collectives a user
+# passes explicitly (`collectives=`, for tests and benchmarks) carry no key and are used
+# as given.
+_KEY_ATTR = "_xla_fsdp_layout_key"
+
+
+def _layout_key(kw: Dict[str, Any], options: FSDPOptions) -> tuple:
+    groups = kw["sharding_groups"]
+    groups = None if groups is None else tuple(tuple(int(r) for r in g) for g in groups)
+    return (options.strategy, options.collectives.pin_layout, options.collectives.all_gather_impl, groups,
+            kw["sharding_rank"], kw["sharding_world_size"], id(kw["mesh"]) if kw["mesh"] is not None else None)
+
+
+def collectives_for(module: nn.Module, kw: Dict[str, Any], options: FSDPOptions) -> Collectives:
+    """A new unit's collectives: those passed down to it when they fit its options
+    ([Note: collectives passed down]), else its own."""
+    key = _layout_key(kw, options)
+    given = kw["collectives"]
+    if given is not None and getattr(given, _KEY_ATTR, key) == key:
+        return given
+    comm = build_collectives(module, kw, options)
+    setattr(comm, _KEY_ATTR, key)
+    return comm
+
+
 def build_collectives(module: nn.Module, kw: Dict[str, Any], options: FSDPOptions) -> Collectives:
     """The collectives of a new unit: torch.distributed when a process group is up and the
     parameters are not on an XLA device; under torch_xla's SPMD runtime the devices of this

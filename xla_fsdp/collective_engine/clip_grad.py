@@ -50,11 +50,14 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0, gr
         else:
             local = torch.stack([g.float().norm(norm_type) ** norm_type for g in local_grads]).sum()
             partials.append(unit_comm.all_reduce(local.reshape(1), _norm_group(unit_comm, groups), REDUCE_SUM))
-    if math.isinf(norm_type):
-        total = torch.stack(partials).max()
-    else:
-        total = torch.stack(partials).sum() ** (1.0 / norm_type)
-    total = comm.global_value(total.reshape(1)).reshape(())
+    # elementwise on the (1,)-shaped partials: under the single-controller runtime a stack or a
+    # reduction over them makes the partitioner gather them
+    total = partials[0]
+    for part in partials[1:]:
+        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
+    if not math.isinf(norm_type):
+        total = total ** (1.0 / norm_type)
+    total = comm.global_value(total).reshape(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(coef.to(g.dtype))
