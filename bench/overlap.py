@@ -25,8 +25,11 @@ same matmuls), and the number of hoistable gathers.
 
 Configurations: xla_fsdp with forward/backward prefetch on (the default; and
 with one flat collective per unit, where hoistable gathers count units),
-backward prefetch only, none, and torch_xla's FSDPv1 (pinned layouts, its
-defaults); every unit resharded after forward (root included), as in the
+backward prefetch only, none; the root (embeddings, final norm) NO_SHARD with
+the blocks FULL_SHARD (the embeddings replicated: their gather leaves the step,
+their gradients are all-reduced instead, at the memory of a full copy with its
+optimizer state on every device); and torch_xla's FSDPv1 (pinned layouts, its
+defaults). Every unit resharded after forward (root included), as in the
 issue's baseline measurement.
 """
 import argparse
@@ -51,6 +54,10 @@ CONFIGS = [
     ("xla_fsdp, no prefetch", "xla_fsdp", dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch=None)),
     ("xla_fsdp, no prefetch, one flat gather per unit", "xla_fsdp",
      dict(RESHARD_ALL, forward_prefetch=False, backward_prefetch=None, flatten_parameters=True)),
+    ("xla_fsdp, embeddings replicated (NO_SHARD root)", "xla_fsdp",
+     dict(RESHARD_ALL, root_sharding_strategy="NO_SHARD")),
+    ("xla_fsdp, the same, one flat gather per unit", "xla_fsdp",
+     dict(RESHARD_ALL, root_sharding_strategy="NO_SHARD", flatten_parameters=True)),
     ("torch_xla FSDPv1", "torch_xla", dict(RESHARD_ALL)),
 ]
 

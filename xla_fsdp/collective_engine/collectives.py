@@ -20,7 +20,9 @@ two units later starts. But the last reduce-scatter of a backward (the
 root's) then waits for block 0's, which waits for block 0's weight-gradient
 matmuls, the step's last, and has nothing to overlap with. So it starts from
 a fresh token (`follow_chain=False`) and runs beside those matmuls; it still
-publishes, so what follows it (clipping's all-reduce) waits. Measured on the
+publishes, so what follows it (clipping's all-reduce) waits. A root that
+reduces with an all-reduce alone (NO_SHARD: the reduce-scatter is a no-op)
+starts that all-reduce from a fresh token the same way. Measured on the
 traced program (tests/test_overlap.py). Dropping the chain for every
 reduce-scatter also overlaps, but leaves their placement, and so gradient
 memory, to the compiler, and cost 7% step time on XLA:CPU.
@@ -155,11 +157,11 @@ class XlaCollectives(Collectives):
 
     def reduce_scatter(self, flat, follow_chain=True):
         groups, count = self._group("shard")
+        device = str(self.device)
+        if not follow_chain:  # [Note: the last reduce-scatter]; with NO_SHARD, for the all-reduce after it
+            self._xlac._set_all_reduce_token(device, None)
         if count == 1:
             return flat
-        device = str(self.device)
-        if not follow_chain:  # [Note: the last reduce-scatter]
-            self._xlac._set_all_reduce_token(device, None)
         token = self._xlac._get_all_reduce_token(device)
         out, new_token = self._xlac._xla_reduce_scatter(
             REDUCE_SUM, flat, token, 1.0, 0, count, groups, self.options.pin_layout, *self._channel
