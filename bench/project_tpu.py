@@ -82,6 +82,7 @@ CONFIGS = [  # (key, label, engine, engine keywords)
     ("xla_fsdp_off", "xla_fsdp, prefetch off", "xla_fsdp",
      dict(BF16, forward_prefetch=False, backward_prefetch=None)),
     ("xla_fsdp_on", "xla_fsdp, prefetch on (default)", "xla_fsdp", dict(BF16)),
+    ("xla_fsdp_rep", "xla_fsdp, embeddings replicated", "xla_fsdp", dict(BF16, root_sharding_strategy="NO_SHARD")),
     ("fsdpv1", "torch_xla FSDPv1 (defaults, bf16)", "torch_xla", dict(BF16)),
     ("fsdpv2", "torch_xla FSDPv2 (partitioned, bf16)", "fsdpv2", {}),
 ]

@@ -90,6 +90,11 @@ def _wrap_collective(model: nn.Module, engine: str, kwargs: dict, grad_ckpt: boo
                       execute_sharding_on_init=False, **extra, **kwargs)
     import xla_fsdp
 
+    kwargs = dict(kwargs)
+    root_strategy = kwargs.pop("root_sharding_strategy", None)
+    if root_strategy is not None:  # the root's alone (e.g. NO_SHARD: embeddings replicated); blocks FULL_SHARD
+        kwargs["sharding_strategy"] = root_strategy
+        kwargs["auto_wrapper_callable"] = lambda m, **kw: xla_fsdp.FSDP(m, **{**kw, "sharding_strategy": "FULL_SHARD"})
     return xla_fsdp.FSDP(model, auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
                          param_init_fn=_empty_like_meta, activation_checkpointing=grad_ckpt,
                          execute_sharding_on_init=False, **kwargs)
