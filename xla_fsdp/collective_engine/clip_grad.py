@@ -64,7 +64,7 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0, gr
     return total
 
 
-def _layout_key(comm):
+def _sum_group_key(comm):
     layout = comm.layout
     return (type(comm), layout.shard_groups, layout.replicate_groups)
 
@@ -84,7 +84,7 @@ def _grads_by_layout(root: nn.Module, root_comm) -> "OrderedDict":
         if p.grad is None:
             continue
         c = owner.get(id(p), root_comm)
-        c = comm_for.setdefault(_layout_key(c), c)
+        c = comm_for.setdefault(_sum_group_key(c), c)
         out.setdefault(c, []).append(p.grad)
     return out
 
