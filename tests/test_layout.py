@@ -29,6 +29,8 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.deferred_init": "base",
     "xla_fsdp.deferred": "base",
     "xla_fsdp.metrics": "base",
+    "xla_fsdp.abstract": "base",  # placeholders for the ahead-of-time trace
+    "xla_fsdp.tpu": "base",  # libtpu's compiler, topologies, chip facts: nothing of ours below it
     # layer 2: mechanisms both engines share
     "xla_fsdp.wrap": "shared",
     "xla_fsdp.activation_checkpoint": "shared",
@@ -45,6 +47,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.config": "config",
     "xla_fsdp.train": "on_top",
     "xla_fsdp.integrations": "on_top",
+    "xla_fsdp.aot": "on_top",  # the ahead-of-time check traces whole jobs
     "xla_fsdp": "on_top",  # the package root re-exports the front door
 }
 LAYER = {"base": 1, "shared": 2, "collective_engine": 3, "spmd_engine": 3, "front_door": 4,

@@ -167,7 +167,9 @@ def test_partitioned_program_holds_exactly_the_engines_collectives(runs):
     assert ops.count("all-reduce") == 2, ops
     assert "all-to-all" not in ops and "collective-permute" not in ops, ops
     assert set(got["groups"]) == {"{{0,1,2,3,4,5,6,7}}"}, got["groups"]
-    assert got["pinned"] == ops.count("all-gather") + ops.count("reduce-scatter")
+    # one program for every device: nothing pinned, or libtpu refuses the mix with the
+    # partitioner's unpinned all-reduces ([Note: no pinning in one program])
+    assert got["pinned"] == 0, got
 
 
 def test_at_most_two_compiles_in_twenty_steps(runs):

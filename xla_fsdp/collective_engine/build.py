@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .. import abstract
 from ..memory.host import release_freed_host_memory
 from ..options import FSDPOptions, ShardingLayout, ShardingStrategy
 from .collectives import Collectives, DistCollectives, SpmdCollectives, XlaCollectives
@@ -202,6 +203,8 @@ def _class_name(module, unit_cls: type) -> str:
 
 def materialize(module: nn.Module, param_init_fn: Optional[Callable], unit_cls: type) -> None:
     """Give a deferred or meta-device unit real storage right before it is sharded."""
+    if abstract.skip_materialization(p for _, _, p, _ in owned_params(module, unit_cls)):
+        return  # [Note: abstract tracing]
     if param_init_fn is not None:
         if any(p.is_meta for _, _, p, _ in owned_params(module, unit_cls)):
             param_init_fn(module)
@@ -243,7 +246,7 @@ def cast_buffers(module: nn.Module, options: FSDPOptions, device, unit_cls: type
     def visit(m):
         for name, b in m._buffers.items():
             if b is not None:
-                target = b.to(device)
+                target = abstract.to_device(b, device)
                 if dtype is not None and b.is_floating_point():
                     target = target.to(dtype)
                 m._buffers[name] = target

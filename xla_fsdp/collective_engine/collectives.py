@@ -34,6 +34,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from .. import abstract
 from ..options import CollectiveOptions, ShardingLayout
 from .manual_region import ToLocal, to_global, to_local
 
@@ -122,6 +123,7 @@ class XlaCollectives(Collectives):
         self.layout = layout
         self.options = options
         self.device = device if device is not None else torch_xla.device()
+        self._pin_layout = options.pin_layout  # the single controller never pins ([Note: no pinning in one program])
         # the shard rank enters graphs as data (see [Note: rank as data])
         self._rank = torch.tensor([layout.shard_rank], dtype=torch.long).to(self.device)
 
@@ -148,7 +150,7 @@ class XlaCollectives(Collectives):
         if count == 1:
             return flat_shard
         if self.options.all_gather_impl == "all_gather":
-            return self._xlac._xla_all_gather(flat_shard, 0, count, groups, self.options.pin_layout,
+            return self._xlac._xla_all_gather(flat_shard, 0, count, groups, self._pin_layout,
                                               *self._channel)
         # emulation: zero buffer with our shard at row `rank`, summed across the group
         buf = torch.zeros(count, flat_shard.numel(), dtype=flat_shard.dtype, device=flat_shard.device)
@@ -164,7 +166,7 @@ class XlaCollectives(Collectives):
             return flat
         token = self._xlac._get_all_reduce_token(device)
         out, new_token = self._xlac._xla_reduce_scatter(
-            REDUCE_SUM, flat, token, 1.0, 0, count, groups, self.options.pin_layout, *self._channel
+            REDUCE_SUM, flat, token, 1.0, 0, count, groups, self._pin_layout, *self._channel
         )
         self._xlac._set_all_reduce_token(device, new_token)
         return out
@@ -173,7 +175,7 @@ class XlaCollectives(Collectives):
         groups, count = self._group(group)
         if count == 1:
             return tensor
-        return self._xlac._xla_all_reduce(op, tensor, 1.0, groups, self.options.pin_layout)
+        return self._xlac._xla_all_reduce(op, tensor, 1.0, groups, self._pin_layout)
 
     def optimization_barrier(self, tensors):
         out = [t.clone() for t in tensors]  # the barrier is in place; never touch the caller's tensors
@@ -182,7 +184,7 @@ class XlaCollectives(Collectives):
 
     def sync(self, tensors):
         tensors = [t for t in tensors if t is not None]
-        if tensors:
+        if tensors and not abstract.active():  # placeholders never run ([Note: abstract tracing])
             self._xlac._xla_sync_multi(tensors, devices=[], wait=False)
 
     def barrier(self):
@@ -285,6 +287,19 @@ class DistCollectives(Collectives):
 # traced graph stays identical from step to step.
 SPMD_CHANNEL_ID = 1
 
+# [Note: no pinning in one program] `pin_layout_in_collective_ops` exists so
+# that separately compiled per-process programs agree on the memory layout of
+# what they exchange. The single-controller runtime compiles ONE program for
+# every device, so there is nothing to agree on, and pinning does harm on a
+# TPU: libtpu refuses a module that mixes layout-constrained and
+# unconstrained all-reduces ("HloModule has a mix of layout constrained and
+# unconstrained AllReduce instructions"; a reduce-scatter counts, it becomes
+# an all-reduce), and torch_xla 2.9 has no pinned cross-partition all-reduce
+# while the SPMD partitioner adds unpinned ones of its own. Pinned collectives
+# are also never made asynchronous by the TPU compiler. So this runtime issues
+# every collective unpinned, whatever the option says (checked by compiling
+# the step for v4-8 and v5e-8 in tests/test_tpu_compile_matrix.py).
+
 
 class SpmdCollectives(XlaCollectives):
     """The same pinned collectives between the devices of one process, inside manual-sharding regions.
@@ -301,6 +316,7 @@ class SpmdCollectives(XlaCollectives):
         import torch_xla.distributed.spmd as xs
 
         super().__init__(layout, options, device)
+        self._pin_layout = False  # [Note: no pinning in one program]
         self.placement = placement
         # each device's position in its shard group, as data
         self._positions = torch.tensor(placement.shard_positions(), dtype=torch.long).to(self.device)
@@ -341,8 +357,11 @@ class SpmdCollectives(XlaCollectives):
         """A padded full parameter -> the global device tensor, sharded on dim 0."""
         import torch_xla.distributed.spmd as xs
 
+        spec = self.placement.spec("param", padded.dim())
+        if padded.is_meta:  # traced for the ahead-of-time check ([Note: abstract tracing])
+            return abstract.to_device(padded, self.device, self.placement.mesh.get_op_sharding(spec))
         data = padded.to(self.device)
-        xs.mark_sharding(data, self.placement.mesh, self.placement.spec("param", data.dim()))
+        xs.mark_sharding(data, self.placement.mesh, spec)
         return data
 
     def _rank_index(self):

@@ -16,6 +16,8 @@ from typing import List, Tuple
 import torch
 import torch.nn as nn
 
+from .. import abstract
+
 
 @dataclass(frozen=True)
 class ParamSite:
@@ -78,6 +80,8 @@ class FSDPParam:
         [Note: XLA:CPU shards without a transfer]).
         """
         local = self.local_rows(full, rank)
+        if local.is_meta:  # traced for the ahead-of-time check: a placeholder ([Note: abstract tracing])
+            return abstract.to_device(local, device)
         if (rank + 1) * self.rows_per_rank > self.rows:  # padded: already memory of its own
             return _move_owned(local, device)
         if _hands_over_host_memory(local, device):

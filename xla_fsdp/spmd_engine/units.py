@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
+from xla_fsdp import abstract
 from xla_fsdp.mesh import param_spec
 
 WrapPolicy = Callable[..., bool]
@@ -69,8 +70,8 @@ def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor],
   Runs per unit so that a deferred model never has to exist in full on the
   host beyond one unit plus the shards already on the devices.
   """
-  if not any(t.is_meta for t in tensors):
-    return
+  if not any(t.is_meta for t in tensors) or abstract.skip_materialization(tensors):
+    return  # nothing to do, or traced for the ahead-of-time check ([Note: abstract tracing])
   from xla_fsdp.deferred_init import is_deferred, materialize_module
 
   if param_init_fn is not None:
@@ -127,7 +128,10 @@ def _placed(tensor: torch.Tensor, is_param: bool, mesh: xs.Mesh,
   data = tensor.detach()
   if not is_param and buffer_dtype is not None and data.is_floating_point():
     data = data.to(buffer_dtype)
-  data = data.to(device)
+  if data.is_meta and is_param and data.dim() > 0:  # [Note: abstract tracing]
+    data = abstract.to_device(data, device, mesh.get_op_sharding(param_spec(data)))
+    return nn.Parameter(data, requires_grad=tensor.requires_grad)
+  data = abstract.to_device(data, device)
   if not is_param:
     return data
   param = nn.Parameter(data, requires_grad=tensor.requires_grad)

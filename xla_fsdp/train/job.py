@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from xla_fsdp import metrics
+from xla_fsdp import abstract, metrics
 from xla_fsdp.train import data, loop
 from xla_fsdp.train.args import parse_args
 from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, selected_engine,
@@ -61,7 +61,8 @@ def device_facts(spmd: bool) -> dict:
 def run(argv=None) -> dict:
     """Train and/or evaluate as the flags say; returns the metrics written to metrics.json."""
     args = parse_args(argv)
-    check_output_dir(args)
+    if not abstract.active():  # the ahead-of-time check writes nothing
+        check_output_dir(args)
     config = load_config(args.config_name)
     args.block_size = args.block_size or min(config.n_positions, 1024)
     if args.block_size > config.n_positions:
@@ -69,7 +70,8 @@ def run(argv=None) -> dict:
                          f"of --config_name; lower --block_size")
     # Data and configs before the XLA runtime starts: their errors come in
     # seconds, not after device setup.
-    corpus = data.build_corpus(args, config.vocab_size)
+    # traced for the ahead-of-time check: token values never matter, so nothing is downloaded
+    corpus = None if abstract.active() else data.build_corpus(args, config.vocab_size)
     fsdp_config = load_fsdp_config(args.fsdp_config)
     engine = selected_engine(fsdp_config)
     spmd = single_controller(engine)  # one process drives every device of the host
@@ -83,12 +85,15 @@ def run(argv=None) -> dict:
     log = print if facts["rank"] == 0 else (lambda *a, **k: None)
 
     torch.manual_seed(args.seed)
-    deferred = wants_deferred_init(config, args.deferred_init)
+    # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
+    deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, engine, spmd)
     ctx = loop.StepContext(device, wrapped.mesh, bf16=args.bf16,
                            allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
                            replicas=facts["world"])  # 1 under SPMD: one global graph
     micro_batch = args.per_device_train_batch_size * facts["data_parallel"]  # one forward's batch
+    if corpus is None:
+        _trace_steps(wrapped.model, micro_batch, ctx, args, config, facts)  # never returns
     global_batch = micro_batch * args.gradient_accumulation_steps  # one optimizer step's
     num_params = metrics.gpt2_num_params(config)
     meter = _meter(args, config, num_params, global_batch, facts, log)
@@ -182,6 +187,23 @@ def _train(model, batches, ctx, meter, args, facts, log) -> dict:
             f"MFU {100 * s['mfu']:.2f}% of {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS x {meter.chips}")
     return dict(steps=result.steps, losses=result.losses, windows=result.windows,
                 train_wall_time_s=result.wall_time_s, **result.summary)
+
+
+def _trace_steps(model, micro_batch, ctx, args, config, facts) -> None:
+    """Under the ahead-of-time check: training steps on token ids of the right shape,
+    nothing read back, logged or saved; the check ends the process inside the second
+    step's graph cut ([Note: two traced steps] in xla_fsdp/aot/capture.py)."""
+    optimizer = loop.make_optimizer(model.parameters(), args)
+    scheduler = loop.make_scheduler(optimizer, args.warmup_steps, max(args.max_steps, 2))
+    local = micro_batch // facts["world"]
+    print(f"run_clm: traced for the ahead-of-time check: {micro_batch} x {args.block_size} tokens per "
+          f"micro-batch, {args.gradient_accumulation_steps} per step, synthetic token ids", flush=True)
+    gen = torch.Generator().manual_seed(args.seed)
+    for _ in range(3):  # the check stops the process in the second
+        group = [torch.randint(config.vocab_size, (local, args.block_size), generator=gen)
+                 for _ in range(args.gradient_accumulation_steps)]
+        loop.train_step(model, optimizer, scheduler, group, ctx, args.max_grad_norm)
+    raise SystemExit("run_clm: three traced steps ran without the ahead-of-time check stopping the process")
 
 
 def _compile_count() -> int:

@@ -1,0 +1,147 @@
+"""Capturing one training step's program in the traced process (never executed).
+
+[Note: two traced steps] A job's first step is not the program it runs
+for days: optimizer state is created inside it, and its inputs differ.
+So the trace lets the job's own loop run two steps, and the graph cut
+(`torch_xla.sync()` / `xm.mark_step()`) is intercepted:
+- at the first cut nothing runs: every live XLA tensor becomes a
+  placeholder of its shape, dtype and sharding ([Note: abstract tracing]),
+  as if the step had run and left its results on the devices; torch_xla's
+  collective token and RNG seed start afresh, as after a real step;
+- at the second cut torch_xla's own graph cut runs (so buffer donation is
+  decided as in a real step) and XLA, whose dump the parent switched on,
+  writes the module torch_xla hands it. The process ends as soon as that
+  file is whole: XLA:CPU's code generation and the execution (which would
+  read placeholders) never run.
+Optimizer state that the first step created without a sharding of its own
+takes its parameter's when it has the parameter's shape, as the SPMD
+partitioner gives it in a real run.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+CAPTURE_ENV = "XLA_FSDP_AOT_CAPTURE"  # JSON: {"out": dir, "steps": 2}
+MARKER = "capturing.json"
+PROGRAM = "program.txt"
+
+
+class _State:
+    cuts = 0
+    steps = 2
+    out = ""
+    original_sync = None
+
+
+def _spec() -> dict:
+    return json.loads(os.environ[CAPTURE_ENV])
+
+
+def install() -> None:
+    """Route torch_xla's graph cuts through `_on_cut` (see the note above)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    spec = _spec()
+    _State.out, _State.steps = spec["out"], int(spec.get("steps", 2))
+    _State.original_sync = torch_xla.sync
+
+    def sync(*args, **kwargs):
+        _on_cut()
+
+    def mark_step(*args, **kwargs):
+        _on_cut()
+
+    torch_xla.sync = sync
+    xm.mark_step = mark_step
+
+
+def _live_xla_tensors():
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "xla"]
+
+
+def _on_cut() -> None:
+    _State.cuts += 1
+    if _State.cuts < _State.steps:
+        _as_if_run()
+        return
+    _compile_and_exit()
+
+
+def _optimizer_shardings():
+    """id(state tensor) -> its parameter's sharding, for state shaped like its parameter."""
+    import torch_xla
+
+    out = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        for group in obj.param_groups:
+            for p in group["params"]:
+                if p.device.type != "xla" or not torch_xla._XLAC._get_xla_sharding_spec(p):
+                    continue
+                op = torch_xla._XLAC._get_xla_op_sharding(p)
+                for value in obj.state.get(p, {}).values():
+                    if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                        out[id(value)] = op
+    return out
+
+
+def _as_if_run() -> None:
+    """The first cut: results become placeholders; token and seed start afresh."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from xla_fsdp import abstract
+
+    inherited = _optimizer_shardings()
+    devices = set()
+    for t in _live_xla_tensors():
+        if t.is_leaf or isinstance(t, torch.nn.Parameter) or t._base is None:
+            op = None
+            if torch_xla._XLAC._get_xla_sharding_spec(t):
+                op = torch_xla._XLAC._get_xla_op_sharding(t)
+            op = op if op is not None else inherited.get(id(t))
+            with torch.no_grad():
+                t.data = abstract.placeholder(t.shape, t.dtype, op)
+            devices.add(str(t.device))
+    for device in devices or {str(torch_xla.device())}:
+        torch_xla._XLAC._set_all_reduce_token(device, None)
+        xm.set_rng_state(xm.get_rng_state(device) + 1, device=device)
+
+
+def _compile_and_exit() -> None:
+    """The second cut: torch_xla compiles the step and XLA dumps the module it was
+    given; once the dump is whole the process leaves (XLA:CPU's code generation
+    after it, and execution, are not needed)."""
+    import threading
+
+    import torch_xla.runtime as xr
+
+    dump = os.environ["XLA_FSDP_AOT_DUMP"]
+    before = set(os.listdir(dump)) if os.path.isdir(dump) else set()
+    with open(os.path.join(_State.out, MARKER), "w") as f:
+        json.dump({"ordinal": xr.global_ordinal(), "dumped_before": sorted(before)}, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    threading.Thread(target=_State.original_sync, daemon=True).start()
+    deadline, last = time.time() + 3600, None
+    while time.time() < deadline:
+        time.sleep(0.2)
+        found = sorted(n for n in os.listdir(dump) if n.endswith(".before_optimizations.txt") and n not in before)
+        if found:
+            size = os.path.getsize(os.path.join(dump, found[-1]))
+            if size and size == last:
+                partial = os.path.join(_State.out, "program.txt.partial")
+                with open(partial, "w") as f:
+                    f.write(open(os.path.join(dump, found[-1])).read())
+                os.replace(partial, os.path.join(_State.out, PROGRAM))  # whole or absent
+                os._exit(0)
+            last = size
+    os._exit(4)

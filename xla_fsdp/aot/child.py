@@ -1,0 +1,79 @@
+"""The traced process: runs a user's training script at a TPU slice's device count on XLA:CPU.
+
+    python -m xla_fsdp.aot.child SCRIPT [SCRIPT_ARGS...]
+
+Started by `python -m xla_fsdp.aot` with the environment it needs
+(`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES`, `XLA_FSDP_RUNTIME`, the trace and
+dump variables). The script runs as `xla_spawn.py` would run it: its
+`_mp_fn(index)` if it has one, else as `__main__`.
+- single controller: one process drives every device, as on a TPU host;
+- one process per chip: torch_xla's device threads stand in for the
+  processes, and only rank 0 traces (every rank's program is the same
+  text: [Note: rank as data]); the others return at once. Nothing
+  collective runs while tracing, so rank 0 never waits for them.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+
+EXIT_NO_SECOND_STEP = 3
+
+
+def _run_script(script: str, args) -> None:
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("__aot_script__", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    entry = getattr(module, "_mp_fn", None)
+    if entry is not None:
+        entry(0)
+    else:
+        runpy.run_path(script, run_name="__main__")
+
+
+def _traced(script: str, args) -> None:
+    from xla_fsdp.aot import capture
+
+    capture.install()
+    try:
+        _run_script(script, args)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            print(f"xla_fsdp.aot: {script} exited with {e.code} before its second step", file=sys.stderr)
+            os._exit(e.code if isinstance(e.code, int) else 1)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    print(f"xla_fsdp.aot: {script} returned after {capture._State.cuts} graph cut(s); the check needs two "
+          "training steps, each ending in torch_xla.sync() or xm.mark_step() (--steps sets how many)",
+          file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(EXIT_NO_SECOND_STEP)
+
+
+def main() -> None:
+    script, args = sys.argv[1], sys.argv[2:]
+    if os.environ.get("XLA_FSDP_RUNTIME") == "single_controller":
+        _traced(script, args)
+        return
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    xmp.spawn(_replica, args=(script, args))
+
+
+def _replica(index: int, script: str, args) -> None:
+    import torch_xla.runtime as xr
+
+    if xr.global_ordinal() == 0:
+        _traced(script, args)
+
+
+if __name__ == "__main__":
+    main()

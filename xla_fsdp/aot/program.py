@@ -1,0 +1,104 @@
+"""The traced module, made ready for libtpu's compiler, and what can be told before compiling.
+
+The module is the text XLA dumped as `before_optimizations` in the traced
+process: exactly what torch_xla hands to XLA, buffer donation included. One
+difference from a real run is repaired here: a placeholder has no data, so
+torch_xla lowers its sharding as a `Sharding` custom call after the
+parameter instead of on the parameter, where real sharded data puts it.
+Left alone, the partitioner would take such a parameter as replicated and
+every chip would be charged the whole tensor as an argument.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+_PARAM = re.compile(r"^(\s*(?:ROOT )?%?([\w.\-]+) = [^=]*? parameter\((\d+)\))(.*)$")
+_SHARDING_CALL = re.compile(r"custom-call\([^%]*%([\w.\-]+)\), custom_call_target=\"Sharding\", sharding=(\{[^}]*\})")
+_ENTRY = re.compile(r"^ENTRY ")
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+    r"(?:-start)?\((.*)$")
+_META = re.compile(r'metadata=\{([^}]*)\}')
+
+
+def entry_lines(text: str) -> range:
+    """Line numbers of the entry computation's body."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if _ENTRY.match(line))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("}"))
+    return range(start + 1, end)
+
+
+def place_parameter_shardings(text: str) -> str:
+    """Give every entry parameter of an SPMD module the sharding real data would carry
+    (see the module docstring): its `Sharding` custom call's, else replicated."""
+    lines = text.splitlines()
+    body = entry_lines(text)
+    wanted: Dict[str, str] = {}
+    for i in body:
+        m = _SHARDING_CALL.search(lines[i])
+        if m:
+            wanted.setdefault(m.group(1), m.group(2))
+    for i in body:
+        m = _PARAM.match(lines[i])
+        if not m or "sharding=" in m.group(4):
+            continue
+        sharding = wanted.get(m.group(2), "{replicated}")
+        lines[i] = f"{m.group(1)}, sharding={sharding}{m.group(4)}"
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class CollectiveSite:
+    """One collective of the traced module and the Python code that issued it (when known)."""
+
+    name: str
+    kind: str
+    pinned: bool
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.name} ({'pinned' if self.pinned else 'unpinned'}){' from ' + self.source if self.source else ''}"
+
+
+def _source(line: str) -> str:
+    m = _META.search(line)
+    if not m:
+        return ""
+    fields = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+    fields.update(re.findall(r"(\w+)=(\d+)", m.group(1)))
+    where = fields.get("source_file", "")
+    if where and fields.get("source_line"):
+        where += f":{fields['source_line']}"
+    op = fields.get("op_name") or fields.get("op_type", "")
+    return ", ".join(x for x in (op, where) if x)
+
+
+def collective_sites(text: str) -> List[CollectiveSite]:
+    """Every collective in the traced module, in program order."""
+    out = []
+    for line in text.splitlines():
+        m = _COLLECTIVE.match(line)
+        if m:
+            out.append(CollectiveSite(m.group(1), m.group(3), "constrain_layout=true" in m.group(4),
+                                      _source(line)))
+    return out
+
+
+def layout_mix(text: str) -> Optional[str]:
+    """The TPU compiler refuses a module whose all-reduces (reduce-scatters count: it turns
+    them into all-reduces) are partly layout-pinned and partly not. Said before compiling,
+    naming one collective of each side and the fix; None when the module is consistent."""
+    sites = [s for s in collective_sites(text) if s.kind in ("all-reduce", "reduce-scatter")]
+    pinned = [s for s in sites if s.pinned]
+    free = [s for s in sites if not s.pinned]
+    if not pinned or not free:
+        return None
+    return (f"the step mixes {len(pinned)} layout-pinned and {len(free)} unpinned all-reduce/reduce-scatter "
+            f"collectives, which libtpu refuses to compile. Pinned: {pinned[0].describe()}. Unpinned: "
+            f"{free[0].describe()}. Fix: issue every collective of the step with the same pin_layout, e.g. "
+            "pass pin_layout=True to your xm.all_reduce / xm.reduce_scatter calls (torch_xla's default), or "
+            "give xla_fsdp pin_layout_in_collective_ops=False so that it pins none of its own "
+            "(one process per chip; the single-controller runtime never pins).")

@@ -1,0 +1,138 @@
+"""Running a job's script in a traced child process and collecting the step's module.
+
+The child (`xla_fsdp/aot/child.py`) runs on XLA:CPU with as many virtual
+devices as the slice has chips, in the runtime the job would use on the
+slice; it writes `program.txt` (the module torch_xla hands to XLA for the
+second step) into the work directory and ends. This module builds its
+environment, runs it, and turns its failures into messages that say where.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import List, Optional
+
+from xla_fsdp.abstract import TRACE_ENV
+from xla_fsdp.aot.capture import PROGRAM
+
+SINGLE_CONTROLLER = "single_controller"
+MULTI_PROCESS = "multi_process"
+RUNTIMES = (SINGLE_CONTROLLER, MULTI_PROCESS)
+LAUNCHER = "xla_spawn.py"
+
+
+class TraceError(RuntimeError):
+    """The job could not be traced; the message says where."""
+
+
+@dataclass
+class Job:
+    """What to trace: a script and its flags, in a runtime, at a device count."""
+
+    script: str
+    args: List[str]
+    runtime: str
+    devices: int
+
+
+def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
+    """The job of `command` (`script.py flags...`, or `launch/xla_spawn.py [--num_cores N]
+    [--spmd] script.py flags...` as users launch it); `runtime` "auto" means the runtime
+    the command would use on the slice (see `runtime_for`)."""
+    if not command:
+        raise TraceError("no script given: put the job's command after --, e.g. "
+                         "python -m xla_fsdp.aot --tpu v4-8 -- launch/run_clm.py --config_name ...")
+    spmd_flag = False
+    if os.path.basename(command[0]) == LAUNCHER:
+        rest = command[1:]
+        while rest and rest[0].startswith("--"):
+            flag = rest.pop(0)
+            if flag == "--spmd":
+                spmd_flag = True
+            elif flag == "--num_cores":
+                rest.pop(0) if rest else None
+            elif not flag.startswith("--num_cores="):
+                raise TraceError(f"unknown {LAUNCHER} flag {flag!r} before the script")
+        command = rest
+        if not command:
+            raise TraceError(f"{LAUNCHER} was given no training script")
+    script, args = command[0], list(command[1:])
+    if not os.path.isfile(script):
+        raise TraceError(f"script {script!r} not found (run from the directory the job runs from)")
+    return Job(script, args, runtime_for(runtime, spmd_flag), devices)
+
+
+def runtime_for(requested: str, spmd_flag: bool) -> str:
+    """The runtime the job uses on a TPU: `--spmd` (or XLA_FSDP_RUNTIME / XLA_USE_SPMD in the
+    environment) asks for the single controller; otherwise xla_spawn starts one process per
+    chip. The GSPMD engine (`xla_fsdp_v2`) is always single-controller; the job decides that."""
+    if requested != "auto":
+        if requested not in RUNTIMES:
+            raise TraceError(f"--runtime {requested!r}: expected auto, {' or '.join(RUNTIMES)}")
+        return requested
+    env = os.environ.get("XLA_FSDP_RUNTIME", "").strip().lower()
+    if spmd_flag or env == SINGLE_CONTROLLER or os.environ.get("XLA_USE_SPMD") == "1":
+        return SINGLE_CONTROLLER
+    return MULTI_PROCESS
+
+
+def child_env(job: Job, workdir: str, steps: int) -> dict:
+    """The traced child's environment: XLA:CPU with the slice's device count, the trace
+    switched on, XLA's dump of the module torch_xla compiles."""
+    dump = os.path.join(workdir, "dump")
+    os.makedirs(dump, exist_ok=True)
+    env = dict(os.environ)
+    for name in ("TPU_ACCELERATOR_TYPE", "TPU_PROCESS_BOUNDS", "TPU_VISIBLE_CHIPS", "XLA_USE_SPMD"):
+        env.pop(name, None)  # this host's devices are the slice's stand-ins
+    env.update({
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": str(job.devices),
+        "XLA_FSDP_RUNTIME": job.runtime,
+        TRACE_ENV: "1",
+        "XLA_FSDP_AOT_CAPTURE": json.dumps({"out": workdir, "steps": steps}),
+        "XLA_FSDP_AOT_DUMP": dump,
+        "XLA_HLO_DEBUG": env.get("XLA_HLO_DEBUG", "1"),  # source lines in op metadata, for messages
+        "XLA_FLAGS": (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+                      " --xla_dump_hlo_pass_re=^$").strip(),
+        "TF_CPP_MIN_LOG_LEVEL": env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        "PYTHONUNBUFFERED": "1",
+    })
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] = None,
+              echo=None) -> str:
+    """Trace `job` in a child process; returns the step's module text. Raises TraceError
+    with the child's last lines when it fails."""
+    cmd = [sys.executable, "-m", "xla_fsdp.aot.child", job.script, *job.args]
+    log_path = os.path.join(workdir, "trace.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=child_env(job, workdir, steps), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if echo is not None:
+                    echo(line.rstrip("\n"))
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise TraceError(f"tracing {job.script} took longer than {timeout:.0f} s (log: {log_path})")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    # one process per chip: torch_xla's spawn pool sees its worker leave early and
+    # fails; the module, written whole or not at all, is what counts
+    program = os.path.join(workdir, PROGRAM)
+    if os.path.exists(program):
+        return open(program).read()
+    tail = "".join(open(log_path).readlines()[-25:])
+    where = ("in its second training step's compile" if os.path.exists(os.path.join(workdir, "capturing.json"))
+             else "before its second training step")
+    raise TraceError(f"{job.script} failed {where} while traced at {job.devices} devices ({job.runtime}), "
+                     f"exit code {proc.returncode}. Its last lines:\n{tail}\n(full log: {log_path})")
