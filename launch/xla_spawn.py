@@ -80,6 +80,7 @@ EXIT_INTERRUPTED = 130
 ENTRY_POINT = "_mp_fn"
 # read by the training job (xla_fsdp.train.model.single_controller)
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
+QUIET_XLA_LOG_LEVEL = "2"  # TensorFlow's convention: 2 hides INFO and WARNING, keeps ERROR
 SINGLE_CONTROLLER = "single_controller"
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
@@ -88,6 +89,13 @@ TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES"
 
 class UsageError(Exception):
     """A mistake in the command line: reported as one message, exit 2."""
+
+
+def quiet_xla_logs() -> None:
+    """Keep XLA's C++ warnings out of the job's output (one "GSPMD sharding propagation is
+    going to be deprecated" per compile, which no user can act on); errors still print.
+    A TF_CPP_MIN_LOG_LEVEL the user set wins (0 shows everything)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_XLA_LOG_LEVEL)
 
 
 def log(message: str) -> None:
@@ -360,6 +368,7 @@ def run_spawned(entry: ScriptEntry) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_xla_logs()
     parser = build_parser()
     launcher_argv, script, script_args = split_argv(argv)
     options = parser.parse_args(launcher_argv)

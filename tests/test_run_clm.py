@@ -40,12 +40,13 @@ RECIPE_FSDP_CONFIG = os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
 TINY_FSDP_CONFIG = os.path.join(ROOT, "configs", "fsdp", "tiny_cpu.json")
 
 
-def _train(tmp_path, args, launcher_cores=None):
+def _train(tmp_path, args, launcher_cores=None, env_extra=None):
     """Run run_clm in a subprocess as a user would; returns (metrics.json, output)."""
     out = tmp_path / "out"
     env = dict(os.environ, PJRT_DEVICE="CPU")
-    for name in ("XLA_FSDP_ENGINE", "CPU_NUM_DEVICES", "XLA_USE_SPMD"):
+    for name in ("XLA_FSDP_ENGINE", "CPU_NUM_DEVICES", "XLA_USE_SPMD", "TF_CPP_MIN_LOG_LEVEL"):
         env.pop(name, None)
+    env.update(env_extra or {})
     prefix = [sys.executable]
     if launcher_cores:
         prefix += [os.path.join(ROOT, "launch", "xla_spawn.py"), "--num_cores", str(launcher_cores)]
@@ -105,15 +106,28 @@ def test_both_engines_through_the_launcher(tiny_config, tmp_path, config, engine
     # The README main command's shape, shortened: CPU --num_cores N>1 runs one
     # process driving N devices; per-device batch x N devices. Both engines see
     # the same data and start from the same model, so they log the same losses.
-    report, _ = _train(tmp_path, [
+    report, output = _train(tmp_path, [
         "--config_name", tiny_config, "--fsdp", "full_shard", "--fsdp_config", config,
         "--do_train", "--max_steps", "8", "--per_device_train_batch_size", "4",
         "--block_size", "32", "--logging_steps", "4", "--learning_rate", "3e-3"], launcher_cores=2)
+    # quiet by default: XLA's per-compile GSPMD deprecation warning is not the user's to act on
+    assert XLA_GSPMD_WARNING not in output, output[-2000:]
     losses = [loss for _, loss in report["losses"]]
     assert report["engine"] == engine and report["devices"] == 2
     assert report["runtime"] == "single_controller"
     assert report["global_batch"] == 2 * 4 and report["tokens_per_step"] == 8 * 32
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+XLA_GSPMD_WARNING = "GSPMD sharding propagation is going to be deprecated"
+
+
+def test_a_log_level_the_user_set_wins(tiny_config, tmp_path):
+    _, output = _train(tmp_path, [
+        "--config_name", tiny_config, "--fsdp", "full_shard", "--fsdp_config", TINY_FSDP_CONFIG,
+        "--do_train", "--max_steps", "2", "--per_device_train_batch_size", "2", "--block_size", "32"],
+        launcher_cores=2, env_extra={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert XLA_GSPMD_WARNING in output
 
 
 def test_unknown_flag_is_an_error_naming_it(tiny_config, tmp_path, capsys):

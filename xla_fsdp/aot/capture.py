@@ -53,10 +53,10 @@ def install() -> None:
     _State.original_sync = torch_xla.sync
 
     def sync(*args, **kwargs):
-        _on_cut()
+        cut()
 
     def mark_step(*args, **kwargs):
-        _on_cut()
+        cut()
 
     torch_xla.sync = sync
     xm.mark_step = mark_step
@@ -66,7 +66,8 @@ def _live_xla_tensors():
     return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "xla"]
 
 
-def _on_cut() -> None:
+def cut() -> None:
+    """A graph cut under the check: the first `steps - 1` are as if run, the last is compiled."""
     _State.cuts += 1
     if _State.cuts < _State.steps:
         _as_if_run()

@@ -61,6 +61,9 @@ def device_facts(spmd: bool) -> dict:
 def run(argv=None) -> dict:
     """Train and/or evaluate as the flags say; returns the metrics written to metrics.json."""
     args = parse_args(argv)
+    # XLA's C++ warnings (one GSPMD deprecation notice per compile) are not the user's to act
+    # on; errors still print, and a TF_CPP_MIN_LOG_LEVEL the user set wins. Before torch_xla loads.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if not abstract.active():  # the ahead-of-time check writes nothing
         check_output_dir(args)
     config = load_config(args.config_name)

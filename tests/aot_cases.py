@@ -1,0 +1,84 @@
+"""The training programs we ship, as run_clm commands, for the TPU compile matrix.
+
+Each case is a run_clm command (flags and an fsdp_config) and a runtime; the
+check (`python -m xla_fsdp.aot`) traces it at the slice's device count and
+compiles it with libtpu. Shared by tests/test_tpu_compile_matrix.py and
+bench/tpu_compile_table.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_CLM = os.path.join(ROOT, "launch", "run_clm.py")
+TINY = os.path.join(ROOT, "configs", "models", "gpt2-tiny.json")
+SINGLE, MULTI = "single_controller", "multi_process"
+
+
+@dataclass(frozen=True)
+class AotCase:
+    name: str
+    runtime: str
+    settings: Dict = field(default_factory=dict)     # xla_fsdp_settings
+    top: Dict = field(default_factory=dict)          # other fsdp_config keys
+    flags: tuple = ()                                # extra run_clm flags
+    fsdp: str = "full_shard"
+
+    def fsdp_config(self, devices: int) -> dict:
+        settings = {"compute_dtype": "bfloat16", **self.settings}
+        if self.fsdp == "hybrid_shard":  # two replicas, each sharded over half the slice
+            settings["sharding_groups"] = [list(range(devices // 2)), list(range(devices // 2, devices))]
+        return {"fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"], "xla": True,
+                "xla_fsdp_settings": settings, **self.top}
+
+
+def _cases(runtime: str) -> List[AotCase]:
+    r = "sc" if runtime == SINGLE else "mp"
+    return [
+        AotCase(f"{r}-full_shard", runtime),
+        AotCase(f"{r}-shard_grad_op", runtime, fsdp="shard_grad_op"),
+        AotCase(f"{r}-no_shard", runtime, fsdp="no_shard"),
+        AotCase(f"{r}-hybrid", runtime, fsdp="hybrid_shard"),
+        AotCase(f"{r}-flat", runtime, {"flatten_parameters": True}),
+        AotCase(f"{r}-all_reduce_gather", runtime, {"all_gather_impl": "all_reduce"}),
+        AotCase(f"{r}-no_prefetch", runtime, top={"forward_prefetch": False, "backward_prefetch": "NO_PREFETCH"}),
+        AotCase(f"{r}-grad_ckpt", runtime, top={"xla_fsdp_grad_ckpt": True}),
+        AotCase(f"{r}-no_clip", runtime, flags=("--max_grad_norm", "0")),
+        AotCase(f"{r}-accumulate", runtime, flags=("--gradient_accumulation_steps", "2")),
+    ]
+
+
+MATRIX: List[AotCase] = _cases(MULTI) + _cases(SINGLE) + [
+    AotCase("gspmd", SINGLE, top={"xla_fsdp_v2": True}),
+]
+BY_NAME = {c.name: c for c in MATRIX}
+
+
+def command(case: AotCase, devices: int, config_path: str, out_dir: str, model: str = TINY, batch: int = 2,
+            block: int = 64) -> List[str]:
+    """The run_clm command of `case` at `devices` (its fsdp_config written to `config_path`)."""
+    with open(config_path, "w") as f:
+        json.dump(case.fsdp_config(devices), f)
+    return [RUN_CLM, "--config_name", model, "--fsdp", case.fsdp, "--fsdp_config", config_path,
+            "--output_dir", out_dir, "--do_train", "--per_device_train_batch_size", str(batch),
+            "--block_size", str(block), *case.flags]
+
+
+def check(tpu: str, cmd: List[str], runtime: str = "auto", extra: Optional[List[str]] = None,
+          timeout: float = 1200) -> dict:
+    """Run `python -m xla_fsdp.aot --json` on `cmd`; returns (exit code, report or None, output)."""
+    argv = [sys.executable, "-m", "xla_fsdp.aot", "--tpu", tpu, "--runtime", runtime, "--json",
+            *(extra or []), "--", *cmd]
+    env = dict(os.environ)
+    for name in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "XLA_USE_SPMD", "CPU_NUM_DEVICES", "LIBTPU_INIT_ARGS"):
+        env.pop(name, None)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    report = None
+    if proc.stdout.strip().startswith("{"):
+        report = json.loads(proc.stdout)
+    return {"rc": proc.returncode, "report": report, "output": proc.stdout[-3000:] + proc.stderr[-5000:]}

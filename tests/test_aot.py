@@ -1,0 +1,112 @@
+"""`python -m xla_fsdp.aot`: the report, a user's own loop, collectives users add, bad input.
+
+Real traces and real libtpu compiles (tiny models); nothing is mocked.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import aot_cases as ac  # noqa: E402
+
+pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -e .[tpu-aot]` (make test installs it)")
+
+OWN_LOOP = os.path.join(ac.ROOT, "tests", "fixtures", "aot_own_loop.py")
+
+
+def _cli(args, env_extra=None, timeout=600):
+    env = dict(os.environ)
+    for name in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "XLA_USE_SPMD", "CPU_NUM_DEVICES", "LIBTPU_INIT_ARGS"):
+        env.pop(name, None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "xla_fsdp.aot", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ac.ROOT, env=env)
+
+
+def test_report_names_memory_and_collectives_and_dumps_the_programs(tmp_path):
+    case = ac.BY_NAME["mp-full_shard"]
+    cmd = ac.command(case, 4, str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
+    proc = _cli(["--tpu", "v4-8", "--dump", str(tmp_path / "dump"), "--quiet", "--", *cmd])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "compiles (libtpu" in out and "HBM per chip" in out and "of 32.00 GiB per chip" in out, out
+    assert "all-gather" in out and "reduce-scatter" in out or "all-reduce" in out, out
+    dumped = sorted(os.listdir(tmp_path / "dump"))
+    assert "traced_step.hlo.txt" in dumped and "tpu_optimized.hlo.txt" in dumped, dumped
+    assert "constrain_layout=true" in (tmp_path / "dump" / "traced_step.hlo.txt").read_text()
+
+
+def test_own_loop_through_check(tmp_path):
+    """A user's loop that hands its step to xla_fsdp.aot.check()."""
+    got = ac.check("v5e-8", [OWN_LOOP, "--mark"], runtime="multi_process")
+    assert got["rc"] == 0 and got["report"]["compiles"], got["output"]
+    assert got["report"]["chips"] == 8
+
+
+def test_collectives_users_add_unpinned_are_named_with_the_fix(tmp_path):
+    """xm.all_reduce(pin_layout=False) beside xla_fsdp's pinned collectives: libtpu refuses the
+    module; the check names both sides, where the unpinned one came from, and the fix."""
+    got = ac.check("v4-8", [OWN_LOOP, "--unpinned_metric"], runtime="multi_process")
+    report = got["report"]
+    assert got["rc"] == 4 and report is not None and not report["compiles"], got["output"]
+    assert "mix of layout constrained and unconstrained" in report["error"]
+    cause = report["cause"]
+    assert "Pinned: " in cause and "Unpinned: all-reduce" in cause, cause
+    assert "aot_own_loop.py" in cause.split("Unpinned: ")[1], cause  # the user's line, from op metadata
+    assert "pin_layout_in_collective_ops=False" in cause and "pin_layout=True" in cause, cause
+
+
+def test_the_same_loop_without_the_user_collective_compiles():
+    got = ac.check("v4-8", [OWN_LOOP], runtime="multi_process")
+    assert got["rc"] == 0 and got["report"]["compiles"], got["output"]
+
+
+def test_unknown_accelerator_type_lists_the_known_ones():
+    proc = _cli(["--tpu", "v9-8", "--", ac.RUN_CLM])
+    assert proc.returncode == 2
+    assert "v9-8" in proc.stderr and "v4-8" in proc.stderr and "v5e-8" in proc.stderr, proc.stderr
+
+
+def test_missing_script_and_missing_command_are_named():
+    proc = _cli(["--tpu", "v4-8", "--", "no/such_script.py"])
+    assert proc.returncode == 2 and "no/such_script.py" in proc.stderr, proc.stderr
+    proc = _cli(["--tpu", "v4-8"])
+    assert proc.returncode == 2 and "put the job's command after --" in proc.stderr, proc.stderr
+
+
+def test_a_job_that_fails_to_trace_reports_where(tmp_path):
+    bad = tmp_path / "bad_model.json"
+    bad.write_text('{"model_type": "bert", "vocab_size": 100}')
+    proc = _cli(["--tpu", "v4-8", "--quiet", "--", ac.RUN_CLM, "--config_name", str(bad), "--fsdp", "full_shard",
+                 "--output_dir", str(tmp_path / "out")])
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "run_clm.py failed before its second training step" in proc.stderr, proc.stderr
+    assert "model_type 'bert'" in proc.stderr or "model_type \"bert\"" in proc.stderr or "bert" in proc.stderr
+
+
+def test_missing_libtpu_names_the_install_command(tmp_path):
+    proc = _cli(["--tpu", "v4-8", "--", ac.RUN_CLM], env_extra={"TPU_LIBRARY_PATH": str(tmp_path / "none.so")})
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert "pip install" in proc.stderr and "libtpu==0.0.21" in proc.stderr, proc.stderr
+
+
+def test_check_outside_the_cli_names_the_command():
+    import xla_fsdp.aot
+
+    with pytest.raises(RuntimeError, match="python -m xla_fsdp.aot --tpu"):
+        xla_fsdp.aot.check(lambda: None)
+
+
+def test_multi_host_slice_compiles_or_is_refused_by_name(tmp_path):
+    """v4-32: 16 chips over 4 hosts; the per-chip program at world 16."""
+    case = ac.BY_NAME["mp-full_shard"]
+    cmd = ac.command(case, 16, str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
+    got = ac.check("v4-32", cmd, runtime="multi_process")
+    report = got["report"]
+    assert report is not None, got["output"]
+    assert report["chips"] == 16 and report["hosts"] == 4
+    assert report["compiles"] or report["error"], report

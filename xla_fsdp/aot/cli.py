@@ -1,0 +1,115 @@
+"""`python -m xla_fsdp.aot`: check a training job for a Cloud TPU slice from this host.
+
+    python -m xla_fsdp.aot --tpu v4-8 [--runtime auto] [--json] [--dump DIR] -- \\
+        launch/run_clm.py <the job's flags>
+
+Exit codes: 0 compiles and fits; 1 does not fit in HBM; 2 bad input; 3 the
+job failed to trace; 4 the TPU compiler refused the step; 5 libtpu missing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_TRACE, EXIT_COMPILE, EXIT_NO_LIBTPU = 0, 1, 2, 3, 4, 5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m xla_fsdp.aot",
+        usage="%(prog)s --tpu TYPE [options] -- SCRIPT [SCRIPT_ARGS ...]",
+        description="Trace one training step of a job at a TPU slice's size on this host (nothing runs) "
+                    "and compile it with libtpu's own compiler: does it compile, does it fit in HBM, "
+                    "which collectives run beside compute.")
+    p.add_argument("--tpu", required=True, help="accelerator type as Cloud TPU names it: v4-8, v4-32, v5e-8 "
+                   "(v5litepod-8), v5p-8, v6e-8, ...")
+    p.add_argument("--runtime", default="auto", help="auto (what the command uses on a TPU: one process per "
+                   "chip under xla_spawn, the single controller with --spmd or the GSPMD engine), "
+                   "single_controller or multi_process")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--dump", metavar="DIR", help="keep the traced module and the TPU-optimized HLO in DIR")
+    p.add_argument("--steps", type=int, default=2, help="training steps the job runs before the checked one "
+                   "is cut (default 2: the second, steady-state step; 1: the first, for loops that read "
+                   "values back in their first step)")
+    p.add_argument("--libtpu-flags", default=None, help="libtpu flags for the compile, as in LIBTPU_INIT_ARGS "
+                   "(default: $LIBTPU_INIT_ARGS)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for tracing (default 3600)")
+    p.add_argument("--quiet", action="store_true", help="do not echo the job's own output while tracing")
+    return p
+
+
+def split_command(argv: List[str]):
+    """(our flags, the job's command): everything after the first `--` is the job's."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, command = split_command(argv)
+    parser = build_parser()
+    opts = parser.parse_args(ours)
+    from xla_fsdp.aot import report as rep
+    from xla_fsdp.aot import trace
+    from xla_fsdp.tpu import slices
+
+    say = (lambda *a: None) if opts.json else (lambda *a: print(*a, flush=True))
+    try:
+        spec = slices.parse_accelerator_type(opts.tpu)
+        job = trace.job_from_command(command, opts.runtime, spec.chips)
+    except (ValueError, trace.TraceError) as e:
+        print(f"xla_fsdp.aot: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    # libtpu's start-up looks for a TPU VM's environment; this host is not one
+    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                        ("TF_CPP_MIN_LOG_LEVEL", "2")):
+        os.environ.setdefault(name, value)
+    try:
+        from xla_fsdp.tpu import compiler as tpu_compiler
+
+        compiler = tpu_compiler.get_compiler()
+    except ImportError as e:
+        print(f"xla_fsdp.aot: {e}", file=sys.stderr)
+        return EXIT_NO_LIBTPU
+    workdir = tempfile.mkdtemp(prefix="xla_fsdp_aot_")
+    try:
+        say(f"xla_fsdp.aot: tracing {job.script} for {spec.name} ({spec.chips} chips, {spec.hosts} host(s)), "
+            f"{job.runtime.replace('_', ' ')} runtime, on this host's CPU (nothing runs)")
+        started = time.time()
+        try:
+            text = trace.run_trace(job, workdir, steps=opts.steps, timeout=opts.timeout,
+                                   echo=None if (opts.quiet or opts.json) else (lambda l: print("  | " + l)))
+        except trace.TraceError as e:
+            print(f"xla_fsdp.aot: {e}", file=sys.stderr)
+            return EXIT_TRACE
+        traced_s = time.time() - started
+        flags = opts.libtpu_flags if opts.libtpu_flags is not None else os.environ.get("LIBTPU_INIT_ARGS", "")
+        result = rep.check_program(text, spec, compiler, flags, say=say)
+        result["trace_seconds"] = round(traced_s, 1)
+        result["runtime"] = job.runtime
+        result["script"] = job.script
+        if opts.dump:
+            os.makedirs(opts.dump, exist_ok=True)
+            shutil.copy(os.path.join(workdir, "program.txt"), os.path.join(opts.dump, "traced_step.hlo.txt"))
+            if result.get("optimized_hlo"):
+                with open(os.path.join(opts.dump, "tpu_optimized.hlo.txt"), "w") as f:
+                    f.write(result["optimized_hlo"])
+            shutil.copy(os.path.join(workdir, "trace.log"), os.path.join(opts.dump, "trace.log"))
+        result.pop("optimized_hlo", None)
+        if opts.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(rep.render(result))
+        if not result["compiles"]:
+            return EXIT_COMPILE
+        return EXIT_OK if result["fits"] else EXIT_NO_FIT
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,110 @@
+"""Compiling the traced step for the slice, and the report: compiles, HBM per chip, collectives.
+
+Memory per chip is the compiler's own: arguments + outputs - aliased
+(donated buffers counted once) + temporaries + generated code, set against
+the chip's HBM. The collectives come from the TPU-optimized program
+(`xla_fsdp.tpu.optimized_hlo`), never from the program XLA:CPU would run.
+"""
+from __future__ import annotations
+
+import re
+import time
+from typing import Callable
+
+from xla_fsdp.aot import program as prog
+from xla_fsdp.tpu import optimized_hlo
+
+GIB = 1024 ** 3
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+
+
+def is_spmd(text: str) -> bool:
+    """One program for every device (single controller, GSPMD) rather than one per replica."""
+    header = text.split("\n", 1)[0]
+    m = _PARTITIONS.search(header)
+    return bool(m) and int(m.group(1)) > 1
+
+
+def _diagnose(message: str, text: str) -> str:
+    """What in the job caused a compile error, where we can tell."""
+    if "mix of layout constrained and unconstrained" in message:
+        mix = prog.layout_mix(text)
+        if mix:
+            return mix
+    if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message:
+        return ("the step's buffers do not fit in the chip's HBM; shard more (FULL_SHARD), checkpoint "
+                "activations (xla_fsdp_grad_ckpt), lower the per-device batch, or pick a larger slice")
+    return ""
+
+
+def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print) -> dict:
+    """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict."""
+    from xla_fsdp.tpu import program_format
+
+    spmd = is_spmd(text)
+    if spmd:
+        text = prog.place_parameter_shardings(text)
+    result = {"tpu": spec.name, "chips": spec.chips, "hosts": spec.hosts, "program": "spmd" if spmd else
+              "per_replica", "libtpu_flags": libtpu_flags, "hbm_per_chip": spec.hbm_bytes, "compiles": False,
+              "fits": False, "error": "", "cause": ""}
+    mix = prog.layout_mix(text)
+    say(f"xla_fsdp.aot: compiling the step for {spec.name} with libtpu ({'one SPMD program over' if spmd else 'one program per chip,'} "
+        f"{spec.chips} chips)")
+    started = time.time()
+    try:
+        with compiler.topology(spec.topology_name, spec.options) as topology:
+            options = program_format.compile_options([d.id for d in topology.devices], spmd=spmd,
+                                                     libtpu_flags=program_format.parse_flags(libtpu_flags))
+            compiled = compiler.compile(topology, program_format.hlo_text_to_proto(text), options)
+    except Exception as e:  # the compiler's own error text is the report
+        message = getattr(e, "compiler_message", None) or str(e)
+        result.update(error=message.strip(), cause=_diagnose(message, text) or (mix or ""),
+                      compile_seconds=round(time.time() - started, 1))
+        return result
+    result["compile_seconds"] = round(time.time() - started, 1)
+    m = compiled.memory
+    peak = m.peak
+    result.update(compiles=True, memory={"arguments": m.argument_size, "outputs": m.output_size,
+                                         "aliased": m.alias_size, "temporaries": m.temp_size,
+                                         "generated_code": m.generated_code_size, "peak": peak},
+                  fits=peak <= spec.hbm_bytes)
+    found = optimized_hlo.collectives(compiled.optimized_hlo)
+    result["collectives"] = optimized_hlo.summarize(found)
+    result["collective_list"] = [c.as_dict() for c in found]
+    result["optimized_hlo"] = compiled.optimized_hlo
+    return result
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB // 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def render(r: dict) -> str:
+    """The human-readable report."""
+    lines = [f"== {r.get('script', 'job')} on {r['tpu']} ({r['chips']} chips, {r['hosts']} host(s)), "
+             f"{r.get('runtime', '').replace('_', ' ')} runtime, {r['program'].replace('_', ' ')} program"]
+    if not r["compiles"]:
+        lines.append("DOES NOT COMPILE for this TPU. The compiler said:")
+        lines += ["  " + line for line in r["error"].splitlines()[:20]]
+        if r["cause"]:
+            lines.append("Cause: " + r["cause"])
+        return "\n".join(lines)
+    m = r["memory"]
+    lines.append(f"compiles (libtpu, {r['compile_seconds']:.1f} s)")
+    lines.append("HBM per chip (from the compiler):")
+    for key in ("arguments", "outputs", "aliased", "temporaries", "generated_code"):
+        lines.append(f"  {key:<15}{_gib(m[key]):>12}")
+    lines.append(f"  {'peak':<15}{_gib(m['peak']):>12}   of {_gib(r['hbm_per_chip'])} per chip "
+                 f"({100 * m['peak'] / r['hbm_per_chip']:.0f}%)")
+    if not r["fits"]:
+        lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(r['hbm_per_chip'])} per chip")
+    c = r["collectives"]
+    lines.append(f"collectives of the TPU-optimized program: {c['count']} ({c['sync']} synchronous, "
+                 f"{c['async']} asynchronous), {c['bytes'] / 1e9:.3f} GB per step; "
+                 f"{100 * c['async_bytes_with_matmul_fraction']:.0f}% of the bytes asynchronous with a "
+                 "matmul scheduled beside them")
+    lines.append(f"  {'kind':<20}{'sync':>6}{'async':>7}{'with matmul':>13}{'GB':>10}")
+    for kind, k in sorted(c["by_kind"].items()):
+        lines.append(f"  {kind:<20}{k['sync']:>6}{k['async']:>7}{k['async_with_matmul']:>13}"
+                     f"{k['bytes'] / 1e9:>10.3f}")
+    return "\n".join(lines)

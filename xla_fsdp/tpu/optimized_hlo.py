@@ -1,0 +1,196 @@
+"""Reading the TPU-optimized program: its collectives, in the order the chip runs them.
+
+libtpu's optimized module is scheduled: the entry computation's instructions
+appear in execution order. A collective is synchronous when it is one
+instruction (`all-gather`, `all-reduce`, ..., or a fusion wrapping one);
+asynchronous when it is a start/done pair (`all-gather-start` /
+`all-gather-done`, `async-start` / `async-done`, or libtpu's own
+`async-collective-start` / `async-collective-done` fusions), and then the
+instructions scheduled between start and done run beside it. Bytes are the
+largest buffer the collective touches (an all-gather's output, a
+reduce-scatter's input, an all-reduce's operand).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+               "s4": 1, "u4": 1}
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+         "collective-broadcast", "ragged-all-to-all")
+# libtpu fuses the steps of an asynchronous collective into the compute scheduled beside it
+_CONTINUATION = "async_collective_fusion"
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)\[([0-9,]*)\]")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def shape_bytes(shape: str) -> List[int]:
+    """Bytes of every array in an HLO shape string (a tuple gives several)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in DTYPE_BYTES:
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out.append(n * DTYPE_BYTES[dtype])
+    return out
+
+
+@dataclass
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    rest: str
+
+    @property
+    def operands(self) -> List[str]:
+        head = self.rest.split(")", 1)[0]
+        return re.findall(r"%([\w.\-]+)", head)
+
+
+@dataclass
+class Collective:
+    """One collective of the optimized program."""
+
+    kind: str
+    name: str
+    bytes: int
+    asynchronous: bool
+    position: int
+    beside: int = 0          # instructions scheduled between start and done
+    beside_matmuls: int = 0  # of which fusions holding a matmul (convolution / dot)
+    beside_names: List[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["beside_names"] = d["beside_names"][:8]
+        return d
+
+
+def computations(text: str) -> Dict[str, List[Instruction]]:
+    """Every computation's instructions, by computation name; the entry is under "ENTRY"."""
+    out: Dict[str, List[Instruction]] = {}
+    current: Optional[List[Instruction]] = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if current is None:
+            m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", stripped)
+            if m and not stripped.startswith("HloModule"):
+                current = out.setdefault("ENTRY" if m.group(1) else m.group(2), [])
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            current.append(Instruction(m.group(1), m.group(2), m.group(3), m.group(4)))
+    return out
+
+
+def _collective_kind(ins: Instruction, comps: Dict[str, List[Instruction]]) -> Optional[str]:
+    """The collective an instruction is (or wraps), else None."""
+    op = ins.opcode
+    for kind in KINDS:
+        if op in (kind, kind + "-start"):
+            return kind
+    if op in ("fusion", "async-start", "custom-call", "call"):
+        called = _CALLS.search(ins.rest)
+        if called and called.group(1).startswith(_CONTINUATION):
+            return None  # compute that carries an open collective's next step: work beside it
+        if called:
+            for inner in comps.get(called.group(1), []):
+                kind = _collective_kind(inner, comps)
+                if kind:
+                    return kind
+        for kind in KINDS:  # libtpu names collective fusions after what they hold
+            if kind in ins.name and "done" not in ins.name:
+                return kind
+    return None
+
+
+def _is_start(ins: Instruction) -> bool:
+    return ins.opcode.endswith("-start") or ins.name.startswith("async-collective-start") or \
+        "collective-start" in ins.name or ins.opcode == "async-start"
+
+
+def _is_done(ins: Instruction) -> bool:
+    return ins.opcode.endswith("-done") or "collective-done" in ins.name or ins.opcode == "async-done"
+
+
+def _holds_matmul(ins: Instruction, comps: Dict[str, List[Instruction]]) -> bool:
+    if ins.opcode in ("convolution", "dot"):
+        return True
+    called = _CALLS.search(ins.rest)
+    return bool(called) and any(i.opcode in ("convolution", "dot") for i in comps.get(called.group(1), []))
+
+
+def collectives(text: str) -> List[Collective]:
+    """The entry computation's collectives in schedule order, each marked synchronous or
+    asynchronous, with the work scheduled beside the asynchronous ones.
+
+    A done is paired with its start through data: libtpu's done fusions read the start's
+    buffers through get-tuple-elements and the compute fusions it threads them through, so
+    every instruction carries the set of open starts it depends on.
+    """
+    comps = computations(text)
+    entry = comps.get("ENTRY", [])
+    shapes = {ins.name: ins.shape for ins in entry}
+    out: List[Collective] = []
+    open_starts: Dict[str, Collective] = {}
+    depends: Dict[str, set] = {}
+    for pos, ins in enumerate(entry):
+        deps = set()
+        for operand in ins.operands:
+            deps |= depends.get(operand, set())
+        deps &= set(open_starts)
+        if _is_done(ins):
+            for name in deps:
+                started = open_starts.pop(name)
+                between = entry[started.position + 1:pos]
+                real = [i for i in between if i.opcode not in _BOOKKEEPING]
+                started.beside = len(real)
+                started.beside_matmuls = sum(_holds_matmul(i, comps) for i in real)
+                started.beside_names = [i.name for i in real if _holds_matmul(i, comps)]
+            continue
+        kind = _collective_kind(ins, comps)
+        if kind is None:
+            if deps:
+                depends[ins.name] = deps
+            continue
+        sizes = shape_bytes(ins.shape) + [b for o in ins.operands for b in shape_bytes(shapes.get(o, ""))]
+        c = Collective(kind, ins.name, max(sizes, default=0), _is_start(ins), pos)
+        out.append(c)
+        if c.asynchronous:
+            open_starts[ins.name] = c
+            depends[ins.name] = {ins.name}
+    return out
+
+
+_BOOKKEEPING = ("bitcast", "get-tuple-element", "tuple", "constant", "parameter", "copy-start", "copy-done")
+
+
+def summarize(found: List[Collective]) -> dict:
+    """Counts and bytes by kind, synchronous vs asynchronous, and the asynchronous bytes with
+    a matmul scheduled beside them."""
+    by_kind: Dict[str, dict] = {}
+    for c in found:
+        k = by_kind.setdefault(c.kind, {"sync": 0, "async": 0, "bytes": 0, "async_bytes": 0,
+                                        "async_with_matmul": 0})
+        k["bytes"] += c.bytes
+        if c.asynchronous:
+            k["async"] += 1
+            k["async_bytes"] += c.bytes
+            k["async_with_matmul"] += int(c.beside_matmuls > 0)
+        else:
+            k["sync"] += 1
+    total = sum(c.bytes for c in found)
+    overlapped = sum(c.bytes for c in found if c.asynchronous and c.beside_matmuls > 0)
+    return {"by_kind": by_kind, "count": len(found), "sync": sum(not c.asynchronous for c in found),
+            "async": sum(c.asynchronous for c in found), "bytes": total,
+            "async_bytes_with_matmul_fraction": (overlapped / total) if total else 0.0}
