@@ -110,3 +110,16 @@ def test_multi_host_slice_compiles_or_is_refused_by_name(tmp_path):
     assert report is not None, got["output"]
     assert report["chips"] == 16 and report["hosts"] == 4
     assert report["compiles"] or report["error"], report
+
+
+@pytest.mark.parametrize("name,chips,hosts", [("v4-8", 4, 1), ("v4-32", 16, 4), ("v4-128", 64, 16), ("v5e-8", 8, 1),
+                                              ("v5litepod-16", 16, 4), ("v5e-256", 256, 64), ("v5p-8", 4, 1),
+                                              ("v6e-8", 8, 1), ("v6e-16", 16, 4)])
+def test_accelerator_types_are_the_topologies_libtpu_builds(name, chips, hosts):
+    from xla_fsdp.tpu import compiler, slices
+
+    spec = slices.parse_accelerator_type(name)
+    assert (spec.chips, spec.hosts) == (chips, hosts)
+    with compiler.get_compiler().topology(spec.topology_name, spec.options) as topo:
+        assert len(topo.devices) == chips and topo.num_processes == hosts
+        assert topo.devices[0].kind.startswith("TPU " + spec.chip.generation[:2])

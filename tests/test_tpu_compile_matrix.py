@@ -74,5 +74,7 @@ def test_make_train_job_compiles_for_tpu(tmp_path):
 def test_hugging_face_trainer_step_compiles_for_tpu(tmp_path):
     """The Trainer integration's step (fsdp_config xla: true), one process per chip."""
     script = os.path.join(ac.ROOT, "tests", "fixtures", "hf_trainer_job.py")
-    got = ac.check("v4-8", [script, "--aot", str(tmp_path)], runtime="multi_process")
+    config = os.path.join(ac.ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
+    # the Trainer reads the loss back after every step: check its first step's program
+    got = ac.check("v4-8", [script, str(tmp_path), config, "3"], runtime="multi_process", extra=["--steps", "1"])
     _assert_compiles(got, "the HF Trainer step")

@@ -25,16 +25,24 @@ EXIT_NO_SECOND_STEP = 3
 def _run_script(script: str, args) -> None:
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if not _defines_mp_fn(script):
+        runpy.run_path(script, run_name="__main__")
+        return
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("__aot_script__", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    entry = getattr(module, "_mp_fn", None)
-    if entry is not None:
-        entry(0)
-    else:
-        runpy.run_path(script, run_name="__main__")
+    module._mp_fn(0)
+
+
+def _defines_mp_fn(script: str) -> bool:
+    """Whether the script defines xla_spawn's entry `_mp_fn` at top level (read, not run)."""
+    import ast
+
+    with open(script) as f:
+        tree = ast.parse(f.read(), script)
+    return any(isinstance(n, ast.FunctionDef) and n.name == "_mp_fn" for n in tree.body)
 
 
 def _traced(script: str, args) -> None:

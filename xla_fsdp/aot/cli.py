@@ -108,6 +108,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(result, indent=2))
         else:
             print(rep.render(result))
+        if result.get("does_not_fit"):
+            return EXIT_NO_FIT
         if not result["compiles"]:
             return EXIT_COMPILE
         return EXIT_OK if result["fits"] else EXIT_NO_FIT

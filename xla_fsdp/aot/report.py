@@ -16,6 +16,17 @@ from xla_fsdp.tpu import optimized_hlo
 
 GIB = 1024 ** 3
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
+# libtpu's out-of-memory refusal: "Ran out of memory in memory space hbm. Used 67.64G of 30.75G hbm."
+_OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def out_of_memory(message: str):
+    """(needed, usable) bytes per chip when the compiler refused for lack of HBM, else None."""
+    m = _OOM.search(message)
+    if not m:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2)]), int(float(m.group(3)) * _UNITS[m.group(4)])
 
 
 def is_spmd(text: str) -> bool:
@@ -23,6 +34,17 @@ def is_spmd(text: str) -> bool:
     header = text.split("\n", 1)[0]
     m = _PARTITIONS.search(header)
     return bool(m) and int(m.group(1)) > 1
+
+
+def per_replica_argument_bytes(text: str) -> int:
+    """Bytes of the entry parameters of a per-replica program (what each chip is handed)."""
+    lines = text.splitlines()
+    total = 0
+    for i in prog.entry_lines(text):
+        if " parameter(" in lines[i]:
+            shape = lines[i].split(" = ", 1)[1].split(" parameter(", 1)[0]
+            total += sum(optimized_hlo.shape_bytes(shape))
+    return total
 
 
 def _diagnose(message: str, text: str) -> str:
@@ -60,6 +82,10 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
         message = getattr(e, "compiler_message", None) or str(e)
         result.update(error=message.strip(), cause=_diagnose(message, text) or (mix or ""),
                       compile_seconds=round(time.time() - started, 1))
+        oom = out_of_memory(message)
+        if oom:  # the program is valid; its buffers exceed the chip: "does not fit", with the numbers
+            result["does_not_fit"] = {"needed": oom[0], "usable": oom[1],
+                                      "arguments": None if spmd else per_replica_argument_bytes(text)}
         return result
     result["compile_seconds"] = round(time.time() - started, 1)
     m = compiled.memory
@@ -83,6 +109,16 @@ def render(r: dict) -> str:
     """The human-readable report."""
     lines = [f"== {r.get('script', 'job')} on {r['tpu']} ({r['chips']} chips, {r['hosts']} host(s)), "
              f"{r.get('runtime', '').replace('_', ' ')} runtime, {r['program'].replace('_', ' ')} program"]
+    if r.get("does_not_fit"):
+        need = r["does_not_fit"]
+        args = need.get("arguments")
+        extra = f" (the compiler's count; the step's inputs, {_gib(args)} per chip, come on top when it " \
+                "lists them as 0B)" if args else " (the compiler's count)"
+        lines.append(f"DOES NOT FIT: {_gib(need['needed'])} needed, {_gib(need['usable'])} usable per chip "
+                     f"(of {_gib(r['hbm_per_chip'])} HBM){extra}. The compiler's account:")
+        lines += ["  " + line for line in r["error"].splitlines()[:40]]
+        lines.append("What to do: " + r["cause"])
+        return "\n".join(lines)
     if not r["compiles"]:
         lines.append("DOES NOT COMPILE for this TPU. The compiler said:")
         lines += ["  " + line for line in r["error"].splitlines()[:20]]
