@@ -60,6 +60,33 @@ def install() -> None:
 
     torch_xla.sync = sync
     xm.mark_step = mark_step
+    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        setattr(xm, name, _recorded(getattr(xm, name), name.replace("_", "-")))
+
+
+SITES = "collective_sites.json"
+_sites: list = []
+
+
+def _recorded(fn, kind: str):
+    """`xm.<collective>` that also notes where it was called from and with which pin_layout:
+    torch_xla's op metadata names only its own line, and the check names the caller's."""
+    import functools
+    import inspect
+    import traceback
+
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        pin = bound.arguments.get("pin_layout", signature.parameters["pin_layout"].default)
+        frame = traceback.extract_stack(limit=2)[0]
+        _sites.append({"kind": kind, "pinned": bool(pin), "where": f"{frame.filename}:{frame.lineno}",
+                       "call": f"xm.{fn.__name__}(..., pin_layout={bool(pin)})"})
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _live_xla_tensors():
@@ -129,6 +156,8 @@ def _compile_and_exit() -> None:
     before = set(os.listdir(dump)) if os.path.isdir(dump) else set()
     with open(os.path.join(_State.out, MARKER), "w") as f:
         json.dump({"ordinal": xr.global_ordinal(), "dumped_before": sorted(before)}, f)
+    with open(os.path.join(_State.out, SITES), "w") as f:
+        json.dump(_sites, f)
     sys.stdout.flush()
     sys.stderr.flush()
     threading.Thread(target=_State.original_sync, daemon=True).start()

@@ -73,7 +73,12 @@ def main() -> None:
         return
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    xmp.spawn(_replica, args=(script, args))
+    try:
+        xmp.spawn(_replica, args=(script, args))
+    except BaseException:
+        # rank 0 leaves its pool worker with os._exit (done, or failed after printing why);
+        # the pool's own traceback about it would bury that reason
+        os._exit(1)
 
 
 def _replica(index: int, script: str, args) -> None:

@@ -59,11 +59,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = parser.parse_args(ours)
     from xla_fsdp.aot import report as rep
     from xla_fsdp.aot import trace
-    from xla_fsdp.tpu import slices
+    from xla_fsdp.tpu import topology
 
     say = (lambda *a: None) if opts.json else (lambda *a: print(*a, flush=True))
     try:
-        spec = slices.parse_accelerator_type(opts.tpu)
+        spec = topology.parse_accelerator_type(opts.tpu)
         job = trace.job_from_command(command, opts.runtime, spec.chips)
     except (ValueError, trace.TraceError) as e:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
@@ -73,9 +73,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         ("TF_CPP_MIN_LOG_LEVEL", "2")):
         os.environ.setdefault(name, value)
     try:
-        from xla_fsdp.tpu import compiler as tpu_compiler
+        from xla_fsdp.tpu import pjrt
 
-        compiler = tpu_compiler.get_compiler()
+        compiler = pjrt.get_compiler()
     except ImportError as e:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         return EXIT_NO_LIBTPU
@@ -92,7 +92,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             return EXIT_TRACE
         traced_s = time.time() - started
         flags = opts.libtpu_flags if opts.libtpu_flags is not None else os.environ.get("LIBTPU_INIT_ARGS", "")
-        result = rep.check_program(text, spec, compiler, flags, say=say)
+        sites_path = os.path.join(workdir, "collective_sites.json")
+        calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
+        result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)
         result["trace_seconds"] = round(traced_s, 1)
         result["runtime"] = job.runtime
         result["script"] = job.script

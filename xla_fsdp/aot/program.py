@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 _PARAM = re.compile(r"^(\s*(?:ROOT )?%?([\w.\-]+) = [^=]*? parameter\((\d+)\))(.*)$")
 _SHARDING_CALL = re.compile(r"custom-call\([^%]*%([\w.\-]+)\), custom_call_target=\"Sharding\", sharding=(\{[^}]*\})")
@@ -87,18 +87,27 @@ def collective_sites(text: str) -> List[CollectiveSite]:
     return out
 
 
-def layout_mix(text: str) -> Optional[str]:
+def layout_mix(text: str, calls: Sequence[dict] = ()) -> Optional[str]:
     """The TPU compiler refuses a module whose all-reduces (reduce-scatters count: it turns
     them into all-reduces) are partly layout-pinned and partly not. Said before compiling,
-    naming one collective of each side and the fix; None when the module is consistent."""
+    naming one collective of each side and the fix; None when the module is consistent.
+    `calls`: the job's own `xm.all_reduce`-style calls the trace recorded (kind, pinned,
+    where), which name the caller's line where the op metadata names torch_xla's."""
     sites = [s for s in collective_sites(text) if s.kind in ("all-reduce", "reduce-scatter")]
     pinned = [s for s in sites if s.pinned]
     free = [s for s in sites if not s.pinned]
     if not pinned or not free:
         return None
+
+    def side(group: List[CollectiveSite], pin: bool) -> str:
+        user = [c for c in calls if c["pinned"] == pin and c["kind"] in ("all-reduce", "reduce-scatter")]
+        if user:
+            return f"{user[0]['call']} at {user[0]['where']} ({group[0].describe()})"
+        return group[0].describe()
+
     return (f"the step mixes {len(pinned)} layout-pinned and {len(free)} unpinned all-reduce/reduce-scatter "
-            f"collectives, which libtpu refuses to compile. Pinned: {pinned[0].describe()}. Unpinned: "
-            f"{free[0].describe()}. Fix: issue every collective of the step with the same pin_layout, e.g. "
+            f"collectives, which libtpu refuses to compile. Pinned: {side(pinned, True)}. Unpinned: "
+            f"{side(free, False)}. Fix: issue every collective of the step with the same pin_layout, e.g. "
             "pass pin_layout=True to your xm.all_reduce / xm.reduce_scatter calls (torch_xla's default), or "
             "give xla_fsdp pin_layout_in_collective_ops=False so that it pins none of its own "
             "(one process per chip; the single-controller runtime never pins).")

@@ -47,10 +47,10 @@ def per_replica_argument_bytes(text: str) -> int:
     return total
 
 
-def _diagnose(message: str, text: str) -> str:
+def _diagnose(message: str, text: str, calls=()) -> str:
     """What in the job caused a compile error, where we can tell."""
     if "mix of layout constrained and unconstrained" in message:
-        mix = prog.layout_mix(text)
+        mix = prog.layout_mix(text, calls)
         if mix:
             return mix
     if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message:
@@ -59,28 +59,29 @@ def _diagnose(message: str, text: str) -> str:
     return ""
 
 
-def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print) -> dict:
-    """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict."""
-    from xla_fsdp.tpu import program_format
+def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print, calls=()) -> dict:
+    """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict.
+    `calls`: the job's own collective calls the trace recorded (see `program.layout_mix`)."""
+    from xla_fsdp.tpu import compile_options as co
 
     spmd = is_spmd(text)
     if spmd:
         text = prog.place_parameter_shardings(text)
     result = {"tpu": spec.name, "chips": spec.chips, "hosts": spec.hosts, "program": "spmd" if spmd else
-              "per_replica", "libtpu_flags": libtpu_flags, "hbm_per_chip": spec.hbm_bytes, "compiles": False,
+              "per_replica", "libtpu_flags": libtpu_flags, "hbm_per_chip": spec.hbm_bytes_per_chip, "compiles": False,
               "fits": False, "error": "", "cause": ""}
-    mix = prog.layout_mix(text)
+    mix = prog.layout_mix(text, calls)
     say(f"xla_fsdp.aot: compiling the step for {spec.name} with libtpu ({'one SPMD program over' if spmd else 'one program per chip,'} "
         f"{spec.chips} chips)")
     started = time.time()
     try:
         with compiler.topology(spec.topology_name, spec.options) as topology:
-            options = program_format.compile_options([d.id for d in topology.devices], spmd=spmd,
-                                                     libtpu_flags=program_format.parse_flags(libtpu_flags))
-            compiled = compiler.compile(topology, program_format.hlo_text_to_proto(text), options)
+            flags = co.parse_libtpu_init_args(libtpu_flags)
+            options = (co.spmd_options if spmd else co.per_process_options)(topology.device_ids, flags)
+            compiled = compiler.compile(topology, co.hlo_text_to_proto(text), options)
     except Exception as e:  # the compiler's own error text is the report
         message = getattr(e, "compiler_message", None) or str(e)
-        result.update(error=message.strip(), cause=_diagnose(message, text) or (mix or ""),
+        result.update(error=message.strip(), cause=_diagnose(message, text, calls) or (mix or ""),
                       compile_seconds=round(time.time() - started, 1))
         oom = out_of_memory(message)
         if oom:  # the program is valid; its buffers exceed the chip: "does not fit", with the numbers
@@ -89,11 +90,12 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
         return result
     result["compile_seconds"] = round(time.time() - started, 1)
     m = compiled.memory
-    peak = m.peak
+    peak = m.total
     result.update(compiles=True, memory={"arguments": m.argument_size, "outputs": m.output_size,
                                          "aliased": m.alias_size, "temporaries": m.temp_size,
-                                         "generated_code": m.generated_code_size, "peak": peak},
-                  fits=peak <= spec.hbm_bytes)
+                                         "generated_code": m.generated_code_size, "peak": peak,
+                                         "compiler_peak": m.peak_memory},
+                  fits=peak <= spec.hbm_bytes_per_chip, cost=compiled.cost)
     found = optimized_hlo.collectives(compiled.optimized_hlo)
     result["collectives"] = optimized_hlo.summarize(found)
     result["collective_list"] = [c.as_dict() for c in found]

@@ -1,0 +1,221 @@
+"""libtpu's deviceless compiler through our PJRT C API binding (xla_fsdp/tpu/pjrt.py).
+
+Real compiles with libtpu 0.0.21 of small hand-written HLO modules, no TPU
+attached and nothing mocked: topologies of every accelerator type we name,
+the collectives FSDP issues (pinned all-gather, reduce-scatter, all-reduce
+with channel ids and global device ids), the compiler's own refusal of a
+mix of pinned and unpinned all-reduces, memory statistics checked against
+the bytes the module declares, and the TPU-optimized program read back.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+# found, not imported: importing the libtpu package sets TPU_LIBRARY_PATH for the whole session
+if importlib.util.find_spec("libtpu") is None or importlib.util.find_spec("jaxlib") is None:
+    pytest.skip("libtpu's TPU compiler and jaxlib are not installed: `pip install -e .[tpu-aot]` "
+                "(libtpu 0.0.21, jax/jaxlib 0.7.1)", allow_module_level=True)
+
+from xla_fsdp.tpu import compile_options as co  # noqa: E402
+from xla_fsdp.tpu import pjrt, topology  # noqa: E402
+
+F32 = 4
+ROWS, WIDTH = 8, 128  # each device's shard: f32[8,128]; the weight: f32[128,128]
+
+
+def collectives_module(devices: int, mix_pinning: bool = False) -> str:
+    """An SPMD module, manual everywhere (as FSDP's collectives are): gather the shards, multiply
+    by a weight, reduce-scatter the product, all-reduce the shard. All pinned
+    (constrain_layout=true); `mix_pinning` adds one unpinned all-reduce."""
+    group = "{{" + ",".join(map(str, range(devices))) + "}}"
+    full = ROWS * devices
+    unpinned = (f"  extra = f32[{ROWS},{WIDTH}]{{1,0}} all-reduce(ar), channel_id=4, replica_groups={group}, "
+                f"use_global_device_ids=true, to_apply=add, sharding={{manual}}\n") if mix_pinning else ""
+    return f"""HloModule fsdp_collectives, num_partitions={devices}
+
+add {{
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}}
+
+ENTRY main {{
+  shard = f32[{ROWS},{WIDTH}]{{1,0}} parameter(0), sharding={{manual}}
+  weight = f32[{WIDTH},{WIDTH}]{{1,0}} parameter(1), sharding={{manual}}
+  ag = f32[{full},{WIDTH}]{{1,0}} all-gather(shard), channel_id=1, replica_groups={group}, dimensions={{0}}, constrain_layout=true, use_global_device_ids=true, sharding={{manual}}
+  y = f32[{full},{WIDTH}]{{1,0}} dot(ag, weight), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, sharding={{manual}}
+  rs = f32[{ROWS},{WIDTH}]{{1,0}} reduce-scatter(y), channel_id=2, replica_groups={group}, dimensions={{0}}, constrain_layout=true, use_global_device_ids=true, to_apply=add, sharding={{manual}}
+  ar = f32[{ROWS},{WIDTH}]{{1,0}} all-reduce(rs), channel_id=3, replica_groups={group}, constrain_layout=true, use_global_device_ids=true, to_apply=add, sharding={{manual}}
+{unpinned}  ROOT out = (f32[{full},{WIDTH}]{{1,0}}, f32[{ROWS},{WIDTH}]{{1,0}}) tuple(y, {"extra" if mix_pinning else "ar"}), sharding={{{{manual}},{{manual}}}}
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return pjrt.get_compiler()
+
+
+def _open(compiler, accelerator_type: str):
+    spec = topology.parse_accelerator_type(accelerator_type)
+    return spec, compiler.topology(spec.topology_name, spec.options)
+
+
+def test_libtpu_speaks_the_pjrt_c_api_our_layouts_come_from(compiler):
+    assert compiler.api_version[0] == 0 and compiler.api_version[1] >= pjrt.HEADER_VERSION[1], compiler.api_version
+    assert pjrt.get_compiler() is compiler
+
+
+def test_hlo_text_to_proto_keeps_pinning_channels_and_shardings():
+    text = co.hlo_proto_to_text(co.hlo_text_to_proto(collectives_module(4)))
+    assert text.count("constrain_layout=true") == 3, text
+    for attribute in ("channel_id=1", "channel_id=2", "channel_id=3", "use_global_device_ids=true",
+                      "sharding={manual}", "replica_groups={{0,1,2,3}}"):
+        assert attribute in text, (attribute, text)
+
+
+@pytest.mark.parametrize("accelerator_type", ["v4-8", "v5e-8"])
+def test_pinned_fsdp_collectives_compile_with_consistent_memory(compiler, accelerator_type):
+    spec, slice_ = _open(compiler, accelerator_type)
+    with slice_:
+        n = len(slice_.devices)
+        assert n == spec.devices
+        program = compiler.compile(slice_, co.hlo_text_to_proto(collectives_module(n)),
+                                   co.spmd_options(slice_.device_ids))
+    memory = program.memory
+    # arguments are exactly the two parameters the module declares, per device
+    assert memory.argument_size == (ROWS * WIDTH + WIDTH * WIDTH) * F32, memory
+    outputs = (ROWS * n * WIDTH + ROWS * WIDTH) * F32
+    assert outputs <= memory.output_size <= outputs + 4096, memory  # plus the output tuple's index table
+    assert memory.generated_code_size > 0 and memory.alias_size == 0 and memory.temp_size >= 0, memory
+    assert memory.host_argument_size == memory.host_output_size == memory.host_temp_size == 0, memory
+    assert memory.total == memory.argument_size + memory.output_size + memory.temp_size + memory.generated_code_size
+    assert memory.total <= spec.hbm_bytes_per_chip
+    assert memory.peak_memory >= memory.argument_size + memory.output_size - memory.alias_size, memory
+    # the dot alone is 2*M*K*N FLOPs per device
+    assert program.cost["flops"] >= 2 * ROWS * n * WIDTH * WIDTH, program.cost
+    assert program.num_outputs == 2 and program.compile_seconds > 0
+    # the TPU-optimized program keeps the pinned gather; the TPU compiler turns the
+    # reduce-scatter into an all-reduce (plus a dynamic slice), beside the module's own all-reduce
+    hlo = program.optimized_hlo
+    assert hlo.startswith("HloModule ") and "ENTRY" in hlo, hlo[:200]
+    assert len(re.findall(r"= \S+ all-gather\(", hlo)) == 1, hlo
+    assert len(re.findall(r"= \S+ all-reduce\(", hlo)) == 2, hlo
+    assert "reduce-scatter(" not in hlo
+    assert all("constrain_layout=true" in line for line in hlo.splitlines()
+               if re.search(r"= \S+ (all-gather|all-reduce)\(", line)), hlo
+
+
+def test_mix_of_pinned_and_unpinned_all_reduces_is_refused_with_the_compilers_words(compiler):
+    _, slice_ = _open(compiler, "v4-8")
+    with slice_, pytest.raises(pjrt.TpuCompileError) as refused:
+        compiler.compile(slice_, co.hlo_text_to_proto(collectives_module(4, mix_pinning=True)),
+                         co.spmd_options(slice_.device_ids))
+    assert "mix of layout constrained" in refused.value.compiler_message, refused.value
+    assert refused.value.function == "PJRT_Compile" and "mix of layout constrained" in str(refused.value)
+
+
+def test_per_process_program_and_libtpu_flags(compiler):
+    module = """HloModule per_rank
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+ENTRY main {
+  g = f32[4096]{0} parameter(0)
+  ROOT r = f32[4096]{0} all-reduce(g), replica_groups={{0,1,2,3}}, to_apply=add
+}
+"""
+    _, slice_ = _open(compiler, "v4-8")
+    with slice_:
+        flags = {"xla_tpu_enable_async_collective_fusion": True}
+        options = co.per_process_options(slice_.device_ids, flags)
+        program = compiler.compile(slice_, co.hlo_text_to_proto(module), options)
+        assert program.memory.argument_size == 4096 * F32
+        with pytest.raises(pjrt.TpuCompileError, match="No such compile option"):
+            compiler.compile(slice_, co.hlo_text_to_proto(module),
+                             co.per_process_options(slice_.device_ids, {"xla_no_such_flag": True}))
+        # device ids the slice lacks would abort the process inside libtpu: refused before it
+        with pytest.raises(ValueError, match="lacks"):
+            compiler.compile(slice_, co.hlo_text_to_proto(module), co.per_process_options([0, 1, 2, 99]))
+    with pytest.raises(ValueError, match="was closed"):
+        slice_.handle
+
+
+def test_spmd_outputs_keep_the_partitioners_sharding_unless_asked_to_replicate(compiler):
+    module = """HloModule gspmd, num_partitions=4
+ENTRY main {
+  x = f32[64,128]{1,0} parameter(0), sharding={devices=[4,1]0,1,2,3}
+  w = f32[128,256]{1,0} parameter(1), sharding={devices=[1,4]0,1,2,3}
+  ROOT y = f32[64,256]{1,0} dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    _, slice_ = _open(compiler, "v4-8")
+    with slice_:
+        proto = co.hlo_text_to_proto(module)
+        sharded = compiler.compile(slice_, proto, co.spmd_options(slice_.device_ids)).memory
+        replicated = compiler.compile(slice_, proto, co.spmd_options(slice_.device_ids,
+                                                                     propagate_output_sharding=False)).memory
+    # each device holds a quarter of x and of w either way
+    assert sharded.argument_size == replicated.argument_size == (64 * 128 + 128 * 256) // 4 * F32
+    assert replicated.output_size == 64 * 256 * F32 and sharded.output_size < replicated.output_size
+
+
+@pytest.mark.parametrize("accelerator_type,devices,processes", [
+    ("v4-8", 4, 1), ("v4-32", 16, 4), ("v5e-8", 8, 1), ("v5e-16", 16, 4), ("v5p-8", 4, 1), ("v6e-8", 8, 1)])
+def test_topology_reports_devices_and_processes(compiler, accelerator_type, devices, processes):
+    spec, slice_ = _open(compiler, accelerator_type)
+    with slice_:
+        assert (len(slice_.devices), slice_.num_processes) == (devices, processes), slice_
+        per_process = {p: sum(d.process_index == p for d in slice_.devices) for p in range(processes)}
+        assert set(per_process.values()) == {devices // processes}, per_process
+        assert {d.kind for d in slice_.devices} == {spec.chip.device_kind}
+        assert sorted(slice_.device_ids) == list(range(devices))
+        assert all(len(d.coords) == 3 for d in slice_.devices)
+        assert "TPU" in slice_.platform_version
+
+
+def test_every_known_accelerator_type_is_a_topology_libtpu_accepts(compiler):
+    wrong = []
+    for name in topology.known_types():
+        spec, slice_ = _open(compiler, name)
+        with slice_:
+            got = (len(slice_.devices), slice_.num_processes, {d.kind for d in slice_.devices})
+        if got != (spec.devices, spec.hosts, {spec.chip.device_kind}):
+            wrong.append((name, got))
+    assert not wrong, wrong
+
+
+def test_accelerator_types_as_users_type_them():
+    v4 = topology.parse_accelerator_type("v4-8")
+    assert (v4.chips, v4.hosts, v4.topology_name, v4.options["chip_config_name"]) == (4, 1, "v4:2x2x1", "megacore")
+    assert topology.parse_accelerator_type("V5litepod-8") == topology.parse_accelerator_type("v5e-8")
+    cube = topology.parse_accelerator_type("v4-128")
+    assert cube.topology_name == "v4:4x4x4" and cube.options["wrap"] == [True, True, True]
+    assert topology.parse_accelerator_type("v4-64").options["wrap"] == [False, False, False]
+    v5e = topology.parse_accelerator_type("v5e-8")
+    assert v5e.options["chips_per_host_bounds"] == [2, 4, 1] and v5e.hbm_bytes_per_chip == 16 * 1024 ** 3
+    assert v5e.peak_bf16_flops_per_chip == 197e12 and v5e.hbm_bandwidth == 819e9 and v5e.ici_bandwidth > 0
+
+
+@pytest.mark.parametrize("text", ["v7-8", "v4-7", "v4-6", "v5e-3", "tpu", "v5e-"])
+def test_unknown_accelerator_type_lists_the_known_ones(text):
+    with pytest.raises(ValueError) as unknown:
+        topology.parse_accelerator_type(text)
+    message = str(unknown.value)
+    assert repr(text) in message and "v4-8" in message and "v5e-8" in message and "v6e-256" in message
+
+
+def test_topology_refusal_carries_libtpu_message(compiler):
+    with pytest.raises(pjrt.TpuCompileError, match="not divisible"):
+        compiler.topology("v4:3x3x3", {"chip_config_name": "megacore", "chips_per_host_bounds": [2, 2, 1]})
+
+
+def test_missing_library_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv(pjrt.LIBRARY_ENV, str(tmp_path / "no-libtpu.so"))
+    with pytest.raises(pjrt.LibtpuMissing, match=r'pip install "libtpu==0\.0\.21"'):
+        pjrt.library_path()
