@@ -40,4 +40,4 @@ def check(step_fn: Callable[[], object]) -> None:
 
     while True:  # the last cut ends the process
         step_fn()
-        capture.cut()
+        capture.cut(force=True)

@@ -4,6 +4,9 @@
 for days: optimizer state is created inside it, and its inputs differ.
 So the trace lets the job's own loop run two steps, and the graph cut
 (`torch_xla.sync()` / `xm.mark_step()`) is intercepted:
+Only cuts that end a training step count (an optimizer stepped since the
+previous cut); a loop's earlier cuts (set-up graphs) are skipped, so their
+pending work joins the first step's graph.
 - at the first cut nothing runs: every live XLA tensor becomes a
   placeholder of its shape, dtype and sharding ([Note: abstract tracing]),
   as if the step had run and left its results on the devices; torch_xla's
@@ -37,6 +40,7 @@ class _State:
     steps = 2
     out = ""
     original_sync = None
+    stepped = False  # an optimizer stepped since the last cut
 
 
 def _spec() -> dict:
@@ -60,6 +64,9 @@ def install() -> None:
 
     torch_xla.sync = sync
     xm.mark_step = mark_step
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_note_step)  # every optimizer's step, whoever built it
     for name in ("all_reduce", "reduce_scatter", "all_gather"):
         setattr(xm, name, _recorded(getattr(xm, name), name.replace("_", "-")))
 
@@ -93,8 +100,19 @@ def _live_xla_tensors():
     return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "xla"]
 
 
-def cut() -> None:
-    """A graph cut under the check: the first `steps - 1` are as if run, the last is compiled."""
+def _note_step(optimizer, args, kwargs) -> None:
+    _State.stepped = True
+
+
+def cut(force: bool = False) -> None:
+    """A graph cut under the check. A cut that ends a training step (an optimizer stepped since
+    the previous cut, or `force`): the first `steps - 1` are as if run, the last is compiled.
+    Any other cut (a loop's set-up, before its first step) is skipped: its pending work joins
+    the step's graph, since running it could touch placeholders or wait for ranks that never
+    trace."""
+    if not (force or _State.stepped):
+        return
+    _State.stepped = False
     _State.cuts += 1
     if _State.cuts < _State.steps:
         _as_if_run()

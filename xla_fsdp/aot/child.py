@@ -48,8 +48,8 @@ def _defines_mp_fn(script: str) -> bool:
 def _traced(script: str, args) -> None:
     from xla_fsdp.aot import capture
 
-    capture.install()
     try:
+        capture.install()
         _run_script(script, args)
     except SystemExit as e:
         if e.code not in (None, 0):

@@ -80,6 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         return EXIT_NO_LIBTPU
     workdir = tempfile.mkdtemp(prefix="xla_fsdp_aot_")
+    keep = False
     try:
         say(f"xla_fsdp.aot: tracing {job.script} for {spec.name} ({spec.chips} chips, {spec.hosts} host(s)), "
             f"{job.runtime.replace('_', ' ')} runtime, on this host's CPU (nothing runs)")
@@ -89,6 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                    echo=None if (opts.quiet or opts.json) else (lambda l: print("  | " + l)))
         except trace.TraceError as e:
             print(f"xla_fsdp.aot: {e}", file=sys.stderr)
+            keep = True  # the log it names
             return EXIT_TRACE
         traced_s = time.time() - started
         flags = opts.libtpu_flags if opts.libtpu_flags is not None else os.environ.get("LIBTPU_INIT_ARGS", "")
@@ -116,4 +118,5 @@ def main(argv: Optional[List[str]] = None) -> int:
             return EXIT_COMPILE
         return EXIT_OK if result["fits"] else EXIT_NO_FIT
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
