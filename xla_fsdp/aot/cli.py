@@ -52,6 +52,28 @@ def split_command(argv: List[str]):
     return argv, []
 
 
+def _load_compiler():
+    """libtpu's compiler, loaded with its start-up chatter kept off the terminal: on a host
+    that is not a TPU VM it prints that it could not determine the accelerator type, which
+    says nothing about the check. Replayed if loading fails."""
+    from xla_fsdp.tpu import pjrt
+
+    saved, sink = os.dup(2), tempfile.TemporaryFile()
+    sys.stderr.flush()
+    os.dup2(sink.fileno(), 2)
+    try:
+        return pjrt.get_compiler()
+    except BaseException:
+        os.dup2(saved, 2)
+        sink.seek(0)
+        sys.stderr.write(sink.read().decode(errors="replace"))
+        raise
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        sink.close()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, command = split_command(argv)
@@ -73,9 +95,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         ("TF_CPP_MIN_LOG_LEVEL", "2")):
         os.environ.setdefault(name, value)
     try:
-        from xla_fsdp.tpu import pjrt
-
-        compiler = pjrt.get_compiler()
+        compiler = _load_compiler()
     except ImportError as e:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         return EXIT_NO_LIBTPU
