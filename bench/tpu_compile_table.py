@@ -48,8 +48,12 @@ def run(case_name: str, tpu: str, model: str) -> dict:
         c = r["collectives"]
         row.update(peak_gib=r["memory"]["peak"] / 2 ** 30, fits=r["fits"], sync=c["sync"], asynchronous=c["async"],
                    gb=c["bytes"] / 1e9, overlapped=c["async_bytes_with_matmul_fraction"])
+    elif r.get("does_not_fit"):
+        need = r["does_not_fit"]
+        row["error"] = (f"does not fit: {need['needed'] / 2 ** 30:.2f} GiB needed, {need['usable'] / 2 ** 30:.2f} "
+                        "GiB usable per chip (the compiler's count)")
     else:
-        row["error"] = (r.get("error") or got["output"])[-300:]
+        row["error"] = (r.get("error") or got["output"])[:300]
     return row
 
 
