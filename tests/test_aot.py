@@ -61,7 +61,9 @@ def test_collectives_users_add_unpinned_are_named_with_the_fix(tmp_path):
     assert "pin_layout_in_collective_ops=False" in cause and "pin_layout=True" in cause, cause
 
 
+@pytest.mark.slow
 def test_the_same_loop_without_the_user_collective_compiles():
+    """The control for the test above: without the user's collective the loop compiles."""
     got = ac.check("v4-8", [OWN_LOOP], runtime="multi_process")
     assert got["rc"] == 0 and got["report"]["compiles"], got["output"]
 

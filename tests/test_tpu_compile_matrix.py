@@ -20,11 +20,11 @@ import aot_cases as ac  # noqa: E402
 pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -e .[tpu-aot]` (make test installs it)")
 
 CHIPS = {"v4-8": 4, "v5e-8": 8}
+# one process per chip (mp-full_shard on v4-8) is compiled by tests/test_aot.py's report test
 DEFAULT = [
-    ("mp-full_shard", "v4-8"),        # one process per chip, pinned collectives, ckpt off, clipping, prefetch
     ("sc-full_shard", "v4-8"),        # the single controller (refused by libtpu while it pinned collectives)
     ("sc-hybrid", "v5e-8"),           # a replica axis
-    ("mp-accumulate", "v5e-8"),       # gradient accumulation, one process per chip
+    ("mp-grad_ckpt", "v5e-8"),        # one process per chip, per-layer checkpointing
     ("gspmd", "v5e-8"),               # the GSPMD engine
 ]
 FULL = [(c.name, tpu) for c in ac.MATRIX for tpu in CHIPS]
