@@ -3,10 +3,10 @@
 [Note: two traced steps] A job's first step is not the program it runs
 for days: optimizer state is created inside it, and its inputs differ.
 So the trace lets the job's own loop run two steps, and the graph cut
-(`torch_xla.sync()` / `xm.mark_step()`) is intercepted:
-Only cuts that end a training step count (an optimizer stepped since the
-previous cut); a loop's earlier cuts (set-up graphs) are skipped, so their
-pending work joins the first step's graph.
+(`torch_xla.sync()` / `xm.mark_step()`) is intercepted. Only cuts that end
+a training step count (an optimizer stepped since the previous cut); a
+loop's earlier cuts (set-up graphs) are skipped, so their pending work
+joins the first step's graph.
 - at the first cut nothing runs: every live XLA tensor becomes a
   placeholder of its shape, dtype and sharding ([Note: abstract tracing]),
   as if the step had run and left its results on the devices; torch_xla's
@@ -48,7 +48,8 @@ def _spec() -> dict:
 
 
 def install() -> None:
-    """Route torch_xla's graph cuts through `_on_cut` (see the note above)."""
+    """Route torch_xla's graph cuts through `cut`, note optimizer steps and the job's own
+    `xm` collective calls (see the note above)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
