@@ -71,7 +71,8 @@ def command(case: AotCase, devices: int, config_path: str, out_dir: str, model: 
 
 def check(tpu: str, cmd: List[str], runtime: str = "auto", extra: Optional[List[str]] = None,
           timeout: float = 1200) -> dict:
-    """Run `python -m xla_fsdp.aot --json` on `cmd`; returns (exit code, report or None, output)."""
+    """Run `python -m xla_fsdp.aot --json` on `cmd`; returns {"rc", "report" (None when the check
+    printed no JSON), "output" (the tail of stdout and stderr)}."""
     argv = [sys.executable, "-m", "xla_fsdp.aot", "--tpu", tpu, "--runtime", runtime, "--json",
             *(extra or []), "--", *cmd]
     env = dict(os.environ)

@@ -52,8 +52,9 @@ def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
             flag = rest.pop(0)
             if flag == "--spmd":
                 spmd_flag = True
-            elif flag == "--num_cores":
-                rest.pop(0) if rest else None
+            elif flag == "--num_cores":  # the slice decides the device count here
+                if rest:
+                    rest.pop(0)
             elif not flag.startswith("--num_cores="):
                 raise TraceError(f"unknown {LAUNCHER} flag {flag!r} before the script")
         command = rest

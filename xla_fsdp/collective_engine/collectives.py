@@ -123,7 +123,8 @@ class XlaCollectives(Collectives):
         self.layout = layout
         self.options = options
         self.device = device if device is not None else torch_xla.device()
-        self._pin_layout = options.pin_layout  # the single controller never pins ([Note: no pinning in one program])
+        # what every collective passes as pin_layout; SpmdCollectives overrides it
+        self._pin_layout = options.pin_layout
         # the shard rank enters graphs as data (see [Note: rank as data])
         self._rank = torch.tensor([layout.shard_rank], dtype=torch.long).to(self.device)
 
@@ -302,7 +303,8 @@ SPMD_CHANNEL_ID = 1
 
 
 class SpmdCollectives(XlaCollectives):
-    """The same pinned collectives between the devices of one process, inside manual-sharding regions.
+    """The same collectives between the devices of one process, inside manual-sharding regions,
+    unpinned ([Note: no pinning in one program]).
 
     The single-controller runtime ([Note: single-controller runtime] in
     manual_region.py). Groups are device ids; parameters are global tensors
