@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from xla_fsdp.aot import program as prog
-from xla_fsdp.tpu import optimized_hlo
+from xla_fsdp.tpu import optimized_hlo, step_time
 
 GIB = 1024 ** 3
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
@@ -97,7 +97,8 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
                                          "compiler_peak": m.peak_memory},
                   fits=peak <= spec.hbm_bytes_per_chip, cost=compiled.cost)
     found = optimized_hlo.collectives(compiled.optimized_hlo)
-    result["collectives"] = optimized_hlo.summarize(found)
+    result["collectives"] = optimized_hlo.summarize(found, spec.chips)
+    result["projection"] = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips).as_dict()
     result["collective_list"] = [c.as_dict() for c in found]
     result["optimized_hlo"] = compiled.optimized_hlo
     return result
@@ -141,8 +142,14 @@ def render(r: dict) -> str:
                  f"{c['async']} asynchronous), {c['bytes'] / 1e9:.3f} GB per step; "
                  f"{100 * c['async_bytes_with_matmul_fraction']:.0f}% of the bytes asynchronous with a "
                  "matmul scheduled beside them")
-    lines.append(f"  {'kind':<20}{'sync':>6}{'async':>7}{'with matmul':>13}{'GB':>10}")
+    lines.append(f"  {'kind':<20}{'sync':>6}{'async':>7}{'with matmul':>13}{'GB':>10}{'GB sent/chip':>14}")
     for kind, k in sorted(c["by_kind"].items()):
         lines.append(f"  {kind:<20}{k['sync']:>6}{k['async']:>7}{k['async_with_matmul']:>13}"
-                     f"{k['bytes'] / 1e9:>10.3f}")
+                     f"{k['bytes'] / 1e9:>10.3f}{k.get('sent', 0) / 1e9:>14.3f}")
+    p = r.get("projection")
+    if p:
+        lines.append(f"PROJECTED step time on the compiled schedule (not measured; uncalibrated roofline, see "
+                     f"xla_fsdp/tpu/step_time.py): {p['projected_seconds']:.3f} s, of which compute "
+                     f"{p['compute_seconds']:.3f} s and communication the core waits for "
+                     f"{p['projected_seconds'] - p['compute_seconds']:.3f} s")
     return "\n".join(lines)

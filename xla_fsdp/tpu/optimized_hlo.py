@@ -66,6 +66,8 @@ class Collective:
     beside: int = 0          # instructions scheduled between start and done
     beside_matmuls: int = 0  # of which fusions holding a matmul (convolution / dot)
     beside_names: List[str] = field(default_factory=list)
+    group_size: int = 0       # devices in one replica group (0: every device of the program)
+    done_position: int = -1   # where an asynchronous one is waited for
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -114,6 +116,37 @@ def _collective_kind(ins: Instruction, comps: Dict[str, List[Instruction]]) -> O
     return None
 
 
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+
+
+def _group_size(ins: Instruction, comps: Dict[str, List[Instruction]], depth: int = 0) -> int:
+    """Devices in the collective's first replica group, looking into what it calls; 0 when its
+    groups are empty (every device) or not found."""
+    m = _GROUPS_LIST.search(ins.rest)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    m = _GROUPS_IOTA.search(ins.rest)
+    if m:
+        return int(m.group(2))
+    called = _CALLS.search(ins.rest)
+    if called and depth < 4:
+        for inner in comps.get(called.group(1), []):
+            if _collective_kind(inner, comps):
+                n = _group_size(inner, comps, depth + 1)
+                if n:
+                    return n
+    return 0
+
+
+def program_devices(text: str) -> int:
+    """Devices one program runs on: its replica count times its partition count (header)."""
+    header = text.split("\n", 1)[0]
+    replicas = re.search(r"replica_count=(\d+)", header)
+    partitions = re.search(r"num_partitions=(\d+)", header)
+    return (int(replicas.group(1)) if replicas else 1) * (int(partitions.group(1)) if partitions else 1)
+
+
 def _is_start(ins: Instruction) -> bool:
     return ins.opcode.endswith("-start") or ins.name.startswith("async-collective-start") or \
         "collective-start" in ins.name or ins.opcode == "async-start"
@@ -157,6 +190,7 @@ def collectives(text: str) -> List[Collective]:
                 started.beside = len(real)
                 started.beside_matmuls = sum(_holds_matmul(i, comps) for i in real)
                 started.beside_names = [i.name for i in real if _holds_matmul(i, comps)]
+                started.done_position = pos
             continue
         kind = _collective_kind(ins, comps)
         if kind is None:
@@ -164,7 +198,8 @@ def collectives(text: str) -> List[Collective]:
                 depends[ins.name] = deps
             continue
         sizes = shape_bytes(ins.shape) + [b for o in ins.operands for b in shape_bytes(shapes.get(o, ""))]
-        c = Collective(kind, ins.name, max(sizes, default=0), _is_start(ins), pos)
+        c = Collective(kind, ins.name, max(sizes, default=0), _is_start(ins), pos,
+                       group_size=_group_size(ins, comps))
         out.append(c)
         if c.asynchronous:
             open_starts[ins.name] = c
@@ -175,9 +210,20 @@ def collectives(text: str) -> List[Collective]:
 _BOOKKEEPING = ("bitcast", "get-tuple-element", "tuple", "constant", "parameter", "copy-start", "copy-done")
 
 
-def summarize(found: List[Collective]) -> dict:
+def ring_bytes(c: Collective, devices: int) -> float:
+    """Bytes one chip sends for `c` on a ring of its replica group (`devices` when the group is
+    every device): all-gather (n-1)/n of its result, reduce-scatter (n-1)/n of its operand,
+    all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it."""
+    n = c.group_size or devices
+    if n <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(c.kind, (n - 1) / n) * c.bytes
+
+
+def summarize(found: List[Collective], devices: int = 0) -> dict:
     """Counts and bytes by kind, synchronous vs asynchronous, and the asynchronous bytes with
-    a matmul scheduled beside them."""
+    a matmul scheduled beside them; with `devices`, also the bytes each chip sends on a ring
+    (`ring_bytes`), in all and asynchronously with a matmul beside."""
     by_kind: Dict[str, dict] = {}
     for c in found:
         k = by_kind.setdefault(c.kind, {"sync": 0, "async": 0, "bytes": 0, "async_bytes": 0,
@@ -191,6 +237,14 @@ def summarize(found: List[Collective]) -> dict:
             k["sync"] += 1
     total = sum(c.bytes for c in found)
     overlapped = sum(c.bytes for c in found if c.asynchronous and c.beside_matmuls > 0)
-    return {"by_kind": by_kind, "count": len(found), "sync": sum(not c.asynchronous for c in found),
-            "async": sum(c.asynchronous for c in found), "bytes": total,
-            "async_bytes_with_matmul_fraction": (overlapped / total) if total else 0.0}
+    out = {"by_kind": by_kind, "count": len(found), "sync": sum(not c.asynchronous for c in found),
+           "async": sum(c.asynchronous for c in found), "bytes": total,
+           "async_bytes_with_matmul_fraction": (overlapped / total) if total else 0.0}
+    if devices:
+        sent = sum(ring_bytes(c, devices) for c in found)
+        beside = sum(ring_bytes(c, devices) for c in found if c.asynchronous and c.beside_matmuls > 0)
+        for c in found:
+            k = by_kind[c.kind]
+            k["sent"] = k.get("sent", 0.0) + ring_bytes(c, devices)
+        out.update(sent_per_chip=sent, sent_async_with_matmul_fraction=(beside / sent) if sent else 0.0)
+    return out

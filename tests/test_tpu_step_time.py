@@ -1,0 +1,98 @@
+"""The step-time projection walked over a scheduled (TPU-optimized style) program.
+
+A hand-written scheduled module, in the syntax libtpu prints its optimized
+programs in: one matmul fusion, an all-gather that is either asynchronous
+(start, the fusion, done) or synchronous, and a synchronous all-reduce.
+Expected times are computed here from the chip's published figures and the
+cost rules `xla_fsdp.tpu.step_time` states (roofline compute, ring bytes at
+two links, a latency per collective), so a change in either the parser or
+the clock walk fails a test.
+"""
+from __future__ import annotations
+
+import pytest
+
+from xla_fsdp.tpu import chips, optimized_hlo as oh, step_time as st
+
+N = 4  # devices in the replica group
+M, K, SHARD = 256, 512, 128
+BF16 = 2
+
+
+def program(asynchronous: bool) -> str:
+    gather = (f"  %ags = (bf16[{SHARD},{K}]{{1,0}}, bf16[{K},{K}]{{1,0}}) all-gather-start(%s), "
+              f"replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}\n"
+              f"  %f = bf16[{M},{K}]{{1,0}} fusion(%x, %w), kind=kOutput, calls=%fused_dot\n"
+              f"  %g = bf16[{K},{K}]{{1,0}} all-gather-done(%ags)\n") if asynchronous else (
+              f"  %g = bf16[{K},{K}]{{1,0}} all-gather(%s), replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}\n"
+              f"  %f = bf16[{M},{K}]{{1,0}} fusion(%x, %w), kind=kOutput, calls=%fused_dot\n")
+    return f"""HloModule scheduled, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+%fused_dot (p0: bf16[{M},{K}], p1: bf16[{K},{K}]) -> bf16[{M},{K}] {{
+  %p0 = bf16[{M},{K}]{{1,0}} parameter(0)
+  %p1 = bf16[{K},{K}]{{1,0}} parameter(1)
+  ROOT %d = bf16[{M},{K}]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+ENTRY %main (x: bf16[{M},{K}], w: bf16[{K},{K}], s: bf16[{SHARD},{K}]) -> (bf16[{M},{K}], bf16[{K},{K}]) {{
+  %x = bf16[{M},{K}]{{1,0}} parameter(0)
+  %w = bf16[{K},{K}]{{1,0}} parameter(1)
+  %s = bf16[{SHARD},{K}]{{1,0}} parameter(2)
+{gather}  %r = bf16[{M},{K}]{{1,0}} all-reduce(%f), replica_groups={{{{0,1,2,3}}}}, to_apply=%add
+  ROOT %t = (bf16[{M},{K}]{{1,0}}, bf16[{K},{K}]{{1,0}}) tuple(%r, %g)
+}}
+"""
+
+
+CHIP = chips.CHIPS["v4"]
+FUSION_FLOPS = 2.0 * M * K * K
+FUSION_BYTES = (M * K + K * K + M * K) * BF16           # both operands read, the result written
+FUSION_S = max(FUSION_FLOPS / CHIP.peak_bf16_flops, FUSION_BYTES / CHIP.hbm_bytes_per_s)
+GATHER_SENT = (N - 1) / N * K * K * BF16                # (n-1)/n of the gathered result
+REDUCE_SENT = 2 * (N - 1) / N * M * K * BF16            # 2(n-1)/n of the operand
+LINK = st.RING_LINKS * CHIP.ici_link_one_way
+GATHER_S = st.COLLECTIVE_LATENCY_S + GATHER_SENT / LINK
+REDUCE_S = st.COLLECTIVE_LATENCY_S + REDUCE_SENT / LINK
+
+
+def test_collectives_are_read_with_their_group_and_what_runs_beside_them():
+    found = oh.collectives(program(asynchronous=True))
+    assert [(c.kind, c.asynchronous, c.group_size) for c in found] == \
+        [("all-gather", True, N), ("all-reduce", False, N)]
+    gather = found[0]
+    assert gather.beside == 1 and gather.beside_matmuls == 1 and gather.done_position == gather.position + 2
+    summary = oh.summarize(found, devices=8)  # the group (4), not the program's devices, sets the ring
+    assert summary["sent_per_chip"] == pytest.approx(GATHER_SENT + REDUCE_SENT)
+    assert summary["sent_async_with_matmul_fraction"] == pytest.approx(GATHER_SENT / (GATHER_SENT + REDUCE_SENT))
+
+
+def test_synchronous_collectives_block_the_core():
+    e = st.estimate(program(asynchronous=False), CHIP, devices=N)
+    assert e.flops == pytest.approx(FUSION_FLOPS) and e.hbm_bytes == pytest.approx(FUSION_BYTES)
+    assert e.compute_seconds == pytest.approx(FUSION_S)
+    assert e.sync_collective_seconds == pytest.approx(GATHER_S + REDUCE_S)
+    assert e.seconds == pytest.approx(FUSION_S + GATHER_S + REDUCE_S)
+    assert e.async_collective_seconds == 0 and e.exposed_async_seconds == 0
+
+
+def test_an_asynchronous_collective_hides_the_compute_between_start_and_done():
+    e = st.estimate(program(asynchronous=True), CHIP, devices=N)
+    assert e.async_collective_seconds == pytest.approx(GATHER_S)
+    assert e.sync_collective_seconds == pytest.approx(REDUCE_S)
+    # the gather outlasts the fusion beside it: the core waits the difference at the done
+    assert e.exposed_async_seconds == pytest.approx(GATHER_S - FUSION_S)
+    assert e.seconds == pytest.approx(max(GATHER_S, FUSION_S) + REDUCE_S)
+    sync = st.estimate(program(asynchronous=False), CHIP, devices=N)
+    assert sync.seconds - e.seconds == pytest.approx(FUSION_S)
+    assert e.as_dict()["label"] == "projection"
+
+
+def test_calibration_scales_by_the_reference_ratio():
+    ratio, scaled = st.calibrated(2.0, reference_projected=4.0, reference_measured=5.0)
+    assert ratio == pytest.approx(1.25) and scaled == pytest.approx(2.5)

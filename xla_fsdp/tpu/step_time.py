@@ -1,0 +1,265 @@
+"""A PROJECTED step time read off the TPU's own schedule (libtpu's optimized program).
+
+Nothing here is measured on a TPU. The optimized module's entry
+computation lists its instructions in the order the chip runs them; this
+walks that order on two clocks, the TensorCore's and the ICI's:
+- a compute instruction (a fusion, a lone dot / convolution, a copy, ...)
+  takes its roofline time, max(FLOPs / peak bf16 FLOP/s, HBM bytes / HBM
+  bandwidth), FLOPs from the dots and convolutions it holds (f32 operands at
+  HIGH / HIGHEST precision take 3 / 6 bf16 passes), bytes from its operands
+  and result (an operand it only slices counts as the slice; a result that
+  updates a slice of a buffer in place counts as the update);
+- a synchronous collective blocks the core: it starts when the core and the
+  ICI are both free and the core waits for it;
+- an asynchronous one starts on the ICI when the core reaches its start
+  (or when the ICI frees up) and runs beside the instructions scheduled
+  until its done, where the core waits for it if it has not finished;
+- a collective costs a latency plus the bytes one chip sends on a
+  bidirectional ring of its replica group at 2 x one ICI link's one-way
+  bandwidth: all-gather (n-1)/n of its result, reduce-scatter (n-1)/n of
+  its operand, all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it.
+The projection is the core's clock at the end. Not modeled: launch and host
+overheads, HBM contention between a collective and the compute beside it,
+on-chip memory (VMEM) reuse, multi-dimensional torus algorithms. Chip
+figures come from `xla_fsdp.tpu.chips` (each names its source). Calibrate
+against a measured step (the blog's FSDPv1 2B on v4-8, 4.191 s) and print
+the ratio with every projection: `calibrated()`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from xla_fsdp.tpu import optimized_hlo as oh
+
+COLLECTIVE_LATENCY_S = 10e-6  # per collective; an assumption, no published figure
+RING_LINKS = 2                # a bidirectional ring sends on two links at once
+F32_PASSES = {"default": 1, "high": 3, "highest": 6}
+_FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
+         "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency", "iota")
+_SLICING = ("slice", "dynamic-slice", "gather")
+_DIMS = re.compile(r"\[([0-9,]*)\]")
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+
+
+@dataclass
+class StepEstimate:
+    """A projection (never a measurement) of one step on one chip."""
+
+    seconds: float              # the core's clock at the end of the step
+    compute_seconds: float      # the core's busy time (the step if communication were free)
+    sync_collective_seconds: float
+    async_collective_seconds: float
+    exposed_async_seconds: float  # time the core waited at a done
+    flops: float
+    hbm_bytes: float
+    chip: str
+
+    @property
+    def exposed_seconds(self) -> float:
+        return self.seconds - self.compute_seconds
+
+    def as_dict(self) -> dict:
+        return {"projected_seconds": self.seconds, "compute_seconds": self.compute_seconds,
+                "sync_collective_seconds": self.sync_collective_seconds,
+                "async_collective_seconds": self.async_collective_seconds,
+                "exposed_async_seconds": self.exposed_async_seconds, "flops": self.flops,
+                "hbm_bytes": self.hbm_bytes, "chip": self.chip, "label": "projection"}
+
+
+def _dims(shape: str) -> List[int]:
+    m = _DIMS.search(shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def operand_names(rest: str) -> List[str]:
+    """The operands of an instruction, from the text after its opcode's "(" (shapes printed inline
+    with tiled layouts hold parentheses of their own, so the list ends at the matching ")")."""
+    depth = 0
+    for i, ch in enumerate(rest):
+        if ch in "({":
+            depth += 1
+        elif ch in ")}":
+            if depth == 0:
+                return re.findall(r"%([\w.\-]+)", rest[:i])
+            depth -= 1
+    return re.findall(r"%([\w.\-]+)", rest)
+
+
+def _matmul_flops(ins: oh.Instruction, shapes: Dict[str, str]) -> float:
+    """FLOPs of one dot or convolution (multiply-adds x 2), in bf16 passes."""
+    out = _prod(_dims(ins.shape))
+    ops = operand_names(ins.rest)
+    if ins.opcode == "dot":
+        lhs = _dims(shapes.get(ops[0], "")) if ops else []
+        m = _CONTRACT.search(ins.rest)
+        k = _prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (m and lhs) else 1
+    else:  # convolution: contracted size = the kernel's input features x its window
+        rhs = _dims(shapes.get(ops[1], "")) if len(ops) > 1 else []
+        m = _LABELS.search(ins.rest)
+        k = 1
+        if m and rhs and len(m.group(2)) == len(rhs):
+            k = _prod(size for label, size in zip(m.group(2), rhs) if label == "i" or label.isdigit())
+    flops = 2.0 * out * k
+    operand_dtype = shapes.get(ops[0], "") if ops else ""
+    if operand_dtype.startswith("f32"):
+        low = ins.rest.lower()
+        passes = F32_PASSES["highest"] if "highest" in low else F32_PASSES["high"] if "=high" in low or \
+            "{high" in low or ",high" in low else F32_PASSES["default"]
+        flops *= passes
+    return flops
+
+
+def _computation_flops(name: str, comps, depth: int = 0) -> float:
+    if depth > 8:
+        return 0.0
+    body = comps.get(name, [])
+    shapes = {i.name: i.shape for i in body}
+    total = 0.0
+    for ins in body:
+        if ins.opcode in ("dot", "convolution"):
+            total += _matmul_flops(ins, shapes)
+        else:
+            for called in re.findall(r"(?:calls|body|to_apply)=%?([\w.\-]+)", ins.rest):
+                if ins.opcode in ("reduce", "reduce-window", "scatter", "sort", "map", "select-and-scatter",
+                                  "all-reduce", "reduce-scatter"):
+                    continue  # scalar combiners
+                total += _computation_flops(called, comps, depth + 1)
+    return total
+
+
+def _fusion_bytes(ins: oh.Instruction, entry_shapes: Dict[str, str], comps) -> float:
+    """HBM bytes a fusion moves: each operand read once (or only the slices it takes), its result
+    written once (or only the update, for an in-place dynamic-update-slice)."""
+    ops = operand_names(ins.rest)
+    called = oh._CALLS.search(ins.rest)
+    body = comps.get(called.group(1), []) if called else []
+    params: Dict[int, str] = {}
+    for i in body:
+        if i.opcode == "parameter":
+            m = re.match(r"(\d+)\)", i.rest)
+            if m:
+                params[int(m.group(1))] = i.name
+    users: Dict[str, List[oh.Instruction]] = {}
+    for i in body:
+        for o in operand_names(i.rest):
+            users.setdefault(o, []).append(i)
+    total = 0.0
+    for idx, name in enumerate(ops):
+        full = sum(oh.shape_bytes(entry_shapes.get(name, "")))
+        inner = users.get(params.get(idx, ""), [])
+        if inner and all(u.opcode in _SLICING for u in inner):
+            total += min(full, sum(sum(oh.shape_bytes(u.shape)) for u in inner))
+        elif inner and all(u.opcode == "dynamic-update-slice" and operand_names(u.rest)[:1] == [params[idx]]
+                           for u in inner):
+            continue  # the buffer updated in place: only the update is written (counted below)
+        else:
+            total += full
+    root = body[-1] if body else None
+    if root is not None and root.opcode == "dynamic-update-slice":
+        update = operand_names(root.rest)[1:2]
+        shapes = {i.name: i.shape for i in body}
+        total += sum(oh.shape_bytes(shapes.get(update[0], ""))) if update else 0
+    else:
+        total += sum(oh.shape_bytes(ins.shape))
+    return total
+
+
+def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0) -> Tuple[float, float, float]:
+    """(seconds, FLOPs, HBM bytes) of one compute instruction of the entry computation."""
+    op = ins.opcode
+    if op in _FREE:
+        return 0.0, 0.0, 0.0
+    if op == "while":
+        body = _BODY.search(ins.rest)
+        trips = _TRIP.search(ins.rest)
+        n = int(trips.group(1)) if trips else 1
+        secs = flops = moved = 0.0
+        if body and depth < 4:
+            inner = comps.get(body.group(1), [])
+            shapes = {i.name: i.shape for i in inner}
+            for i in inner:
+                s, f, b = _compute_cost(i, shapes, comps, chip, depth + 1)
+                secs, flops, moved = secs + s, flops + f, moved + b
+        return secs * n, flops * n, moved * n
+    if op in ("fusion", "call", "custom-call"):
+        called = oh._CALLS.search(ins.rest)
+        flops = _computation_flops(called.group(1), comps) if called else 0.0
+        moved = _fusion_bytes(ins, entry_shapes, comps)
+    elif op in ("dot", "convolution"):
+        flops = _matmul_flops(ins, entry_shapes)
+        moved = sum(sum(oh.shape_bytes(entry_shapes.get(o, ""))) for o in operand_names(ins.rest)) + \
+            sum(oh.shape_bytes(ins.shape))
+    else:
+        flops = 0.0
+        moved = sum(sum(oh.shape_bytes(entry_shapes.get(o, ""))) for o in operand_names(ins.rest)) + \
+            sum(oh.shape_bytes(ins.shape))
+    secs = max(flops / chip.peak_bf16_flops, moved / chip.hbm_bytes_per_s)
+    return secs, flops, moved
+
+
+def collective_seconds(c: oh.Collective, devices: int, chip) -> float:
+    """Latency + ring bytes one chip sends / (2 x one ICI link one way)."""
+    sent = oh.ring_bytes(c, devices)
+    return COLLECTIVE_LATENCY_S + sent / (RING_LINKS * chip.ici_link_one_way) if sent else 0.0
+
+
+def estimate(text: str, chip, devices: Optional[int] = None) -> StepEstimate:
+    """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`)."""
+    comps = oh.computations(text)
+    entry = comps.get("ENTRY", [])
+    shapes = {i.name: i.shape for i in entry}
+    devices = devices or oh.program_devices(text)
+    found = oh.collectives(text)
+    at = {c.position: c for c in found}
+    waits: Dict[int, List[oh.Collective]] = {}
+    for c in found:
+        if c.asynchronous and c.done_position >= 0:
+            waits.setdefault(c.done_position, []).append(c)
+    core = ici = compute = sync = asynchronous = exposed = flops = moved = 0.0
+    finish: Dict[str, float] = {}
+    for pos, ins in enumerate(entry):
+        if pos in waits:
+            ready = max(finish.pop(c.name, 0.0) for c in waits[pos])
+            if ready > core:
+                exposed += ready - core
+                core = ready
+            continue
+        c = at.get(pos)
+        if c is not None:
+            cost = collective_seconds(c, devices, chip)
+            if c.asynchronous:
+                begin = max(core, ici)
+                ici = finish[c.name] = begin + cost
+                asynchronous += cost
+            else:
+                core = ici = max(core, ici) + cost
+                sync += cost
+            continue
+        if oh._is_done(ins):
+            continue  # an unpaired done (its start not recognized): nothing to wait for
+        secs, f, b = _compute_cost(ins, shapes, comps, chip)
+        core += secs
+        compute += secs
+        flops += f
+        moved += b
+    if finish:  # still open at the end: the step ends when they land
+        core = max(core, *finish.values())
+    return StepEstimate(core, compute, sync, asynchronous, exposed, flops, moved, chip.generation)
+
+
+def calibrated(projected: float, reference_projected: float, reference_measured: float) -> Tuple[float, float]:
+    """(ratio measured / projected of the reference, `projected` scaled by it)."""
+    ratio = reference_measured / reference_projected
+    return ratio, projected * ratio
