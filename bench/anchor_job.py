@@ -7,7 +7,8 @@
 
 The blog's recipe as the Hugging Face Trainer runs it with `"xla": true`:
 GPT-2 from a config, auto-wrapped on GPT2Block, gradient checkpointing on
-every block when asked (`xla_fsdp_grad_ckpt`), Adafactor, eager attention.
+every block when asked (`xla_fsdp_grad_ckpt`), Adafactor, and transformers'
+default attention as launch/run_clm.py gets it (`--attn eager`: the blog's).
 - fsdpv1: `XlaFullyShardedDataParallel` with compute_dtype bf16, its other
   options at their defaults (pinned collectives), one process per chip.
 - fsdpv2: `SpmdFullyShardedDataParallel` over a 1-D "fsdp" mesh of every
@@ -47,12 +48,13 @@ def _placeholders(module: nn.Module, spmd: bool) -> None:
                 m._buffers[name] = t * 1 if spmd else t
 
 
-def build_meta_model(config_path: str, grad_ckpt: bool) -> nn.Module:
+def build_meta_model(config_path: str, grad_ckpt: bool, attn: str = "") -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config.from_json_file(config_path)
     config.use_cache = not grad_ckpt  # as the HF Trainer does with gradient checkpointing
-    config._attn_implementation = "eager"  # GPT-2 in the blog's transformers
+    if attn:  # default: what launch/run_clm.py gets (transformers' default), so engines compare
+        config._attn_implementation = attn
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     model.tie_weights()
@@ -101,6 +103,8 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--grad_ckpt", action="store_true")
     p.add_argument("--optim", default="adafactor", choices=("adafactor", "adamw"))
+    p.add_argument("--attn", default="", help="attention implementation (default: transformers' own, as "
+                   "launch/run_clm.py); eager: the blog's transformers")
     args = p.parse_args(argv)
 
     import torch_xla
@@ -114,7 +118,7 @@ def main(argv=None) -> None:
     if args.engine == "fsdpv2":
         xr.use_spmd()  # one program over every device, before any device work
     device = torch_xla.device()
-    model = build_meta_model(args.config, args.grad_ckpt)
+    model = build_meta_model(args.config, args.grad_ckpt, args.attn)
     if args.engine == "fsdpv1":
         model, rows = fsdpv1(model, args.grad_ckpt), args.batch
         mesh = None

@@ -15,6 +15,10 @@ import sys
 
 from xla_fsdp.train.job import run
 
+# On a TPU, xla_spawn runs this job as one process driving every local chip (unpinned
+# collectives that libtpu overlaps with compute); `xla_spawn --per_chip` runs one per chip.
+XLA_FSDP_TPU_RUNTIME = "single_controller"
+
 
 def main(argv=None):
     """Run the job with `argv` (default: sys.argv[1:]); returns the metrics dict."""

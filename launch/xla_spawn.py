@@ -2,7 +2,7 @@
 
 Usage (compatible with the Hugging Face / torch_xla ``xla_spawn.py``)::
 
-    python launch/xla_spawn.py [--num_cores N] [--spmd] path/to/train.py --its --own --flags
+    python launch/xla_spawn.py [--num_cores N] [--spmd | --per_chip] path/to/train.py --its --own --flags
 
 Launcher flags come before the script path; everything after it reaches the
 script untouched (even ``--num_cores`` or ``--help``). The script is imported
@@ -18,11 +18,19 @@ any           1               ``_mp_fn(0)`` in this process, no spawn
 CPU           2..64           one process drives the N devices (single-controller
                               runtime): ``CPU_NUM_DEVICES=N``,
                               ``XLA_FSDP_RUNTIME=single_controller``
-TPU           every local     ``xmp.spawn``: one process per chip
-              device
+TPU           every local     ``xmp.spawn``: one process per chip, unless the
+              device          script declares ``XLA_FSDP_TPU_RUNTIME =
+                              "single_controller"`` (``launch/run_clm.py`` does):
+                              then one process per host (below)
 any + --spmd  (see --help)    one process per host (single-controller runtime),
                               ``_mp_fn(0)`` in this process
+TPU + --per_chip              one process per chip whatever the script declares
 ============  ==============  ================================================
+
+``XLA_FSDP_RUNTIME=single_controller`` / ``multi_process`` in the environment
+chooses as ``--spmd`` / ``--per_chip`` do. On a TPU the launcher also sets
+libtpu's async-collective flags in ``LIBTPU_INIT_ARGS`` unless you set it
+(``xla_fsdp.tpu.libtpu_flags``).
 
 The engine is the script's choice (``xla_fsdp_v2`` in the fsdp config, or
 ``XLA_FSDP_ENGINE=spmd``, selects the GSPMD engine; the collective engine runs
@@ -82,6 +90,7 @@ ENTRY_POINT = "_mp_fn"
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 QUIET_XLA_LOG_LEVEL = "2"  # TensorFlow's convention: 2 hides INFO and WARNING, keeps ERROR
 SINGLE_CONTROLLER = "single_controller"
+RUNTIME_MARKER = "XLA_FSDP_TPU_RUNTIME"  # a script's declared TPU runtime (xla_fsdp.runtime_choice)
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
                  "TPU_PROCESS_BOUNDS", "TPU_SKIP_MDS_QUERY")
@@ -96,6 +105,16 @@ def quiet_xla_logs() -> None:
     going to be deprecated" per compile, which no user can act on); errors still print.
     A TF_CPP_MIN_LOG_LEVEL the user set wins (0 shows everything)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_XLA_LOG_LEVEL)
+
+
+def async_collective_flags() -> None:
+    """On a TPU, before libtpu starts: the async-collective libtpu flags
+    (xla_fsdp.tpu.libtpu_flags), unless the user set LIBTPU_INIT_ARGS (theirs win, whole)."""
+    from xla_fsdp.tpu import libtpu_flags
+
+    if libtpu_flags.set_defaults(os.environ) is not None:
+        log(f"{libtpu_flags.ENV}: xla_fsdp's async-collective flags (set {libtpu_flags.ENV} "
+            "yourself to replace them)")
 
 
 def log(message: str) -> None:
@@ -133,7 +152,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], Optional[str], list[str]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG}.py",
-        usage="%(prog)s [--num_cores N] [--spmd] SCRIPT [SCRIPT_ARGS ...]",
+        usage="%(prog)s [--num_cores N] [--spmd | --per_chip] SCRIPT [SCRIPT_ARGS ...]",
         description="Run SCRIPT's _mp_fn(index) on XLA devices. Everything after "
                     "SCRIPT is passed to it untouched.",
         epilog=f"On CPU, --num_cores takes 1..{CPU_MAX_DEVICES} and N>1 runs one "
@@ -151,7 +170,36 @@ def build_parser() -> argparse.ArgumentParser:
              "runtime; the single-controller runtime of the collective engine, or "
              "the GSPMD engine): sets XLA_FSDP_RUNTIME=single_controller and calls "
              "_mp_fn(0) once")
+    parser.add_argument(
+        "--per_chip", action="store_true",
+        help="one process per chip (torch_xla's xmp.spawn; pinned collectives), also for a "
+             f"script that declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\" (launch/run_clm.py does); "
+             "a script that declares nothing runs this way on a TPU by default")
     return parser
+
+
+def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip
+    win; then XLA_FSDP_RUNTIME; then, on a TPU, what the script declares (xla_fsdp.runtime_choice)."""
+    if options.spmd and options.per_chip:
+        raise UsageError("--spmd and --per_chip contradict each other; pass one")
+    if options.spmd or options.per_chip:
+        return options.spmd, ""
+    if environ.get(RUNTIME_ENV, "").strip():
+        return environ[RUNTIME_ENV].strip().lower() == SINGLE_CONTROLLER, ""
+    if device != "TPU":
+        return False, ""
+    from xla_fsdp import runtime_choice
+
+    try:
+        declared = runtime_choice.declared_runtime(script)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if declared == SINGLE_CONTROLLER:
+        return True, (f"{script} declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\": one process drives "
+                      "every local chip (unpinned collectives, which libtpu overlaps with compute); "
+                      "--per_chip runs one process per chip")
+    return False, ""
 
 
 # --------------------------------------------------------------------------
@@ -380,12 +428,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                              f"(working directory: {os.getcwd()})")
         device, source = detect_device(os.environ)
         log(f"PJRT_DEVICE={device} ({source})")
-        counts = device_counts(device, options.spmd, os.environ)
-        num_cores = parse_num_cores(options.num_cores, counts, options.spmd)
-        plan = make_plan(device, num_cores, options.spmd)
+        spmd, why = choose_spmd(options, script, device, os.environ)
+        if why:
+            log(why)
+        counts = device_counts(device, spmd, os.environ)
+        num_cores = parse_num_cores(options.num_cores, counts, spmd)
+        plan = make_plan(device, num_cores, spmd)
         if plan.reason:
             log(plan.reason)
         os.environ.update(plan.env)
+        if device == "TPU":
+            async_collective_flags()
         entry = ScriptEntry(script, tuple(script_args))
         try:
             fn = entry.load()  # also checks _mp_fn early, before any spawn

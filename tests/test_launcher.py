@@ -265,3 +265,23 @@ def test_tpu_valid_counts_and_plans():
     assert single.env["TPU_PROCESS_BOUNDS"] == "1,1,1"
     spmd = xla_spawn.make_plan("TPU", 4, spmd=True)
     assert not spmd.spawn and spmd.env["XLA_FSDP_RUNTIME"] == "single_controller"
+
+
+def test_tpu_runtime_follows_the_flags_then_the_environment_then_what_the_script_declares(tmp_path):
+    xla_spawn = load_launcher_module()
+    parse = xla_spawn.build_parser().parse_args
+    run_clm = str(ROOT / "launch" / "run_clm.py")
+    plain = FIXTURES / "spawn_record.py"  # declares nothing: torch_xla's one process per chip
+    spmd, why = xla_spawn.choose_spmd(parse([]), run_clm, "TPU", {})
+    assert spmd and 'XLA_FSDP_TPU_RUNTIME = "single_controller"' in why and "--per_chip" in why
+    assert xla_spawn.choose_spmd(parse(["--per_chip"]), run_clm, "TPU", {}) == (False, "")
+    assert xla_spawn.choose_spmd(parse([]), run_clm, "TPU", {"XLA_FSDP_RUNTIME": "multi_process"}) == (False, "")
+    assert xla_spawn.choose_spmd(parse([]), str(plain), "TPU", {}) == (False, "")
+    assert xla_spawn.choose_spmd(parse(["--spmd"]), str(plain), "TPU", {}) == (True, "")
+    assert xla_spawn.choose_spmd(parse([]), run_clm, "CPU", {}) == (False, "")  # CPU: make_plan decides
+    with pytest.raises(xla_spawn.UsageError, match="contradict"):
+        xla_spawn.choose_spmd(parse(["--spmd", "--per_chip"]), run_clm, "TPU", {})
+    bad = tmp_path / "bad.py"
+    bad.write_text('XLA_FSDP_TPU_RUNTIME = "both"\n')
+    with pytest.raises(xla_spawn.UsageError, match="expected 'single_controller' or 'multi_process'"):
+        xla_spawn.choose_spmd(parse([]), str(bad), "TPU", {})

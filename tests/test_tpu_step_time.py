@@ -96,3 +96,20 @@ def test_an_asynchronous_collective_hides_the_compute_between_start_and_done():
 def test_calibration_scales_by_the_reference_ratio():
     ratio, scaled = st.calibrated(2.0, reference_projected=4.0, reference_measured=5.0)
     assert ratio == pytest.approx(1.25) and scaled == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("lhs,rhs,out,window,labels,flops", [
+    # a batched matmul (768 = batch x heads) written as a convolution whose window spans the batch,
+    # dilated so that each output reads one position: 768 x [1024,1024] @ [1024,128]
+    ("bf16[768,1024,1024]", "bf16[768,128,1024]", "f32[768,1024,128]", "size=768 stride=767 lhs_dilate=768",
+     "0bf_0oi->0bf", 2 * 768 * 1024 * 128 * 1024),
+    # an outer-product-like one: the lhs's second spatial extent is 1, the rest of the window padding
+    ("bf16[32,1024,128,1]", "bf16[1,128,128,24]", "bf16[32,1024,24,128]", "size=1x24 pad=0_0x23_23",
+     "0bf1_1oi0->0b1f", 2 * 32 * 1024 * 24 * 128 * 128),
+    # a plain matmul with no window
+    ("bf16[512,256]", "bf16[256,64]", "bf16[512,64]", "", "bf_io->bf", 2 * 512 * 64 * 256),
+])
+def test_convolution_flops_count_only_the_windows_real_inputs(lhs, rhs, out, window, labels, flops):
+    win = f", window={{{window}}}" if window else ""
+    ins = oh.Instruction("c", out, "convolution", f"%a, %b){win}, dim_labels={labels}")
+    assert st._matmul_flops(ins, {"a": lhs, "b": rhs}) == flops

@@ -6,7 +6,12 @@ policies in `xla_fsdp.wrap`, `checkpoint_module`, deferred initialization
 `fsdp_config` loader (`xla_fsdp.config.load_fsdp_config`), checkpoints
 (`xla_fsdp.checkpoint`; torch_xla's `consolidate_sharded_model_checkpoints`).
 """
-from .activation_checkpoint import checkpoint_module
+from .tpu import libtpu_flags as _libtpu_flags
+
+# On a TPU, before libtpu starts: its async-collective flags, unless the user set LIBTPU_INIT_ARGS
+_libtpu_flags.set_defaults()
+
+from .activation_checkpoint import checkpoint_module  # noqa: E402
 from .api import FSDP, XlaFullyShardedDataParallel
 from .checkpoint import consolidate_sharded_model_checkpoints
 from .options import MixedPrecision, ShardingStrategy

@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "which collectives run beside compute.")
     p.add_argument("--tpu", required=True, help="accelerator type as Cloud TPU names it: v4-8, v4-32, v5e-8 "
                    "(v5litepod-8), v5p-8, v6e-8, ...")
-    p.add_argument("--runtime", default="auto", help="auto (what the command uses on a TPU: one process per "
-                   "chip under xla_spawn, the single controller with --spmd or the GSPMD engine), "
+    p.add_argument("--runtime", default="auto", help="auto (what the command uses on a TPU, as xla_spawn "
+                   "chooses: --spmd / --per_chip, else $XLA_FSDP_RUNTIME, else what the script declares "
+                   "(XLA_FSDP_TPU_RUNTIME; run_clm: the single controller), else one process per chip), "
                    "single_controller or multi_process")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--dump", metavar="DIR", help="keep the traced module and the TPU-optimized HLO in DIR")
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "is cut (default 2: the second, steady-state step; 1: the first, for loops that read "
                    "values back in their first step)")
     p.add_argument("--libtpu-flags", default=None, help="libtpu flags for the compile, as in LIBTPU_INIT_ARGS "
-                   "(default: $LIBTPU_INIT_ARGS)")
+                   "(default: $LIBTPU_INIT_ARGS, else the async-collective flags xla_fsdp sets on a TPU, "
+                   "xla_fsdp.tpu.libtpu_flags; --libtpu-flags '' compiles with none)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for tracing (default 3600)")
     p.add_argument("--quiet", action="store_true", help="do not echo the job's own output while tracing")
     return p
@@ -82,6 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from xla_fsdp.aot import report as rep
     from xla_fsdp.aot import trace
     from xla_fsdp.tpu import topology
+    from xla_fsdp.tpu import libtpu_flags
 
     say = (lambda *a: None) if opts.json else (lambda *a: print(*a, flush=True))
     try:
@@ -113,7 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             keep = True  # the log it names
             return EXIT_TRACE
         traced_s = time.time() - started
-        flags = opts.libtpu_flags if opts.libtpu_flags is not None else os.environ.get("LIBTPU_INIT_ARGS", "")
+        flags = opts.libtpu_flags if opts.libtpu_flags is not None else \
+            (os.environ.get(libtpu_flags.ENV, "").strip() or libtpu_flags.DEFAULT_INIT_ARGS)
         sites_path = os.path.join(workdir, "collective_sites.json")
         calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
         result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)

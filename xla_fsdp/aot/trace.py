@@ -45,13 +45,15 @@ def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
     if not command:
         raise TraceError("no script given: put the job's command after --, e.g. "
                          "python -m xla_fsdp.aot --tpu v4-8 -- launch/run_clm.py --config_name ...")
-    spmd_flag = False
+    spmd_flag = per_chip = False
     if os.path.basename(command[0]) == LAUNCHER:
         rest = command[1:]
         while rest and rest[0].startswith("--"):
             flag = rest.pop(0)
             if flag == "--spmd":
                 spmd_flag = True
+            elif flag == "--per_chip":
+                per_chip = True
             elif flag == "--num_cores":  # the slice decides the device count here
                 if rest:
                     rest.pop(0)
@@ -63,21 +65,31 @@ def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
     script, args = command[0], list(command[1:])
     if not os.path.isfile(script):
         raise TraceError(f"script {script!r} not found (run from the directory the job runs from)")
-    return Job(script, args, runtime_for(runtime, spmd_flag), devices)
+    return Job(script, args, runtime_for(runtime, spmd_flag, per_chip, script), devices)
 
 
-def runtime_for(requested: str, spmd_flag: bool) -> str:
-    """The runtime the job uses on a TPU: `--spmd` (or XLA_FSDP_RUNTIME / XLA_USE_SPMD in the
-    environment) asks for the single controller; otherwise xla_spawn starts one process per
-    chip. The GSPMD engine (`xla_fsdp_v2`) is always single-controller; the job decides that."""
+def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "") -> str:
+    """The runtime the job uses on a TPU, as xla_spawn chooses it: `--spmd` / `--per_chip`;
+    else XLA_FSDP_RUNTIME (or XLA_USE_SPMD) in the environment; else what the script declares
+    (`xla_fsdp.runtime_choice`; launch/run_clm.py: the single controller); else one process
+    per chip. The GSPMD engine (`xla_fsdp_v2`) is always single-controller; the job decides that."""
     if requested != "auto":
         if requested not in RUNTIMES:
             raise TraceError(f"--runtime {requested!r}: expected auto, {' or '.join(RUNTIMES)}")
         return requested
+    if spmd_flag or per_chip:
+        return SINGLE_CONTROLLER if spmd_flag else MULTI_PROCESS
     env = os.environ.get("XLA_FSDP_RUNTIME", "").strip().lower()
-    if spmd_flag or env == SINGLE_CONTROLLER or os.environ.get("XLA_USE_SPMD") == "1":
+    if env in RUNTIMES:
+        return env
+    if os.environ.get("XLA_USE_SPMD") == "1":
         return SINGLE_CONTROLLER
-    return MULTI_PROCESS
+    from xla_fsdp import runtime_choice
+
+    try:
+        return (runtime_choice.declared_runtime(script) if script else None) or MULTI_PROCESS
+    except ValueError as e:
+        raise TraceError(str(e)) from None
 
 
 def child_env(job: Job, workdir: str, steps: int) -> dict:

@@ -42,6 +42,7 @@ _SLICING = ("slice", "dynamic-slice", "gather")
 _DIMS = re.compile(r"\[([0-9,]*)\]")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 
@@ -97,6 +98,23 @@ def operand_names(rest: str) -> List[str]:
     return re.findall(r"%([\w.\-]+)", rest)
 
 
+def _window_taps(rest: str, lhs_labels: str, lhs: List[int]) -> int:
+    """Input positions one output of a convolution reads per input feature. In each spatial
+    dimension the window spans `size` positions, of which only every lhs_dilate-th is an input
+    and at most the input's own extent are not padding. (XLA writes batched and outer-product
+    matmuls as convolutions whose windows are mostly dilation or padding:
+    `window={size=768 stride=767 lhs_dilate=768}`, `window={size=1x24 pad=0_0x23_23}`.)"""
+    m = _WINDOW.search(rest)
+    if not m:
+        return 1
+    fields = dict(f.split("=", 1) for f in m.group(1).split() if "=" in f)
+    sizes = [int(x) for x in fields.get("size", "").split("x") if x]
+    dilate = [int(x) for x in fields.get("lhs_dilate", "").split("x") if x] or [1] * len(sizes)
+    extent = {int(label): size for label, size in zip(lhs_labels, lhs) if label.isdigit()} \
+        if len(lhs_labels) == len(lhs) else {}
+    return _prod(min(-(-s // d), extent.get(i, s)) for i, (s, d) in enumerate(zip(sizes, dilate)))
+
+
 def _matmul_flops(ins: oh.Instruction, shapes: Dict[str, str]) -> float:
     """FLOPs of one dot or convolution (multiply-adds x 2), in bf16 passes."""
     out = _prod(_dims(ins.shape))
@@ -105,12 +123,14 @@ def _matmul_flops(ins: oh.Instruction, shapes: Dict[str, str]) -> float:
         lhs = _dims(shapes.get(ops[0], "")) if ops else []
         m = _CONTRACT.search(ins.rest)
         k = _prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (m and lhs) else 1
-    else:  # convolution: contracted size = the kernel's input features x its window
+    else:  # convolution: contracted size = the kernel's input features x the window's real taps
         rhs = _dims(shapes.get(ops[1], "")) if len(ops) > 1 else []
+        lhs = _dims(shapes.get(ops[0], "")) if ops else []
         m = _LABELS.search(ins.rest)
         k = 1
         if m and rhs and len(m.group(2)) == len(rhs):
-            k = _prod(size for label, size in zip(m.group(2), rhs) if label == "i" or label.isdigit())
+            k = _prod(size for label, size in zip(m.group(2), rhs) if label == "i") * \
+                _window_taps(ins.rest, m.group(1), lhs)
     flops = 2.0 * out * k
     operand_dtype = shapes.get(ops[0], "") if ops else ""
     if operand_dtype.startswith("f32"):

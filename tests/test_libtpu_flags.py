@@ -1,0 +1,101 @@
+"""The async-collective libtpu flags xla_fsdp sets on a TPU: where they are set, and that each
+one changes the program libtpu's compiler makes of our single-controller step on v4-8.
+
+The compile tests trace the tiny GPT-2 step once (single controller, 4 devices) and compile
+the traced module with libtpu 0.0.21 under different LIBTPU_INIT_ARGS; nothing is mocked.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import aot_cases as ac  # noqa: E402
+
+from xla_fsdp.tpu import libtpu_flags as lf  # noqa: E402
+
+
+def test_set_on_a_tpu_only_and_never_over_the_users_own():
+    env = {"PJRT_DEVICE": "TPU"}
+    assert lf.set_defaults(env) == lf.DEFAULT_INIT_ARGS and env[lf.ENV] == lf.DEFAULT_INIT_ARGS
+    for flag, value in lf.ASYNC_COLLECTIVES.items():
+        assert f"--{flag}={value}" in env[lf.ENV].split()
+    mine = {"PJRT_DEVICE": "TPU", lf.ENV: "--xla_tpu_enable_async_collective_fusion=false"}
+    assert lf.set_defaults(mine) is None and mine[lf.ENV] == "--xla_tpu_enable_async_collective_fusion=false"
+    cpu = {"PJRT_DEVICE": "CPU"}
+    assert lf.set_defaults(cpu) is None and lf.ENV not in cpu
+
+
+def _env_after(code: str, **extra) -> str:
+    env = {k: v for k, v in os.environ.items() if k != lf.ENV}
+    env.update(extra)
+    out = subprocess.run([sys.executable, "-c", code + f"\nimport os; print('FLAGS=' + os.environ.get('{lf.ENV}', ''))"],
+                         capture_output=True, text=True, env=env, cwd=ac.ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [l for l in out.stdout.splitlines() if l.startswith("FLAGS=")][-1][len("FLAGS="):]
+
+
+def test_importing_xla_fsdp_and_the_launcher_set_them_on_a_tpu():
+    assert _env_after("import xla_fsdp", PJRT_DEVICE="TPU") == lf.DEFAULT_INIT_ARGS
+    assert _env_after("import xla_fsdp", PJRT_DEVICE="CPU") == ""
+    assert _env_after("import xla_fsdp", PJRT_DEVICE="TPU", LIBTPU_INIT_ARGS="--mine=1") == "--mine=1"
+    launcher = ("import sys; sys.path.insert(0, 'launch'); import xla_spawn, os; "
+                "os.environ['PJRT_DEVICE'] = 'TPU'; xla_spawn.async_collective_flags()")
+    assert _env_after(launcher) == lf.DEFAULT_INIT_ARGS
+
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="the TPU compiler comes with `pip install -e .[tpu-aot]`")
+
+
+@pytest.fixture(scope="module")
+def traced_step(tmp_path_factory):
+    """The tiny single-controller step traced at v4-8's 4 devices (the check's --dump)."""
+    tmp = tmp_path_factory.mktemp("flags")
+    case = ac.BY_NAME["sc-full_shard"]
+    cmd = ac.command(case, 4, str(tmp / "fsdp.json"), str(tmp / "out"))
+    got = ac.check("v4-8", cmd, runtime=case.runtime, extra=["--dump", str(tmp / "dump"), "--libtpu-flags", ""])
+    assert got["report"] and got["report"]["compiles"], got["output"]
+    return open(tmp / "dump" / "traced_step.hlo.txt").read()
+
+
+def _compile(text: str, flags: dict) -> dict:
+    from xla_fsdp.aot import report
+    from xla_fsdp.aot.cli import _load_compiler
+    from xla_fsdp.tpu import topology
+
+    r = report.check_program(text, topology.parse_accelerator_type("v4-8"), _load_compiler(),
+                             lf.init_args(flags), say=lambda *a: None)
+    assert r["compiles"], r["error"][:2000]
+    return r
+
+
+def _program(r: dict) -> str:
+    """The optimized program without its metadata (names of source lines and such)."""
+    import re
+    return re.sub(r", metadata=\{[^}]*\}", "", r["optimized_hlo"])
+
+
+@needs_libtpu
+def test_the_flags_make_v4_run_our_gathers_asynchronously_beside_matmuls(traced_step):
+    off, on = _compile(traced_step, {}), _compile(traced_step, dict(lf.ASYNC_COLLECTIVES))
+    assert off["collectives"]["async"] == 0, off["collectives"]  # libtpu's v4 default: all synchronous
+    gathers = on["collectives"]["by_kind"]["all-gather"]
+    assert gathers["async"] > 0 and gathers["async_with_matmul"] > 0, on["collectives"]
+    assert on["collectives"]["sent_async_with_matmul_fraction"] > 0.1, on["collectives"]
+    assert on["projection"]["async_collective_seconds"] > 0
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", sorted(f for f in lf.ASYNC_COLLECTIVES if "memory_limit" not in f))
+def test_each_flag_changes_the_program(traced_step, flag):
+    """The memory limit binds only where the overlap would overflow HBM: its effect is shown
+    by `python bench/tpu_perf_table.py` on the 2B step (does not fit without it)."""
+    every = _program(_compile(traced_step, dict(lf.ASYNC_COLLECTIVES)))
+    without = _program(_compile(traced_step, {k: v for k, v in lf.ASYNC_COLLECTIVES.items() if k != flag}))
+    assert without != every, f"dropping --{flag} leaves the optimized program unchanged: it does nothing here"

@@ -1,0 +1,41 @@
+"""Which runtime a script runs in on a TPU when its command does not say.
+
+A script declares the runtime it is built for with one module-level line,
+
+    XLA_FSDP_TPU_RUNTIME = "single_controller"    # or "multi_process"
+
+read here from the file's syntax tree (the script is not imported). The
+launcher (`launch/xla_spawn.py`) and the ahead-of-time check
+(`python -m xla_fsdp.aot`) use it when neither `--spmd` / `--per_chip` nor
+`XLA_FSDP_RUNTIME` chose; a script that declares nothing runs one process
+per chip, the contract of torch_xla's `xmp.spawn` that scripts written for
+torch_xla's FSDP rely on (`xm.get_ordinal()` per process, pinned
+collectives). `launch/run_clm.py` declares the single controller: on a TPU
+its collectives are unpinned, so libtpu can run them asynchronously beside
+compute, which it never does for pinned ones (README, "Performance").
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+MARKER = "XLA_FSDP_TPU_RUNTIME"
+SINGLE_CONTROLLER = "single_controller"
+MULTI_PROCESS = "multi_process"
+
+
+def declared_runtime(script: str) -> Optional[str]:
+    """The runtime `script` declares with `XLA_FSDP_TPU_RUNTIME = "..."`, else None."""
+    try:
+        with open(script, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return None  # running it will say what is wrong
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == MARKER for t in node.targets):
+            value = node.value.value if isinstance(node.value, ast.Constant) else None
+            if value not in (SINGLE_CONTROLLER, MULTI_PROCESS):
+                raise ValueError(f"{script}: {MARKER} = {value!r}; expected {SINGLE_CONTROLLER!r} or "
+                                 f"{MULTI_PROCESS!r}")
+            return value
+    return None
