@@ -20,9 +20,9 @@ import aot_cases as ac  # noqa: E402
 pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -e .[tpu-aot]` (make test installs it)")
 
 CHIPS = {"v4-8": 4, "v5e-8": 8}
-# one process per chip (mp-full_shard on v4-8) is compiled by tests/test_aot.py's report test
+# one process per chip (mp-full_shard on v4-8) is compiled by tests/test_aot.py's report test; the
+# single controller on v4-8 by tests/test_libtpu_flags.py, on v5e-8 by the default-configuration test
 DEFAULT = [
-    ("sc-full_shard", "v4-8"),        # the single controller (refused by libtpu while it pinned collectives)
     ("sc-hybrid", "v5e-8"),           # a replica axis
     ("mp-grad_ckpt", "v5e-8"),        # one process per chip, per-layer checkpointing
     ("gspmd", "v5e-8"),               # the GSPMD engine
@@ -58,6 +58,24 @@ def test_representative_programs_compile_for_tpu(name, tpu, tmp_path):
 @pytest.mark.parametrize("name,tpu", FULL, ids=[f"{n}-{t}" for n, t in FULL])
 def test_every_program_compiles_for_tpu(name, tpu, tmp_path):
     _check_case(name, tpu, tmp_path)
+
+
+def test_default_configuration_runs_its_gathers_asynchronously_beside_compute(tmp_path):
+    """run_clm as users launch it on a TPU (xla_spawn, no runtime flag: the single controller it
+    declares; the libtpu flags xla_fsdp sets), tiny GPT-2 on v5e-8. Fails if a change makes the
+    all-gathers synchronous again (pinned collectives, a runtime change, a flag dropped)."""
+    case = ac.BY_NAME["sc-full_shard"]
+    cmd = [os.path.join(ac.ROOT, "launch", "xla_spawn.py")] + \
+        ac.command(case, CHIPS["v5e-8"], str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
+    report = _assert_compiles(ac.check("v5e-8", cmd, runtime="auto"), "the default configuration")
+    assert report["runtime"] == ac.SINGLE and report["program"] == "spmd", report["runtime"]
+    c = report["collectives"]
+    gathers = c["by_kind"]["all-gather"]
+    assert gathers["async"] > 0 and gathers["async_with_matmul"] >= gathers["async"] // 2, c
+    assert c["sent_async_with_matmul_fraction"] >= 0.15, c  # 0.205 with libtpu 0.0.21
+    p = report["projection"]
+    assert p["label"] == "projection" and 0 < p["async_collective_seconds"]
+    assert p["projected_seconds"] < p["compute_seconds"] + p["sync_collective_seconds"] + p["async_collective_seconds"]
 
 
 def test_make_train_job_compiles_for_tpu(tmp_path):
