@@ -155,6 +155,8 @@ def test_run_spmd_launches_one_process_per_worker():
     assert train[4:8] == ["--num_cores", "4", "--spmd", "launch/run_clm.py"]
     (plain,) = dry_run("run.sh", *LOCATION)
     assert "--spmd" not in remote_commands(plain)[-1]
+    (per_chip,) = dry_run("run.sh", *LOCATION, "--per-chip")
+    assert remote_commands(per_chip)[-1][4:8] == ["--num_cores", "4", "--per_chip", "launch/run_clm.py"]
 
 
 def test_run_without_default_args_sends_only_the_given_ones():
