@@ -24,7 +24,8 @@ Nothing here ran on a TPU. 2B compiles take about 3 minutes each here.
 Engines: default = launch/run_clm.py as xla_spawn runs it on a TPU (the
 single controller); per_chip = the same job one process per chip (pinned);
 gspmd = our GSPMD engine (`xla_fsdp_v2`); fsdpv1 / fsdpv2 = torch_xla's
-(bench/anchor_job.py).
+(bench/anchor_job.py); on request no_prefetch / flat = the default with
+prefetch off / with one flat gather per unit.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8}
 # sequences per chip: the blog's 32 x 1024; v5e's 16 GiB chips take 8
 BATCH = {"v4-8": 32, "v5e-8": 8, "v6e-8": 32}
 ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
+EXTRA = ("no_prefetch", "flat")  # the default with prefetch off / one flat gather per unit (on request)
 SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
 ANCHOR = os.path.join(ROOT, "bench", "anchor_job.py")
@@ -69,11 +71,12 @@ def command(engine: str, model: str, tpu: str, tmp: str) -> tuple[list, str]:
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"], "auto")
     case = {"default": ac.BY_NAME["sc-full_shard"], "per_chip": ac.BY_NAME["mp-full_shard"],
-            "gspmd": ac.BY_NAME["gspmd"]}[engine]
+            "gspmd": ac.BY_NAME["gspmd"], "no_prefetch": ac.BY_NAME["sc-no_prefetch"],
+            "flat": ac.BY_NAME["sc-flat"]}[engine]
     case = dataclasses.replace(case, top={**case.top, "xla_fsdp_grad_ckpt": True})
     cmd = ac.command(case, SLICES[tpu], os.path.join(tmp, "fsdp.json"), os.path.join(tmp, "out"),
                      model=MODELS[model], batch=batch, block=SEQ) + ["--optim", "adafactor"]
-    launcher = {"default": [LAUNCHER], "per_chip": [LAUNCHER, "--per_chip"], "gspmd": [LAUNCHER, "--spmd"]}
+    launcher = {"per_chip": [LAUNCHER, "--per_chip"], "gspmd": [LAUNCHER, "--spmd"]}.get(engine, [LAUNCHER])
     return launcher[engine] + cmd, "auto"
 
 
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["125m", "2b"], choices=sorted(MODELS))
     p.add_argument("--tpu", nargs="+", default=list(SLICES), choices=sorted(SLICES))
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + EXTRA)
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     opts = p.parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []

@@ -148,8 +148,9 @@ def render(r: dict) -> str:
                      f"{k['bytes'] / 1e9:>10.3f}{k.get('sent', 0) / 1e9:>14.3f}")
     p = r.get("projection")
     if p:
-        lines.append(f"PROJECTED step time on the compiled schedule (not measured; uncalibrated roofline, see "
+        lines.append(f"PROJECTED step time on the compiled schedule (not measured; roofline, see "
                      f"xla_fsdp/tpu/step_time.py): {p['projected_seconds']:.3f} s, of which compute "
                      f"{p['compute_seconds']:.3f} s and communication the core waits for "
-                     f"{p['projected_seconds'] - p['compute_seconds']:.3f} s")
+                     f"{p['projected_seconds'] - p['compute_seconds']:.3f} s; x{step_time.CALIBRATION_RATIO:.3f} "
+                     f"calibration ({step_time.CALIBRATION_SOURCE}): {p['calibrated_seconds']:.3f} s")
     return "\n".join(lines)

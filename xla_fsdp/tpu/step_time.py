@@ -33,6 +33,12 @@ from typing import Dict, List, Optional, Tuple
 
 from xla_fsdp.tpu import optimized_hlo as oh
 
+# measured / projected for the one TPU step we have a measurement of: the blog's torch_xla FSDPv1
+# GPT-2 2B on v4-8 (32 x 1024 per chip, Adafactor, per-layer checkpointing) took 4.191 s; this
+# model projects its compiled program (bench/anchor_job.py under libtpu 0.0.21) at 4.048 s
+# (bench/tpu_perf_table.py, November 2026). One point: it says nothing about other slices.
+CALIBRATION_RATIO = 4.191 / 4.048
+CALIBRATION_SOURCE = "blog FSDPv1 2B v4-8: measured 4.191 s / projected 4.048 s"
 COLLECTIVE_LATENCY_S = 10e-6  # per collective; an assumption, no published figure
 RING_LINKS = 2                # a bidirectional ring sends on two links at once
 F32_PASSES = {"default": 1, "high": 3, "highest": 6}
@@ -69,7 +75,8 @@ class StepEstimate:
                 "sync_collective_seconds": self.sync_collective_seconds,
                 "async_collective_seconds": self.async_collective_seconds,
                 "exposed_async_seconds": self.exposed_async_seconds, "flops": self.flops,
-                "hbm_bytes": self.hbm_bytes, "chip": self.chip, "label": "projection"}
+                "hbm_bytes": self.hbm_bytes, "chip": self.chip, "label": "projection",
+                "calibrated_seconds": self.seconds * CALIBRATION_RATIO, "calibration_ratio": CALIBRATION_RATIO}
 
 
 def _dims(shape: str) -> List[int]:
