@@ -77,7 +77,7 @@ def command(engine: str, model: str, tpu: str, tmp: str) -> tuple[list, str]:
     cmd = ac.command(case, SLICES[tpu], os.path.join(tmp, "fsdp.json"), os.path.join(tmp, "out"),
                      model=MODELS[model], batch=batch, block=SEQ) + ["--optim", "adafactor"]
     launcher = {"per_chip": [LAUNCHER, "--per_chip"], "gspmd": [LAUNCHER, "--spmd"]}.get(engine, [LAUNCHER])
-    return launcher[engine] + cmd, "auto"
+    return launcher + cmd, "auto"
 
 
 def run(engine: str, model: str, tpu: str, params: int) -> dict:
