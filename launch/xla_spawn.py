@@ -178,9 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
+def tpu_host_count() -> int:
+    """Hosts (TPU VM workers) of this slice, as torch_xla counts them (TPU-only path)."""
+    from torch_xla._internal import tpu
+
+    return tpu.num_tpu_workers()
+
+
+def choose_spmd(options, script: str, device: str, environ: Mapping[str, str],
+                hosts: Callable[[], int] = tpu_host_count) -> tuple[bool, str]:
     """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip
-    win; then XLA_FSDP_RUNTIME; then, on a TPU, what the script declares (xla_fsdp.runtime_choice)."""
+    win; then XLA_FSDP_RUNTIME; then, on a single-host TPU slice, what the script declares
+    (xla_fsdp.runtime_choice). On a multi-host slice a declared single controller still runs one
+    process per chip: the single controller cannot checkpoint across hosts yet."""
     if options.spmd and options.per_chip:
         raise UsageError("--spmd and --per_chip contradict each other; pass one")
     if options.spmd or options.per_chip:
@@ -195,6 +205,10 @@ def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -
         declared = runtime_choice.declared_runtime(script)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if declared == SINGLE_CONTROLLER and hosts() > 1:
+        return False, (f"{script} declares the single controller, but this slice has several hosts and "
+                       "the single controller cannot save checkpoints across hosts yet: one process per "
+                       "chip (pinned collectives); --spmd runs the single controller anyway")
     if declared == SINGLE_CONTROLLER:
         return True, (f"{script} declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\": one process drives "
                       "every local chip (unpinned collectives, which libtpu overlaps with compute); "

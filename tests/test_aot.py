@@ -126,3 +126,19 @@ def test_accelerator_types_are_the_topologies_libtpu_builds(name, chips, hosts):
     with pjrt.get_compiler().topology(spec.topology_name, spec.options) as topo:
         assert len(topo.devices) == chips and topo.num_processes == hosts
         assert topo.devices[0].kind.startswith("TPU " + spec.chip.generation[:2])
+
+
+def test_auto_runtime_is_the_one_xla_spawn_picks_on_the_slice(monkeypatch):
+    from xla_fsdp.aot import trace
+
+    monkeypatch.delenv("XLA_FSDP_RUNTIME", raising=False)
+    monkeypatch.delenv("XLA_USE_SPMD", raising=False)
+    run_clm = ac.RUN_CLM
+    own = os.path.join(ac.ROOT, "tests", "fixtures", "aot_own_loop.py")  # declares nothing
+    assert trace.runtime_for("auto", False, False, run_clm, hosts=1) == trace.SINGLE_CONTROLLER
+    assert trace.runtime_for("auto", False, False, run_clm, hosts=4) == trace.MULTI_PROCESS
+    assert trace.runtime_for("auto", False, True, run_clm, hosts=1) == trace.MULTI_PROCESS
+    assert trace.runtime_for("auto", True, False, own, hosts=4) == trace.SINGLE_CONTROLLER
+    assert trace.runtime_for("auto", False, False, own, hosts=1) == trace.MULTI_PROCESS
+    job = trace.job_from_command(["launch/xla_spawn.py", "--per_chip", run_clm, "--x"], "auto", 4)
+    assert job.runtime == trace.MULTI_PROCESS and job.args == ["--x"]

@@ -7,7 +7,9 @@ A script declares the runtime it is built for with one module-level line,
 read here from the file's syntax tree (the script is not imported). The
 launcher (`launch/xla_spawn.py`) and the ahead-of-time check
 (`python -m xla_fsdp.aot`) use it when neither `--spmd` / `--per_chip` nor
-`XLA_FSDP_RUNTIME` chose; a script that declares nothing runs one process
+`XLA_FSDP_RUNTIME` chose, on a single-host slice (on several hosts the
+single controller cannot checkpoint yet, so the launcher keeps one process
+per chip unless `--spmd` insists); a script that declares nothing runs one process
 per chip, the contract of torch_xla's `xmp.spawn` that scripts written for
 torch_xla's FSDP rely on (`xm.get_ordinal()` per process, pinned
 collectives). `launch/run_clm.py` declares the single controller: on a TPU

@@ -38,7 +38,7 @@ class Job:
     devices: int
 
 
-def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
+def job_from_command(command: List[str], runtime: str, devices: int, hosts: int = 1) -> Job:
     """The job of `command` (`script.py flags...`, or `launch/xla_spawn.py [--num_cores N]
     [--spmd] script.py flags...` as users launch it); `runtime` "auto" means the runtime
     the command would use on the slice (see `runtime_for`)."""
@@ -65,14 +65,15 @@ def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
     script, args = command[0], list(command[1:])
     if not os.path.isfile(script):
         raise TraceError(f"script {script!r} not found (run from the directory the job runs from)")
-    return Job(script, args, runtime_for(runtime, spmd_flag, per_chip, script), devices)
+    return Job(script, args, runtime_for(runtime, spmd_flag, per_chip, script, hosts), devices)
 
 
-def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "") -> str:
+def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "", hosts: int = 1) -> str:
     """The runtime the job uses on a TPU, as xla_spawn chooses it: `--spmd` / `--per_chip`;
     else XLA_FSDP_RUNTIME (or XLA_USE_SPMD) in the environment; else what the script declares
-    (`xla_fsdp.runtime_choice`; launch/run_clm.py: the single controller); else one process
-    per chip. The GSPMD engine (`xla_fsdp_v2`) is always single-controller; the job decides that."""
+    (`xla_fsdp.runtime_choice`; launch/run_clm.py: the single controller) on a single-host
+    slice; else one process per chip. The GSPMD engine (`xla_fsdp_v2`) is always
+    single-controller; the job decides that."""
     if requested != "auto":
         if requested not in RUNTIMES:
             raise TraceError(f"--runtime {requested!r}: expected auto, {' or '.join(RUNTIMES)}")
@@ -87,9 +88,12 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
     from xla_fsdp import runtime_choice
 
     try:
-        return (runtime_choice.declared_runtime(script) if script else None) or MULTI_PROCESS
+        declared = runtime_choice.declared_runtime(script) if script else None
     except ValueError as e:
         raise TraceError(str(e)) from None
+    if declared == SINGLE_CONTROLLER and hosts > 1:
+        return MULTI_PROCESS  # xla_spawn's choice: no cross-host checkpoints in the single controller yet
+    return declared or MULTI_PROCESS
 
 
 def child_env(job: Job, workdir: str, steps: int) -> dict:
