@@ -80,11 +80,12 @@ def command(engine: str, model: str, tpu: str, tmp: str) -> tuple[list, str]:
     return launcher + cmd, "auto"
 
 
-def run(engine: str, model: str, tpu: str, params: int) -> dict:
+def run(engine: str, model: str, tpu: str, params: int, dump: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd, runtime = command(engine, model, tpu, tmp)
         started = time.time()
-        got = ac.check(tpu, cmd, runtime=runtime, timeout=3600)
+        extra = ["--dump", os.path.join(dump, f"{model}-{tpu}-{engine}")] if dump else []
+        got = ac.check(tpu, cmd, runtime=runtime, extra=extra, timeout=3600)
     r = got["report"] or {}
     n = SLICES[tpu]
     row = {"engine": engine, "model": model, "tpu": tpu, "chips": n, "batch_per_chip": BATCH[tpu],
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--tpu", nargs="+", default=list(SLICES), choices=sorted(SLICES))
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + EXTRA)
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
+    p.add_argument("--dump", default="", help="keep each row's traced and TPU-optimized programs under DIR")
     opts = p.parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
     done = {(r["engine"], r["model"], r["tpu"]) for r in rows}
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
             for engine in opts.engines:
                 if (engine, model, tpu) in done:
                     continue
-                row = run(engine, model, tpu, params)
+                row = run(engine, model, tpu, params, opts.dump)
                 rows.append(row)
                 print(f"{model} {tpu} {engine}: {'compiles' if row['compiles'] else 'NO'} in {row['seconds']} s",
                       flush=True)
