@@ -100,6 +100,10 @@ class XlaFullyShardedDataParallel(nn.Module):
         build.materialize(module, kw["param_init_fn"], XlaFullyShardedDataParallel)
         group = build.build_group(module, comm, options, XlaFullyShardedDataParallel)
         self._fsdp_state = FSDPState(module, group, options)
+        if comm.is_single_controller:  # [Note: state dicts of the single controller]
+            from .collective_engine import full_shapes
+
+            full_shapes.register(group)
         module.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
         module.__dict__.pop("_fsdp_removed_attrs", None)
         build.cast_buffers(module, options, comm.device, XlaFullyShardedDataParallel)

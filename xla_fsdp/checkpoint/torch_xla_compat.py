@@ -35,7 +35,8 @@ def consolidate_sharded_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
                 full[name] = full[p["tied_to"]]
                 continue
             owners = p.get("shard_group", group)  # the unit's own group (nested units may differ)
-            shards = [state_dicts[r][name] for r in owners]
+            # a 0-dim parameter is one row (the single-controller runtime saves it unwrapped, shape ())
+            shards = [torch.atleast_1d(state_dicts[r][name]) for r in owners]
             for r, shard in zip(owners, shards):
                 if shard.shape[0] != p["rows_per_rank"]:
                     raise CheckpointError(f"rank {r}'s {name!r} has {shard.shape[0]} rows, the metadata says "

@@ -35,8 +35,9 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
             for name in names:
                 info[name] = {
                     "shape": list(rec.orig_shape), "rows": rec.rows,
-                    # one process holds the whole padded tensor in the single-controller runtime
-                    "rows_per_rank": rec.padded_rows if single else rec.rows_per_rank,
+                    # one process holds every row in the single-controller runtime, and its
+                    # state_dict() has no padding ([Note: state dicts of the single controller])
+                    "rows_per_rank": rec.rows if single else rec.rows_per_rank,
                     "tied_to": names[0] if name != names[0] else None,
                     "shard_group": group,
                 }
