@@ -31,6 +31,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.metrics": "base",
     "xla_fsdp.abstract": "base",  # placeholders for the ahead-of-time trace
     "xla_fsdp.tpu": "base",  # libtpu's compiler, topologies, chip facts: nothing of ours below it
+    "xla_fsdp.runtime_choice": "base",  # the runtime a script declares for a TPU
     # layer 2: mechanisms both engines share
     "xla_fsdp.wrap": "shared",
     "xla_fsdp.activation_checkpoint": "shared",

@@ -72,7 +72,9 @@ def test_default_configuration_runs_its_gathers_asynchronously_beside_compute(tm
     c = report["collectives"]
     gathers = c["by_kind"]["all-gather"]
     assert gathers["async"] > 0 and gathers["async_with_matmul"] >= gathers["async"] // 2, c
-    assert c["sent_async_with_matmul_fraction"] >= 0.15, c  # 0.205 with libtpu 0.0.21
+    assert c["sent_async_with_matmul_fraction"] >= 0.2, c  # 0.28 with libtpu 0.0.21
+    # the large buckets' gradients stay reduce-scatters ([Note: 2-D reduce-scatter]), not all-reduces
+    assert c["by_kind"].get("reduce-scatter", {}).get("sync", 0) >= 5, c
     p = report["projection"]
     assert p["label"] == "projection" and 0 < p["async_collective_seconds"]
     assert p["projected_seconds"] < p["compute_seconds"] + p["sync_collective_seconds"] + p["async_collective_seconds"]

@@ -40,6 +40,14 @@ from .manual_region import ToLocal, to_global, to_local
 
 REDUCE_SUM = "sum"
 REDUCE_MAX = "max"
+# [Note: 2-D reduce-scatter] libtpu 0.0.21 compiles a reduce-scatter of a 1-D operand (our flat
+# buckets) as an all-reduce of the whole buffer followed by a slice: twice the bytes on the ring.
+# On v5e and v6e a 2-D operand with at least 8 rows per shard stays a reduce-scatter (compiled
+# and checked: tests/test_tpu_compile_matrix.py); v4 turns every one into an all-reduce. So a
+# flat buffer whose shard divides into such rows is scattered as [rows, RS_LANES]: row-major,
+# each device's rows are exactly its flat shard, so the result is the same.
+RS_LANES = 128
+RS_MIN_ROWS = 8
 
 
 class Collectives(abc.ABC):
@@ -109,6 +117,15 @@ class Collectives(abc.ABC):
         return tensor
 
 
+def as_rows(flat: torch.Tensor, count: int) -> torch.Tensor:
+    """`flat` as [rows, RS_LANES] when each of `count` shards is at least RS_MIN_ROWS whole rows
+    ([Note: 2-D reduce-scatter]); otherwise `flat` itself."""
+    if flat.dim() == 1 and flat.numel() % (count * RS_LANES) == 0 and \
+            flat.numel() // (count * RS_LANES) >= RS_MIN_ROWS:
+        return flat.view(-1, RS_LANES)
+    return flat
+
+
 def _groups_arg(groups: Tuple[Tuple[int, ...], ...]) -> List[List[int]]:
     return [list(g) for g in groups]
 
@@ -167,10 +184,10 @@ class XlaCollectives(Collectives):
             return flat
         token = self._xlac._get_all_reduce_token(device)
         out, new_token = self._xlac._xla_reduce_scatter(
-            REDUCE_SUM, flat, token, 1.0, 0, count, groups, self._pin_layout, *self._channel
+            REDUCE_SUM, as_rows(flat, count), token, 1.0, 0, count, groups, self._pin_layout, *self._channel
         )
         self._xlac._set_all_reduce_token(device, new_token)
-        return out
+        return out.reshape(-1)
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):
         groups, count = self._group(group)
