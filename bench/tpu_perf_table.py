@@ -21,11 +21,12 @@ every engine, anchors included. Columns, all read off the compiled program:
   projection of that same program when it is in the table; then projected
   MFU as the blog computes it (6 x tokens x params / step / chips / peak).
 Nothing here ran on a TPU. 2B compiles take about 3 minutes each here.
-Engines: default = launch/run_clm.py as xla_spawn runs it on a TPU (the
-single controller); per_chip = the same job one process per chip (pinned);
-gspmd = our GSPMD engine (`xla_fsdp_v2`); fsdpv1 / fsdpv2 = torch_xla's
-(bench/anchor_job.py); on request no_prefetch / flat = the default with
-prefetch off / with one flat gather per unit.
+Engines: default = launch/run_clm.py with configs/fsdp/gpt2_xla_fsdp.json as
+xla_spawn runs it on a single-host TPU (the single controller); per_chip =
+the same job one process per chip (pinned); gspmd = our GSPMD engine
+(`xla_fsdp_v2`); fsdpv1 / fsdpv2 = torch_xla's (bench/anchor_job.py); on
+request prefetch / flat = the single controller with prefetch on / with one
+flat gather per unit (and prefetch on).
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8}
 # sequences per chip: the blog's 32 x 1024; v5e's 16 GiB chips take 8
 BATCH = {"v4-8": 32, "v5e-8": 8, "v6e-8": 32}
 ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
-EXTRA = ("no_prefetch", "flat")  # the default with prefetch off / one flat gather per unit (on request)
+EXTRA = ("prefetch", "flat")  # the default with prefetch on / one flat gather per unit (on request)
+SHIPPED = os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
 SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
 ANCHOR = os.path.join(ROOT, "bench", "anchor_job.py")
@@ -70,12 +72,16 @@ def command(engine: str, model: str, tpu: str, tmp: str) -> tuple[list, str]:
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"], "auto")
-    case = {"default": ac.BY_NAME["sc-full_shard"], "per_chip": ac.BY_NAME["mp-full_shard"],
-            "gspmd": ac.BY_NAME["gspmd"], "no_prefetch": ac.BY_NAME["sc-no_prefetch"],
-            "flat": ac.BY_NAME["sc-flat"]}[engine]
-    case = dataclasses.replace(case, top={**case.top, "xla_fsdp_grad_ckpt": True})
-    cmd = ac.command(case, SLICES[tpu], os.path.join(tmp, "fsdp.json"), os.path.join(tmp, "out"),
-                     model=MODELS[model], batch=batch, block=SEQ) + ["--optim", "adafactor"]
+    if engine in ("default", "per_chip"):  # the shipped TPU config, as the README's TPU command runs it
+        cmd = [ac.RUN_CLM, "--config_name", MODELS[model], "--fsdp", "full_shard", "--fsdp_config", SHIPPED,
+               "--output_dir", os.path.join(tmp, "out"), "--do_train", "--per_device_train_batch_size",
+               str(batch), "--block_size", str(SEQ), "--optim", "adafactor"]
+    else:
+        case = {"gspmd": ac.BY_NAME["gspmd"], "prefetch": ac.BY_NAME["sc-full_shard"],
+                "flat": ac.BY_NAME["sc-flat"]}[engine]
+        case = dataclasses.replace(case, top={**case.top, "xla_fsdp_grad_ckpt": True})
+        cmd = ac.command(case, SLICES[tpu], os.path.join(tmp, "fsdp.json"), os.path.join(tmp, "out"),
+                         model=MODELS[model], batch=batch, block=SEQ) + ["--optim", "adafactor"]
     launcher = {"per_chip": [LAUNCHER, "--per_chip"], "gspmd": [LAUNCHER, "--spmd"]}.get(engine, [LAUNCHER])
     return launcher + cmd, "auto"
 
