@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from . import keys
+
 # optimizer state tensors with one entry per row of the parameter (the rest averaged away)
 ROW_FACTORED = ("exp_avg_sq_row",)
 
@@ -99,17 +101,20 @@ def _full_shape_of(rows: torch.Tensor, like: torch.Size) -> torch.Tensor:
 
 
 def holdings(model: nn.Module) -> List[Holding]:
-    """Every parameter of `model` (tied ones once, under their first name), as held here."""
+    """Every parameter of `model` (tied ones once, under their first name), as held here, named by
+    its `state_dict()` key."""
     records = {}
     for module in model.modules():
         state = getattr(module, "_fsdp_state", None)
         if state is not None:
             for rec in state.group.params:
                 records[id(rec.sharded)] = (rec, state.group.comm)
+    # checkpoints name parameters by their state-dict key ([Note: state-dict keys])
+    table = keys.names(model)
     names: Dict[int, List[str]] = {}
     params: Dict[int, torch.Tensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+        names.setdefault(id(p), []).append(keys.key_of(table, name))
         params[id(p)] = p
     out = []
     for pid, p in params.items():

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from . import format as fmt
+from . import keys
 from .format import CheckpointError
 from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
 
@@ -47,7 +48,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     info = process_info(model)
     held = holdings(model)
     _check_params(path, meta, held)
-    buffers = dict(model.named_buffers())
+    buffers = keys.buffers(model, persistent_only=False)  # by state-dict key, as saved
     _check_buffers(path, meta, buffers)
     index = fmt.RowIndex(path, range(meta["world_size"]))
     same_layout = meta["layout"] == layout_record(model)

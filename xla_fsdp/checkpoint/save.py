@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from . import format as fmt
+from . import keys
 from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
 
 
@@ -75,7 +76,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
 # -- one process's files ----------------------------------------------------------
 
 def _named_buffers(model: nn.Module):
-    return list(model.named_buffers())
+    return list(keys.buffers(model, persistent_only=False).items())  # by state-dict key
 
 
 def _write_rank_files(partial: str, rank: int, model, held: List[Holding], optimizer, extra_state) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..collective_engine.param import FSDPParam
+from . import keys
 
 SHARDED_FORMAT = "xla_fsdp.sharded/1"
 
@@ -28,25 +29,38 @@ def _units(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
 
 
 def _records(model: nn.Module) -> List[Tuple[List[str], FSDPParam, "object"]]:
-    """(state-dict names, record, group) for every sharded parameter in the model."""
+    """(state-dict keys, record, group) for every sharded parameter in the model, the keys checked
+    against `model.state_dict()`'s ([Note: state-dict keys])."""
+    table = keys.names(model)
     out = []
     for prefix, unit in _units(model):
         group = unit._fsdp_state.group
         for rec in group.params:
-            out.append(([prefix + site.fqn for site in rec.sites], rec, group))
+            out.append(([keys.key_of(table, prefix + site.fqn) for site in rec.sites], rec, group))
     if not out:
         raise ValueError("the model has no XlaFullyShardedDataParallel units; use model.state_dict()")
+    keys.check_against_state_dict(model, [n for names, _, _ in out for n in names] + list(_buffer_tensors(model)),
+                                  "the sharded model")
     return out
 
 
-def _buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
-    return {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
+def _buffer_tensors(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.Tensor]:
+    """The buffers by state-dict key: those of `model.state_dict()` (the full format), or all of them
+    (the sharded format, which resumes the run: non-persistent ones too)."""
+    return keys.buffers(model, persistent_only)
+
+
+def _buffers(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.Tensor]:
+    return {name: b.detach().cpu().clone() for name, b in _buffer_tensors(model, persistent_only).items()}
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
     """The unwrapped model's state dict (full parameters, fp32, on CPU). Call on every rank."""
     layout = model._fsdp_state.group.comm.layout
     keep = not rank0_only or layout.shard_rank == 0
+    # every key checked on every rank before the first gather (all raise, or none)
+    names_of = {id(rec): names for names, rec, _ in _records(model)}
+    order = list(model.state_dict().keys())
     out: Dict[str, torch.Tensor] = {}
     for prefix, unit in _units(model):
         group = unit._fsdp_state.group
@@ -55,12 +69,11 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torc
         if keep:
             for rec, tensor in zip(group.params, full):
                 cpu = tensor.detach().cpu().clone()
-                for site in rec.sites:
-                    out[prefix + site.fqn] = cpu
+                for name in names_of[id(rec)]:
+                    out[name] = cpu
     if keep:
         out.update(_buffers(model))
-        order = list(model.state_dict().keys())
-        return {k: out[k] for k in order if k in out}
+        return {k: out[k] for k in order}
     return {}
 
 
@@ -68,7 +81,7 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
     """Load a full (unwrapped-model) state dict into the shards of this rank."""
     records = _records(model)
     expected = {name: rec.orig_shape for names, rec, _ in records for name in names}
-    buffers = dict(model.named_buffers())
+    buffers = _buffer_tensors(model)
     expected.update({n: b.shape for n, b in buffers.items()})
     _check_keys(set(state), set(expected), "full state dict")
     for name, shape in expected.items():
@@ -93,7 +106,7 @@ def sharded_state_dict(model: nn.Module) -> Dict:
                    "shard_groups": [list(g) for g in layout.shard_groups]},
         "shapes": {names[0]: list(rec.orig_shape) for names, rec, _ in records},
         "params": {names[0]: rec.sharded.detach().cpu().clone() for names, rec, _ in records},
-        "buffers": _buffers(model),
+        "buffers": _buffers(model, persistent_only=False),
     }
 
 
@@ -122,7 +135,7 @@ def load_sharded_state_dict(model: nn.Module, state: Dict) -> None:
         if tuple(state["params"][name].shape) != tuple(rec.sharded.shape):
             raise ValueError(f"sharded checkpoint: shard of {name!r} is {tuple(state['params'][name].shape)}, "
                              f"expected {tuple(rec.sharded.shape)}")
-    buffers = dict(model.named_buffers())
+    buffers = _buffer_tensors(model, persistent_only=False)
     _check_keys(set(state["buffers"]), set(buffers), "sharded checkpoint buffers")
     with torch.no_grad():
         comm = model._fsdp_state.group.comm

@@ -43,10 +43,13 @@ def consolidate_sharded_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
                                           f"{p['rows_per_rank']} per rank")
             rows = torch.cat([s.detach().cpu() for s in shards])[: p["rows"]]
             full[name] = rows.reshape(p["shape"]).clone()
-        else:
-            dtype = buffers.get(name, {}).get("_orig_dtype")
+        elif name in buffers:
+            dtype = buffers[name].get("_orig_dtype")
             value = value.detach().cpu()
             full[name] = value.to(getattr(torch, dtype.replace("torch.", ""))) if dtype else value
+        else:  # never pass a shard off as a whole tensor
+            raise CheckpointError(f"{name!r} is in the rank state dicts but the shard metadata records it neither "
+                                  "as a sharded parameter nor as a buffer; were they saved from the same model?")
     return full
 
 

@@ -18,9 +18,12 @@ FORMAT = "xla_fsdp.shard_metadata/1"
 
 
 def shard_metadata(root: nn.Module) -> Dict[str, Any]:
+    from ..checkpoint import keys  # state-dict keys, not tree names ([Note: state-dict keys])
+
     comm = root._fsdp_state.group.comm
     layout = comm.layout
     single = comm.is_single_controller
+    table = keys.names(root)
     info: Dict[str, Any] = {}
     for prefix, unit in root.named_modules():
         state = getattr(unit, "_fsdp_state", None)
@@ -31,7 +34,7 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
         # the root's (a NO_SHARD unit nested in a FULL_SHARD root, or the reverse)
         group = [0] if single else list(state.group.comm.layout.shard_groups[0])
         for rec in state.group.params:
-            names = [prefix + site.fqn for site in rec.sites]
+            names = [keys.key_of(table, prefix + site.fqn) for site in rec.sites]
             for name in names:
                 info[name] = {
                     "shape": list(rec.orig_shape), "rows": rec.rows,
@@ -41,11 +44,13 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
                     "tied_to": names[0] if name != names[0] else None,
                     "shard_group": group,
                 }
+    buffers = keys.buffers(root)
+    keys.check_against_state_dict(root, list(info) + list(buffers), "get_shard_metadata()")
     return {
         "format": FORMAT,
         "world_size": 1 if single else layout.world_size,
         "rank": 0 if single else layout.rank,
         "shard_groups": [[0]] if single else [list(g) for g in layout.shard_groups],
         "shard_info": info,
-        "buffer_info": {name: {"_orig_dtype": str(b.dtype)} for name, b in root.named_buffers()},
+        "buffer_info": {name: {"_orig_dtype": str(b.dtype)} for name, b in buffers.items()},
     }
