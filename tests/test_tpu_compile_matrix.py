@@ -61,20 +61,23 @@ def test_every_program_compiles_for_tpu(name, tpu, tmp_path):
 
 
 def test_default_configuration_runs_its_gathers_asynchronously_beside_compute(tmp_path):
-    """run_clm as users launch it on a TPU (xla_spawn, no runtime flag: the single controller it
-    declares; the libtpu flags xla_fsdp sets), tiny GPT-2 on v5e-8. Fails if a change makes the
-    all-gathers synchronous again (pinned collectives, a runtime change, a flag dropped)."""
-    case = ac.BY_NAME["sc-full_shard"]
-    cmd = [os.path.join(ac.ROOT, "launch", "xla_spawn.py")] + \
-        ac.command(case, CHIPS["v5e-8"], str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
+    """run_clm as the README launches it on a TPU (xla_spawn, no runtime flag: the single
+    controller it declares; the shipped configs/fsdp/gpt2_xla_fsdp.json; the libtpu flags
+    xla_fsdp sets), tiny GPT-2 on v5e-8. Fails if a change makes the all-gathers synchronous
+    again (pinned collectives, a runtime change, a flag dropped) or turns the gradient
+    reduce-scatters back into all-reduces."""
+    cmd = [os.path.join(ac.ROOT, "launch", "xla_spawn.py"), ac.RUN_CLM, "--config_name", ac.TINY,
+           "--fsdp", "full_shard", "--fsdp_config", os.path.join(ac.ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json"),
+           "--output_dir", str(tmp_path / "out"), "--do_train", "--per_device_train_batch_size", "2",
+           "--block_size", "64"]
     report = _assert_compiles(ac.check("v5e-8", cmd, runtime="auto"), "the default configuration")
     assert report["runtime"] == ac.SINGLE and report["program"] == "spmd", report["runtime"]
     c = report["collectives"]
     gathers = c["by_kind"]["all-gather"]
-    assert gathers["async"] > 0 and gathers["async_with_matmul"] >= gathers["async"] // 2, c
-    assert c["sent_async_with_matmul_fraction"] >= 0.2, c  # 0.28 with libtpu 0.0.21
+    assert gathers["async"] >= 4 and gathers["async_with_matmul"] == gathers["async"], c  # 6 and 6
+    assert c["sent_async_with_matmul_fraction"] >= 0.2, c  # 0.27 with libtpu 0.0.21
     # the large buckets' gradients stay reduce-scatters ([Note: 2-D reduce-scatter]), not all-reduces
-    assert c["by_kind"].get("reduce-scatter", {}).get("sync", 0) >= 5, c
+    assert c["by_kind"].get("reduce-scatter", {}).get("sync", 0) >= 5, c  # 7
     p = report["projection"]
     assert p["label"] == "projection" and 0 < p["async_collective_seconds"]
     assert p["projected_seconds"] < p["compute_seconds"] + p["sync_collective_seconds"] + p["async_collective_seconds"]
