@@ -32,6 +32,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.abstract": "base",  # placeholders for the ahead-of-time trace
     "xla_fsdp.tpu": "base",  # libtpu's compiler, topologies, chip facts: nothing of ours below it
     "xla_fsdp.runtime_choice": "base",  # the runtime a script declares for a TPU
+    "xla_fsdp.state_keys": "base",  # parameter names -> state_dict() keys (torch's wrappers)
     # layer 2: mechanisms both engines share
     "xla_fsdp.wrap": "shared",
     "xla_fsdp.activation_checkpoint": "shared",

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import keys
+from .. import state_keys as keys
 
 # optimizer state tensors with one entry per row of the parameter (the rest averaged away)
 ROW_FACTORED = ("exp_avg_sq_row",)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from . import format as fmt
-from . import keys
+from .. import state_keys as keys
 from .format import CheckpointError
 from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..collective_engine.param import FSDPParam
-from . import keys
+from .. import state_keys as keys
 
 SHARDED_FORMAT = "xla_fsdp.sharded/1"
 

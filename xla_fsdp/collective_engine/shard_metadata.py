@@ -18,7 +18,7 @@ FORMAT = "xla_fsdp.shard_metadata/1"
 
 
 def shard_metadata(root: nn.Module) -> Dict[str, Any]:
-    from ..checkpoint import keys  # state-dict keys, not tree names ([Note: state-dict keys])
+    from .. import state_keys as keys  # state-dict keys, not tree names ([Note: state-dict keys])
 
     comm = root._fsdp_state.group.comm
     layout = comm.layout
