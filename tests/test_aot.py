@@ -106,8 +106,10 @@ def test_check_outside_the_cli_names_the_command():
         xla_fsdp.aot.check(lambda: None)
 
 
+@pytest.mark.slow
 def test_multi_host_slice_compiles_or_is_refused_by_name(tmp_path):
-    """v4-32: 16 chips over 4 hosts; the per-chip program at world 16."""
+    """v4-32: 16 chips over 4 hosts; the per-chip program at world 16 (under -m slow: a 16-device
+    trace and compile; the default run keeps the suite near 15 minutes)."""
     case = ac.BY_NAME["mp-full_shard"]
     cmd = ac.command(case, 16, str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
     got = ac.check("v4-32", cmd, runtime="multi_process")
