@@ -122,6 +122,7 @@ def test_both_engines_through_the_launcher(tiny_config, tmp_path, config, engine
 XLA_GSPMD_WARNING = "GSPMD sharding propagation is going to be deprecated"
 
 
+@pytest.mark.slow
 def test_a_log_level_the_user_set_wins(tiny_config, tmp_path):
     _, output = _train(tmp_path, [
         "--config_name", tiny_config, "--fsdp", "full_shard", "--fsdp_config", TINY_FSDP_CONFIG,
@@ -264,6 +265,7 @@ def test_preempted_job_resumes_the_same_loss_curve_and_writes_a_final_model(tiny
     assert (killed / "model.safetensors").exists() and (killed / "config.json").exists()
 
 
+@pytest.mark.slow  # accumulation parity stays in the default run: tests/test_grad_accumulation.py
 def test_gradient_accumulation_equals_the_doubled_batch(tiny_config, tmp_path):
     """--gradient_accumulation_steps 2 over batches of 4 = one batch of 8 per step: same data
     (consecutive batches), same losses and the same LR schedule."""
