@@ -108,11 +108,15 @@ def quiet_xla_logs() -> None:
 
 
 def async_collective_flags() -> None:
-    """On a TPU, before libtpu starts: the async-collective libtpu flags
-    (xla_fsdp.tpu.libtpu_flags), unless the user set LIBTPU_INIT_ARGS (theirs win, whole)."""
+    """On a TPU, before libtpu starts and in the environment the replicas inherit: the
+    async-collective libtpu flags (xla_fsdp.tpu.libtpu_flags), unless the user set
+    LIBTPU_INIT_ARGS (theirs win, whole). Importing xla_fsdp sets them (that import is the
+    one place they are set); this only says so."""
+    users = os.environ.get("LIBTPU_INIT_ARGS", "").strip()
     from xla_fsdp.tpu import libtpu_flags
 
-    if libtpu_flags.set_defaults(os.environ) is not None:
+    libtpu_flags.set_defaults(os.environ)
+    if not users:
         log(f"{libtpu_flags.ENV}: xla_fsdp's async-collective flags (set {libtpu_flags.ENV} "
             "yourself to replace them)")
 
@@ -202,18 +206,10 @@ def choose_spmd(options, script: str, device: str, environ: Mapping[str, str],
     from xla_fsdp import runtime_choice
 
     try:
-        declared = runtime_choice.declared_runtime(script)
+        runtime, why = runtime_choice.tpu_default(script, hosts)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if declared == SINGLE_CONTROLLER and hosts() > 1:
-        return False, (f"{script} declares the single controller, but this slice has several hosts and "
-                       "the single controller cannot save checkpoints across hosts yet: one process per "
-                       "chip (pinned collectives); --spmd runs the single controller anyway")
-    if declared == SINGLE_CONTROLLER:
-        return True, (f"{script} declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\": one process drives "
-                      "every local chip (unpinned collectives, which libtpu overlaps with compute); "
-                      "--per_chip runs one process per chip")
-    return False, ""
+    return runtime == SINGLE_CONTROLLER, why
 
 
 # --------------------------------------------------------------------------

@@ -48,6 +48,20 @@ def test_importing_xla_fsdp_and_the_launcher_set_them_on_a_tpu():
     assert _env_after(launcher) == lf.DEFAULT_INIT_ARGS
 
 
+def test_importing_xla_fsdp_after_the_runtime_started_warns_instead():
+    """libtpu reads its flags once: set after the runtime started they would do nothing."""
+    code = ("import os, warnings, torch_xla; torch_xla.device(); os.environ['PJRT_DEVICE'] = 'TPU'\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); import xla_fsdp\n"
+            "print('WARNED=' + str(any('runtime started before xla_fsdp' in str(x.message) for x in w)))")
+    env = {k: v for k, v in os.environ.items() if k != lf.ENV}
+    env["PJRT_DEVICE"] = "CPU"
+    out = subprocess.run([sys.executable, "-c", code + f"\nprint('FLAGS=' + os.environ.get('{lf.ENV}', ''))"],
+                         capture_output=True, text=True, env=env, cwd=ac.ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "WARNED=True" in out.stdout and "FLAGS=\n" in out.stdout + "\n", out.stdout
+
+
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="the TPU compiler comes with `pip install -e .[tpu-aot]`")
 

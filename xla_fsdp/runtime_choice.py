@@ -19,7 +19,7 @@ compute, which it never does for pinned ones (README, "Performance").
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from typing import Callable, Optional, Tuple, Union
 
 MARKER = "XLA_FSDP_TPU_RUNTIME"
 SINGLE_CONTROLLER = "single_controller"
@@ -41,3 +41,22 @@ def declared_runtime(script: str) -> Optional[str]:
                                  f"{MULTI_PROCESS!r}")
             return value
     return None
+
+
+def tpu_default(script: str, hosts: Union[int, Callable[[], int]]) -> Tuple[str, str]:
+    """(runtime, why) for `script` on a TPU slice of `hosts` hosts (or a function counting them,
+    called only when the count matters) when nothing else chose:
+    what the script declares, except that a declared single controller runs one process per
+    chip on several hosts (it cannot checkpoint across hosts yet); `why` is empty when the
+    script declared nothing. Raises ValueError for a declaration that names no runtime."""
+    declared = declared_runtime(script)
+    if declared == SINGLE_CONTROLLER and (hosts() if callable(hosts) else hosts) > 1:
+        return MULTI_PROCESS, (f"{script} declares the single controller, but this slice has several hosts "
+                               "and the single controller cannot save checkpoints across hosts yet: one "
+                               "process per chip (pinned collectives); --spmd runs the single controller "
+                               "anyway")
+    if declared == SINGLE_CONTROLLER:
+        return SINGLE_CONTROLLER, (f"{script} declares {MARKER} = \"{SINGLE_CONTROLLER}\": one process "
+                                   "drives every local chip (unpinned collectives, which libtpu overlaps "
+                                   "with compute); --per_chip runs one process per chip")
+    return MULTI_PROCESS, ""

@@ -87,13 +87,12 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
         return SINGLE_CONTROLLER
     from xla_fsdp import runtime_choice
 
+    if not script:
+        return MULTI_PROCESS
     try:
-        declared = runtime_choice.declared_runtime(script) if script else None
+        return runtime_choice.tpu_default(script, hosts)[0]  # as xla_spawn chooses
     except ValueError as e:
         raise TraceError(str(e)) from None
-    if declared == SINGLE_CONTROLLER and hosts > 1:
-        return MULTI_PROCESS  # xla_spawn's choice: no cross-host checkpoints in the single controller yet
-    return declared or MULTI_PROCESS
 
 
 def child_env(job: Job, workdir: str, steps: int) -> dict:

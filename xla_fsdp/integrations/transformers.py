@@ -59,7 +59,6 @@ def enable() -> None:
                            "xla_fsdp.integrations.transformers cannot patch it")
     if _originals:
         return
-    _async_collective_flags()
     for name, owner in needed.items():
         _originals[name] = getattr(owner, name)
     trainer_module.wrap_model_xla_fsdp = wrap_model
@@ -67,27 +66,6 @@ def enable() -> None:
     Trainer._clip_grad_norm = _clip_grad_norm
     Trainer._get_grad_norm = _get_grad_norm
     Trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
-
-
-def _async_collective_flags() -> None:
-    """On a TPU: libtpu's async-collective flags (xla_fsdp.tpu.libtpu_flags) unless the user set
-    LIBTPU_INIT_ARGS. libtpu reads them once, when the XLA runtime starts: if it has started
-    already they cannot apply, and the user is told how to get them."""
-    import warnings
-
-    from xla_fsdp.tpu import libtpu_flags
-
-    if not libtpu_flags.on_tpu() or os.environ.get(libtpu_flags.ENV, "").strip():
-        return
-    import torch_xla
-
-    if torch_xla._XLAC._xla_runtime_is_initialized():
-        warnings.warn(f"xla_fsdp: the XLA runtime started before xla_fsdp.integrations.transformers.enable(), "
-                      f"so libtpu runs without the async-collective flags (collectives stay synchronous on "
-                      f"v4). Call enable() (or import xla_fsdp) before touching an XLA device, or export "
-                      f"{libtpu_flags.ENV}='{libtpu_flags.DEFAULT_INIT_ARGS}'", stacklevel=3)
-        return
-    libtpu_flags.set_defaults()
 
 
 def _is_ours(model) -> bool:

@@ -22,9 +22,9 @@ Flags measured to change nothing in our programs are not set
 `xla_tpu_overlap_compute_collective_tc`, `xla_enable_async_all_reduce`:
 libtpu 0.0.21's defaults already, or no all-reduce it could overlap).
 
-`import xla_fsdp`, the launcher (`launch/xla_spawn.py`), `run_clm` and the
-Hugging Face Trainer integration put them in `LIBTPU_INIT_ARGS` before
-libtpu starts, on a TPU only, and only when the user set no
+`import xla_fsdp` (so also `run_clm` and the Hugging Face Trainer
+integration) and the launcher (`launch/xla_spawn.py`, for the processes it
+spawns) put them in `LIBTPU_INIT_ARGS` before libtpu starts, on a TPU only, and only when the user set no
 `LIBTPU_INIT_ARGS` of their own (theirs win, whole). `python -m xla_fsdp.aot`
 compiles with the same flags unless `--libtpu-flags` or `LIBTPU_INIT_ARGS`
 says otherwise.
@@ -32,6 +32,8 @@ says otherwise.
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from typing import Mapping, MutableMapping, Optional
 
 ENV = "LIBTPU_INIT_ARGS"
@@ -55,11 +57,22 @@ def on_tpu(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get("PJRT_DEVICE", "").strip().upper() == "TPU"
 
 
+def _runtime_started() -> bool:
+    xla = sys.modules.get("torch_xla")  # not imported: nothing can have started libtpu
+    return xla is not None and bool(xla._XLAC._xla_runtime_is_initialized())
+
+
 def set_defaults(environ: MutableMapping[str, str] = os.environ) -> Optional[str]:
     """On a TPU, set LIBTPU_INIT_ARGS to the async-collective flags unless the user set it;
-    returns what it set (None when it left the environment alone). Call before libtpu starts
-    (before the first XLA device is touched)."""
+    returns what it set (None when it left the environment alone). libtpu reads them once,
+    when the XLA runtime starts: if it has started already, warn with the export to use."""
     if not on_tpu(environ) or environ.get(ENV, "").strip():
+        return None
+    if environ is os.environ and _runtime_started():
+        warnings.warn(f"xla_fsdp: the XLA runtime started before xla_fsdp was imported, so libtpu runs "
+                      f"without the async-collective flags (collectives stay synchronous on v4). Import "
+                      f"xla_fsdp before touching an XLA device, or export {ENV}='{DEFAULT_INIT_ARGS}'",
+                      stacklevel=3)
         return None
     environ[ENV] = DEFAULT_INIT_ARGS
     return DEFAULT_INIT_ARGS

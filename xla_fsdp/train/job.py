@@ -15,7 +15,6 @@ import time
 import torch
 
 from xla_fsdp import abstract, metrics
-from xla_fsdp.tpu import libtpu_flags
 from xla_fsdp.train import data, loop
 from xla_fsdp.train.args import parse_args
 from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, selected_engine,
@@ -65,7 +64,6 @@ def run(argv=None) -> dict:
     # XLA's C++ warnings (one GSPMD deprecation notice per compile) are not the user's to act
     # on; errors still print, and a TF_CPP_MIN_LOG_LEVEL the user set wins. Before torch_xla loads.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    libtpu_flags.set_defaults()  # on a TPU, before libtpu starts: async collectives (user's flags win)
     if not abstract.active():  # the ahead-of-time check writes nothing
         check_output_dir(args)
     config = load_config(args.config_name)
