@@ -204,18 +204,23 @@ class RowIndex:
 
     def __init__(self, path: str, writers: Iterable[int]):
         self.path = path
-        self.pieces: Dict[str, List[Tuple[int, int, int]]] = {}  # key -> [(rank, start, stop)]
+        # key -> [(rank, start, stop, key in that file)]: a file may hold several pieces of one
+        # tensor (an SPMD host's devices hold rows that are not contiguous), stored under
+        # "<key>@<start>" with "tensor": key in the index
+        self.pieces: Dict[str, List[Tuple[int, int, int, str]]] = {}
         self.per_rank: Dict[str, Dict[int, None]] = {}
         self.files: Dict[int, ShardFile] = {}
         self._index: Dict[int, dict] = {}
+        self._reads: List[Tuple[str, int, int]] = []
         for rank in writers:
             index = read_json(os.path.join(path, index_file(rank)), f"index of rank {rank}")
             self._index[rank] = index
-            for key, info in index["tensors"].items():
+            for file_key, info in index["tensors"].items():
+                key = info.get("tensor", file_key)
                 if info.get("rows") is None:
                     self.per_rank.setdefault(key, {})[rank] = None
                 else:
-                    self.pieces.setdefault(key, []).append((rank, info["rows"][0], info["rows"][1]))
+                    self.pieces.setdefault(key, []).append((rank, info["rows"][0], info["rows"][1], file_key))
         for key in self.pieces:
             self.pieces[key].sort(key=lambda p: p[1])
 
@@ -241,16 +246,17 @@ class RowIndex:
         if not pieces:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
         if out is None:
-            dtype, shape, _ = self._file(pieces[0][0]).info(key)
+            dtype, shape, _ = self._file(pieces[0][0]).info(pieces[0][3])
             out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        self._reads.append((key, start, stop))
         at = start
-        for rank, lo, hi in pieces:
+        for rank, lo, hi, file_key in pieces:
             if hi <= at or lo >= stop:
                 continue
             if lo > at:
                 break
             end = min(hi, stop)
-            self._file(rank).read_into(key, at - lo, out[at - start:end - start])
+            self._file(rank).read_into(file_key, at - lo, out[at - start:end - start])
             at = end
             if at >= stop:
                 break
@@ -266,6 +272,16 @@ class RowIndex:
         out = torch.empty(shape, dtype=dtype)
         f.read_into(key, 0, out)
         return out
+
+    def dtype_of(self, key: str) -> torch.dtype:
+        pieces = self.pieces.get(key)
+        if not pieces:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
+        return self._file(pieces[0][0]).info(pieces[0][3])[0]
+
+    def rows_read(self) -> List[Tuple[str, int, int]]:
+        """(tensor, start, stop) of every read so far, in order (what a host read: tests, logs)."""
+        return list(self._reads)
 
     def ranks_with(self, key: str) -> List[int]:
         return sorted(self.per_rank.get(key, {}))

@@ -6,15 +6,19 @@ maps every place a parameter can live to rows and back:
 - the collective engine, one process per device: a shard, rows
   [r * rows_per_rank, (r + 1) * rows_per_rank) clipped to the real rows;
   only the first sharding group writes (the other groups hold copies);
-- the collective engine's single-controller runtime: one global tensor padded
-  on dim 0, all rows;
-- anything else (the GSPMD engine, a plain module): the tensor itself, all rows.
+- the SPMD runtimes (the collective engine's single controller, its global
+  tensors padded on dim 0; the GSPMD engine; a plain module under SPMD): one
+  global tensor per parameter, of which this host writes and reads only the
+  rows on its own devices, each row once across hosts (`SpmdHolding`,
+  host_shards.py);
+- anything else (a plain module): the tensor itself, all rows.
 
 A parameter of shape (d0, *rest) has d0 rows of shape rest; a 0-dim one has
 one row of shape (). Optimizer state follows its parameter when it has the
 parameter's (local) shape, or is Adafactor's row factor (the parameter's rows,
 the last dim averaged away); other tensors (Adafactor's column factor, which
-each shard computes over its own rows) belong to the rank that computed them.
+each shard computes over its own rows) belong to the rank that computed them;
+under SPMD such tensors are global ("whole") and saved like any other.
 """
 from __future__ import annotations
 
@@ -24,7 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .. import hosts
 from .. import state_keys as keys
+from ..hosts import HostView
+from . import host_shards as hs
 
 # optimizer state tensors with one entry per row of the parameter (the rest averaged away)
 ROW_FACTORED = ("exp_avg_sq_row",)
@@ -78,6 +85,26 @@ class Holding:
         optimizer keeps for this parameter."""
         return self._place_state(rows, torch.Size(full_shape))
 
+    # optimizer state that is neither shaped like the parameter nor its rows is per rank here
+    # (one process per chip: each computed it over its own shard); SPMD: "whole" global tensors
+    per_rank_states = True
+
+    def pieces(self, tensor: torch.Tensor):
+        """[(start, stop, produce rows)] of `tensor` (shaped like the parameter here) that this
+        process writes."""
+        if not self.writes:
+            return []
+        return [(self.rows[0], self.rows[1], lambda: self.as_rows(tensor))]
+
+    def read_param(self, index, key: str) -> Callable[[], None]:
+        """Read this process's rows of parameter `key` now; the returned call sets them."""
+        rows = index.read_rows(key, *self.rows).to(self.param.dtype)
+        return lambda: self.load(rows)
+
+    def read_state(self, index, key: str, full_shape: torch.Size) -> torch.Tensor:
+        """An optimizer state tensor following the parameter ("rows"), read and placed."""
+        return self.place_state(index.read_rows(key, *self.rows), full_shape)
+
     def state_kind(self, key: str, value: Any) -> str:
         """"rows", "scalar" or "per_rank" (see the module docstring)."""
         if not isinstance(value, torch.Tensor):
@@ -100,6 +127,65 @@ def _full_shape_of(rows: torch.Tensor, like: torch.Size) -> torch.Tensor:
     return rows.reshape(like) if len(like) else rows.reshape(())
 
 
+class SpmdHolding(Holding):
+    """A parameter under an SPMD runtime: one global tensor (padded on dim 0 by the single
+    controller), of which this host writes and reads only its devices' rows (host_shards.py)."""
+
+    per_rank_states = False
+
+    def __init__(self, name, aliases, param, full_shape, view: HostView):
+        rows = full_shape[0] if len(full_shape) else 1
+        super().__init__(name, aliases, param, full_shape, (0, rows), True, None, param.shape[0] if param.dim() else 1,
+                         None)
+        self.view = view
+
+    def pieces(self, tensor):
+        return hs.pieces_to_write(self.name, tensor, self.num_rows, self.view)
+
+    def read_param(self, index, key):
+        new = self._read(index, key, self.param, self.param.dtype)
+        param = self.param
+
+        def apply():
+            with torch.no_grad():
+                param.data = new
+        return apply
+
+    def read_state(self, index, key, full_shape):
+        dtype = index.dtype_of(key)
+        if tuple(full_shape) == tuple(self.full_shape):
+            return self._read(index, key, self.param, dtype)
+        # a row factor ([rows]): every host reads it whole, replicated like the unsharded state
+        return self._whole(index.read_rows(key, 0, full_shape[0]), self.local_rows)
+
+    def state_kind(self, key, value):
+        kind = super().state_kind(key, value)
+        return "whole" if kind == "per_rank" else kind
+
+    def _read(self, index, key, like, dtype):
+        if like.dim() and hs.is_sharded(like):
+            reader = hs.ShardReader(self.view, hosts.host_group(self.view))
+            shards = reader.shards(like, self.num_rows, lambda a, b: index.read_rows(key, a, b), dtype)
+            return reader.place(like, shards)
+        rows = index.read_rows(key, 0, self.num_rows).to(dtype)
+        return self._whole(rows, self.local_rows).reshape(like.shape)
+
+    def _whole(self, rows, total):
+        """True rows, padded to `total`, on the devices replicated (every host read all of them)."""
+        return _padded(rows, total).to(self.param.device) if rows.dim() else rows.to(self.param.device)
+
+
+def spmd_runtime(model: nn.Module) -> bool:
+    """Whether `model` runs under an SPMD runtime (its parameters are global XLA tensors)."""
+    import sys
+
+    if "torch_xla" not in sys.modules:
+        return False
+    import torch_xla.runtime as xr
+
+    return xr.is_spmd() and any(p.device.type == "xla" for p in model.parameters())
+
+
 def holdings(model: nn.Module) -> List[Holding]:
     """Every parameter of `model` (tied ones once, under their first name), as held here, named by
     its `state_dict()` key."""
@@ -117,9 +203,13 @@ def holdings(model: nn.Module) -> List[Holding]:
         names.setdefault(id(p), []).append(keys.key_of(table, name))
         params[id(p)] = p
     out = []
+    view = hosts.host_view() if spmd_runtime(model) else None
     for pid, p in params.items():
         name, aliases = names[pid][0], names[pid][1:]
-        if pid in records:
+        if view is not None:
+            full = records[pid][0].orig_shape if pid in records else p.shape
+            out.append(SpmdHolding(name, aliases, p, full, view))
+        elif pid in records:
             out.append(_engine_holding(name, aliases, p, *records[pid]))
         else:
             out.append(_plain_holding(name, aliases, p))
@@ -127,16 +217,9 @@ def holdings(model: nn.Module) -> List[Holding]:
 
 
 def _engine_holding(name, aliases, param, rec, comm) -> Holding:
+    """One process per chip: this rank's shard (the single controller is an SPMD runtime: SpmdHolding)."""
     full = rec.orig_shape
     rows = rec.rows
-    if comm.is_single_controller:
-        def load(full_rows):
-            rec.load_shard(_padded(full_rows, rec.padded_rows).reshape(rec.padded_rows, *rec.row_shape), comm)
-
-        def place(state_rows, full_shape):
-            return comm.place_global(_padded(state_rows, rec.padded_rows))
-
-        return Holding(name, aliases, param, full, (0, rows), True, load, rec.padded_rows, place)
     layout = comm.layout
     start = min(layout.shard_rank * rec.rows_per_rank, rows)
     stop = min(start + rec.rows_per_rank, rows)
@@ -194,31 +277,20 @@ def process_info(model: nn.Module) -> ProcessInfo:
     comm = _engine_comm(model)
     if comm is not None and not comm.is_single_controller:
         return ProcessInfo(comm.layout.rank, comm.layout.world_size, comm.barrier, comm.all_ok)
-    _refuse_spmd_over_several_hosts()
+    if spmd_runtime(model):
+        # one process per host: each writes its devices' rows (host_shards.py), agreeing over gloo
+        group = hosts.host_group()
+        return ProcessInfo(group.rank, group.world, group.barrier, group.all_ok)
     return ProcessInfo(0, 1, lambda: None, lambda ok: ok)
-
-
-def _refuse_spmd_over_several_hosts() -> None:
-    """One process holds the whole model only when it is the only process: under the SPMD runtime
-    on several hosts each would write (or read) as if it were alone."""
-    import sys
-
-    if "torch_xla" not in sys.modules:  # gloo-only and CPU processes never start the XLA runtime
-        return
-    import torch_xla.runtime as xr
-
-    if xr.is_spmd() and xr.process_count() > 1:
-        raise NotImplementedError(
-            f"sharded checkpoints of an SPMD run over several hosts ({xr.process_count()} processes) are not "
-            "supported yet: each host would write the checkpoint as if it were the only one. Run one process "
-            "per chip (launch/xla_spawn.py without --spmd) on multi-host slices, or save with "
-            "torch_xla.experimental.distributed_checkpoint")
 
 
 def layout_record(model: nn.Module) -> Dict[str, Any]:
     """How the model is laid out (recorded with a checkpoint; equal records mean per-rank state
     can be loaded back rank by rank)."""
     comm = _engine_comm(model)
+    if spmd_runtime(model):
+        runtime = "single_controller" if comm is not None else "gspmd or plain"
+        return {"engine": "spmd", "runtime": runtime, "hosts": hosts.host_view().count}
     if comm is None:
         return {"engine": "plain or GSPMD", "processes": 1}
     layout = comm.layout

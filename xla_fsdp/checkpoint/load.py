@@ -58,12 +58,12 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
 
     # read everything this process needs (a bad file fails here, before anything changes) ...
     index.open_all()
-    params = [index.read_rows(f"param/{h.name}", *h.rows).to(h.param.dtype) for h in held]
+    setters = [h.read_param(index, f"param/{h.name}") for h in held]
     values = {name: index.read_rank(f"buffer/{name}", 0) for name in buffers}
     optim_state = plan() if optimizer is not None else None
     # ... then write it
-    for h, rows in zip(held, params):
-        h.load(rows)
+    for set_param in setters:
+        set_param()
     with torch.no_grad():
         for name, b in buffers.items():
             b.copy_(values[name].to(b.dtype).to(b.device))
@@ -124,10 +124,17 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
             [named[i].name for i in g["params"]] != s["params"] for g, s in zip(groups, saved["param_groups"])):
         raise CheckpointError(f"checkpoint {path}: the optimizer's parameter groups differ from the saved ones "
                               "(same parameters, same order, same grouping needed)")
+    named_by = {named[i].name: named[i] for i in named}
     for h_name, entries in saved["state"].items():
         for key, entry in entries.items():
-            if entry["kind"] == "rows" and not index.has(f"optim/{h_name}/{key}"):
+            if entry["kind"] in ("rows", "whole") and not index.has(f"optim/{h_name}/{key}"):
                 raise CheckpointError(f"checkpoint {path} lacks optimizer state {key!r} of {h_name!r}")
+            if entry["kind"] == "whole" and named_by[h_name].per_rank_states and per_rank_state == "error":
+                raise CheckpointError(
+                    f"checkpoint {path} holds optimizer state {key!r} of {h_name!r} computed over the whole "
+                    "parameter by an SPMD run; here each process computes it over its own shard (e.g. "
+                    "Adafactor's column factor), which has no exact value from it. Load under an SPMD runtime, "
+                    "or pass per_rank_state='average' to give every rank the whole parameter's value")
             if entry["kind"] == "per_rank" and not same_layout and per_rank_state == "error":
                 raise CheckpointError(
                     f"checkpoint {path} holds optimizer state {key!r} of {h_name!r} that each rank computed over "
@@ -147,8 +154,9 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
                     out[key] = torch.tensor(value, dtype=fmt.dtype_from_name(entry["dtype"])) \
                         if entry.get("tensor") else value
                 elif entry["kind"] == "rows":
-                    rows = index.read_rows(f"optim/{h_name}/{key}", *h.rows)
-                    out[key] = h.place_state(rows, torch.Size(entry["shape"]))
+                    out[key] = h.read_state(index, f"optim/{h_name}/{key}", torch.Size(entry["shape"]))
+                elif entry["kind"] == "whole":
+                    out[key] = index.read_rows(f"optim/{h_name}/{key}", 0, entry["shape"][0]).to(h.param.device)
                 else:
                     ranks = index.ranks_with(f"optim_rank/{h_name}/{key}")
                     if same_layout and rank in ranks:

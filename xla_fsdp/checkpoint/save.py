@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from . import format as fmt
 from .. import state_keys as keys
+from . import host_shards as hs
 from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
 
 
@@ -82,21 +83,27 @@ def _named_buffers(model: nn.Module):
 def _write_rank_files(partial: str, rank: int, model, held: List[Holding], optimizer, extra_state) -> None:
     entries, index = [], {}
 
-    def add(key, tensor_fn, dtype, shape, rows):
+    def add(key, tensor_fn, dtype, shape, rows, tensor=None):
         entries.append((key, dtype, shape, tensor_fn))
         index[key] = {"rows": rows, "dtype": fmt.dtype_name(dtype), "shape": list(shape)}
+        if tensor is not None:
+            index[key]["tensor"] = tensor
+
+    def add_pieces(key, pieces, dtype, row_shape):
+        # several pieces of one tensor in this file are stored as "<key>@<first row>"
+        for start, stop, produce in pieces:
+            add(key if len(pieces) == 1 else f"{key}@{start}", produce, dtype, (stop - start, *row_shape),
+                [start, stop], None if len(pieces) == 1 else key)
 
     for h in held:
-        if h.writes:
-            rows = h.rows[1] - h.rows[0]
-            add(f"param/{h.name}", lambda h=h: h.as_rows(h.param), h.param.dtype, (rows, *h.row_shape),
-                list(h.rows))
+        add_pieces(f"param/{h.name}", h.pieces(h.param), h.param.dtype, h.row_shape)
     if optimizer is not None:
         for h, key, value, kind in _optimizer_tensors(optimizer, held):
-            if kind == "rows" and h.writes:
-                rows = h.rows[1] - h.rows[0]
-                add(f"optim/{h.name}/{key}", lambda h=h, v=value: h.as_rows(v), value.dtype,
-                    (rows, *value.shape[1:]), list(h.rows))
+            if kind == "rows":
+                add_pieces(f"optim/{h.name}/{key}", h.pieces(value), value.dtype, tuple(value.shape[1:]))
+            elif kind == "whole":  # an SPMD global tensor not shaped like its parameter
+                add_pieces(f"optim/{h.name}/{key}", hs.pieces_to_write(f"{h.name}/{key}", value, value.shape[0], h.view),
+                           value.dtype, tuple(value.shape[1:]))
             elif kind == "per_rank":
                 add(f"optim_rank/{h.name}/{key}", lambda v=value: v.detach().cpu(), value.dtype,
                     tuple(value.shape), None)
@@ -203,6 +210,9 @@ def _metadata(model, held, optimizer, step, info) -> Dict[str, Any]:
                 # shaped like the parameter, or its rows with trailing dims averaged away
                 same = tuple(value.shape) == tuple(h.param.shape)
                 entry["shape"] = list(h.full_shape) if same else [h.num_rows, *value.shape[1:]]
+                entry["dtype"] = fmt.dtype_name(value.dtype)
+            elif kind == "whole":
+                entry["shape"] = list(value.shape)
                 entry["dtype"] = fmt.dtype_name(value.dtype)
             else:
                 entry["dtype"] = fmt.dtype_name(value.dtype)

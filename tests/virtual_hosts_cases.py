@@ -1,0 +1,92 @@
+"""One virtual host of an SPMD job ([Note: virtual hosts] in xla_fsdp/hosts.py), run as a script.
+
+    XLA_FSDP_VIRTUAL_HOSTS=N XLA_FSDP_VIRTUAL_HOST_INDEX=i CPU_NUM_DEVICES=D \\
+        python tests/virtual_hosts_cases.py save|resume ENGINE LAYOUT KIND ROOT OUT [kill]
+
+Without XLA_FSDP_VIRTUAL_HOSTS it is one host driving all D devices. ENGINE: "collectives" (the
+single controller) or "gspmd"; LAYOUT: FULL_SHARD or HYBRID_SHARD (the devices split in two
+sharding groups / a mesh (2, D/2) with a replica axis: across hosts when there are 2 or more).
+
+save: train K steps (checkpoint_cases), save ROOT/checkpoint-K with a CheckpointManager; with
+"kill", train one more step and save checkpoint-(K+1), where host 1 SIGKILLs itself after writing
+part of its tensor file. resume: load the newest complete checkpoint under ROOT, train MORE steps,
+and write OUT-host<i>.pt: losses, full parameters, the rows this host read.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint_cases as cc  # noqa: E402
+
+
+def _kwargs(engine: str, layout: str, devices: int) -> dict:
+    if engine == "gspmd":
+        if layout == "HYBRID_SHARD":
+            import numpy as np
+            import torch_xla.distributed.spmd as xs
+
+            mesh = xs.Mesh(np.arange(devices), (2, devices // 2), ("replica", "fsdp"))
+            return {"engine": "spmd", "mesh": mesh}
+        return {"engine": "spmd"}
+    return cc.Layout(layout).kwargs(devices)
+
+
+def main(argv) -> None:
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    import torch_xla
+
+    from xla_fsdp import hosts
+    from xla_fsdp.checkpoint import CheckpointManager, format as fmt
+
+    mode, engine, layout, kind, root, out = argv[:6]
+    kill = len(argv) > 6 and argv[6] == "kill"
+    view = hosts.host_view()
+    devices = xr.global_runtime_device_count()
+    device = torch_xla.device()
+    manager = CheckpointManager(root)
+    model, opt = cc.wrapped(kind, "adamw", _kwargs(engine, layout, devices), seed=0 if mode == "save" else 7)
+    if mode == "save":
+        losses = cc.train(model, opt, kind, range(cc.K), device=device, sync=torch_xla.sync, global_batch=True)
+        manager.save(cc.K, model, opt, extra_state={"losses": losses})
+        if kill:
+            cc.train(model, opt, kind, range(cc.K, cc.K + 1), device=device, sync=torch_xla.sync, global_batch=True)
+            if view.index == 1:
+                real = fmt.write_safetensors
+
+                def dying(path, entries, metadata=None):
+                    def first_then_die():
+                        tensor = entries[0][3]()
+                        os.kill(os.getpid(), signal.SIGKILL)
+                        return tensor
+                    return real(path, [entries[0][:3] + (first_then_die,)] + list(entries[1:]), metadata)
+                fmt.write_safetensors = dying
+            manager.save(cc.K + 1, model, opt)
+        return
+    reads = []
+    real_read = fmt.RowIndex.read_rows
+
+    def logged(self, key, start, stop, out=None):
+        reads.append((key, start, stop))
+        return real_read(self, key, start, stop, out)
+    fmt.RowIndex.read_rows = logged
+    got = manager.load_latest(model, opt)
+    losses = cc.train(model, opt, kind, range(cc.K, cc.K + cc.MORE), device=device, sync=torch_xla.sync,
+                      global_batch=True)
+    params = {n: p.detach().cpu() for n, p in model.state_dict().items()} if engine == "gspmd" \
+        else cc.full_params(model)
+    torch.save({"step": got["step"], "losses": losses, "params": params, "reads": reads,
+                "devices": list(view.devices), "hosts": view.count},
+               f"{out}-host{view.index}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(0)  # skip the gloo group's teardown races at exit

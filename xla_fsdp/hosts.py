@@ -1,0 +1,172 @@
+"""The hosts of a slice as the SPMD runtimes see them: how many, which one this process is, which
+devices it addresses, and the group the hosts agree through (for files and data, never for tensors
+of the training step).
+
+Under the SPMD runtimes (the single controller, the GSPMD engine) one process per host drives every
+chip of its host, and all hosts run one program. On a pod `torch_xla.runtime.process_count()` is the
+host count; each process addresses only its own chips (`_xla_get_runtime_devices()`).
+
+[Note: virtual hosts] torch_xla 2.9 cannot run one SPMD program across processes on XLA:CPU (its
+CPU client has no cross-process collectives; process_count() is 1). To prove the per-host code on
+one machine, `XLA_FSDP_VIRTUAL_HOSTS=N` and `XLA_FSDP_VIRTUAL_HOST_INDEX=i` make N processes act as
+N hosts of one slice: each runs the same SPMD program on all of its (virtual CPU) devices, but the
+checkpoint and data layers treat only block i of the devices (in global order, N equal blocks) as
+this host's, and the hosts form their gloo group over MASTER_ADDR/MASTER_PORT (default
+127.0.0.1:29531) exactly as pod hosts do over torch_xla's `xla://` rendezvous. Everything above
+this module is the production code path; only `HostView.devices` and the group's address differ.
+Where a virtual host must hand torch_xla data of devices that are not its own (torch_xla takes a
+shard for every device the process addresses), it gets them from the other hosts through the group
+(`HostGroup.exchange`); on a pod that call is never made.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+ENV_HOSTS = "XLA_FSDP_VIRTUAL_HOSTS"
+ENV_INDEX = "XLA_FSDP_VIRTUAL_HOST_INDEX"
+DEFAULT_PORT = 29531
+
+
+@dataclass(frozen=True)
+class HostView:
+    """This process's place among the hosts of the slice."""
+
+    count: int  # hosts in the slice
+    index: int  # this host, 0..count-1
+    devices: Tuple[str, ...]  # this host's devices as torch_xla names them ("TPU:4"), in global order
+    all_devices: Tuple[str, ...]  # every device the process drives (virtual: all blocks; pod: = devices)
+    virtual: bool
+
+    def owns(self, device: str) -> bool:
+        return device in self._owned
+
+    @property
+    def _owned(self) -> frozenset:
+        return frozenset(self.devices)
+
+    @property
+    def is_single(self) -> bool:
+        return self.count == 1
+
+
+def _ordinal(device: str) -> int:
+    return int(device.rsplit(":", 1)[1])
+
+
+def virtual_hosts_requested() -> bool:
+    return bool(os.environ.get(ENV_HOSTS))
+
+
+def host_view() -> HostView:
+    """The hosts as this process sees them (virtual hosts when XLA_FSDP_VIRTUAL_HOSTS is set)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    local = tuple(sorted(torch_xla._XLAC._xla_get_runtime_devices(), key=_ordinal))
+    if not virtual_hosts_requested():
+        return HostView(xr.process_count(), xr.process_index(), local, local, False)
+    count, index = _virtual_env()
+    if xr.process_count() != 1:
+        raise RuntimeError(f"{ENV_HOSTS}={count} is a test mode for one machine; this process is one of "
+                           f"{xr.process_count()} real hosts. Unset {ENV_HOSTS} on a pod.")
+    if not xr.is_spmd():
+        raise RuntimeError(f"{ENV_HOSTS}={count} needs the SPMD runtime (xr.use_spmd()): virtual hosts split "
+                           "the devices one SPMD program drives")
+    if len(local) % count:
+        raise ValueError(f"{ENV_HOSTS}={count} does not divide the {len(local)} devices of this process; "
+                         f"set CPU_NUM_DEVICES to a multiple of {count}")
+    per_host = len(local) // count
+    return HostView(count, index, local[index * per_host:(index + 1) * per_host], local, True)
+
+
+def _virtual_env() -> Tuple[int, int]:
+    try:
+        count = int(os.environ[ENV_HOSTS])
+        index = int(os.environ.get(ENV_INDEX, ""))
+    except ValueError:
+        raise ValueError(f"{ENV_HOSTS}={os.environ.get(ENV_HOSTS)!r} and {ENV_INDEX}="
+                         f"{os.environ.get(ENV_INDEX)!r}: both must be integers (N hosts, this one's index "
+                         "0..N-1)") from None
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"{ENV_HOSTS}={count}, {ENV_INDEX}={index}: need N >= 1 and 0 <= index < N")
+    return count, index
+
+
+class HostGroup:
+    """The hosts agreeing on host-side facts (files written, batches read): a gloo group, one
+    member per host. One host: every call is local."""
+
+    def __init__(self, view: HostView, dist=None):
+        self.view = view
+        self.rank = view.index
+        self.world = view.count
+        self._dist = dist
+
+    def barrier(self) -> None:
+        if self._dist is not None:
+            self._dist.barrier()
+
+    def all_ok(self, ok: bool) -> bool:
+        if self._dist is None:
+            return ok
+        import torch
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def all_gather(self, value: Any) -> List[Any]:
+        """`value` of every host, in host order (picklable values)."""
+        if self._dist is None:
+            return [value]
+        out: List[Any] = [None] * self.world
+        self._dist.all_gather_object(out, value)
+        return out
+
+    def exchange(self, mine: dict) -> dict:
+        """Virtual hosts only: the union of every host's {device: value}, so this process can hand
+        torch_xla a value for every device it drives ([Note: virtual hosts])."""
+        if not self.view.virtual:
+            raise RuntimeError("HostGroup.exchange is the virtual-host test mode's; a pod host addresses only "
+                               "its own devices")
+        merged: dict = {}
+        for part in self.all_gather(mine):
+            merged.update(part)
+        return merged
+
+
+_GROUP: Optional[HostGroup] = None
+
+
+def host_group(view: Optional[HostView] = None) -> HostGroup:
+    """The group over this slice's hosts, started on first use: gloo over torch_xla's `xla://`
+    rendezvous on a pod (process_count()/process_index() under SPMD), over MASTER_ADDR/MASTER_PORT
+    for virtual hosts. An already initialized torch.distributed default group of one member per host
+    is used as it is."""
+    global _GROUP
+    view = view or host_view()
+    if _GROUP is not None and (_GROUP.world, _GROUP.rank) == (view.count, view.index):
+        return _GROUP
+    if view.count == 1:
+        _GROUP = HostGroup(view)
+        return _GROUP
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if (dist.get_world_size(), dist.get_rank()) != (view.count, view.index):
+            raise RuntimeError(f"torch.distributed is initialized with world {dist.get_world_size()} rank "
+                               f"{dist.get_rank()}; the SPMD runtime needs one member per host ({view.count} "
+                               f"hosts, this one {view.index}). Destroy it or initialize it over the hosts.")
+    elif view.virtual:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=view.index,
+                                world_size=view.count)
+    else:
+        import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
+
+        dist.init_process_group("gloo", init_method="xla://")
+    _GROUP = HostGroup(view, dist)
+    return _GROUP
