@@ -1,0 +1,205 @@
+"""Per-host checkpoints of the SPMD runtimes on a multi-host slice, proven with virtual hosts
+([Note: virtual hosts] in xla_fsdp/hosts.py): N processes on this machine act as the N hosts of one
+slice of 8 devices, each writing and reading only its own devices' rows through the production code.
+
+Every run trains the parity MLP (67 rows: padding on every layout) for K steps, saves, and is
+resumed elsewhere for MORE steps; the resumed losses and parameters must equal the unsharded eager
+reference's uninterrupted run. The files must hold every row of every tensor exactly once, each in
+the file of a host whose devices hold it; a resumed host must read only rows its devices hold.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint_cases as cc
+from parity_cases import run_distributed_fn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "virtual_hosts_cases.py")
+DEVICES = 8
+KIND = "mlp"
+_SLOW = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(hosts: int, index: int, port: int) -> dict:
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(DEVICES), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    env.pop("XLA_USE_SPMD", None)
+    for k in ("XLA_FSDP_VIRTUAL_HOSTS", "XLA_FSDP_VIRTUAL_HOST_INDEX"):
+        env.pop(k, None)
+    if hosts > 1:
+        env.update(XLA_FSDP_VIRTUAL_HOSTS=str(hosts), XLA_FSDP_VIRTUAL_HOST_INDEX=str(index))
+    return env
+
+
+def _start(hosts, args):
+    port = _port()
+    return [subprocess.Popen([sys.executable, SCRIPT, *args], env=_env(hosts, i, port), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(hosts)]
+
+
+def run_hosts(hosts: int, *args: str, timeout: float = 600) -> None:
+    procs = _start(hosts, args)
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"host {i} of {hosts} failed ({p.returncode}):\n{out[-4000:]}"
+
+
+def held(layout: str, device: int, rows: int):
+    """[start, stop) of a `rows`-row tensor on `device` (FULL_SHARD: 8 shards; HYBRID: 4 shards, two
+    copies: sharding groups 0-3 / 4-7, or the GSPMD mesh (2, 4) with the replica axis first)."""
+    shards = DEVICES if layout == "FULL_SHARD" else DEVICES // 2
+    per = math.ceil(rows / shards)
+    b = device % shards
+    return b * per, min((b + 1) * per, rows)
+
+
+def host_devices(hosts: int, host: int):
+    per = DEVICES // hosts
+    return range(host * per, (host + 1) * per)
+
+
+def _inside(piece, host, hosts, layout, rows) -> bool:
+    return any(lo <= piece[0] and piece[1] <= hi
+               for lo, hi in (held(layout, d, rows) for d in host_devices(hosts, host)) if lo < hi) or \
+        piece[0] >= piece[1]
+
+
+def check_files(path: str, hosts: int, layout: str) -> None:
+    """Every row of every tensor once, each in the file of a host holding it; every host writes."""
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    assert meta["world_size"] == hosts and meta["layout"]["hosts"] == hosts
+    rows_of = {f"param/{n}": p["shape"][0] for n, p in meta["params"].items()}
+    for n, states in meta["optimizer"]["state"].items():
+        for k, e in states.items():
+            if e["kind"] in ("rows", "whole"):
+                rows_of[f"optim/{n}/{k}"] = e["shape"][0]
+    pieces = {}
+    for h in range(hosts):
+        index = json.load(open(os.path.join(path, f"index-rank{h:05d}.json")))
+        for fkey, info in index["tensors"].items():
+            key = info.get("tensor", fkey)
+            if key in rows_of:
+                pieces.setdefault(key, []).append((h, *info["rows"]))
+    assert set(pieces) == set(rows_of)
+    writers = set()
+    for key, ps in pieces.items():
+        ps.sort(key=lambda p: p[1])
+        at = 0
+        for h, lo, hi in ps:
+            assert lo == at, f"{key}: rows {at}..{lo} missing or written twice ({ps})"
+            assert _inside((lo, hi), h, hosts, layout, rows_of[key]), f"{key}: host {h} wrote {lo}..{hi}, not its rows"
+            at = hi
+            writers.add(h)
+        assert at == rows_of[key], f"{key}: {at} of {rows_of[key]} rows saved"
+    assert writers == set(range(hosts)), f"only hosts {sorted(writers)} wrote"
+
+
+def check_resumed(out: str, hosts: int, layout: str, engine: str) -> None:
+    ref = cc.reference(KIND, "adamw", cc.K + cc.MORE)
+    for h in range(hosts):
+        got = torch.load(f"{out}-host{h}.pt", weights_only=False)
+        assert got["step"] == cc.K
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][cc.K:]),
+                                   rtol=2e-5, atol=2e-6)
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+        if hosts > 1:
+            for key, lo, hi in got["reads"]:
+                if key.startswith("param/") and hi > lo:
+                    rows = ref["params"][key[6:]].shape[0]
+                    assert _inside((lo, hi), h, hosts, layout, rows), f"host {h} read {key} {lo}..{hi}"
+
+
+def _save(tmp, engine, layout, hosts, kill=False):
+    root = str(tmp / f"ckpt-{engine}-{layout}-{hosts}")
+    run_hosts(hosts, "save", engine, layout, KIND, root, str(tmp / "unused"), *(["kill"] if kill else []))
+    return root
+
+
+@pytest.fixture(scope="module")
+def single_controller_hybrid_2(tmp_path_factory):
+    """The single controller, HYBRID_SHARD with the replica axis across 2 hosts of 4 devices."""
+    tmp = tmp_path_factory.mktemp("sc-hybrid")
+    return tmp, _save(tmp, "collectives", "HYBRID_SHARD", 2)
+
+
+def test_two_hosts_write_each_row_once_with_the_replica_axis_across_them(single_controller_hybrid_2):
+    _, root = single_controller_hybrid_2
+    check_files(os.path.join(root, f"checkpoint-{cc.K}"), 2, "HYBRID_SHARD")
+
+
+@pytest.mark.parametrize("hosts", [pytest.param(4, id="4hosts"), pytest.param(1, id="1host", marks=_SLOW)])
+def test_loads_at_another_host_count_and_resumes_the_loss_curve(single_controller_hybrid_2, hosts):
+    tmp, root = single_controller_hybrid_2
+    out = str(tmp / f"resumed-{hosts}")
+    run_hosts(hosts, "resume", "collectives", "HYBRID_SHARD", KIND, root, out)
+    check_resumed(out, hosts, "HYBRID_SHARD", "collectives")
+
+
+def test_loads_into_one_process_per_chip(single_controller_hybrid_2):
+    tmp, root = single_controller_hybrid_2
+    job = {"kind": KIND, "optim": "adamw", "layout": "FULL_SHARD", "name": "mlp",
+           "path": os.path.join(root, f"checkpoint-{cc.K}")}
+    run_distributed_fn(cc.resume_worker, 2, str(tmp), [job])
+    got = torch.load(os.path.join(tmp, "resumed-w2.pt"), weights_only=False)["mlp"]
+    ref = cc.reference(KIND, "adamw", cc.K + cc.MORE)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][cc.K:]), rtol=2e-5, atol=2e-6)
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("engine,layout,hosts,resume_hosts", [
+    ("gspmd", "HYBRID_SHARD", 2, 1),
+    pytest.param("gspmd", "FULL_SHARD", 4, 2, marks=_SLOW),
+    pytest.param("gspmd", "HYBRID_SHARD", 4, 2, marks=_SLOW),
+    pytest.param("collectives", "FULL_SHARD", 4, 2, marks=_SLOW),
+    pytest.param("collectives", "FULL_SHARD", 2, 4, marks=_SLOW),
+])
+def test_other_engines_and_host_counts(tmp_path, engine, layout, hosts, resume_hosts):
+    root = _save(tmp_path, engine, layout, hosts)
+    check_files(os.path.join(root, f"checkpoint-{cc.K}"), hosts, layout)
+    out = str(tmp_path / "resumed")
+    run_hosts(resume_hosts, "resume", engine, layout, KIND, root, out)
+    check_resumed(out, resume_hosts, layout, engine)
+
+
+def test_a_host_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """Host 1 SIGKILLs itself while writing checkpoint K+1; the job dies (host 0 is killed too)."""
+    from xla_fsdp.checkpoint import latest_checkpoint
+
+    root = str(tmp_path / "ckpt")
+    procs = _start(2, ["save", "collectives", "FULL_SHARD", KIND, root, str(tmp_path / "unused"), "kill"])
+    try:
+        procs[1].wait(timeout=600)
+        assert procs[1].returncode == -signal.SIGKILL, procs[1].communicate()[0][-3000:]
+        time.sleep(2)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert os.path.isdir(os.path.join(root, f"checkpoint-{cc.K + 1}.partial"))
+    assert latest_checkpoint(root) == os.path.join(root, f"checkpoint-{cc.K}")
+    out = str(tmp_path / "resumed")
+    run_hosts(2, "resume", "collectives", "FULL_SHARD", KIND, root, out)
+    check_resumed(out, 2, "FULL_SHARD", "collectives")
