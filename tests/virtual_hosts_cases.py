@@ -45,6 +45,8 @@ def main(argv) -> None:
     from xla_fsdp import hosts
     from xla_fsdp.checkpoint import CheckpointManager, format as fmt
 
+    if argv[0] == "partial":
+        return partial_replication(argv[1], argv[2])
     mode, engine, layout, kind, root, out = argv[:6]
     kill = len(argv) > 6 and argv[6] == "kill"
     view = hosts.host_view()
@@ -84,6 +86,37 @@ def main(argv) -> None:
     torch.save({"step": got["step"], "losses": losses, "params": params, "reads": reads,
                 "devices": list(view.devices), "hosts": view.count},
                f"{out}-host{view.index}.pt")
+
+
+def partial_replication(path: str, out: str) -> None:
+    """torch_xla's dropped-tensor case (pytorch/xla#7118-style): mesh (2, 2), a weight sharded on the
+    first axis and replicated on the second (two devices of one host hold the same rows), one on the
+    second axis, one replicated. Save, load into other values, write both to OUT-host<i>.pt."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    from xla_fsdp import hosts
+    from xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
+
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("x", "y"))
+
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.ModuleDict({"a": torch.nn.Linear(6, 5), "b": torch.nn.Linear(5, 7)}).to(torch_xla.device())
+        xs.mark_sharding(m["a"].weight, mesh, ("x", None))
+        xs.mark_sharding(m["b"].weight, mesh, ("y", None))
+        xs.mark_sharding(m["a"].bias, mesh, (None,))
+        return m
+
+    saved = model(0)
+    save_checkpoint(path, saved)
+    loaded = model(1)
+    load_checkpoint(path, loaded)
+    specs = {n: torch_xla._XLAC._get_xla_sharding_spec(p) for n, p in loaded.named_parameters()}
+    torch.save({"saved": {n: p.detach().cpu() for n, p in saved.named_parameters()},
+                "loaded": {n: p.detach().cpu() for n, p in loaded.named_parameters()}, "specs": specs},
+               f"{out}-host{hosts.host_view().index}.pt")
 
 
 if __name__ == "__main__":
