@@ -182,19 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def tpu_host_count() -> int:
-    """Hosts (TPU VM workers) of this slice, as torch_xla counts them (TPU-only path)."""
-    from torch_xla._internal import tpu
-
-    return tpu.num_tpu_workers()
-
-
-def choose_spmd(options, script: str, device: str, environ: Mapping[str, str],
-                hosts: Callable[[], int] = tpu_host_count) -> tuple[bool, str]:
+def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
     """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip
-    win; then XLA_FSDP_RUNTIME; then, on a single-host TPU slice, what the script declares
-    (xla_fsdp.runtime_choice). On a multi-host slice a declared single controller still runs one
-    process per chip: the single controller cannot checkpoint across hosts yet."""
+    win; then XLA_FSDP_RUNTIME; then, on a TPU slice (one host or several), what the script
+    declares (xla_fsdp.runtime_choice)."""
     if options.spmd and options.per_chip:
         raise UsageError("--spmd and --per_chip contradict each other; pass one")
     if options.spmd or options.per_chip:
@@ -206,7 +197,7 @@ def choose_spmd(options, script: str, device: str, environ: Mapping[str, str],
     from xla_fsdp import runtime_choice
 
     try:
-        runtime, why = runtime_choice.tpu_default(script, hosts)
+        runtime, why = runtime_choice.tpu_default(script)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return runtime == SINGLE_CONTROLLER, why

@@ -106,6 +106,18 @@ def test_check_outside_the_cli_names_the_command():
         xla_fsdp.aot.check(lambda: None)
 
 
+def test_single_controller_step_compiles_for_a_multi_host_slice(tmp_path):
+    """v5e-16: 16 chips over 4 hosts, the single controller (run_clm's default on a pod) with
+    HYBRID_SHARD; about 45 s here."""
+    case = ac.BY_NAME["sc-hybrid"]
+    cmd = ac.command(case, 16, str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
+    got = ac.check("v5e-16", cmd)
+    report = got["report"]
+    assert report is not None, got["output"]
+    assert report["chips"] == 16 and report["hosts"] == 4 and report["runtime"] == "single_controller"
+    assert report["compiles"], report.get("error")
+
+
 @pytest.mark.slow
 def test_multi_host_slice_compiles_or_is_refused_by_name(tmp_path):
     """v4-32: 16 chips over 4 hosts; the per-chip program at world 16 (under -m slow: a 16-device
@@ -139,10 +151,9 @@ def test_auto_runtime_is_the_one_xla_spawn_picks_on_the_slice(monkeypatch):
     monkeypatch.delenv("XLA_USE_SPMD", raising=False)
     run_clm = ac.RUN_CLM
     own = os.path.join(ac.ROOT, "tests", "fixtures", "aot_own_loop.py")  # declares nothing
-    assert trace.runtime_for("auto", False, False, run_clm, hosts=1) == trace.SINGLE_CONTROLLER
-    assert trace.runtime_for("auto", False, False, run_clm, hosts=4) == trace.MULTI_PROCESS
-    assert trace.runtime_for("auto", False, True, run_clm, hosts=1) == trace.MULTI_PROCESS
-    assert trace.runtime_for("auto", True, False, own, hosts=4) == trace.SINGLE_CONTROLLER
-    assert trace.runtime_for("auto", False, False, own, hosts=1) == trace.MULTI_PROCESS
+    assert trace.runtime_for("auto", False, False, run_clm) == trace.SINGLE_CONTROLLER
+    assert trace.runtime_for("auto", False, True, run_clm) == trace.MULTI_PROCESS
+    assert trace.runtime_for("auto", True, False, own) == trace.SINGLE_CONTROLLER
+    assert trace.runtime_for("auto", False, False, own) == trace.MULTI_PROCESS
     job = trace.job_from_command(["launch/xla_spawn.py", "--per_chip", run_clm, "--x"], "auto", 4)
     assert job.runtime == trace.MULTI_PROCESS and job.args == ["--x"]

@@ -272,15 +272,12 @@ def test_tpu_runtime_follows_the_flags_then_the_environment_then_what_the_script
     parse = xla_spawn.build_parser().parse_args
     run_clm = str(ROOT / "launch" / "run_clm.py")
     plain = FIXTURES / "spawn_record.py"  # declares nothing: torch_xla's one process per chip
-    one_host = lambda: 1  # noqa: E731
-    spmd, why = xla_spawn.choose_spmd(parse([]), run_clm, "TPU", {}, hosts=one_host)
+    spmd, why = xla_spawn.choose_spmd(parse([]), run_clm, "TPU", {})  # one host or a pod alike
     assert spmd and 'XLA_FSDP_TPU_RUNTIME = "single_controller"' in why and "--per_chip" in why
-    spmd, why = xla_spawn.choose_spmd(parse([]), run_clm, "TPU", {}, hosts=lambda: 4)
-    assert not spmd and "several hosts" in why and "--spmd" in why
-    assert xla_spawn.choose_spmd(parse(["--spmd"]), run_clm, "TPU", {}, hosts=lambda: 4) == (True, "")
+    assert xla_spawn.choose_spmd(parse(["--spmd"]), run_clm, "TPU", {}) == (True, "")
     assert xla_spawn.choose_spmd(parse(["--per_chip"]), run_clm, "TPU", {}) == (False, "")
     assert xla_spawn.choose_spmd(parse([]), run_clm, "TPU", {"XLA_FSDP_RUNTIME": "multi_process"}) == (False, "")
-    assert xla_spawn.choose_spmd(parse([]), str(plain), "TPU", {}, hosts=one_host) == (False, "")
+    assert xla_spawn.choose_spmd(parse([]), str(plain), "TPU", {}) == (False, "")
     assert xla_spawn.choose_spmd(parse(["--spmd"]), str(plain), "TPU", {}) == (True, "")
     assert xla_spawn.choose_spmd(parse([]), run_clm, "CPU", {}) == (False, "")  # CPU: make_plan decides
     with pytest.raises(xla_spawn.UsageError, match="contradict"):
@@ -288,4 +285,4 @@ def test_tpu_runtime_follows_the_flags_then_the_environment_then_what_the_script
     bad = tmp_path / "bad.py"
     bad.write_text('XLA_FSDP_TPU_RUNTIME = "both"\n')
     with pytest.raises(xla_spawn.UsageError, match="expected 'single_controller' or 'multi_process'"):
-        xla_spawn.choose_spmd(parse([]), str(bad), "TPU", {}, hosts=one_host)
+        xla_spawn.choose_spmd(parse([]), str(bad), "TPU", {})

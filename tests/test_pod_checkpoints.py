@@ -80,9 +80,12 @@ def host_devices(hosts: int, host: int):
 
 
 def _inside(piece, host, hosts, layout, rows) -> bool:
-    return any(lo <= piece[0] and piece[1] <= hi
-               for lo, hi in (held(layout, d, rows) for d in host_devices(hosts, host)) if lo < hi) or \
-        piece[0] >= piece[1]
+    """Whether rows piece[0]..piece[1] all lie on the host's devices (pieces of neighbouring
+    devices are written as one)."""
+    mine = set()
+    for d in host_devices(hosts, host):
+        mine.update(range(*held(layout, d, rows)))
+    return set(range(*piece)) <= mine
 
 
 def check_files(path: str, hosts: int, layout: str) -> None:

@@ -7,9 +7,9 @@ A script declares the runtime it is built for with one module-level line,
 read here from the file's syntax tree (the script is not imported). The
 launcher (`launch/xla_spawn.py`) and the ahead-of-time check
 (`python -m xla_fsdp.aot`) use it when neither `--spmd` / `--per_chip` nor
-`XLA_FSDP_RUNTIME` chose, on a single-host slice (on several hosts the
-single controller cannot checkpoint yet, so the launcher keeps one process
-per chip unless `--spmd` insists); a script that declares nothing runs one process
+`XLA_FSDP_RUNTIME` chose, on one host or a pod slice (the single controller
+checkpoints and reads data per host: xla_fsdp/checkpoint/host_shards.py,
+xla_fsdp/hosts.py); a script that declares nothing runs one process
 per chip, the contract of torch_xla's `xmp.spawn` that scripts written for
 torch_xla's FSDP rely on (`xm.get_ordinal()` per process, pinned
 collectives). `launch/run_clm.py` declares the single controller: on a TPU
@@ -19,7 +19,7 @@ compute, which it never does for pinned ones (README, "Performance").
 from __future__ import annotations
 
 import ast
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 MARKER = "XLA_FSDP_TPU_RUNTIME"
 SINGLE_CONTROLLER = "single_controller"
@@ -43,20 +43,13 @@ def declared_runtime(script: str) -> Optional[str]:
     return None
 
 
-def tpu_default(script: str, hosts: Union[int, Callable[[], int]]) -> Tuple[str, str]:
-    """(runtime, why) for `script` on a TPU slice of `hosts` hosts (or a function counting them,
-    called only when the count matters) when nothing else chose:
-    what the script declares, except that a declared single controller runs one process per
-    chip on several hosts (it cannot checkpoint across hosts yet); `why` is empty when the
-    script declared nothing. Raises ValueError for a declaration that names no runtime."""
+def tpu_default(script: str) -> Tuple[str, str]:
+    """(runtime, why) for `script` on a TPU slice when nothing else chose: what the script
+    declares, else one process per chip; `why` is empty when the script declared nothing.
+    Raises ValueError for a declaration that names no runtime."""
     declared = declared_runtime(script)
-    if declared == SINGLE_CONTROLLER and (hosts() if callable(hosts) else hosts) > 1:
-        return MULTI_PROCESS, (f"{script} declares the single controller, but this slice has several hosts "
-                               "and the single controller cannot save checkpoints across hosts yet: one "
-                               "process per chip (pinned collectives); --spmd runs the single controller "
-                               "anyway")
     if declared == SINGLE_CONTROLLER:
         return SINGLE_CONTROLLER, (f"{script} declares {MARKER} = \"{SINGLE_CONTROLLER}\": one process "
-                                   "drives every local chip (unpinned collectives, which libtpu overlaps "
-                                   "with compute); --per_chip runs one process per chip")
+                                   "per host drives every local chip (unpinned collectives, which libtpu "
+                                   "overlaps with compute); --per_chip runs one process per chip")
     return MULTI_PROCESS, ""

@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     say = (lambda *a: None) if opts.json else (lambda *a: print(*a, flush=True))
     try:
         spec = topology.parse_accelerator_type(opts.tpu)
-        job = trace.job_from_command(command, opts.runtime, spec.chips, hosts=spec.hosts)
+        job = trace.job_from_command(command, opts.runtime, spec.chips)
     except (ValueError, trace.TraceError) as e:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         return EXIT_USAGE

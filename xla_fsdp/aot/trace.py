@@ -38,7 +38,7 @@ class Job:
     devices: int
 
 
-def job_from_command(command: List[str], runtime: str, devices: int, hosts: int = 1) -> Job:
+def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
     """The job of `command` (`script.py flags...`, or `launch/xla_spawn.py [--num_cores N]
     [--spmd] script.py flags...` as users launch it); `runtime` "auto" means the runtime
     the command would use on the slice (see `runtime_for`)."""
@@ -65,14 +65,14 @@ def job_from_command(command: List[str], runtime: str, devices: int, hosts: int 
     script, args = command[0], list(command[1:])
     if not os.path.isfile(script):
         raise TraceError(f"script {script!r} not found (run from the directory the job runs from)")
-    return Job(script, args, runtime_for(runtime, spmd_flag, per_chip, script, hosts), devices)
+    return Job(script, args, runtime_for(runtime, spmd_flag, per_chip, script), devices)
 
 
-def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "", hosts: int = 1) -> str:
+def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "") -> str:
     """The runtime the job uses on a TPU, as xla_spawn chooses it: `--spmd` / `--per_chip`;
     else XLA_FSDP_RUNTIME (or XLA_USE_SPMD) in the environment; else what the script declares
-    (`xla_fsdp.runtime_choice`; launch/run_clm.py: the single controller) on a single-host
-    slice; else one process per chip. The GSPMD engine (`xla_fsdp_v2`) is always
+    (`xla_fsdp.runtime_choice`; launch/run_clm.py: the single controller), on one host or a
+    pod; else one process per chip. The GSPMD engine (`xla_fsdp_v2`) is always
     single-controller; the job decides that."""
     if requested != "auto":
         if requested not in RUNTIMES:
@@ -90,7 +90,7 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
     if not script:
         return MULTI_PROCESS
     try:
-        return runtime_choice.tpu_default(script, hosts)[0]  # as xla_spawn chooses
+        return runtime_choice.tpu_default(script)[0]  # as xla_spawn chooses
     except ValueError as e:
         raise TraceError(str(e)) from None
 
