@@ -33,7 +33,8 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.tpu": "base",  # libtpu's compiler, topologies, chip facts: nothing of ours below it
     "xla_fsdp.runtime_choice": "base",  # the runtime a script declares for a TPU
     "xla_fsdp.state_keys": "base",  # parameter names -> state_dict() keys (torch's wrappers)
-    "xla_fsdp.hosts": "base",  # the slice's hosts: this one's devices, the gloo group, virtual hosts
+    "xla_fsdp.hosts": "base",
+    "xla_fsdp.data": "base",  # per-host batches under SPMD: this host's rows of a global batch, the global tensor from them  # the slice's hosts: this one's devices, the gloo group, virtual hosts
     # layer 2: mechanisms both engines share
     "xla_fsdp.wrap": "shared",
     "xla_fsdp.activation_checkpoint": "shared",

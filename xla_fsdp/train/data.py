@@ -148,12 +148,23 @@ class BlockBatches:
     """Batches of blocks for one rank: a seeded shuffle per epoch, shared by
     all ranks, each rank taking its own contiguous slice of every global batch.
 
+    Under the SPMD runtimes on several hosts, `rows` (positions in every global
+    batch, `xla_fsdp.data.HostBatches.rows`) selects the rows this host reads
+    instead: the same global batches in the same order, only this host's rows
+    of each ([Note: per-host batches] in xla_fsdp/data/per_host.py).
+
     An explicit generator (not torch's global RNG) keeps the order identical
     across ranks even when ranks are threads of one process (XLA:CPU).
     """
 
     def __init__(self, blocks: torch.Tensor, global_batch: int, rank: int = 0,
-                 world: int = 1, seed: int = 0, shuffle: bool = True):
+                 world: int = 1, seed: int = 0, shuffle: bool = True, rows=None):
+        if rows is not None:
+            rows = torch.as_tensor(rows, dtype=torch.long)
+            if world != 1 or rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= global_batch:
+                raise ValueError(f"rows must be positions 0..{global_batch - 1} of each global batch, "
+                                 f"read by one process per host (world 1, not {world})")
+        self.rows = rows
         if global_batch % world:
             raise ValueError(f"global batch {global_batch} is not divisible by {world} ranks")
         if blocks.shape[0] < global_batch:
@@ -168,7 +179,8 @@ class BlockBatches:
         return self.blocks.shape[0] // self.global_batch
 
     def epoch(self, epoch: int):
-        """Yield this rank's [global_batch / world, block_size] batches for `epoch`."""
+        """Yield this rank's [global_batch / world, block_size] batches for `epoch`
+        (with `rows`: [len(rows), block_size], those rows of each global batch)."""
         n = self.blocks.shape[0]
         if self.shuffle:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -177,6 +189,9 @@ class BlockBatches:
             order = torch.arange(n)
         local = self.global_batch // self.world
         for b in range(len(self)):
+            if self.rows is not None:
+                yield self.blocks[order[b * self.global_batch + self.rows]]
+                continue
             rows = order[b * self.global_batch + self.rank * local:
                          b * self.global_batch + (self.rank + 1) * local]
             yield self.blocks[rows]

@@ -91,9 +91,10 @@ def run(argv=None) -> dict:
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, engine, spmd)
+    hosts = _host_batches(spmd, wrapped.mesh)  # several SPMD hosts: each reads only its rows
     ctx = loop.StepContext(device, wrapped.mesh, bf16=args.bf16,
                            allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
-                           replicas=facts["world"])  # 1 under SPMD: one global graph
+                           replicas=facts["world"], host_batches=hosts)  # replicas 1 under SPMD: one graph
     micro_batch = args.per_device_train_batch_size * facts["data_parallel"]  # one forward's batch
     if corpus is None:
         _trace_steps(wrapped.model, micro_batch, ctx, args, config, facts)  # never returns
@@ -119,11 +120,13 @@ def run(argv=None) -> dict:
 
     started = time.perf_counter()
     if args.do_train:
-        batches = data.BlockBatches(corpus.train, micro_batch, facts["rank"], facts["world"], args.seed)
+        batches = data.BlockBatches(corpus.train, micro_batch, facts["rank"], facts["world"], args.seed,
+                                    rows=hosts.rows(micro_batch) if hosts else None)
         report.update(_train(wrapped.model, batches, ctx, meter, args, facts, log))
     if args.do_eval:
-        eval_batches = data.BlockBatches(corpus.eval, args.per_device_eval_batch_size * facts["data_parallel"],
-                                         facts["rank"], facts["world"], shuffle=False)
+        eval_global = args.per_device_eval_batch_size * facts["data_parallel"]
+        eval_batches = data.BlockBatches(corpus.eval, eval_global, facts["rank"], facts["world"], shuffle=False,
+                                         rows=hosts.rows(eval_global) if hosts else None)
         ev = loop.evaluate(wrapped.model, eval_batches, ctx)
         report.update(ev)
         log(f"run_clm: eval loss {ev['eval_loss']:.4f}, perplexity {ev['perplexity']:.2f} "
@@ -137,6 +140,19 @@ def run(argv=None) -> dict:
             json.dump(report, f, indent=2)
         log(f"run_clm: metrics written to {path}")
     return report
+
+
+def _host_batches(spmd: bool, mesh):
+    """Under SPMD on several hosts (or virtual hosts), what splits each global batch by host
+    ([Note: per-host batches]); None with one host (the whole batch is copied and annotated,
+    as ever) and with one process per chip. Positions stay step-derived: every host skips the
+    same global batches on resume, each reading its own rows of the next."""
+    if not spmd or mesh is None or abstract.active():  # the ahead-of-time check traces whole batches
+        return None
+    from xla_fsdp.data import HostBatches
+
+    hosts = HostBatches(mesh)
+    return None if hosts.single else hosts
 
 
 def _meter(args, config, num_params: int, global_batch: int, facts: dict, log) -> metrics.ThroughputMeter:

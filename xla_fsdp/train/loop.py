@@ -56,8 +56,11 @@ class StepContext:
     allreduce_grads: bool = False       # plain replication across collective ranks
     bf16: bool = False
     replicas: int = 1                   # processes whose losses are averaged for logging
+    host_batches: object = None         # several SPMD hosts: `batch` is this host's rows (HostBatches)
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.host_batches is not None:  # the global batch from every host's rows
+            return self.host_batches.to_global(batch)
         batch = batch.to(self.device)
         if self.spmd_mesh is not None:
             import torch_xla.distributed.spmd as xs
