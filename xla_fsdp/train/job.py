@@ -47,15 +47,19 @@ def device_facts(spmd: bool) -> dict:
     import torch_xla.runtime as xr
     device_type = xr.device_type()
     if spmd:
+        from xla_fsdp.hosts import host_view
+
         dp, rank, world = xr.global_runtime_device_count(), 0, 1
+        leader = host_view().index == 0  # one process per host: the first host logs and writes
     else:
         dp, rank, world = xr.world_size(), xr.global_ordinal(), xr.world_size()
+        leader = rank == 0
     kind = xm.xla_device_kind() if device_type == "TPU" else device_type
     # On CPU the measured peak is the whole host's, so the host is the "chip";
     # virtual CPU devices share its cores.
     chips = dp if device_type != "CPU" else max(xr.process_count(), 1)
     return {"device_type": device_type, "device_kind": kind, "data_parallel": dp,
-            "rank": rank, "world": world, "chips": chips}
+            "rank": rank, "world": world, "chips": chips, "leader": leader}
 
 
 def run(argv=None) -> dict:
@@ -85,7 +89,7 @@ def run(argv=None) -> dict:
         xr.use_spmd()  # before the first device tensor
     device = torch_xla.device()
     facts = device_facts(spmd)
-    log = print if facts["rank"] == 0 else (lambda *a, **k: None)
+    log = print if facts["leader"] else (lambda *a, **k: None)
 
     torch.manual_seed(args.seed)
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
@@ -133,7 +137,7 @@ def run(argv=None) -> dict:
             f"({ev['eval_batches']} batches)")
     report["wall_time_s"] = time.perf_counter() - started
     report["xla_compiles"] = _compile_count()
-    if facts["rank"] == 0:
+    if facts["leader"]:
         path = os.path.join(args.output_dir, "metrics.json")
         os.makedirs(args.output_dir, exist_ok=True)
         with open(path, "w") as f:
@@ -178,7 +182,7 @@ def _train(model, batches, ctx, meter, args, facts, log) -> dict:
     optimizer = loop.make_optimizer(model.parameters(), args)
     scheduler = loop.make_scheduler(optimizer, args.warmup_steps, total_steps)
     start = _resume(model, optimizer, scheduler, args, log)
-    progress = _progress(total_steps, facts["rank"] == 0)
+    progress = _progress(total_steps, facts["leader"])
     if progress and start:
         progress.update(start)
     save = None
