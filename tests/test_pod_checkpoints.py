@@ -152,6 +152,20 @@ def test_two_hosts_write_each_row_once_with_the_replica_axis_across_them(single_
     check_files(os.path.join(root, f"checkpoint-{cc.K}"), 2, "HYBRID_SHARD")
 
 
+def test_offline_consolidation_reads_every_hosts_pieces(single_controller_hybrid_2, tmp_path):
+    from safetensors.torch import load_file
+
+    from xla_fsdp.checkpoint import consolidate
+
+    _, root = single_controller_hybrid_2
+    path = consolidate(os.path.join(root, f"checkpoint-{cc.K}"), str(tmp_path / "full"))
+    got = load_file(path)
+    want = cc.reference(KIND, "adamw", cc.K)["params"]
+    assert set(got) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("hosts", [pytest.param(4, id="4hosts"), pytest.param(1, id="1host", marks=_SLOW)])
 def test_loads_at_another_host_count_and_resumes_the_loss_curve(single_controller_hybrid_2, hosts):
     tmp, root = single_controller_hybrid_2
