@@ -177,28 +177,35 @@ def test_a_save_that_cannot_complete_leaves_the_previous_checkpoint(trained, tmp
     assert load_checkpoint(path, model2, opt2)["step"] == 2  # the previous checkpoint is intact
 
 
-def test_spmd_over_several_hosts_is_refused_before_anything_is_written(tmp_path):
-    """Under the SPMD runtime one process holds the whole model only if it is the only process;
-    with several hosts (process_count() stubbed to 2: the one fact this machine cannot have),
-    save and load refuse by name instead of letting every host write as if alone."""
+def test_virtual_host_settings_that_cannot_work_are_refused_by_name(tmp_path):
+    """XLA_FSDP_VIRTUAL_HOSTS ([Note: virtual hosts]) that do not split the devices, a missing or
+    out-of-range index, and virtual hosts without the SPMD runtime each name what to fix; nothing
+    is written."""
     script = textwrap.dedent(f"""
-        import torch, torch_xla, torch_xla.runtime as xr
-        xr.use_spmd()
-        from xla_fsdp import FSDP
-        from xla_fsdp.checkpoint import save_checkpoint, load_checkpoint
-        model = FSDP(torch.nn.Sequential(torch.nn.Linear(8, 8)), engine="spmd")
-        save_checkpoint({str(tmp_path / "good")!r}, model)  # one host: fine
-        xr.process_count = lambda: 2
-        for call in (lambda: save_checkpoint({str(tmp_path / "ckpt")!r}, model),
-                     lambda: load_checkpoint({str(tmp_path / "good")!r}, model)):
+        import os, torch, torch_xla, torch_xla.runtime as xr
+        from xla_fsdp import hosts
+        from xla_fsdp.checkpoint import save_checkpoint
+        cases = [("2", "0", False), ("3", "0", True), ("2", "", True), ("2", "2", True)]
+        for n, i, spmd in cases:
+            os.environ["XLA_FSDP_VIRTUAL_HOSTS"], os.environ["XLA_FSDP_VIRTUAL_HOST_INDEX"] = n, i
+            if spmd and not xr.is_spmd():
+                xr.use_spmd()
             try:
-                call()
-            except NotImplementedError as e:
-                print("REFUSED", e)
+                hosts.host_view()
+            except (ValueError, RuntimeError) as e:
+                print("REFUSED", n, i, e)
+        model = torch.nn.Linear(4, 4).to(torch_xla.device())
+        try:
+            save_checkpoint({str(tmp_path / "ckpt")!r}, model)
+        except (ValueError, RuntimeError) as e:
+            print("REFUSED save", e)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"))
     refusals = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
-    assert len(refusals) == 2, proc.stdout + proc.stderr[-3000:]
-    assert all("several hosts (2 processes)" in r and "xla_spawn" in r for r in refusals)
-    assert os.listdir(tmp_path) == ["good"]
+    assert len(refusals) == 5, proc.stdout + proc.stderr[-3000:]
+    assert "needs the SPMD runtime" in refusals[0]
+    assert "does not divide the 4 devices" in refusals[1] and "CPU_NUM_DEVICES" in refusals[1]
+    assert "must be integers" in refusals[2] and "0 <= index < N" in refusals[3]
+    assert "0 <= index < N" in refusals[4]  # the save asks for the hosts first: nothing written
+    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "ckpt.partial")

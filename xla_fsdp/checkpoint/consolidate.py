@@ -8,26 +8,30 @@ output is a `save_pretrained` directory (`config.json` + `model.safetensors`,
 tied weights stored once) that `from_pretrained` loads; otherwise a
 `model.safetensors` alone.
 
+Both the checkpoint and the output directory may be local (or mounted) paths
+or fsspec URLs (`gs://bucket/run/checkpoint-500`: needs gcsfs, storage.py);
+a checkpoint without its COMPLETE marker is refused.
+
     python -m xla_fsdp.checkpoint consolidate CHECKPOINT_DIR OUT_DIR
 """
 from __future__ import annotations
 
-import os
-import shutil
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
 from . import format as fmt
+from . import storage
 from .format import CheckpointError
 
 
 def consolidate(checkpoint: str, out_dir: str) -> str:
     """Write the full model of `checkpoint` into `out_dir`; returns the safetensors file's path."""
-    checkpoint = os.path.abspath(checkpoint)
+    src = storage.storage_for(checkpoint)
+    checkpoint = src.abspath(checkpoint)
     if not fmt.is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {fmt.COMPLETE} marker)")
-    meta = fmt.read_json(os.path.join(checkpoint, fmt.METADATA), "checkpoint metadata")
+    meta = fmt.read_json(src.join(checkpoint, fmt.METADATA), "checkpoint metadata")
     index = fmt.RowIndex(checkpoint, range(meta["world_size"]))
     index.open_all()
     entries = []
@@ -44,14 +48,13 @@ def consolidate(checkpoint: str, out_dir: str) -> str:
     for name, b in meta.get("buffers", {}).items():
         entries.append((name, fmt.dtype_from_name(b["dtype"]), b["shape"],
                         lambda name=name: index.read_rank(f"buffer/{name}", 0)))
-    os.makedirs(out_dir, exist_ok=True)
-    target = os.path.join(out_dir, "model.safetensors")
-    partial = target + fmt.PARTIAL_SUFFIX
-    fmt.write_safetensors(partial, entries, metadata={"format": "pt"})
-    os.replace(partial, target)
-    config = os.path.join(checkpoint, fmt.HF_CONFIG)
-    if os.path.isfile(config):
-        shutil.copyfile(config, os.path.join(out_dir, "config.json"))
+    out = storage.storage_for(out_dir)
+    out.makedirs(out_dir, exist_ok=True)
+    target = out.join(out_dir, "model.safetensors")
+    fmt.write_whole_file(target, entries, metadata={"format": "pt"})
+    config = src.join(checkpoint, fmt.HF_CONFIG)
+    if src.isfile(config):
+        out.write_bytes(out.join(out_dir, "config.json"), src.read_bytes(config))
     return target
 
 
@@ -63,13 +66,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cons = sub.add_parser("consolidate", help="write the full model of a sharded checkpoint (streamed, "
                                               "one tensor at a time)")
-    cons.add_argument("checkpoint", help="a checkpoint directory (e.g. out/checkpoint-500)")
+    cons.add_argument("checkpoint", help="a checkpoint directory or URL (e.g. out/checkpoint-500, "
+                                          "gs://bucket/run/checkpoint-500)")
     cons.add_argument("out_dir", help="where to write model.safetensors (and config.json for Hugging Face "
-                                      "models: a from_pretrained directory)")
+                                      "models: a from_pretrained directory); a path or a URL")
     args = parser.parse_args(argv)
     try:
         path = consolidate(args.checkpoint, args.out_dir)
-    except CheckpointError as e:
+    except (CheckpointError, ImportError, ValueError) as e:  # ImportError: the URL's file system
         parser.exit(2, f"error: {e}\n")
     print(f"wrote {path}")
     return 0

@@ -4,17 +4,18 @@ The full parameters are gathered to rank 0 (one unit at a time; rank 0 holds
 the whole model once, as Hugging Face's own save does), tied weights are
 stored once under their first name, and the config is the model's own, so
 `from_pretrained` loads the directory. For models too large for one host use
-a sharded checkpoint and the offline `consolidate`, which streams.
+a sharded checkpoint and the offline `consolidate`, which streams. `out_dir`
+may be a local (or mounted) path or an fsspec URL (storage.py).
 """
 from __future__ import annotations
 
-import os
 from typing import Dict
 
 import torch
 import torch.nn as nn
 
 from . import format as fmt
+from . import storage
 from .holdings import holdings, process_info
 from .state_dict import full_state_dict
 
@@ -37,12 +38,11 @@ def save_pretrained(model: nn.Module, out_dir: str) -> None:
     if info.rank == 0:
         aliases = {alias for h in held for alias in h.aliases}
         tensors: Dict[str, torch.Tensor] = {k: v.contiguous() for k, v in state.items() if k not in aliases}
-        os.makedirs(out_dir, exist_ok=True)
-        target = os.path.join(out_dir, "model.safetensors")
+        st = storage.storage_for(out_dir)
+        st.makedirs(out_dir, exist_ok=True)
         entries = [(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in tensors.items()]
-        fmt.write_safetensors(target + fmt.PARTIAL_SUFFIX, entries, metadata={"format": "pt"})
-        os.replace(target + fmt.PARTIAL_SUFFIX, target)
+        fmt.write_whole_file(st.join(out_dir, "model.safetensors"), entries, metadata={"format": "pt"})
         config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_json_file"):
-            config.to_json_file(os.path.join(out_dir, "config.json"))
+        if config is not None and hasattr(config, "to_json_string"):  # what config.to_json_file writes
+            st.write_bytes(st.join(out_dir, "config.json"), config.to_json_string().encode())
     info.barrier()

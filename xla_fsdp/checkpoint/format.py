@@ -11,6 +11,11 @@ A checkpoint is a directory:
     hf_config.json                the model's Hugging Face config, when it has one
     COMPLETE                      written last: only a directory holding it is a checkpoint
 
+A checkpoint lives on a local or mounted file system (a plain path) or
+wherever an fsspec URL points (`gs://bucket/run/checkpoint-500`); every file
+goes through storage.py, and how a save commits on each is [Note: atomic
+checkpoints] and [Note: commit without rename] in save.py.
+
 [Note: checkpoint format] Tensors are stored with safetensors, not
 torch.distributed.checkpoint (DCP). DCP needs a process group and DTensor or
 ShardedTensor state dicts; our shards are plain tensors padded on dim 0, one
@@ -29,12 +34,14 @@ them.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import storage
+from .storage import Storage
 
 FORMAT = "xla_fsdp.checkpoint/1"
 METADATA = "metadata.json"
@@ -75,25 +82,28 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMPLETE)) and os.path.isfile(os.path.join(path, METADATA))
+    st = storage.storage_for(path)
+    return st.isfile(st.join(path, COMPLETE)) and st.isfile(st.join(path, METADATA))
+
+
+def remove_checkpoint(path: str, ignore_errors: bool = False) -> None:
+    """Remove a checkpoint so that no reader ever takes what is left for one: its COMPLETE
+    marker first, then the rest (a crash in between leaves files that are ignored). When the
+    marker cannot be removed, nothing else is."""
+    st = storage.storage_for(path)
+    try:
+        st.remove(st.join(path, COMPLETE))
+    except OSError:
+        if ignore_errors:
+            return
+        raise
+    st.rmtree(path, ignore_errors=ignore_errors)
 
 
 # -- writing --------------------------------------------------------------------
 
-def fsync_path(path: str) -> None:
-    """Flush a file's or a directory's entry to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json(path: str, value) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    storage.storage_for(path).write_bytes(path, json.dumps(value, indent=1, sort_keys=True).encode())
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
@@ -121,7 +131,7 @@ def write_safetensors(path: str, entries: Sequence[Tuple[str, torch.dtype, Seque
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     crcs: Dict[str, int] = {}
-    with open(path, "wb") as f:
+    with storage.storage_for(path).open_write(path) as f:  # durable once the block ends
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name, dtype, shape, produce in entries:
@@ -133,17 +143,26 @@ def write_safetensors(path: str, entries: Sequence[Tuple[str, torch.dtype, Seque
             crcs[name] = zlib.crc32(raw)
             f.write(raw)
             del tensor, raw
-        f.flush()
-        os.fsync(f.fileno())
     return crcs
+
+
+def write_whole_file(target: str, entries, metadata: Optional[Dict[str, str]] = None) -> None:
+    """A standalone safetensors file (a consolidated model), never seen half written: on a local
+    file system written beside `target` and renamed; at a URL one upload, which an object store
+    publishes only once complete (fsspec's file:// writes in place)."""
+    st = storage.storage_for(target)
+    if not st.renames:
+        write_safetensors(target, entries, metadata=metadata)
+        return
+    write_safetensors(target + PARTIAL_SUFFIX, entries, metadata=metadata)
+    st.rename(target + PARTIAL_SUFFIX, target)
 
 
 # -- reading --------------------------------------------------------------------
 
 def read_json(path: str, what: str):
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(storage.storage_for(path).read_bytes(path))
     except FileNotFoundError:
         raise CheckpointError(f"{what} is missing: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -157,14 +176,16 @@ class ShardFile:
 
     def __init__(self, path: str, expected_bytes: int, crcs: Dict[str, int]):
         self.path = path
-        if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint file is missing: {path}")
-        size = os.path.getsize(path)
+        self.storage: Storage = storage.storage_for(path)
+        try:
+            size = self.storage.size(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file is missing: {path}") from None
         if size != expected_bytes:
             raise CheckpointError(f"checkpoint file is truncated or was overwritten: {path} has {size} bytes, "
                                   f"its index says {expected_bytes}")
         try:
-            with open(path, "rb") as f:
+            with self.storage.open_read(path) as f:
                 (length,) = struct.unpack("<Q", f.read(8))
                 if length > size - 8:
                     raise ValueError(f"header length {length} exceeds the file")
@@ -190,7 +211,7 @@ class ShardFile:
         whole = start == 0 and list(out.shape) == list(shape)
         row_bytes = out[0].numel() * out.element_size() if out.dim() else 0
         buf = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else None
-        with open(self.path, "rb") as f:
+        with self.storage.open_read(self.path) as f:  # a local file or an fsspec one: both seek and readinto
             f.seek(self.data_start + offset + start * row_bytes)
             if buf is not None and f.readinto(buf) != buf.nbytes:
                 raise CheckpointError(f"checkpoint file is truncated: {self.path} ends inside {key!r}")
@@ -213,7 +234,7 @@ class RowIndex:
         self._index: Dict[int, dict] = {}
         self._reads: List[Tuple[str, int, int]] = []
         for rank in writers:
-            index = read_json(os.path.join(path, index_file(rank)), f"index of rank {rank}")
+            index = read_json(storage.storage_for(path).join(path, index_file(rank)), f"index of rank {rank}")
             self._index[rank] = index
             for file_key, info in index["tensors"].items():
                 key = info.get("tensor", file_key)
@@ -228,7 +249,8 @@ class RowIndex:
         if rank not in self.files:
             index = self._index[rank]
             crcs = {k: v["crc32"] for k, v in index["tensors"].items()}
-            self.files[rank] = ShardFile(os.path.join(self.path, shard_file(rank)), index["bytes"], crcs)
+            st = storage.storage_for(self.path)
+            self.files[rank] = ShardFile(st.join(self.path, shard_file(rank)), index["bytes"], crcs)
         return self.files[rank]
 
     def open_all(self) -> None:

@@ -5,10 +5,14 @@ its parameters and optimizer match the model's by name, shape and kind, and
 every file it needs is present and whole. Then each process reads the rows it
 holds (for another layout: from whichever files hold them), and the
 optimizer gets a state dict in its own numbering.
+
+`path` is a directory on a local or mounted file system or an fsspec URL
+(`gs://bucket/run/checkpoint-500`; storage.py); at either, a directory without
+the COMPLETE marker is refused ([Note: commit without rename], save.py).
 """
 from __future__ import annotations
 
-import os
+import io
 import random
 from typing import Any, Dict, List, Optional
 
@@ -16,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import format as fmt
+from . import storage
 from .. import state_keys as keys
 from .format import CheckpointError
 from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
@@ -34,13 +39,14 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     column factor) has no exact value on another layout: loading it there is an
     error unless `per_rank_state="average"` (the mean over the saved ranks).
     """
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint directory at {path}")
+    st = storage.storage_for(path)
+    path = st.abspath(path)
     if not fmt.is_complete(path):
+        if not st.isdir(path):
+            raise CheckpointError(f"no checkpoint directory at {path}")
         raise CheckpointError(f"{path} is not a complete checkpoint (no {fmt.COMPLETE} marker: the save did "
                               "not finish); load an earlier one, e.g. with resume 'auto'")
-    meta = fmt.read_json(os.path.join(path, fmt.METADATA), "checkpoint metadata")
+    meta = fmt.read_json(st.join(path, fmt.METADATA), "checkpoint metadata")
     if meta.get("format") != fmt.FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {fmt.FORMAT!r}")
     if per_rank_state not in ("error", "average"):
@@ -53,7 +59,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     index = fmt.RowIndex(path, range(meta["world_size"]))
     same_layout = meta["layout"] == layout_record(model)
     plan = _optimizer_plan(path, meta, optimizer, held, index, same_layout, info.rank, per_rank_state)
-    extra_path = os.path.join(path, fmt.extra_file(info.rank if info.rank < meta["world_size"] else 0))
+    extra_path = st.join(path, fmt.extra_file(info.rank if info.rank < meta["world_size"] else 0))
     extra = _read_extra(extra_path)
 
     # read everything this process needs (a bad file fails here, before anything changes) ...
@@ -180,10 +186,12 @@ def _restore_type(saved, current):
 
 
 def _read_extra(path: str) -> Dict[str, Any]:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file is missing: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        data = storage.storage_for(path).read_bytes(path)
+    except (FileNotFoundError, IsADirectoryError):
+        raise CheckpointError(f"checkpoint file is missing: {path}") from None
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:
         raise CheckpointError(f"checkpoint file is corrupt: {path} ({e})") from None
 

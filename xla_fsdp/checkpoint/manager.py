@@ -1,15 +1,19 @@
 """Checkpoints of a run in one folder: `checkpoint-<step>` directories, the latest complete
-one, and keep-last-K rotation (Hugging Face Trainer's layout and `save_total_limit`)."""
+one, and keep-last-K rotation (Hugging Face Trainer's layout and `save_total_limit`).
+
+The folder is a local or mounted path or an fsspec URL (`gs://bucket/run`, storage.py). Only
+directories holding the COMPLETE marker count; rotation removes an old checkpoint's marker
+before its files, so a crash mid-rotation leaves nothing that looks complete and is not
+([Note: commit without rename], save.py)."""
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
 from . import format as fmt
+from . import storage
 from .holdings import process_info
 from .load import load_checkpoint
 from .save import save_checkpoint
@@ -20,13 +24,12 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
     """(step, path) of every complete `checkpoint-<step>` under `root`, oldest first.
     Partial saves (a crash mid-write) are skipped."""
-    if not os.path.isdir(root):
-        return []
+    st = storage.storage_for(root)
     found = []
-    for name in os.listdir(root):
+    for name in st.listdir(root):
         m = _NAME.match(name)
-        if m and fmt.is_complete(os.path.join(root, name)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
+        if m and fmt.is_complete(st.join(root, name)):
+            found.append((int(m.group(1)), st.join(root, name)))
     return sorted(found)
 
 
@@ -42,21 +45,21 @@ class CheckpointManager:
     def __init__(self, root: str, keep_last: Optional[int] = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: keep at least 1 checkpoint, or None for all")
-        self.root = os.path.abspath(root)
+        self.storage = storage.storage_for(root)
+        self.root = self.storage.abspath(root)
         self.keep_last = keep_last
 
     def path(self, step: int) -> str:
-        return os.path.join(self.root, f"checkpoint-{step}")
+        return self.storage.join(self.root, f"checkpoint-{step}")
 
     def save(self, step: int, model: nn.Module, optimizer=None, extra_state: Optional[Dict[str, Any]] = None) -> str:
         """Save, then drop the oldest complete checkpoints beyond `keep_last`. Every process calls it."""
         info = process_info(model)
-        if info.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
+        # the root is made by the save (with its parents), where a failure is every process's
         path = save_checkpoint(self.path(step), model, optimizer, step=step, extra_state=extra_state)
         if info.rank == 0 and self.keep_last is not None:
             for _, old in complete_checkpoints(self.root)[:-self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                fmt.remove_checkpoint(old, ignore_errors=True)  # the marker first
         info.barrier()
         return path
 

@@ -1,6 +1,7 @@
 """Saving a sharded checkpoint: every process writes what it holds, atomically.
 
-[Note: atomic checkpoints] A checkpoint is written into `<path>.partial/`:
+[Note: atomic checkpoints] A checkpoint at a path (a local disk or a shared
+file system mounted on every host) is written into `<path>.partial/`:
 each process writes its tensor file, its index and its own state, each
 fsynced; the processes then agree that every write succeeded; rank 0 writes
 metadata.json and the COMPLETE marker (fsynced), renames the directory to
@@ -10,13 +11,30 @@ ignores and the next save of that step clears, and the previous checkpoint is
 untouched. A write that fails (full disk, permissions) on any process fails
 the save on every process with the first error, after the partial directory
 is removed; nothing else is touched.
+
+[Note: commit without rename] At a URL (`gs://`, `s3://`, any fsspec file
+system: storage.py) there is no atomic rename, so the COMPLETE marker alone
+commits. Rank 0 first removes `<path>/COMPLETE` if a checkpoint of that step
+exists, then everything else there, so no reader ever sees a half-overwritten
+checkpoint as complete (the old copy of that step is gone from then on, unlike
+on a file system, where it lasts until the new one is complete). Every process
+writes its files straight into `<path>/`; the processes agree that every write
+succeeded (`all_ok`); only then rank 0 writes metadata.json and, last, COMPLETE
+(an object appears only once its upload finished). Readers (`is_complete`,
+`latest_checkpoint`, load, consolidate) ignore a directory without the marker,
+so a crash at any point leaves at worst files that are ignored, and the next
+save of that step clears them. A failed write on any process fails the save
+everywhere; rank 0 removes what was written; other checkpoints are untouched.
+Rotation (manager.py) and any removal take the marker away first too
+(`format.remove_checkpoint`). The processes may be hosts of an SPMD slice
+(each writing its own `shards-rank<host>` files) or one per chip: the same.
 """
 from __future__ import annotations
 
+import io
 import os
 import platform
 import random
-import shutil
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -25,6 +43,7 @@ import torch.nn as nn
 from . import format as fmt
 from .. import state_keys as keys
 from . import host_shards as hs
+from . import storage
 from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
 
 
@@ -36,42 +55,62 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
                     step: Optional[int] = None, extra_state: Optional[Dict[str, Any]] = None) -> str:
     """Write a sharded checkpoint of `model` (and `optimizer`) to directory `path`; call on every process.
 
+    `path` is a local or mounted path, or an fsspec URL (`gs://bucket/run/checkpoint-500`;
+    gs:// needs gcsfs: `pip install xla_fsdp[gcs]`).
+
     `extra_state` maps names to objects with `state_dict()` (an LR scheduler, a
     data loader's position) or to plain picklable values; each process saves
     its own, together with its RNG states (torch, XLA, Python, NumPy).
     Returns `path`.
     """
-    path = os.path.abspath(path)
+    st = storage.storage_for(path)
+    path = st.abspath(path)
     info = process_info(model)
     held = holdings(model)
-    partial = path + fmt.PARTIAL_SUFFIX
-    if info.rank == 0 and os.path.exists(partial):
-        shutil.rmtree(partial)  # an earlier save of this step that did not finish
-    info.barrier()
+    # where the files go: [Note: atomic checkpoints] on a file system, [Note: commit without rename] at a URL
+    target = path + fmt.PARTIAL_SUFFIX if st.renames else path
     error: Optional[BaseException] = None
     try:
         if info.rank == 0:
-            os.makedirs(partial, exist_ok=False)
-        info.barrier() if info.world > 1 else None
-        _write_rank_files(partial, info.rank, model, held, optimizer, extra_state)
+            _prepare(st, target)
     except OSError as e:
         error = e
-    if not info.all_ok(error is None):
+    if info.all_ok(error is None):  # the directory is ready (every process waits for rank 0 here)
+        try:
+            _write_rank_files(st, target, info.rank, model, held, optimizer, extra_state)
+        except OSError as e:
+            error = e
+        ok = info.all_ok(error is None)
+    else:
+        ok = False
+    if not ok:
         if info.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            st.rmtree(target, ignore_errors=True)
         info.barrier()
         where = f"rank {info.rank}: {error}" if error is not None else "another rank failed to write its files"
         raise CheckpointWriteError(f"could not write checkpoint {path} ({where}); nothing was saved there and "
                                    "earlier checkpoints are untouched") from error
     if info.rank == 0:
         try:
-            _finish(partial, path, model, held, optimizer, step, info)
+            _finish(st, target, path, model, held, optimizer, step, info)
         except OSError as e:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointWriteError(f"could not write checkpoint {path} ({e}); earlier checkpoints are "
-                                       "untouched") from e
-    info.barrier()
+            error = e
+            st.rmtree(target, ignore_errors=True)
+    if not info.all_ok(error is None):
+        where = error if error is not None else "rank 0 could not commit it"
+        raise CheckpointWriteError(f"could not write checkpoint {path} ({where}); earlier checkpoints are "
+                                   "untouched") from error
     return path
+
+
+def _prepare(st: storage.Storage, target: str) -> None:
+    """Rank 0, before anyone writes: an empty directory at `target`."""
+    if st.renames:
+        st.rmtree(target)  # an earlier save of this step that did not finish
+        st.makedirs(target, exist_ok=False)
+    else:
+        fmt.remove_checkpoint(target)  # the marker first: [Note: commit without rename]
+        st.makedirs(target, exist_ok=True)
 
 
 # -- one process's files ----------------------------------------------------------
@@ -80,7 +119,8 @@ def _named_buffers(model: nn.Module):
     return list(keys.buffers(model, persistent_only=False).items())  # by state-dict key
 
 
-def _write_rank_files(partial: str, rank: int, model, held: List[Holding], optimizer, extra_state) -> None:
+def _write_rank_files(st: storage.Storage, partial: str, rank: int, model, held: List[Holding], optimizer,
+                      extra_state) -> None:
     entries, index = [], {}
 
     def add(key, tensor_fn, dtype, shape, rows, tensor=None):
@@ -110,18 +150,18 @@ def _write_rank_files(partial: str, rank: int, model, held: List[Holding], optim
     if rank == 0:
         for name, b in _named_buffers(model):
             add(f"buffer/{name}", lambda b=b: b.detach().cpu(), b.dtype, tuple(b.shape), None)
-    shard_path = os.path.join(partial, fmt.shard_file(rank))
+    shard_path = st.join(partial, fmt.shard_file(rank))
     crcs = fmt.write_safetensors(shard_path, entries)
     for key, crc in crcs.items():
         index[key]["crc32"] = crc
-    fmt.write_json(os.path.join(partial, fmt.index_file(rank)),
-                   {"rank": rank, "bytes": os.path.getsize(shard_path), "tensors": index})
+    fmt.write_json(st.join(partial, fmt.index_file(rank)),
+                   {"rank": rank, "bytes": st.size(shard_path), "tensors": index})
     extra = {"rng": _rng_states(), "user": {}}
     for name, obj in (extra_state or {}).items():
         extra["user"][name] = obj.state_dict() if hasattr(obj, "state_dict") else obj
-    extra_path = os.path.join(partial, fmt.extra_file(rank))
-    torch.save(extra, extra_path)
-    fmt.fsync_path(extra_path)
+    buf = io.BytesIO()  # small (RNG states, user objects); one write suits every storage
+    torch.save(extra, buf)
+    st.write_bytes(st.join(partial, fmt.extra_file(rank)), buf.getvalue())
 
 
 def _optimizer_tensors(optimizer, held):
@@ -151,31 +191,27 @@ def _rng_states() -> Dict[str, Any]:
     return states
 
 
-# -- rank 0: the record and the rename ------------------------------------------------
+# -- rank 0: the record and the commit ------------------------------------------------
 
-def _finish(partial: str, path: str, model, held, optimizer, step, info) -> None:
-    fmt.write_json(os.path.join(partial, fmt.METADATA), _metadata(model, held, optimizer, step, info))
+def _finish(st: storage.Storage, partial: str, path: str, model, held, optimizer, step, info) -> None:
+    fmt.write_json(st.join(partial, fmt.METADATA), _metadata(model, held, optimizer, step, info))
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
-        with open(os.path.join(partial, fmt.HF_CONFIG), "w") as f:
-            f.write(config.to_json_string())
-            f.flush()
-            os.fsync(f.fileno())
-    with open(os.path.join(partial, fmt.COMPLETE), "w") as f:
-        f.write("complete\n")
-        f.flush()
-        os.fsync(f.fileno())
-    fmt.fsync_path(partial)
-    if os.path.exists(path):
+        st.write_bytes(st.join(partial, fmt.HF_CONFIG), config.to_json_string().encode())
+    st.write_bytes(st.join(partial, fmt.COMPLETE), b"complete\n")  # last: the commit at a URL
+    if not st.renames:
+        return
+    st.sync_dir(partial)
+    if st.exists(path):
         # saving the same step again: the old copy goes only once the new one is complete
         old = path + ".replaced"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-        os.rename(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
+        st.rmtree(old, ignore_errors=True)
+        st.rename(path, old)
+        st.rename(partial, path)
+        st.rmtree(old, ignore_errors=True)
     else:
-        os.rename(partial, path)
-    fmt.fsync_path(os.path.dirname(path))
+        st.rename(partial, path)
+    st.sync_dir(os.path.dirname(path))
 
 
 def _metadata(model, held, optimizer, step, info) -> Dict[str, Any]:

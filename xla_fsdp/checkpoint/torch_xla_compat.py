@@ -4,16 +4,18 @@ Scripts written for torch_xla's FSDP save, on every rank,
 `{"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()}`
 to `f"{prefix}_rank-{rank:08d}-of-{world:08d}.pth"` and consolidate the files
 afterwards. This reads such files written by xla_fsdp (same call shape and
-return value as torch_xla's function) and refuses anything else by name.
+return value as torch_xla's function) and refuses anything else by name. The
+files may be local or at an fsspec URL (`gs://bucket/run/final_ckpt`,
+storage.py), and so may the output.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from glob import glob
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import storage
 from .format import CheckpointError
 
 SHARD_METADATA_FORMAT = "xla_fsdp.shard_metadata/1"
@@ -63,13 +65,15 @@ def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "
     `save_path` or `ckpt_prefix + "_consolidated.pth"`.
     """
     pattern = ckpt_prefix + ckpt_suffix
-    paths = sorted(glob(pattern))
+    st = storage.storage_for(pattern)
+    paths = st.glob(pattern)
     if not paths:
         raise CheckpointError(f"no checkpoint files match {pattern}")
     loaded = []
     for path in paths:
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+            with st.open_read(path) as f:
+                ckpt = torch.load(f, map_location="cpu", weights_only=False)
         except Exception as e:
             raise CheckpointError(f"checkpoint file is corrupt or truncated: {path} ({e})") from None
         meta = ckpt.get("shard_metadata") if isinstance(ckpt, dict) else None
@@ -89,5 +93,6 @@ def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "
     actual = None
     if save_model:
         actual = save_path or ckpt_prefix + "_consolidated.pth"
-        torch.save({"model": full}, actual)
+        with storage.storage_for(actual).open_write(actual) as f:
+            torch.save({"model": full}, f)
     return full, actual

@@ -1,0 +1,328 @@
+"""Where checkpoint files live: a local (or mounted) file system, or any fsspec URL.
+
+One interface, two implementations. A plain path (`out/run`, `/mnt/shared/run`:
+a disk, NFS or a gcsfuse/Filestore mount alike) is `LocalStorage`, thin calls
+into `os` with writes fsynced, and keeps the rename commit of [Note: atomic
+checkpoints] (save.py). A URL `scheme://...` (`gs://`, `s3://`, `file://`,
+`memory://`, ...) is `FsspecStorage`: its file system comes from fsspec, and
+saves commit without a rename ([Note: commit without rename], save.py), since
+object stores have none. `storage_for(path)` picks one. A URL's credentials
+and options are fsspec's own (e.g. Application Default Credentials for gcsfs,
+or `FSSPEC_GCS_<OPTION>` environment variables).
+
+Errors: a URL whose file system is not installed (gs:// without gcsfs) is an
+ImportError naming the package to install; every failed write is an OSError
+(an fsspec back end's own exceptions are wrapped), which is what a save
+turns into CheckpointWriteError.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob as _glob
+import io
+import os
+import re
+import shutil
+from typing import BinaryIO, Iterator, List
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+_EXTRAS = {"gs": "xla_fsdp[gcs]", "gcs": "xla_fsdp[gcs]"}  # the extras of setup.py that install a file system
+
+
+def is_url(path) -> bool:
+    return bool(_URL.match(os.fspath(path)))
+
+
+def storage_for(path) -> "Storage":
+    """The storage that holds `path`: fsspec's for a URL, the local file system otherwise."""
+    path = os.fspath(path)
+    if not is_url(path):
+        return LOCAL
+    return _fsspec_storage(path.split("://", 1)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _fsspec_storage(protocol: str) -> "FsspecStorage":
+    return FsspecStorage(protocol)
+
+
+class Storage:
+    """What checkpoints need of a file system. Paths are strings in the storage's own
+    spelling (a URL keeps its scheme, so messages name what the user gave)."""
+
+    renames = False  # whether renaming a directory is atomic (the commit of [Note: atomic checkpoints])
+
+    def join(self, path: str, *names: str) -> str:
+        raise NotImplementedError
+
+    def abspath(self, path: str) -> str:
+        raise NotImplementedError
+
+    def open_read(self, path: str) -> BinaryIO:
+        """A binary file, seekable, with `readinto`; FileNotFoundError when missing."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        """A binary file for writing; durable when the block ends without an exception
+        (flushed and fsynced on a local disk, uploaded on an object store)."""
+        raise NotImplementedError
+        yield
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def isfile(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def isdir(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def listdir(self, path: str) -> List[str]:
+        """The names directly under `path` ([] when there is nothing there)."""
+        raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        raise NotImplementedError
+
+    def remove(self, path: str, missing_ok: bool = True) -> None:
+        raise NotImplementedError
+
+    def rmtree(self, path: str, ignore_errors: bool = False) -> None:
+        """Remove a directory and everything under it (nothing there: nothing to do)."""
+        raise NotImplementedError
+
+    def makedirs(self, path: str, exist_ok: bool = True) -> None:
+        raise NotImplementedError
+
+    def glob(self, pattern: str) -> List[str]:
+        raise NotImplementedError
+
+    def sync_dir(self, path: str) -> None:
+        """Make a directory's entries durable (local disks; nothing to do elsewhere)."""
+
+    def rename(self, src: str, dst: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot rename atomically")
+
+    # -- on top of the above --------------------------------------------------------
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.open_read(path) as f:
+            return f.read()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        with self.open_write(path) as f:
+            f.write(data)
+
+
+class LocalStorage(Storage):
+    """The local file system, mounts included: `os` calls, fsynced writes, atomic renames."""
+
+    renames = True
+
+    def join(self, path, *names):
+        return os.path.join(path, *names)
+
+    def abspath(self, path):
+        return os.path.abspath(path)
+
+    def open_read(self, path):
+        return open(path, "rb")
+
+    @contextlib.contextmanager
+    def open_write(self, path):
+        with open(path, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+    def exists(self, path):
+        return os.path.exists(path)
+
+    def isfile(self, path):
+        return os.path.isfile(path)
+
+    def isdir(self, path):
+        return os.path.isdir(path)
+
+    def listdir(self, path):
+        return os.listdir(path) if os.path.isdir(path) else []
+
+    def size(self, path):
+        return os.path.getsize(path)
+
+    def remove(self, path, missing_ok=True):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def rmtree(self, path, ignore_errors=False):
+        if os.path.lexists(path):
+            shutil.rmtree(path, ignore_errors=ignore_errors)
+
+    def makedirs(self, path, exist_ok=True):
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def glob(self, pattern):
+        return sorted(_glob.glob(pattern))
+
+    def sync_dir(self, path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, src, dst):
+        os.replace(src, dst)
+
+
+LOCAL = LocalStorage()
+
+
+class FsspecStorage(Storage):
+    """A URL's file system through fsspec (gcsfs for gs://, s3fs for s3://, fsspec's own for
+    file:// and memory://). No atomic rename; listings are not cached across calls (other
+    hosts write into the same directories)."""
+
+    def __init__(self, protocol: str):
+        self.protocol = protocol
+        self.fs = _filesystem(protocol)
+
+    def join(self, path, *names):
+        for name in names:
+            path = path.rstrip("/") + "/" + name
+        return path
+
+    def abspath(self, path):
+        return path
+
+    def open_read(self, path):
+        return self.fs.open(path, "rb")
+
+    @contextlib.contextmanager
+    def open_write(self, path):
+        with self._wrapped("write", path):
+            f = self.fs.open(path, "wb")
+        try:
+            yield _Guarded(f, self, path)
+            with self._wrapped("write", path):
+                f.flush()
+                try:
+                    fd = f.fileno()  # fsspec's local files: fsync as LocalStorage does
+                except (AttributeError, io.UnsupportedOperation):
+                    fd = None
+                if fd is not None:
+                    os.fsync(fd)
+        except BaseException:
+            try:  # what was written is removed by the failed save (no COMPLETE marker is written)
+                f.close()
+            except Exception:
+                pass
+            raise
+        with self._wrapped("write", path):
+            f.close()  # an object store commits the upload here
+
+    def _fresh(self, path):
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:  # a file system without a cache
+            pass
+
+    def exists(self, path):
+        self._fresh(path)
+        return self.fs.exists(path)
+
+    def isfile(self, path):
+        self._fresh(path)
+        return self.fs.isfile(path)
+
+    def isdir(self, path):
+        self._fresh(path)
+        return self.fs.isdir(path)
+
+    def listdir(self, path):
+        if not self.isdir(path):
+            return []
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+
+    def size(self, path):
+        self._fresh(path)
+        return int(self.fs.size(path))
+
+    def remove(self, path, missing_ok=True):
+        with self._wrapped("remove", path):
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
+
+    def rmtree(self, path, ignore_errors=False):
+        try:
+            with self._wrapped("remove", path):
+                if self.exists(path):
+                    self.fs.rm(path, recursive=True)
+        except OSError:
+            if not ignore_errors:
+                raise
+
+    def makedirs(self, path, exist_ok=True):
+        with self._wrapped("create", path):
+            if not exist_ok and self.exists(path):
+                raise FileExistsError(f"{path} exists")
+            self.fs.makedirs(path, exist_ok=True)  # object stores: no directories, nothing to make
+
+    def glob(self, pattern):
+        self._fresh(pattern.split("*", 1)[0].rsplit("/", 1)[0])
+        return sorted(p if is_url(p) else self.fs.unstrip_protocol(p) for p in self.fs.glob(pattern))
+
+    @contextlib.contextmanager
+    def _wrapped(self, what: str, path: str):
+        """Failures as OSError naming the URL (fsspec back ends raise their own types)."""
+        try:
+            yield
+        except OSError:
+            raise
+        except Exception as e:
+            raise OSError(f"could not {what} {path}: {type(e).__name__}: {e}") from e
+
+
+class _Guarded:
+    """A file being written whose write errors are OSError naming the URL."""
+
+    def __init__(self, f, storage: "FsspecStorage", path: str):
+        self._f, self._storage, self._path = f, storage, path
+
+    def write(self, data) -> int:
+        with self._storage._wrapped("write", self._path):
+            return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _filesystem(protocol: str):
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(f"checkpoint paths like {protocol}://... need fsspec: pip install fsspec") from None
+    from fsspec.registry import known_implementations
+
+    try:
+        return fsspec.filesystem(protocol)
+    except ImportError as e:
+        known = known_implementations.get(protocol, {})
+        package = known.get("class", "").split(".", 1)[0] or "the package that provides it"
+        extra = f" (or pip install {_EXTRAS[protocol]})" if protocol in _EXTRAS else ""
+        raise ImportError(f"checkpoint paths {protocol}://... need {package}, fsspec's file system for "
+                          f"{protocol}://, which is not installed: pip install {package}{extra} ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"no file system for {protocol}:// URLs: fsspec does not know it ({e})") from None
