@@ -57,6 +57,10 @@ def main(argv) -> None:
     if mode == "save":
         losses = cc.train(model, opt, kind, range(cc.K), device=device, sync=torch_xla.sync, global_batch=True)
         manager.save(cc.K, model, opt, extra_state={"losses": losses})
+        if len(argv) > 6 and argv[6] == "export":
+            from xla_fsdp.checkpoint import save_pretrained
+
+            save_pretrained(model, out)
         if kill:
             cc.train(model, opt, kind, range(cc.K, cc.K + 1), device=device, sync=torch_xla.sync, global_batch=True)
             if view.index == 1:

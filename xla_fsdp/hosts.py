@@ -125,6 +125,14 @@ class HostGroup:
         self._dist.all_gather_object(out, value)
         return out
 
+    def gather(self, value: Any, dst: int = 0) -> Optional[List[Any]]:
+        """`value` of every host, in host order, on host `dst` (None on the others)."""
+        if self._dist is None:
+            return [value]
+        out: Optional[List[Any]] = [None] * self.world if self.rank == dst else None
+        self._dist.gather_object(value, out, dst=dst)
+        return out
+
     def exchange(self, mine: dict) -> dict:
         """Virtual hosts only: the union of every host's {device: value}, so this process can hand
         torch_xla a value for every device it drives ([Note: virtual hosts])."""

@@ -16,17 +16,49 @@ import torch.nn as nn
 
 from . import format as fmt
 from . import storage
-from .holdings import holdings, process_info
+from .. import hosts
+from .. import state_keys as keys
+from .holdings import holdings, process_info, spmd_runtime
 from .state_dict import full_state_dict
 
 
 def full_model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The unwrapped model's state dict on the host, tied weights as one tensor (rank 0; {} on
-    the others). Collective for the collective engine: every process calls it."""
+    the others). Collective for the collective engine and for SPMD hosts: every process calls it."""
+    if spmd_runtime(model) and process_info(model).world > 1:
+        return _gathered_over_hosts(model)
     if any(getattr(m, "_fsdp_state", None) is not None for m in model.modules()):
         return full_state_dict(model, rank0_only=True)
     host: Dict[int, torch.Tensor] = {}
     return {k: host.setdefault(id(v), v.detach().cpu()) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def _gathered_over_hosts(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """SPMD on several hosts: no host can read another host's chips, so each sends the rows it
+    would write to a checkpoint (host_shards.py: every row once) to the first host over the hosts'
+    group, one parameter at a time; the first host assembles them."""
+    group = hosts.host_group()
+    out: Dict[str, torch.Tensor] = {}
+    for h in holdings(model):
+        mine = [(a, b, produce()) for a, b, produce in h.pieces(h.param)]
+        parts = group.gather(mine)
+        if group.rank != 0:
+            continue
+        full = torch.empty((h.num_rows, *h.row_shape), dtype=h.param.dtype)
+        filled = 0
+        for part in parts:
+            for a, b, rows in part:
+                full[a:b] = rows
+                filled += b - a
+        if filled != h.num_rows:
+            raise RuntimeError(f"{h.name}: the hosts sent {filled} of {h.num_rows} rows")
+        value = full.reshape(h.full_shape)
+        for name in (h.name, *h.aliases):
+            out[name] = value
+    if group.rank == 0:
+        for name, b in keys.buffers(model, persistent_only=True).items():
+            out[name] = b.detach().cpu()  # buffers stay replicated: every host holds them whole
+    return out
 
 
 def save_pretrained(model: nn.Module, out_dir: str) -> None:
