@@ -278,3 +278,59 @@ def test_save_pretrained_on_two_hosts_gathers_every_hosts_rows(tmp_path):
     assert set(got) == set(want)
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _run_clm_hosts(out, flags, env_extra=None):
+    root = os.path.dirname(HERE)
+    port = _port()
+    return [subprocess.Popen([sys.executable, os.path.join(root, "launch", "run_clm.py"), "--output_dir", str(out),
+                              *flags], env=dict(_env(2, i, port), XLA_FSDP_RUNTIME="single_controller"), cwd=root,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+@_SLOW
+def test_run_clm_preempted_on_two_hosts_resumes_the_same_loss_curve(tmp_path):
+    """run_clm on 2 virtual hosts sharing --output_dir, the single controller with HYBRID_SHARD
+    (one replica per host): an uninterrupted 4-step run, and the same command SIGKILLed on both
+    hosts once checkpoint-2 is complete and run again: the rerun resumes model, optimizer, LR
+    schedule and each host's data position and logs the uninterrupted losses."""
+    config = tmp_path / "hybrid.json"
+    config.write_text(json.dumps({"fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"], "xla": True,
+                                  "xla_fsdp_settings": {"compute_dtype": "float32",
+                                                        "sharding_groups": [[0, 1, 2, 3], [4, 5, 6, 7]]}}))
+    root = os.path.dirname(HERE)
+    flags = ["--config_name", os.path.join(root, "configs", "models", "gpt2-tiny.json"), "--do_train",
+             "--fsdp", "hybrid_shard auto_wrap", "--fsdp_config", str(config), "--max_steps", "4",
+             "--per_device_train_batch_size", "1", "--block_size", "32", "--logging_steps", "1",
+             "--warmup_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1"]
+
+    def finish(procs):
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        for i, p in enumerate(procs):
+            assert p.returncode == 0, f"host {i}:\n{outs[i][-4000:]}"
+        return outs
+
+    finish(_run_clm_hosts(tmp_path / "whole", flags))
+    whole = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    killed = tmp_path / "killed"
+    procs = _run_clm_hosts(killed, flags)
+    deadline = time.time() + 600
+    try:
+        while not (killed / "checkpoint-2" / "COMPLETE").exists():
+            assert all(p.poll() is None for p in procs) and time.time() < deadline, "ended before checkpoint-2"
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+    assert not (killed / "checkpoint-4").exists(), "killed too late: the job had finished"
+    outs = finish(_run_clm_hosts(killed, flags))
+    assert "resumed from" in outs[0]
+    resumed = json.loads((killed / "metrics.json").read_text())
+    want, got = dict(map(tuple, whole["losses"])), dict(map(tuple, resumed["losses"]))
+    assert sorted(got) == [3, 4] and sorted(want) == [1, 2, 3, 4]
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step], rel=1e-5), step
+    assert (killed / "model.safetensors").exists()
+    meta = json.loads((killed / "checkpoint-4" / "metadata.json").read_text())
+    assert meta["layout"] == {"engine": "spmd", "runtime": "single_controller", "hosts": 2}
