@@ -56,10 +56,11 @@ def _losses(path: Path):
     return {rec["step"]: rec for rec in map(json.loads, path.read_text().splitlines())}
 
 
-# the single controller and gloo in the default run; XLA world 1 and the GSPMD engine under -m slow
-# (their resume paths are also crossed by tests/test_checkpoint_reshard.py)
-@pytest.mark.parametrize("runtime", [pytest.param(r, marks=pytest.mark.slow) if r in ("xla1", "gspmd") else r
-                                     for r in RUNTIMES])
+# gloo in the default run; XLA world 1, the single controller and the GSPMD engine under -m slow
+# (their resume paths are also crossed by tests/test_checkpoint_reshard.py, and the single
+# controller's kill-and-resume on hosts by tests/test_pod_checkpoints.py)
+@pytest.mark.parametrize("runtime", [pytest.param(r, marks=pytest.mark.slow) if r in ("xla1", "gspmd", "single")
+                                     else r for r in RUNTIMES])
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path, runtime):
     _run(runtime, tmp_path / "whole", tmp_path / "whole.jsonl")
     _run(runtime, tmp_path / "split", tmp_path / "split.jsonl", "--kill-after-save", "3", expect_kill=True)

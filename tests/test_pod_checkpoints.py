@@ -174,8 +174,17 @@ def test_loads_at_another_host_count_and_resumes_the_loss_curve(single_controlle
     check_resumed(out, hosts, "HYBRID_SHARD", "collectives")
 
 
+@_SLOW
+def test_a_gspmd_engine_checkpoint_of_two_hosts_loads_into_one_process_per_chip(tmp_path):
+    root = _save(tmp_path, "gspmd", "HYBRID_SHARD", 2)
+    _loads_into_one_process_per_chip(tmp_path, root)
+
+
 def test_loads_into_one_process_per_chip(single_controller_hybrid_2):
-    tmp, root = single_controller_hybrid_2
+    _loads_into_one_process_per_chip(*single_controller_hybrid_2)
+
+
+def _loads_into_one_process_per_chip(tmp, root):
     job = {"kind": KIND, "optim": "adamw", "layout": "FULL_SHARD", "name": "mlp",
            "path": os.path.join(root, f"checkpoint-{cc.K}")}
     run_distributed_fn(cc.resume_worker, 2, str(tmp), [job])
@@ -192,6 +201,8 @@ def test_loads_into_one_process_per_chip(single_controller_hybrid_2):
     pytest.param("gspmd", "HYBRID_SHARD", 4, 2, marks=_SLOW),
     pytest.param("collectives", "FULL_SHARD", 4, 2, marks=_SLOW),
     pytest.param("collectives", "FULL_SHARD", 2, 4, marks=_SLOW),
+    pytest.param("collectives", "HYBRID_SHARD", 4, 1, marks=_SLOW),
+    pytest.param("gspmd", "FULL_SHARD", 2, 4, marks=_SLOW),
 ])
 def test_other_engines_and_host_counts(tmp_path, engine, layout, hosts, resume_hosts):
     root = _save(tmp_path, engine, layout, hosts)
@@ -222,7 +233,7 @@ def test_a_host_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     check_resumed(out, 2, "FULL_SHARD", "collectives")
 
 
-@pytest.mark.parametrize("hosts", [1, 2])
+@pytest.mark.parametrize("hosts", [pytest.param(1, marks=_SLOW), 2])
 def test_torch_xla_partial_replication_case_round_trips_exactly(tmp_path, hosts):
     """Mesh (2, 2), a tensor sharded on the first axis and replicated on the second: torch_xla's
     distributed_checkpoint saved no entry for it; here every row is saved once and loads exactly."""
@@ -292,8 +303,9 @@ def _run_clm_hosts(out, flags, env_extra=None):
 def test_run_clm_preempted_on_two_hosts_resumes_the_same_loss_curve(tmp_path):
     """run_clm on 2 virtual hosts sharing --output_dir, the single controller with HYBRID_SHARD
     (one replica per host): an uninterrupted 4-step run, and the same command SIGKILLed on both
-    hosts once checkpoint-2 is complete and run again: the rerun resumes model, optimizer, LR
-    schedule and each host's data position and logs the uninterrupted losses."""
+    hosts once checkpoint-2 is complete and run again: the rerun resumes model, optimizer (the
+    recipe's Adafactor: row factors, whole column factors, scalars), LR schedule and each host's data
+    position and logs the uninterrupted losses."""
     config = tmp_path / "hybrid.json"
     config.write_text(json.dumps({"fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"], "xla": True,
                                   "xla_fsdp_settings": {"compute_dtype": "float32",
@@ -302,7 +314,8 @@ def test_run_clm_preempted_on_two_hosts_resumes_the_same_loss_curve(tmp_path):
     flags = ["--config_name", os.path.join(root, "configs", "models", "gpt2-tiny.json"), "--do_train",
              "--fsdp", "hybrid_shard auto_wrap", "--fsdp_config", str(config), "--max_steps", "4",
              "--per_device_train_batch_size", "1", "--block_size", "32", "--logging_steps", "1",
-             "--warmup_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1"]
+             "--warmup_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1",
+             "--optim", "adafactor", "--adafactor", "true"]  # the recipe's: factored and scalar state
 
     def finish(procs):
         outs = [p.communicate(timeout=600)[0] for p in procs]

@@ -6,6 +6,15 @@ Under the SPMD runtimes (the single controller, the GSPMD engine) one process pe
 chip of its host, and all hosts run one program. On a pod `torch_xla.runtime.process_count()` is the
 host count; each process addresses only its own chips (`_xla_get_runtime_devices()`).
 
+[Note: the hosts' group] What hosts must agree on is host-side: "my files are written", "did
+anyone fail", a few small records (rows sent for an export, a virtual host's pieces). That is a gloo
+process group over the hosts, started with torch_xla's `xla://` rendezvous, which under SPMD numbers
+the members by process index and count and finds the master host from the TPU metadata, so a pod
+needs no extra configuration (torch_xla's own SPMD checkpointing uses the same group). XLA
+collectives are the wrong tool: they run inside the compiled program, on device tensors, and a
+"did every host write its file" would cost a compile and a device round trip, and could not run at
+all once a host's write failed.
+
 [Note: virtual hosts] torch_xla 2.9 cannot run one SPMD program across processes on XLA:CPU (its
 CPU client has no cross-process collectives; process_count() is 1). To prove the per-host code on
 one machine, `XLA_FSDP_VIRTUAL_HOSTS=N` and `XLA_FSDP_VIRTUAL_HOST_INDEX=i` make N processes act as
