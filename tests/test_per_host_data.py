@@ -10,8 +10,6 @@ and after a resume.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -19,6 +17,7 @@ import pytest
 import torch
 
 import per_host_data_cases as cases
+import virtual_hosts as vh
 from xla_fsdp.data import device_rows, host_rows, tile_rows
 from xla_fsdp.train import data
 
@@ -103,38 +102,18 @@ def test_one_process_per_chip_and_one_host_keep_todays_batches():
 
 
 # ------------------------------------------------------------------ virtual hosts against one host
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(hosts: int, index: int, port: int) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), TF_CPP_MIN_LOG_LEVEL="2")
-    for k in ("XLA_USE_SPMD", "XLA_FSDP_VIRTUAL_HOSTS", "XLA_FSDP_VIRTUAL_HOST_INDEX"):
-        env.pop(k, None)
-    if hosts > 1:
-        env.update(XLA_FSDP_VIRTUAL_HOSTS=str(hosts), XLA_FSDP_VIRTUAL_HOST_INDEX=str(index))
-    return env
+    return vh.host_env(hosts, index, port, 4)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{"single": the one-host report, 0 / 1: each virtual host's}, all started at once."""
     root = tmp_path_factory.mktemp("per_host")
-    port = _port()
+    port = vh.free_port()
     jobs = {"single": _env(1, 0, port), 0: _env(2, 0, port), 1: _env(2, 1, port)}
-    procs = {k: subprocess.Popen([sys.executable, SCRIPT, str(root / f"{k}.pt")], env=env, cwd=HERE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k, env in jobs.items()}
-    try:
-        outs = {k: p.communicate(timeout=240)[0] for k, p in procs.items()}
-    finally:
-        for p in procs.values():
-            p.kill()
-    for k, p in procs.items():
-        assert p.returncode == 0, f"{k} failed ({p.returncode}):\n{outs[k][-4000:]}"
+    vh.finish(vh.start({k: ([sys.executable, SCRIPT, str(root / f"{k}.pt")], env) for k, env in jobs.items()},
+                       cwd=HERE), 240)
     return {k: torch.load(root / f"{k}.pt", weights_only=False) for k in jobs}
 
 
@@ -214,18 +193,10 @@ def test_run_clm_on_two_virtual_hosts_logs_the_single_hosts_losses(tmp_path):
              "--fsdp_config", os.path.join(root, "configs", "fsdp", "tiny_cpu_v2.json"), "--do_train", "--do_eval",
              "--max_steps", "3", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
              "--block_size", "32", "--logging_steps", "1", "--learning_rate", "3e-3"]
-    port = _port()
+    port = vh.free_port()
     jobs = {"single": _env(1, 0, port), 0: _env(2, 0, port), 1: _env(2, 1, port)}
-    procs = {k: subprocess.Popen([sys.executable, os.path.join(root, "launch", "run_clm.py"), "--output_dir",
-                                  str(tmp_path / str(k))] + flags, env=env, cwd=root, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for k, env in jobs.items()}
-    try:
-        outs = {k: p.communicate(timeout=600)[0] for k, p in procs.items()}
-    finally:
-        for p in procs.values():
-            p.kill()
-    for k, p in procs.items():
-        assert p.returncode == 0, f"{k} failed ({p.returncode}):\n{outs[k][-4000:]}"
+    outs = vh.finish(vh.start({k: ([sys.executable, os.path.join(root, "launch", "run_clm.py"), "--output_dir",
+                                    str(tmp_path / str(k))] + flags, env) for k, env in jobs.items()}, cwd=root), 600)
     got = {k: json.loads((tmp_path / str(k) / "metrics.json").read_text()) for k in ("single", 0)}
     assert got[0]["losses"] == got["single"]["losses"] and len(got[0]["losses"]) == 3
     assert got[0]["eval_loss"] == got["single"]["eval_loss"]

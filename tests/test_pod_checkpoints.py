@@ -13,8 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -22,6 +20,7 @@ import pytest
 import torch
 
 import checkpoint_cases as cc
+import virtual_hosts as vh
 from parity_cases import run_distributed_fn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,38 +30,20 @@ KIND = "mlp"
 _SLOW = pytest.mark.slow
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(hosts: int, index: int, port: int) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(DEVICES), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port))
-    env.pop("XLA_USE_SPMD", None)
-    for k in ("XLA_FSDP_VIRTUAL_HOSTS", "XLA_FSDP_VIRTUAL_HOST_INDEX"):
-        env.pop(k, None)
-    if hosts > 1:
-        env.update(XLA_FSDP_VIRTUAL_HOSTS=str(hosts), XLA_FSDP_VIRTUAL_HOST_INDEX=str(index))
-    return env
+    return vh.host_env(hosts, index, port, DEVICES)
 
 
 def _start(hosts, args):
-    port = _port()
-    return [subprocess.Popen([sys.executable, SCRIPT, *args], env=_env(hosts, i, port), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for i in range(hosts)]
+    port = vh.free_port()
+    procs = vh.start({i: ([sys.executable, SCRIPT, *args], _env(hosts, i, port)) for i in range(hosts)})
+    return [procs[i] for i in range(hosts)]
 
 
 def run_hosts(hosts: int, *args: str, timeout: float = 600) -> None:
-    procs = _start(hosts, args)
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"host {i} of {hosts} failed ({p.returncode}):\n{out[-4000:]}"
+    port = vh.free_port()
+    vh.finish(vh.start({f"host {i} of {hosts}": ([sys.executable, SCRIPT, *args], _env(hosts, i, port))
+                        for i in range(hosts)}), timeout)
 
 
 def held(layout: str, device: int, rows: int):
@@ -238,12 +219,9 @@ def test_torch_xla_partial_replication_case_round_trips_exactly(tmp_path, hosts)
     """Mesh (2, 2), a tensor sharded on the first axis and replicated on the second: torch_xla's
     distributed_checkpoint saved no entry for it; here every row is saved once and loads exactly."""
     path, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    port = _port()
-    env = [dict(_env(hosts, i, port), CPU_NUM_DEVICES="4") for i in range(hosts)]
-    procs = [subprocess.Popen([sys.executable, SCRIPT, "partial", path, out], env=e, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for e in env]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[-1][-3000:]
+    port = vh.free_port()
+    vh.finish(vh.start({i: ([sys.executable, SCRIPT, "partial", path, out], vh.host_env(hosts, i, port, 4))
+                        for i in range(hosts)}), 600)
     meta = json.load(open(os.path.join(path, "metadata.json")))
     assert set(meta["params"]) == {"a.weight", "a.bias", "b.weight", "b.bias"}
     rows = {}
@@ -293,10 +271,10 @@ def test_save_pretrained_on_two_hosts_gathers_every_hosts_rows(tmp_path):
 
 def _run_clm_hosts(out, flags, env_extra=None):
     root = os.path.dirname(HERE)
-    port = _port()
-    return [subprocess.Popen([sys.executable, os.path.join(root, "launch", "run_clm.py"), "--output_dir", str(out),
-                              *flags], env=dict(_env(2, i, port), XLA_FSDP_RUNTIME="single_controller"), cwd=root,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    port = vh.free_port()
+    procs = vh.start({i: ([sys.executable, os.path.join(root, "launch", "run_clm.py"), "--output_dir", str(out), *flags],
+                          dict(_env(2, i, port), XLA_FSDP_RUNTIME="single_controller")) for i in range(2)}, cwd=root)
+    return procs
 
 
 @_SLOW
@@ -317,27 +295,21 @@ def test_run_clm_preempted_on_two_hosts_resumes_the_same_loss_curve(tmp_path):
              "--warmup_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1",
              "--optim", "adafactor", "--adafactor", "true"]  # the recipe's: factored and scalar state
 
-    def finish(procs):
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-        for i, p in enumerate(procs):
-            assert p.returncode == 0, f"host {i}:\n{outs[i][-4000:]}"
-        return outs
-
-    finish(_run_clm_hosts(tmp_path / "whole", flags))
+    vh.finish(_run_clm_hosts(tmp_path / "whole", flags), 600)
     whole = json.loads((tmp_path / "whole" / "metrics.json").read_text())
     killed = tmp_path / "killed"
     procs = _run_clm_hosts(killed, flags)
     deadline = time.time() + 600
     try:
         while not (killed / "checkpoint-2" / "COMPLETE").exists():
-            assert all(p.poll() is None for p in procs) and time.time() < deadline, "ended before checkpoint-2"
+            assert all(p.poll() is None for p in procs.values()) and time.time() < deadline, "ended before checkpoint-2"
             time.sleep(0.02)
     finally:
-        for p in procs:
+        for p in procs.values():
             p.send_signal(signal.SIGKILL)
             p.communicate()
     assert not (killed / "checkpoint-4").exists(), "killed too late: the job had finished"
-    outs = finish(_run_clm_hosts(killed, flags))
+    outs = vh.finish(_run_clm_hosts(killed, flags), 600)
     assert "resumed from" in outs[0]
     resumed = json.loads((killed / "metrics.json").read_text())
     want, got = dict(map(tuple, whole["losses"])), dict(map(tuple, resumed["losses"]))

@@ -60,7 +60,8 @@ class HostView:
         return self.count == 1
 
 
-def _ordinal(device: str) -> int:
+def device_ordinal(device: str) -> int:
+    """"TPU:5" -> 5: torch_xla's device names carry the global device id."""
     return int(device.rsplit(":", 1)[1])
 
 
@@ -73,7 +74,7 @@ def host_view() -> HostView:
     import torch_xla
     import torch_xla.runtime as xr
 
-    local = tuple(sorted(torch_xla._XLAC._xla_get_runtime_devices(), key=_ordinal))
+    local = tuple(sorted(torch_xla._XLAC._xla_get_runtime_devices(), key=device_ordinal))
     if not virtual_hosts_requested():
         return HostView(xr.process_count(), xr.process_index(), local, local, False)
     count, index = _virtual_env()
@@ -187,3 +188,17 @@ def host_group(view: Optional[HostView] = None) -> HostGroup:
         dist.init_process_group("gloo", init_method="xla://")
     _GROUP = HostGroup(view, dist)
     return _GROUP
+
+
+def global_tensor(shards: dict, sharding, shape, view: Optional[HostView] = None,
+                  group: Optional[HostGroup] = None):
+    """The global XLA tensor of `shape` with `sharding` (an OpSharding) from this host's
+    {device: shard} (each padded to the shard shape): what a pod host hands torch_xla for its own
+    devices; a virtual host first gets the other blocks' shards ([Note: virtual hosts])."""
+    import torch_xla
+
+    view = view or host_view()
+    if view.virtual:
+        shards = (group or host_group(view)).exchange(shards)
+    ordered = [shards[d] for d in view.all_devices]
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(ordered, sharding, list(shape))

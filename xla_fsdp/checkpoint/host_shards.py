@@ -25,10 +25,11 @@ anything else is refused by name.
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from .. import hosts
 from ..hosts import HostGroup, HostView
 
 Piece = Tuple[int, int, Callable[[], torch.Tensor]]  # [start, stop) of the full tensor's rows, produce rows
@@ -170,18 +171,5 @@ class ShardReader:
         """A new global tensor of `like`'s shape and sharding from {device: shard}."""
         import torch_xla
 
-        if self.view.virtual:
-            shards = self.group.exchange(shards)
-        ordered = [shards[d] for d in self.view.all_devices]
-        sharding = torch_xla._XLAC._get_xla_op_sharding(like)
-        return torch_xla._XLAC._global_tensor_from_cpu_shards(ordered, sharding, list(like.shape))
-
-
-def replicated(value: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor every host read whole, on the devices (replicated)."""
-    return value.to(device)
-
-
-def target_like(param: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """`param` itself when a state of `shape` can take its sharding, else None (replicated)."""
-    return param if tuple(shape) == tuple(param.shape) and is_sharded(param) else None
+        return hosts.global_tensor(shards, torch_xla._XLAC._get_xla_op_sharding(like), like.shape, self.view,
+                                   self.group)

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..hosts import HostGroup, HostView, host_group, host_view
+from ..hosts import HostGroup, HostView, device_ordinal, global_tensor, host_view
 
 
 def tile_rows(global_batch: int, tiles: int) -> List[Tuple[int, int]]:
@@ -64,10 +64,6 @@ def host_rows(global_batch: int, logical_mesh, host_device_ids: Sequence[int]) -
     return [row for start, stop in spans for row in range(start, stop)]
 
 
-def _ordinal(device: str) -> int:
-    return int(device.rsplit(":", 1)[1])
-
-
 class HostBatches:
     """This host's share of global batches laid out with the batch sharding of `mesh`
     ([Note: per-host batches]). Under the SPMD runtime only (`xr.use_spmd()`)."""
@@ -77,7 +73,7 @@ class HostBatches:
         self.view = view or host_view()
         self._group = group
         self._grid = np.asarray(mesh.get_logical_mesh())
-        self._ids = [_ordinal(d) for d in self.view.devices]
+        self._ids = [device_ordinal(d) for d in self.view.devices]
         self._rows: Dict[int, torch.Tensor] = {}
 
     @property
@@ -129,12 +125,8 @@ class HostBatches:
         want = len(self.rows(size))
         if local.shape[0] != want:
             raise ValueError(f"this host reads {want} rows of a global batch of {size}; got {local.shape[0]}")
-        shards = self._shards(local.detach().cpu(), size)
-        if self.view.virtual:
-            shards = (self._group or host_group(self.view)).exchange(shards)
-        ordered = [shards[d] for d in torch_xla._XLAC._xla_get_runtime_devices()]
-        return torch_xla._XLAC._global_tensor_from_cpu_shards(ordered, self.mesh.get_op_sharding(spec),
-                                                              [size, *local.shape[1:]])
+        return global_tensor(self._shards(local.detach().cpu(), size), self.mesh.get_op_sharding(spec),
+                             [size, *local.shape[1:]], self.view, self._group)
 
     def _shards(self, local: torch.Tensor, size: int) -> Dict[str, torch.Tensor]:
         """{device: its tile of the batch, zero-padded to the tile size} for this host's devices."""
