@@ -248,3 +248,39 @@ def summarize(found: List[Collective], devices: int = 0) -> dict:
             k["sent"] = k.get("sent", 0.0) + ring_bytes(c, devices)
         out.update(sent_per_chip=sent, sent_async_with_matmul_fraction=(beside / sent) if sent else 0.0)
     return out
+
+
+@dataclass
+class ScatterHeld:
+    """A reduce-scatter that libtpu compiled as an all-reduce of the whole buffer: how many
+    instructions of the schedule its full-size result stays live for."""
+
+    name: str
+    bytes: int
+    held_for: int  # schedule positions from the all-reduce to its last user
+
+
+def _slices_dynamically(ins: Instruction, comps: Dict[str, List[Instruction]]) -> bool:
+    if ins.opcode == "dynamic-slice":
+        return True
+    called = _CALLS.search(ins.rest)
+    return bool(called) and any(i.opcode == "dynamic-slice" for i in comps.get(called.group(1), []))
+
+
+def scatters_as_all_reduce(text: str) -> List[ScatterHeld]:
+    """The entry computation's all-reduces that stand for a reduce-scatter (a user cuts this
+    device's rows out of the result with a dynamic slice), with how long their full-size
+    results stay live ([Note: materialize the scattered shard] in
+    collective_engine/param_group.py keeps that to a few instructions)."""
+    comps = computations(text)
+    entry = comps.get("ENTRY", [])
+    users: Dict[str, List[int]] = {}
+    for pos, ins in enumerate(entry):
+        for operand in ins.operands:
+            users.setdefault(operand, []).append(pos)
+    out = []
+    for pos, ins in enumerate(entry):
+        after = users.get(ins.name, [])
+        if ins.opcode == "all-reduce" and any(_slices_dynamically(entry[u], comps) for u in after):
+            out.append(ScatterHeld(ins.name, max(shape_bytes(ins.shape), default=0), max(after) - pos))
+    return out

@@ -1,0 +1,81 @@
+"""Our single-controller step compiled by libtpu 0.0.21 for a large v4 slice (v4-128: 64 chips
+on a 4x4x4 torus), where the compiler rewrites collectives that it keeps on v4-8.
+
+Two things found at the blog's 20B on v4-128 and checked here on a 2-layer GPT-2 of width 512
+(tests/fixtures/gpt2-512.json; the tiny model's buffers all live in on-chip memory, where the
+first one does not show), traced at 64 devices and compiled with the flags xla_fsdp sets on a
+TPU; nothing mocked:
+- libtpu compiles our reduce-scatters there as all-reduces of the whole bucket plus a slice.
+  Unless the engine materializes the slice ([Note: materialize the scattered shard]), the
+  slice is fused into the gradient norm, clipping and optimizer fusions at the end of the
+  step, so every bucket's full-size result stays live through the rest of the backward (20B:
+  43 GiB needed, does not fit; with the barrier: 14.6 GiB).
+- without `xla_tpu_prefer_async_allgather_to_allreduce` every all-gather becomes a
+  synchronous zero-padded all-reduce (twice the bytes).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import aot_cases as ac  # noqa: E402
+
+from xla_fsdp.tpu import libtpu_flags as lf  # noqa: E402
+from xla_fsdp.tpu import optimized_hlo as oh  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="the TPU compiler comes with `pip install -e .[tpu-aot]`")
+
+TPU = "v4-128"
+MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "gpt2-512.json")
+
+
+@pytest.fixture(scope="module")
+def traced_step(tmp_path_factory):
+    """The single-controller step traced at v4-128's 64 devices (the check's --dump)."""
+    tmp = tmp_path_factory.mktemp("v4_128")
+    case = ac.BY_NAME["sc-full_shard"]
+    cmd = ac.command(case, 64, str(tmp / "fsdp.json"), str(tmp / "out"), model=MODEL, batch=1, block=128)
+    got = ac.check(TPU, cmd, runtime=case.runtime, extra=["--dump", str(tmp / "dump"), "--libtpu-flags", ""])
+    assert got["report"] and got["report"]["compiles"], got["output"]
+    return open(tmp / "dump" / "traced_step.hlo.txt").read()
+
+
+def _compile(text: str, flags) -> dict:
+    from xla_fsdp.aot import report
+    from xla_fsdp.aot.cli import _load_compiler
+    from xla_fsdp.tpu import topology
+
+    r = report.check_program(text, topology.parse_accelerator_type(TPU), _load_compiler(),
+                             lf.init_args(flags), say=lambda *a: None)
+    assert r["compiles"], r["error"][:2000]
+    return r
+
+
+@pytest.fixture(scope="module")
+def compiled(traced_step):
+    return _compile(traced_step, lf.ASYNC_COLLECTIVES)
+
+
+def test_reduced_gradients_do_not_hold_full_size_buffers_to_the_end_of_the_step(compiled):
+    held = oh.scatters_as_all_reduce(compiled["optimized_hlo"])
+    assert held, "no reduce-scatter compiled as an all-reduce: the check lost what it guards"
+    worst = max(held, key=lambda h: h.held_for)
+    # with the barrier: 2 instructions; without it, over 200 (the slice waits for the clipping)
+    assert worst.held_for <= 32, (
+        f"{worst.name} ({worst.bytes} bytes, a reduce-scatter compiled as an all-reduce) stays live for "
+        f"{worst.held_for} instructions: its slice was fused into a later consumer")
+
+
+def test_all_gathers_stay_asynchronous_gathers_on_a_three_axis_torus(traced_step, compiled):
+    gathers = compiled["collectives"]["by_kind"].get("all-gather", {})
+    assert gathers.get("async", 0) > 0 and gathers.get("async_with_matmul", 0) > 0, compiled["collectives"]
+    flag = "xla_tpu_prefer_async_allgather_to_allreduce"
+    without = _compile(traced_step, {k: v for k, v in lf.ASYNC_COLLECTIVES.items() if k != flag})
+    assert "all-gather" not in without["collectives"]["by_kind"], (
+        f"without --{flag} the gathers stayed gathers on {TPU}: the flag no longer does anything here",
+        without["collectives"]["by_kind"])
