@@ -42,9 +42,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import aot_cases as ac  # noqa: E402
 
-MODELS = {"125m": os.path.join(ROOT, "configs", "models", "gpt2-125m.json"),
-          "2b": os.path.join(ROOT, "configs", "models", "gpt2-2b.json")}
-SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8}
+MODELS = {m: os.path.join(ROOT, "configs", "models", f"gpt2-{m}.json")
+          for m in ("125m", "2b", "16b", "20b", "32b", "64b", "128b")}
+SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8, "v4-64": 32, "v4-128": 64, "v4-256": 128, "v4-512": 256}
+TABLE_MODELS, TABLE_SLICES = ("125m", "2b"), ("v4-8", "v5e-8", "v6e-8")  # the default table
 # sequences per chip: the blog's 32 x 1024; v5e's 16 GiB chips take 8
 BATCH = {"v4-8": 32, "v5e-8": 8, "v6e-8": 32}
 ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
@@ -65,9 +66,10 @@ def param_count(config_path: str) -> int:
     return sum(p.numel() for p in model.parameters())  # tied embeddings once
 
 
-def command(engine: str, model: str, tpu: str, tmp: str) -> tuple[list, str]:
-    """(the job's command as users launch it, the runtime to check it in)."""
-    batch = BATCH[tpu]
+def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tuple[list, str]:
+    """(the job's command as users launch it, the runtime to check it in); `batch`: sequences
+    per chip (0: the slice's default, BATCH)."""
+    batch = batch or BATCH[tpu]
     if engine in ("fsdpv1", "fsdpv2"):
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
@@ -86,15 +88,16 @@ def command(engine: str, model: str, tpu: str, tmp: str) -> tuple[list, str]:
     return launcher + cmd, "auto"
 
 
-def run(engine: str, model: str, tpu: str, params: int, dump: str = "") -> dict:
+def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: int = 0) -> dict:
+    batch = batch or BATCH[tpu]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd, runtime = command(engine, model, tpu, tmp)
+        cmd, runtime = command(engine, model, tpu, tmp, batch)
         started = time.time()
         extra = ["--dump", os.path.join(dump, f"{model}-{tpu}-{engine}")] if dump else []
         got = ac.check(tpu, cmd, runtime=runtime, extra=extra, timeout=3600)
     r = got["report"] or {}
     n = SLICES[tpu]
-    row = {"engine": engine, "model": model, "tpu": tpu, "chips": n, "batch_per_chip": BATCH[tpu],
+    row = {"engine": engine, "model": model, "tpu": tpu, "chips": n, "batch_per_chip": batch,
            "params": params, "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
            "runtime": r.get("runtime"), "ideal_gb": 3 * (n - 1) / n * params * 2 / 1e9}
     if r.get("compiles"):
@@ -158,8 +161,8 @@ def render(rows: list) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["125m", "2b"], choices=sorted(MODELS))
-    p.add_argument("--tpu", nargs="+", default=list(SLICES), choices=sorted(SLICES))
+    p.add_argument("--models", nargs="+", default=list(TABLE_MODELS), choices=sorted(MODELS))
+    p.add_argument("--tpu", nargs="+", default=list(TABLE_SLICES), choices=sorted(SLICES))
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + EXTRA)
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     p.add_argument("--dump", default="", help="keep each row's traced and TPU-optimized programs under DIR")
