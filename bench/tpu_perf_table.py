@@ -44,7 +44,8 @@ import aot_cases as ac  # noqa: E402
 
 MODELS = {m: os.path.join(ROOT, "configs", "models", f"gpt2-{m}.json")
           for m in ("125m", "2b", "16b", "20b", "32b", "64b", "128b")}
-SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8, "v4-64": 32, "v4-128": 64, "v4-256": 128, "v4-512": 256}
+SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8, "v4-32": 16, "v4-64": 32, "v4-128": 64, "v4-256": 128,
+          "v4-512": 256, "v5e-256": 256}
 TABLE_MODELS, TABLE_SLICES = ("125m", "2b"), ("v4-8", "v5e-8", "v6e-8")  # the default table
 # sequences per chip: the blog's 32 x 1024; v5e's 16 GiB chips take 8
 BATCH = {"v4-8": 32, "v5e-8": 8, "v6e-8": 32}
