@@ -106,6 +106,16 @@ def test_check_outside_the_cli_names_the_command():
         xla_fsdp.aot.check(lambda: None)
 
 
+def test_a_slice_of_128_chips_or_more_is_refused_by_name_for_the_single_controller(tmp_path):
+    """One process cannot stand in for 128+ chips: torch's autograd numbers devices in 8 bits and
+    would fail with an internal assert deep in backward; the check says so before tracing."""
+    case = ac.BY_NAME["sc-full_shard"]
+    got = ac.check("v4-256", ac.command(case, 128, str(tmp_path / "fsdp.json"), str(tmp_path / "out")))
+    assert got["rc"] != 0 and got["report"] is None
+    assert "cannot trace the single controller at 128 chips" in got["output"] and "v4-128" in got["output"], \
+        got["output"]
+
+
 def test_single_controller_step_compiles_for_a_multi_host_slice(tmp_path):
     """v5e-16: 16 chips over 4 hosts, the single controller (run_clm's default on a pod) with
     HYBRID_SHARD; about 45 s here."""
