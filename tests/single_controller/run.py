@@ -91,8 +91,12 @@ def program():
     """
     case = pc.Case("program", "gpt2", "adamw", clip=1.0)
     got = pc.train_single_controller(case, steps=2)
-    dumps = glob.glob(os.path.join(os.environ["DUMP_DIR"], "*after_spmd-partitioning*.txt"))
-    step = max((open(p).read() for p in dumps), key=lambda text: text.count(" reduce-scatter("))
+    # the second step's program (the steady state; the first step's differs: its root gathers
+    # on its own), i.e. the last module compiled that holds the reduce-scatters. Module files
+    # are numbered in compile order; glob's order is the file system's, so sort
+    dumps = sorted(glob.glob(os.path.join(os.environ["DUMP_DIR"], "*after_spmd-partitioning*.txt")))
+    texts = [open(p).read() for p in dumps]
+    step = [t for t in texts if " reduce-scatter(" in t][-1]
     found = [COLLECTIVE.search(line) for line in step.splitlines()]
     found = [m for m in found if m]
     groups = [re.search(r"replica_groups=(\{\{[^}]*\}\})", m.group(2)) for m in found]
