@@ -81,8 +81,10 @@ class Run:
 def _start(tmp: Path, cases_by_devices):
     runs = {}
     for devices, cases in cases_by_devices.items():
-        extra = [c.name for c in MIXED_LAYOUTS] if devices == 4 else []
-        runs[("parity", devices)] = Run(devices, "parity", tmp / f"parity{devices}.pt", cases + extra)
+        extra = [c.name for c in MIXED_LAYOUTS] if devices == 4 else TORUS_CASES
+        # at 8: the devices stand for a 2x2x2 v4 slice ([Note: one reduce-scatter per torus axis])
+        runs[("parity", devices)] = Run(devices, "parity", tmp / f"parity{devices}.pt", cases + extra,
+                                        env={"XLA_FSDP_TORUS": "2x2x2"} if devices == 8 else None)
     dump = tmp / "dump"
     runs["program"] = Run(8, "program", tmp / "program.pt", env={
         "DUMP_DIR": str(dump),
@@ -94,6 +96,9 @@ def _start(tmp: Path, cases_by_devices):
     runs["late_spmd"] = Run(4, "late_spmd", tmp / "late.pt")
     runs["state_dicts"] = Run(4, "state_dicts", tmp / "state_dicts.pt")
     return runs
+
+
+TORUS_CASES = ["mlp_sgd"]  # at 8 devices, whose parity run stands for a 2x2x2 slice
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +132,22 @@ def test_nested_units_with_different_layouts(runs, name):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["ref_losses"]), **FP32)
     for param, want in got["ref_params"].items():
         assert_rel_close(got["params"][param], want, FP32_PARAM_REL, f"{name} {param}")
+
+
+@pytest.mark.parametrize("spec", TORUS_CASES)
+def test_reduce_scatter_in_stages_along_the_torus_axes(runs, spec):
+    """On a slice whose devices span three axes the engine reduce-scatters one axis at a time
+    (three reduce-scatters over pairs on 2x2x2); parameters still match the unsharded run."""
+    at8 = runs[("parity", 8)].result()
+    got = at8[spec]
+    sizes = {count for count, _ in got["scatter_sizes"]}
+    assert 2 in sizes and sizes <= {2, 8}, got["scatter_sizes"]
+    # flat only for buckets too small for 8 rows of 128 per device (an all-reduce on a TPU either way)
+    assert all(numel < 8 * 8 * 128 for count, numel in got["scatter_sizes"] if count == 8), got["scatter_sizes"]
+    _check_parity(spec, got)
+    # two groups of 4 (HYBRID): flat, each its own half; at 4 devices with no torus: flat
+    assert {count for count, _ in at8["gpt2_hybrid"]["scatter_sizes"]} == {4}
+    assert {count for count, _ in runs[("parity", 4)].result()["mlp_sgd"]["scatter_sizes"]} == {4}
 
 
 def test_hybrid_groups_are_the_halves(runs):

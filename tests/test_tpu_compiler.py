@@ -165,6 +165,56 @@ ENTRY main {
     assert replicated.output_size == 64 * 256 * F32 and sharded.output_size < replicated.output_size
 
 
+def _one_collective_module(op: str, rows: int, devices: int) -> str:
+    """One unpinned collective over every device of an SPMD module, on bf16[rows,128]:
+    a reduce-scatter on dim 0 or an all-reduce."""
+    group = "{{" + ",".join(map(str, range(devices))) + "}}"
+    out = rows // devices if op == "reduce-scatter" else rows
+    extra = ", dimensions={0}" if op == "reduce-scatter" else ""
+    return f"""HloModule one_collective, num_partitions={devices}
+add {{
+  a = bf16[] parameter(0)
+  b = bf16[] parameter(1)
+  ROOT s = bf16[] add(a, b)
+}}
+ENTRY main {{
+  g = bf16[{rows},128]{{1,0}} parameter(0), sharding={{manual}}
+  c = bf16[{out},128]{{1,0}} {op}(g), channel_id=1, replica_groups={group}{extra}, use_global_device_ids=true, to_apply=add, sharding={{manual}}
+  ROOT out = bf16[{out},128]{{1,0}} copy(c), sharding={{manual}}
+}}
+"""
+
+
+def test_large_reduce_scatter_is_read_as_one(compiler):
+    """[Note: libtpu's reduce-scatter emitter]: libtpu writes a 16 MiB reduce-scatter on v4-8
+    as a fusion holding an all-reduce and a slice, but gives it the emitter of the
+    reduce-scatters it keeps, not the all-reduce's; our reader counts it as a reduce-scatter."""
+    from xla_fsdp.tpu import optimized_hlo as oh
+
+    _, slice_ = _open(compiler, "v4-8")
+    programs = {}
+    with slice_:
+        for op, rows in (("reduce-scatter", 65536), ("reduce-scatter", 4096), ("all-reduce", 65536)):
+            programs[(op, rows)] = compiler.compile(slice_, co.hlo_text_to_proto(_one_collective_module(op, rows, 4)),
+                                                    co.spmd_options(slice_.device_ids)).optimized_hlo
+
+    def top(text):  # the entry's collective instructions with their emitters
+        entry = oh.computations(text)["ENTRY"]
+        return [(i.opcode, oh.emitter(i)) for i in entry if oh.emitter(i)]
+
+    large, kept, reduce_all = (top(programs[k]) for k in programs)
+    assert large[0][0] == "fusion" and "reduce-scatter(" not in programs[("reduce-scatter", 65536)], large
+    assert "all-reduce(" in programs[("reduce-scatter", 65536)]  # inside the fusion
+    assert kept[0][0] == "reduce-scatter", kept
+    assert large[0][1] == kept[0][1] != reduce_all[0][1], (large, kept, reduce_all)
+    found = [c for c in oh.collectives(programs[("reduce-scatter", 65536)]) if c.bytes > 1 << 20]
+    assert [c.kind for c in found] == ["reduce-scatter"], found
+    full = 65536 * 128 * 2
+    assert full <= found[0].bytes <= 1.02 * full, found
+    assert oh.ring_bytes(found[0], 4) == pytest.approx(0.75 * found[0].bytes)
+    assert [c.kind for c in oh.collectives(programs[("all-reduce", 65536)])] == ["all-reduce"]
+
+
 @pytest.mark.parametrize("accelerator_type,devices,processes", [
     ("v4-8", 4, 1), ("v4-32", 16, 4), ("v5e-8", 8, 1), ("v5e-16", 16, 4), ("v5p-8", 4, 1), ("v6e-8", 8, 1)])
 def test_topology_reports_devices_and_processes(compiler, accelerator_type, devices, processes):

@@ -12,9 +12,14 @@ TPU; nothing mocked:
   43 GiB needed, does not fit; with the barrier: 14.6 GiB).
 - without `xla_tpu_prefer_async_allgather_to_allreduce` every all-gather becomes a
   synchronous zero-padded all-reduce (twice the bytes).
+- by default the engine reduce-scatters one torus axis at a time there ([Note: one
+  reduce-scatter per torus axis]), and those stay reduce-scatters: the gradient reduction
+  sends the ring's (N-1)/N, not an all-reduce's twice that. The first check above traces
+  with `reduce_scatter_stages="flat"`, where the all-reduces it guards still exist.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -34,15 +39,25 @@ TPU = "v4-128"
 MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "gpt2-512.json")
 
 
-@pytest.fixture(scope="module")
-def traced_step(tmp_path_factory):
+def _trace(tmp, stages: str) -> str:
     """The single-controller step traced at v4-128's 64 devices (the check's --dump)."""
-    tmp = tmp_path_factory.mktemp("v4_128")
     case = ac.BY_NAME["sc-full_shard"]
+    case = dataclasses.replace(case, settings={**case.settings, "reduce_scatter_stages": stages})
     cmd = ac.command(case, 64, str(tmp / "fsdp.json"), str(tmp / "out"), model=MODEL, batch=1, block=128)
     got = ac.check(TPU, cmd, runtime=case.runtime, extra=["--dump", str(tmp / "dump"), "--libtpu-flags", ""])
     assert got["report"] and got["report"]["compiles"], got["output"]
     return open(tmp / "dump" / "traced_step.hlo.txt").read()
+
+
+@pytest.fixture(scope="module")
+def traced_step(tmp_path_factory):
+    """Reduce-scatters flat, as libtpu rewrites them into all-reduces here."""
+    return _trace(tmp_path_factory.mktemp("v4_128_flat"), "flat")
+
+
+@pytest.fixture(scope="module")
+def traced_default(tmp_path_factory):
+    return _trace(tmp_path_factory.mktemp("v4_128"), "auto")
 
 
 def _compile(text: str, flags) -> dict:
@@ -79,3 +94,16 @@ def test_all_gathers_stay_asynchronous_gathers_on_a_three_axis_torus(traced_step
     assert "all-gather" not in without["collectives"]["by_kind"], (
         f"without --{flag} the gathers stayed gathers on {TPU}: the flag no longer does anything here",
         without["collectives"]["by_kind"])
+
+
+def test_gradients_reduce_scatter_along_each_torus_axis_and_stay_reduce_scatters(compiled, traced_default):
+    default = _compile(traced_default, lf.ASYNC_COLLECTIVES)["collectives"]["by_kind"]
+    flat = compiled["collectives"]["by_kind"]
+    # flat: libtpu turned the 64-chip reduce-scatters into all-reduces (the check above guards them)
+    assert flat.get("all-reduce", {}).get("sent", 0) > flat.get("reduce-scatter", {}).get("sent", 0), flat
+    # in stages they stay reduce-scatters; what all-reduces remain (loss, norms, the few buckets of
+    # under 8 rows per shard) send under 5% of the reduce-scatters' bytes
+    scattered = default.get("reduce-scatter", {}).get("sent", 0)
+    assert scattered > 0 and default.get("all-reduce", {}).get("sent", 0) < 0.05 * scattered, default
+    # and the gradient reduction sends about half what the flat program's all-reduces did
+    assert scattered < 0.6 * flat["all-reduce"]["sent"], (default, flat)

@@ -102,8 +102,14 @@ class CollectiveOptions:
     reduce_scatter_bucket_size_mb: float = 0.0
     optimization_barrier_in_forward: bool = True
     optimization_barrier_in_backward: bool = True
+    # single controller: "auto" reduce-scatters one torus axis at a time on v4/v5p slices,
+    # "flat" never ([Note: one reduce-scatter per torus axis])
+    reduce_scatter_stages: str = "auto"
 
     def __post_init__(self):
+        if self.reduce_scatter_stages not in ("auto", "flat"):
+            raise ValueError(f"reduce_scatter_stages={self.reduce_scatter_stages!r} is not valid; use one of "
+                             "('auto', 'flat')")
         if self.all_gather_impl not in ALL_GATHER_IMPLS:
             raise ValueError(
                 f"all_gather_impl={self.all_gather_impl!r} is not valid; use one of {ALL_GATHER_IMPLS}"

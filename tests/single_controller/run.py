@@ -46,9 +46,22 @@ def case_for_world(case: pc.Case) -> pc.Case:
     return dataclasses.replace(case, fsdp=tuple(fsdp.items()))
 
 
+def _count_reduce_scatters(sizes: list) -> None:
+    """Record (group size, elements) of every reduce-scatter the engine issues (the real op still runs)."""
+    issue = torch_xla._XLAC._xla_reduce_scatter
+
+    def counted(*args):
+        sizes.append((args[5], args[1].numel()))  # (reduce type, input, token, scale, dim, shard count, ...)
+        return issue(*args)
+
+    torch_xla._XLAC._xla_reduce_scatter = counted
+
+
 def parity(names):
     by_name = {c.name: c for c in pc.MATRIX + pc.MIXED_LAYOUTS}
     out = {}
+    scatter_sizes: list = []
+    _count_reduce_scatters(scatter_sizes)
     for spec in names:
         if spec == "meta":  # a meta-device model materialized by reset_parameters()
             import meta_cases
@@ -76,7 +89,9 @@ def parity(names):
         full = {n: pc.unpad(got["padded"][n], p) for n, p in ref["params"].items()}
         shapes = {n: list(t.shape) for n, t in got["padded"].items()}
         out[spec] = {"losses": got["losses"], "ref_losses": ref["losses"], "params": full,
-                     "ref_params": ref["params"], "padded_shapes": shapes, "groups": got["groups"]}
+                     "ref_params": ref["params"], "padded_shapes": shapes, "groups": got["groups"],
+                     "scatter_sizes": sorted(set(scatter_sizes))}
+        scatter_sizes.clear()
     return out
 
 

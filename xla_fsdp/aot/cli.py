@@ -90,6 +90,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         spec = topology.parse_accelerator_type(opts.tpu)
         job = trace.job_from_command(command, opts.runtime, spec.chips)
+        if spec.chip.megacore:  # 3-D ICI (v4, v5p): [Note: one reduce-scatter per torus axis]
+            job.torus = "x".join(map(str, spec.shape))
     except (ValueError, trace.TraceError) as e:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         return EXIT_USAGE

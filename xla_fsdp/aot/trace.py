@@ -38,6 +38,7 @@ class Job:
     args: List[str]
     runtime: str
     devices: int
+    torus: str = ""  # the slice's devices per axis, x first ("2x2x4"); the engine reads it
 
 
 def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
@@ -118,6 +119,10 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
         "TF_CPP_MIN_LOG_LEVEL": env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
         "PYTHONUNBUFFERED": "1",
     })
+    if job.torus:  # the slice the step is checked for, not this host's stand-in devices
+        from xla_fsdp.collective_engine.torus import ENV as TORUS_ENV
+
+        env[TORUS_ENV] = job.torus
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env

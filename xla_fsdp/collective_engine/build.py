@@ -55,7 +55,8 @@ _KEY_ATTR = "_xla_fsdp_layout_key"
 def _layout_key(kw: Dict[str, Any], options: FSDPOptions) -> tuple:
     groups = kw["sharding_groups"]
     groups = None if groups is None else tuple(tuple(int(r) for r in g) for g in groups)
-    return (options.strategy, options.collectives.pin_layout, options.collectives.all_gather_impl, groups,
+    return (options.strategy, options.collectives.pin_layout, options.collectives.all_gather_impl,
+            options.collectives.reduce_scatter_stages, groups,
             kw["sharding_rank"], kw["sharding_world_size"], id(kw["mesh"]) if kw["mesh"] is not None else None)
 
 

@@ -36,6 +36,7 @@ import torch
 
 from .. import abstract
 from ..options import CollectiveOptions, ShardingLayout
+from . import torus
 from .manual_region import ToLocal, to_global, to_local
 
 REDUCE_SUM = "sum"
@@ -337,6 +338,7 @@ class SpmdCollectives(XlaCollectives):
         super().__init__(layout, options, device)
         self._pin_layout = False  # [Note: no pinning in one program]
         self.placement = placement
+        self._stages = None  # reduce-scatter stages, decided at the first one (torus.py)
         # each device's position in its shard group, as data
         self._positions = torch.tensor(placement.shard_positions(), dtype=torch.long).to(self.device)
         xs.mark_sharding(self._positions, placement.mesh, placement.spec("batch", 1))
@@ -385,6 +387,31 @@ class SpmdCollectives(XlaCollectives):
 
     def _rank_index(self):
         return to_local(self._positions, self.placement.mesh, self.placement.spec("batch", 1))
+
+    def reduce_scatter(self, flat, follow_chain=True):
+        if self._stages is None:
+            groups, _ = self._group("shard")
+            self._stages = torus.stages(groups[0], torus.slice_shape(), self.options.reduce_scatter_stages) \
+                if len(groups) == 1 else []
+        if not self._stages or as_rows(flat, self.layout.shard_world_size).dim() == 1:
+            # a bucket too small for whole rows of every stage's shards is an all-reduce either way
+            # ([Note: 2-D reduce-scatter]); staged, libtpu also merges it with its neighbours' stages
+            return super().reduce_scatter(flat, follow_chain)
+        # [Note: one reduce-scatter per torus axis]: the same result as the flat one, in stages
+        device = str(self.device)
+        if not follow_chain:  # [Note: the last reduce-scatter]
+            self._xlac._set_all_reduce_token(device, None)
+        token = self._xlac._get_all_reduce_token(device)
+        out = flat
+        for groups, count in self._stages:
+            # every stage waits for the same token (the next stage waits for this one's data anyway);
+            # only the last one publishes: a token read from an intermediate result keeps libtpu from
+            # fusing that stage's all-reduce + slice into its reduce-scatter emitter
+            out, new_token = self._xlac._xla_reduce_scatter(REDUCE_SUM, as_rows(out, count), token, 1.0, 0,
+                                                            count, groups, False, *self._channel)
+            out = out.reshape(-1)
+        self._xlac._set_all_reduce_token(device, new_token)
+        return out
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):
         groups, count = self._group(group)

@@ -37,6 +37,7 @@ ENGINE_KEYWORDS: tuple[str, ...] = (
     "pin_layout_in_collective_ops",
     "reduce_scatter_bucket_size_mb",
     "all_gather_impl",
+    "reduce_scatter_stages",
     "sharding_strategy",
 )
 
@@ -241,6 +242,8 @@ class XlaFSDPSettings:
     """Bucket gradients up to this many MiB per reduce-scatter; 0 disables bucketing."""
     all_gather_impl: Optional[str] = None
     """How parameters are gathered: "all_gather" or "all_reduce" (of zero-padded shards)."""
+    reduce_scatter_stages: Optional[str] = None
+    """Single controller: "auto" (one reduce-scatter per torus axis on v4/v5p slices) or "flat"."""
     sharding_strategy: Optional[str] = None
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (case-insensitive; stored upper case)."""
 
@@ -256,6 +259,9 @@ class XlaFSDPSettings:
                 object.__setattr__(self, name, _canonical_dtype(where + name, value))
         if self.all_gather_impl is not None:
             _canonical_choice(where + "all_gather_impl", self.all_gather_impl, _ALL_GATHER_IMPLS, upper=False)
+        if self.reduce_scatter_stages is not None:
+            _canonical_choice(where + "reduce_scatter_stages", self.reduce_scatter_stages,
+                              ("auto", "flat"), upper=False)
         if self.sharding_strategy is not None:
             object.__setattr__(
                 self,

@@ -95,8 +95,30 @@ def computations(text: str) -> Dict[str, List[Instruction]]:
     return out
 
 
+# [Note: libtpu's reduce-scatter emitter]
+# libtpu writes a large reduce-scatter as a kCustom fusion named `all-reduce-scatter` that
+# holds an all-reduce of the whole buffer and a dynamic slice of this device's rows. The fusion
+# is not executed as an all-reduce: its backend config names the collective emitter, and it is
+# SingleInputAllReduceScatterFusion, the same emitter libtpu gives the reduce-scatters it keeps
+# as `reduce-scatter` instructions (all-reduces get RotatedPincerEmitter and ring strategies).
+# So a collective whose emitter is a reduce-scatter emitter counts as a reduce-scatter
+# ((n-1)/n of its input sent), whatever the instructions inside it say. An all-reduce at the
+# top level whose result a later instruction slices (`scatters_as_all_reduce`) is a real
+# all-reduce and counts twice that. Checked on hand-written modules in
+# tests/test_tpu_compiler.py (test_large_reduce_scatter_is_read_as_one).
+_EMITTER = re.compile(r'"emitter":"(\w+)"')
+
+
+def emitter(ins: Instruction) -> str:
+    """The collective emitter libtpu chose for this instruction ("" when none is named)."""
+    m = _EMITTER.search(ins.rest)
+    return m.group(1) if m else ""
+
+
 def _collective_kind(ins: Instruction, comps: Dict[str, List[Instruction]]) -> Optional[str]:
     """The collective an instruction is (or wraps), else None."""
+    if "ReduceScatter" in emitter(ins):  # [Note: libtpu's reduce-scatter emitter]
+        return "reduce-scatter"
     op = ins.opcode
     for kind in KINDS:
         if op in (kind, kind + "-start"):

@@ -1,0 +1,74 @@
+"""[Note: one reduce-scatter per torus axis]: the stages' groups, and that reducing stage by
+stage leaves every device the chunk a flat reduce-scatter would (numpy, every device's data
+distinct). The engine runs them in tests/test_single_controller.py (parity at 2x2x2) and
+libtpu compiles them in tests/test_tpu_large_slice.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xla_fsdp.collective_engine import torus
+from xla_fsdp.options import CollectiveOptions
+
+
+def _staged(data: np.ndarray, stages) -> np.ndarray:
+    """Run reduce-scatter stages over per-device buffers data[device] -> each device's result."""
+    bufs = {d: data[d] for d in range(len(data))}
+    for groups, count in stages:
+        nxt = {}
+        for group in groups:
+            total = sum(bufs[d] for d in group)
+            for position, d in enumerate(group):
+                nxt[d] = np.split(total, count)[position]
+        bufs = nxt
+    return np.stack([bufs[d] for d in range(len(data))])
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 4), (2, 2, 1), (4, 4, 4), (2, 4), (1, 2, 2)])
+def test_stages_give_each_device_the_flat_reduce_scatters_chunk(shape):
+    n = int(np.prod(shape))
+    stages = torus.stages(list(range(n)), shape)
+    assert [count for _, count in stages] == [s for s in reversed(shape) if s > 1]
+    for groups, count in stages:  # every device once per stage, groups along one axis
+        assert sorted(d for g in groups for d in g) == list(range(n)) and {len(g) for g in groups} == {count}
+    data = np.random.default_rng(0).standard_normal((n, n * 3))
+    flat = np.stack(np.split(data.sum(0), n))
+    np.testing.assert_allclose(_staged(data, stages), flat, rtol=1e-12, atol=1e-12)
+
+
+def test_stages_on_v4_32_run_along_z_then_y_then_x():
+    stages = torus.stages(list(range(16)), (2, 2, 4))
+    assert stages[0] == ([[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]], 4)
+    assert stages[1][0][:2] == [[0, 2], [1, 3]] and stages[2][0][:2] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("group,shape,mode", [
+    (list(range(8)), (8, 1, 1), "auto"),          # one axis: the flat one is already along it
+    (list(range(8)), (2, 2, 2), "flat"),           # turned off
+    ([1, 0, 2, 3, 4, 5, 6, 7], (2, 2, 2), "auto"),  # not device-id order
+    (list(range(4)), (2, 2, 2), "auto"),           # not the whole slice (hybrid groups)
+    (list(range(8)), None, "auto"),                # slice unknown
+])
+def test_flat_where_stages_are_not_known_to_be_right(group, shape, mode):
+    assert torus.stages(group, shape, mode) == []
+
+
+def test_shape_from_device_coordinates():
+    v4_32 = [(x, y, z) for z in range(4) for y in range(2) for x in range(2)]
+    assert torus.from_coordinates(v4_32) == (2, 2, 4)
+    assert torus.from_coordinates([(0, 0, 0), (0, 0, 0)]) is None  # two cores per chip
+    assert torus.from_coordinates([(0, 1, 0), (0, 0, 0)]) is None  # another numbering
+    assert torus.from_coordinates([]) is None
+
+
+@pytest.mark.parametrize("text", ["2x", "axb", "0x2x2", ""])
+def test_bad_torus_text_is_refused_by_name(text):
+    with pytest.raises(ValueError, match=torus.ENV):
+        torus.parse(text)
+
+
+def test_unknown_stage_mode_is_refused():
+    with pytest.raises(ValueError, match="reduce_scatter_stages='ring'"):
+        CollectiveOptions(reduce_scatter_stages="ring")
+    with pytest.raises(ValueError, match="reduce_scatter_stages"):
+        torus.stages([0, 1], (2, 1), "ring")
