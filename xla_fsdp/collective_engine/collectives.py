@@ -44,7 +44,7 @@ REDUCE_MAX = "max"
 # [Note: 2-D reduce-scatter] libtpu 0.0.21 compiles a reduce-scatter of a 1-D operand (our flat
 # buckets) as an all-reduce of the whole buffer followed by a slice: twice the bytes on the ring.
 # On v5e and v6e a 2-D operand with at least 8 rows per shard stays a reduce-scatter (compiled
-# and checked: tests/test_tpu_compile_matrix.py); v4 turns every one into an all-reduce. So a
+# and checked: tests/test_tpu_compile_matrix.py); v4 turns many into all-reduces (torus.py). So a
 # flat buffer whose shard divides into such rows is scattered as [rows, RS_LANES]: row-major,
 # each device's rows are exactly its flat shard, so the result is the same.
 RS_LANES = 128
