@@ -15,8 +15,9 @@ each chip sends: 3/4 + 1/8 + 1/16 = 15/16 of the buffer, the ring reduce-scatter
 
 Applied by default ("auto") only where it is known to be right and to pay: the single
 controller, one shard group that is every device of the slice in device-id order, a slice of
-chips with 3-D ICI (v4, v5p) spanning at least two axes. v5e and v6e (2-D) keep their flat
-reduce-scatters, which libtpu keeps. `reduce_scatter_stages="flat"` turns it off.
+chips with 3-D ICI (v4, v5p) spanning at least two axes (compiled and measured on v4 only; v5p
+by the same ICI shape, not compiled). v5e and v6e (2-D) keep their flat reduce-scatters, which
+libtpu keeps. `reduce_scatter_stages="flat"` turns it off.
 
 The slice's shape comes from `XLA_FSDP_TORUS` ("2x2x4", x first: the ahead-of-time check sets
 it when it compiles for a v4 or v5p slice) or, on a v4/v5p TPU, from the runtime's device
