@@ -81,6 +81,7 @@ class MixedPrecision:
 
 
 ALL_GATHER_IMPLS = ("all_gather", "all_reduce")
+REDUCE_SCATTER_STAGES = ("auto", "flat")  # [Note: one reduce-scatter per torus axis]
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,9 @@ class CollectiveOptions:
     reduce_scatter_stages: str = "auto"
 
     def __post_init__(self):
-        if self.reduce_scatter_stages not in ("auto", "flat"):
+        if self.reduce_scatter_stages not in REDUCE_SCATTER_STAGES:
             raise ValueError(f"reduce_scatter_stages={self.reduce_scatter_stages!r} is not valid; use one of "
-                             "('auto', 'flat')")
+                             f"{REDUCE_SCATTER_STAGES}")
         if self.all_gather_impl not in ALL_GATHER_IMPLS:
             raise ValueError(
                 f"all_gather_impl={self.all_gather_impl!r} is not valid; use one of {ALL_GATHER_IMPLS}"

@@ -186,11 +186,22 @@ class XlaCollectives(Collectives):
         if count == 1:
             return flat
         token = self._xlac._get_all_reduce_token(device)
-        out, new_token = self._xlac._xla_reduce_scatter(
-            REDUCE_SUM, as_rows(flat, count), token, 1.0, 0, count, groups, self._pin_layout, *self._channel
-        )
+        out = flat
+        for stage_groups, stage_count in self._scatter_stages(flat, groups, count):
+            # every stage waits for the same token (a later stage waits for the earlier one's data
+            # anyway); only the last publishes: a token read from an intermediate result keeps
+            # libtpu from fusing that stage into its reduce-scatter emitter (torus.py)
+            out, new_token = self._xlac._xla_reduce_scatter(
+                REDUCE_SUM, as_rows(out, stage_count), token, 1.0, 0, stage_count, stage_groups,
+                self._pin_layout, *self._channel)
+            out = out.reshape(-1)
         self._xlac._set_all_reduce_token(device, new_token)
-        return out.reshape(-1)
+        return out
+
+    def _scatter_stages(self, flat, groups, count) -> List[Tuple[List[List[int]], int]]:
+        """The reduce-scatters that together scatter `flat` over the shard group, in order, each
+        as (replica groups, devices per group): here one over the whole group."""
+        return [(groups, count)]
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):
         groups, count = self._group(group)
@@ -313,30 +324,15 @@ class SpmdCollectives(XlaCollectives):
     def _rank_index(self):
         return to_local(self._positions, self.placement.mesh, self.placement.spec("batch", 1))
 
-    def reduce_scatter(self, flat, follow_chain=True):
+    def _scatter_stages(self, flat, groups, count):
         if self._stages is None:
-            groups, _ = self._group("shard")
             self._stages = torus.stages(groups[0], torus.slice_shape(), self.options.reduce_scatter_stages) \
                 if len(groups) == 1 else []
-        if not self._stages or as_rows(flat, self.layout.shard_world_size).dim() == 1:
-            # a bucket too small for whole rows of every stage's shards is an all-reduce either way
-            # ([Note: 2-D reduce-scatter]); staged, libtpu also merges it with its neighbours' stages
-            return super().reduce_scatter(flat, follow_chain)
-        # [Note: one reduce-scatter per torus axis]: the same result as the flat one, in stages
-        device = str(self.device)
-        if not follow_chain:  # [Note: the last reduce-scatter]
-            self._xlac._set_all_reduce_token(device, None)
-        token = self._xlac._get_all_reduce_token(device)
-        out = flat
-        for groups, count in self._stages:
-            # every stage waits for the same token (the next stage waits for this one's data anyway);
-            # only the last one publishes: a token read from an intermediate result keeps libtpu from
-            # fusing that stage's all-reduce + slice into its reduce-scatter emitter
-            out, new_token = self._xlac._xla_reduce_scatter(REDUCE_SUM, as_rows(out, count), token, 1.0, 0,
-                                                            count, groups, False, *self._channel)
-            out = out.reshape(-1)
-        self._xlac._set_all_reduce_token(device, new_token)
-        return out
+        # a bucket too small for whole rows of every stage's shards is an all-reduce either way
+        # ([Note: 2-D reduce-scatter]); staged, libtpu also merges it with its neighbours' stages
+        if self._stages and as_rows(flat, count).dim() == 2:
+            return self._stages  # [Note: one reduce-scatter per torus axis]
+        return super()._scatter_stages(flat, groups, count)
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):
         groups, count = self._group(group)

@@ -7,6 +7,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from ..options import CollectiveOptions, ShardingLayout
 from .collectives import REDUCE_SUM, Collectives
 
 _DIST_GROUPS: Dict[Tuple[Tuple[int, ...], ...], List] = {}

@@ -25,11 +25,13 @@ coordinates.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Optional, Sequence, Tuple
 
+from ..options import REDUCE_SCATTER_STAGES
+
 ENV = "XLA_FSDP_TORUS"
-STAGE_CHOICES = ("auto", "flat")
 
 Stage = Tuple[List[List[int]], int]  # (replica groups as device ids, devices per group)
 
@@ -51,10 +53,7 @@ def from_coordinates(coords: Sequence[Sequence[int]]) -> Optional[Tuple[int, ...
     if not coords or any(len(c) != len(coords[0]) for c in coords):
         return None
     shape = tuple(max(c[a] for c in coords) + 1 for a in range(len(coords[0])))
-    count = 1
-    for size in shape:
-        count *= size
-    if count != len(coords):
+    if math.prod(shape) != len(coords):
         return None
     for i, c in enumerate(coords):
         rest, expect = i, []
@@ -72,9 +71,8 @@ def slice_shape() -> Optional[Tuple[int, ...]]:
     if given:
         return parse(given)
     try:
-        import torch_xla.runtime as xr
-
         import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
 
         if xr.device_type() != "TPU":
             return None
@@ -90,28 +88,18 @@ def slice_shape() -> Optional[Tuple[int, ...]]:
 def stages(group: Sequence[int], shape: Optional[Tuple[int, ...]], mode: str = "auto") -> List[Stage]:
     """The reduce-scatter stages for one shard group holding every device, or [] for one flat
     reduce-scatter. Each stage lists its replica groups (device ids in rank order)."""
-    if mode not in STAGE_CHOICES:
-        raise ValueError(f"reduce_scatter_stages={mode!r}: use one of {STAGE_CHOICES}")
-    if mode == "flat" or shape is None:
+    if mode not in REDUCE_SCATTER_STAGES:
+        raise ValueError(f"reduce_scatter_stages={mode!r}: use one of {REDUCE_SCATTER_STAGES}")
+    if mode == "flat" or shape is None or sum(size > 1 for size in shape) < 2:
         return []
-    if sum(size > 1 for size in shape) < 2:
-        return []
-    n = 1
-    for size in shape:
-        n *= size
+    n = math.prod(shape)
     if list(group) != list(range(n)):
         return []
     out: List[Stage] = []
-    strides = []
-    stride = 1
-    for size in shape:
-        strides.append(stride)
-        stride *= size
     for axis in reversed(range(len(shape))):  # the slowest-varying axis first
-        size, step = shape[axis], strides[axis]
-        if size == 1:
-            continue
-        groups = [[base + k * step for k in range(size)]
-                  for base in range(n) if (base // step) % size == 0]
-        out.append((groups, size))
+        size, step = shape[axis], math.prod(shape[:axis])  # device id = x + X*(y + Y*z)
+        if size > 1:
+            groups = [[base + k * step for k in range(size)]
+                      for base in range(n) if (base // step) % size == 0]
+            out.append((groups, size))
     return out
