@@ -50,7 +50,9 @@ TABLE_MODELS, TABLE_SLICES = ("125m", "2b"), ("v4-8", "v5e-8", "v6e-8")  # the d
 # sequences per chip: the blog's 32 x 1024; v5e's 16 GiB chips take 8
 BATCH = {"v4-8": 32, "v5e-8": 8, "v6e-8": 32}
 ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
-EXTRA = ("prefetch", "flat")  # the default with prefetch on / one flat gather per unit (on request)
+# on request: the default with prefetch on / one flat gather per unit / reduce-scatters as rings of
+# neighbour exchanges ([Note: ring reduce-scatter])
+EXTRA = ("prefetch", "flat", "ring")
 SHIPPED = os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
 SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
@@ -75,8 +77,16 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tupl
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"], "auto")
-    if engine in ("default", "per_chip"):  # the shipped TPU config, as the README's TPU command runs it
-        cmd = [ac.RUN_CLM, "--config_name", MODELS[model], "--fsdp", "full_shard", "--fsdp_config", SHIPPED,
+    if engine in ("default", "per_chip", "ring"):  # the shipped TPU config, as the README's TPU command runs it
+        config = SHIPPED
+        if engine == "ring":
+            with open(SHIPPED) as f:
+                shipped = json.load(f)
+            shipped["xla_fsdp_settings"]["reduce_scatter_stages"] = "ring"
+            config = os.path.join(tmp, "ring.json")
+            with open(config, "w") as f:
+                json.dump(shipped, f)
+        cmd = [ac.RUN_CLM, "--config_name", MODELS[model], "--fsdp", "full_shard", "--fsdp_config", config,
                "--output_dir", os.path.join(tmp, "out"), "--do_train", "--per_device_train_batch_size",
                str(batch), "--block_size", str(SEQ), "--optim", "adafactor"]
     else:

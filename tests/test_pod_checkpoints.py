@@ -242,6 +242,7 @@ def test_torch_xla_partial_replication_case_round_trips_exactly(tmp_path, hosts)
             assert torch.equal(got["loaded"][name], want), name
 
 
+@_SLOW  # URLs stay in the default run: tests/test_checkpoint_urls.py saves and resumes at gloo world 2
 def test_two_hosts_save_and_resume_through_an_fsspec_url(tmp_path):
     """The same per-host save and load with the checkpoints at a URL (fsspec's local file system:
     [Note: commit without rename], as on a bucket)."""

@@ -81,7 +81,7 @@ class Run:
 def _start(tmp: Path, cases_by_devices):
     runs = {}
     for devices, cases in cases_by_devices.items():
-        extra = [c.name for c in MIXED_LAYOUTS] if devices == 4 else TORUS_CASES
+        extra = [c.name for c in MIXED_LAYOUTS] if devices == 4 else TORUS_CASES + RING_CASES
         # at 8: the devices stand for a 2x2x2 v4 slice ([Note: one reduce-scatter per torus axis])
         runs[("parity", devices)] = Run(devices, "parity", tmp / f"parity{devices}.pt", cases + extra,
                                         env={"XLA_FSDP_TORUS": "2x2x2"} if devices == 8 else None)
@@ -99,6 +99,7 @@ def _start(tmp: Path, cases_by_devices):
 
 
 TORUS_CASES = ["mlp_sgd"]  # at 8 devices, whose parity run stands for a 2x2x2 slice
+RING_CASES = ["gpt2_adamw@ring"]  # the same, reduce_scatter_stages="ring"
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,16 @@ def test_reduce_scatter_in_stages_along_the_torus_axes(runs, spec):
     # two groups of 4 (HYBRID): flat, each its own half; at 4 devices with no torus: flat
     assert {count for count, _ in at8["gpt2_hybrid"]["scatter_sizes"]} == {4}
     assert {count for count, _ in runs[("parity", 4)].result()["mlp_sgd"]["scatter_sizes"]} == {4}
+
+
+@pytest.mark.parametrize("spec", RING_CASES)
+def test_reduce_scatter_as_rings_of_neighbour_exchanges(runs, spec):
+    """reduce_scatter_stages="ring" on 2x2x2: no reduce-scatter is issued (the partitioner's
+    collective-permutes carry the gradients, [Note: ring reduce-scatter]); parameters match the
+    unsharded run at fp32 tolerance."""
+    got = runs[("parity", 8)].result()[spec]
+    assert got["scatter_sizes"] == [], got["scatter_sizes"]
+    _check_parity(spec, got)
 
 
 def test_hybrid_groups_are_the_halves(runs):

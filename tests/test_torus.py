@@ -68,7 +68,14 @@ def test_bad_torus_text_is_refused_by_name(text):
 
 
 def test_unknown_stage_mode_is_refused():
-    with pytest.raises(ValueError, match="reduce_scatter_stages='ring'"):
-        CollectiveOptions(reduce_scatter_stages="ring")
+    with pytest.raises(ValueError, match="reduce_scatter_stages='rings'"):
+        CollectiveOptions(reduce_scatter_stages="rings")
     with pytest.raises(ValueError, match="reduce_scatter_stages"):
-        torus.stages([0, 1], (2, 1), "ring")
+        torus.stages([0, 1], (2, 1), "rings")
+
+
+def test_ring_mode_issues_no_reduce_scatter_stages():
+    """"ring" replaces the reduce-scatters altogether ([Note: ring reduce-scatter])."""
+    assert CollectiveOptions(reduce_scatter_stages="ring").reduce_scatter_stages == "ring"
+    assert torus.stages(list(range(8)), (2, 2, 2), "ring") == []
+    assert len(torus.stages(list(range(8)), (2, 2, 2), "auto")) == 3

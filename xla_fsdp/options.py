@@ -81,7 +81,7 @@ class MixedPrecision:
 
 
 ALL_GATHER_IMPLS = ("all_gather", "all_reduce")
-REDUCE_SCATTER_STAGES = ("auto", "flat")  # [Note: one reduce-scatter per torus axis]
+REDUCE_SCATTER_STAGES = ("auto", "flat", "ring")  # [Note: one reduce-scatter per torus axis], [Note: ring reduce-scatter]
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,8 @@ class CollectiveOptions:
     optimization_barrier_in_forward: bool = True
     optimization_barrier_in_backward: bool = True
     # single controller: "auto" reduce-scatters one torus axis at a time on v4/v5p slices,
-    # "flat" never ([Note: one reduce-scatter per torus axis])
+    # "flat" never ([Note: one reduce-scatter per torus axis]); "ring": rings of neighbour
+    # exchanges, one per torus axis ([Note: ring reduce-scatter] in collective_engine/ring.py)
     reduce_scatter_stages: str = "auto"
 
     def __post_init__(self):

@@ -4,7 +4,7 @@ SPMD mode and the device count are fixed when the XLA runtime starts, so
 tests/test_single_controller.py runs this file in a fresh process with
 CPU_NUM_DEVICES set. Results go to a torch file:
 
-  run.py parity OUT CASE[:IMPL] ...   per-step losses and full parameters of each case
+  run.py parity OUT CASE[@STAGES][:IMPL] ...   per-step losses and full parameters of each case
                                       (IMPL: all_gather (default) or all_reduce), and the
                                       unsharded reference's
   run.py program OUT                  the collectives of the partitioned per-device program
@@ -81,9 +81,12 @@ def parity(names):
                          "padded_shapes": {n: list(t.shape) for n, t in got["shards"].items()}}
             continue
         name, _, impl = spec.partition(":")
+        name, _, stages = name.partition("@")  # case@stages: that reduce_scatter_stages
         case = case_for_world(by_name[name])
         if impl:
             case = dataclasses.replace(case, fsdp=case.fsdp + (("all_gather_impl", impl),))
+        if stages:
+            case = dataclasses.replace(case, fsdp=case.fsdp + (("reduce_scatter_stages", stages),))
         ref = pc.train_reference(case)
         got = pc.train_single_controller(case)
         full = {n: pc.unpad(got["padded"][n], p) for n, p in ref["params"].items()}

@@ -38,7 +38,7 @@ import torch
 
 from .. import abstract
 from ..options import CollectiveOptions, ShardingLayout
-from . import torus
+from . import ring, torus
 from .manual_region import ToLocal, to_global, to_local
 
 REDUCE_SUM = "sum"
@@ -275,6 +275,7 @@ class SpmdCollectives(XlaCollectives):
         self._pin_layout = False  # [Note: no pinning in one program]
         self.placement = placement
         self._stages = None  # reduce-scatter stages, decided at the first one (torus.py)
+        self._rings = None  # reduce_scatter_stages="ring": ring.TorusRings, made at the first one
         # each device's position in its shard group, as data
         self._positions = torch.tensor(placement.shard_positions(), dtype=torch.long).to(self.device)
         xs.mark_sharding(self._positions, placement.mesh, placement.spec("batch", 1))
@@ -323,6 +324,22 @@ class SpmdCollectives(XlaCollectives):
 
     def _rank_index(self):
         return to_local(self._positions, self.placement.mesh, self.placement.spec("batch", 1))
+
+    def reduce_scatter(self, flat, follow_chain=True):
+        groups, count = self._group("shard")
+        if self.options.reduce_scatter_stages != "ring" or count == 1:
+            return super().reduce_scatter(flat, follow_chain)
+        if self._rings is None:
+            if len(groups) != 1 or groups[0] != list(range(self.placement.num_devices)):
+                raise ValueError(
+                    f"reduce_scatter_stages='ring' needs one shard group holding every device in id order, "
+                    f"not {groups}; use 'auto' or 'flat' with sharding groups")
+            self._rings = ring.TorusRings(torus.slice_shape() or (count,))
+            if self._rings.devices != count:
+                raise ValueError(f"{torus.ENV} names a slice of {self._rings.devices} devices; this job has {count}")
+        # [Note: ring reduce-scatter]: permutes made by the partitioner carry no token, so this
+        # neither waits for nor orders later collectives through it
+        return self._rings.reduce_scatter(flat, self._rank_index())
 
     def _scatter_stages(self, flat, groups, count):
         if self._stages is None:

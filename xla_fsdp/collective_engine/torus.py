@@ -90,7 +90,7 @@ def stages(group: Sequence[int], shape: Optional[Tuple[int, ...]], mode: str = "
     reduce-scatter. Each stage lists its replica groups (device ids in rank order)."""
     if mode not in REDUCE_SCATTER_STAGES:
         raise ValueError(f"reduce_scatter_stages={mode!r}: use one of {REDUCE_SCATTER_STAGES}")
-    if mode == "flat" or shape is None or sum(size > 1 for size in shape) < 2:
+    if mode != "auto" or shape is None or sum(size > 1 for size in shape) < 2:
         return []
     n = math.prod(shape)
     if list(group) != list(range(n)):

@@ -243,7 +243,8 @@ class XlaFSDPSettings:
     all_gather_impl: Optional[str] = None
     """How parameters are gathered: "all_gather" or "all_reduce" (of zero-padded shards)."""
     reduce_scatter_stages: Optional[str] = None
-    """Single controller: "auto" (one reduce-scatter per torus axis on v4/v5p slices) or "flat"."""
+    """Single controller: "auto" (one reduce-scatter per torus axis on v4/v5p slices), "flat", or
+    "ring" (rings of neighbour exchanges, which libtpu runs asynchronously)."""
     sharding_strategy: Optional[str] = None
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (case-insensitive; stored upper case)."""
 
@@ -261,7 +262,7 @@ class XlaFSDPSettings:
             _canonical_choice(where + "all_gather_impl", self.all_gather_impl, _ALL_GATHER_IMPLS, upper=False)
         if self.reduce_scatter_stages is not None:
             _canonical_choice(where + "reduce_scatter_stages", self.reduce_scatter_stages,
-                              ("auto", "flat"), upper=False)
+                              ("auto", "flat", "ring"), upper=False)
         if self.sharding_strategy is not None:
             object.__setattr__(
                 self,
