@@ -221,6 +221,8 @@ def test_bad_input_is_refused_by_name(runs):
         assert "must split the 4 devices" in got[key], key
         assert got[key + "_untouched"], key
     assert "sharding_rank= has no meaning" in got["sharding_rank"] and got["sharding_rank_untouched"]
+    assert "reduce_scatter_stages='ring' needs one shard group" in (got["ring_hybrid"] or "")
+    assert got["ring_hybrid_untouched"]
     assert "input args[0] has batch size 5" in got["batch_not_divisible"]
     assert "multiple of 4" in got["batch_not_divisible"]
     assert "BatchNorm1d.num_batches_tracked" in got["buffer_in_place"]

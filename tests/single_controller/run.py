@@ -175,6 +175,8 @@ def errors():
     untouched_after("groups_unequal", mlp, sharding_strategy="HYBRID_SHARD",
                     sharding_groups=[[0], list(range(1, DEVICES))])
     untouched_after("sharding_rank", mlp, sharding_rank=0)
+    untouched_after("ring_hybrid", mlp, sharding_strategy="HYBRID_SHARD",
+                    sharding_groups=[[0, 1], [2, 3]], reduce_scatter_stages="ring")
     model = FSDP(pc.build_model("mlp"))
     x = torch.randn(DEVICES + 1, 32).to(torch_xla.device())
     attempt("batch_not_divisible", lambda: model(x))

@@ -276,6 +276,11 @@ class SpmdCollectives(XlaCollectives):
         self.placement = placement
         self._stages = None  # reduce-scatter stages, decided at the first one (torus.py)
         self._rings = None  # reduce_scatter_stages="ring": ring.TorusRings, made at the first one
+        if options.reduce_scatter_stages == "ring" and layout.shard_world_size > 1 and \
+                [list(g) for g in placement.shard_groups] != [list(range(placement.num_devices))]:
+            raise ValueError(
+                f"reduce_scatter_stages='ring' needs one shard group holding every device in id order, "
+                f"not {[list(g) for g in placement.shard_groups]}; use 'auto' or 'flat' with sharding groups")
         # each device's position in its shard group, as data
         self._positions = torch.tensor(placement.shard_positions(), dtype=torch.long).to(self.device)
         xs.mark_sharding(self._positions, placement.mesh, placement.spec("batch", 1))
@@ -329,11 +334,7 @@ class SpmdCollectives(XlaCollectives):
         groups, count = self._group("shard")
         if self.options.reduce_scatter_stages != "ring" or count == 1:
             return super().reduce_scatter(flat, follow_chain)
-        if self._rings is None:
-            if len(groups) != 1 or groups[0] != list(range(self.placement.num_devices)):
-                raise ValueError(
-                    f"reduce_scatter_stages='ring' needs one shard group holding every device in id order, "
-                    f"not {groups}; use 'auto' or 'flat' with sharding groups")
+        if self._rings is None:  # one group of every device (checked in __init__)
             self._rings = ring.TorusRings(torus.slice_shape() or (count,))
             if self._rings.devices != count:
                 raise ValueError(f"{torus.ENV} names a slice of {self._rings.devices} devices; this job has {count}")
