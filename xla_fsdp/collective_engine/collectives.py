@@ -275,12 +275,17 @@ class SpmdCollectives(XlaCollectives):
         self._pin_layout = False  # [Note: no pinning in one program]
         self.placement = placement
         self._stages = None  # reduce-scatter stages, decided at the first one (torus.py)
-        self._rings = None  # reduce_scatter_stages="ring": ring.TorusRings, made at the first one
-        if options.reduce_scatter_stages == "ring" and layout.shard_world_size > 1 and \
-                [list(g) for g in placement.shard_groups] != [list(range(placement.num_devices))]:
-            raise ValueError(
-                f"reduce_scatter_stages='ring' needs one shard group holding every device in id order, "
-                f"not {[list(g) for g in placement.shard_groups]}; use 'auto' or 'flat' with sharding groups")
+        self._rings = None  # reduce_scatter_stages="ring": the rings ([Note: ring reduce-scatter])
+        if options.reduce_scatter_stages == "ring" and layout.shard_world_size > 1:
+            every = list(range(placement.num_devices))
+            if [list(g) for g in placement.shard_groups] != [every]:
+                raise ValueError(
+                    f"reduce_scatter_stages='ring' needs one shard group holding every device in id order, "
+                    f"not {[list(g) for g in placement.shard_groups]}; use 'auto' or 'flat' with sharding groups")
+            self._rings = ring.TorusRings(torus.slice_shape() or (len(every),))
+            if self._rings.devices != len(every):
+                raise ValueError(f"{torus.ENV} names a slice of {self._rings.devices} devices; "
+                                 f"this job has {len(every)}")
         # each device's position in its shard group, as data
         self._positions = torch.tensor(placement.shard_positions(), dtype=torch.long).to(self.device)
         xs.mark_sharding(self._positions, placement.mesh, placement.spec("batch", 1))
@@ -331,13 +336,8 @@ class SpmdCollectives(XlaCollectives):
         return to_local(self._positions, self.placement.mesh, self.placement.spec("batch", 1))
 
     def reduce_scatter(self, flat, follow_chain=True):
-        groups, count = self._group("shard")
-        if self.options.reduce_scatter_stages != "ring" or count == 1:
+        if self._rings is None:
             return super().reduce_scatter(flat, follow_chain)
-        if self._rings is None:  # one group of every device (checked in __init__)
-            self._rings = ring.TorusRings(torus.slice_shape() or (count,))
-            if self._rings.devices != count:
-                raise ValueError(f"{torus.ENV} names a slice of {self._rings.devices} devices; this job has {count}")
         # [Note: ring reduce-scatter]: permutes made by the partitioner carry no token, so this
         # neither waits for nor orders later collectives through it
         return self._rings.reduce_scatter(flat, self._rank_index())

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..options import ALL_GATHER_IMPLS, REDUCE_SCATTER_STAGES
+
 # The keyword arguments of `xla_fsdp.XlaFullyShardedDataParallel` that a JSON
 # file can express. `xla_fsdp_settings` accepts exactly these. Each is a key of
 # `xla_fsdp.api.DEFAULTS`; the front door cannot import this tuple (config sits
@@ -83,7 +85,6 @@ _DTYPE_ALIASES: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16",
 }
-_ALL_GATHER_IMPLS = ("all_gather", "all_reduce")
 _SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 # Top-level keys. Newer Hugging Face versions strip the "fsdp_" prefix before
@@ -259,10 +260,10 @@ class XlaFSDPSettings:
             if value is not None:
                 object.__setattr__(self, name, _canonical_dtype(where + name, value))
         if self.all_gather_impl is not None:
-            _canonical_choice(where + "all_gather_impl", self.all_gather_impl, _ALL_GATHER_IMPLS, upper=False)
+            _canonical_choice(where + "all_gather_impl", self.all_gather_impl, ALL_GATHER_IMPLS, upper=False)
         if self.reduce_scatter_stages is not None:
             _canonical_choice(where + "reduce_scatter_stages", self.reduce_scatter_stages,
-                              ("auto", "flat", "ring"), upper=False)
+                              REDUCE_SCATTER_STAGES, upper=False)
         if self.sharding_strategy is not None:
             object.__setattr__(
                 self,
