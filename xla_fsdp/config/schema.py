@@ -15,8 +15,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..options import ALL_GATHER_IMPLS, REDUCE_SCATTER_STAGES
-
 # The keyword arguments of `xla_fsdp.XlaFullyShardedDataParallel` that a JSON
 # file can express. `xla_fsdp_settings` accepts exactly these. Each is a key of
 # `xla_fsdp.api.DEFAULTS`; the front door cannot import this tuple (config sits
@@ -259,6 +257,10 @@ class XlaFSDPSettings:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _canonical_dtype(where + name, value))
+        # the choice lists live with the typed options; imported here so that
+        # loading a config stays free of package imports (tests/test_layout.py)
+        from ..options import ALL_GATHER_IMPLS, REDUCE_SCATTER_STAGES
+
         if self.all_gather_impl is not None:
             _canonical_choice(where + "all_gather_impl", self.all_gather_impl, ALL_GATHER_IMPLS, upper=False)
         if self.reduce_scatter_stages is not None:
