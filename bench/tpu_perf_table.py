@@ -51,8 +51,8 @@ TABLE_MODELS, TABLE_SLICES = ("125m", "2b"), ("v4-8", "v5e-8", "v6e-8")  # the d
 BATCH = {"v4-8": 32, "v5e-8": 8, "v6e-8": 32}
 ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 # on request: the default with prefetch on / one flat gather per unit / reduce-scatters as rings of
-# neighbour exchanges ([Note: ring reduce-scatter])
-EXTRA = ("prefetch", "flat", "ring")
+# neighbour exchanges ([Note: ring reduce-scatter]) / gathers and reduce-scatters as rings
+EXTRA = ("prefetch", "flat", "ring", "rings")
 SHIPPED = os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
 SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
@@ -77,12 +77,14 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tupl
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"], "auto")
-    if engine in ("default", "per_chip", "ring"):  # the shipped TPU config, as the README's TPU command runs it
+    if engine in ("default", "per_chip", "ring", "rings"):  # the shipped TPU config, as the README's TPU command runs it
         config = SHIPPED
-        if engine == "ring":
+        if engine in ("ring", "rings"):
             with open(SHIPPED) as f:
                 shipped = json.load(f)
             shipped["xla_fsdp_settings"]["reduce_scatter_stages"] = "ring"
+            if engine == "rings":
+                shipped["xla_fsdp_settings"]["all_gather_impl"] = "ring"
             config = os.path.join(tmp, "ring.json")
             with open(config, "w") as f:
                 json.dump(shipped, f)

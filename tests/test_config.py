@@ -196,8 +196,8 @@ def test_wrong_types_name_key_and_expected_type(source, key, expected):
 
 
 def test_bad_choices():
-    msg = _error({"xla": True, "xla_fsdp_settings": {"all_gather_impl": "ring"}})
-    assert "'ring'" in msg and "all_gather" in msg and "all_reduce" in msg
+    msg = _error({"xla": True, "xla_fsdp_settings": {"all_gather_impl": "rings"}})
+    assert "'rings'" in msg and "all_gather" in msg and "all_reduce" in msg
     msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_strategy": "zero3"}})
     assert "FULL_SHARD" in msg and "HYBRID_SHARD" in msg
 

@@ -99,7 +99,7 @@ def _start(tmp: Path, cases_by_devices):
 
 
 TORUS_CASES = ["mlp_sgd"]  # at 8 devices, whose parity run stands for a 2x2x2 slice
-RING_CASES = ["gpt2_adamw@ring"]  # the same, reduce_scatter_stages="ring"
+RING_CASES = ["gpt2_adamw@ring:ring"]  # the same, reduce_scatter_stages and all_gather_impl "ring"
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +155,13 @@ def test_reduce_scatter_in_stages_along_the_torus_axes(runs, spec):
 
 @pytest.mark.parametrize("spec", RING_CASES)
 def test_reduce_scatter_as_rings_of_neighbour_exchanges(runs, spec):
-    """reduce_scatter_stages="ring" on 2x2x2: no reduce-scatter is issued (the partitioner's
-    collective-permutes carry the gradients, [Note: ring reduce-scatter]); parameters match the
-    unsharded run at fp32 tolerance."""
+    """reduce_scatter_stages="ring" and all_gather_impl="ring" on 2x2x2: no reduce-scatter or
+    all-gather is issued (the partitioner's collective-permutes carry gradients and parameters,
+    [Note: ring reduce-scatter]); parameters match the unsharded run at fp32 tolerance."""
     got = runs[("parity", 8)].result()[spec]
     assert got["scatter_sizes"] == [], got["scatter_sizes"]
+    assert got["gathers"] == 0  # all_gather_impl="ring": the gathers are rings too
+    assert runs[("parity", 8)].result()["mlp_sgd"]["gathers"] > 0  # what counts them sees the others
     _check_parity(spec, got)
 
 

@@ -79,3 +79,58 @@ def test_ring_mode_issues_no_reduce_scatter_stages():
     assert CollectiveOptions(reduce_scatter_stages="ring").reduce_scatter_stages == "ring"
     assert torus.stages(list(range(8)), (2, 2, 2), "ring") == []
     assert len(torus.stages(list(range(8)), (2, 2, 2), "auto")) == 3
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, 2), (3, 2, 4)])
+def test_ring_chunk_orders_give_the_flat_reduce_scatter(shape):
+    """Play the rings of ring.py on numpy: each device lines its chunks up by its row of
+    `chunk_orders`, and each step adds the next one to what its predecessor on the ring held.
+    Device d must end with chunk d of the sum, as the flat reduce-scatter leaves it."""
+    from xla_fsdp.collective_engine.ring import chunk_orders, ring_axes
+
+    n = int(np.prod(shape))
+    rng = np.random.default_rng(0)
+    grads = rng.standard_normal((n, n * 3))  # each device's full gradient, n chunks of 3
+    orders = chunk_orders(shape)
+    grid = tuple(reversed(shape))  # (Z, Y, X) over device ids, row-major
+    out, start = [g for g in grads], 0
+    for dim, k, _ in ring_axes(shape):
+        lined = [o.reshape(k, -1)[orders[d, start:start + k]] for d, o in enumerate(out)]
+        start += k
+        held = [line[0] for line in lined]
+        for step in range(1, k):
+            coords = [np.unravel_index(d, grid) for d in range(n)]
+            pred = [np.ravel_multi_index(tuple((c[i] - 1) % grid[i] if i == dim else c[i] for i in range(3)), grid)
+                    for c in coords]
+            held = [held[pred[d]] + lined[d][step] for d in range(n)]
+        out = held
+    total = grads.sum(0).reshape(n, -1)
+    for d in range(n):
+        np.testing.assert_allclose(out[d], total[d], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, 2), (3, 2, 4)])
+def test_ring_gather_orders_give_the_all_gather(shape):
+    """ring.py's all-gather played on numpy: each step passes what a device received last to its
+    successor; the received pieces, reordered by the device's row of `gather_orders`, must be
+    every device's shard in device-id order."""
+    from xla_fsdp.collective_engine.ring import gather_orders, ring_axes
+
+    n = int(np.prod(shape))
+    shards = np.random.default_rng(1).standard_normal((n, 5))
+    orders = gather_orders(shape)
+    grid = tuple(reversed(shape))
+    coords = [np.unravel_index(d, grid) for d in range(n)]
+    out, start = [s for s in shards], 0
+    for dim, k, _ in reversed(ring_axes(shape)):
+        pred = [np.ravel_multi_index(tuple((c[i] - 1) % grid[i] if i == dim else c[i] for i in range(3)), grid)
+                for c in coords]
+        received = [[o] for o in out]
+        for _ in range(1, k):
+            last = [r[-1] for r in received]
+            for d in range(n):
+                received[d].append(last[pred[d]])
+        out = [np.stack(received[d])[orders[d, start:start + k]].reshape(-1) for d in range(n)]
+        start += k
+    for d in range(n):
+        np.testing.assert_array_equal(out[d], shards.reshape(-1))

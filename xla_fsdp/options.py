@@ -80,7 +80,7 @@ class MixedPrecision:
         return self.compute_dtype != torch.float32
 
 
-ALL_GATHER_IMPLS = ("all_gather", "all_reduce")
+ALL_GATHER_IMPLS = ("all_gather", "all_reduce", "ring")  # "ring": [Note: ring reduce-scatter]
 REDUCE_SCATTER_STAGES = ("auto", "flat", "ring")  # [Note: one reduce-scatter per torus axis], [Note: ring reduce-scatter]
 
 
@@ -92,7 +92,8 @@ class CollectiveOptions:
     # replicas compiling slightly different programs cannot disagree on layouts
     pin_layout: bool = True
     # "all_gather": native all-gather HLO (moves (N-1)/N of the bytes);
-    # "all_reduce": zero-padded all-reduce emulation (2(N-1)/N), torch_xla's pinned default
+    # "all_reduce": zero-padded all-reduce emulation (2(N-1)/N), torch_xla's pinned default;
+    # "ring": single controller only, rings of neighbour exchanges ((N-1)/N, collective_engine/ring.py)
     all_gather_impl: str = "all_gather"
     # one collective for all parameters of a unit (True), one per parameter (False), or
     # None: small parameters together in one, each large one on its own (see [Note: buckets])

@@ -47,7 +47,8 @@ def case_for_world(case: pc.Case) -> pc.Case:
 
 
 def _count_reduce_scatters(sizes: list) -> None:
-    """Record (group size, elements) of every reduce-scatter the engine issues (the real op still runs)."""
+    """Record (group size, elements) of every reduce-scatter the engine issues, and ("all-gather",
+    elements) of every all-gather (the real ops still run)."""
     issue = torch_xla._XLAC._xla_reduce_scatter
 
     def counted(*args):
@@ -55,6 +56,13 @@ def _count_reduce_scatters(sizes: list) -> None:
         return issue(*args)
 
     torch_xla._XLAC._xla_reduce_scatter = counted
+    gather = torch_xla._XLAC._xla_all_gather
+
+    def counted_gather(*args):
+        sizes.append(("all-gather", args[0].numel()))
+        return gather(*args)
+
+    torch_xla._XLAC._xla_all_gather = counted_gather
 
 
 def parity(names):
@@ -93,7 +101,8 @@ def parity(names):
         shapes = {n: list(t.shape) for n, t in got["padded"].items()}
         out[spec] = {"losses": got["losses"], "ref_losses": ref["losses"], "params": full,
                      "ref_params": ref["params"], "padded_shapes": shapes, "groups": got["groups"],
-                     "scatter_sizes": sorted(set(scatter_sizes))}
+                     "scatter_sizes": sorted({s for s in scatter_sizes if s[0] != "all-gather"}),
+                     "gathers": sum(1 for s in scatter_sizes if s[0] == "all-gather")}
         scatter_sizes.clear()
     return out
 

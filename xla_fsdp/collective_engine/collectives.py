@@ -145,6 +145,9 @@ class XlaCollectives(Collectives):
         self.device = device if device is not None else torch_xla.device()
         # what every collective passes as pin_layout; SpmdCollectives overrides it
         self._pin_layout = options.pin_layout
+        if options.all_gather_impl == "ring" and not self.is_single_controller:
+            raise ValueError("all_gather_impl='ring' needs the single-controller runtime (one process "
+                             "drives every device); with one process per chip use 'all_gather'")
         # the shard rank enters graphs as data (see [Note: rank as data])
         self._rank = torch.tensor([layout.shard_rank], dtype=torch.long).to(self.device)
 
@@ -275,17 +278,23 @@ class SpmdCollectives(XlaCollectives):
         self._pin_layout = False  # [Note: no pinning in one program]
         self.placement = placement
         self._stages = None  # reduce-scatter stages, decided at the first one (torus.py)
-        self._rings = None  # reduce_scatter_stages="ring": the rings ([Note: ring reduce-scatter])
-        if options.reduce_scatter_stages == "ring" and layout.shard_world_size > 1:
+        self._rings = None  # "ring" gathers or reduce-scatters: the rings ([Note: ring reduce-scatter])
+        asked = [f"{k}='ring'" for k, v in (("all_gather_impl", options.all_gather_impl),
+                                            ("reduce_scatter_stages", options.reduce_scatter_stages)) if v == "ring"]
+        if asked and layout.shard_world_size > 1:
             every = list(range(placement.num_devices))
             if [list(g) for g in placement.shard_groups] != [every]:
                 raise ValueError(
-                    f"reduce_scatter_stages='ring' needs one shard group holding every device in id order, "
-                    f"not {[list(g) for g in placement.shard_groups]}; use 'auto' or 'flat' with sharding groups")
+                    f"{' and '.join(asked)} needs one shard group holding every device in id order, "
+                    f"not {[list(g) for g in placement.shard_groups]}; use 'auto' or 'flat' stages and "
+                    f"the 'all_gather' gather with sharding groups")
             self._rings = ring.TorusRings(torus.slice_shape() or (len(every),))
             if self._rings.devices != len(every):
                 raise ValueError(f"{torus.ENV} names a slice of {self._rings.devices} devices; "
                                  f"this job has {len(every)}")
+            # each device's chunk orders, as data (one row per device)
+            self._ring_orders = torch.from_numpy(self._rings.orders()).to(self.device)
+            xs.mark_sharding(self._ring_orders, placement.mesh, placement.spec("batch", 2))
         # each device's position in its shard group, as data
         self._positions = torch.tensor(placement.shard_positions(), dtype=torch.long).to(self.device)
         xs.mark_sharding(self._positions, placement.mesh, placement.spec("batch", 1))
@@ -335,12 +344,20 @@ class SpmdCollectives(XlaCollectives):
     def _rank_index(self):
         return to_local(self._positions, self.placement.mesh, self.placement.spec("batch", 1))
 
+    def _my_ring_orders(self):
+        return to_local(self._ring_orders, self.placement.mesh, self.placement.spec("batch", 2))
+
+    def all_gather(self, flat_shard):
+        if self._rings is None or self.options.all_gather_impl != "ring":
+            return super().all_gather(flat_shard)
+        return self._rings.all_gather(flat_shard, self._my_ring_orders())
+
     def reduce_scatter(self, flat, follow_chain=True):
-        if self._rings is None:
+        if self._rings is None or self.options.reduce_scatter_stages != "ring":
             return super().reduce_scatter(flat, follow_chain)
         # [Note: ring reduce-scatter]: permutes made by the partitioner carry no token, so this
         # neither waits for nor orders later collectives through it
-        return self._rings.reduce_scatter(flat, self._rank_index())
+        return self._rings.reduce_scatter(flat, self._my_ring_orders())
 
     def _scatter_stages(self, flat, groups, count):
         if self._stages is None:

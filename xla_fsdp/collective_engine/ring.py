@@ -16,7 +16,9 @@ pairs would name replicas (libtpu aborts on such a module). The GSPMD partitione
 turns a rotation of a tensor sharded along a mesh axis (a concatenation of its last slice and
 the rest) into one collective-permute with a channel id over that axis. So each step leaves the
 manual region for the rotation and comes back: the custom calls at the border move no data.
-Chunk choices depend on the device's coordinate, which enters as data ([Note: rank as data]).
+Chunk choices depend on the device's coordinate: each device reads its row of a small table of
+chunk orders as data ([Note: rank as data]), and one gather per ring lines its chunks up, so
+the steps themselves index nothing.
 """
 from __future__ import annotations
 
@@ -29,6 +31,44 @@ import torch
 from .manual_region import to_global, to_local
 
 AXES = ("ring_z", "ring_y", "ring_x")
+
+
+def ring_axes(shape: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """(mesh dim, devices along it, device-id stride) per ring of a torus `shape` (X, Y, Z),
+    slowest axis first; axes of length 1 have none."""
+    out = []
+    for axis in (2, 1, 0):
+        size = shape[axis]
+        if size > 1:
+            out.append((2 - axis, size, math.prod(shape[:axis])))
+    return out
+
+
+def chunk_orders(shape: Sequence[int]) -> np.ndarray:
+    """[devices, sum of ring lengths]: per device and ring, the order in which it adds its
+    chunks. At ring position p: chunk p-1 first, then p-2, ..., its own chunk p last."""
+    rows = []
+    for device in range(math.prod(shape)):
+        row = []
+        for _, k, stride in ring_axes(shape):
+            at = (device // stride) % k
+            row += [(at - 1 - s) % k for s in range(k)]
+        rows.append(row)
+    return np.asarray(rows, dtype=np.int32)  # TPUs emulate 64-bit integers
+
+
+def gather_orders(shape: Sequence[int]) -> np.ndarray:
+    """[devices, sum of ring lengths]: per device and ring (fastest axis first, the order the
+    all-gather walks them), where chunk c sits among what it received: at ring position p,
+    after s steps it holds its predecessor-by-s's chunk p-s, so chunk c arrived at step p-c."""
+    rows = []
+    for device in range(math.prod(shape)):
+        row = []
+        for _, k, stride in reversed(ring_axes(shape)):
+            at = (device // stride) % k
+            row += [(at - c) % k for c in range(k)]
+        rows.append(row)
+    return np.asarray(rows, dtype=np.int32)
 
 
 class TorusRings:
@@ -48,13 +88,7 @@ class TorusRings:
         self.spec = AXES + (None,)
 
     def axes(self) -> List[Tuple[int, int, int]]:
-        """(mesh dim, devices along it, device-id stride) per ring, slowest axis first."""
-        out = []
-        for axis in (2, 1, 0):
-            size = self.shape[axis]
-            if size > 1:
-                out.append((2 - axis, size, math.prod(self.shape[:axis])))
-        return out
+        return ring_axes(self.shape)
 
     def _rotate(self, held: torch.Tensor, dim: int) -> torch.Tensor:
         """Each device's `held` [m] -> the one held by its predecessor along mesh dim `dim`."""
@@ -65,15 +99,35 @@ class TorusRings:
         turned = torch.cat([glob.narrow(dim, k - 1, 1), glob.narrow(dim, 0, k - 1)], dim)
         return to_local(turned, self.mesh, self.spec).reshape(size)
 
-    def reduce_scatter(self, flat: torch.Tensor, device_id: torch.Tensor) -> torch.Tensor:
+    def orders(self) -> np.ndarray:
+        """Each device's row: its reduce-scatter chunk orders, then its all-gather ones."""
+        return np.concatenate([chunk_orders(self.shape), gather_orders(self.shape)], axis=1)
+
+    def reduce_scatter(self, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """`flat` (1-D, a multiple of the device count) -> this device's chunk, summed over
-        every device. `device_id`: a [1] long tensor holding this device's id (data)."""
-        out = flat
-        for dim, k, stride in self.axes():
-            chunks = out.view(k, -1)
-            at = torch.div(device_id, stride, rounding_mode="floor") % k  # ring position, [1]
-            held = chunks.index_select(0, (at - 1) % k).reshape(-1)
-            for step in range(k - 1):
-                held = self._rotate(held, dim) + chunks.index_select(0, (at - step - 2) % k).reshape(-1)
+        every device. `order`: this device's row of `orders()` (data, any shape)."""
+        order = order.reshape(-1)
+        out, start = flat, 0
+        for dim, k, _ in self.axes():
+            # one gather per ring puts the chunks in the order this device adds them; the
+            # steps then take fixed rows (no per-step index arithmetic in the program)
+            lined = out.view(k, -1).index_select(0, order.narrow(0, start, k))
+            start += k
+            held = lined[0]
+            for step in range(1, k):
+                held = self._rotate(held, dim) + lined[step]
             out = held
+        return out
+
+    def all_gather(self, shard: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """This device's `shard` (1-D) -> every device's, concatenated in device-id order (the
+        reduce-scatter run backwards: fastest axis first). `order`: as for reduce_scatter."""
+        order = order.reshape(-1)
+        out, start = shard, sum(k for _, k, _ in self.axes())
+        for dim, k, _ in reversed(self.axes()):
+            received = [out]
+            for _ in range(1, k):
+                received.append(self._rotate(received[-1], dim))
+            out = torch.stack(received).index_select(0, order.narrow(0, start, k)).reshape(-1)
+            start += k
         return out
