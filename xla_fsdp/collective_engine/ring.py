@@ -27,10 +27,13 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .manual_region import to_global, to_local
 
 AXES = ("ring_z", "ring_y", "ring_x")
+LANES = 128  # a TPU vector register's lanes: the minor dimension of every buffer on a ring
+TILE = 8 * LANES  # elements of one (8, 128) tile: a 1-D array of a multiple of it views as rows for free
 
 
 def ring_axes(shape: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -72,8 +75,14 @@ def gather_orders(shape: Sequence[int]) -> np.ndarray:
 
 
 class TorusRings:
-    """Reduce-scatters over every device of a slice of `shape` (x first; device id
-    x + X*(y + Y*z)), one ring per axis longer than 1."""
+    """Reduce-scatters and all-gathers over every device of a slice of `shape` (x first; device
+    id x + X*(y + Y*z)), one ring per axis longer than 1.
+
+    Buffers travel as rows of LANES: a 1-D array whose length is a multiple of TILE is the same
+    bytes as its [rows, LANES] view on a TPU, while a 1-D array viewed as [k, m] or [1, 1, 1, m]
+    is copied into another tiling, and libtpu takes minutes to compile each such copy of a large
+    buffer. So each device's chunk is zero-padded to a multiple of TILE once, and every view the
+    ring takes after that only adds or splits leading dimensions."""
 
     def __init__(self, shape: Sequence[int]):
         import torch_xla.distributed.spmd as xs
@@ -85,49 +94,62 @@ class TorusRings:
         self.devices = math.prod(shape)
         grid = tuple(reversed(shape))  # (Z, Y, X): row-major over device ids
         self.mesh = xs.Mesh(np.arange(self.devices), grid, AXES)
-        self.spec = AXES + (None,)
+        self.spec = AXES + (None, None)
 
     def axes(self) -> List[Tuple[int, int, int]]:
         return ring_axes(self.shape)
-
-    def _rotate(self, held: torch.Tensor, dim: int) -> torch.Tensor:
-        """Each device's `held` [m] -> the one held by its predecessor along mesh dim `dim`."""
-        size = held.numel()
-        glob = to_global(held.view(1, 1, 1, size), self.mesh, self.spec,
-                         torch.Size(tuple(reversed(self.shape)) + (size,)))
-        k = glob.shape[dim]
-        turned = torch.cat([glob.narrow(dim, k - 1, 1), glob.narrow(dim, 0, k - 1)], dim)
-        return to_local(turned, self.mesh, self.spec).reshape(size)
 
     def orders(self) -> np.ndarray:
         """Each device's row: its reduce-scatter chunk orders, then its all-gather ones."""
         return np.concatenate([chunk_orders(self.shape), gather_orders(self.shape)], axis=1)
 
+    def _rotate(self, held: torch.Tensor, dim: int) -> torch.Tensor:
+        """Each device's `held` [rows, LANES] -> the one held by its predecessor along mesh dim `dim`."""
+        rows = held.shape[0]
+        glob = to_global(held.view(1, 1, 1, rows, LANES), self.mesh, self.spec,
+                         torch.Size(tuple(reversed(self.shape)) + (rows, LANES)))
+        k = glob.shape[dim]
+        turned = torch.cat([glob.narrow(dim, k - 1, 1), glob.narrow(dim, 0, k - 1)], dim)
+        return to_local(turned, self.mesh, self.spec).view(rows, LANES)
+
     def reduce_scatter(self, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """`flat` (1-D, a multiple of the device count) -> this device's chunk, summed over
         every device. `order`: this device's row of `orders()` (data, any shape)."""
         order = order.reshape(-1)
-        out, start = flat, 0
+        chunk = flat.numel() // self.devices
+        padded = _padded(chunk)
+        rows = flat if padded == chunk else F.pad(flat.view(self.devices, chunk), (0, padded - chunk))
+        out, start = rows.reshape(-1, LANES), 0
         for dim, k, _ in self.axes():
             # one gather per ring puts the chunks in the order this device adds them; the
-            # steps then take fixed rows (no per-step index arithmetic in the program)
-            lined = out.view(k, -1).index_select(0, order.narrow(0, start, k))
+            # steps then take fixed slabs (no per-step index arithmetic in the program)
+            lined = out.view(k, -1, LANES).index_select(0, order.narrow(0, start, k))
             start += k
             held = lined[0]
             for step in range(1, k):
                 held = self._rotate(held, dim) + lined[step]
             out = held
-        return out
+        out = out.reshape(-1)
+        return out if padded == chunk else out[:chunk]
 
     def all_gather(self, shard: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """This device's `shard` (1-D) -> every device's, concatenated in device-id order (the
         reduce-scatter run backwards: fastest axis first). `order`: as for reduce_scatter."""
         order = order.reshape(-1)
-        out, start = shard, sum(k for _, k, _ in self.axes())
+        chunk = shard.numel()
+        padded = _padded(chunk)
+        out = (shard if padded == chunk else F.pad(shard, (0, padded - chunk))).view(-1, LANES)
+        start = sum(k for _, k, _ in self.axes())
         for dim, k, _ in reversed(self.axes()):
             received = [out]
             for _ in range(1, k):
                 received.append(self._rotate(received[-1], dim))
-            out = torch.stack(received).index_select(0, order.narrow(0, start, k)).reshape(-1)
+            out = torch.stack(received).index_select(0, order.narrow(0, start, k)).view(-1, LANES)
             start += k
-        return out
+        if padded == chunk:
+            return out.reshape(-1)
+        return out.view(self.devices, padded)[:, :chunk].reshape(-1)
+
+
+def _padded(chunk: int) -> int:
+    return -(-chunk // TILE) * TILE
