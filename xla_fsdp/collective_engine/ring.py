@@ -1,4 +1,4 @@
-"""The reduce-scatter as rings of neighbour exchanges ([Note: ring reduce-scatter]).
+"""The reduce-scatter and the all-gather as rings of neighbour exchanges ([Note: ring reduce-scatter]).
 
 [Note: ring reduce-scatter]
 libtpu 0.0.21 never runs a reduce-scatter asynchronously: whatever its flags, the gradient
@@ -19,6 +19,10 @@ manual region for the rotation and comes back: the custom calls at the border mo
 Chunk choices depend on the device's coordinate: each device reads its row of a small table of
 chunk orders as data ([Note: rank as data]), and one gather per ring lines its chunks up, so
 the steps themselves index nothing.
+
+The all-gather (`all_gather_impl="ring"`) is the same rings run backwards, fastest axis first:
+each step passes on what a device received last, and one gather per ring puts the received
+chunks in device order.
 """
 from __future__ import annotations
 
@@ -27,7 +31,6 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .manual_region import to_global, to_local
 
@@ -118,8 +121,7 @@ class TorusRings:
         order = order.reshape(-1)
         chunk = flat.numel() // self.devices
         padded = _padded(chunk)
-        rows = flat if padded == chunk else F.pad(flat.view(self.devices, chunk), (0, padded - chunk))
-        out, start = rows.reshape(-1, LANES), 0
+        out, start = _pad_chunks(flat, self.devices, chunk, padded).view(-1, LANES), 0
         for dim, k, _ in self.axes():
             # one gather per ring puts the chunks in the order this device adds them; the
             # steps then take fixed slabs (no per-step index arithmetic in the program)
@@ -138,7 +140,7 @@ class TorusRings:
         order = order.reshape(-1)
         chunk = shard.numel()
         padded = _padded(chunk)
-        out = (shard if padded == chunk else F.pad(shard, (0, padded - chunk))).view(-1, LANES)
+        out = _pad_chunks(shard, 1, chunk, padded).view(-1, LANES)
         start = sum(k for _, k, _ in self.axes())
         for dim, k, _ in reversed(self.axes()):
             received = [out]
@@ -146,10 +148,23 @@ class TorusRings:
                 received.append(self._rotate(received[-1], dim))
             out = torch.stack(received).index_select(0, order.narrow(0, start, k)).view(-1, LANES)
             start += k
+        out = out.reshape(-1)
         if padded == chunk:
-            return out.reshape(-1)
-        return out.view(self.devices, padded)[:, :chunk].reshape(-1)
+            return out
+        return torch.cat([out.narrow(0, d * padded, chunk) for d in range(self.devices)])
 
 
 def _padded(chunk: int) -> int:
     return -(-chunk // TILE) * TILE
+
+
+def _pad_chunks(flat: torch.Tensor, count: int, chunk: int, padded: int) -> torch.Tensor:
+    """1-D `flat` of `count` chunks -> each zero-padded to `padded`, still 1-D: a [count, chunk]
+    view would be a copy into another tiling, which libtpu compiles slowly for large buffers."""
+    if padded == chunk:
+        return flat
+    zeros = flat.new_zeros(padded - chunk)
+    pieces = []
+    for d in range(count):
+        pieces += [flat.narrow(0, d * chunk, chunk), zeros]
+    return torch.cat(pieces)
