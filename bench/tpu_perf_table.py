@@ -13,8 +13,8 @@ every engine, anchors included. Columns, all read off the compiled program:
   ideal FULL_SHARD traffic 3 x (N-1)/N x P x 2 bytes (two bf16 gathers and
   one bf16 reduce-scatter of every parameter) and by kind;
 - the fraction of those bytes sent by asynchronous collectives with a
-  matmul scheduled between start and done, and the count of synchronous
-  collectives;
+  matmul scheduled between start and done ("async+mm"), with any compute
+  fusion there ("+cmp"), and the count of synchronous collectives;
 - a PROJECTED step time (`xla_fsdp.tpu.step_time`: roofline compute on the
   compiler's schedule, ICI-costed collectives), uncalibrated and calibrated
   by the ratio of the blog's measured FSDPv1 2B v4-8 step (4.191 s) to our
@@ -118,6 +118,7 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
         row.update(fits=r["fits"], peak_gib=r["memory"]["peak"] / 2 ** 30, sent_gb=c["sent_per_chip"] / 1e9,
                    by_kind={k: round(v.get("sent", 0) / 1e9, 3) for k, v in c["by_kind"].items()},
                    async_fraction=c["sent_async_with_matmul_fraction"], sync=c["sync"], asynchronous=c["async"],
+                   async_compute_fraction=c.get("sent_async_with_compute_fraction"),
                    projected_s=p["projected_seconds"], compute_s=p["compute_seconds"],
                    flops=p["flops"], chip=p["chip"])
     elif r.get("does_not_fit"):
@@ -141,7 +142,7 @@ def render(rows: list) -> str:
     from xla_fsdp.tpu import chips
 
     ratio = calibrate(rows)
-    out = [f"{'model':<6}{'tpu':<7}{'engine':<10}{'peak GiB':>9}{'sent GB':>9}{'x ideal':>8}{'async+mm':>9}"
+    out = [f"{'model':<6}{'tpu':<7}{'engine':<10}{'peak GiB':>9}{'sent GB':>9}{'x ideal':>8}{'async+mm':>9}{'+cmp':>6}"
            f"{'sync':>6}{'proj s':>9}{'calib s':>9}{'MFU*':>7}  by kind (GB sent/chip)"]
     for r in rows:
         head = f"{r['model']:<6}{r['tpu']:<7}{r['engine']:<10}"
@@ -154,7 +155,7 @@ def render(rows: list) -> str:
         mfu = 6 * tokens * r["params"] / calib / r["chips"] / chip.peak_bf16_flops if ratio else float("nan")
         kinds = " ".join(f"{k}={v}" for k, v in r["by_kind"].items())
         out.append(head + f"{r['peak_gib']:>9.2f}{r['sent_gb']:>9.2f}{r['sent_gb'] / r['ideal_gb']:>8.2f}"
-                          f"{r['async_fraction']:>9.2f}{r['sync']:>6}{r['projected_s']:>9.3f}{calib:>9.3f}"
+                          f"{r['async_fraction']:>9.2f}{r.get('async_compute_fraction') or float('nan'):>6.2f}{r['sync']:>6}{r['projected_s']:>9.3f}{calib:>9.3f}"
                           f"{mfu:>7.1%}  {kinds}" + ("" if r["fits"] else "  (over HBM)"))
     out.append(f"calibration: blog FSDPv1 2B v4-8 measured {BLOG_FSDPV1_2B_V4_8_S} s / projected "
                + (f"{BLOG_FSDPV1_2B_V4_8_S / ratio:.3f} s = ratio {ratio:.3f}" if ratio else

@@ -67,9 +67,26 @@ def test_collectives_are_read_with_their_group_and_what_runs_beside_them():
         [("all-gather", True, N), ("all-reduce", False, N)]
     gather = found[0]
     assert gather.beside == 1 and gather.beside_matmuls == 1 and gather.done_position == gather.position + 2
+    assert gather.beside_compute == 1
     summary = oh.summarize(found, devices=8)  # the group (4), not the program's devices, sets the ring
     assert summary["sent_per_chip"] == pytest.approx(GATHER_SENT + REDUCE_SENT)
     assert summary["sent_async_with_matmul_fraction"] == pytest.approx(GATHER_SENT / (GATHER_SENT + REDUCE_SENT))
+    assert summary["sent_async_with_compute_fraction"] == pytest.approx(GATHER_SENT / (GATHER_SENT + REDUCE_SENT))
+
+
+def test_compute_beside_a_collective_counts_fusions_but_not_copies_or_other_collectives():
+    """An elementwise fusion between start and done is compute beside the gather (not a matmul);
+    a copy or another collective's start is not."""
+    elementwise = program(asynchronous=True).replace(
+        "kind=kOutput, calls=%fused_dot\n  %g", "kind=kLoop, calls=%fused_add\n  %g").replace(
+        "ENTRY", "%fused_add (p0: bf16[256,512], p1: bf16[512,512]) -> bf16[256,512] {\n"
+        "  %p0 = bf16[256,512]{1,0} parameter(0)\n  ROOT %n = bf16[256,512]{1,0} negate(%p0)\n}\n\nENTRY")
+    gather = oh.collectives(elementwise)[0]
+    assert (gather.beside, gather.beside_matmuls, gather.beside_compute) == (1, 0, 1)
+    copying = program(asynchronous=True).replace(
+        "fusion(%x, %w), kind=kOutput, calls=%fused_dot\n  %g", "copy(%x)\n  %g")
+    gather = oh.collectives(copying)[0]
+    assert (gather.beside_matmuls, gather.beside_compute) == (0, 0)
 
 
 def test_synchronous_collectives_block_the_core():

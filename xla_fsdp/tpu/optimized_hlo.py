@@ -65,6 +65,7 @@ class Collective:
     position: int
     beside: int = 0          # instructions scheduled between start and done
     beside_matmuls: int = 0  # of which fusions holding a matmul (convolution / dot)
+    beside_compute: int = 0  # of which compute (fusions, matmuls; no collectives or copies)
     beside_names: List[str] = field(default_factory=list)
     group_size: int = 0       # devices in one replica group (0: every device of the program)
     done_position: int = -1   # where an asynchronous one is waited for
@@ -211,6 +212,8 @@ def collectives(text: str) -> List[Collective]:
                 real = [i for i in between if i.opcode not in _BOOKKEEPING]
                 started.beside = len(real)
                 started.beside_matmuls = sum(_holds_matmul(i, comps) for i in real)
+                started.beside_compute = sum(i.opcode in _COMPUTE and not _is_start(i) and not _is_done(i)
+                                             and _collective_kind(i, comps) is None for i in real)
                 started.beside_names = [i.name for i in real if _holds_matmul(i, comps)]
                 started.done_position = pos
             continue
@@ -229,6 +232,7 @@ def collectives(text: str) -> List[Collective]:
     return out
 
 
+_COMPUTE = ("fusion", "convolution", "dot")
 _BOOKKEEPING = ("bitcast", "get-tuple-element", "tuple", "constant", "parameter", "copy-start", "copy-done")
 
 
@@ -265,10 +269,12 @@ def summarize(found: List[Collective], devices: int = 0) -> dict:
     if devices:
         sent = sum(ring_bytes(c, devices) for c in found)
         beside = sum(ring_bytes(c, devices) for c in found if c.asynchronous and c.beside_matmuls > 0)
+        computing = sum(ring_bytes(c, devices) for c in found if c.asynchronous and c.beside_compute > 0)
         for c in found:
             k = by_kind[c.kind]
             k["sent"] = k.get("sent", 0.0) + ring_bytes(c, devices)
-        out.update(sent_per_chip=sent, sent_async_with_matmul_fraction=(beside / sent) if sent else 0.0)
+        out.update(sent_per_chip=sent, sent_async_with_matmul_fraction=(beside / sent) if sent else 0.0,
+                   sent_async_with_compute_fraction=(computing / sent) if sent else 0.0)
     return out
 
 
