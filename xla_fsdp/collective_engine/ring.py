@@ -50,31 +50,24 @@ def ring_axes(shape: Sequence[int]) -> List[Tuple[int, int, int]]:
     return out
 
 
-def chunk_orders(shape: Sequence[int]) -> np.ndarray:
-    """[devices, sum of ring lengths]: per device and ring, the order in which it adds its
-    chunks. At ring position p: chunk p-1 first, then p-2, ..., its own chunk p last."""
-    rows = []
-    for device in range(math.prod(shape)):
-        row = []
-        for _, k, stride in ring_axes(shape):
-            at = (device // stride) % k
-            row += [(at - 1 - s) % k for s in range(k)]
-        rows.append(row)
+def _orders(shape: Sequence[int], axes, per_ring) -> np.ndarray:
+    """[devices, sum of ring lengths]: per device, `per_ring(position, k)` for each ring of `axes`."""
+    rows = [[i for _, k, stride in axes for i in per_ring((device // stride) % k, k)]
+            for device in range(math.prod(shape))]
     return np.asarray(rows, dtype=np.int32)  # TPUs emulate 64-bit integers
 
 
+def chunk_orders(shape: Sequence[int]) -> np.ndarray:
+    """Per device and ring, the order in which it adds its chunks. At ring position p: chunk
+    p-1 first, then p-2, ..., its own chunk p last."""
+    return _orders(shape, ring_axes(shape), lambda p, k: [(p - 1 - s) % k for s in range(k)])
+
+
 def gather_orders(shape: Sequence[int]) -> np.ndarray:
-    """[devices, sum of ring lengths]: per device and ring (fastest axis first, the order the
-    all-gather walks them), where chunk c sits among what it received: at ring position p,
-    after s steps it holds its predecessor-by-s's chunk p-s, so chunk c arrived at step p-c."""
-    rows = []
-    for device in range(math.prod(shape)):
-        row = []
-        for _, k, stride in reversed(ring_axes(shape)):
-            at = (device // stride) % k
-            row += [(at - c) % k for c in range(k)]
-        rows.append(row)
-    return np.asarray(rows, dtype=np.int32)
+    """Per device and ring (fastest axis first, the order the all-gather walks them), where chunk
+    c sits among what it received: at ring position p, after s steps it holds its
+    predecessor-by-s's chunk p-s, so chunk c arrived at step p-c."""
+    return _orders(shape, list(reversed(ring_axes(shape))), lambda p, k: [(p - c) % k for c in range(k)])
 
 
 class TorusRings:
