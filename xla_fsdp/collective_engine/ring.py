@@ -17,11 +17,12 @@ turns a rotation of a tensor sharded along a mesh axis (a concatenation of its l
 the rest) into one collective-permute with a channel id over that axis. So each step leaves the
 manual region for the rotation and comes back: the custom calls at the border move no data.
 Chunk choices depend on the device's coordinate: each device reads its row of a small table of
-chunk orders as data ([Note: rank as data]), and one gather per ring lines its chunks up, so
-the steps themselves index nothing.
+chunk orders as data ([Note: rank as data]), and each step takes its chunk by a one-index gather
+(a dynamic slice the compiler fuses into the add). One gather of all k chunks per ring, lining
+them up first, copied whole buffers, and libtpu split it into thousands of small gathers.
 
 The all-gather (`all_gather_impl="ring"`) is the same rings run backwards, fastest axis first:
-each step passes on what a device received last, and one gather per ring puts the received
+each step passes on what a device received last, and one-index gathers concatenate the received
 chunks in device order.
 """
 from __future__ import annotations
@@ -116,13 +117,11 @@ class TorusRings:
         padded = _padded(chunk)
         out, start = _pad_chunks(flat, self.devices, chunk, padded).view(-1, LANES), 0
         for dim, k, _ in self.axes():
-            # one gather per ring puts the chunks in the order this device adds them; the
-            # steps then take fixed slabs (no per-step index arithmetic in the program)
-            lined = out.view(k, -1, LANES).index_select(0, order.narrow(0, start, k))
-            start += k
-            held = lined[0]
+            chunks = out.view(k, -1, LANES)
+            held = _pick(chunks, order, start)
             for step in range(1, k):
-                held = self._rotate(held, dim) + lined[step]
+                held = self._rotate(held, dim) + _pick(chunks, order, start + step)
+            start += k
             out = held
         out = out.reshape(-1)
         return out if padded == chunk else out[:chunk]
@@ -139,12 +138,20 @@ class TorusRings:
             received = [out]
             for _ in range(1, k):
                 received.append(self._rotate(received[-1], dim))
-            out = torch.stack(received).index_select(0, order.narrow(0, start, k)).view(-1, LANES)
+            stacked = torch.stack(received)
+            out = torch.cat([_pick(stacked, order, start + c) for c in range(k)]).view(-1, LANES)
             start += k
         out = out.reshape(-1)
         if padded == chunk:
             return out
         return torch.cat([out.narrow(0, d * padded, chunk) for d in range(self.devices)])
+
+
+def _pick(chunks: torch.Tensor, order: torch.Tensor, at: int) -> torch.Tensor:
+    """chunks[order[at]]: one slab of [k, rows, LANES] chosen by data. A single-index gather is a
+    dynamic slice, which the compiler fuses into its consumer (the add, the concatenation); one
+    gather of k indices was split by libtpu into thousands of small gathers of 2048 rows."""
+    return chunks.index_select(0, order.narrow(0, at, 1)).view(chunks.shape[1:])
 
 
 def _padded(chunk: int) -> int:
