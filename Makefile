@@ -21,7 +21,7 @@ train: install
 	  --fsdp_config configs/fsdp/tiny_cpu.json --output_dir out/tiny-cpu --overwrite_output_dir
 
 test: install
-	PJRT_DEVICE=CPU $(PY) -m pytest -q tests
+	PJRT_DEVICE=CPU $(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) out

@@ -26,7 +26,10 @@ xla_spawn runs it on a single-host TPU (the single controller); per_chip =
 the same job one process per chip (pinned); gspmd = our GSPMD engine
 (`xla_fsdp_v2`); fsdpv1 / fsdpv2 = torch_xla's (bench/anchor_job.py); on
 request prefetch / flat = the single controller with prefetch on / with one
-flat gather per unit (and prefetch on).
+flat gather per unit (and prefetch on); ring / rings = the default with
+reduce-scatters / reduce-scatters and gathers as rings of neighbour exchanges;
+rings_budget50 = rings compiled with libtpu's scheduler memory budget at 50%
+of HBM instead of xla_fsdp's 70% (the row records its flags).
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import aot_cases as ac  # noqa: E402
 
+from xla_fsdp.tpu import libtpu_flags  # noqa: E402
+
 MODELS = {m: os.path.join(ROOT, "configs", "models", f"gpt2-{m}.json")
           for m in ("125m", "2b", "16b", "20b", "32b", "64b", "128b")}
 SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8, "v4-32": 16, "v4-64": 32, "v4-128": 64, "v4-256": 128,
@@ -52,7 +57,10 @@ BATCH = {"v4-8": 32, "v5e-8": 8, "v6e-8": 32}
 ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 # on request: the default with prefetch on / one flat gather per unit / reduce-scatters as rings of
 # neighbour exchanges ([Note: ring reduce-scatter]) / gathers and reduce-scatters as rings
-EXTRA = ("prefetch", "flat", "ring", "rings")
+EXTRA = ("prefetch", "flat", "ring", "rings", "rings_budget50")
+# engines compiled under other libtpu flags than xla_fsdp's (each row says so): the rings with the
+# latency-hiding scheduler's memory budget at 50% of HBM instead of 70%
+FLAGS = {"rings_budget50": dict(libtpu_flags.ASYNC_COLLECTIVES, xla_tpu_scheduler_percent_shared_memory_limit="50")}
 SHIPPED = os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
 SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
@@ -77,13 +85,13 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tupl
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"], "auto")
-    if engine in ("default", "per_chip", "ring", "rings"):  # the shipped TPU config, as the README's TPU command runs it
+    if engine in ("default", "per_chip", "ring", "rings", "rings_budget50"):  # the shipped TPU config, as the README's TPU command runs it
         config = SHIPPED
-        if engine in ("ring", "rings"):
+        if engine in ("ring", "rings", "rings_budget50"):
             with open(SHIPPED) as f:
                 shipped = json.load(f)
             shipped["xla_fsdp_settings"]["reduce_scatter_stages"] = "ring"
-            if engine == "rings":
+            if engine != "ring":
                 shipped["xla_fsdp_settings"]["all_gather_impl"] = "ring"
             config = os.path.join(tmp, "ring.json")
             with open(config, "w") as f:
@@ -107,12 +115,16 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
         cmd, runtime = command(engine, model, tpu, tmp, batch)
         started = time.time()
         extra = ["--dump", os.path.join(dump, f"{model}-{tpu}-{engine}")] if dump else []
+        if engine in FLAGS:
+            extra += ["--libtpu-flags", libtpu_flags.init_args(FLAGS[engine])]
         got = ac.check(tpu, cmd, runtime=runtime, extra=extra, timeout=3600)
     r = got["report"] or {}
     n = SLICES[tpu]
     row = {"engine": engine, "model": model, "tpu": tpu, "chips": n, "batch_per_chip": batch,
            "params": params, "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
            "runtime": r.get("runtime"), "ideal_gb": 3 * (n - 1) / n * params * 2 / 1e9}
+    if engine in FLAGS:
+        row["libtpu_flags"] = libtpu_flags.init_args(FLAGS[engine])
     if r.get("compiles"):
         c, p = r["collectives"], r["projection"]
         row.update(fits=r["fits"], peak_gib=r["memory"]["peak"] / 2 ** 30, sent_gb=c["sent_per_chip"] / 1e9,
