@@ -61,6 +61,9 @@ EXTRA = ("prefetch", "flat", "ring", "rings", "rings_budget50")
 # engines compiled under other libtpu flags than xla_fsdp's (each row says so): the rings with the
 # latency-hiding scheduler's memory budget at 50% of HBM instead of 70%
 FLAGS = {"rings_budget50": dict(libtpu_flags.ASYNC_COLLECTIVES, xla_tpu_scheduler_percent_shared_memory_limit="50")}
+# the shipped config with reduce-scatters as rings; the second set gathers by rings as well
+RS_RINGS = ("ring", "rings", "rings_budget50")
+GATHER_RINGS = ("rings", "rings_budget50")
 SHIPPED = os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
 SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
@@ -85,13 +88,13 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tupl
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"], "auto")
-    if engine in ("default", "per_chip", "ring", "rings", "rings_budget50"):  # the shipped TPU config, as the README's TPU command runs it
+    if engine in ("default", "per_chip") + RS_RINGS:  # the shipped TPU config, as the README's TPU command runs it
         config = SHIPPED
-        if engine in ("ring", "rings", "rings_budget50"):
+        if engine in RS_RINGS:
             with open(SHIPPED) as f:
                 shipped = json.load(f)
             shipped["xla_fsdp_settings"]["reduce_scatter_stages"] = "ring"
-            if engine != "ring":
+            if engine in GATHER_RINGS:
                 shipped["xla_fsdp_settings"]["all_gather_impl"] = "ring"
             config = os.path.join(tmp, "ring.json")
             with open(config, "w") as f:

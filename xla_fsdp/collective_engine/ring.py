@@ -148,9 +148,8 @@ class TorusRings:
 
 
 def _pick(chunks: torch.Tensor, order: torch.Tensor, at: int) -> torch.Tensor:
-    """chunks[order[at]]: one slab of [k, rows, LANES] chosen by data. A single-index gather is a
-    dynamic slice, which the compiler fuses into its consumer (the add, the concatenation); one
-    gather of k indices was split by libtpu into thousands of small gathers of 2048 rows."""
+    """chunks[order[at]]: one slab of [k, rows, LANES] chosen by data, as a one-index gather
+    ([Note: ring reduce-scatter] says why not one gather of all k)."""
     return chunks.index_select(0, order.narrow(0, at, 1)).view(chunks.shape[1:])
 
 
