@@ -67,7 +67,7 @@ def render(rows: list) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
-    p.add_argument("--engines", nargs="+", default=["default", "fsdpv1"], choices=table.ENGINES)
+    p.add_argument("--engines", nargs="+", default=["default", "fsdpv1"], choices=table.ENGINES + table.EXTRA)
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     p.add_argument("--dump", default="", help="keep each row's traced and TPU-optimized programs under DIR")
     opts = p.parse_args(argv)

@@ -22,14 +22,16 @@ every engine, anchors included. Columns, all read off the compiled program:
   MFU as the blog computes it (6 x tokens x params / step / chips / peak).
 Nothing here ran on a TPU. 2B compiles take about 3 minutes each here.
 Engines: default = launch/run_clm.py with configs/fsdp/gpt2_xla_fsdp.json as
-xla_spawn runs it on a single-host TPU (the single controller); per_chip =
-the same job one process per chip (pinned); gspmd = our GSPMD engine
-(`xla_fsdp_v2`); fsdpv1 / fsdpv2 = torch_xla's (bench/anchor_job.py); on
-request prefetch / flat = the single controller with prefetch on / with one
-flat gather per unit (and prefetch on); ring / rings = the default with
-reduce-scatters / reduce-scatters and gathers as rings of neighbour exchanges;
-rings_budget50 = rings compiled with libtpu's scheduler memory budget at 50%
-of HBM instead of xla_fsdp's 70% (the row records its flags).
+xla_spawn runs it on a single-host TPU (the single controller: gathers and
+reduce-scatters as rings of neighbour exchanges, libtpu's scheduler budget at
+50%: [Note: rings by default on a TPU]); per_chip = the same job one process
+per chip (pinned); gspmd = our GSPMD engine (`xla_fsdp_v2`); fsdpv1 / fsdpv2 =
+torch_xla's (bench/anchor_job.py); on request gathers = the single controller
+with all-gathers and staged reduce-scatters under the 70% budget (the default
+until 2026-11-26); prefetch / flat = those with prefetch on / one flat gather
+per unit; ring / rings = reduce-scatters / both as rings, at 70%;
+rings_budget50 = rings at 50%, named (now the default's collectives and
+flags). Every row records the libtpu flags it was compiled with.
 """
 from __future__ import annotations
 
@@ -55,15 +57,26 @@ TABLE_MODELS, TABLE_SLICES = ("125m", "2b"), ("v4-8", "v5e-8", "v6e-8")  # the d
 # sequences per chip: the blog's 32 x 1024; v5e's 16 GiB chips take 8
 BATCH = {"v4-8": 32, "v5e-8": 8, "v6e-8": 32}
 ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
-# on request: the default with prefetch on / one flat gather per unit / reduce-scatters as rings of
-# neighbour exchanges ([Note: ring reduce-scatter]) / gathers and reduce-scatters as rings
-EXTRA = ("prefetch", "flat", "ring", "rings", "rings_budget50")
-# engines compiled under other libtpu flags than xla_fsdp's (each row says so): the rings with the
-# latency-hiding scheduler's memory budget at 50% of HBM instead of 70%
-FLAGS = {"rings_budget50": dict(libtpu_flags.ASYNC_COLLECTIVES, xla_tpu_scheduler_percent_shared_memory_limit="50")}
-# the shipped config with reduce-scatters as rings; the second set gathers by rings as well
-RS_RINGS = ("ring", "rings", "rings_budget50")
-GATHER_RINGS = ("rings", "rings_budget50")
+# on request, the single controller with other collectives than the shipped "auto" (rings on a TPU:
+# [Note: rings by default on a TPU]): all-gathers and staged reduce-scatters (the default until
+# 2026-11-26, and what runs where rings do not apply) / those with prefetch on / one flat gather per
+# unit / reduce-scatters alone as rings ([Note: ring reduce-scatter]) / gathers and reduce-scatters
+# as rings / the same under a 50% scheduler budget (named before it became the default's)
+EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50")
+# xla_fsdp_settings each engine adds to the shipped config (or to its aot case)
+SETTINGS = {
+    "gathers": {"all_gather_impl": "all_gather"},
+    "prefetch": {"all_gather_impl": "all_gather"},
+    "flat": {"all_gather_impl": "all_gather"},
+    "ring": {"all_gather_impl": "all_gather", "reduce_scatter_stages": "ring"},
+    "rings": {"all_gather_impl": "ring", "reduce_scatter_stages": "ring"},
+    "rings_budget50": {"all_gather_impl": "ring", "reduce_scatter_stages": "ring"},
+}
+# libtpu flags where they are not the ones xla_fsdp sets for the engine's runtime (each row records
+# its flags): the single controller's previous collectives under the 70% budget they were measured
+# and shipped with; the rings at 70% and, named explicitly, at 50%
+FLAGS = {**{e: dict(libtpu_flags.ASYNC_COLLECTIVES) for e in ("gathers", "prefetch", "flat", "ring", "rings")},
+         "rings_budget50": dict(libtpu_flags.SINGLE_CONTROLLER_COLLECTIVES)}
 SHIPPED = os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
 SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
@@ -88,15 +101,13 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tupl
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"], "auto")
-    if engine in ("default", "per_chip") + RS_RINGS:  # the shipped TPU config, as the README's TPU command runs it
-        config = SHIPPED
-        if engine in RS_RINGS:
+    if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50"):
+        config = SHIPPED  # the shipped TPU config, as the README's TPU command runs it
+        if engine in SETTINGS:
             with open(SHIPPED) as f:
                 shipped = json.load(f)
-            shipped["xla_fsdp_settings"]["reduce_scatter_stages"] = "ring"
-            if engine in GATHER_RINGS:
-                shipped["xla_fsdp_settings"]["all_gather_impl"] = "ring"
-            config = os.path.join(tmp, "ring.json")
+            shipped["xla_fsdp_settings"].update(SETTINGS[engine])
+            config = os.path.join(tmp, "fsdp.json")
             with open(config, "w") as f:
                 json.dump(shipped, f)
         cmd = [ac.RUN_CLM, "--config_name", MODELS[model], "--fsdp", "full_shard", "--fsdp_config", config,
@@ -105,7 +116,8 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tupl
     else:
         case = {"gspmd": ac.BY_NAME["gspmd"], "prefetch": ac.BY_NAME["sc-full_shard"],
                 "flat": ac.BY_NAME["sc-flat"]}[engine]
-        case = dataclasses.replace(case, top={**case.top, "xla_fsdp_grad_ckpt": True})
+        case = dataclasses.replace(case, top={**case.top, "xla_fsdp_grad_ckpt": True},
+                                   settings={**case.settings, **SETTINGS.get(engine, {})})
         cmd = ac.command(case, SLICES[tpu], os.path.join(tmp, "fsdp.json"), os.path.join(tmp, "out"),
                          model=MODELS[model], batch=batch, block=SEQ) + ["--optim", "adafactor"]
     launcher = {"per_chip": [LAUNCHER, "--per_chip"], "gspmd": [LAUNCHER, "--spmd"]}.get(engine, [LAUNCHER])
@@ -126,8 +138,7 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
     row = {"engine": engine, "model": model, "tpu": tpu, "chips": n, "batch_per_chip": batch,
            "params": params, "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
            "runtime": r.get("runtime"), "ideal_gb": 3 * (n - 1) / n * params * 2 / 1e9}
-    if engine in FLAGS:
-        row["libtpu_flags"] = libtpu_flags.init_args(FLAGS[engine])
+    row["libtpu_flags"] = r.get("libtpu_flags")
     if r.get("compiles"):
         c, p = r["collectives"], r["projection"]
         row.update(fits=r["fits"], peak_gib=r["memory"]["peak"] / 2 ** 30, sent_gb=c["sent_per_chip"] / 1e9,

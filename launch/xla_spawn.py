@@ -112,13 +112,15 @@ def async_collective_flags() -> None:
     async-collective libtpu flags (xla_fsdp.tpu.libtpu_flags), unless the user set
     LIBTPU_INIT_ARGS (theirs win, whole). Importing xla_fsdp sets them (that import is the
     one place they are set); this only says so."""
-    users = os.environ.get("LIBTPU_INIT_ARGS", "").strip()
     from xla_fsdp.tpu import libtpu_flags
 
-    libtpu_flags.set_defaults(os.environ)
+    users = os.environ.get(libtpu_flags.ENV, "").strip()
+    if users == os.environ.get(libtpu_flags.MARK, "").strip():
+        users = ""  # set by an earlier import of xla_fsdp, before the runtime was known
+    set_now = libtpu_flags.set_defaults(os.environ)
     if not users:
-        log(f"{libtpu_flags.ENV}: xla_fsdp's async-collective flags (set {libtpu_flags.ENV} "
-            "yourself to replace them)")
+        log(f"{libtpu_flags.ENV}: xla_fsdp's async-collective flags for this runtime, {set_now} (set "
+            f"{libtpu_flags.ENV} yourself to replace them)")
 
 
 def log(message: str) -> None:

@@ -71,7 +71,7 @@ def test_auto_wrap_keeps_tied_weights_in_the_parent():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"all_gather_impl": "rings"}, r"all_gather_impl='rings' is not valid; use one of \('all_gather', 'all_reduce', 'ring'\)"),
+    ({"all_gather_impl": "rings"}, r"all_gather_impl='rings' is not valid; use one of \('auto', 'all_gather', 'all_reduce', 'ring'\)"),
     ({"all_gather_impl": "ring"}, r"all_gather_impl='ring' needs the single-controller runtime"),
     ({"sharding_strategy": "HYBRID_SHARD"}, r"HYBRID_SHARD needs sharding_groups"),
     ({"sharding_strategy": "PARTIAL"}, r"sharding_strategy='PARTIAL' is not valid; use one of: FULL_SHARD"),

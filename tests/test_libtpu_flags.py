@@ -6,6 +6,7 @@ the traced module with libtpu 0.0.21 under different LIBTPU_INIT_ARGS; nothing i
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -30,6 +31,24 @@ def test_set_on_a_tpu_only_and_never_over_the_users_own():
     assert lf.set_defaults(cpu) is None and lf.ENV not in cpu
 
 
+def test_the_single_controller_gets_its_own_budget_even_when_declared_after_an_import():
+    """Rings under a 50% scheduler budget for the single controller ([Note: rings by default on
+    a TPU]); 70% otherwise. Flags xla_fsdp set before the runtime was known are re-decided
+    (the launcher imports xla_fsdp before it chooses); the user's never are."""
+    assert "--xla_tpu_scheduler_percent_shared_memory_limit=50" in lf.SINGLE_CONTROLLER_INIT_ARGS.split()
+    assert "--xla_tpu_scheduler_percent_shared_memory_limit=70" in lf.DEFAULT_INIT_ARGS.split()
+    env = {"PJRT_DEVICE": "TPU"}
+    assert lf.set_defaults(env) == lf.DEFAULT_INIT_ARGS  # the runtime not known yet
+    env["XLA_FSDP_RUNTIME"] = "single_controller"
+    assert lf.set_defaults(env) == lf.SINGLE_CONTROLLER_INIT_ARGS and env[lf.ENV] == lf.SINGLE_CONTROLLER_INIT_ARGS
+    spmd = {"PJRT_DEVICE": "TPU", "XLA_USE_SPMD": "1"}
+    assert lf.set_defaults(spmd) == lf.SINGLE_CONTROLLER_INIT_ARGS
+    per_chip = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "multi_process"}
+    assert lf.set_defaults(per_chip) == lf.DEFAULT_INIT_ARGS
+    users = {"PJRT_DEVICE": "TPU", lf.ENV: lf.DEFAULT_INIT_ARGS, "XLA_FSDP_RUNTIME": "single_controller"}
+    assert lf.set_defaults(users) is None and users[lf.ENV] == lf.DEFAULT_INIT_ARGS  # exported by the user
+
+
 def _env_after(code: str, **extra) -> str:
     env = {k: v for k, v in os.environ.items() if k != lf.ENV}
     env.update(extra)
@@ -44,8 +63,12 @@ def test_importing_xla_fsdp_and_the_launcher_set_them_on_a_tpu():
     assert _env_after("import xla_fsdp", PJRT_DEVICE="CPU") == ""
     assert _env_after("import xla_fsdp", PJRT_DEVICE="TPU", LIBTPU_INIT_ARGS="--mine=1") == "--mine=1"
     launcher = ("import sys; sys.path.insert(0, 'launch'); import xla_spawn, os; "
-                "os.environ['PJRT_DEVICE'] = 'TPU'; xla_spawn.async_collective_flags()")
+                "os.environ['PJRT_DEVICE'] = 'TPU'; import xla_fsdp; xla_spawn.async_collective_flags()")
     assert _env_after(launcher) == lf.DEFAULT_INIT_ARGS
+    # as xla_spawn runs run_clm: xla_fsdp imported first, the runtime declared after
+    assert _env_after(launcher.replace("import xla_fsdp;", "import xla_fsdp; "
+                                       "os.environ['XLA_FSDP_RUNTIME'] = 'single_controller';")) \
+        == lf.SINGLE_CONTROLLER_INIT_ARGS
 
 
 def test_importing_xla_fsdp_after_the_runtime_started_warns_instead():
@@ -68,9 +91,12 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 @pytest.fixture(scope="module")
 def traced_step(tmp_path_factory):
-    """The tiny single-controller step traced at v4-8's 4 devices (the check's --dump)."""
+    """The tiny single-controller step traced at v4-8's 4 devices (the check's --dump), with
+    all-gathers and staged reduce-scatters (where rings do not apply), which the flags act on."""
     tmp = tmp_path_factory.mktemp("flags")
     case = ac.BY_NAME["sc-full_shard"]
+    case = dataclasses.replace(case, settings={**case.settings, "all_gather_impl": "all_gather",
+                                               "reduce_scatter_stages": "axes"})
     cmd = ac.command(case, 4, str(tmp / "fsdp.json"), str(tmp / "out"))
     got = ac.check("v4-8", cmd, runtime=case.runtime, extra=["--dump", str(tmp / "dump"), "--libtpu-flags", ""])
     assert got["report"] and got["report"]["compiles"], got["output"]

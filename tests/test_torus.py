@@ -79,6 +79,7 @@ def test_ring_mode_issues_no_reduce_scatter_stages():
     assert CollectiveOptions(reduce_scatter_stages="ring").reduce_scatter_stages == "ring"
     assert torus.stages(list(range(8)), (2, 2, 2), "ring") == []
     assert len(torus.stages(list(range(8)), (2, 2, 2), "auto")) == 3
+    assert len(torus.stages(list(range(8)), (2, 2, 2), "axes")) == 3
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, 2), (3, 2, 4)])
@@ -134,3 +135,32 @@ def test_ring_gather_orders_give_the_all_gather(shape):
         start += k
     for d in range(n):
         np.testing.assert_array_equal(out[d], shards.reshape(-1))
+
+
+@pytest.mark.parametrize("gather,scatter,single,possible,tpu,want", [
+    ("auto", "auto", True, True, True, ("ring", "ring")),                # the single controller on a TPU
+    ("auto", "auto", True, True, False, ("all_gather", "axes")),         # XLA:CPU: what the parity runs test
+    ("auto", "auto", True, False, True, ("all_gather", "axes")),         # HYBRID / sharding groups
+    ("auto", "auto", False, True, True, ("all_gather", "axes")),         # one process per chip (pinned)
+    ("all_gather", "auto", True, True, True, ("all_gather", "axes")),    # no reduce-scatter ring alone
+    ("auto", "flat", True, True, True, ("all_gather", "flat")),
+    ("auto", "ring", True, True, True, ("ring", "ring")),
+    ("ring", "auto", True, True, True, ("ring", "ring")),
+    ("all_reduce", "flat", True, True, True, ("all_reduce", "flat")),    # nothing to decide
+])
+def test_auto_means_rings_only_where_they_apply(gather, scatter, single, possible, tpu, want):
+    """[Note: rings by default on a TPU] in collective_engine/auto.py."""
+    from xla_fsdp.collective_engine import auto
+
+    got = auto.resolve(CollectiveOptions(all_gather_impl=gather, reduce_scatter_stages=scatter),
+                       single_controller=single, rings_possible=possible, on_tpu=tpu)
+    assert (got.all_gather_impl, got.reduce_scatter_stages) == want
+
+
+def test_rings_apply_to_one_group_of_every_device_in_id_order():
+    from xla_fsdp.collective_engine import auto
+
+    assert auto.rings_apply([[0, 1, 2, 3]], 4)
+    assert not auto.rings_apply([[0, 1], [2, 3]], 4)  # HYBRID_SHARD's shard groups
+    assert not auto.rings_apply([[1, 0, 2, 3]], 4)
+    assert not auto.rings_apply([[0]], 1)

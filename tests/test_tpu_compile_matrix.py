@@ -24,7 +24,7 @@ CHIPS = {"v4-8": 4, "v5e-8": 8}
 # one process per chip (mp-full_shard on v4-8) is compiled by tests/test_aot.py's report test; the
 # single controller on v4-8 by tests/test_libtpu_flags.py, on v5e-8 by the default-configuration test
 DEFAULT = [
-    ("sc-hybrid", "v5e-8"),           # a replica axis
+    ("sc-hybrid", "v5e-8"),           # a replica axis (no rings: gathers and reduce-scatters)
     ("mp-grad_ckpt", "v5e-8"),        # one process per chip, per-layer checkpointing
     ("gspmd", "v5e-8"),               # the GSPMD engine
 ]
@@ -61,42 +61,69 @@ def test_every_program_compiles_for_tpu(name, tpu, tmp_path):
     _check_case(name, tpu, tmp_path)
 
 
-def test_default_configuration_runs_its_gathers_asynchronously_beside_compute(tmp_path):
+def _run_clm_on_tpu(config: str, tmp_path) -> list:
     """run_clm as the README launches it on a TPU (xla_spawn, no runtime flag: the single
-    controller it declares; the shipped configs/fsdp/gpt2_xla_fsdp.json; the libtpu flags
-    xla_fsdp sets), tiny GPT-2 on v5e-8. Fails if a change makes the all-gathers synchronous
-    again (pinned collectives, a runtime change, a flag dropped) or turns the gradient
-    reduce-scatters back into all-reduces."""
-    cmd = [os.path.join(ac.ROOT, "launch", "xla_spawn.py"), ac.RUN_CLM, "--config_name", ac.TINY,
-           "--fsdp", "full_shard", "--fsdp_config", os.path.join(ac.ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json"),
-           "--output_dir", str(tmp_path / "out"), "--do_train", "--per_device_train_batch_size", "2",
-           "--block_size", "64"]
-    report = _assert_compiles(ac.check("v5e-8", cmd, runtime="auto"), "the default configuration")
+    controller it declares), tiny GPT-2, with the fsdp_config at `config`."""
+    return [os.path.join(ac.ROOT, "launch", "xla_spawn.py"), ac.RUN_CLM, "--config_name", ac.TINY,
+            "--fsdp", "full_shard", "--fsdp_config", config, "--output_dir", str(tmp_path / "out"),
+            "--do_train", "--per_device_train_batch_size", "2", "--block_size", "64"]
+
+
+def _config_with(tmp_path, **settings) -> str:
+    with open(SHIPPED) as f:
+        config = json.load(f)
+    config["xla_fsdp_settings"].update(settings)
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+SHIPPED = os.path.join(ac.ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
+
+
+def test_default_configuration_runs_its_collectives_asynchronously_beside_compute(tmp_path):
+    """The shipped configs/fsdp/gpt2_xla_fsdp.json under the libtpu flags xla_fsdp sets for the
+    single controller, tiny GPT-2 on v5e-8: "auto" makes the gathers and the gradient
+    reduce-scatters rings of collective-permutes ([Note: rings by default on a TPU]), every one
+    asynchronous with compute between start and done. Fails if a change makes them
+    synchronous again (pinned collectives, a runtime change, "auto" no longer choosing rings, a
+    flag dropped) or brings back a gather or reduce-scatter."""
+    report = _assert_compiles(ac.check("v5e-8", _run_clm_on_tpu(SHIPPED, tmp_path), runtime="auto"),
+                              "the default configuration")
     assert report["runtime"] == ac.SINGLE and report["program"] == "spmd", report["runtime"]
+    assert "xla_tpu_scheduler_percent_shared_memory_limit=50" in report["libtpu_flags"], report["libtpu_flags"]
     c = report["collectives"]
-    gathers = c["by_kind"]["all-gather"]
-    assert gathers["async"] >= 4 and gathers["async_with_matmul"] == gathers["async"], c  # 6 and 6
-    assert c["sent_async_with_matmul_fraction"] >= 0.2, c  # 0.27 with libtpu 0.0.21
-    # the large buckets' gradients stay reduce-scatters ([Note: 2-D reduce-scatter]), not all-reduces
-    assert c["by_kind"].get("reduce-scatter", {}).get("sync", 0) >= 5, c  # 7
+    assert "all-gather" not in c["by_kind"] and "reduce-scatter" not in c["by_kind"], c
+    permutes = c["by_kind"]["collective-permute"]
+    # libtpu 0.0.21: 196 asynchronous, 13 with a matmul inside, none synchronous
+    assert permutes["async"] >= 100 and not permutes.get("sync") and permutes["async_with_matmul"] >= 4, c
+    assert c["sent_async_with_compute_fraction"] >= 0.95, c  # 1.00
     p = report["projection"]
     assert p["label"] == "projection" and 0 < p["async_collective_seconds"]
     assert p["projected_seconds"] < p["compute_seconds"] + p["sync_collective_seconds"] + p["async_collective_seconds"]
 
 
+def test_gathers_run_asynchronously_beside_compute(tmp_path):
+    """The collectives where rings do not apply (all_gather_impl="all_gather"; also sharding
+    groups and HYBRID_SHARD), tiny GPT-2 on v5e-8: the all-gathers asynchronous with matmuls
+    beside them, the large buckets' gradients reduce-scatters ([Note: 2-D reduce-scatter]), not
+    all-reduces. Fails if a change makes the gathers synchronous again."""
+    cmd = _run_clm_on_tpu(_config_with(tmp_path, all_gather_impl="all_gather"), tmp_path)
+    report = _assert_compiles(ac.check("v5e-8", cmd, runtime="auto"), "all_gather_impl='all_gather'")
+    c = report["collectives"]
+    assert "collective-permute" not in c["by_kind"], c
+    gathers = c["by_kind"]["all-gather"]
+    assert gathers["async"] >= 4 and gathers["async_with_matmul"] == gathers["async"], c  # 6 and 6
+    assert c["sent_async_with_matmul_fraction"] >= 0.2, c  # 0.27 with libtpu 0.0.21
+    assert c["by_kind"].get("reduce-scatter", {}).get("sync", 0) >= 5, c  # 7
+
+
 def test_rings_run_asynchronously_beside_compute(tmp_path):
-    """reduce_scatter_stages="ring" and all_gather_impl="ring" ([Note: ring reduce-scatter]), tiny
-    GPT-2 on v4-8 (2x2): gradients and parameters travel as collective-permutes that libtpu runs
+    """reduce_scatter_stages="ring" and all_gather_impl="ring" ([Note: ring reduce-scatter]), what
+    "auto" chooses on a TPU, named explicitly, tiny GPT-2 on v4-8 (2x2: a ring per torus axis): gradients and parameters travel as collective-permutes that libtpu runs
     asynchronously with matmuls beside them, and no reduce-scatter or all-gather is left. Fails
     if the rings come out as gathers or all-to-alls, or synchronous."""
-    with open(os.path.join(ac.ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")) as f:
-        config = json.load(f)
-    config["xla_fsdp_settings"].update(reduce_scatter_stages="ring", all_gather_impl="ring")
-    path = tmp_path / "ring.json"
-    path.write_text(json.dumps(config))
-    cmd = [os.path.join(ac.ROOT, "launch", "xla_spawn.py"), ac.RUN_CLM, "--config_name", ac.TINY,
-           "--fsdp", "full_shard", "--fsdp_config", str(path), "--output_dir", str(tmp_path / "out"),
-           "--do_train", "--per_device_train_batch_size", "2", "--block_size", "64"]
+    cmd = _run_clm_on_tpu(_config_with(tmp_path, reduce_scatter_stages="ring", all_gather_impl="ring"), tmp_path)
     report = _assert_compiles(ac.check("v4-8", cmd, runtime="auto"), "the rings")
     c = report["collectives"]
     assert "reduce-scatter" not in c["by_kind"] and "all-gather" not in c["by_kind"], c

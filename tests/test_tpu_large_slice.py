@@ -12,8 +12,9 @@ TPU; nothing mocked:
   43 GiB needed, does not fit; with the barrier: 14.6 GiB).
 - without `xla_tpu_prefer_async_allgather_to_allreduce` every all-gather becomes a
   synchronous zero-padded all-reduce (twice the bytes).
-- by default the engine reduce-scatters one torus axis at a time there ([Note: one
-  reduce-scatter per torus axis]), and those stay reduce-scatters: the gradient reduction
+- where rings do not apply the engine reduce-scatters one torus axis at a time there
+  ("axes", what "auto" falls back to: [Note: one reduce-scatter per torus axis]), and those
+  stay reduce-scatters: the gradient reduction
   sends the ring's (N-1)/N, not an all-reduce's twice that. The first check above traces
   with `reduce_scatter_stages="flat"`, where the all-reduces it guards still exist.
 """
@@ -42,7 +43,9 @@ MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "gpt2-512.json")
 def _trace(tmp, stages: str) -> str:
     """The single-controller step traced at v4-128's 64 devices (the check's --dump)."""
     case = ac.BY_NAME["sc-full_shard"]
-    case = dataclasses.replace(case, settings={**case.settings, "reduce_scatter_stages": stages})
+    # all-gathers, not rings ("auto" would make both rings: [Note: rings by default on a TPU])
+    case = dataclasses.replace(case, settings={**case.settings, "reduce_scatter_stages": stages,
+                                               "all_gather_impl": "all_gather"})
     cmd = ac.command(case, 64, str(tmp / "fsdp.json"), str(tmp / "out"), model=MODEL, batch=1, block=128)
     got = ac.check(TPU, cmd, runtime=case.runtime, extra=["--dump", str(tmp / "dump"), "--libtpu-flags", ""])
     assert got["report"] and got["report"]["compiles"], got["output"]
@@ -57,7 +60,7 @@ def traced_step(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def traced_default(tmp_path_factory):
-    return _trace(tmp_path_factory.mktemp("v4_128"), "auto")
+    return _trace(tmp_path_factory.mktemp("v4_128"), "axes")
 
 
 def _compile(text: str, flags) -> dict:

@@ -80,8 +80,10 @@ class MixedPrecision:
         return self.compute_dtype != torch.float32
 
 
-ALL_GATHER_IMPLS = ("all_gather", "all_reduce", "ring")  # "ring": [Note: ring reduce-scatter]
-REDUCE_SCATTER_STAGES = ("auto", "flat", "ring")  # [Note: one reduce-scatter per torus axis], [Note: ring reduce-scatter]
+# "auto": collective_engine/auto.py ([Note: rings by default on a TPU]); "ring": [Note: ring reduce-scatter]
+ALL_GATHER_IMPLS = ("auto", "all_gather", "all_reduce", "ring")
+# "axes": [Note: one reduce-scatter per torus axis]; "ring": [Note: ring reduce-scatter]
+REDUCE_SCATTER_STAGES = ("auto", "axes", "flat", "ring")
 
 
 @dataclass(frozen=True)
@@ -91,10 +93,12 @@ class CollectiveOptions:
     # pin the layout of every collective (constrain_layout=true in the HLO) so
     # replicas compiling slightly different programs cannot disagree on layouts
     pin_layout: bool = True
+    # "auto": "ring" for the single controller on a TPU where rings apply, else "all_gather"
+    # ([Note: rings by default on a TPU] in collective_engine/auto.py);
     # "all_gather": native all-gather HLO (moves (N-1)/N of the bytes);
     # "all_reduce": zero-padded all-reduce emulation (2(N-1)/N), torch_xla's pinned default;
     # "ring": single controller only, rings of neighbour exchanges ((N-1)/N, collective_engine/ring.py)
-    all_gather_impl: str = "all_gather"
+    all_gather_impl: str = "auto"
     # one collective for all parameters of a unit (True), one per parameter (False), or
     # None: small parameters together in one, each large one on its own (see [Note: buckets])
     flatten_parameters: Optional[bool] = None
@@ -104,7 +108,8 @@ class CollectiveOptions:
     reduce_scatter_bucket_size_mb: float = 0.0
     optimization_barrier_in_forward: bool = True
     optimization_barrier_in_backward: bool = True
-    # single controller: "auto" reduce-scatters one torus axis at a time on v4/v5p slices,
+    # single controller: "auto" rings with the gathers' rings ([Note: rings by default on a
+    # TPU]), else "axes"; "axes" reduce-scatters one torus axis at a time on v4/v5p slices,
     # "flat" never ([Note: one reduce-scatter per torus axis]); "ring": rings of neighbour
     # exchanges, one per torus axis ([Note: ring reduce-scatter] in collective_engine/ring.py)
     reduce_scatter_stages: str = "auto"

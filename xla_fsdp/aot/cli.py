@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "is cut (default 2: the second, steady-state step; 1: the first, for loops that read "
                    "values back in their first step)")
     p.add_argument("--libtpu-flags", default=None, help="libtpu flags for the compile, as in LIBTPU_INIT_ARGS "
-                   "(default: $LIBTPU_INIT_ARGS, else the async-collective flags xla_fsdp sets on a TPU, "
+                   "(default: $LIBTPU_INIT_ARGS, else the async-collective flags xla_fsdp sets on a TPU for the runtime checked, "
                    "xla_fsdp.tpu.libtpu_flags; --libtpu-flags '' compiles with none)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for tracing (default 3600)")
     p.add_argument("--quiet", action="store_true", help="do not echo the job's own output while tracing")
@@ -118,8 +118,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             keep = True  # the log it names
             return EXIT_TRACE
         traced_s = time.time() - started
+        users = os.environ.get(libtpu_flags.ENV, "").strip()
+        if users == os.environ.get(libtpu_flags.MARK, "").strip():
+            users = ""  # set by importing xla_fsdp here, not by the user
         flags = opts.libtpu_flags if opts.libtpu_flags is not None else \
-            (os.environ.get(libtpu_flags.ENV, "").strip() or libtpu_flags.DEFAULT_INIT_ARGS)
+            (users or libtpu_flags.for_runtime(job.runtime))
         sites_path = os.path.join(workdir, "collective_sites.json")
         calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
         result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)

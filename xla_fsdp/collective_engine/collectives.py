@@ -38,7 +38,7 @@ import torch
 
 from .. import abstract
 from ..options import CollectiveOptions, ShardingLayout
-from . import ring, torus
+from . import auto, ring, torus
 from .manual_region import ToLocal, to_global, to_local
 
 REDUCE_SUM = "sum"
@@ -141,7 +141,10 @@ class XlaCollectives(Collectives):
 
         self._xlac = torch_xla._XLAC
         self.layout = layout
-        self.options = options
+        if self.is_single_controller:
+            self.options = options  # SpmdCollectives resolved "auto" already
+        else:  # one process per chip: pinned gathers and flat reduce-scatters ([Note: rings by default on a TPU])
+            options = self.options = auto.resolve(options, single_controller=False)
         self.device = device if device is not None else torch_xla.device()
         # what every collective passes as pin_layout; SpmdCollectives overrides it
         self._pin_layout = options.pin_layout
@@ -274,6 +277,10 @@ class SpmdCollectives(XlaCollectives):
     def __init__(self, layout: ShardingLayout, options: CollectiveOptions, placement, device=None):
         import torch_xla.distributed.spmd as xs
 
+        options = auto.resolve(options, single_controller=True,
+                               rings_possible=layout.shard_world_size > 1 and auto.rings_apply(
+                                   placement.shard_groups, placement.num_devices),
+                               on_tpu=auto.tpu_target())
         super().__init__(layout, options, device)
         self._pin_layout = False  # [Note: no pinning in one program]
         self.placement = placement

@@ -13,7 +13,8 @@ over each y-pair halves that; one over each x-pair halves it again. Rank r = (z,
 with chunk z*4 + y*2 + x = r summed over all 16 chips: the flat reduce-scatter's result. Bytes
 each chip sends: 3/4 + 1/8 + 1/16 = 15/16 of the buffer, the ring reduce-scatter's (N-1)/N.
 
-Applied by default ("auto") only where it is known to be right and to pay: the single
+Applied by `reduce_scatter_stages="axes"` (and by "auto" where rings do not apply: [Note: rings
+by default on a TPU] in auto.py) only where it is known to be right and to pay: the single
 controller, one shard group that is every device of the slice in device-id order, a slice of
 chips with 3-D ICI (v4, v5p) spanning at least two axes (compiled and measured on v4 only; v5p
 by the same ICI shape, not compiled). v5e and v6e (2-D) keep their flat reduce-scatters, which
@@ -90,7 +91,7 @@ def stages(group: Sequence[int], shape: Optional[Tuple[int, ...]], mode: str = "
     reduce-scatter. Each stage lists its replica groups (device ids in rank order)."""
     if mode not in REDUCE_SCATTER_STAGES:
         raise ValueError(f"reduce_scatter_stages={mode!r}: use one of {REDUCE_SCATTER_STAGES}")
-    if mode != "auto" or shape is None or sum(size > 1 for size in shape) < 2:
+    if mode not in ("auto", "axes") or shape is None or sum(size > 1 for size in shape) < 2:
         return []
     n = math.prod(shape)
     if list(group) != list(range(n)):

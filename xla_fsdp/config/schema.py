@@ -240,10 +240,12 @@ class XlaFSDPSettings:
     reduce_scatter_bucket_size_mb: Optional[int] = None
     """Bucket gradients up to this many MiB per reduce-scatter; 0 disables bucketing."""
     all_gather_impl: Optional[str] = None
-    """How parameters are gathered: "all_gather" or "all_reduce" (of zero-padded shards)."""
+    """How parameters are gathered: "auto" (rings for the single controller on a TPU, else
+    "all_gather"), "all_gather", "all_reduce" (of zero-padded shards) or "ring"."""
     reduce_scatter_stages: Optional[str] = None
-    """Single controller: "auto" (one reduce-scatter per torus axis on v4/v5p slices), "flat", or
-    "ring" (rings of neighbour exchanges, which libtpu runs asynchronously)."""
+    """Single controller: "auto" (rings with the gathers' rings, else "axes"), "axes" (one
+    reduce-scatter per torus axis on v4/v5p slices), "flat", or "ring" (rings of neighbour
+    exchanges, which libtpu runs asynchronously)."""
     sharding_strategy: Optional[str] = None
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (case-insensitive; stored upper case)."""
 

@@ -10,13 +10,20 @@ Each flag was checked with libtpu's compiler (tests/test_libtpu_flags.py):
 - `xla_enable_async_all_gather`, `xla_tpu_enable_async_collective_fusion_fuse_all_gather`:
   dropping either one leaves the tiny single-controller step on v4-8 with no
   asynchronous all-gather;
-- `xla_tpu_scheduler_percent_shared_memory_limit=70`: the scheduler's
-  memory budget (it also moves random-bit generation for dropout ahead of
+- `xla_tpu_scheduler_percent_shared_memory_limit`: the scheduler's memory
+  budget, 50 for the single controller (whose gathers and reduce-scatters are
+  rings by default: [Note: rings by default on a TPU]) and 70 otherwise. The
+  2B step of the single controller with rings on v4-8, compiled: 28.57 GiB
+  at 70, 21.79 GiB at 50 with the same overlap (0.96 of the bytes
+  asynchronous beside compute) and projected step (3.699 / 3.703 s). At 70,
+  the budget (it also moves random-bit generation for dropout ahead of
   its use, 3 GiB per layer at 2B). The 2B GPT-2 step (32x1024, per-layer
   checkpointing, async all-gathers) on v4-8, compiled: without the flag it
   does not fit (31.6 GiB of 30.75 usable); at 80: 27.56 GiB; at 70: 24.66
   GiB; at 60: 24.30 GiB, but 81 instead of 125 all-gathers asynchronous and
-  a longer projected step (3.721 s against 3.707 s at 70 and 80);
+  a longer projected step (3.721 s against 3.707 s at 70 and 80) (those
+  with all-gathers and staged reduce-scatters, the single controller's
+  collectives before the rings and still where rings do not apply);
 - `xla_tpu_prefer_async_allgather_to_allreduce`: on v4 slices whose chips
   span all three torus axes (v4-128: 4x4x4) libtpu otherwise compiles every
   all-gather over the whole slice as a zero-padded all-reduce (twice the
@@ -32,9 +39,12 @@ libtpu 0.0.21's defaults already, or no all-reduce it could overlap).
 `import xla_fsdp` (so also `run_clm` and the Hugging Face Trainer
 integration) and the launcher (`launch/xla_spawn.py`, for the processes it
 spawns) put them in `LIBTPU_INIT_ARGS` before libtpu starts, on a TPU only, and only when the user set no
-`LIBTPU_INIT_ARGS` of their own (theirs win, whole). `python -m xla_fsdp.aot`
-compiles with the same flags unless `--libtpu-flags` or `LIBTPU_INIT_ARGS`
-says otherwise.
+`LIBTPU_INIT_ARGS` of their own (theirs win, whole). The runtime is read from
+`XLA_FSDP_RUNTIME` (the launcher sets it before it sets the flags) or torch_xla's
+`XLA_USE_SPMD`; flags xla_fsdp set itself (marked in `XLA_FSDP_LIBTPU_INIT_ARGS`) are
+re-decided when the runtime becomes known later, the user's never. `python -m
+xla_fsdp.aot` compiles with the flags of the runtime it checks unless `--libtpu-flags` or
+`LIBTPU_INIT_ARGS` says otherwise.
 """
 from __future__ import annotations
 
@@ -53,12 +63,37 @@ ASYNC_COLLECTIVES: Mapping[str, str] = {
 }
 
 
+# the single controller's: its rings under a tighter scheduler budget (see above)
+SINGLE_CONTROLLER_COLLECTIVES: Mapping[str, str] = dict(
+    ASYNC_COLLECTIVES, xla_tpu_scheduler_percent_shared_memory_limit="50")
+
+MARK = "XLA_FSDP_LIBTPU_INIT_ARGS"  # what xla_fsdp itself put in LIBTPU_INIT_ARGS
+RUNTIME_ENV = "XLA_FSDP_RUNTIME"
+SINGLE_CONTROLLER = "single_controller"
+
+
 def init_args(flags: Mapping[str, str] = ASYNC_COLLECTIVES) -> str:
     """`flags` spelled as LIBTPU_INIT_ARGS ("--name=value ...")."""
     return " ".join(f"--{k}={v}" for k, v in flags.items())
 
 
-DEFAULT_INIT_ARGS = init_args()
+DEFAULT_INIT_ARGS = init_args()  # one process per chip, and a runtime not yet known
+SINGLE_CONTROLLER_INIT_ARGS = init_args(SINGLE_CONTROLLER_COLLECTIVES)
+
+
+def for_runtime(runtime: Optional[str]) -> str:
+    """xla_fsdp's LIBTPU_INIT_ARGS for `runtime` ("single_controller", "multi_process", None)."""
+    return SINGLE_CONTROLLER_INIT_ARGS if runtime == SINGLE_CONTROLLER else DEFAULT_INIT_ARGS
+
+
+def runtime_of(environ: Mapping[str, str]) -> Optional[str]:
+    """The runtime the environment declares: XLA_FSDP_RUNTIME, else torch_xla's XLA_USE_SPMD."""
+    declared = environ.get(RUNTIME_ENV, "").strip().lower()
+    if declared:
+        return declared
+    if environ.get("XLA_USE_SPMD", "").strip().lower() in ("1", "true", "yes"):
+        return SINGLE_CONTROLLER
+    return None
 
 
 def on_tpu(environ: Mapping[str, str] = os.environ) -> bool:
@@ -74,13 +109,17 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ) -> Optional[str
     """On a TPU, set LIBTPU_INIT_ARGS to the async-collective flags unless the user set it;
     returns what it set (None when it left the environment alone). libtpu reads them once,
     when the XLA runtime starts: if it has started already, warn with the export to use."""
-    if not on_tpu(environ) or environ.get(ENV, "").strip():
+    current = environ.get(ENV, "").strip()
+    ours = current and current == environ.get(MARK, "").strip()
+    if not on_tpu(environ) or (current and not ours):
         return None
+    wanted = for_runtime(runtime_of(environ))
     if environ is os.environ and _runtime_started():
-        warnings.warn(f"xla_fsdp: the XLA runtime started before xla_fsdp was imported, so libtpu runs "
-                      f"without the async-collective flags (collectives stay synchronous on v4). Import "
-                      f"xla_fsdp before touching an XLA device, or export {ENV}='{DEFAULT_INIT_ARGS}'",
-                      stacklevel=3)
+        if not ours:
+            warnings.warn(f"xla_fsdp: the XLA runtime started before xla_fsdp was imported, so libtpu runs "
+                          f"without the async-collective flags (collectives stay synchronous on v4). Import "
+                          f"xla_fsdp before touching an XLA device, or export {ENV}='{wanted}'",
+                          stacklevel=3)
         return None
-    environ[ENV] = DEFAULT_INIT_ARGS
-    return DEFAULT_INIT_ARGS
+    environ[ENV] = environ[MARK] = wanted
+    return wanted

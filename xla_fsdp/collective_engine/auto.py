@@ -1,0 +1,64 @@
+"""What `all_gather_impl="auto"` and `reduce_scatter_stages="auto"` mean for one engine
+([Note: rings by default on a TPU]).
+
+[Note: rings by default on a TPU]
+Compiled by libtpu 0.0.21 for the blog's 2B GPT-2 on v4-8 (32 x 1024 per chip, per-layer
+checkpointing; README "Performance"), the single controller's all-gathers and staged
+reduce-scatters leave half the collective bytes synchronous: libtpu never runs our
+reduce-scatters asynchronously and keeps 149 of 257 gathers synchronous (0.48 of the bytes
+asynchronous). The same step with gathers and reduce-scatters as rings of collective-permutes
+([Note: ring reduce-scatter]) sends the same bytes, 0.96 of them asynchronously with compute
+between start and done, and, under a 50% scheduler memory budget (xla_fsdp.tpu.libtpu_flags,
+set for the single controller), peaks at 21.79 GiB per chip instead of 23.05 at the same
+projected step. So "auto" means rings where they apply:
+- the single controller (one program for every device; pinned per-process collectives are
+  never asynchronous anyway, and a ring needs the partitioner's permutes);
+- a TPU, or the ahead-of-time check compiling for one (on XLA:CPU, where nothing is
+  asynchronous, the gathers and reduce-scatters stay: they are what the CPU parity runs test);
+- one shard group holding every device in id order (FULL_SHARD, SHARD_GRAD_OP; not
+  HYBRID_SHARD or sharding groups), over more than one device;
+- both "auto" (or the other one "ring"): a ring only for the reduce-scatters was measured to
+  cost more HBM than it hides at 2B (30.07 GiB), so an explicit `all_gather_impl="all_gather"`
+  keeps the staged reduce-scatters too.
+Everywhere else "auto" is the native all-gather and, for the reduce-scatter, "axes": one
+reduce-scatter per torus axis on v4/v5p slices ([Note: one reduce-scatter per torus axis]).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+from ..abstract import TRACE_ENV
+from ..options import CollectiveOptions
+
+
+def tpu_target() -> bool:
+    """True on a TPU, or when the ahead-of-time check traces the step for one."""
+    if os.environ.get(TRACE_ENV):
+        return True
+    try:
+        import torch_xla.runtime as xr
+
+        return xr.device_type() == "TPU"
+    except Exception:  # no runtime: nothing to run rings on
+        return False
+
+
+def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:
+    """One shard group of every device in id order, over more than one device."""
+    return num_devices > 1 and [list(g) for g in shard_groups] == [list(range(num_devices))]
+
+
+def resolve(options: CollectiveOptions, single_controller: bool, rings_possible: bool = False,
+            on_tpu: bool = False) -> CollectiveOptions:
+    """`options` with "auto" replaced by what runs ([Note: rings by default on a TPU])."""
+    gather, scatter = options.all_gather_impl, options.reduce_scatter_stages
+    if gather != "auto" and scatter != "auto":
+        return options
+    rings = single_controller and rings_possible and on_tpu and (
+        (gather, scatter) in (("auto", "auto"), ("auto", "ring"), ("ring", "auto")))
+    return dataclasses.replace(
+        options,
+        all_gather_impl=("ring" if rings else "all_gather") if gather == "auto" else gather,
+        reduce_scatter_stages=("ring" if rings else "axes") if scatter == "auto" else scatter)
