@@ -164,3 +164,15 @@ def test_rings_apply_to_one_group_of_every_device_in_id_order():
     assert not auto.rings_apply([[0, 1], [2, 3]], 4)  # HYBRID_SHARD's shard groups
     assert not auto.rings_apply([[1, 0, 2, 3]], 4)
     assert not auto.rings_apply([[0]], 1)
+
+
+def test_rings_under_the_per_chip_budget_say_how_to_get_theirs():
+    """A script that turned the single controller on itself (libtpu started with the 70% budget
+    xla_fsdp sets for one process per chip) is told how to get the rings' 50%."""
+    from xla_fsdp.collective_engine import auto
+    from xla_fsdp.tpu import libtpu_flags as lf
+
+    with pytest.warns(UserWarning, match="XLA_FSDP_RUNTIME=single_controller"):
+        assert auto.warn_if_budget_is_not_the_rings({lf.ENV: lf.DEFAULT_INIT_ARGS})
+    assert not auto.warn_if_budget_is_not_the_rings({lf.ENV: lf.SINGLE_CONTROLLER_INIT_ARGS})
+    assert not auto.warn_if_budget_is_not_the_rings({lf.ENV: "--mine=1"})  # the user's own: theirs

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+import warnings
+from typing import Mapping, Sequence
 
 from ..abstract import TRACE_ENV
 from ..options import CollectiveOptions
@@ -62,3 +63,19 @@ def resolve(options: CollectiveOptions, single_controller: bool, rings_possible:
         options,
         all_gather_impl=("ring" if rings else "all_gather") if gather == "auto" else gather,
         reduce_scatter_stages=("ring" if rings else "axes") if scatter == "auto" else scatter)
+
+
+def warn_if_budget_is_not_the_rings(environ: Mapping[str, str] = os.environ) -> bool:
+    """Rings chosen on a TPU whose libtpu started with xla_fsdp's flags for one process per chip
+    (70% budget: a script that calls `torch_xla.runtime.use_spmd()` itself, without the launcher
+    or XLA_FSDP_RUNTIME): say how to get the single controller's. True when it warned."""
+    from ..tpu import libtpu_flags
+
+    if environ.get(TRACE_ENV) or environ.get(libtpu_flags.ENV, "").strip() != libtpu_flags.DEFAULT_INIT_ARGS:
+        return False
+    warnings.warn(f"xla_fsdp: the single controller gathers and reduce-scatters by rings on this TPU, but "
+                  f"libtpu started with the one-process-per-chip flags (scheduler budget 70%), under which "
+                  f"the rings need more HBM (2B GPT-2 on v4-8: 28.57 GiB per chip instead of 21.79). Export "
+                  f"{libtpu_flags.RUNTIME_ENV}={libtpu_flags.SINGLE_CONTROLLER} before importing xla_fsdp, or "
+                  f"launch with launch/xla_spawn.py", stacklevel=4)
+    return True

@@ -281,6 +281,8 @@ class SpmdCollectives(XlaCollectives):
                                rings_possible=layout.shard_world_size > 1 and auto.rings_apply(
                                    placement.shard_groups, placement.num_devices),
                                on_tpu=auto.tpu_target())
+        if options.all_gather_impl == "ring" and options.reduce_scatter_stages == "ring":
+            auto.warn_if_budget_is_not_the_rings()
         super().__init__(layout, options, device)
         self._pin_layout = False  # [Note: no pinning in one program]
         self.placement = placement
