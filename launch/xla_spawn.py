@@ -123,6 +123,18 @@ def async_collective_flags() -> None:
             f"{libtpu_flags.ENV} yourself to replace them)")
 
 
+def slice_chips(local_chips: int, workers: Optional[Callable[[], int]] = None) -> int:
+    """Chips of the whole slice: this host's times the TPU workers (hosts), or 0 if unknown."""
+    try:
+        if workers is None:
+            from torch_xla._internal import tpu  # TPU-only path; reads the TPU VM's metadata
+
+            workers = tpu.num_tpu_workers
+        return local_chips * max(1, int(workers()))
+    except Exception:  # no metadata: the budget stays the single controller's
+        return 0
+
+
 def log(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -441,6 +453,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             log(plan.reason)
         os.environ.update(plan.env)
         if device == "TPU":
+            if spmd:  # the libtpu budget depends on it ([Note: rings by default on a TPU])
+                chips = slice_chips(counts.default)
+                if chips:
+                    os.environ.setdefault("XLA_FSDP_SLICE_CHIPS", str(chips))
             async_collective_flags()
         entry = ScriptEntry(script, tuple(script_args))
         try:

@@ -45,6 +45,10 @@ def test_the_single_controller_gets_its_own_budget_even_when_declared_after_an_i
     assert lf.set_defaults(spmd) == lf.SINGLE_CONTROLLER_INIT_ARGS
     per_chip = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "multi_process"}
     assert lf.set_defaults(per_chip) == lf.DEFAULT_INIT_ARGS
+    pod = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "32"}
+    assert lf.set_defaults(pod) == lf.DEFAULT_INIT_ARGS  # no rings on a pod: the gathers' budget
+    one_host = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "8"}
+    assert lf.set_defaults(one_host) == lf.SINGLE_CONTROLLER_INIT_ARGS
     users = {"PJRT_DEVICE": "TPU", lf.ENV: lf.DEFAULT_INIT_ARGS, "XLA_FSDP_RUNTIME": "single_controller"}
     assert lf.set_defaults(users) is None and users[lf.ENV] == lf.DEFAULT_INIT_ARGS  # exported by the user
 
@@ -69,6 +73,19 @@ def test_importing_xla_fsdp_and_the_launcher_set_them_on_a_tpu():
     assert _env_after(launcher.replace("import xla_fsdp;", "import xla_fsdp; "
                                        "os.environ['XLA_FSDP_RUNTIME'] = 'single_controller';")) \
         == lf.SINGLE_CONTROLLER_INIT_ARGS
+
+
+def test_the_launcher_counts_the_slices_chips_for_the_budget():
+    import importlib
+    sys.path.insert(0, os.path.join(ac.ROOT, "launch"))
+    xla_spawn = importlib.import_module("xla_spawn")
+    assert xla_spawn.slice_chips(4, workers=lambda: 8) == 32  # v4-64: 8 hosts of 4 chips
+    assert xla_spawn.slice_chips(8, workers=lambda: 1) == 8
+
+    def no_metadata():
+        raise RuntimeError("no TPU metadata server")
+
+    assert xla_spawn.slice_chips(4, workers=no_metadata) == 0
 
 
 def test_importing_xla_fsdp_after_the_runtime_started_warns_instead():

@@ -164,6 +164,8 @@ def test_rings_apply_to_one_group_of_every_device_in_id_order():
     assert not auto.rings_apply([[0, 1], [2, 3]], 4)  # HYBRID_SHARD's shard groups
     assert not auto.rings_apply([[1, 0, 2, 3]], 4)
     assert not auto.rings_apply([[0]], 1)
+    assert auto.rings_apply([list(range(8))], 8)  # v5e-8, v6e-8
+    assert not auto.rings_apply([list(range(32))], 32)  # v4-64: the gathers project faster there
 
 
 def test_rings_under_the_per_chip_budget_say_how_to_get_theirs():

@@ -11,8 +11,10 @@ Each flag was checked with libtpu's compiler (tests/test_libtpu_flags.py):
   dropping either one leaves the tiny single-controller step on v4-8 with no
   asynchronous all-gather;
 - `xla_tpu_scheduler_percent_shared_memory_limit`: the scheduler's memory
-  budget, 50 for the single controller (whose gathers and reduce-scatters are
-  rings by default: [Note: rings by default on a TPU]) and 70 otherwise. The
+  budget, 50 for the single controller on a slice of at most 8 chips (whose
+  gathers and reduce-scatters are rings by default: [Note: rings by default
+  on a TPU]) and 70 otherwise (the launcher tells the slice's size in
+  XLA_FSDP_SLICE_CHIPS; not told, 50 for the single controller). The
   2B step of the single controller with rings on v4-8, compiled: 28.57 GiB
   at 70, 21.79 GiB at 50 with the same overlap (0.96 of the bytes
   asynchronous beside compute) and projected step (3.699 / 3.703 s). At 70,
@@ -69,7 +71,9 @@ SINGLE_CONTROLLER_COLLECTIVES: Mapping[str, str] = dict(
 
 MARK = "XLA_FSDP_LIBTPU_INIT_ARGS"  # what xla_fsdp itself put in LIBTPU_INIT_ARGS
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
+CHIPS_ENV = "XLA_FSDP_SLICE_CHIPS"  # chips of the whole slice, when the launcher knows them
 SINGLE_CONTROLLER = "single_controller"
+RING_MAX_CHIPS = 8  # collective_engine/auto.py's RING_MAX_DEVICES: larger slices keep the gathers
 
 
 def init_args(flags: Mapping[str, str] = ASYNC_COLLECTIVES) -> str:
@@ -81,9 +85,17 @@ DEFAULT_INIT_ARGS = init_args()  # one process per chip, and a runtime not yet k
 SINGLE_CONTROLLER_INIT_ARGS = init_args(SINGLE_CONTROLLER_COLLECTIVES)
 
 
-def for_runtime(runtime: Optional[str]) -> str:
-    """xla_fsdp's LIBTPU_INIT_ARGS for `runtime` ("single_controller", "multi_process", None)."""
-    return SINGLE_CONTROLLER_INIT_ARGS if runtime == SINGLE_CONTROLLER else DEFAULT_INIT_ARGS
+def for_runtime(runtime: Optional[str], chips: Optional[int] = None) -> str:
+    """xla_fsdp's LIBTPU_INIT_ARGS for `runtime` ("single_controller", "multi_process", None) on a
+    slice of `chips` (None: not known): the rings' budget where the single controller makes rings
+    ([Note: rings by default on a TPU]), the gathers' elsewhere."""
+    rings = runtime == SINGLE_CONTROLLER and (chips is None or chips <= RING_MAX_CHIPS)
+    return SINGLE_CONTROLLER_INIT_ARGS if rings else DEFAULT_INIT_ARGS
+
+
+def chips_of(environ: Mapping[str, str]) -> Optional[int]:
+    text = environ.get(CHIPS_ENV, "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def runtime_of(environ: Mapping[str, str]) -> Optional[str]:
@@ -113,7 +125,7 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ) -> Optional[str
     ours = current and current == environ.get(MARK, "").strip()
     if not on_tpu(environ) or (current and not ours):
         return None
-    wanted = for_runtime(runtime_of(environ))
+    wanted = for_runtime(runtime_of(environ), chips_of(environ))
     if environ is os.environ and _runtime_started():
         if not ours:
             warnings.warn(f"xla_fsdp: the XLA runtime started before xla_fsdp was imported, so libtpu runs "
