@@ -22,7 +22,8 @@ projected step. So "auto" means rings where they apply:
   against 0.287, v6e-8 0.495 against 0.496). On the blog's 16B on v4-64 (32 chips, 2x4x4) the
   rings fit (23.57 GiB against 24.13) with 0.76 of the bytes beside compute, but their chunk
   additions and concatenations add 0.50 s of compute (11.58 s against 11.08) and the step projects
-  at 12.25 s against the gathers' 11.63 s, so pods keep the gathers;
+  at 12.25 s against the gathers' 11.63 s; 20B on v4-128 (64 chips): 21.32 GiB against 14.38,
+  8.18 s against 7.75 s. So pods keep the gathers;
 - both "auto" (or the other one "ring"): a ring only for the reduce-scatters was measured to
   cost more HBM than it hides at 2B (30.07 GiB), so an explicit `all_gather_impl="all_gather"`
   keeps the staged reduce-scatters too.
