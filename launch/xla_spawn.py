@@ -114,9 +114,7 @@ def async_collective_flags() -> None:
     one place they are set); this only says so."""
     from xla_fsdp.tpu import libtpu_flags
 
-    users = os.environ.get(libtpu_flags.ENV, "").strip()
-    if users == os.environ.get(libtpu_flags.MARK, "").strip():
-        users = ""  # set by an earlier import of xla_fsdp, before the runtime was known
+    users = libtpu_flags.users_own(os.environ)  # not the flags an earlier import of xla_fsdp set
     set_now = libtpu_flags.set_defaults(os.environ)
     if not users:
         log(f"{libtpu_flags.ENV}: xla_fsdp's async-collective flags for this runtime, {set_now} (set "

@@ -118,11 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             keep = True  # the log it names
             return EXIT_TRACE
         traced_s = time.time() - started
-        users = os.environ.get(libtpu_flags.ENV, "").strip()
-        if users == os.environ.get(libtpu_flags.MARK, "").strip():
-            users = ""  # set by importing xla_fsdp here, not by the user
         flags = opts.libtpu_flags if opts.libtpu_flags is not None else \
-            (users or libtpu_flags.for_runtime(job.runtime, spec.chips))
+            (libtpu_flags.users_own() or libtpu_flags.for_runtime(job.runtime, spec.chips))
         sites_path = os.path.join(workdir, "collective_sites.json")
         calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
         result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)

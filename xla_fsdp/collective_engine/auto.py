@@ -17,7 +17,7 @@ projected step. So "auto" means rings where they apply:
   asynchronous, the gathers and reduce-scatters stay: they are what the CPU parity runs test);
 - one shard group holding every device in id order (FULL_SHARD, SHARD_GRAD_OP; not
   HYBRID_SHARD or sharding groups), over more than one device;
-- a slice of at most RING_MAX_DEVICES (8) chips: the slices where the rings were compiled and
+- a slice of at most libtpu_flags.RING_MAX_CHIPS (8) chips: the slices where the rings were compiled and
   projected at no step-time cost (2B v4-8 3.703 s against the gathers' 3.698; 125M v5e-8 0.294
   against 0.287, v6e-8 0.495 against 0.496). On the blog's 16B on v4-64 (32 chips, 2x4x4) the
   rings fit (23.57 GiB against 24.13) with 0.76 of the bytes beside compute, but their chunk
@@ -39,6 +39,7 @@ from typing import Mapping, Sequence
 
 from ..abstract import TRACE_ENV
 from ..options import CollectiveOptions
+from ..tpu import libtpu_flags
 
 
 def tpu_target() -> bool:
@@ -53,12 +54,10 @@ def tpu_target() -> bool:
         return False
 
 
-RING_MAX_DEVICES = 8  # the largest slice "auto" makes rings on (see the note)
-
-
 def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:
-    """One shard group of every device in id order, over 2 to RING_MAX_DEVICES devices."""
-    return 1 < num_devices <= RING_MAX_DEVICES and [list(g) for g in shard_groups] == [list(range(num_devices))]
+    """One shard group of every device in id order, over 2 to RING_MAX_CHIPS devices."""
+    return (1 < num_devices <= libtpu_flags.RING_MAX_CHIPS
+            and [list(g) for g in shard_groups] == [list(range(num_devices))])
 
 
 def resolve(options: CollectiveOptions, single_controller: bool, rings_possible: bool = False,
@@ -79,8 +78,6 @@ def warn_if_budget_is_not_the_rings(environ: Mapping[str, str] = os.environ) -> 
     """Rings chosen on a TPU whose libtpu started with xla_fsdp's flags for one process per chip
     (70% budget: a script that calls `torch_xla.runtime.use_spmd()` itself, without the launcher
     or XLA_FSDP_RUNTIME): say how to get the single controller's. True when it warned."""
-    from ..tpu import libtpu_flags
-
     if environ.get(TRACE_ENV) or environ.get(libtpu_flags.ENV, "").strip() != libtpu_flags.DEFAULT_INIT_ARGS:
         return False
     warnings.warn(f"xla_fsdp: the single controller gathers and reduce-scatters by rings on this TPU, but "

@@ -141,10 +141,9 @@ class XlaCollectives(Collectives):
 
         self._xlac = torch_xla._XLAC
         self.layout = layout
-        if self.is_single_controller:
-            self.options = options  # SpmdCollectives resolved "auto" already
-        else:  # one process per chip: pinned gathers and flat reduce-scatters ([Note: rings by default on a TPU])
-            options = self.options = auto.resolve(options, single_controller=False)
+        # one process per chip: "auto" is the pinned gather ([Note: rings by default on a TPU]);
+        # SpmdCollectives resolved its own already, which leaves nothing to resolve here
+        options = self.options = auto.resolve(options, single_controller=False)
         self.device = device if device is not None else torch_xla.device()
         # what every collective passes as pin_layout; SpmdCollectives overrides it
         self._pin_layout = options.pin_layout
@@ -278,8 +277,7 @@ class SpmdCollectives(XlaCollectives):
         import torch_xla.distributed.spmd as xs
 
         options = auto.resolve(options, single_controller=True,
-                               rings_possible=layout.shard_world_size > 1 and auto.rings_apply(
-                                   placement.shard_groups, placement.num_devices),
+                               rings_possible=auto.rings_apply(placement.shard_groups, placement.num_devices),
                                on_tpu=auto.tpu_target())
         if options.all_gather_impl == "ring" and options.reduce_scatter_stages == "ring":
             auto.warn_if_budget_is_not_the_rings()

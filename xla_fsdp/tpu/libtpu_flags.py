@@ -55,6 +55,8 @@ import sys
 import warnings
 from typing import Mapping, MutableMapping, Optional
 
+from ..runtime_choice import SINGLE_CONTROLLER
+
 ENV = "LIBTPU_INIT_ARGS"
 
 ASYNC_COLLECTIVES: Mapping[str, str] = {
@@ -72,8 +74,9 @@ SINGLE_CONTROLLER_COLLECTIVES: Mapping[str, str] = dict(
 MARK = "XLA_FSDP_LIBTPU_INIT_ARGS"  # what xla_fsdp itself put in LIBTPU_INIT_ARGS
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 CHIPS_ENV = "XLA_FSDP_SLICE_CHIPS"  # chips of the whole slice, when the launcher knows them
-SINGLE_CONTROLLER = "single_controller"
-RING_MAX_CHIPS = 8  # collective_engine/auto.py's RING_MAX_DEVICES: larger slices keep the gathers
+# the largest slice on which the single controller's "auto" makes rings (collective_engine/auto.py,
+# [Note: rings by default on a TPU]); larger slices keep the gathers and their budget
+RING_MAX_CHIPS = 8
 
 
 def init_args(flags: Mapping[str, str] = ASYNC_COLLECTIVES) -> str:
@@ -91,6 +94,12 @@ def for_runtime(runtime: Optional[str], chips: Optional[int] = None) -> str:
     ([Note: rings by default on a TPU]), the gathers' elsewhere."""
     rings = runtime == SINGLE_CONTROLLER and (chips is None or chips <= RING_MAX_CHIPS)
     return SINGLE_CONTROLLER_INIT_ARGS if rings else DEFAULT_INIT_ARGS
+
+
+def users_own(environ: Mapping[str, str] = os.environ) -> str:
+    """The LIBTPU_INIT_ARGS the user set, or "" (none, or the flags xla_fsdp set itself)."""
+    current = environ.get(ENV, "").strip()
+    return "" if current == environ.get(MARK, "").strip() else current
 
 
 def chips_of(environ: Mapping[str, str]) -> Optional[int]:
@@ -121,9 +130,8 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ) -> Optional[str
     """On a TPU, set LIBTPU_INIT_ARGS to the async-collective flags unless the user set it;
     returns what it set (None when it left the environment alone). libtpu reads them once,
     when the XLA runtime starts: if it has started already, warn with the export to use."""
-    current = environ.get(ENV, "").strip()
-    ours = current and current == environ.get(MARK, "").strip()
-    if not on_tpu(environ) or (current and not ours):
+    ours = bool(environ.get(ENV, "").strip()) and not users_own(environ)
+    if not on_tpu(environ) or users_own(environ):
         return None
     wanted = for_runtime(runtime_of(environ), chips_of(environ))
     if environ is os.environ and _runtime_started():
