@@ -9,6 +9,13 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 
 def pytest_sessionstart(session):
+    # child processes fork from a warm interpreter ([Note: warm interpreters] in tests/warm)
+    import tempfile
+
+    import warm
+
+    session.config._warm_dir = tempfile.mkdtemp(prefix="xla_fsdp_warm_")
+    session.config._warm_zygote = warm.start(session.config._warm_dir)
     # The autograd engine sizes its per-device queues at its first backward; an
     # XLA device registered after a CPU-only backward trips an internal assert,
     # so bring up the (single) in-process XLA:CPU device before any test runs.
@@ -17,6 +24,16 @@ def pytest_sessionstart(session):
     except ImportError:
         return
     torch_xla.device()
+
+
+def pytest_sessionfinish(session):
+    zygote = getattr(session.config, "_warm_zygote", None)
+    if zygote is not None:
+        zygote.stdin.close()  # the zygote exits when the suite does
+        zygote.wait(timeout=60)
+        import shutil
+
+        shutil.rmtree(session.config._warm_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
