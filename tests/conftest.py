@@ -15,7 +15,7 @@ def pytest_sessionstart(session):
     import warm
 
     session.config._warm_dir = tempfile.mkdtemp(prefix="xla_fsdp_warm_")
-    session.config._warm_zygote = warm.start(session.config._warm_dir)
+    session.config._warm_zygotes = warm.start(session.config._warm_dir)
     # The autograd engine sizes its per-device queues at its first backward; an
     # XLA device registered after a CPU-only backward trips an internal assert,
     # so bring up the (single) in-process XLA:CPU device before any test runs.
@@ -27,10 +27,12 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session):
-    zygote = getattr(session.config, "_warm_zygote", None)
-    if zygote is not None:
-        zygote.stdin.close()  # the zygote exits when the suite does
-        zygote.wait(timeout=60)
+    zygotes = getattr(session.config, "_warm_zygotes", None)
+    if zygotes:
+        for zygote in zygotes:
+            zygote.stdin.close()  # a zygote exits when the suite does
+        for zygote in zygotes:
+            zygote.wait(timeout=60)
         import shutil
 
         shutil.rmtree(session.config._warm_dir, ignore_errors=True)

@@ -2,7 +2,7 @@
 
 tests/warm/__init__.py writes this file as an executable whose first line runs
 the real interpreter with -S -E (no site, no PYTHON* variables: ~20 ms). It
-asks the zygote (socket in XLA_FSDP_TEST_ZYGOTE) to fork a child with this
+asks a zygote (sockets in XLA_FSDP_TEST_ZYGOTE, taken in turn) to fork a child with this
 process's open descriptors, environment, directory and arguments, forwards
 signals to it, and exits as it exits: the same code, or the same signal. With
 no zygote, or a command line a forked child cannot honour, it execs the real
@@ -23,10 +23,11 @@ def _real():
 
 
 def main():
-    path = os.environ.get("XLA_FSDP_TEST_ZYGOTE")
-    if not path:
+    paths = [p for p in os.environ.get("XLA_FSDP_TEST_ZYGOTE", "").split(os.pathsep) if p]
+    if not paths:
         _real()
     try:
+        path = paths[_turn() % len(paths)]
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
     except OSError:
@@ -60,6 +61,18 @@ def main():
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(int(end[1]))
+
+
+def _turn() -> int:
+    """Round robin over the zygotes (each has its own string-hash seed, so consecutive processes, the
+    ranks of one job, hash differently, as fresh interpreters would): one appended byte per process."""
+    fd = os.open(os.environ["XLA_FSDP_TEST_ZYGOTE"].split(os.pathsep)[0] + ".turns",
+                 os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, b".")
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def _is_open(fd: int) -> bool:
