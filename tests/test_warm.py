@@ -99,3 +99,16 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_modules_run_with_dash_m_as_main_and_warnings_keep_pythons_defaults(tmp_path):
+    (tmp_path / "probe_mod.py").write_text("import sys\nif __name__ == '__main__':\n    print(__file__, sys.argv[1:])\n")
+    got = subprocess.run([sys.executable, "-m", "probe_mod", "x"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert got.returncode == 0 and got.stdout.strip() == f"{tmp_path / 'probe_mod.py'} ['x']", got.stderr
+    # ResourceWarning is ignored by default; -W and PYTHONWARNINGS still turn warnings on
+    assert _py("import warnings; warnings.warn('hidden', ResourceWarning)").stderr == ""
+    shown = subprocess.run([sys.executable, "-W", "error::ResourceWarning", "-c",
+                            "import warnings; warnings.warn('raised', ResourceWarning)"],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 1 and "ResourceWarning: raised" in shown.stderr

@@ -123,7 +123,7 @@ def _become(request: dict, fds: list, shim: str, parsed):
     sys.dont_write_bytecode = flags["B"] or bool(env.get("PYTHONDONTWRITEBYTECODE"))
     import warnings
 
-    warnings.resetwarnings()
+    # the zygote's filters are a fresh interpreter's after importing torch; the child's own options go on top
     for spec in ([] if flags["E"] else [w for w in env.get("PYTHONWARNINGS", "").split(",") if w]) + flags["W"]:
         try:
             warnings._setoption(spec)
@@ -149,14 +149,15 @@ def _become(request: dict, fds: list, shim: str, parsed):
 
     import types
 
+    # a fresh __main__ (runpy runs `-m` modules in __main__'s namespace: not the zygote's)
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
     if kind == "m":
         import runpy
 
         sys.argv = [target] + args
         return lambda: runpy._run_module_as_main(target, alter_argv=True)
-    main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = __builtins__
-    sys.modules["__main__"] = main
     if kind == "c":
         sys.argv = ["-c"] + args
         code = compile(target, "<string>", "exec")
@@ -293,6 +294,9 @@ def _finish(code: int, sig=None):
     globals (their files flush and close), flush stdio; then leave without freeing torch's modules
     one by one (seconds of CPU; a fresh interpreter exiting only frees its process)."""
     import atexit
+    import os
+    import signal
+    import sys
     import threading
 
     threading._shutdown()
