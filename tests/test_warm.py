@@ -87,10 +87,24 @@ def test_a_killed_or_terminated_parent_takes_the_child_with_it(tmp_path):
         assert not _alive(child), f"the child {child} outlived its killed parent"
 
 
-def test_consecutive_children_hash_strings_differently():
-    """Two fresh interpreters have different string-hash seeds; the ranks of one job must too."""
-    hashes = {_py("print(hash('xla_fsdp'))").stdout for _ in range(2)}
-    assert len(hashes) == 2, hashes
+def test_consecutive_children_hash_strings_and_seed_generators_differently():
+    """Two fresh interpreters have different string-hash seeds and torch/numpy seeds; the ranks of one
+    job must too."""
+    got = {_py("import numpy, torch; print(hash('xla_fsdp'))").stdout for _ in range(2)}
+    assert len(got) == 2, got
+    seeds = [_py("import numpy, torch; print(torch.initial_seed(), numpy.random.rand())").stdout for _ in range(3)]
+    assert len(set(seeds)) == 3, seeds
+
+
+def test_settings_read_at_import_get_a_real_interpreter():
+    """OMP_NUM_THREADS is read when torch loads: a child that sets it is not forked from the zygote."""
+    got = _py("import torch; print(torch.get_num_threads())", env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert got.stdout.strip() == "1", got.stderr
+
+
+def test_a_missing_script_is_exit_2_as_python_says(tmp_path):
+    got = subprocess.run([sys.executable, str(tmp_path / "absent.py")], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2 and "can't open file" in got.stderr, got.stderr
 
 
 def _alive(pid: int) -> bool:

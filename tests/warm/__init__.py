@@ -46,7 +46,8 @@ def start(tmp: str):
     for i in range(ZYGOTES):
         socks.append(os.path.join(tmp, f"zygote{i}.sock"))
         zygotes.append(subprocess.Popen([real, os.path.join(HERE, "zygote.py"), socks[-1], shim],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        start_new_session=True))
     for zygote in zygotes:
         line = zygote.stdout.readline()
         if line.strip() != "ready":

@@ -34,7 +34,10 @@ def main():
         _real()
     fds = sorted(int(n) for n in os.listdir("/proc/self/fd"))
     fds = [fd for fd in fds if fd != conn.fileno() and _is_open(fd)]
-    msg = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode() + b"\n"
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+    ignored = [int(s) for s in watched if signal.getsignal(s) == signal.SIG_IGN]
+    msg = json.dumps({"argv": sys.argv[1:], "argv0": sys.argv[0], "env": dict(os.environ), "cwd": os.getcwd(),
+                      "fds": fds, "ignored": ignored}).encode() + b"\n"
     conn.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     reader = conn.makefile("rb")
     first = reader.readline().split()
@@ -49,8 +52,9 @@ def main():
         except ProcessLookupError:
             pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, forward)
+    for sig in watched:
+        if sig not in ignored:
+            signal.signal(sig, forward)
     end = reader.readline().split()
     if len(end) != 2:
         os._exit(1)
@@ -70,7 +74,7 @@ def _turn() -> int:
                  os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, b".")
-        return os.fstat(fd).st_size
+        return os.lseek(fd, 0, os.SEEK_CUR)  # this write's own end (fstat could see a later one)
     finally:
         os.close(fd)
 

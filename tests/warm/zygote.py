@@ -32,6 +32,12 @@ BASE_PATH = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", ""
 FIXED_AT_START = ("PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONOPTIMIZE",
                   "PYTHONINSPECT", "PYTHONVERBOSE", "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONPLATLIBDIR",
                   "PYTHONSAFEPATH", "PYTHONTRACEMALLOC", "PYTHONIOENCODING", "PYTHONLEGACYWINDOWSSTDIO")
+# variables the preloaded libraries read at import or load time (torch, OpenMP/BLAS, transformers and
+# the hub, the dynamic loader, the locale): a request whose values differ gets a real interpreter
+READ_AT_START = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "HF_", "HUGGINGFACE_",
+                 "TRANSFORMERS_", "TOKENIZERS_", "LD_", "LANG", "LC_", "TZ", "PYTHON")
+START_ENV = {k: v for k, v in os.environ.items() if k.startswith(READ_AT_START)}
+HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER")
 PRELOAD = ("torch", "torch._dynamo", "functorch.compile", "torch._inductor.lowering",
            "torch._inductor.fx_passes.post_grad", "transformers")
 
@@ -66,7 +72,9 @@ def parse(argv: list, env: dict):
 def acceptable(flags, env: dict) -> bool:
     if flags["X"] or any(k in env for k in FIXED_AT_START):
         return False
-    return True
+    theirs = {k: v for k, v in env.items() if k.startswith(READ_AT_START) and k not in HANDLED}
+    ours = {k: v for k, v in START_ENV.items() if k not in HANDLED}
+    return theirs == ours
 
 
 def _recv(conn: socket.socket):
@@ -146,6 +154,17 @@ def _become(request: dict, fds: list, shim: str, parsed):
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in request.get("ignored", []):  # ignored signals stay ignored across exec
+        signal.signal(sig, signal.SIG_IGN)
+    # a fresh interpreter's generators are seeded from the OS, each its own
+    import torch
+
+    torch.seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    import multiprocessing.process
+
+    multiprocessing.process.ORIGINAL_DIR = os.getcwd()
 
     import types
 
@@ -163,11 +182,27 @@ def _become(request: dict, fds: list, shim: str, parsed):
         code = compile(target, "<string>", "exec")
     else:
         sys.argv = [target] + args
-        main.__file__ = target
+        path = os.path.abspath(target)
+        try:
+            with open(path, "rb") as f:
+                source = f.read()
+        except OSError as e:
+            print(f"{request['argv0']}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(2)
+        main.__file__ = path
         main.__cached__ = None
-        with open(target, "rb") as f:
-            code = compile(f.read(), target, "exec")
+        code = compile(source, path, "exec")
     return lambda: exec(code, main.__dict__)
+
+
+def _die_with_parent():
+    """A child of a zygote that dies (its suite gone) is killed rather than left running."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os._exit(1)
 
 
 def fcntl_dup_high(fd: int) -> int:
@@ -183,6 +218,7 @@ def serve(path: str, shim: str):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the suite's, not ours
     print("ready", flush=True)
     children = {}  # pid -> connection
     by_conn = {}  # connection -> pid
@@ -210,8 +246,16 @@ def serve(path: str, shim: str):
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError:
+                    client.sendall(b"fallback\n")
+                    client.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
                 if pid == 0:
+                    _die_with_parent()
                     listener.close()
                     for c in list(by_conn) + [client]:
                         c.close()
