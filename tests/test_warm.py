@@ -100,6 +100,9 @@ def test_settings_read_at_import_get_a_real_interpreter():
     """OMP_NUM_THREADS is read when torch loads: a child that sets it is not forked from the zygote."""
     got = _py("import torch; print(torch.get_num_threads())", env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert got.stdout.strip() == "1", got.stderr
+    # so is the interpreter's own PYTHONHASHSEED: two children with the same seed hash alike
+    seeded = {_py("print(hash('xla_fsdp'))", env=dict(os.environ, PYTHONHASHSEED="7")).stdout for _ in range(2)}
+    assert len(seeded) == 1, seeded
 
 
 def test_a_missing_script_is_exit_2_as_python_says(tmp_path):

@@ -25,15 +25,11 @@ import signal
 import socket
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # what a fresh interpreter with no PYTHONPATH puts after sys.path[0]
 BASE_PATH = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-# interpreter settings a forked child cannot take on after start-up: such requests get a real interpreter
-FIXED_AT_START = ("PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONOPTIMIZE",
-                  "PYTHONINSPECT", "PYTHONVERBOSE", "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONPLATLIBDIR",
-                  "PYTHONSAFEPATH", "PYTHONTRACEMALLOC", "PYTHONIOENCODING", "PYTHONLEGACYWINDOWSSTDIO")
-# variables the preloaded libraries read at import or load time (torch, OpenMP/BLAS, transformers and
-# the hub, the dynamic loader, the locale): a request whose values differ gets a real interpreter
+# variables the interpreter (PYTHONHASHSEED, PYTHONMALLOC, ...) or the preloaded libraries (torch,
+# OpenMP/BLAS, transformers and the hub, the dynamic loader, the locale) read at start: a request whose
+# values differ from the zygote's gets a real interpreter, except the few a child applies itself (HANDLED)
 READ_AT_START = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "HF_", "HUGGINGFACE_",
                  "TRANSFORMERS_", "TOKENIZERS_", "LD_", "LANG", "LC_", "TZ", "PYTHON")
 START_ENV = {k: v for k, v in os.environ.items() if k.startswith(READ_AT_START)}
@@ -42,7 +38,7 @@ PRELOAD = ("torch", "torch._dynamo", "functorch.compile", "torch._inductor.lower
            "torch._inductor.fx_passes.post_grad", "transformers")
 
 
-def parse(argv: list, env: dict):
+def parse(argv: list):
     """python's command line -> (flags, kind, target, args), or None where a fresh interpreter is needed."""
     flags = {"B": False, "u": False, "E": False, "s": False, "W": [], "X": []}
     i = 0
@@ -70,7 +66,7 @@ def parse(argv: list, env: dict):
 
 
 def acceptable(flags, env: dict) -> bool:
-    if flags["X"] or any(k in env for k in FIXED_AT_START):
+    if flags["X"]:
         return False
     theirs = {k: v for k, v in env.items() if k.startswith(READ_AT_START) and k not in HANDLED}
     ours = {k: v for k, v in START_ENV.items() if k not in HANDLED}
@@ -237,22 +233,16 @@ def serve(path: str, shim: str):
                 except (ConnectionError, ValueError):
                     client.close()
                     continue
-                parsed = parse(request["argv"], request["env"])
+                parsed = parse(request["argv"])
                 if parsed is None or not acceptable(parsed[0], request["env"]):
-                    client.sendall(b"fallback\n")
-                    client.close()
-                    for fd in fds:
-                        os.close(fd)
+                    _refuse(client, fds)
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 try:
                     pid = os.fork()
                 except OSError:
-                    client.sendall(b"fallback\n")
-                    client.close()
-                    for fd in fds:
-                        os.close(fd)
+                    _refuse(client, fds)
                     continue
                 if pid == 0:
                     _die_with_parent()
@@ -295,6 +285,14 @@ def serve(path: str, shim: str):
             except OSError:
                 pass
             conn.close()
+
+
+def _refuse(client: socket.socket, fds: list):
+    """This request gets a real interpreter (the shim execs it)."""
+    client.sendall(b"fallback\n")
+    client.close()
+    for fd in fds:
+        os.close(fd)
 
 
 def _kill(pid: int):
