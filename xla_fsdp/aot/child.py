@@ -20,6 +20,7 @@ import sys
 import traceback
 
 EXIT_NO_SECOND_STEP = 3
+MAX_DEVICE_INDEX = 127  # c10::DeviceIndex is int8
 
 
 def _run_script(script: str, args) -> None:
@@ -45,10 +46,29 @@ def _defines_mp_fn(script: str) -> bool:
     return any(isinstance(n, ast.FunctionDef) and n.name == "_mp_fn" for n in tree.body)
 
 
+def _serial_backward_beyond_device_index() -> None:
+    """[Note: 128 chips and up in one traced process]
+
+    The check stands one XLA:CPU device in for every chip. PyTorch's autograd engine
+    sizes its per-device queues from the device count in a c10::DeviceIndex, 8 signed
+    bits: at 128 devices and more the count wraps, the engine makes no XLA queue, and
+    the first backward fails with an INTERNAL ASSERT on device_ready_queues_. With
+    autograd's multithreading off, backward runs in the calling thread on the CPU queue,
+    which never looks at the device count; for a lazy XLA tensor that records the same
+    graph. The switch is thread-local, so it covers a script that trains on its main
+    thread (run_clm, the Trainer, a plain loop), and is set only where the count wraps.
+    On a real pod each host's process drives only its own chips."""
+    import torch
+
+    if int(os.environ.get("CPU_NUM_DEVICES", "0") or 0) > MAX_DEVICE_INDEX:
+        torch.autograd.set_multithreading_enabled(False)  # sets it now, for this thread
+
+
 def _traced(script: str, args) -> None:
     from xla_fsdp.aot import capture
 
     try:
+        _serial_backward_beyond_device_index()
         capture.install()
         _run_script(script, args)
     except SystemExit as e:

@@ -22,8 +22,6 @@ SINGLE_CONTROLLER = "single_controller"
 MULTI_PROCESS = "multi_process"
 RUNTIMES = (SINGLE_CONTROLLER, MULTI_PROCESS)
 LAUNCHER = "xla_spawn.py"
-# c10::DeviceIndex is 8 bits: autograd's per-device queues break from 128 devices in one process
-MAX_SPMD_DEVICES = 127
 
 
 class TraceError(RuntimeError):
@@ -134,15 +132,6 @@ def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] =
     with the child's last lines when it fails."""
     cmd = [sys.executable, "-m", "xla_fsdp.aot.child", job.script, *job.args]
     log_path = os.path.join(workdir, "trace.log")
-    if job.runtime == SINGLE_CONTROLLER and job.devices > MAX_SPMD_DEVICES:
-        raise TraceError(
-            f"cannot trace the single controller at {job.devices} chips on this host: the check stands one "
-            f"XLA:CPU device in for every chip of the slice, and PyTorch's autograd engine numbers devices "
-            f"with 8 bits, so backward fails inside torch (an INTERNAL ASSERT on device_ready_queues_) "
-            f"from 128 devices up (on the pod each host drives only its own chips). Check a slice of at "
-            f"most {MAX_SPMD_DEVICES} chips (v4-128, v5e-64, v6e-64) at the same per-chip batch: there each "
-            f"chip holds larger shards and the same activations, so a step that fits there is not short of "
-            f"memory for shards on the larger slice (collective timing is not carried over)")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=child_env(job, workdir, steps), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
