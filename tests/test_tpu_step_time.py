@@ -130,3 +130,26 @@ def test_convolution_flops_count_only_the_windows_real_inputs(lhs, rhs, out, win
     win = f", window={{{window}}}" if window else ""
     ins = oh.Instruction("c", out, "convolution", f"%a, %b){win}, dim_labels={labels}")
     assert st._matmul_flops(ins, {"a": lhs, "b": rhs}) == flops
+
+
+def test_a_collective_over_a_whole_torus_sends_on_two_links_per_wrapped_axis():
+    """[Note: links per collective]: on a torus (v4-128 and up: 3 wrapped axes) a collective over
+    every device runs on 6 links, one over part of the slice (here 4 of 8 devices) on 2; a mesh
+    (torus_axes=0) charges 2 links for both."""
+    whole = st.estimate(program(asynchronous=False), CHIP, devices=N, torus_axes=3)
+    torus_link = 3 * st.RING_LINKS * CHIP.ici_link_one_way
+    want = [st.COLLECTIVE_LATENCY_S + sent / torus_link for sent in (GATHER_SENT, REDUCE_SENT)]
+    assert whole.sync_collective_seconds == pytest.approx(sum(want))
+    assert whole.seconds == pytest.approx(FUSION_S + sum(want))
+    part = st.estimate(program(asynchronous=False), CHIP, devices=2 * N, torus_axes=3)
+    assert part.sync_collective_seconds == pytest.approx(GATHER_S + REDUCE_S)
+    mesh = st.estimate(program(asynchronous=False), CHIP, devices=N, torus_axes=0)
+    assert mesh.sync_collective_seconds == pytest.approx(GATHER_S + REDUCE_S)
+
+
+@pytest.mark.parametrize("name,axes", [("v4-8", 0), ("v4-64", 0), ("v4-128", 3), ("v4-256", 3), ("v4-512", 3),
+                                       ("v5e-8", 0), ("v5e-256", 0)])
+def test_slices_of_whole_v4_cubes_are_tori(name, axes):
+    from xla_fsdp.tpu import topology
+
+    assert topology.parse_accelerator_type(name).torus_axes == axes

@@ -98,7 +98,8 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
                   fits=peak <= spec.hbm_bytes_per_chip, cost=compiled.cost)
     found = optimized_hlo.collectives(compiled.optimized_hlo)
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
-    result["projection"] = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips).as_dict()
+    result["projection"] = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips,
+                                                  spec.torus_axes).as_dict()
     result["collective_list"] = [c.as_dict() for c in found]
     result["optimized_hlo"] = compiled.optimized_hlo
     return result

@@ -17,10 +17,13 @@ walks that order on two clocks, the TensorCore's and the ICI's:
 - a collective costs a latency plus the bytes one chip sends on a
   bidirectional ring of its replica group at 2 x one ICI link's one-way
   bandwidth: all-gather (n-1)/n of its result, reduce-scatter (n-1)/n of
-  its operand, all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it.
+  its operand, all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it;
+  on a slice whose axes wrap around (a torus), a collective over every chip
+  sends on 2 links per wrapped axis ([Note: links per collective]).
 The projection is the core's clock at the end. Not modeled: launch and host
 overheads, HBM contention between a collective and the compute beside it,
-on-chip memory (VMEM) reuse, multi-dimensional torus algorithms. Chip
+on-chip memory (VMEM) reuse, how libtpu routes a collective over part of
+a torus. Chip
 figures come from `xla_fsdp.tpu.chips` (each names its source). Calibrate
 against a measured step (the blog's FSDPv1 2B on v4-8, 4.191 s) and print
 the ratio with every projection: `calibrated()`.
@@ -51,6 +54,20 @@ _LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
+
+
+# [Note: links per collective]
+# A chip has 6 ICI links on v4 (4 on v5e/v6e). A bidirectional ring along one axis uses 2 of
+# them, and that is what the model charges on a mesh: v4 slices below 64 chips (2x2x1 ...
+# 2x4x4) have no wraparound links, and the 2-link ring is what the calibration point (FSDPv1
+# 2B on v4-8) and the blog's 16B on v4-64 agree with (model error -0.2% there). v4 slices of
+# whole 4x4x4 cubes are tori (the docs: 4x4x4, 4x4x8, 4x8x8, ...; `topology.py` builds them
+# with wrap), and a collective over the whole torus can run rings along every wrapped axis at
+# once: 2 links per axis, 6 on v4-128 and up. Charged at 2 links there, FSDPv1's synchronous
+# all-reduces made the model 41% / 29% slower than the blog's measured 20B / 32B steps on
+# v4-128; at 6 links +11% / -1% (bench/results/blog_pairs_2026-11-26.json). A collective over
+# part of the slice (our per-axis reduce-scatters, sharding groups) keeps 2: which axes its
+# group spans is not read from the program.
 
 
 @dataclass
@@ -236,14 +253,21 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
     return secs, flops, moved
 
 
-def collective_seconds(c: oh.Collective, devices: int, chip) -> float:
-    """Latency + ring bytes one chip sends / (2 x one ICI link one way)."""
+def links(c: oh.Collective, devices: int, torus_axes: int = 0) -> int:
+    """ICI links one chip sends `c`'s bytes on ([Note: links per collective])."""
+    whole_slice = c.group_size in (0, devices)
+    return RING_LINKS * torus_axes if torus_axes and whole_slice else RING_LINKS
+
+
+def collective_seconds(c: oh.Collective, devices: int, chip, torus_axes: int = 0) -> float:
+    """Latency + ring bytes one chip sends / (its `links` x one ICI link one way)."""
     sent = oh.ring_bytes(c, devices)
-    return COLLECTIVE_LATENCY_S + sent / (RING_LINKS * chip.ici_link_one_way) if sent else 0.0
+    return COLLECTIVE_LATENCY_S + sent / (links(c, devices, torus_axes) * chip.ici_link_one_way) if sent else 0.0
 
 
-def estimate(text: str, chip, devices: Optional[int] = None) -> StepEstimate:
-    """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`)."""
+def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0) -> StepEstimate:
+    """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`);
+    `torus_axes`: the slice's axes that wrap around (`SliceSpec.torus_axes`; 0 for a mesh)."""
     comps = oh.computations(text)
     entry = comps.get("ENTRY", [])
     shapes = {i.name: i.shape for i in entry}
@@ -265,7 +289,7 @@ def estimate(text: str, chip, devices: Optional[int] = None) -> StepEstimate:
             continue
         c = at.get(pos)
         if c is not None:
-            cost = collective_seconds(c, devices, chip)
+            cost = collective_seconds(c, devices, chip, torus_axes)
             if c.asynchronous:
                 begin = max(core, ici)
                 ici = finish[c.name] = begin + cost

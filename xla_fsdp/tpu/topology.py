@@ -73,6 +73,12 @@ class SliceSpec:
         return self.chip.hbm_bytes_per_s
 
     @property
+    def torus_axes(self) -> int:
+        """Axes longer than one chip whose ends are linked (wraparound): 3 on v4-128 and up."""
+        wrap = self.options.get("wrap") or ()
+        return sum(1 for w, n in zip(wrap, self.shape) if w and n > 1)
+
+    @property
     def ici_bandwidth(self) -> float:
         """ICI bytes/s one chip can send over all its links at once (one direction)."""
         return self.chip.ici_bytes_per_s
