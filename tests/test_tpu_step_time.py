@@ -153,3 +153,11 @@ def test_slices_of_whole_v4_cubes_are_tori(name, axes):
     from xla_fsdp.tpu import topology
 
     assert topology.parse_accelerator_type(name).torus_axes == axes
+
+
+def test_a_permute_on_a_torus_keeps_two_links():
+    """A collective-permute sends to one neighbour: no more links on a torus."""
+    permute = oh.Collective(kind="collective-permute", name="cp", bytes=1 << 20, asynchronous=False, position=0)
+    assert st.links(permute, 64, torus_axes=3) == st.RING_LINKS
+    gather = oh.Collective(kind="all-gather", name="ag", bytes=1 << 20, asynchronous=False, position=0)
+    assert st.links(gather, 64, torus_axes=3) == 3 * st.RING_LINKS

@@ -67,7 +67,8 @@ _BODY = re.compile(r"body=%?([\w.\-]+)")
 # all-reduces made the model 41% / 29% slower than the blog's measured 20B / 32B steps on
 # v4-128; at 6 links +11% / -1% (bench/results/blog_pairs_2026-11-26.json). A collective over
 # part of the slice (our per-axis reduce-scatters, sharding groups) keeps 2: which axes its
-# group spans is not read from the program.
+# group spans is not read from the program. So does a collective-permute (each chip sends to
+# one neighbour).
 
 
 @dataclass
@@ -255,7 +256,7 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
 
 def links(c: oh.Collective, devices: int, torus_axes: int = 0) -> int:
     """ICI links one chip sends `c`'s bytes on ([Note: links per collective])."""
-    whole_slice = c.group_size in (0, devices)
+    whole_slice = c.group_size in (0, devices) and c.kind != "collective-permute"  # a permute: one neighbour
     return RING_LINKS * torus_axes if torus_axes and whole_slice else RING_LINKS
 
 
