@@ -64,14 +64,49 @@ def render(rows: list) -> str:
     return "\n".join(out)
 
 
+def reproject(rows: list, dumps: list) -> None:
+    """Re-project, with today's step-time model, every compiled row whose TPU-optimized program
+    was kept (`--dump`: DIR/<model>-<tpu>-<engine>/tpu_optimized.hlo.txt, first DIR that has it);
+    the earlier rule's figure (2 links for every collective) is kept as projected_s_two_links."""
+    from xla_fsdp.tpu import optimized_hlo, step_time, topology
+
+    for r in rows:
+        found = [os.path.join(d, f"{r['model']}-{r['tpu']}-{r['engine']}", "tpu_optimized.hlo.txt") for d in dumps]
+        found = [f for f in found if os.path.exists(f)]
+        if not r.get("compiles") or not found:
+            continue
+        spec = topology.parse_accelerator_type(r["tpu"])
+        with open(found[0]) as f:
+            text = f.read()
+        sent = optimized_hlo.summarize(optimized_hlo.collectives(text), spec.chips)["sent_per_chip"] / 1e9
+        if abs(sent - r["sent_gb"]) > 1e-6 * r["sent_gb"]:  # a program kept from another run of this row
+            print(f"{r['model']} {r['tpu']} {r['engine']}: {found[0]} sends {sent:.3f} GB, the row "
+                  f"{r['sent_gb']:.3f}: not this row's program, left as it is", flush=True)
+            continue
+        now = step_time.estimate(text, spec.chip, spec.chips, spec.torus_axes)
+        r["projected_s_two_links"] = step_time.estimate(text, spec.chip, spec.chips).seconds
+        r.update(projected_s=now.seconds, compute_s=now.compute_seconds, torus_axes=spec.torus_axes)
+        print(f"{r['model']} {r['tpu']} {r['engine']}: {r['projected_s_two_links']:.3f} s at 2 links -> "
+              f"{now.seconds:.3f} s", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--engines", nargs="+", default=["default", "fsdpv1"], choices=table.ENGINES + table.EXTRA)
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     p.add_argument("--dump", default="", help="keep each row's traced and TPU-optimized programs under DIR")
+    p.add_argument("--reproject", nargs="+", metavar="DIR", help="compile nothing: re-project the --json rows "
+                   "from the programs an earlier --dump DIR kept, with the current step-time model")
     opts = p.parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
+    if opts.reproject:
+        reproject(rows, opts.reproject)
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        print(render(rows))
+        return 0
     done = {(r["engine"], r["model"], r["tpu"]) for r in rows}
     for model in opts.pairs:
         tpu, batch, _ = PAIRS[model]
