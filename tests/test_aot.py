@@ -138,6 +138,58 @@ def test_serial_backward_records_the_same_step():
     assert got["threaded_again"] == got["threaded"]
 
 
+def _trace_both_ways(cmd, devices, tmp_path, monkeypatch):
+    """The per-chip job `cmd` traced at `devices` by device threads and by one device standing in
+    for rank 0 ([Note: rank 0 alone past 127 chips]); the two programs."""
+    from xla_fsdp.aot import trace
+
+    for name in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "XLA_USE_SPMD", "CPU_NUM_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    got = {}
+    for alone in ("0", "1"):
+        monkeypatch.setenv(trace.RANK_0_ALONE_ENV, alone)
+        job = trace.job_from_command(cmd, trace.MULTI_PROCESS, devices)
+        assert trace.child_env(job, str(tmp_path / f"env{alone}"), 2)["CPU_NUM_DEVICES"] == (
+            "1" if alone == "1" else str(devices))
+        os.makedirs(tmp_path / alone)
+        got[alone] = trace.run_trace(job, str(tmp_path / alone), timeout=600)
+    return got["0"], got["1"]
+
+
+def test_rank_0_alone_traces_the_program_the_device_threads_trace(tmp_path, monkeypatch):
+    """Past 127 chips a per-chip job is traced by one device standing in for rank 0 (device
+    threads' ordinals wrap there). torch_xla's own FSDP (the blog's anchor job) at 8 chips,
+    both ways: the same program, to the character. About 35 s here."""
+    threads, alone = _trace_both_ways(
+        [os.path.join(ac.ROOT, "launch", "xla_spawn.py"), "--per_chip", os.path.join(ac.ROOT, "bench", "anchor_job.py"),
+         "--engine", "fsdpv1", "--config", ac.TINY, "--batch", "2", "--seq", "64", "--grad_ckpt"], 8, tmp_path,
+        monkeypatch)
+    assert "all-reduce" in threads and "replica_count=8" in threads.split("\n", 1)[0], threads[:500]
+    assert alone == threads
+
+
+@pytest.mark.slow
+def test_rank_0_alone_traces_our_per_chip_step_as_the_threads_do(tmp_path, monkeypatch):
+    """The same for xla_fsdp's own per-chip engine (run_clm, FULL_SHARD) at 8 chips."""
+    cmd = ac.command(ac.BY_NAME["mp-full_shard"], 8, str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
+    threads, alone = _trace_both_ways(cmd, 8, tmp_path, monkeypatch)
+    assert "all-gather" in threads and alone == threads
+
+
+def test_per_chip_jobs_past_127_chips_trace_on_one_device(tmp_path, monkeypatch):
+    from xla_fsdp.aot import trace
+
+    monkeypatch.delenv(trace.RANK_0_ALONE_ENV, raising=False)
+
+    per_chip = trace.Job("train.py", [], trace.MULTI_PROCESS, 256)
+    env = trace.child_env(per_chip, str(tmp_path), 2)
+    assert (env["CPU_NUM_DEVICES"], env["XLA_FSDP_AOT_WORLD"]) == ("1", "256")
+    env = trace.child_env(trace.Job("train.py", [], trace.MULTI_PROCESS, 127), str(tmp_path), 2)
+    assert env["CPU_NUM_DEVICES"] == "127" and "XLA_FSDP_AOT_WORLD" not in env
+    env = trace.child_env(trace.Job("train.py", [], trace.SINGLE_CONTROLLER, 256), str(tmp_path), 2)
+    assert env["CPU_NUM_DEVICES"] == "256" and "XLA_FSDP_AOT_WORLD" not in env
+
+
 def test_single_controller_step_compiles_for_a_multi_host_slice(tmp_path):
     """v5e-16: 16 chips over 4 hosts, the single controller (run_clm's default on a pod) with
     HYBRID_SHARD; about 45 s here."""

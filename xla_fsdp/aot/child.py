@@ -10,7 +10,9 @@ dump variables). The script runs as `xla_spawn.py` would run it: its
 - one process per chip: torch_xla's device threads stand in for the
   processes, and only rank 0 traces (every rank's program is the same
   text: [Note: rank as data]); the others return at once. Nothing
-  collective runs while tracing, so rank 0 never waits for them.
+  collective runs while tracing, so rank 0 never waits for them. Past
+  127 chips one device stands in for rank 0 alone ([Note: rank 0 alone
+  past 127 chips]).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import traceback
 
 EXIT_NO_SECOND_STEP = 3
 MAX_DEVICE_INDEX = 127  # c10::DeviceIndex is int8
+WORLD_ENV = "XLA_FSDP_AOT_WORLD"  # set: one device traces rank 0 of a world this size
 
 
 def _run_script(script: str, args) -> None:
@@ -102,10 +105,29 @@ def main() -> None:
 
 
 def _replica(index: int, script: str, args) -> None:
+    world = os.environ.get(WORLD_ENV)
+    if world:
+        _stand_in_for_rank_0(int(world))
+    if index == 0:
+        _traced(script, args)
+
+
+def _stand_in_for_rank_0(world: int) -> None:
+    """[Note: rank 0 alone past 127 chips]
+
+    One process per chip is traced with one torch_xla device thread per chip, and only rank
+    0's program is kept. torch_xla hands each thread its ordinal through the device index,
+    a c10::DeviceIndex of 8 signed bits: from the 129th thread on it wraps, dozens of
+    threads read ordinal 0, and each traces the job at once (racing on imports, on the
+    captured program and on the device). Rank 0's program depends on the world only
+    through the number torch_xla reports (shard sizes, collectives' shard counts; replica
+    groups stay "all replicas"), and nothing collective runs while tracing. So past 127
+    chips the child gets one device (trace.child_env) and this sets the world torch_xla
+    reports to the slice's chip count, in the spawned process, before the script runs.
+    tests/test_aot.py traces the same job both ways at 8 chips and compares the programs."""
     import torch_xla.runtime as xr
 
-    if xr.global_ordinal() == 0:
-        _traced(script, args)
+    xr._WORLD_SIZE = world  # what xr.world_size() (and xm's collectives) read
 
 
 if __name__ == "__main__":

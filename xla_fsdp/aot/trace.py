@@ -17,11 +17,13 @@ from typing import List, Optional
 
 from xla_fsdp.abstract import TRACE_ENV
 from xla_fsdp.aot.capture import PROGRAM
+from xla_fsdp.aot.child import MAX_DEVICE_INDEX, WORLD_ENV
 
 SINGLE_CONTROLLER = "single_controller"
 MULTI_PROCESS = "multi_process"
 RUNTIMES = (SINGLE_CONTROLLER, MULTI_PROCESS)
 LAUNCHER = "xla_spawn.py"
+RANK_0_ALONE_ENV = "XLA_FSDP_AOT_RANK_0_ALONE"  # "1": trace one process per chip on one device at any size
 
 
 class TraceError(RuntimeError):
@@ -96,6 +98,20 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
         raise TraceError(str(e)) from None
 
 
+def rank_0_alone(job: Job) -> bool:
+    """Whether one device traces rank 0 of a per-chip job ([Note: rank 0 alone past 127 chips])."""
+    return job.runtime == MULTI_PROCESS and (job.devices > MAX_DEVICE_INDEX or os.environ.get(RANK_0_ALONE_ENV) == "1")
+
+
+def _with_replica_count(text: str, replicas: int) -> str:
+    """The module header as the device threads write it: one device traced it, so XLA left out
+    the replica count the slice's program has."""
+    header, _, rest = text.partition("\n")
+    if "replica_count=" in header:
+        return text
+    return f"{header}, replica_count={replicas}\n{rest}"
+
+
 def child_env(job: Job, workdir: str, steps: int) -> dict:
     """The traced child's environment: XLA:CPU with the slice's device count, the trace
     switched on, XLA's dump of the module torch_xla compiles."""
@@ -104,9 +120,14 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
     env = dict(os.environ)
     for name in ("TPU_ACCELERATOR_TYPE", "TPU_PROCESS_BOUNDS", "TPU_VISIBLE_CHIPS", "XLA_USE_SPMD"):
         env.pop(name, None)  # this host's devices are the slice's stand-ins
+    alone = rank_0_alone(job)
+    if alone:  # [Note: rank 0 alone past 127 chips]
+        env[WORLD_ENV] = str(job.devices)
+    else:
+        env.pop(WORLD_ENV, None)
     env.update({
         "PJRT_DEVICE": "CPU",
-        "CPU_NUM_DEVICES": str(job.devices),
+        "CPU_NUM_DEVICES": "1" if alone else str(job.devices),
         "XLA_FSDP_RUNTIME": job.runtime,
         TRACE_ENV: "1",
         "XLA_FSDP_AOT_CAPTURE": json.dumps({"out": workdir, "steps": steps}),
@@ -151,7 +172,12 @@ def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] =
     # fails; the module, written whole or not at all, is what counts
     program = os.path.join(workdir, PROGRAM)
     if os.path.exists(program):
-        return open(program).read()
+        text = open(program).read()
+        if rank_0_alone(job):
+            text = _with_replica_count(text, job.devices)
+            with open(program, "w") as f:  # what --dump keeps
+                f.write(text)
+        return text
     tail = "".join(open(log_path).readlines()[-25:])
     where = ("in its second training step's compile" if os.path.exists(os.path.join(workdir, "capturing.json"))
              else "before its second training step")
