@@ -97,6 +97,9 @@ class XlaFullyShardedDataParallel(nn.Module):
                 f"{', '.join(inside)} inside {original_class(module).__name__} recompute(s) in backward, when the "
                 "unit's parameters are shards again: make each such module a unit of its own (wrap it, or "
                 "auto-wrap its class) so the recomputation gathers too, or use activation_checkpointing=True")
+        from .collective_engine.precision import warn_full_precision_units_inside
+
+        warn_full_precision_units_inside(module, options.mixed_precision, XlaFullyShardedDataParallel)
         build.materialize(module, kw["param_init_fn"], XlaFullyShardedDataParallel)
         group = build.build_group(module, comm, options, XlaFullyShardedDataParallel)
         self._fsdp_state = FSDPState(module, group, options)

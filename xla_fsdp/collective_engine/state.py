@@ -49,13 +49,14 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from ..activation_checkpoint import is_recomputing
 from ..options import FSDPOptions, ShardingStrategy, TrainingState
 from ..forward_overrides import convert_checkpoint_after_wrapping
 from .manual_region import ManualRegion
 from .param_group import FSDPParamGroup, gather_together
+from .precision import cast_inputs
 from ..class_swap import original_class
 
 _local = threading.local()
@@ -226,8 +227,8 @@ class FSDPState:
             self._recording = [self]
         elif active and active[0]._recording is not None:
             active[0]._recording.append(self)
-        if self.is_root and self.options.mixed_precision.enabled:
-            args, kwargs = self._cast_inputs(args, kwargs)
+        if self.options.mixed_precision.enabled:  # [Note: every unit casts its own inputs]
+            args, kwargs = cast_inputs(self.options.mixed_precision, args, kwargs)
         barrier_with = self._forward_barrier_tensors(args, kwargs)
         self.training_state = TrainingState.FORWARD
         # a gather started early (plain tensors) is wired into autograd here, so whoever started
@@ -301,16 +302,6 @@ class FSDPState:
             after.next_backward = before
         if len(order) > 1:  # backward starts at the root's outputs, then the last unit to run forward
             order[0].next_backward = order[-1]
-
-    def _cast_inputs(self, args, kwargs):
-        dtype = self.options.mixed_precision.compute_dtype
-
-        def cast(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                return x.to(dtype)
-            return x
-
-        return tree_map(cast, args), tree_map(cast, kwargs)
 
     def _forward_barrier_tensors(self, args, kwargs) -> Tuple[torch.Tensor, ...]:
         """An input activation to tie the forward gather to, so XLA cannot hoist it earlier."""
