@@ -65,7 +65,8 @@ _BODY = re.compile(r"body=%?([\w.\-]+)")
 # with wrap), and a collective over the whole torus can run rings along every wrapped axis at
 # once: 2 links per axis, 6 on v4-128 and up. Charged at 2 links there, FSDPv1's synchronous
 # all-reduces made the model 41% / 29% slower than the blog's measured 20B / 32B steps on
-# v4-128; at 6 links +11% / -1%, and FSDPv1's 64B on v4-256 (compiled after this rule) -3.6%
+# v4-128; at 6 links +11% / -1%, and FSDPv1's 64B on v4-256 and 128B on v4-512 (both compiled
+# after this rule) -3.6% and -1.5%, where 2 links would give +27% and +50%
 # (bench/results/blog_pairs_2026-11-26.json). A collective over
 # part of the slice (our per-axis reduce-scatters, sharding groups) keeps 2: which axes its
 # group spans is not read from the program. So does a collective-permute (each chip sends to
