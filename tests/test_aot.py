@@ -176,6 +176,20 @@ def test_rank_0_alone_traces_our_per_chip_step_as_the_threads_do(tmp_path, monke
     assert "all-gather" in threads and alone == threads
 
 
+def test_per_chip_step_compiles_for_a_slice_of_256_chips(tmp_path):
+    """v4-512: one process per chip at 256 chips, rank 0 traced alone on one device standing in
+    ([Note: rank 0 alone past 127 chips]); about 20 s here."""
+    case = ac.BY_NAME["mp-full_shard"]
+    got = ac.check("v4-512", ac.command(case, 256, str(tmp_path / "fsdp.json"), str(tmp_path / "out")),
+                   runtime="multi_process", extra=["--dump", str(tmp_path / "dump")])
+    report = got["report"]
+    assert got["rc"] == 0 and report is not None, got["output"]
+    assert (report["chips"], report["hosts"], report["runtime"]) == (256, 64, "multi_process"), report
+    assert report["compiles"] and report["fits"], report.get("error")
+    header = (tmp_path / "dump" / "traced_step.hlo.txt").read_text().split("\n", 1)[0]
+    assert "replica_count=256" in header, header[-200:]
+
+
 def test_per_chip_jobs_past_127_chips_trace_on_one_device(tmp_path, monkeypatch):
     from xla_fsdp.aot import trace
 
