@@ -111,3 +111,15 @@ def test_matching_or_auto_wrapped_units_do_not_warn():
         inner = _model()
         inner[2] = FSDP(inner[2])
         FSDP(inner)  # fp32 inside fp32
+
+
+def test_only_the_units_a_unit_calls_are_named():
+    """An fp32 unit inside an fp32 unit inside a bf16 root: the root names the outer one only
+    (the inner one gets fp32 inputs from it)."""
+    m = _model()
+    block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    block[2] = FSDP(block[2])
+    m[2] = FSDP(block)
+    with pytest.warns(MixedPrecisionNestingWarning) as seen:
+        FSDP(m, compute_dtype=torch.bfloat16)
+    assert len(seen) == 1 and "unit(s) '2' inside" in str(seen[0].message), [str(w.message) for w in seen]

@@ -51,11 +51,14 @@ def warn_full_precision_units_inside(module: nn.Module, mixed_precision: MixedPr
     if not mixed_precision.enabled:
         return
     inside: List[str] = []
-    for name, m in module.named_modules():
+    stack = [(n, c) for n, c in module.named_children()]
+    while stack:  # the units called from this one's own compute: not below another unit
+        name, m = stack.pop(0)
         state = getattr(m, "_fsdp_state", None)
-        if not name or not isinstance(m, unit_cls) or state is None:
-            continue
-        if not state.options.mixed_precision.enabled and any(p.orig_dtype.is_floating_point for p in state.group.params):
+        if not isinstance(m, unit_cls) or state is None:
+            stack.extend((f"{name}.{n}", c) for n, c in m.named_children())
+        elif not state.options.mixed_precision.enabled and any(p.orig_dtype.is_floating_point
+                                                                for p in state.group.params):
             inside.append(name)
     if inside:
         dtype = str(mixed_precision.compute_dtype).replace("torch.", "")
