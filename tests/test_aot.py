@@ -159,7 +159,7 @@ def _trace_both_ways(cmd, devices, tmp_path, monkeypatch):
 def test_rank_0_alone_traces_the_program_the_device_threads_trace(tmp_path, monkeypatch):
     """Past 127 chips a per-chip job is traced by one device standing in for rank 0 (device
     threads' ordinals wrap there). torch_xla's own FSDP (the blog's anchor job) at 8 chips,
-    both ways: the same program, to the character. About 35 s here."""
+    both ways: the same program, to the character. About 16 s here."""
     threads, alone = _trace_both_ways(
         [os.path.join(ac.ROOT, "launch", "xla_spawn.py"), "--per_chip", os.path.join(ac.ROOT, "bench", "anchor_job.py"),
          "--engine", "fsdpv1", "--config", ac.TINY, "--batch", "2", "--seq", "64", "--grad_ckpt"], 8, tmp_path,
