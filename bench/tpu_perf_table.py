@@ -153,6 +153,14 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
     else:
         row["error"] = (r.get("error") or got["output"]).strip().splitlines()[-1][:200] if (
             r.get("error") or got["output"]).strip() else f"exit {got['rc']}"
+    again = r.get("without_rings")  # the check's retry with XLA_FSDP_RINGS=0, when the rings did not fit
+    if again:
+        need = again.get("does_not_fit")
+        row["without_rings"] = {"compiles": again["compiles"], "fits": again["fits"],
+                                "peak_gib": again["memory"]["peak"] / 2 ** 30 if again.get("memory") else None,
+                                "needed_gib": need["needed"] / 2 ** 30 if need else None,
+                                "projected_s": (again.get("projection") or {}).get("projected_seconds"),
+                                "libtpu_flags": again.get("libtpu_flags")}
     return row
 
 

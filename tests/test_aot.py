@@ -107,6 +107,33 @@ def test_check_outside_the_cli_names_the_command():
         xla_fsdp.aot.check(lambda: None)
 
 
+def test_a_step_that_does_not_fit_is_named_and_checked_again_without_rings(tmp_path):
+    """A one-layer GPT-2 with an 8M-token vocabulary (8.2B parameters, AdamW) on v4-8: its
+    sharded state alone outgrows a chip's HBM. The check exits 1 with the compiler's numbers and,
+    the step being the single controller's default rings, traces and compiles it again with
+    XLA_FSDP_RINGS=0 ([Note: rings off for the last GiB]): no rings in that trace, the gathers'
+    70% budget, and a step that does not fit either. About a minute here (two traces, two
+    compiles)."""
+    model = json.load(open(ac.TINY))
+    model.update(n_layer=1, n_embd=1024, n_head=8, vocab_size=8_000_000)
+    config = tmp_path / "gpt2-wide-vocab.json"
+    config.write_text(json.dumps(model))
+    case = ac.BY_NAME["sc-full_shard"]
+    cmd = ac.command(case, 4, str(tmp_path / "fsdp.json"), str(tmp_path / "out"), model=str(config), batch=1,
+                     block=128)
+    got = ac.check("v4-8", cmd)
+    report = got["report"]
+    assert got["rc"] == 1 and report is not None and not report["compiles"], got["output"]
+    need = report["does_not_fit"]
+    assert need["needed"] > need["usable"] > 0, need
+    assert "_shared_memory_limit=50" in report["libtpu_flags"], report["libtpu_flags"]  # the rings' budget
+    again = report["without_rings"]
+    assert again["traced_ring_ops"] == 0, again  # no rings in the retried step
+    assert again["switch"] == {"XLA_FSDP_RINGS": "0"} and "_shared_memory_limit=70" in again["libtpu_flags"], again
+    assert again["does_not_fit"]["needed"] > again["does_not_fit"]["usable"], again
+    assert 0.5 < again["does_not_fit"]["needed"] / need["needed"] < 2, (again, need)
+
+
 def test_single_controller_step_compiles_for_a_slice_of_128_chips(tmp_path):
     """v4-256: 128 chips, one XLA:CPU device each in one traced process. torch's autograd
     numbers devices in 8 bits and fails at 128 devices with an internal assert; the traced

@@ -157,6 +157,29 @@ def test_auto_means_rings_only_where_they_apply(gather, scatter, single, possibl
     assert (got.all_gather_impl, got.reduce_scatter_stages) == want
 
 
+def test_rings_off_keeps_the_gathers_and_their_budget():
+    """XLA_FSDP_RINGS=0 ([Note: rings off for the last GiB]): "auto" keeps the gathers and staged
+    reduce-scatters, and libtpu gets their 70% budget; an explicit "ring" still wins; a value it
+    cannot read is named."""
+    from xla_fsdp.collective_engine import auto
+    from xla_fsdp.tpu import libtpu_flags as lf
+
+    off = {lf.RINGS_ENV: "0"}
+    assert not lf.rings_enabled(off) and lf.rings_enabled({}) and lf.rings_enabled({lf.RINGS_ENV: "1"})
+    got = auto.resolve(CollectiveOptions(), single_controller=True, rings_possible=True, on_tpu=True,
+                       rings_enabled=lf.rings_enabled(off))
+    assert (got.all_gather_impl, got.reduce_scatter_stages) == ("all_gather", "axes")
+    asked = auto.resolve(CollectiveOptions(all_gather_impl="ring"), single_controller=True, rings_possible=True,
+                         on_tpu=True, rings_enabled=False)
+    assert (asked.all_gather_impl, asked.reduce_scatter_stages) == ("ring", "ring")
+    assert lf.for_runtime("single_controller", 8, {}) == lf.SINGLE_CONTROLLER_INIT_ARGS
+    assert lf.for_runtime("single_controller", 8, off) == lf.DEFAULT_INIT_ARGS
+    env = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "4", **off}
+    assert lf.set_defaults(env) == lf.DEFAULT_INIT_ARGS
+    with pytest.raises(ValueError, match="XLA_FSDP_RINGS='maybe'.*expected 0"):
+        lf.rings_enabled({lf.RINGS_ENV: "maybe"})
+
+
 def test_rings_apply_to_one_group_of_every_device_in_id_order():
     from xla_fsdp.collective_engine import auto
 

@@ -3,12 +3,16 @@
     python -m xla_fsdp.aot --tpu v4-8 [--runtime auto] [--json] [--dump DIR] -- \\
         launch/run_clm.py <the job's flags>
 
-Exit codes: 0 compiles and fits; 1 does not fit in HBM; 2 bad input; 3 the
+When the single controller's default rings do not fit, the check traces and compiles the step
+again with XLA_FSDP_RINGS=0 and reports whether that fits ([Note: rings off for the last GiB]).
+
+Exit codes: 0 compiles and fits; 1 does not fit in HBM (as given); 2 bad input; 3 the
 job failed to trace; 4 the TPU compiler refused the step; 5 libtpu missing.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -76,6 +80,48 @@ def _load_compiler():
         sink.close()
 
 
+def _rings_to_retry(result: dict, text: str, job, spec, opts) -> bool:
+    """The step does not fit, and it is the single controller's default rings under xla_fsdp's
+    own flags: the configuration XLA_FSDP_RINGS=0 switches to may fit ([Note: rings off for the
+    last GiB])."""
+    from xla_fsdp.aot import program as prog
+    from xla_fsdp.aot import trace
+    from xla_fsdp.tpu import libtpu_flags
+
+    no_fit = bool(result.get("does_not_fit")) or (result["compiles"] and not result["fits"])
+    return (no_fit and job.runtime == trace.SINGLE_CONTROLLER and spec.chips <= libtpu_flags.RING_MAX_CHIPS
+            and opts.libtpu_flags is None and not libtpu_flags.users_own() and libtpu_flags.rings_enabled()
+            and prog.ring_ops(text) > 0)
+
+
+def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
+    """Trace and compile the step again with XLA_FSDP_RINGS=0; the summary of that report."""
+    from xla_fsdp.aot import program as prog
+    from xla_fsdp.aot import report as rep
+    from xla_fsdp.aot import trace
+    from xla_fsdp.tpu import libtpu_flags
+
+    switch = {libtpu_flags.RINGS_ENV: "0"}
+    say(f"xla_fsdp.aot: the default's rings do not fit; checking the step again with "
+        f"{libtpu_flags.RINGS_ENV}=0 (all-gathers and staged reduce-scatters under libtpu's 70% budget)")
+    again = os.path.join(workdir, "without_rings")
+    os.makedirs(again, exist_ok=True)
+    started = time.time()
+    try:
+        text = trace.run_trace(dataclasses.replace(job, env=dict(job.env, **switch)), again, steps=opts.steps,
+                               timeout=opts.timeout)
+    except trace.TraceError as e:
+        return {"switch": switch, "compiles": False, "fits": False, "error": str(e)}
+    r = rep.check_program(text, spec, compiler, libtpu_flags.for_runtime(job.runtime, spec.chips, switch),
+                          say=say)
+    keep = ("compiles", "fits", "error", "does_not_fit", "memory", "collectives", "projection", "libtpu_flags",
+            "compile_seconds")
+    out = {k: r[k] for k in keep if k in r}
+    out.update(switch=switch, traced_ring_ops=prog.ring_ops(text),
+               trace_seconds=round(time.time() - started - r.get("compile_seconds", 0), 1))
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, command = split_command(argv)
@@ -126,6 +172,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         result["trace_seconds"] = round(traced_s, 1)
         result["runtime"] = job.runtime
         result["script"] = job.script
+        if _rings_to_retry(result, text, job, spec, opts):
+            result["without_rings"] = _without_rings(job, spec, compiler, workdir, opts, say)
         if opts.dump:
             os.makedirs(opts.dump, exist_ok=True)
             shutil.copy(os.path.join(workdir, "program.txt"), os.path.join(opts.dump, "traced_step.hlo.txt"))

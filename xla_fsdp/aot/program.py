@@ -111,3 +111,13 @@ def layout_mix(text: str, calls: Sequence[dict] = ()) -> Optional[str]:
             "pass pin_layout=True to your xm.all_reduce / xm.reduce_scatter calls (torch_xla's default), or "
             "give xla_fsdp pin_layout_in_collective_ops=False so that it pins none of its own "
             "(one process per chip; the single-controller runtime never pins).")
+
+
+RING_SOURCE = 'collective_engine/ring.py"'  # op metadata of the engine's rings (XLA_HLO_DEBUG=1)
+
+
+def ring_ops(text: str) -> int:
+    """Ops of the traced module that the engine's rings made ([Note: ring reduce-scatter]): their
+    sharding annotations become collective-permutes only in the partitioner, so the module
+    shows them by the source file in their metadata, which the traced child records."""
+    return text.count(RING_SOURCE)

@@ -110,7 +110,35 @@ def _gib(n: int) -> str:
 
 
 def render(r: dict) -> str:
-    """The human-readable report."""
+    """The human-readable report, with the retry without rings when the check made one."""
+    text = _render_one(r)
+    other = r.get("without_rings")
+    return text if other is None else text + "\n" + render_without_rings(other, r["hbm_per_chip"])
+
+
+def render_without_rings(o: dict, hbm: int) -> str:
+    """What the step needs with XLA_FSDP_RINGS=0 ([Note: rings off for the last GiB])."""
+    (name, value), = o["switch"].items()
+    head = f"With {name}={value} (all-gathers and staged reduce-scatters, libtpu's 70% budget), checked again:"
+    if o.get("does_not_fit"):
+        need = o["does_not_fit"]
+        return (f"{head} does not fit either: {_gib(need['needed'])} needed, {_gib(need['usable'])} usable "
+                "per chip. Shard more, checkpoint more layers, or shorten the batch per chip.")
+    if not o["compiles"]:
+        return f"{head} does not compile: " + o["error"].strip().splitlines()[0] if o["error"].strip() else head
+    peak = o["memory"]["peak"]
+    if not o["fits"]:
+        return f"{head} does not fit either: {_gib(peak)} needed, {_gib(hbm)} per chip."
+    line = f"{head} FITS, peak {_gib(peak)} of {_gib(hbm)} per chip"
+    p = o.get("projection")
+    if p:
+        line += (f"; PROJECTED step {p['projected_seconds']:.3f} s ({p['calibrated_seconds']:.3f} s "
+                 f"calibrated), not measured")
+    return line + (f". Run the job with `export {name}={value}` (xla_spawn, run_clm, the Trainer integration "
+                   "and `import xla_fsdp` read it before libtpu starts).")
+
+
+def _render_one(r: dict) -> str:
     lines = [f"== {r.get('script', 'job')} on {r['tpu']} ({r['chips']} chips, {r['hosts']} host(s)), "
              f"{r.get('runtime', '').replace('_', ' ')} runtime, {r['program'].replace('_', ' ')} program"]
     if r.get("does_not_fit"):

@@ -12,8 +12,8 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 from xla_fsdp.abstract import TRACE_ENV
 from xla_fsdp.aot.capture import PROGRAM
@@ -39,6 +39,7 @@ class Job:
     runtime: str
     devices: int
     torus: str = ""  # the slice's devices per axis, x first ("2x2x4"); the engine reads it
+    env: Dict[str, str] = field(default_factory=dict)  # set in the traced child (the check's retries)
 
 
 def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
@@ -142,6 +143,7 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
         from xla_fsdp.collective_engine.torus import ENV as TORUS_ENV
 
         env[TORUS_ENV] = job.torus
+    env.update(job.env)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env

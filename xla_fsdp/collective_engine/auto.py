@@ -27,6 +27,8 @@ projected step. So "auto" means rings where they apply:
 - both "auto" (or the other one "ring"): a ring only for the reduce-scatters was measured to
   cost more HBM than it hides at 2B (30.07 GiB), so an explicit `all_gather_impl="all_gather"`
   keeps the staged reduce-scatters too.
+- XLA_FSDP_RINGS not "0" (the switch for models at the edge of HBM, where the gathers at 70% fit
+  and the rings at 50% do not: [Note: rings off for the last GiB], xla_fsdp.tpu.libtpu_flags).
 Everywhere else "auto" is the native all-gather and, for the reduce-scatter, "axes": one
 reduce-scatter per torus axis on v4/v5p slices ([Note: one reduce-scatter per torus axis]).
 """
@@ -61,13 +63,15 @@ def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool
 
 
 def resolve(options: CollectiveOptions, single_controller: bool, rings_possible: bool = False,
-            on_tpu: bool = False) -> CollectiveOptions:
-    """`options` with "auto" replaced by what runs ([Note: rings by default on a TPU])."""
+            on_tpu: bool = False, rings_enabled: bool = True) -> CollectiveOptions:
+    """`options` with "auto" replaced by what runs ([Note: rings by default on a TPU]);
+    `rings_enabled` False (XLA_FSDP_RINGS=0: [Note: rings off for the last GiB]) keeps the gathers."""
     gather, scatter = options.all_gather_impl, options.reduce_scatter_stages
     if gather != "auto" and scatter != "auto":
         return options
+    asked = (gather, scatter) in (("auto", "ring"), ("ring", "auto"))  # the other one a ring too
     rings = single_controller and rings_possible and on_tpu and (
-        (gather, scatter) in (("auto", "auto"), ("auto", "ring"), ("ring", "auto")))
+        asked or ((gather, scatter) == ("auto", "auto") and rings_enabled))
     return dataclasses.replace(
         options,
         all_gather_impl=("ring" if rings else "all_gather") if gather == "auto" else gather,

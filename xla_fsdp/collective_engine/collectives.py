@@ -38,6 +38,7 @@ import torch
 
 from .. import abstract
 from ..options import CollectiveOptions, ShardingLayout
+from ..tpu import libtpu_flags
 from . import auto, ring, torus
 from .manual_region import ToLocal, to_global, to_local
 
@@ -278,7 +279,7 @@ class SpmdCollectives(XlaCollectives):
 
         options = auto.resolve(options, single_controller=True,
                                rings_possible=auto.rings_apply(placement.shard_groups, placement.num_devices),
-                               on_tpu=auto.tpu_target())
+                               on_tpu=auto.tpu_target(), rings_enabled=libtpu_flags.rings_enabled())
         if options.all_gather_impl == "ring" and options.reduce_scatter_stages == "ring":
             auto.warn_if_budget_is_not_the_rings()
         super().__init__(layout, options, device)

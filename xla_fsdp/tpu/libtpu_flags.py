@@ -77,6 +77,9 @@ CHIPS_ENV = "XLA_FSDP_SLICE_CHIPS"  # chips of the whole slice, when the launche
 # the largest slice on which the single controller's "auto" makes rings (collective_engine/auto.py,
 # [Note: rings by default on a TPU]); larger slices keep the gathers and their budget
 RING_MAX_CHIPS = 8
+# "0": the single controller keeps all-gathers and staged reduce-scatters where "auto" would make
+# rings, under their 70% budget ([Note: rings off for the last GiB])
+RINGS_ENV = "XLA_FSDP_RINGS"
 
 
 def init_args(flags: Mapping[str, str] = ASYNC_COLLECTIVES) -> str:
@@ -88,11 +91,34 @@ DEFAULT_INIT_ARGS = init_args()  # one process per chip, and a runtime not yet k
 SINGLE_CONTROLLER_INIT_ARGS = init_args(SINGLE_CONTROLLER_COLLECTIVES)
 
 
-def for_runtime(runtime: Optional[str], chips: Optional[int] = None) -> str:
+def rings_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """False when XLA_FSDP_RINGS turns the single controller's rings off.
+
+    [Note: rings off for the last GiB]
+    The rings under the 50% budget peak lower than the gathers at the blog's batches (2B v4-8:
+    21.79 GiB against 23.05), but at the edge of HBM, where the sharded state fills the chip, they
+    need a little more: GPT-2 16B on v4-8 at 1 x 1024 per chip, compiled by libtpu 0.0.21, needs
+    30.82 GiB of the 30.75 libtpu can use with rings at 50% and fits with all-gathers at 70%
+    (31.04 by our count; libtpu compiled it). XLA_FSDP_RINGS=0 is that configuration in one switch:
+    "auto" keeps the gathers and staged reduce-scatters, and the launcher, `import xla_fsdp` and
+    `python -m xla_fsdp.aot` give libtpu the gathers' 70% budget. The check tries it by itself
+    when the default does not fit (xla_fsdp/aot/cli.py)."""
+    value = environ.get(RINGS_ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{RINGS_ENV}={environ.get(RINGS_ENV)!r}: expected 0 (all-gathers and staged reduce-scatters "
+                     f"under the 70% libtpu budget) or 1 (rings on slices of up to {RING_MAX_CHIPS} chips, the default)")
+
+
+def for_runtime(runtime: Optional[str], chips: Optional[int] = None,
+                environ: Mapping[str, str] = os.environ) -> str:
     """xla_fsdp's LIBTPU_INIT_ARGS for `runtime` ("single_controller", "multi_process", None) on a
     slice of `chips` (None: not known): the rings' budget where the single controller makes rings
-    ([Note: rings by default on a TPU]), the gathers' elsewhere."""
-    rings = runtime == SINGLE_CONTROLLER and (chips is None or chips <= RING_MAX_CHIPS)
+    ([Note: rings by default on a TPU]), the gathers' elsewhere and under XLA_FSDP_RINGS=0."""
+    rings = (runtime == SINGLE_CONTROLLER and (chips is None or chips <= RING_MAX_CHIPS)
+             and rings_enabled(environ))
     return SINGLE_CONTROLLER_INIT_ARGS if rings else DEFAULT_INIT_ARGS
 
 
@@ -133,7 +159,7 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ) -> Optional[str
     ours = bool(environ.get(ENV, "").strip()) and not users_own(environ)
     if not on_tpu(environ) or users_own(environ):
         return None
-    wanted = for_runtime(runtime_of(environ), chips_of(environ))
+    wanted = for_runtime(runtime_of(environ), chips_of(environ), environ)
     if environ is os.environ and _runtime_started():
         if not ours:
             warnings.warn(f"xla_fsdp: the XLA runtime started before xla_fsdp was imported, so libtpu runs "
