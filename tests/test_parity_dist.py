@@ -22,7 +22,7 @@ CASES = MATRIX
 
 @pytest.fixture(scope="module")
 def references():
-    return {c.name: train_reference(c) for c in CASES}
+    return {c.name: train_reference(c) for c in CASES if c.worlds}  # the cases the gloo runs have
 
 
 @pytest.mark.parametrize("case,world", [(c, w) for c in CASES for w in c.worlds],

@@ -48,12 +48,13 @@ CROSS_RUNTIME_TENSOR_REL = 2e-6
 # one of each variant in the default run: (devices, "case[:gather impl]")
 # (reshard off: SHARD_GRAD_OP; HYBRID at 8 only)
 DEFAULT = {
-    4: ["mlp_sgd", "gpt2_checkpoint", "mlp_bf16", "mlp_clip_sgd:all_reduce", "acc/no_sync/gpt2_adamw",
-        "gpt2_no_prefetch"],  # the shipped TPU config's prefetch setting
+    4: ["mlp_sgd", "gpt2_shipped", "mlp_bf16", "mlp_clip_sgd:all_reduce", "acc/no_sync/mlp_nested_adamw"],
     8: ["gpt2_hybrid", "meta"],
-}  # mlp_mixed_sizes, mlp_shard_grad_op and gpt2_no_shard (all three in the gloo suite's default run),
-# gpt2_txla_ckpt_after (also at XLA world 1) and gpt2_adamw (GPT-2 with AdamW stays: gpt2_checkpoint,
-# gpt2_no_prefetch, and with rings at 8 devices) run in the sweep (-m slow), as every case does
+}  # gpt2_shipped is the shipped TPU config (per-layer checkpointing, no prefetch: gpt2_checkpoint and
+# gpt2_no_prefetch in one run). mlp_mixed_sizes, mlp_shard_grad_op and gpt2_no_shard (all three in the
+# gloo suite's default run), gpt2_txla_ckpt_after (also at XLA world 1), gpt2_adamw (GPT-2 with AdamW
+# stays: gpt2_shipped, and with rings at 8 devices), gpt2_checkpoint, gpt2_no_prefetch and accumulation
+# on GPT-2 run in the sweep (-m slow), as every case does
 # the rest runs with `pytest -m slow`: every case, both gather implementations, every accumulation mode
 SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")]
          + [f"acc/{mode}/{case}" for mode in ("no_sync", "requires_sync", "shards") for case in ("gpt2_adamw", "gpt2_hybrid")]

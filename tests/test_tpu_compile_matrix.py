@@ -118,6 +118,7 @@ def test_gathers_run_asynchronously_beside_compute(tmp_path):
     assert c["by_kind"].get("reduce-scatter", {}).get("sync", 0) >= 5, c  # 7
 
 
+@pytest.mark.slow  # the default run compiles the same rings on v4-8 in the make-train test below
 def test_rings_run_asynchronously_beside_compute(tmp_path):
     """reduce_scatter_stages="ring" and all_gather_impl="ring" ([Note: ring reduce-scatter]), what
     "auto" chooses on a TPU, named explicitly, tiny GPT-2 on v4-8 (2x2: a ring per torus axis): gradients and parameters travel as collective-permutes that libtpu runs
@@ -134,13 +135,19 @@ def test_rings_run_asynchronously_beside_compute(tmp_path):
 
 
 def test_make_train_job_compiles_for_tpu(tmp_path):
-    """`make train`'s command, as it runs here (the single controller over 4 devices), for v4-8."""
+    """`make train`'s command, as it runs here (the single controller over 4 devices), for v4-8:
+    "auto" makes rings there too (fp32, 2x2 chips: a ring per torus axis), and libtpu runs them
+    asynchronously with matmuls beside them; no reduce-scatter or all-gather is left."""
     cmd = [os.path.join(ac.ROOT, "launch", "xla_spawn.py"), "--num_cores", "4", ac.RUN_CLM,
            "--config_name", ac.TINY, "--fsdp", "full_shard",
            "--fsdp_config", os.path.join(ac.ROOT, "configs", "fsdp", "tiny_cpu.json"),
            "--output_dir", str(tmp_path / "out"), "--overwrite_output_dir"]
     report = _assert_compiles(ac.check("v4-8", cmd, runtime="single_controller"), "make train's job")
     assert report["program"] == "spmd"
+    c = report["collectives"]
+    assert "reduce-scatter" not in c["by_kind"] and "all-gather" not in c["by_kind"], c
+    permutes = c["by_kind"]["collective-permute"]
+    assert permutes["async"] >= 8 and permutes["async_with_matmul"] >= 4 and not permutes.get("sync"), c
 
 
 @pytest.mark.slow
