@@ -183,6 +183,7 @@ def _trace_both_ways(cmd, devices, tmp_path, monkeypatch):
     return got["0"], got["1"]
 
 
+@pytest.mark.slow  # the default run keeps the 256-chip compile below, which fails without the stand-in
 def test_rank_0_alone_traces_the_program_the_device_threads_trace(tmp_path, monkeypatch):
     """Past 127 chips a per-chip job is traced by one device standing in for rank 0 (device
     threads' ordinals wrap there). torch_xla's own FSDP (the blog's anchor job) at 8 chips,
