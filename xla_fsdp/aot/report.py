@@ -125,7 +125,8 @@ def render_without_rings(o: dict, hbm: int) -> str:
         return (f"{head} does not fit either: {_gib(need['needed'])} needed, {_gib(need['usable'])} usable "
                 "per chip. Shard more, checkpoint more layers, or shorten the batch per chip.")
     if not o["compiles"]:
-        return f"{head} does not compile: " + o["error"].strip().splitlines()[0] if o["error"].strip() else head
+        first = (o.get("error") or "").strip().splitlines()[:1]
+        return f"{head} does not compile" + (f": {first[0]}" if first else ".")
     peak = o["memory"]["peak"]
     if not o["fits"]:
         return f"{head} does not fit either: {_gib(peak)} needed, {_gib(hbm)} per chip."
