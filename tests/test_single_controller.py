@@ -91,7 +91,7 @@ def _start(tmp: Path, cases_by_devices):
     runs["program"] = Run(8, "program", tmp / "program.pt", env={
         "DUMP_DIR": str(dump),
         # the per-device program right after SPMD partitioning, before XLA:CPU's own passes
-        "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning "
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning "
                      "--xla_dump_hlo_module_re=SyncTensorsGraph --xla_dump_hlo_pipeline_re=spmd-partitioner"})
     runs["compiles"] = Run(8, "compiles", tmp / "compiles.pt")
     runs["errors"] = Run(4, "errors", tmp / "errors.pt")
