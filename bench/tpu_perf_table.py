@@ -2,6 +2,7 @@
 
     python bench/tpu_perf_table.py [--models 125m 2b] [--tpu v4-8 v5e-8 v6e-8]
                                    [--engines default per_chip gspmd fsdpv1 fsdpv2] [--json OUT]
+                                   [--attn eager]
 
 Every row is one training step (GPT-2 from configs/models/, sequence 1024,
 Adafactor, per-layer checkpointing, bf16 compute) traced on this host and
@@ -32,6 +33,10 @@ until 2026-11-26); prefetch / flat = those with prefetch on / one flat gather
 per unit; ring / rings = reduce-scatters / both as rings, at 70%;
 rings_budget50 = rings at 50%, named (now the default's collectives and
 flags). Every row records the libtpu flags it was compiled with.
+`--attn eager` builds GPT-2 with eager attention in every engine, anchors
+included (the blog's transformers had only that; the default is
+transformers' own choice, sdpa, which torch 2.9 runs in f32 on XLA: [Note:
+eager attention on XLA]); each attention gets its own table and calibration.
 """
 from __future__ import annotations
 
@@ -93,14 +98,15 @@ def param_count(config_path: str) -> int:
     return sum(p.numel() for p in model.parameters())  # tied embeddings once
 
 
-def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tuple[list, str]:
+def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0, attn: str = "") -> tuple[list, str]:
     """(the job's command as users launch it, the runtime to check it in); `batch`: sequences
-    per chip (0: the slice's default, BATCH)."""
+    per chip (0: the slice's default, BATCH); `attn`: GPT-2's attention in every engine, ours
+    and the anchors alike (""; transformers' own choice)."""
     batch = batch or BATCH[tpu]
     if engine in ("fsdpv1", "fsdpv2"):
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
-                 "--seq", str(SEQ), "--grad_ckpt"], "auto")
+                 "--seq", str(SEQ), "--grad_ckpt"] + (["--attn", attn] if attn else []), "auto")
     if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50"):
         config = SHIPPED  # the shipped TPU config, as the README's TPU command runs it
         if engine in SETTINGS:
@@ -121,22 +127,22 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0) -> tupl
         cmd = ac.command(case, SLICES[tpu], os.path.join(tmp, "fsdp.json"), os.path.join(tmp, "out"),
                          model=MODELS[model], batch=batch, block=SEQ) + ["--optim", "adafactor"]
     launcher = {"per_chip": [LAUNCHER, "--per_chip"], "gspmd": [LAUNCHER, "--spmd"]}.get(engine, [LAUNCHER])
-    return launcher + cmd, "auto"
+    return launcher + cmd + (["--attn_implementation", attn] if attn else []), "auto"
 
 
-def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: int = 0) -> dict:
+def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: int = 0, attn: str = "") -> dict:
     batch = batch or BATCH[tpu]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd, runtime = command(engine, model, tpu, tmp, batch)
+        cmd, runtime = command(engine, model, tpu, tmp, batch, attn)
         started = time.time()
-        extra = ["--dump", os.path.join(dump, f"{model}-{tpu}-{engine}")] if dump else []
+        extra = ["--dump", os.path.join(dump, f"{model}-{tpu}-{engine}" + (f"-{attn}" if attn else ""))] if dump else []
         if engine in FLAGS:
             extra += ["--libtpu-flags", libtpu_flags.init_args(FLAGS[engine])]
         got = ac.check(tpu, cmd, runtime=runtime, extra=extra, timeout=3600)
     r = got["report"] or {}
     n = SLICES[tpu]
     row = {"engine": engine, "model": model, "tpu": tpu, "chips": n, "batch_per_chip": batch,
-           "params": params, "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
+           "params": params, "attn": attn or "transformers' default", "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
            "runtime": r.get("runtime"), "ideal_gb": 3 * (n - 1) / n * params * 2 / 1e9}
     row["libtpu_flags"] = r.get("libtpu_flags")
     if r.get("compiles"):
@@ -214,23 +220,28 @@ def main(argv=None) -> int:
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + EXTRA)
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     p.add_argument("--dump", default="", help="keep each row's traced and TPU-optimized programs under DIR")
+    p.add_argument("--attn", default="", choices=("", "eager", "sdpa"),
+                   help="GPT-2's attention in every engine (default: transformers' own, sdpa; eager: the blog's "
+                        "transformers, [Note: eager attention on XLA])")
     opts = p.parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
-    done = {(r["engine"], r["model"], r["tpu"]) for r in rows}
+    attn_of = lambda r: r.get("attn", "transformers' default")  # noqa: E731 (rows written before --attn)
+    done = {(r["engine"], r["model"], r["tpu"], attn_of(r)) for r in rows}
     for model in opts.models:
         params = param_count(MODELS[model])
         for tpu in opts.tpu:
             for engine in opts.engines:
-                if (engine, model, tpu) in done:
+                if (engine, model, tpu, opts.attn or "transformers' default") in done:
                     continue
-                row = run(engine, model, tpu, params, opts.dump)
+                row = run(engine, model, tpu, params, opts.dump, attn=opts.attn)
                 rows.append(row)
                 print(f"{model} {tpu} {engine}: {'compiles' if row['compiles'] else 'NO'} in {row['seconds']} s",
                       flush=True)
                 if opts.json:
                     with open(opts.json, "w") as f:
                         json.dump(rows, f, indent=1)
-    print(render(rows))
+    # one attention per table: the calibration and the ratios compare programs with the same attention
+    print(render([r for r in rows if attn_of(r) == (opts.attn or "transformers' default")]))
     return 0
 
 

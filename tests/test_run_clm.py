@@ -281,3 +281,38 @@ def test_gradient_accumulation_equals_the_doubled_batch(tiny_config, tmp_path):
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_attn_implementation_reaches_the_model_and_eager_keeps_the_attention_matmuls_bf16(tiny_config):
+    """`--attn_implementation`: the model gets it, the math is the same (fp32 losses equal), and
+    on XLA the reason it exists holds ([Note: eager attention on XLA]): in a bf16 model, torch's
+    SDPA computes QK^T and AV in f32 while eager keeps them bf16. If a torch/transformers upgrade
+    changes that, this fails and the note (and the README's advice) must be revisited."""
+    import re
+
+    import torch
+    import torch_xla
+
+    from xla_fsdp.train.args import parse_args
+    from xla_fsdp.train.model import build_model, load_config
+
+    assert parse_args(["--config_name", tiny_config, "--output_dir", "o"]).attn_implementation is None
+    losses, dots = {}, {}
+    for attn in ("eager", "sdpa"):
+        args = parse_args(["--config_name", tiny_config, "--output_dir", "o", "--attn_implementation", attn])
+        torch.manual_seed(0)
+        config = load_config(tiny_config, args.attn_implementation)
+        model = build_model(config, False).eval()
+        assert model.config._attn_implementation == attn
+        ids = torch.randint(0, config.vocab_size, (2, 16))
+        with torch.no_grad():
+            losses[attn] = model(input_ids=ids, labels=ids).loss.item()
+            logits = model.to(torch_xla.device()).to(torch.bfloat16)(input_ids=ids.to(torch_xla.device())).logits
+        text = torch_xla._XLAC._get_xla_tensors_hlo([logits])
+        dots[attn] = set(re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} dot\(", text))
+    assert losses["eager"] == pytest.approx(losses["sdpa"], rel=1e-5)
+    heads, head_dim = config.n_head, config.n_embd // config.n_head
+    scores, context = f"[{2 * heads},16,16]", f"[{2 * heads},16,{head_dim}]"
+    assert {"bf16" + scores, "bf16" + context} <= dots["eager"], dots["eager"]
+    assert {"f32" + scores, "f32" + context} <= dots["sdpa"], dots["sdpa"]
+    assert not any(d.startswith("f32[") for d in dots["eager"]), dots["eager"]

@@ -20,6 +20,7 @@ OPTIMIZERS = ("adamw", "adamw_torch", "adafactor")
 # Above this many parameters the model is built deferred, so no host holds
 # the full unsharded fp32 model at once (the 2023 recipe ran hosts out of memory).
 DEFERRED_INIT_PARAMS = 1_000_000_000
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # the two GPT-2 has without extra kernels
 
 
 def str2bool(text: str) -> bool:
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                f"build the model deferred (automatic above {DEFERRED_INIT_PARAMS:.0e} parameters)")
     _bool_flag(model, "--gradient_checkpointing", "recompute activations in backward")
     _bool_flag(model, "--bf16", "bfloat16 autocast for forward/backward")
+    model.add_argument("--attn_implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
+                       help="GPT-2's attention (transformers' name); default: transformers' own choice (sdpa). "
+                            "On a TPU prefer eager: [Note: eager attention on XLA] in xla_fsdp/train/model.py")
 
     data = p.add_argument_group("data")
     data.add_argument("--dataset_name", default=None, help="HF dataset (needs `datasets`)")

@@ -70,7 +70,7 @@ def run(argv=None) -> dict:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if not abstract.active():  # the ahead-of-time check writes nothing
         check_output_dir(args)
-    config = load_config(args.config_name)
+    config = load_config(args.config_name, args.attn_implementation)
     args.block_size = args.block_size or min(config.n_positions, 1024)
     if args.block_size > config.n_positions:
         raise SystemExit(f"--block_size {args.block_size} exceeds n_positions {config.n_positions} "

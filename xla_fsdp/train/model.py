@@ -20,13 +20,27 @@ ENGINE_ENV = "XLA_FSDP_ENGINE"
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 
 
-def load_config(path: str):
-    """The GPT2Config of `--config_name`; non-GPT-2 configs are refused by name."""
+# [Note: eager attention on XLA]
+# transformers builds GPT-2 with "sdpa" attention unless told otherwise, and torch 2.9 lowers
+# scaled_dot_product_attention on an XLA device to its math decomposition, which casts bf16
+# queries, keys and values to f32 first: the [batch, heads, seq, seq] scores, their softmax and
+# dropout all live in f32, plus a layout copy of the scores and a fully-masked-row check.
+# GPT-2's "eager" attention (the only one the torch_xla FSDP blog's transformers had) keeps
+# both attention matmuls in bf16. Measured on libtpu's TPU-compiled program (deviceless,
+# 2B GPT-2 on v4-8, 32 x 1024 per chip, bench/results/goal_2b_v4-8_eager_2026-11-27.json):
+# our default's PROJECTED step 3.261 s with eager against 3.703 s with sdpa, peak HBM
+# 22.22 against 21.79 GiB. `--attn_implementation eager` picks it; the default stays
+# transformers' own, so run_clm trains the model transformers would build.
+def load_config(path: str, attn_implementation: str | None = None):
+    """The GPT2Config of `--config_name`; non-GPT-2 configs are refused by name.
+    `attn_implementation` ("eager" / "sdpa") overrides transformers' choice."""
     from transformers import GPT2Config
     config = GPT2Config.from_json_file(path)
     if config.model_type != "gpt2":
         raise SystemExit(f"--config_name {path} has model_type {config.model_type!r}; "
                          f"run_clm trains GPT-2 (model_type \"gpt2\") only")
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
     return config
 
 
