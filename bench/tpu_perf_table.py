@@ -86,6 +86,7 @@ SHIPPED = os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json")
 SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
 ANCHOR = os.path.join(ROOT, "bench", "anchor_job.py")
+DEFAULT_ATTN = "transformers' default"  # a row's "attn" when --attn was not given (sdpa)
 LAUNCHER = os.path.join(ROOT, "launch", "xla_spawn.py")
 
 
@@ -142,7 +143,7 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
     r = got["report"] or {}
     n = SLICES[tpu]
     row = {"engine": engine, "model": model, "tpu": tpu, "chips": n, "batch_per_chip": batch,
-           "params": params, "attn": attn or "transformers' default", "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
+           "params": params, "attn": attn or DEFAULT_ATTN, "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
            "runtime": r.get("runtime"), "ideal_gb": 3 * (n - 1) / n * params * 2 / 1e9}
     row["libtpu_flags"] = r.get("libtpu_flags")
     if r.get("compiles"):
@@ -225,13 +226,13 @@ def main(argv=None) -> int:
                         "transformers, [Note: eager attention on XLA])")
     opts = p.parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
-    attn_of = lambda r: r.get("attn", "transformers' default")  # noqa: E731 (rows written before --attn)
+    attn_of = lambda r: r.get("attn", DEFAULT_ATTN)  # noqa: E731 (rows written before --attn)
     done = {(r["engine"], r["model"], r["tpu"], attn_of(r)) for r in rows}
     for model in opts.models:
         params = param_count(MODELS[model])
         for tpu in opts.tpu:
             for engine in opts.engines:
-                if (engine, model, tpu, opts.attn or "transformers' default") in done:
+                if (engine, model, tpu, opts.attn or DEFAULT_ATTN) in done:
                     continue
                 row = run(engine, model, tpu, params, opts.dump, attn=opts.attn)
                 rows.append(row)
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
                     with open(opts.json, "w") as f:
                         json.dump(rows, f, indent=1)
     # one attention per table: the calibration and the ratios compare programs with the same attention
-    print(render([r for r in rows if attn_of(r) == (opts.attn or "transformers' default")]))
+    print(render([r for r in rows if attn_of(r) == (opts.attn or DEFAULT_ATTN)]))
     return 0
 
 

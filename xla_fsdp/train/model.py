@@ -29,8 +29,9 @@ RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 # both attention matmuls in bf16. Measured on libtpu's TPU-compiled program (deviceless,
 # 2B GPT-2 on v4-8, 32 x 1024 per chip, bench/results/goal_2b_v4-8_eager_2026-11-27.json
 # and goal_2b_v4-8_2026-11-26.json): our default's PROJECTED step 3.261 s with eager
-# against 3.703 s with sdpa, peak HBM 22.22 against 21.79 GiB. `--attn_implementation eager` picks it; the default stays
-# transformers' own, so run_clm trains the model transformers would build.
+# against 3.703 s with sdpa, peak HBM 22.22 against 21.79 GiB. `--attn_implementation eager`
+# picks it; the default stays transformers' own, so run_clm trains the model transformers
+# would build.
 def load_config(path: str, attn_implementation: str | None = None):
     """The GPT2Config of `--config_name`; non-GPT-2 configs are refused by name.
     `attn_implementation` ("eager" / "sdpa") overrides transformers' choice."""
