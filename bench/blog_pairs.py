@@ -14,12 +14,13 @@ Every row is bench/tpu_perf_table.py's: one training step traced on this host an
 with libtpu 0.0.21 for the slice, the Adafactor recipe with per-layer checkpointing, bf16
 compute, under the libtpu flags xla_fsdp sets on a TPU. Times are PROJECTIONS
 (xla_fsdp.tpu.step_time), calibrated by the one point the table is fitted on: the blog's
-FSDPv1 2B v4-8 step (4.191 s) over our projection of that same program. The model's error
-is printed for every other pair where FSDPv1's program was compiled. Nothing ran on a TPU.
+FSDPv1 2B v4-8 step (4.191 s) over our projection of that same program, FSDPv1 with eager
+attention (tpu_perf_table.calibrate). The model's error is printed for every other pair where
+FSDPv1's eager program was compiled. Nothing ran on a TPU.
 
 `--attn eager` builds GPT-2 with eager attention in every engine: the program the blog ran
 (its transformers had no other; today's default is SDPA, [Note: eager attention on XLA]).
-Rows of each attention are rendered and calibrated apart.
+Rows of each attention are rendered apart; every table is calibrated by the blog's program.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ PAIRS = {
 }
 
 
-def render(rows: list) -> str:
-    ratio = table.calibrate(rows)
+def render(rows: list, calibration_rows: list = ()) -> str:
+    """`rows`, one attention; calibrated by `table.calibrate(calibration_rows or rows)`."""
+    ratio, source = table.calibrate(list(calibration_rows) or rows)
     out = [f"{'pair':<12}{'engine':<9}{'fits':>5}{'peak GiB':>10}{'x ideal':>8}{'async+mm':>9}"
            f"{'proj s':>9}{'calib s':>9}{'blog s':>8}{'/ blog':>8}"]
     for model, (tpu, batch, measured) in PAIRS.items():
@@ -54,17 +56,15 @@ def render(rows: list) -> str:
             if not r["compiles"]:
                 out.append(head + f"   NO  {r.get('error', '')}")
                 continue
-            calib = r["projected_s"] * ratio if ratio else float("nan")
-            err = f"{calib / measured:>7.2f}x" if ratio else f"{'':>8}"
+            calib = r["projected_s"] * ratio
             out.append(head + f"{'yes' if r['fits'] else 'NO':>5}{r['peak_gib']:>10.2f}"
                               f"{r['sent_gb'] / r['ideal_gb']:>8.2f}{r['async_fraction']:>9.2f}"
-                              f"{r['projected_s']:>9.3f}{calib:>9.3f}{measured:>8.3f}{err}")
-    out.append("calibration ratio " + (f"{ratio:.3f} (blog FSDPv1 2B v4-8 measured / projected)" if ratio else
-                                       "missing: run the 2b pair with fsdpv1 to calibrate"))
-    out.append("/ blog = calibrated projection / the blog's measured FSDPv1 step: for fsdpv1 rows the step-time "
-               "model's error (+1; the 2B pair is the calibration point, 1.00x by construction), for ours our "
-               "projected step against FSDPv1's measured one; every time is a PROJECTION from the TPU-compiled "
-               "program (libtpu 0.0.21, deviceless)")
+                              f"{r['projected_s']:>9.3f}{calib:>9.3f}{measured:>8.3f}{calib / measured:>7.2f}x")
+    out.append(f"calibration ratio {ratio:.3f}: {source}")
+    out.append("/ blog = calibrated projection / the blog's measured FSDPv1 step: for fsdpv1 rows with eager "
+               "attention (the blog's program) the step-time model's error (+1; the 2B pair is the calibration "
+               "point, 1.00x by construction), for other rows the projected step against FSDPv1's measured one; "
+               "every time is a PROJECTION from the TPU-compiled program (libtpu 0.0.21, deviceless)")
     return "\n".join(out)
 
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         if opts.json:
             with open(opts.json, "w") as f:
                 json.dump(rows, f, indent=1)
-        print(render([r for r in rows if attn_of(r) == attn]))
+        print(render([r for r in rows if attn_of(r) == attn], rows))
         return 0
     done = {(r["engine"], r["model"], r["tpu"]) for r in rows if attn_of(r) == attn}
     for model in opts.pairs:
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             if opts.json:
                 with open(opts.json, "w") as f:
                     json.dump(rows, f, indent=1)
-    print(render([r for r in rows if attn_of(r) == attn]))
+    print(render([r for r in rows if attn_of(r) == attn], rows))
     return 0
 
 

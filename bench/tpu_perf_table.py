@@ -19,7 +19,8 @@ every engine, anchors included. Columns, all read off the compiled program:
 - a PROJECTED step time (`xla_fsdp.tpu.step_time`: roofline compute on the
   compiler's schedule, ICI-costed collectives), uncalibrated and calibrated
   by the ratio of the blog's measured FSDPv1 2B v4-8 step (4.191 s) to our
-  projection of that same program when it is in the table; then projected
+  projection of that same program (FSDPv1 with eager attention) when it is
+  in the table, else by step_time's constant from that program; then projected
   MFU as the blog computes it (6 x tokens x params / step / chips / peak).
 Nothing here ran on a TPU. 2B compiles take about 3 minutes each here.
 Engines: default = launch/run_clm.py with configs/fsdp/gpt2_xla_fsdp.json as
@@ -36,7 +37,8 @@ flags). Every row records the libtpu flags it was compiled with.
 `--attn eager` builds GPT-2 with eager attention in every engine, anchors
 included (the blog's transformers had only that; the default is
 transformers' own choice, sdpa, which torch 2.9 runs in f32 on XLA: [Note:
-eager attention on XLA]); each attention gets its own table and calibration.
+eager attention on XLA]); each attention gets its own table, and every table
+is calibrated by the blog's program, which had eager attention.
 """
 from __future__ import annotations
 
@@ -171,18 +173,27 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
     return row
 
 
-def calibrate(rows: list) -> float:
-    """measured / projected for the blog's FSDPv1 2B v4-8 step, when the table has it (else 0)."""
+def calibrate(rows: list) -> tuple:
+    """(measured / projected, where from) for the blog's FSDPv1 2B v4-8 step: from this table's
+    FSDPv1 2B v4-8 row with eager attention (the program the blog ran) when it has one, else
+    step_time's constant (the same ratio, from the run that set it). A row with another attention
+    is not the blog's program and never calibrates."""
+    from xla_fsdp.tpu import step_time
+
     for r in rows:
-        if (r["engine"], r["model"], r["tpu"]) == ("fsdpv1", "2b", "v4-8") and r.get("projected_s"):
-            return BLOG_FSDPV1_2B_V4_8_S / r["projected_s"]
-    return 0.0
+        if (r["engine"], r["model"], r["tpu"], r.get("attn")) == ("fsdpv1", "2b", "v4-8", "eager") \
+                and r.get("projected_s"):
+            return (BLOG_FSDPV1_2B_V4_8_S / r["projected_s"],
+                    f"blog FSDPv1 2B v4-8 measured {BLOG_FSDPV1_2B_V4_8_S} s / this run's eager-attention "
+                    f"FSDPv1 program projected at {r['projected_s']:.3f} s")
+    return step_time.CALIBRATION_RATIO, f"{step_time.CALIBRATION_SOURCE} (xla_fsdp.tpu.step_time)"
 
 
-def render(rows: list) -> str:
+def render(rows: list, calibration_rows: list = ()) -> str:
+    """`rows`, one attention; calibrated by `calibrate(calibration_rows or rows)`."""
     from xla_fsdp.tpu import chips
 
-    ratio = calibrate(rows)
+    ratio, source = calibrate(list(calibration_rows) or rows)
     out = [f"{'model':<6}{'tpu':<7}{'engine':<10}{'peak GiB':>9}{'sent GB':>9}{'x ideal':>8}{'async+mm':>9}{'+cmp':>6}"
            f"{'sync':>6}{'proj s':>9}{'calib s':>9}{'MFU*':>7}  by kind (GB sent/chip)"]
     for r in rows:
@@ -191,16 +202,14 @@ def render(rows: list) -> str:
             out.append(head + f"  NO: {r.get('error', '')}")
             continue
         chip = chips.CHIPS[r["chip"]]
-        calib = r["projected_s"] * ratio if ratio else float("nan")
+        calib = r["projected_s"] * ratio
         tokens = r["batch_per_chip"] * SEQ * r["chips"]
-        mfu = 6 * tokens * r["params"] / calib / r["chips"] / chip.peak_bf16_flops if ratio else float("nan")
+        mfu = 6 * tokens * r["params"] / calib / r["chips"] / chip.peak_bf16_flops
         kinds = " ".join(f"{k}={v}" for k, v in r["by_kind"].items())
         out.append(head + f"{r['peak_gib']:>9.2f}{r['sent_gb']:>9.2f}{r['sent_gb'] / r['ideal_gb']:>8.2f}"
                           f"{r['async_fraction']:>9.2f}{r.get('async_compute_fraction') or float('nan'):>6.2f}{r['sync']:>6}{r['projected_s']:>9.3f}{calib:>9.3f}"
                           f"{mfu:>7.1%}  {kinds}" + ("" if r["fits"] else "  (over HBM)"))
-    out.append(f"calibration: blog FSDPv1 2B v4-8 measured {BLOG_FSDPV1_2B_V4_8_S} s / projected "
-               + (f"{BLOG_FSDPV1_2B_V4_8_S / ratio:.3f} s = ratio {ratio:.3f}" if ratio else
-                  "(not in this table: calibrated columns are nan)"))
+    out.append(f"calibration ratio {ratio:.3f}: {source}")
     out.append("every time is a PROJECTION from the TPU-compiled program (libtpu 0.0.21, deviceless), never a "
                "measurement; MFU* = 6 x tokens x params / calibrated step / chips / peak bf16")
     for model in sorted({r["model"] for r in rows}):
@@ -241,8 +250,9 @@ def main(argv=None) -> int:
                 if opts.json:
                     with open(opts.json, "w") as f:
                         json.dump(rows, f, indent=1)
-    # one attention per table: the calibration and the ratios compare programs with the same attention
-    print(render([r for r in rows if attn_of(r) == (opts.attn or DEFAULT_ATTN)]))
+    # one attention per table: the ratios compare programs with the same attention; the calibration
+    # is the blog's program's (eager attention), whichever attention the table shows
+    print(render([r for r in rows if attn_of(r) == (opts.attn or DEFAULT_ATTN)], rows))
     return 0
 
 
