@@ -115,6 +115,33 @@ def test_calibration_scales_by_the_reference_ratio():
     assert ratio == pytest.approx(1.25) and scaled == pytest.approx(2.5)
 
 
+def test_calibration_point_is_the_blogs_program():
+    """The shipped ratio is the blog's 4.191 s over the recorded projection of the program the blog
+    ran (FSDPv1 2B v4-8 with eager attention), and the bench tables calibrate by that row only: an
+    FSDPv1 row with SDPA attention (a program the blog never ran) must not calibrate."""
+    import json
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "bench", "results", "blog_pairs_eager_2026-11-27.json")) as f:
+        rows = json.load(f)["rows"]
+    eager = [r for r in rows if (r["engine"], r["model"], r["tpu"], r["attn"]) == ("fsdpv1", "2b", "v4-8", "eager")]
+    assert len(eager) == 1
+    assert st.CALIBRATION_RATIO == pytest.approx(4.191 / eager[0]["projected_s"], rel=1e-4)
+
+    sys.path.insert(0, os.path.join(root, "bench"))
+    try:
+        import tpu_perf_table as table
+    finally:
+        sys.path.pop(0)
+    sdpa = dict(eager[0], attn=table.DEFAULT_ATTN, projected_s=4.048)
+    ratio, source = table.calibrate([sdpa])
+    assert ratio == st.CALIBRATION_RATIO and "step_time" in source
+    ratio, source = table.calibrate([sdpa, dict(eager[0], projected_s=4.0)])
+    assert ratio == pytest.approx(4.191 / 4.0) and "this run" in source
+
+
 @pytest.mark.parametrize("lhs,rhs,out,window,labels,flops", [
     # a batched matmul (768 = batch x heads) written as a convolution whose window spans the batch,
     # dilated so that each output reads one position: 768 x [1024,1024] @ [1024,128]
