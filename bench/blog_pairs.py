@@ -75,9 +75,8 @@ def reproject(rows: list, dumps: list) -> None:
     from xla_fsdp.tpu import optimized_hlo, step_time, topology
 
     for r in rows:
-        attn = "" if r.get("attn", table.DEFAULT_ATTN) == table.DEFAULT_ATTN else "-" + r["attn"]
-        found = [os.path.join(d, f"{r['model']}-{r['tpu']}-{r['engine']}{attn}", "tpu_optimized.hlo.txt")
-                 for d in dumps]
+        name = table.dump_name(r["model"], r["tpu"], r["engine"], table.attn_of(r))
+        found = [os.path.join(d, name, "tpu_optimized.hlo.txt") for d in dumps]
         found = [f for f in found if os.path.exists(f)]
         if not r.get("compiles") or not found:
             continue
@@ -102,22 +101,21 @@ def main(argv=None) -> int:
     p.add_argument("--engines", nargs="+", default=["default", "fsdpv1"], choices=table.ENGINES + table.EXTRA)
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     p.add_argument("--dump", default="", help="keep each row's traced and TPU-optimized programs under DIR")
-    p.add_argument("--attn", default="", choices=("", "eager", "sdpa"),
+    p.add_argument("--attn", default="", choices=table.ATTN_CHOICES,
                    help="GPT-2's attention in every engine (default: transformers' own, SDPA)")
     p.add_argument("--reproject", nargs="+", metavar="DIR", help="compile nothing: re-project the --json rows "
                    "from the programs an earlier --dump DIR kept, with the current step-time model")
     opts = p.parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
     attn = opts.attn or table.DEFAULT_ATTN
-    attn_of = lambda r: r.get("attn", table.DEFAULT_ATTN)  # noqa: E731 (rows written before --attn)
     if opts.reproject:
         reproject(rows, opts.reproject)
         if opts.json:
             with open(opts.json, "w") as f:
                 json.dump(rows, f, indent=1)
-        print(render([r for r in rows if attn_of(r) == attn], rows))
+        print(render([r for r in rows if table.attn_of(r) == attn], rows))
         return 0
-    done = {(r["engine"], r["model"], r["tpu"]) for r in rows if attn_of(r) == attn}
+    done = {(r["engine"], r["model"], r["tpu"]) for r in rows if table.attn_of(r) == attn}
     for model in opts.pairs:
         tpu, batch, _ = PAIRS[model]
         params = table.param_count(table.MODELS[model])
@@ -131,7 +129,7 @@ def main(argv=None) -> int:
             if opts.json:
                 with open(opts.json, "w") as f:
                     json.dump(rows, f, indent=1)
-    print(render([r for r in rows if attn_of(r) == attn], rows))
+    print(render([r for r in rows if table.attn_of(r) == attn], rows))
     return 0
 
 

@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import aot_cases as ac  # noqa: E402
 
 from xla_fsdp.tpu import libtpu_flags  # noqa: E402
+from xla_fsdp.train.args import ATTN_IMPLEMENTATIONS  # noqa: E402
 
 MODELS = {m: os.path.join(ROOT, "configs", "models", f"gpt2-{m}.json")
           for m in ("125m", "2b", "16b", "20b", "32b", "64b", "128b")}
@@ -89,6 +90,17 @@ SEQ = 1024
 BLOG_FSDPV1_2B_V4_8_S = 4.191  # the blog's measured step (35.7% MFU), 32 x 1024 per chip
 ANCHOR = os.path.join(ROOT, "bench", "anchor_job.py")
 DEFAULT_ATTN = "transformers' default"  # a row's "attn" when --attn was not given (sdpa)
+ATTN_CHOICES = ("",) + ATTN_IMPLEMENTATIONS  # --attn: "" keeps transformers' own choice
+
+
+def attn_of(row: dict) -> str:
+    """A row's attention (rows written before --attn existed have none: transformers' default)."""
+    return row.get("attn", DEFAULT_ATTN)
+
+
+def dump_name(model: str, tpu: str, engine: str, attn: str = "") -> str:
+    """The --dump folder of one row: <model>-<tpu>-<engine>, then -<attn> unless it is the default."""
+    return f"{model}-{tpu}-{engine}" + (f"-{attn}" if attn and attn != DEFAULT_ATTN else "")
 LAUNCHER = os.path.join(ROOT, "launch", "xla_spawn.py")
 
 
@@ -138,7 +150,7 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
     with tempfile.TemporaryDirectory() as tmp:
         cmd, runtime = command(engine, model, tpu, tmp, batch, attn)
         started = time.time()
-        extra = ["--dump", os.path.join(dump, f"{model}-{tpu}-{engine}" + (f"-{attn}" if attn else ""))] if dump else []
+        extra = ["--dump", os.path.join(dump, dump_name(model, tpu, engine, attn))] if dump else []
         if engine in FLAGS:
             extra += ["--libtpu-flags", libtpu_flags.init_args(FLAGS[engine])]
         got = ac.check(tpu, cmd, runtime=runtime, extra=extra, timeout=3600)
@@ -230,12 +242,11 @@ def main(argv=None) -> int:
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + EXTRA)
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     p.add_argument("--dump", default="", help="keep each row's traced and TPU-optimized programs under DIR")
-    p.add_argument("--attn", default="", choices=("", "eager", "sdpa"),
+    p.add_argument("--attn", default="", choices=ATTN_CHOICES,
                    help="GPT-2's attention in every engine (default: transformers' own, sdpa; eager: the blog's "
                         "transformers, [Note: eager attention on XLA])")
     opts = p.parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
-    attn_of = lambda r: r.get("attn", DEFAULT_ATTN)  # noqa: E731 (rows written before --attn)
     done = {(r["engine"], r["model"], r["tpu"], attn_of(r)) for r in rows}
     for model in opts.models:
         params = param_count(MODELS[model])
