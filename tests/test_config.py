@@ -202,6 +202,17 @@ def test_bad_choices():
     assert "FULL_SHARD" in msg and "HYBRID_SHARD" in msg
 
 
+def test_checkpoint_all_but_last_needs_grad_ckpt_and_an_int():
+    layers = {"xla": True, "fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"]}
+    msg = _error({**layers, "xla_fsdp_settings": {"checkpoint_all_but_last": 1}})
+    assert "xla_fsdp_grad_ckpt is off" in msg and "checkpoint_all_but_last" in msg
+    msg = _error({**layers, "xla_fsdp_grad_ckpt": True, "xla_fsdp_settings": {"checkpoint_all_but_last": True}})
+    assert "checkpoint_all_but_last must be an int, got bool" in msg
+    kw = load_fsdp_config({**layers, "xla_fsdp_grad_ckpt": True,
+                           "xla_fsdp_settings": {"checkpoint_all_but_last": 1}}).engine_kwargs()
+    assert kw["checkpoint_all_but_last"] == 1 and kw["auto_wrapper_callable"] is checkpointed_wrapper
+
+
 def test_contradictory_policies():
     msg = _error({"xla": True, "fsdp_min_num_params": 1000, "fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"]})
     assert "mutually exclusive" in msg and "fsdp_min_num_params" in msg

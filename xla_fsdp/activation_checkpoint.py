@@ -11,6 +11,16 @@ the forward and reuse the forward's activations, silently undoing the memory
 saving. The recomputation therefore starts from inputs passed through an
 optimization barrier together with the incoming gradients, which makes it a
 different computation that can only run once those gradients exist.
+
+[Note: checkpoint all but the last] Recomputing a unit costs one more forward of it in
+backward; keeping its activations costs HBM from its forward until its backward. The last
+units in forward order hold theirs for the shortest stretch: their backward comes first. So the
+root's `checkpoint_all_but_last=N` lets the last N checkpointed units (module order, which is
+forward order for a stack of layers) keep their activations, a memory-for-speed knob for slices
+whose HBM has room. On the TPU-compiled 2B GPT-2 step on v4-8 (README, "Recomputing fewer
+layers"), N=1 saves a block's recomputation for almost no HBM, because the last block's
+activations replace its recomputation at the same point of the program; each further block
+adds its activations to the peak.
 """
 from __future__ import annotations
 
@@ -166,3 +176,27 @@ def checkpointed_call(run: Callable, args, kwargs, comm) -> Any:
     for pos, t in zip(holder["tensor_pos"], outs):
         out_leaves[pos] = t
     return tree_unflatten(out_leaves, holder["spec"])
+
+
+def checkpoint_all_but_last(root: nn.Module, units, count: int) -> None:
+    """[Note: checkpoint all but the last]: of the checkpointed units among `units` (the root's
+    units in module order), the last `count` keep their activations and the others recompute.
+    Called by the root before each forward, after foreign checkpoints are converted."""
+    others = [u for u in units if u is not root]
+    for u in others:
+        mine = u._fsdp_state.options.checkpoint_all_but_last
+        if mine not in (0, count):
+            raise ValueError(
+                f"{type(u).__name__} was wrapped with checkpoint_all_but_last={mine} and its root with "
+                f"{count}: which units recompute is the root's choice; give it to the root only")
+    checkpointed = [u for u in others if getattr(u, "_fsdp_checkpointed", False)]
+    if count and count >= len(checkpointed):
+        if not checkpointed:
+            raise ValueError(f"checkpoint_all_but_last={count}, but no unit is checkpointed: turn on "
+                             "activation_checkpointing=True (xla_fsdp_grad_ckpt in a Hugging Face "
+                             "fsdp_config), or drop checkpoint_all_but_last")
+        raise ValueError(f"checkpoint_all_but_last={count} would leave none of the {len(checkpointed)} "
+                         f"checkpointed units recomputing: give at most {len(checkpointed) - 1}, or turn "
+                         "activation checkpointing off")
+    for i, u in enumerate(checkpointed):
+        u._fsdp_keeps_activations = i >= len(checkpointed) - count

@@ -116,7 +116,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     # -- runtime -----------------------------------------------------------
     def forward(self, *args, **kwargs):
         run = self._fsdp_inner_forward or super().forward
-        if getattr(self, "_fsdp_checkpointed", False):
+        if getattr(self, "_fsdp_checkpointed", False) and not getattr(self, "_fsdp_keeps_activations", False):
             from .activation_checkpoint import checkpointed_call
 
             return checkpointed_call(lambda *a, **k: self._fsdp_state.forward(run, a, k), args, kwargs,

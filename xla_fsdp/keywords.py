@@ -58,6 +58,7 @@ DEFAULTS: Dict[str, Any] = dict(
     engine="collectives",
     mesh=None,
     activation_checkpointing=False,
+    checkpoint_all_but_last=0,
     is_batched_input=None,
     collectives=None,
 )
@@ -155,4 +156,5 @@ def build_options(kw: Dict[str, Any]) -> FSDPOptions:
         execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
         is_batched_input=kw["is_batched_input"],
         prefetch=opts.PrefetchPolicy.parse(kw["forward_prefetch"], kw["backward_prefetch"]),
+        checkpoint_all_but_last=kw["checkpoint_all_but_last"],
     )

@@ -237,3 +237,12 @@ class FSDPOptions:
     # single-controller runtime: which root inputs are batched (see manual_region.ManualRegion)
     is_batched_input: Optional[Callable[[str, torch.Tensor], bool]] = None
     prefetch: PrefetchPolicy = PrefetchPolicy()
+    # the root's: the last this many checkpointed units (module order) keep their activations
+    # instead of recomputing them ([Note: checkpoint all but the last] in activation_checkpoint.py)
+    checkpoint_all_but_last: int = 0
+
+    def __post_init__(self):
+        n = self.checkpoint_all_but_last
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"checkpoint_all_but_last={n!r} is not valid: give how many of the last "
+                             "checkpointed units keep their activations, an int >= 0 (0: recompute all)")

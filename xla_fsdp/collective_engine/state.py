@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..activation_checkpoint import is_recomputing
+from ..activation_checkpoint import checkpoint_all_but_last, is_recomputing
 from ..options import FSDPOptions, ShardingStrategy, TrainingState
 from ..forward_overrides import convert_checkpoint_after_wrapping
 from .manual_region import ManualRegion
@@ -209,6 +209,7 @@ class FSDPState:
         for unit in self._units:
             if "forward" in unit.__dict__:
                 convert_checkpoint_after_wrapping(unit)
+        checkpoint_all_but_last(self._module(), self._units, self.options.checkpoint_all_but_last)
 
     def _check_runtime_unchanged(self) -> None:
         comm = self.group.comm

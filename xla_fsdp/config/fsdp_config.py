@@ -111,6 +111,12 @@ class FSDPConfig:
                 "auto-wrapped layer); add fsdp_transformer_layer_cls_to_wrap, e.g. "
                 "[\"GPT2Block\"], or fsdp_min_num_params"
             )
+        if self.xla_fsdp_settings.checkpoint_all_but_last and not self.xla_fsdp_grad_ckpt:
+            raise FSDPConfigError(
+                "xla_fsdp_settings.checkpoint_all_but_last chooses which checkpointed layers keep their "
+                "activations, and xla_fsdp_grad_ckpt is off, so none is checkpointed; set "
+                "\"xla_fsdp_grad_ckpt\": true or drop checkpoint_all_but_last"
+            )
         if self.xla_fsdp_v2 and not self.xla:
             raise FSDPConfigError("xla_fsdp_v2 requires xla: true; set \"xla\": true")
         if self.xla_fsdp_v2:

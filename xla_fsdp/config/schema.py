@@ -39,6 +39,7 @@ ENGINE_KEYWORDS: tuple[str, ...] = (
     "all_gather_impl",
     "reduce_scatter_stages",
     "sharding_strategy",
+    "checkpoint_all_but_last",
 )
 
 # The settings the SPMD engine (`xla_fsdp_v2`) acts on. The others schedule
@@ -248,6 +249,9 @@ class XlaFSDPSettings:
     exchanges, which libtpu runs asynchronously)."""
     sharding_strategy: Optional[str] = None
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (case-insensitive; stored upper case)."""
+    checkpoint_all_but_last: Optional[int] = None
+    """With xla_fsdp_grad_ckpt: the last this many checkpointed layers keep their activations
+    instead of recomputing them (faster, more HBM); 0 recomputes every one."""
 
     def __post_init__(self) -> None:
         where = "xla_fsdp_settings."
@@ -277,6 +281,8 @@ class XlaFSDPSettings:
             )
         if self.reduce_scatter_bucket_size_mb is not None:
             _check_int(where + "reduce_scatter_bucket_size_mb", self.reduce_scatter_bucket_size_mb, 0)
+        if self.checkpoint_all_but_last is not None:
+            _check_int(where + "checkpoint_all_but_last", self.checkpoint_all_but_last, 0)
         self._check_sharding_groups(where)
         self._check_strategy_against_reshard(where)
 
