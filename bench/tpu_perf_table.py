@@ -33,8 +33,8 @@ with all-gathers and staged reduce-scatters under the 70% budget (the default
 until 2026-11-26); prefetch / flat = those with prefetch on / one flat gather
 per unit; ring / rings = reduce-scatters / both as rings, at 70%;
 rings_budget50 = rings at 50%, named (now the default's collectives and
-flags); keep1 / keep2 / keep4 = the default with its last 1 / 2 / 4
-checkpointed layers keeping their activations (`checkpoint_all_but_last`).
+flags); keepN (N = 1, 2, 4, 5) = the default with its last N checkpointed
+layers keeping their activations (`checkpoint_all_but_last`).
 Every row records the libtpu flags it was compiled with.
 `--attn eager` builds GPT-2 with eager attention in every engine, anchors
 included (the blog's transformers had only that; the default is
@@ -72,7 +72,7 @@ ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 # 2026-11-26, and what runs where rings do not apply) / those with prefetch on / one flat gather per
 # unit / reduce-scatters alone as rings ([Note: ring reduce-scatter]) / gathers and reduce-scatters
 # as rings / the same under a 50% scheduler budget (named before it became the default's)
-EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "keep1", "keep2", "keep4")
+EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "keep1", "keep2", "keep4", "keep5")
 # xla_fsdp_settings each engine adds to the shipped config (or to its aot case)
 SETTINGS = {
     "gathers": {"all_gather_impl": "all_gather"},
@@ -81,9 +81,9 @@ SETTINGS = {
     "ring": {"all_gather_impl": "all_gather", "reduce_scatter_stages": "ring"},
     "rings": {"all_gather_impl": "ring", "reduce_scatter_stages": "ring"},
     "rings_budget50": {"all_gather_impl": "ring", "reduce_scatter_stages": "ring"},
-    # the default with its last 1 / 2 / 4 checkpointed layers keeping their activations
+    # the default with its last 1 / 2 / 4 / 5 checkpointed layers keeping their activations
     # ([Note: checkpoint all but the last])
-    **{f"keep{n}": {"checkpoint_all_but_last": n} for n in (1, 2, 4)},
+    **{f"keep{n}": {"checkpoint_all_but_last": n} for n in (1, 2, 4, 5)},
 }
 # libtpu flags where they are not the ones xla_fsdp sets for the engine's runtime (each row records
 # its flags): the single controller's previous collectives under the 70% budget they were measured
