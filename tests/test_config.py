@@ -211,6 +211,9 @@ def test_checkpoint_all_but_last_needs_grad_ckpt_and_an_int():
     kw = load_fsdp_config({**layers, "xla_fsdp_grad_ckpt": True,
                            "xla_fsdp_settings": {"checkpoint_all_but_last": 1}}).engine_kwargs()
     assert kw["checkpoint_all_but_last"] == 1 and kw["auto_wrapper_callable"] is checkpointed_wrapper
+    msg = _error({**layers, "xla_fsdp_grad_ckpt": True, "xla_fsdp_v2": True,
+                  "xla_fsdp_settings": {"checkpoint_all_but_last": 1}})
+    assert "checkpoint_all_but_last is not available with xla_fsdp_v2" in msg
 
 
 def test_contradictory_policies():

@@ -91,6 +91,8 @@ def test_bad_options_leave_module_untouched(kwargs, message):
 def test_spmd_engine_rejects_collective_options():
     with pytest.raises(ValueError, match=r"engine='spmd' does not use all_gather_impl"):
         FSDP(nn.Linear(2, 2), engine="spmd", all_gather_impl="all_reduce")
+    with pytest.raises(ValueError, match=r"engine='spmd' has no checkpoint_all_but_last"):
+        FSDP(nn.Linear(2, 2), engine="spmd", activation_checkpointing=True, checkpoint_all_but_last=1)
 
 
 def test_positional_options_and_non_modules():

@@ -229,6 +229,9 @@ def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
     """engine="spmd": annotate parameters on a 1-D "fsdp" mesh; the compiler inserts collectives.
     The module becomes a `GspmdFullyShardedDataParallel` (an `XlaFullyShardedDataParallel`)."""
     ignored = sorted(k for k, v in kwargs.items() if k not in SPMD_KEYWORDS and v != DEFAULTS[k])
+    if "checkpoint_all_but_last" in ignored:
+        raise ValueError("engine='spmd' has no checkpoint_all_but_last: with activation_checkpointing=True it "
+                         "recomputes every unit; drop the option or use engine='collectives'")
     if ignored:
         raise ValueError(f"engine='spmd' does not use {', '.join(ignored)}: the XLA partitioner schedules "
                          "the collectives; drop these options or use engine='collectives'")

@@ -121,6 +121,11 @@ class FSDPConfig:
             raise FSDPConfigError("xla_fsdp_v2 requires xla: true; set \"xla\": true")
         if self.xla_fsdp_v2:
             ignored = [k for k in self.xla_fsdp_settings.given() if k not in SPMD_ENGINE_KEYWORDS]
+            if "checkpoint_all_but_last" in ignored:
+                raise FSDPConfigError(
+                    "xla_fsdp_settings.checkpoint_all_but_last is not available with xla_fsdp_v2, whose "
+                    "xla_fsdp_grad_ckpt recomputes every layer; remove it or set xla_fsdp_v2 to false"
+                )
             if ignored:
                 raise FSDPConfigError(
                     f"xla_fsdp_settings.{ignored[0]} has no effect with xla_fsdp_v2 (the SPMD "
