@@ -72,7 +72,9 @@ ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 # 2026-11-26, and what runs where rings do not apply) / those with prefetch on / one flat gather per
 # unit / reduce-scatters alone as rings ([Note: ring reduce-scatter]) / gathers and reduce-scatters
 # as rings / the same under a 50% scheduler budget (named before it became the default's)
-EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "keep1", "keep2", "keep4", "keep5")
+# the default with its last N checkpointed layers keeping their activations ([Note: checkpoint all but the last])
+KEEP = {f"keep{n}": n for n in (1, 2, 4, 5)}
+EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50") + tuple(KEEP)
 # xla_fsdp_settings each engine adds to the shipped config (or to its aot case)
 SETTINGS = {
     "gathers": {"all_gather_impl": "all_gather"},
@@ -81,9 +83,7 @@ SETTINGS = {
     "ring": {"all_gather_impl": "all_gather", "reduce_scatter_stages": "ring"},
     "rings": {"all_gather_impl": "ring", "reduce_scatter_stages": "ring"},
     "rings_budget50": {"all_gather_impl": "ring", "reduce_scatter_stages": "ring"},
-    # the default with its last 1 / 2 / 4 / 5 checkpointed layers keeping their activations
-    # ([Note: checkpoint all but the last])
-    **{f"keep{n}": {"checkpoint_all_but_last": n} for n in (1, 2, 4, 5)},
+    **{engine: {"checkpoint_all_but_last": n} for engine, n in KEEP.items()},
 }
 # libtpu flags where they are not the ones xla_fsdp sets for the engine's runtime (each row records
 # its flags): the single controller's previous collectives under the 70% budget they were measured
@@ -127,7 +127,7 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0, attn: s
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"] + (["--attn", attn] if attn else []), "auto")
-    if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50") or engine.startswith("keep"):
+    if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50") + tuple(KEEP):
         config = SHIPPED  # the shipped TPU config, as the README's TPU command runs it
         if engine in SETTINGS:
             with open(SHIPPED) as f:

@@ -431,17 +431,12 @@ def test_prefetch_key_errors():
 def test_bench_keep_engines_are_the_shipped_config_with_fewer_recomputed_layers(engine, tmp_path):
     """bench/tpu_perf_table.py's keepN rows (README "Recomputing fewer layers") run the shipped
     TPU config with checkpoint_all_but_last=N, and nothing else changed."""
-    import sys
+    from bench_modules import load
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "bench"))
-    try:
-        import tpu_perf_table as table
-    finally:
-        sys.path.pop(0)
+    table = load("tpu_perf_table")
     cmd, _ = table.command(engine, "2b", "v4-8", str(tmp_path))
     got = load_fsdp_config(cmd[cmd.index("--fsdp_config") + 1]).engine_kwargs()
     shipped = load_fsdp_config(table.SHIPPED).engine_kwargs()
-    assert got.pop("checkpoint_all_but_last") == int(engine[len("keep"):])
+    assert got.pop("checkpoint_all_but_last") == table.KEEP[engine]
     assert "checkpoint_all_but_last" not in shipped
     assert {k: repr(v) for k, v in got.items()} == {k: repr(v) for k, v in shipped.items()}  # policies: new partials

@@ -121,20 +121,16 @@ def test_calibration_point_is_the_blogs_program():
     FSDPv1 row with SDPA attention (a program the blog never ran) must not calibrate."""
     import json
     import os
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "bench", "results", "blog_pairs_eager_2026-11-27.json")) as f:
+    from bench_modules import BENCH, load
+
+    with open(os.path.join(BENCH, "results", "blog_pairs_eager_2026-11-27.json")) as f:
         rows = json.load(f)["rows"]
     eager = [r for r in rows if (r["engine"], r["model"], r["tpu"], r["attn"]) == ("fsdpv1", "2b", "v4-8", "eager")]
     assert len(eager) == 1
     assert st.CALIBRATION_RATIO == pytest.approx(4.191 / eager[0]["projected_s"], rel=1e-4)
 
-    sys.path.insert(0, os.path.join(root, "bench"))
-    try:
-        import tpu_perf_table as table
-    finally:
-        sys.path.pop(0)
+    table = load("tpu_perf_table")
     sdpa = dict(eager[0], attn=table.DEFAULT_ATTN, projected_s=4.048)
     ratio, source = table.calibrate([sdpa])
     assert ratio == st.CALIBRATION_RATIO and "step_time" in source
