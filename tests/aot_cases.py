@@ -70,7 +70,7 @@ def command(case: AotCase, devices: int, config_path: str, out_dir: str, model: 
 
 
 def check(tpu: str, cmd: List[str], runtime: str = "auto", extra: Optional[List[str]] = None,
-          timeout: float = 1200) -> dict:
+          timeout: float = 1200, env_extra: Optional[Dict[str, str]] = None) -> dict:
     """Run `python -m xla_fsdp.aot --json` on `cmd`; returns {"rc", "report" (None when the check
     printed no JSON), "output" (the tail of stdout and stderr)}."""
     argv = [sys.executable, "-m", "xla_fsdp.aot", "--tpu", tpu, "--runtime", runtime, "--json",
@@ -78,6 +78,7 @@ def check(tpu: str, cmd: List[str], runtime: str = "auto", extra: Optional[List[
     env = dict(os.environ)
     for name in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "XLA_USE_SPMD", "CPU_NUM_DEVICES", "LIBTPU_INIT_ARGS"):
         env.pop(name, None)
+    env.update(env_extra or {})
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     report = None
     if proc.stdout.strip().startswith("{"):

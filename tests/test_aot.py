@@ -64,6 +64,51 @@ def test_collectives_users_add_unpinned_are_named_with_the_fix(tmp_path):
     assert "pin_layout_in_collective_ops=False" in cause and "pin_layout=True" in cause, cause
 
 
+@pytest.mark.parametrize("runtime", ["multi_process", "single_controller"])
+def test_the_module_is_taken_when_the_traced_process_dies_first(runtime):
+    """XLA:CPU runs a small step on the placeholders as soon as it compiled it, which crashes the
+    traced process; with the process's poll held back that always happens before it looks at
+    the dump. The module is whole there all the same, and the check takes it from the dump
+    ([Note: the module is taken from the dump, whoever gets there first])."""
+    got = ac.check("v5e-8", [OWN_LOOP, "--mark"], runtime=runtime, timeout=300,
+                   env_extra={"XLA_FSDP_AOT_POLL_S": "600"})
+    assert got["rc"] == 0 and got["report"]["compiles"] and got["report"]["chips"] == 8, got["output"]
+
+
+def test_a_traced_job_that_dies_on_a_signal_says_where():
+    """A job whose process dies natively (no Python exception) is reported with the signal and
+    the Python line it died on, not an empty log."""
+    proc = _cli(["--tpu", "v5e-8", "--runtime", "multi_process", "--quiet", "--",
+                 os.path.join(ac.ROOT, "tests", "fixtures", "aot_dies.py")], timeout=300)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "before its second training step" in err, err
+    assert "Segmentation fault" in err and "aot_dies.py\", line 28 in crash_in_native_code" in err, err
+
+
+def test_the_check_shows_no_warnings_of_its_own_walks():
+    """The check walks every live object; torch's FutureWarning about its deprecated
+    `reduce_op` must not reach the user's screen."""
+    proc = _cli(["--tpu", "v5e-8", "--runtime", "multi_process", "--", OWN_LOOP, "--mark"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compiles (libtpu" in proc.stdout, proc.stdout
+    assert "FutureWarning" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_whole_module_reads_the_closing_brace_of_entry():
+    """A module cut anywhere before ENTRY's closing brace is not whole."""
+    from xla_fsdp.aot.dump import whole_module
+
+    text = ("HloModule m, entry_computation_layout={(f32[])->f32[]}\n\n%add (a: f32[], b: f32[]) -> f32[] {\n"
+            "  %a = f32[] parameter(0)\n  ROOT %b = f32[] add(%a, %a)\n}\n\n"
+            "ENTRY %main (p: f32[]) -> f32[] {\n  %p = f32[] parameter(0)\n  ROOT %r = f32[] negate(%p)\n}\n\n")
+    assert whole_module(text)
+    cut_at = [i for i in range(len(text)) if not text[i:].strip()]
+    for end in range(len(text)):
+        if end < min(cut_at):
+            assert not whole_module(text[:end]), repr(text[:end])
+
+
 @pytest.mark.slow
 def test_the_same_loop_without_the_user_collective_compiles():
     """The control for the test above: without the user's collective the loop compiles."""

@@ -14,8 +14,10 @@ joins the first step's graph.
 - at the second cut torch_xla's own graph cut runs (so buffer donation is
   decided as in a real step) and XLA, whose dump the parent switched on,
   writes the module torch_xla hands it. The process ends as soon as that
-  file is whole: XLA:CPU's code generation and the execution (which would
-  read placeholders) never run.
+  file is whole; if XLA:CPU compiles and runs the step on the placeholders
+  first, the process crashes instead, and the module is taken from the
+  dump all the same ([Note: the module is taken from the dump, whoever
+  gets there first] in dump.py).
 Optimizer state that the first step created without a sharding of its own
 takes its parameter's when it has the parameter's shape, as the SPMD
 partitioner gives it in a real run.
@@ -30,9 +32,13 @@ import time
 
 import torch
 
+from xla_fsdp.aot.dump import MARKER, take_program
+
 CAPTURE_ENV = "XLA_FSDP_AOT_CAPTURE"  # JSON: {"out": dir, "steps": 2}
-MARKER = "capturing.json"
-PROGRAM = "program.txt"
+DUMP_ENV = "XLA_FSDP_AOT_DUMP"  # XLA's dump folder
+# seconds between looks at the dump; tests set it past XLA:CPU's compile to make the
+# traced process die first ([Note: the module is taken from the dump, whoever gets there first])
+POLL_ENV = "XLA_FSDP_AOT_POLL_S"
 
 
 class _State:
@@ -97,8 +103,18 @@ def _recorded(fn, kind: str):
     return wrapper
 
 
+def _objects_of(cls) -> list:
+    """Every live object of `cls`. isinstance() on torch.distributed's deprecated `reduce_op`
+    object warns (a FutureWarning per walk); the job's user would see that, not ours."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.*", category=FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, cls)]
+
+
 def _live_xla_tensors():
-    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "xla"]
+    return [o for o in _objects_of(torch.Tensor) if o.device.type == "xla"]
 
 
 def _note_step(optimizer, args, kwargs) -> None:
@@ -126,9 +142,7 @@ def _optimizer_shardings():
     import torch_xla
 
     out = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.optim.Optimizer):
-            continue
+    for obj in _objects_of(torch.optim.Optimizer):
         for group in obj.param_groups:
             for p in group["params"]:
                 if p.device.type != "xla" or not torch_xla._XLAC._get_xla_sharding_spec(p):
@@ -171,7 +185,7 @@ def _compile_and_exit() -> None:
 
     import torch_xla.runtime as xr
 
-    dump = os.environ["XLA_FSDP_AOT_DUMP"]
+    dump = os.environ[DUMP_ENV]
     before = set(os.listdir(dump)) if os.path.isdir(dump) else set()
     with open(os.path.join(_State.out, MARKER), "w") as f:
         json.dump({"ordinal": xr.global_ordinal(), "dumped_before": sorted(before)}, f)
@@ -180,17 +194,9 @@ def _compile_and_exit() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     threading.Thread(target=_State.original_sync, daemon=True).start()
-    deadline, last = time.time() + 3600, None
+    deadline, poll = time.time() + 3600, float(os.environ.get(POLL_ENV, "0.05"))
     while time.time() < deadline:
-        time.sleep(0.2)
-        found = sorted(n for n in os.listdir(dump) if n.endswith(".before_optimizations.txt") and n not in before)
-        if found:
-            size = os.path.getsize(os.path.join(dump, found[-1]))
-            if size and size == last:
-                partial = os.path.join(_State.out, "program.txt.partial")
-                with open(partial, "w") as f:
-                    f.write(open(os.path.join(dump, found[-1])).read())
-                os.replace(partial, os.path.join(_State.out, PROGRAM))  # whole or absent
-                os._exit(0)
-            last = size
+        time.sleep(poll)
+        if take_program(_State.out, dump):
+            os._exit(0)
     os._exit(4)

@@ -67,6 +67,23 @@ def _serial_backward_beyond_device_index() -> None:
         torch.autograd.set_multithreading_enabled(False)  # sets it now, for this thread
 
 
+_crash_file = None
+
+
+def _record_crashes() -> None:
+    """A traced process that dies on a signal (XLA aborting, a segfault) says where in
+    `crash.txt` beside the module; the check shows it when it got no module."""
+    global _crash_file
+    if _crash_file is None:
+        import faulthandler
+
+        from xla_fsdp.aot import capture
+        from xla_fsdp.aot.dump import CRASH
+
+        _crash_file = open(os.path.join(capture._spec()["out"], CRASH), "w")
+        faulthandler.enable(file=_crash_file, all_threads=True)
+
+
 def _traced(script: str, args) -> None:
     from xla_fsdp.aot import capture
 
@@ -91,20 +108,32 @@ def _traced(script: str, args) -> None:
 
 def main() -> None:
     script, args = sys.argv[1], sys.argv[2:]
+    _record_crashes()
     if os.environ.get("XLA_FSDP_RUNTIME") == "single_controller":
         _traced(script, args)
         return
     import torch_xla.distributed.xla_multiprocessing as xmp
 
+    from xla_fsdp.aot import capture
+    from xla_fsdp.aot.dump import take_program
+
     try:
         xmp.spawn(_replica, args=(script, args))
-    except BaseException:
-        # rank 0 leaves its pool worker with os._exit (done, or failed after printing why);
-        # the pool's own traceback about it would bury that reason
+    except BaseException as e:
+        # The pool's worker always ends abruptly: rank 0 leaves it with os._exit (done, or
+        # failed after printing why), or XLA:CPU crashes it running the step on placeholders
+        # once the module is dumped ([Note: the module is taken from the dump, whoever gets
+        # there first] in dump.py). Only the dump tells which.
+        if take_program(capture._spec()["out"], os.environ[capture.DUMP_ENV]):
+            os._exit(0)
+        print(f"xla_fsdp.aot: the traced process of one process per chip ended before the step's "
+              f"module was whole ({type(e).__name__}: {e})", file=sys.stderr)
+        sys.stderr.flush()
         os._exit(1)
 
 
 def _replica(index: int, script: str, args) -> None:
+    _record_crashes()  # this runs in torch_xla's pool worker, a process of its own
     world = os.environ.get(WORLD_ENV)
     if world:
         _stand_in_for_rank_0(int(world))

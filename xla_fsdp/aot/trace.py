@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from xla_fsdp.abstract import TRACE_ENV
-from xla_fsdp.aot.capture import PROGRAM
+from xla_fsdp.aot.dump import MARKER, PROGRAM, crash_report, take_program
 from xla_fsdp.aot.child import MAX_DEVICE_INDEX, WORLD_ENV
 
 SINGLE_CONTROLLER = "single_controller"
@@ -170,10 +170,10 @@ def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] =
         finally:
             if proc.poll() is None:
                 proc.kill()
-    # one process per chip: torch_xla's spawn pool sees its worker leave early and
-    # fails; the module, written whole or not at all, is what counts
+    # the module, whole in XLA's dump, is what counts, however the traced process ended
+    # ([Note: the module is taken from the dump, whoever gets there first] in dump.py)
     program = os.path.join(workdir, PROGRAM)
-    if os.path.exists(program):
+    if take_program(workdir, os.path.join(workdir, "dump")):
         text = open(program).read()
         if rank_0_alone(job):
             text = _with_replica_count(text, job.devices)
@@ -181,7 +181,20 @@ def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] =
                 f.write(text)
         return text
     tail = "".join(open(log_path).readlines()[-25:])
-    where = ("in its second training step's compile" if os.path.exists(os.path.join(workdir, "capturing.json"))
+    where = ("in its second training step's compile" if os.path.exists(os.path.join(workdir, MARKER))
              else "before its second training step")
+    crash = crash_report(workdir)
+    crash = f"\nIt died on a signal:\n{crash}\n" if crash else ""
     raise TraceError(f"{job.script} failed {where} while traced at {job.devices} devices ({job.runtime}), "
-                     f"exit code {proc.returncode}. Its last lines:\n{tail}\n(full log: {log_path})")
+                     f"{_exit_text(proc.returncode)}. Its last lines:\n{tail}{crash}\n(full log: {log_path})")
+
+
+def _exit_text(returncode: int) -> str:
+    if returncode is not None and returncode < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
