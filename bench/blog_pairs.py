@@ -95,7 +95,7 @@ def reproject(rows: list, dumps: list) -> None:
               f"{now.seconds:.3f} s", flush=True)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--engines", nargs="+", default=["default", "fsdpv1"], choices=table.ENGINES + table.EXTRA)
@@ -105,7 +105,11 @@ def main(argv=None) -> int:
                    help="GPT-2's attention in every engine (default: transformers' own, SDPA)")
     p.add_argument("--reproject", nargs="+", metavar="DIR", help="compile nothing: re-project the --json rows "
                    "from the programs an earlier --dump DIR kept, with the current step-time model")
-    opts = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    opts = build_parser().parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
     attn = opts.attn or table.DEFAULT_ATTN
     if opts.reproject:

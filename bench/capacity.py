@@ -43,14 +43,18 @@ def render(rows: list) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tpu", nargs="+", default=list(SLICES), choices=sorted(table.SLICES))
     p.add_argument("--engines", nargs="+", default=["default"], choices=table.ENGINES)
     p.add_argument("--batch", type=int, default=1, help="sequences of 1024 per chip")
     p.add_argument("--start", default="2b", choices=FAMILY, help="first size to try")
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
-    opts = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    opts = build_parser().parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
     for tpu in opts.tpu:
         for engine in opts.engines:

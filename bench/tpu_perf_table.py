@@ -240,7 +240,7 @@ def render(rows: list, calibration_rows: list = ()) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(TABLE_MODELS), choices=sorted(MODELS))
     p.add_argument("--tpu", nargs="+", default=list(TABLE_SLICES), choices=sorted(SLICES))
@@ -250,7 +250,11 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="", choices=ATTN_CHOICES,
                    help="GPT-2's attention in every engine (default: transformers' own, sdpa; eager: the blog's "
                         "transformers, [Note: eager attention on XLA])")
-    opts = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    opts = build_parser().parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
     done = {(r["engine"], r["model"], r["tpu"], attn_of(r)) for r in rows}
     for model in opts.models:

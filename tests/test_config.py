@@ -429,7 +429,7 @@ def test_prefetch_key_errors():
 
 @pytest.mark.parametrize("engine", ["keep1", "keep5"])
 def test_bench_keep_engines_are_the_shipped_config_with_fewer_recomputed_layers(engine, tmp_path):
-    """bench/tpu_perf_table.py's keepN rows (README "Recomputing fewer layers") run the shipped
+    """bench/tpu_perf_table.py's keepN rows (docs/performance.md, "Recomputing fewer layers") run the shipped
     TPU config with checkpoint_all_but_last=N, and nothing else changed."""
     from bench_modules import load
 

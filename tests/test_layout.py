@@ -47,7 +47,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.api": "front_door",
     # layer 5: on top
     "xla_fsdp.checkpoint": "checkpoint",
-    "xla_fsdp.state_dict": "on_top",  # the README's name for xla_fsdp.checkpoint.state_dict
+    "xla_fsdp.state_dict": "on_top",  # the documented name for xla_fsdp.checkpoint.state_dict (docs/checkpoints.md)
     "xla_fsdp.config": "config",
     "xla_fsdp.train": "on_top",
     "xla_fsdp.integrations": "on_top",

@@ -1,4 +1,4 @@
-"""Every public name the README and docs/DESIGN.md show imports from where they say, as what they say."""
+"""Every public name README.md and docs/ show imports from where they say, as what they say."""
 import importlib
 import inspect
 import os

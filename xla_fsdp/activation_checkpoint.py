@@ -17,8 +17,8 @@ backward; keeping its activations costs HBM from its forward until its backward.
 units in forward order hold theirs for the shortest stretch: their backward comes first. So the
 root's `checkpoint_all_but_last=N` lets the last N checkpointed units (module order, which is
 forward order for a stack of layers) keep their activations, a memory-for-speed knob for slices
-whose HBM has room. On the TPU-compiled 2B GPT-2 step on v4-8 (README, "Recomputing fewer
-layers"), N=1 saves a block's recomputation for almost no HBM, because the last block's
+whose HBM has room. On the TPU-compiled 2B GPT-2 step on v4-8 (docs/performance.md,
+"Recomputing fewer layers"), N=1 saves a block's recomputation for almost no HBM, because the last block's
 activations replace its recomputation at the same point of the program; each further block
 adds its activations to the peak.
 """

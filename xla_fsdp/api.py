@@ -26,7 +26,7 @@ from .options import ShardingLayout
 class XlaFullyShardedDataParallel(nn.Module):
     """Shard every parameter of `module` on dim 0 across the sharding group.
 
-    See README for the keywords. Returns `module` itself (see [Note: no wrapper module]).
+    See docs/migration.md for the keywords. Returns `module` itself (see [Note: no wrapper module]).
     """
 
     def __new__(cls, module: nn.Module = None, *args, **kwargs):

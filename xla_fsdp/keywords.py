@@ -63,7 +63,7 @@ DEFAULTS: Dict[str, Any] = dict(
     collectives=None,
 )
 
-# torch_xla keywords accepted with no effect, and why (README "Migrating from torch_xla's FSDP")
+# torch_xla keywords accepted with no effect, and why (docs/migration.md, "Keyword by keyword")
 NO_EFFECT = {
     "_shard_size_multiple": "shards are padded to the sharding group's size on dim 0 only",
     "_use_xla_patched_linear": "the engine's saved-tensor hooks already keep nn.Linear's backward from "

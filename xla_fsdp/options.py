@@ -88,7 +88,7 @@ REDUCE_SCATTER_STAGES = ("auto", "axes", "flat", "ring")
 
 @dataclass(frozen=True)
 class CollectiveOptions:
-    """How a unit talks to its peers. See README "Gathering: all_gather vs all_reduce"."""
+    """How a unit talks to its peers. See docs/engines.md, "Gathering: all_gather vs all_reduce"."""
 
     # pin the layout of every collective (constrain_layout=true in the HLO) so
     # replicas compiling slightly different programs cannot disagree on layouts

@@ -14,7 +14,8 @@ per chip, the contract of torch_xla's `xmp.spawn` that scripts written for
 torch_xla's FSDP rely on (`xm.get_ordinal()` per process, pinned
 collectives). `launch/run_clm.py` declares the single controller: on a TPU
 its collectives are unpinned, so libtpu can run them asynchronously beside
-compute, which it never does for pinned ones (README, "Performance").
+compute, which it never does for pinned ones (docs/performance.md, "Only unpinned collectives
+overlap").
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 
 [Note: rings by default on a TPU]
 Compiled by libtpu 0.0.21 for the blog's 2B GPT-2 on v4-8 (32 x 1024 per chip, per-layer
-checkpointing; README "Performance"), the single controller's all-gathers and staged
+checkpointing; docs/performance.md), the single controller's all-gathers and staged
 reduce-scatters leave half the collective bytes synchronous: libtpu never runs our
 reduce-scatters asynchronously and keeps 149 of 257 gathers synchronous (0.48 of the bytes
 asynchronous). The same step with gathers and reduce-scatters as rings of collective-permutes

@@ -42,7 +42,8 @@ from xla_fsdp.tpu import optimized_hlo as oh
 # transformers had no other) by bench/anchor_job.py under libtpu 0.0.21, at 3.668 s
 # (bench/blog_pairs.py --attn eager, 2026-11-27). Until then the ratio was 4.191 / 4.048 = 1.035,
 # taken from FSDPv1 compiled with today's default attention (SDPA, f32 on XLA): a program the
-# blog never ran. The blog's other FSDPv1 steps check this ratio (README, the blog's table).
+# blog never ran. The blog's other FSDPv1 steps check this ratio (docs/performance.md,
+# "The blog's table, compiled").
 CALIBRATION_RATIO = 4.191 / 3.6684  # 1.142
 CALIBRATION_SOURCE = "blog FSDPv1 2B v4-8, eager attention: measured 4.191 s / projected 3.668 s"
 COLLECTIVE_LATENCY_S = 10e-6  # per collective; an assumption, no published figure
