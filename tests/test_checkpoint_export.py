@@ -110,7 +110,7 @@ def test_consolidation_names_missing_and_foreign_rank_files(tmp_path):
     with pytest.raises(CheckpointError, match=r"ranks 0..2, found ranks \[0, 2\] \(missing \[1\]\)"):
         consolidate_sharded_model_checkpoints(str(tmp_path / "c"), "_rank-*-of-*.pth")
     torch.save({"model": {}, "shard_metadata": {"world_size": 1, "rank": 0}}, tmp_path / "t_rank-0.pth")
-    with pytest.raises(CheckpointError, match="is not a per-rank xla_fsdp checkpoint"):
+    with pytest.raises(CheckpointError, match="is not a per-rank FSDP checkpoint"):
         consolidate_sharded_model_checkpoints(str(tmp_path / "t"), "_rank-*.pth")
 
 
@@ -145,3 +145,148 @@ def test_torch_xla_flow_consolidates_nested_units_of_different_layouts(tmp_path)
         assert set(full) == set(want), case.name
         for name, value in want.items():
             torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=f"{case.name} {name}")
+
+
+# [torch_xla's FSDP and ours, both flag values, both consolidations] At XLA world 1 (more than one
+# XLA:CPU device hangs on explicit collectives) each library trains the same nested model a few steps
+# and saves its rank file the torch_xla way; both libraries' consolidate_sharded_model_checkpoints read
+# torch_xla's files and must agree exactly. torch_xla's function cannot read ours (their keys are the
+# unwrapped model's) and must fail rather than return shards as weights.
+
+def _nested_model():
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    model.register_buffer("count", torch.arange(3.0))
+    return model
+
+
+def _wrap_linears(module, recurse, *args, **kwargs):  # both libraries' auto_wrap_policy call shapes
+    import torch.nn as nn
+
+    return recurse or isinstance(module, nn.Linear)
+
+
+def _train_and_save(fsdp_class, prefix, **kwargs):
+    """A few SGD steps at XLA world 1, then the rank file; returns the wrapped model."""
+    import torch_xla
+
+    device = torch_xla.device()
+    model = fsdp_class(_nested_model().to(device), auto_wrap_policy=_wrap_linears, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        model(torch.randn(4, 5, generator=gen).to(device)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+    torch.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()},
+               f"{prefix}_rank-00000000-of-00000001.pth")
+    return model
+
+
+def _reshard_torch_xla_file(src, prefix, world, shard_param_on_dim_0):
+    """torch_xla's world-1 rank file as `world` rank files in torch_xla's layout for the flag (1-D
+    slices of the flattened parameter padded to world x 128, or dim-0 rows padded to the world size):
+    what its FSDP would save at that world, which XLA:CPU cannot run."""
+    ckpt = torch.load(src, weights_only=False)
+    meta = ckpt["shard_metadata"]
+    ranks = [{} for _ in range(world)]
+    for key, value in ckpt["model"].items():
+        prefix_, _, name = key.rpartition(".")
+        size = meta["shard_info"].get(prefix_, {}).get(name, {}).get("_orig_size")
+        if size is None:  # a buffer: every rank holds it whole
+            pieces = [value] * world
+        elif value.dim() == 1 and not (shard_param_on_dim_0 and len(size) == 1):
+            flat = value[:size.numel()]
+            flat = torch.nn.functional.pad(flat, [0, -flat.numel() % (world * 128)])
+            pieces = flat.chunk(world)
+        else:
+            rows = torch.nn.functional.pad(value, [0, 0] * (value.dim() - 1) + [0, -value.shape[0] % world])
+            pieces = rows.chunk(world)
+        for rank, piece in enumerate(pieces):
+            ranks[rank][key] = piece.clone()
+    for rank, state in enumerate(ranks):
+        torch.save({"model": state, "shard_metadata": dict(meta, world_size=world, rank=rank)},
+                   f"{prefix}_rank-{rank:08d}-of-{world:08d}.pth")
+
+
+def _assert_same(got, want, atol=0.0, ordered=True):
+    assert list(got) == list(want) if ordered else set(got) == set(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype, name
+        torch.testing.assert_close(got[name], value, rtol=0, atol=atol, msg=name)
+
+
+def _both_consolidations(prefix, capsys):
+    """(ours, torch_xla's) consolidated state dicts of `prefix`'s files, and each one's printed lines."""
+    from torch_xla.distributed.fsdp import consolidate_sharded_model_checkpoints as theirs
+
+    from xla_fsdp import consolidate_sharded_model_checkpoints as ours
+
+    capsys.readouterr()
+    mine, mine_path = ours(prefix, "_rank-*-of-*.pth", save_path=prefix + "_ours.pth")
+    mine_log = capsys.readouterr().out.splitlines()
+    want, want_path = theirs(prefix, "_rank-*-of-*.pth", save_path=prefix + "_theirs.pth")
+    want_log = capsys.readouterr().out.splitlines()
+    assert mine_path == prefix + "_ours.pth" and torch.load(mine_path)["model"].keys() == mine.keys()
+    assert mine_log == [line.replace(want_path, mine_path) for line in want_log]  # torch_xla's two lines
+    return mine, want
+
+
+def _consolidation_parity(tmp_path, capsys, shard_param_on_dim_0, flatten_parameters, worlds):
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as TorchXlaFSDP
+    from torch_xla.distributed.fsdp import consolidate_sharded_model_checkpoints as theirs
+
+    from xla_fsdp import XlaFullyShardedDataParallel, consolidate_sharded_model_checkpoints
+    from xla_fsdp.checkpoint import full_state_dict
+
+    kw = dict(shard_param_on_dim_0=shard_param_on_dim_0, flatten_parameters=flatten_parameters)
+    _train_and_save(TorchXlaFSDP, str(tmp_path / "txla"), **kw)
+    mine, want = _both_consolidations(str(tmp_path / "txla"), capsys)
+    _assert_same(mine, want)
+    for world in worlds:
+        prefix = str(tmp_path / f"txla_w{world}")
+        _reshard_torch_xla_file(tmp_path / "txla_rank-00000000-of-00000001.pth", prefix, world, shard_param_on_dim_0)
+        mine_w, want_w = _both_consolidations(prefix, capsys)
+        _assert_same(mine_w, want_w)
+        _assert_same(mine_w, want)
+
+    model = _train_and_save(XlaFullyShardedDataParallel, str(tmp_path / "ours"), **kw)
+    assert [tuple(p.shape) for p in model.parameters()] == [(7, 5), (7,), (7,), (7,), (3, 7), (3,)]  # dim 0
+    ours, _ = consolidate_sharded_model_checkpoints(str(tmp_path / "ours"), "_rank-*-of-*.pth", save_model=False)
+    _assert_same(ours, full_state_dict(model, rank0_only=False), ordered=False)
+    _assert_same(ours, want, atol=1e-6, ordered=False)  # the same training in two programs: not bitwise
+    with pytest.raises(KeyError, match="flatten_info"):  # never shards passed off as weights
+        theirs(str(tmp_path / "ours"), "_rank-*-of-*.pth", save_model=False)
+
+
+@pytest.mark.parametrize("shard_param_on_dim_0", [False, True])
+def test_consolidation_matches_torch_xla_for_both_libraries_files(tmp_path, capsys, shard_param_on_dim_0):
+    pytest.importorskip("torch_xla")
+    _consolidation_parity(tmp_path, capsys, shard_param_on_dim_0, flatten_parameters=False, worlds=(2,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard_param_on_dim_0", [False, True])
+@pytest.mark.parametrize("flatten_parameters", [False, True])
+def test_consolidation_matches_torch_xla_matrix(tmp_path, capsys, shard_param_on_dim_0, flatten_parameters):
+    pytest.importorskip("torch_xla")
+    _consolidation_parity(tmp_path, capsys, shard_param_on_dim_0, flatten_parameters, worlds=(2, 3, 5))
+
+
+def test_consolidation_prints_the_file_count_and_the_save_path(tmp_path, capsys):
+    from xla_fsdp import consolidate_sharded_model_checkpoints
+
+    meta = {"format": "xla_fsdp.shard_metadata/1", "world_size": 2, "rank": 0, "shard_groups": [[0, 1]],
+            "shard_info": {"w": {"shape": [3], "rows": 3, "rows_per_rank": 2, "tied_to": None}}, "buffer_info": {}}
+    for rank in range(2):
+        torch.save({"model": {"w": torch.ones(2)}, "shard_metadata": dict(meta, rank=rank)},
+                   tmp_path / f"c_rank-{rank:08d}-of-00000002.pth")
+    prefix = str(tmp_path / "c")
+    consolidate_sharded_model_checkpoints(prefix, "_rank-*-of-*.pth")
+    assert capsys.readouterr().out.splitlines() == [f"found 2 checkpoint files in {prefix}_rank-*-of-*.pth",
+                                                    f"saved consolidated model to {prefix}_consolidated.pth"]
+    consolidate_sharded_model_checkpoints(prefix, "_rank-*-of-*.pth", save_model=False)
+    assert capsys.readouterr().out.splitlines() == [f"found 2 checkpoint files in {prefix}_rank-*-of-*.pth"]

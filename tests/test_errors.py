@@ -75,7 +75,6 @@ def test_auto_wrap_keeps_tied_weights_in_the_parent():
     ({"all_gather_impl": "ring"}, r"all_gather_impl='ring' needs the single-controller runtime"),
     ({"sharding_strategy": "HYBRID_SHARD"}, r"HYBRID_SHARD needs sharding_groups"),
     ({"sharding_strategy": "PARTIAL"}, r"sharding_strategy='PARTIAL' is not valid; use one of: FULL_SHARD"),
-    ({"shard_param_on_dim_0": False}, r"shard_param_on_dim_0=False is not supported"),
     ({"compute_dtype": torch.int8}, r"compute_dtype=torch.int8 is not supported"),
     ({"sharding_groups": [[0]], "sharding_rank": 1}, r"sharding_rank=1 but this rank \(0\) is position 0"),
     ({"engine": "gspmd"}, r"engine='gspmd' is not valid"),

@@ -20,7 +20,7 @@ NON_DEFAULT = {
     "optimization_barrier_in_forward": False, "optimization_barrier_in_backward": False,
     "sync_on_finalization": True, "disable_reshard_on_root": False, "compute_dtype": torch.bfloat16,
     "buffer_dtype": torch.bfloat16, "fp32_reduce_scatter": True, "sharding_groups": [[0]], "sharding_rank": 0,
-    "sharding_world_size": 1, "shard_param_on_dim_0": False, "pin_layout_in_collective_ops": False,
+    "sharding_world_size": 1, "shard_param_on_dim_0": True, "pin_layout_in_collective_ops": False,
     "reduce_scatter_bucket_size_mb": 1, "coalesce_all_gather_ops": True,
     "auto_wrap_policy": xla_fsdp.always_wrap_policy, "auto_wrapper_callable": None, "param_init_fn": None,
     "_shard_size_multiple": 8, "_use_xla_patched_linear": False, "_debug_dummy_forward_pass": True,
@@ -28,7 +28,7 @@ NON_DEFAULT = {
     "_debug_dummy_all_reduce_op": True, "_debug_dummy_reduce_scatter_op": True,
     "_debug_dummy_optimization_barrier_op": True,
 }
-REFUSED_HERE = {"shard_param_on_dim_0": "always shards on dim 0", **{k: "debugging switch" for k in REFUSED}}
+REFUSED_HERE = {k: "debugging switch" for k in REFUSED}
 
 
 def torch_xla_keywords():
@@ -49,7 +49,7 @@ def test_every_torch_xla_keyword_is_classified():
 @pytest.mark.parametrize("name", sorted(NON_DEFAULT))
 def test_each_keyword_is_accepted_or_refused_by_name(name):
     theirs = torch_xla_keywords()
-    if theirs[name] is not inspect.Parameter.empty and name not in ("flatten_parameters", "shard_param_on_dim_0"):
+    if theirs[name] is not inspect.Parameter.empty and name != "flatten_parameters":
         FSDP(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), **{name: theirs[name]})  # their default: accepted
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     if name in REFUSED_HERE:
@@ -60,6 +60,15 @@ def test_each_keyword_is_accepted_or_refused_by_name(name):
         wrapped = FSDP(model, **{name: NON_DEFAULT[name]})
         out = wrapped(torch.ones(2, 3).to(wrapped[0].weight.device))
         assert out.shape == (2, 2)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "False"])
+def test_shard_param_on_dim_0_must_be_a_bool(value):
+    """torch_xla tests the value's truth, so "False" there means True; here anything but a bool is refused."""
+    model = nn.Linear(3, 4)
+    with pytest.raises(TypeError, match=rf"shard_param_on_dim_0={value!r} is not a bool; pass True or False"):
+        FSDP(model, shard_param_on_dim_0=value)
+    assert type(model) is nn.Linear and model.weight.shape == (4, 3)
 
 
 def test_mixed_precision_policy_objects():

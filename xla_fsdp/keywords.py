@@ -16,8 +16,7 @@ import torch
 from . import options as opts
 from .options import FSDPOptions, ShardingStrategy
 
-# torch_xla's keywords and their defaults (ours where they differ: flatten_parameters,
-# shard_param_on_dim_0), then ours
+# torch_xla's keywords and their defaults (ours where it differs: flatten_parameters), then ours
 DEFAULTS: Dict[str, Any] = dict(
     reshard_after_forward=True,
     flatten_parameters=None,
@@ -32,7 +31,7 @@ DEFAULTS: Dict[str, Any] = dict(
     sharding_groups=None,
     sharding_rank=None,
     sharding_world_size=None,
-    shard_param_on_dim_0=True,
+    shard_param_on_dim_0=False,
     pin_layout_in_collective_ops=True,
     reduce_scatter_bucket_size_mb=0,
     coalesce_all_gather_ops=False,
@@ -66,6 +65,9 @@ DEFAULTS: Dict[str, Any] = dict(
 # torch_xla keywords accepted with no effect, and why (docs/migration.md, "Keyword by keyword")
 NO_EFFECT = {
     "_shard_size_multiple": "shards are padded to the sharding group's size on dim 0 only",
+    # torch_xla's False flattens each parameter before sharding it; the consolidated model is the same
+    # either way, which is all its users see (torch_xla_compat.py reads torch_xla's files of both kinds)
+    "shard_param_on_dim_0": "parameters are always sharded on dim 0 here, unflattened",
     "_use_xla_patched_linear": "the engine's saved-tensor hooks already keep nn.Linear's backward from "
                                "holding gathered weights, the problem torch_xla's patch solves",
     "_debug_msg": "a label for torch_xla's debug prints, which xla_fsdp does not have",
@@ -89,9 +91,10 @@ def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         if kw[name] != DEFAULTS[name]:
             raise ValueError(f"{name} is a debugging switch of torch_xla's FSDP that xla_fsdp does not have; "
                              "drop it")
-    if not kw["shard_param_on_dim_0"]:
-        raise ValueError("shard_param_on_dim_0=False is not supported: xla_fsdp always shards on dim 0 "
-                         "(drop the option or set it to True)")
+    if not isinstance(kw["shard_param_on_dim_0"], bool):
+        # torch_xla tests its truth; a string such as "false" would then mean True
+        raise TypeError(f"shard_param_on_dim_0={kw['shard_param_on_dim_0']!r} is not a bool; pass True or False "
+                        "(here both shard on dim 0) or drop the option")
     if kw["coalesce_all_gather_ops"]:
         # torch_xla: one coalesced all-gather for a unit's parameters; here, one flat bucket
         if kw["flatten_parameters"] is False:

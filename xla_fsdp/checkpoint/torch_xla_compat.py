@@ -3,10 +3,11 @@
 Scripts written for torch_xla's FSDP save, on every rank,
 `{"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()}`
 to `f"{prefix}_rank-{rank:08d}-of-{world:08d}.pth"` and consolidate the files
-afterwards. This reads such files written by xla_fsdp (same call shape and
-return value as torch_xla's function) and refuses anything else by name. The
-files may be local or at an fsspec URL (`gs://bucket/run/final_ckpt`,
-storage.py), and so may the output.
+afterwards. This reads such files written by xla_fsdp, and those written by
+torch_xla's own FSDP with either `shard_param_on_dim_0` (torch_xla_files.py),
+with the call shape, return value and the two log lines of torch_xla's
+function, and refuses anything else by name. The files may be local or at an
+fsspec URL (`gs://bucket/run/final_ckpt`, storage.py), and so may the output.
 """
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ import torch
 
 from . import storage
 from .format import CheckpointError
+from .torch_xla_files import as_dtype, consolidate_torch_xla_state_dicts, is_torch_xla_metadata
 
 SHARD_METADATA_FORMAT = "xla_fsdp.shard_metadata/1"
 
 
 def consolidate_sharded_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
                                     shard_metadata: Dict) -> "OrderedDict[str, torch.Tensor]":
-    """Rank-ordered `model.state_dict()`s and one rank's `get_shard_metadata()` -> the full state dict."""
+    """Rank-ordered `model.state_dict()`s and one rank's `get_shard_metadata()` -> the full state dict
+    (of an xla_fsdp model, or of torch_xla's FSDP: torch_xla_files.py)."""
+    if is_torch_xla_metadata(shard_metadata):
+        return consolidate_torch_xla_state_dicts(state_dicts, shard_metadata)
     if len(state_dicts) != shard_metadata["world_size"]:
         raise CheckpointError(f"expected {shard_metadata['world_size']} rank state dicts, got {len(state_dicts)}")
     group = shard_metadata["shard_groups"][0]  # the other groups hold copies of the same shards
@@ -46,9 +51,9 @@ def consolidate_sharded_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
             rows = torch.cat([s.detach().cpu() for s in shards])[: p["rows"]]
             full[name] = rows.reshape(p["shape"]).clone()
         elif name in buffers:
-            dtype = buffers[name].get("_orig_dtype")
+            dtype = as_dtype(buffers[name].get("_orig_dtype"))
             value = value.detach().cpu()
-            full[name] = value.to(getattr(torch, dtype.replace("torch.", ""))) if dtype else value
+            full[name] = value.to(dtype) if dtype is not None else value
         else:  # never pass a shard off as a whole tensor
             raise CheckpointError(f"{name!r} is in the rank state dicts but the shard metadata records it neither "
                                   "as a sharded parameter nor as a buffer; were they saved from the same model?")
@@ -60,15 +65,19 @@ def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "
     """Consolidate the per-rank files `ckpt_prefix + ckpt_suffix` (a glob) into the full model.
 
     Each file holds {"model": model.state_dict(), "shard_metadata":
-    model.get_shard_metadata()}. Returns (full_state_dict, actual_save_path);
-    with `save_model` the result is saved as {"model": full_state_dict} to
-    `save_path` or `ckpt_prefix + "_consolidated.pth"`.
+    model.get_shard_metadata()} of an xla_fsdp model or of torch_xla's FSDP.
+    Returns (full_state_dict, actual_save_path); with `save_model` the result
+    is saved as {"model": full_state_dict} to `save_path` or
+    `ckpt_prefix + "_consolidated.pth"`. Prints, as torch_xla's function
+    does, "found N checkpoint files in PATTERN" and "saved consolidated model
+    to PATH" (scripts and log readers look for them).
     """
     pattern = ckpt_prefix + ckpt_suffix
     st = storage.storage_for(pattern)
     paths = st.glob(pattern)
     if not paths:
         raise CheckpointError(f"no checkpoint files match {pattern}")
+    print(f"found {len(paths)} checkpoint files in {pattern}", flush=True)
     loaded = []
     for path in paths:
         try:
@@ -77,12 +86,17 @@ def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "
         except Exception as e:
             raise CheckpointError(f"checkpoint file is corrupt or truncated: {path} ({e})") from None
         meta = ckpt.get("shard_metadata") if isinstance(ckpt, dict) else None
-        if not isinstance(meta, dict) or meta.get("format") != SHARD_METADATA_FORMAT or "model" not in ckpt:
-            raise CheckpointError(f"{path} is not a per-rank xla_fsdp checkpoint ({{'model': model.state_dict(), "
-                                  "'shard_metadata': model.get_shard_metadata()}} from an xla_fsdp model); files "
-                                  "written by torch_xla's own FSDP are consolidated with torch_xla's function")
+        ours = isinstance(meta, dict) and meta.get("format") == SHARD_METADATA_FORMAT
+        if not (ours or is_torch_xla_metadata(meta)) or "model" not in ckpt:
+            raise CheckpointError(f"{path} is not a per-rank FSDP checkpoint ({{'model': model.state_dict(), "
+                                  "'shard_metadata': model.get_shard_metadata()}} from an xla_fsdp model or from "
+                                  "torch_xla's XlaFullyShardedDataParallel)")
         loaded.append((meta["rank"], path, ckpt))
     loaded.sort(key=lambda x: x[0])
+    kinds = {is_torch_xla_metadata(c["shard_metadata"]) for _, _, c in loaded}
+    if len(kinds) > 1:
+        raise CheckpointError(f"{pattern} matches files of both xla_fsdp and torch_xla's FSDP; give a pattern "
+                              "that matches one run's files")
     world = loaded[0][2]["shard_metadata"]["world_size"]
     ranks = [r for r, _, _ in loaded]
     if ranks != list(range(world)):
@@ -95,4 +109,5 @@ def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "
         actual = save_path or ckpt_prefix + "_consolidated.pth"
         with storage.storage_for(actual).open_write(actual) as f:
             torch.save({"model": full}, f)
+        print(f"saved consolidated model to {actual}", flush=True)
     return full, actual

@@ -52,5 +52,7 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
         "rank": 0 if single else layout.rank,
         "shard_groups": [[0]] if single else [list(g) for g in layout.shard_groups],
         "shard_info": info,
-        "buffer_info": {name: {"_orig_dtype": str(b.dtype)} for name, b in buffers.items()},
+        # a torch.dtype, as torch_xla writes it: its consolidation casts with it, and with a string it
+        # failed on the cast ("Invalid device string") before reaching the missing "flatten_info"
+        "buffer_info": {name: {"_orig_dtype": b.dtype} for name, b in buffers.items()},
     }

@@ -235,7 +235,7 @@ class XlaFSDPSettings:
     sharding_world_size: Optional[int] = None
     """Size of each sharding group."""
     shard_param_on_dim_0: Optional[bool] = None
-    """Shard each parameter along dim 0 (keeps shapes friendly to XLA layouts)."""
+    """torch_xla's choice between flattened and dim-0 shards; no effect here (always dim 0)."""
     pin_layout_in_collective_ops: Optional[bool] = None
     """Pin tensor layouts in collectives so all ranks compile identical programs."""
     reduce_scatter_bucket_size_mb: Optional[int] = None
