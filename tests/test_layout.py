@@ -38,6 +38,7 @@ ROOMS: Dict[str, str] = {
     # layer 2: mechanisms both engines share
     "xla_fsdp.wrap": "shared",
     "xla_fsdp.activation_checkpoint": "shared",
+    "xla_fsdp.recompute_context": "shared",
     "xla_fsdp.forward_overrides": "shared",
     "xla_fsdp.keywords": "base",
     # layer 3: the engines, one folder each

@@ -12,6 +12,19 @@ saving. The recomputation therefore starts from inputs passed through an
 optimization barrier together with the incoming gradients, which makes it a
 different computation that can only run once those gradients exist.
 
+[Note: parameters as checkpoint inputs] The checkpoint is an autograd
+Function whose forward runs without autograd, so its output requires grad only
+if one of its inputs does. The module's parameters are read inside the run (an
+FSDP unit gathers them there), not passed to it, so a module fed only data
+(the first layer: images or token ids) returned an output with no gradient
+function: its backward, the recomputation, never ran and its parameters got no
+gradient at all (issue 41: the first conv of a checkpointed classifier never
+trained). The parameters that require grad are therefore extra inputs of the
+Function. It returns None for them: the recomputation's own backward has
+already delivered their gradients (to the shards, through the unit's gather).
+torch_xla's `checkpoint_module` sidesteps this by not checkpointing such a
+module; passing the parameters keeps its recomputation (and memory saving).
+
 [Note: checkpoint all but the last] Recomputing a unit costs one more forward of it in
 backward; keeping its activations costs HBM from its forward until its backward. The last
 units in forward order hold theirs for the shortest stretch: their backward comes first. So the
@@ -25,13 +38,14 @@ adds its activations to the peak.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .class_swap import mix_into, unmix
+from .recompute_context import ForwardState
 
 _local = threading.local()
 
@@ -45,7 +59,7 @@ class _CheckpointMixin:
     """Class mixed into a plain module by `checkpoint_module`."""
 
     def forward(self, *args, **kwargs):
-        return checkpointed_call(super().forward, args, kwargs, None)
+        return checkpointed_call(super().forward, args, kwargs, self)
 
 
 def checkpoint_module(module: nn.Module) -> nn.Module:
@@ -73,34 +87,20 @@ def strip_checkpoint(module: nn.Module) -> bool:
     return False
 
 
-def _rng_state(comm) -> Tuple[Any, Any]:
-    xla_state = None
-    if comm is not None and comm.is_xla:
-        import torch_xla.core.xla_model as xm
-
-        xla_state = xm.get_rng_state()
-    return torch.get_rng_state(), xla_state
-
-
-def _set_rng_state(state) -> None:
-    cpu, xla_state = state
-    torch.set_rng_state(cpu)
-    if xla_state is not None:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(xla_state)
-
-
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, spec, leaves, tensor_pos, comm, out_holder, *tensors):
+    def forward(ctx, run, spec, leaves, tensor_pos, module, out_holder, num_inputs, *tensors):
+        # tensors: the call's own, then the parameters ([Note: parameters as checkpoint inputs])
+        inputs = tensors[:num_inputs]
         # tensors travel through save_for_backward only; keep the rest of the call's structure
         leaves = [None if i in set(tensor_pos) else x for i, x in enumerate(leaves)]
-        ctx.run, ctx.spec, ctx.leaves, ctx.tensor_pos, ctx.comm = run, spec, leaves, tensor_pos, comm
-        ctx.rng = _rng_state(comm)
-        ctx.save_for_backward(*tensors)
+        ctx.run, ctx.spec, ctx.leaves, ctx.tensor_pos = run, spec, leaves, tensor_pos
+        ctx.num_params = len(tensors) - num_inputs
+        ctx.on_xla = any(t.device.type == "xla" for t in tensors)
+        ctx.save_for_backward(*inputs)
         with torch.no_grad():
-            args, kwargs = _rebuild(spec, leaves, tensor_pos, tensors)
+            ctx.seen = ForwardState(module, ctx.on_xla)  # [Note: what a recomputation sees]
+            args, kwargs = _rebuild(spec, leaves, tensor_pos, inputs)
             out = run(*args, **kwargs)
         out_leaves, out_spec = tree_flatten(out)
         out_holder["spec"] = out_spec
@@ -112,26 +112,33 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
         inputs = [t.detach() for t in saved]
-        if ctx.comm is not None and ctx.comm.is_xla:
+        if ctx.on_xla:  # [Note: recompute barrier]
             live = [g for g in grads if g is not None]
-            inputs = ctx.comm.optimization_barrier([*inputs, *live])[: len(inputs)]
+            inputs = _optimization_barrier([*inputs, *live])[: len(inputs)]
         inputs = [x.requires_grad_(t.requires_grad) for x, t in zip(inputs, saved)]
-        current = _rng_state(ctx.comm)
-        _set_rng_state(ctx.rng)
         _local.depth = getattr(_local, "depth", 0) + 1
         try:
-            with torch.enable_grad():
+            with ctx.seen.replayed(), torch.enable_grad():
                 args, kwargs = _rebuild(ctx.spec, ctx.leaves, ctx.tensor_pos, inputs)
                 out = ctx.run(*args, **kwargs)
         finally:
             _local.depth -= 1
-            _set_rng_state(current)
         out_leaves, _ = tree_flatten(out)
         outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
         if pairs:
+            # the parameters' gradients accumulate here, through the recomputation's own graph
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None,) * 6 + tuple(x.grad if x.requires_grad else None for x in inputs)
+        input_grads = tuple(x.grad if x.requires_grad else None for x in inputs)
+        return (None,) * 7 + input_grads + (None,) * ctx.num_params
+
+
+def _optimization_barrier(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    import torch_xla
+
+    out = [t.clone() for t in tensors]  # the barrier is in place; never touch the caller's tensors
+    torch_xla._XLAC._xla_optimization_barrier_(out)
+    return out
 
 
 def _rebuild(spec, leaves, tensor_pos, tensors):
@@ -162,16 +169,18 @@ def without_kv_cache(args, kwargs) -> Tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
-def checkpointed_call(run: Callable, args, kwargs, comm) -> Any:
-    """Call `run(*args, **kwargs)` without keeping activations; recompute them in backward."""
+def checkpointed_call(run: Callable, args, kwargs, module: nn.Module) -> Any:
+    """Call `run(*args, **kwargs)`, the forward of `module`, without keeping activations;
+    recompute them in backward ([Note: what a recomputation sees])."""
     if not torch.is_grad_enabled():
         return run(*args, **kwargs)
     args, kwargs = without_kv_cache(args, kwargs)
     leaves, spec = tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensors = [leaves[i] for i in tensor_pos]
+    params = [p for p in module.parameters() if p.requires_grad]
     holder: Dict[str, Any] = {}
-    outs = _Checkpoint.apply(run, spec, leaves, tensor_pos, comm, holder, *tensors)
+    outs = _Checkpoint.apply(run, spec, leaves, tensor_pos, module, holder, len(tensors), *tensors, *params)
     out_leaves = list(holder["leaves"])
     for pos, t in zip(holder["tensor_pos"], outs):
         out_leaves[pos] = t

@@ -119,8 +119,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         if getattr(self, "_fsdp_checkpointed", False) and not getattr(self, "_fsdp_keeps_activations", False):
             from .activation_checkpoint import checkpointed_call
 
-            return checkpointed_call(lambda *a, **k: self._fsdp_state.forward(run, a, k), args, kwargs,
-                                     self._fsdp_state.group.comm)
+            return checkpointed_call(lambda *a, **k: self._fsdp_state.forward(run, a, k), args, kwargs, self)
         return self._fsdp_state.forward(run, args, kwargs)
 
     def enable_activation_checkpointing(self) -> None:

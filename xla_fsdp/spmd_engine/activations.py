@@ -30,9 +30,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch_xla.distributed.spmd as xs
-import torch_xla.utils.checkpoint as xla_checkpoint
 
-from xla_fsdp.activation_checkpoint import without_kv_cache
+from xla_fsdp.activation_checkpoint import checkpointed_call
 from xla_fsdp.mesh import ShardedView, batch_spec, data_degree
 from xla_fsdp.spmd_engine.params import ComputeView
 from xla_fsdp.spmd_engine.units import is_sharded
@@ -98,44 +97,41 @@ class BatchSharding:
 
 
 class CheckpointedForward:
-  """A unit's forward run under torch_xla's activation checkpoint.
+  """A unit's forward run under xla_fsdp's activation checkpoint, the
+  collectives engine's (xla_fsdp/activation_checkpoint.py), recomputation
+  behind an optimization barrier included ([Note: recompute barrier]).
 
-  torch_xla's checkpoint puts an optimization barrier on the saved inputs so
-  that XLA's CSE cannot fold the recomputation back into the forward. It
-  accepts positional tensors only, so keyword arguments are flattened into
-  the positional list and rebuilt inside. KV caches are dropped from the
-  call first (`without_kv_cache`), as in the collectives engine.
+  Not torch_xla's checkpoint, which gave a unit fed only data (the first
+  layer) no parameter gradients ([Note: parameters as checkpoint inputs]) and
+  updated BatchNorm statistics a second time in the recomputation ([Note: what
+  a recomputation sees]).
   """
 
-  def __init__(self, inner: Callable[..., Any],
+  def __init__(self, unit: nn.Module, inner: Callable[..., Any],
                own_view: Optional[ComputeView]):
+    self.unit = unit
     self.inner = inner
     self.own_view = own_view
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
-      return self.inner(*args, **kwargs)
-    args, kwargs = without_kv_cache(args, kwargs)
-    names = list(kwargs)
-    num_args = len(args)
 
-    def run(*flat: Any) -> Any:
-      rebuilt = dict(zip(names, flat[num_args:]))
+    def run(*a: Any, **k: Any) -> Any:
       # The unit's own parameter views are set by hooks around __call__,
       # which the recompute in backward does not go through.
       if self.own_view is not None:
         self.own_view.enter()
       try:
-        return self.inner(*flat[:num_args], **rebuilt)
+        return self.inner(*a, **k)
       finally:
         if self.own_view is not None:
           self.own_view.exit()
 
-    return xla_checkpoint.checkpoint(run, *args, *kwargs.values())
+    # Off autograd it runs plainly; KV caches are dropped (`without_kv_cache`).
+    return checkpointed_call(run, args, kwargs, self.unit)
 
 
 def checkpoint_unit(unit: nn.Module, own_view: Optional[ComputeView]) -> None:
   """Replaces `unit.forward` (instance attribute) by a checkpointed one."""
   if isinstance(unit.__dict__.get("forward"), CheckpointedForward):
     return
-  unit.forward = CheckpointedForward(unit.forward, own_view)
+  unit.forward = CheckpointedForward(unit, unit.forward, own_view)
