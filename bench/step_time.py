@@ -109,7 +109,7 @@ def build(config_name: str, devices: int):
     return model, shard_batch
 
   import xla_fsdp
-  from xla_fsdp.mesh import batch_spec
+  from xla_fsdp.runtime.mesh import batch_spec
   policy = functools.partial(xla_fsdp.wrap.transformer_auto_wrap_policy,
                              transformer_layer_cls={GPT2Block})
   if config_name == "gspmd":

@@ -90,7 +90,7 @@ ENTRY_POINT = "_mp_fn"
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 QUIET_XLA_LOG_LEVEL = "2"  # TensorFlow's convention: 2 hides INFO and WARNING, keeps ERROR
 SINGLE_CONTROLLER = "single_controller"
-RUNTIME_MARKER = "XLA_FSDP_TPU_RUNTIME"  # a script's declared TPU runtime (xla_fsdp.runtime_choice)
+RUNTIME_MARKER = "XLA_FSDP_TPU_RUNTIME"  # a script's declared TPU runtime (xla_fsdp.runtime.choice)
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
                  "TPU_PROCESS_BOUNDS", "TPU_SKIP_MDS_QUERY")
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
     """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip
     win; then XLA_FSDP_RUNTIME; then, on a TPU slice (one host or several), what the script
-    declares (xla_fsdp.runtime_choice)."""
+    declares (xla_fsdp.runtime.choice)."""
     if options.spmd and options.per_chip:
         raise UsageError("--spmd and --per_chip contradict each other; pass one")
     if options.spmd or options.per_chip:
@@ -206,7 +206,7 @@ def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -
         return environ[RUNTIME_ENV].strip().lower() == SINGLE_CONTROLLER, ""
     if device != "TPU":
         return False, ""
-    from xla_fsdp import runtime_choice
+    from xla_fsdp.runtime import choice as runtime_choice
 
     try:
         runtime, why = runtime_choice.tpu_default(script)

@@ -54,7 +54,7 @@ def placement(mesh, rows: int) -> dict:
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
-    from xla_fsdp.mesh import batch_spec
+    from xla_fsdp.runtime.mesh import batch_spec
 
     t = torch.arange(rows).to(torch_xla.device())
     xs.mark_sharding(t, mesh, batch_spec(t, mesh))
@@ -108,7 +108,7 @@ def main(out: str) -> None:
     import torch_xla.distributed.spmd as xs
 
     from xla_fsdp.data import HostBatches
-    from xla_fsdp.hosts import host_view
+    from xla_fsdp.runtime.hosts import host_view
 
     view = host_view()
     report = {"host": view.index, "hosts": view.count, "devices": list(view.devices), "meshes": {}}

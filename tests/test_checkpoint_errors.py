@@ -183,7 +183,7 @@ def test_virtual_host_settings_that_cannot_work_are_refused_by_name(tmp_path):
     is written."""
     script = textwrap.dedent(f"""
         import os, torch, torch_xla, torch_xla.runtime as xr
-        from xla_fsdp import hosts
+        from xla_fsdp.runtime import hosts
         from xla_fsdp.checkpoint import save_checkpoint
         cases = [("2", "0", False), ("3", "0", True), ("2", "", True), ("2", "2", True)]
         for n, i, spmd in cases:

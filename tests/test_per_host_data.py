@@ -2,7 +2,7 @@
 which rows of a global batch each host reads, and the global batch built from those rows alone.
 
 The row arithmetic is checked directly for 1, 2 and 4 hosts over 8 devices; torch_xla's own layout
-of a batch-sharded tensor, and two virtual hosts ([Note: virtual hosts] in xla_fsdp/hosts.py)
+of a batch-sharded tensor, and two virtual hosts ([Note: virtual hosts] in xla_fsdp/runtime/hosts.py)
 running run_clm's loop over their own rows, are checked in subprocesses (tests/per_host_data_cases.py):
 the virtual hosts must build the single host's global batches, device by device, step by step,
 and after a resume.

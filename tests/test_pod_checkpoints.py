@@ -1,5 +1,5 @@
 """Per-host checkpoints of the SPMD runtimes on a multi-host slice, proven with virtual hosts
-([Note: virtual hosts] in xla_fsdp/hosts.py): N processes on this machine act as the N hosts of one
+([Note: virtual hosts] in xla_fsdp/runtime/hosts.py): N processes on this machine act as the N hosts of one
 slice of 8 devices, each writing and reading only its own devices' rows through the production code.
 
 Every run trains the parity MLP (67 rows: padding on every layout) for K steps, saves, and is

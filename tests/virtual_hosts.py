@@ -1,4 +1,4 @@
-"""Starting processes that act as the hosts of one slice ([Note: virtual hosts] in xla_fsdp/hosts.py),
+"""Starting processes that act as the hosts of one slice ([Note: virtual hosts] in xla_fsdp/runtime/hosts.py),
 shared by the pod tests: a free port for their gloo group, each host's environment, and running a
 set of them to the end."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One virtual host of an SPMD job ([Note: virtual hosts] in xla_fsdp/hosts.py), run as a script.
+"""One virtual host of an SPMD job ([Note: virtual hosts] in xla_fsdp/runtime/hosts.py), run as a script.
 
     XLA_FSDP_VIRTUAL_HOSTS=N XLA_FSDP_VIRTUAL_HOST_INDEX=i CPU_NUM_DEVICES=D \\
         python tests/virtual_hosts_cases.py save|resume ENGINE LAYOUT KIND ROOT OUT [kill]
@@ -42,7 +42,7 @@ def main(argv) -> None:
     xr.use_spmd()
     import torch_xla
 
-    from xla_fsdp import hosts
+    from xla_fsdp.runtime import hosts
     from xla_fsdp.checkpoint import CheckpointManager, format as fmt
 
     if argv[0] == "partial":
@@ -100,7 +100,7 @@ def partial_replication(path: str, out: str) -> None:
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
-    from xla_fsdp import hosts
+    from xla_fsdp.runtime import hosts
     from xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
 
     mesh = xs.Mesh(np.arange(4), (2, 2), ("x", "y"))

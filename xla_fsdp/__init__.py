@@ -18,9 +18,47 @@ from .options import MixedPrecision, ShardingStrategy
 from .wrap import (always_wrap_policy, lambda_auto_wrap_policy, size_based_auto_wrap_policy,
                    transformer_auto_wrap_policy)
 
-# the function shadows the submodule of the same name on purpose (torchdistx's call shape);
-# import the module as `xla_fsdp.deferred_init` via `from xla_fsdp.deferred_init import ...`
-from .deferred_init import deferred_init, is_deferred, materialize_module
+from .deferred.compat import deferred_init, is_deferred, materialize_module  # noqa: E402
+
+
+def _keep_old_module_paths() -> None:
+    """[Note: moved modules keep their import paths]
+    Modules users import by name stay importable where they were before the package's root was
+    tidied into folders (tests/test_public_api.py imports each): `import xla_fsdp.hosts` gives
+    `xla_fsdp.runtime.hosts` itself, not a copy. The two already loaded here are entered at once
+    (`xla_fsdp.deferred_init` must stay the *function* above, torchdistx's call shape, and an
+    entry in sys.modules keeps the import system from setting the attribute to the module); the
+    others are loaded on first import, so importing xla_fsdp does not start torch_xla's mesh code."""
+    import importlib
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    from .checkpoint import state_dict as _state_dict
+    from .deferred import compat as _compat
+
+    sys.modules[__name__ + ".state_dict"] = _state_dict
+    globals()["state_dict"] = _state_dict  # as a submodule's import would have set it
+    sys.modules[__name__ + ".deferred_init"] = _compat
+    moved = {__name__ + ".hosts": ".runtime.hosts", __name__ + ".mesh": ".runtime.mesh",
+             __name__ + ".runtime_choice": ".runtime.choice"}
+
+    class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname in moved:
+                return importlib.util.spec_from_loader(fullname, self)
+            return None
+
+        def create_module(self, spec):
+            return importlib.import_module(moved[spec.name], __name__)
+
+        def exec_module(self, module):
+            pass  # the moved module ran when it was imported
+
+    sys.meta_path.append(_Alias())
+
+
+_keep_old_module_paths()
 
 
 __all__ = [

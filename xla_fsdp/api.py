@@ -242,7 +242,7 @@ def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
     mesh = spmd["mesh"]
     apply_spmd_fsdp(module, **spmd)
     mix_into(module, GspmdFullyShardedDataParallel, "FSDP")
-    from .mesh import resolve_mesh
+    from .runtime.mesh import resolve_mesh
 
     module._fsdp_mesh = resolve_mesh(mesh)
     return module

@@ -75,7 +75,7 @@ def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
 def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "") -> str:
     """The runtime the job uses on a TPU, as xla_spawn chooses it: `--spmd` / `--per_chip`;
     else XLA_FSDP_RUNTIME (or XLA_USE_SPMD) in the environment; else what the script declares
-    (`xla_fsdp.runtime_choice`; launch/run_clm.py: the single controller), on one host or a
+    (`xla_fsdp.runtime.choice`; launch/run_clm.py: the single controller), on one host or a
     pod; else one process per chip. The GSPMD engine (`xla_fsdp_v2`) is always
     single-controller; the job decides that."""
     if requested != "auto":
@@ -89,7 +89,7 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
         return env
     if os.environ.get("XLA_USE_SPMD") == "1":
         return SINGLE_CONTROLLER
-    from xla_fsdp import runtime_choice
+    from xla_fsdp.runtime import choice as runtime_choice
 
     if not script:
         return MULTI_PROCESS

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from . import format as fmt
 from . import storage
-from .. import hosts
+from ..runtime import hosts
 from .. import state_keys as keys
 from .holdings import holdings, process_info, spmd_runtime
 from .state_dict import full_state_dict

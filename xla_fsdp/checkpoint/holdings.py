@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .. import hosts
+from ..runtime import hosts
 from .. import state_keys as keys
-from ..hosts import HostView
+from ..runtime.hosts import HostView
 from . import host_shards as hs
 
 # optimizer state tensors with one entry per row of the parameter (the rest averaged away)

@@ -3,7 +3,7 @@ reads back only those rows (the single controller and the GSPMD engine, one host
 
 Under the SPMD runtimes every parameter and optimizer state is one global XLA tensor sharded over
 the devices of every host. A host can read (and must write) only the shards on its own devices
-(`xla_fsdp.hosts.HostView`): `torch_xla._XLAC._get_local_shards` gives their data, and
+(`xla_fsdp.runtime.hosts.HostView`): `torch_xla._XLAC._get_local_shards` gives their data, and
 `_get_local_shard_replica_and_indices` which rows of the global tensor each one is and which copy
 (replica) of those rows it is.
 
@@ -29,8 +29,8 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .. import hosts
-from ..hosts import HostGroup, HostView
+from ..runtime import hosts
+from ..runtime.hosts import HostGroup, HostView
 
 Piece = Tuple[int, int, Callable[[], torch.Tensor]]  # [start, stop) of the full tensor's rows, produce rows
 

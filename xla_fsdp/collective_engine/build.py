@@ -211,7 +211,7 @@ def materialize(module: nn.Module, param_init_fn: Optional[Callable], unit_cls: 
         if any(p.is_meta for _, _, p, _ in owned_params(module, unit_cls)):
             param_init_fn(module)
         return
-    from ..deferred_init import is_deferred, materialize_module
+    from ..deferred.compat import is_deferred, materialize_module
 
     if is_deferred(module):
         materialize_module(module, check_fn=lambda m: m is module or not isinstance(m, unit_cls))

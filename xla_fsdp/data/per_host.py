@@ -3,18 +3,18 @@ global XLA tensor built from those rows alone.
 
 [Note: per-host batches] Under the SPMD runtimes one process per host drives its chips and every
 host runs one program, whose batch is one global tensor sharded on dim 0 over every mesh axis
-(`xla_fsdp.mesh.batch_spec`). Tile t of that sharding (rows [t*s, (t+1)*s), s = ceil(B / T) for a
+(`xla_fsdp.runtime.mesh.batch_spec`). Tile t of that sharding (rows [t*s, (t+1)*s), s = ceil(B / T) for a
 global batch of B rows and T devices; XLA pads the last tiles) lives on the device at flat position
 t of the mesh's logical device grid (`mesh.get_logical_mesh()`, axes in the mesh's order: the order
 torch_xla's tile assignment uses for a dim split over all axes). A host therefore needs only the
-tiles of its own devices (`xla_fsdp.hosts.HostView.devices`): for an arbitrary mesh these need not
+tiles of its own devices (`xla_fsdp.runtime.hosts.HostView.devices`): for an arbitrary mesh these need not
 be contiguous (a mesh built from sharding groups [[0, 2], [1, 3]] puts devices 0 and 1, one host,
 on tiles 0 and 2). `host_rows` lists them in ascending row order (= the mesh's tile order).
 
 `HostBatches.to_global(local)` builds the global tensor from this host's rows: each of its devices'
 tile (padded with zeros to s rows) goes to `torch_xla._XLAC._global_tensor_from_cpu_shards` with the
 batch sharding, one shard per device the process drives in runtime order. A pod host gives only its
-own devices' shards; a virtual host ([Note: virtual hosts] in xla_fsdp/hosts.py) drives every
+own devices' shards; a virtual host ([Note: virtual hosts] in xla_fsdp/runtime/hosts.py) drives every
 device but holds only its own rows, so it gets the other hosts' shards through
 `HostGroup.exchange` first. One host (not virtual) takes today's path unchanged: the whole batch
 copied to the device and annotated with `xs.mark_sharding`.
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..hosts import HostGroup, HostView, device_ordinal, global_tensor, host_view
+from ..runtime.hosts import HostGroup, HostView, device_ordinal, global_tensor, host_view
 
 
 def tile_rows(global_batch: int, tiles: int) -> List[Tuple[int, int]]:
@@ -114,7 +114,7 @@ class HostBatches:
         import torch_xla
         import torch_xla.distributed.spmd as xs
 
-        from ..mesh import batch_spec
+        from ..runtime.mesh import batch_spec
 
         spec = batch_spec(local, self.mesh)
         if self.single:  # today's path, unchanged

@@ -8,5 +8,5 @@ the XLA SPMD partitioner inserts the collectives:
 - `activations.py`: batch-dim activation annotations and unit checkpointing;
 - `norms.py`: layer norms the partitioner can split along the batch.
 
-The mesh helpers live in `xla_fsdp.mesh`. Nothing here imports the front door.
+The mesh helpers live in `xla_fsdp.runtime.mesh`. Nothing here imports the front door.
 """

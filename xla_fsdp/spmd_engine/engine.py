@@ -2,7 +2,7 @@
 
 FSDP expressed as shardings: every parameter is sharded on dim 0 over the
 mesh axis "fsdp" and the XLA SPMD partitioner inserts the all-gathers and
-reduce-scatters (see [Note: SPMD sharding layout] in xla_fsdp/mesh.py). The
+reduce-scatters (see [Note: SPMD sharding layout] in xla_fsdp/runtime/mesh.py). The
 module is changed in place, so parameter names and state-dict keys are the
 unwrapped model's. The steps, in order:
 
@@ -33,7 +33,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from xla_fsdp.mesh import resolve_mesh
+from xla_fsdp.runtime.mesh import resolve_mesh
 from xla_fsdp.spmd_engine.activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms
 from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters

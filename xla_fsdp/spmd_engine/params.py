@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 from torch.utils.hooks import RemovableHandle
 
-from xla_fsdp.mesh import ShardedView, param_spec
+from xla_fsdp.runtime.mesh import ShardedView, param_spec
 
 
 class ComputeView:

@@ -18,7 +18,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 
 from xla_fsdp import abstract
-from xla_fsdp.mesh import param_spec
+from xla_fsdp.runtime.mesh import param_spec
 
 WrapPolicy = Callable[..., bool]
 ParamInitFn = Callable[[nn.Module], None]
@@ -72,7 +72,7 @@ def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor],
   """
   if not any(t.is_meta for t in tensors) or abstract.skip_materialization(tensors):
     return  # nothing to do, or traced for the ahead-of-time check ([Note: abstract tracing])
-  from xla_fsdp.deferred_init import is_deferred, materialize_module
+  from xla_fsdp.deferred.compat import is_deferred, materialize_module
 
   if param_init_fn is not None:
     param_init_fn(unit)

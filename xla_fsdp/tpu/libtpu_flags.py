@@ -55,7 +55,7 @@ import sys
 import warnings
 from typing import Mapping, MutableMapping, Optional
 
-from ..runtime_choice import SINGLE_CONTROLLER
+from ..runtime.choice import SINGLE_CONTROLLER
 
 ENV = "LIBTPU_INIT_ARGS"
 

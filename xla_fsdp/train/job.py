@@ -47,7 +47,7 @@ def device_facts(spmd: bool) -> dict:
     import torch_xla.runtime as xr
     device_type = xr.device_type()
     if spmd:
-        from xla_fsdp.hosts import host_view
+        from xla_fsdp.runtime.hosts import host_view
 
         dp, rank, world = xr.global_runtime_device_count(), 0, 1
         leader = host_view().index == 0  # one process per host: the first host logs and writes

@@ -64,7 +64,7 @@ class StepContext:
         batch = batch.to(self.device)
         if self.spmd_mesh is not None:
             import torch_xla.distributed.spmd as xs
-            from xla_fsdp.mesh import batch_spec
+            from xla_fsdp.runtime.mesh import batch_spec
             xs.mark_sharding(batch, self.spmd_mesh, batch_spec(batch, self.spmd_mesh))
         return batch
 

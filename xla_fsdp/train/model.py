@@ -141,7 +141,7 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, engine: str, s
         fsdp_config.check_model(model)
     mesh = None
     if spmd:
-        from xla_fsdp.mesh import build_fsdp_mesh
+        from xla_fsdp.runtime.mesh import build_fsdp_mesh
         mesh = build_fsdp_mesh()
     if not args.sharding_strategy:
         # No --fsdp: every rank holds the whole model (plain data parallel).

@@ -17,11 +17,11 @@ try:  # pragma: no cover - torchdistx is not installable on current torch
 
     BACKEND = "torchdistx"
 except ImportError:
-    from .deferred import deferred_init, is_deferred, materialize_module, materialize_tensor
+    from .materialize import deferred_init, is_deferred, materialize_module, materialize_tensor
 
     BACKEND = "xla_fsdp"
 
-from .deferred import DeferredInitError
+from .graph import DeferredInitError
 
 # `xla_fsdp/__init__.py` exports the *function* `deferred_init`, which shadows
 # this module as the attribute `xla_fsdp.deferred_init`.  The recipe's code is

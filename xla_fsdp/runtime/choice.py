@@ -9,7 +9,7 @@ launcher (`launch/xla_spawn.py`) and the ahead-of-time check
 (`python -m xla_fsdp.aot`) use it when neither `--spmd` / `--per_chip` nor
 `XLA_FSDP_RUNTIME` chose, on one host or a pod slice (the single controller
 checkpoints and reads data per host: xla_fsdp/checkpoint/host_shards.py,
-xla_fsdp/hosts.py); a script that declares nothing runs one process
+xla_fsdp/runtime/hosts.py); a script that declares nothing runs one process
 per chip, the contract of torch_xla's `xmp.spawn` that scripts written for
 torch_xla's FSDP rely on (`xm.get_ordinal()` per process, pinned
 collectives). `launch/run_clm.py` declares the single controller: on a TPU
