@@ -460,23 +460,11 @@ class ScriptEntry:
         return fn
 
     def __call__(self, index: int) -> None:
-        """Replica body in the spawn path: any failure ends this process now.
+        """Replica body in the spawn path: any failure ends this process now, which breaks the
+        parent's process pool (xla_fsdp.self_starting.ReplicaCall)."""
+        from xla_fsdp.self_starting import ReplicaCall
 
-        Exiting with os._exit breaks the parent's process pool, which then
-        terminates the other replicas instead of leaving them blocked in a
-        collective that this replica will never join.
-        """
-        try:
-            self.load()(index)
-        except SystemExit as exc:
-            if exit_code(exc) != 0:
-                log(f"replica {index} exited with {exc.code}")
-                os._exit(exit_code(exc))
-        except KeyboardInterrupt:
-            os._exit(EXIT_INTERRUPTED)
-        except BaseException:
-            log(f"replica {index} failed:\n{traceback.format_exc()}")
-            os._exit(EXIT_FAILED)
+        ReplicaCall(lambda i: self.load()(i), ())(index)
 
 
 def run_in_process(fn: Callable[[int], object]) -> int:
@@ -537,6 +525,7 @@ def run_self_starting(script: str, args: tuple[str, ...], plan: LaunchPlan) -> i
     from xla_fsdp import self_starting
 
     original = []  # torch_xla's own spawn, set when the hooks are in
+    started: list[str] = []  # the entry points the script called, so a failure names replica 0
 
     def start(caller, fn, fn_args, nprocs, start_method):
         self_starting.nprocs_asked(caller, nprocs, plan.num_cores)
@@ -552,7 +541,6 @@ def run_self_starting(script: str, args: tuple[str, ...], plan: LaunchPlan) -> i
             return None
         return fn(0, *fn_args)
 
-    started: list[str] = []
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).resolve().parent))  # as `python script.py` does
     try:

@@ -23,6 +23,15 @@ SELF_START = FIXTURES / "txla_self_start.py"
 TRAINING_TIMEOUT_S = 180
 
 
+def run_pool_driver(*script_args):
+    """The launcher's one-process-per-chip route for a self-starting script, on this CPU's one device."""
+    return subprocess.run(
+        [sys.executable, str(FIXTURES / "spawn_pool_driver.py"), "--self-starting", str(SELF_START),
+         *map(str, script_args)],
+        cwd=ROOT, env=launcher_env(CPU_NUM_DEVICES="1"), capture_output=True, text=True,
+        timeout=TRAINING_TIMEOUT_S)
+
+
 # ------------------------------------------------ a script that declares nothing
 
 
@@ -116,15 +125,22 @@ def test_self_starting_script_one_process_per_chip_through_torch_xlas_spawn(tmp_
     # the TPU route (torch_xla's own spawn, one process per chip) on this CPU's one device:
     # the script's function and its flags must reach a replica process
     record = tmp_path / "record.json"
-    result = subprocess.run(
-        [sys.executable, str(FIXTURES / "spawn_pool_driver.py"), "--self-starting", str(SELF_START),
-         "--record", str(record), "--entry", "launch", "--steps", "1"],
-        cwd=ROOT, env=launcher_env(CPU_NUM_DEVICES="1"), capture_output=True, text=True,
-        timeout=TRAINING_TIMEOUT_S)
+    result = run_pool_driver("--record", record, "--entry", "launch", "--steps", "1")
     assert result.returncode == 0, result.stderr
     assert "torch_xla.launch: spawning 1 replicas of _mp_fn(index, flags)" in result.stderr
     seen = json.loads(record.read_text())
     assert seen["in_child_process"] and seen["index"] == 0 and seen["flags"]["entry"] == "launch"
+
+
+@pytest.mark.parametrize("route", ["in_process", pytest.param("per_chip", marks=pytest.mark.slow)])
+def test_self_starting_replica_failure_exits_1_with_its_traceback(route, tmp_path):
+    args = ["--record", tmp_path / "record.json", "--entry", "fail"]
+    result = launch("--num_cores", "1", SELF_START, *args) if route == "in_process" else run_pool_driver(*args)
+    assert result.returncode == 1, result.stderr
+    assert "replica 0 failed" in result.stderr and "_mp_fn_that_fails" in result.stderr
+    assert "RuntimeError: fixture replica 0 failure: loss is NaN" in result.stderr
+    if route == "per_chip":
+        assert "The other replicas were stopped" in result.stderr
 
 
 def test_self_starting_function_without_the_index_is_refused_by_name(tmp_path):
