@@ -5,30 +5,45 @@ Usage (compatible with the Hugging Face / torch_xla ``xla_spawn.py``)::
     python launch/xla_spawn.py [--num_cores N] [--spmd | --per_chip] path/to/train.py --its --own --flags
 
 Launcher flags come before the script path; everything after it reaches the
-script untouched (even ``--num_cores`` or ``--help``). The script is imported
-by path and its ``_mp_fn(index)`` is called once per replica with
-``sys.argv == [script_path, *script_args]``.
+script untouched (even ``--num_cores`` or ``--help``), with
+``sys.argv == [script_path, *script_args]``. Two kinds of script:
 
-What runs where:
+- Hugging Face's convention: the script is imported by path and its
+  ``_mp_fn(index)`` is called once per replica.
+- torch_xla's: the script starts itself, ``if __name__ == "__main__":
+  xmp.spawn(_mp_fn, args=(FLAGS,))`` (or ``torch_xla.launch``). Its own
+  ``__main__`` runs, with its own arguments, and its call is routed to the
+  runtime chosen below: ``fn(index, *args)`` as torch_xla calls it
+  (xla_fsdp/runtime/self_starting.py). An ``fn`` that cannot take the index and
+  ``args`` is refused by name.
+
+What runs where (the world is what ``xr.world_size()`` says in the script):
 
 ============  ==============  ================================================
 device        --num_cores     behaviour
 ============  ==============  ================================================
-any           1               ``_mp_fn(0)`` in this process, no spawn
-CPU           2..64           one process drives the N devices (single-controller
-                              runtime): ``CPU_NUM_DEVICES=N``,
-                              ``XLA_FSDP_RUNTIME=single_controller``
-TPU           every local     ``xmp.spawn``: one process per chip, unless the
-              device          script declares ``XLA_FSDP_TPU_RUNTIME =
+any           1               one replica in this process, world 1
+CPU           2..64           only the single controller (below), and only when
+                              chosen: ``--spmd``, ``XLA_FSDP_RUNTIME=single_controller``
+                              or the script's ``XLA_FSDP_TPU_RUNTIME =
+                              "single_controller"``; anything else is refused,
+                              exit 2 (one process per CPU device would hang)
+TPU           every local     ``xmp.spawn``: one process per chip, world N,
+              device          unless the script declares ``XLA_FSDP_TPU_RUNTIME =
                               "single_controller"`` (``launch/run_clm.py`` does):
                               then one process per host (below)
-any + --spmd  (see --help)    one process per host (single-controller runtime),
-                              ``_mp_fn(0)`` in this process
+any + --spmd  (see --help)    single controller: one process per host drives every
+                              local device (torch_xla's SPMD mode, turned on here
+                              before the script runs); the script sees world 1 and
+                              ordinal 0, feeds each global batch, and xla_fsdp splits
+                              it, and every parameter, over the devices
 TPU + --per_chip              one process per chip whatever the script declares
 ============  ==============  ================================================
 
 ``XLA_FSDP_RUNTIME=single_controller`` / ``multi_process`` in the environment
-chooses as ``--spmd`` / ``--per_chip`` do. On a TPU the launcher also sets
+chooses as ``--spmd`` / ``--per_chip`` do; so does torch_xla's ``XLA_USE_SPMD=1``
+for the single controller. The launcher prints its choice and the
+world the script will see in one line. On a TPU the launcher also sets
 libtpu's async-collective flags in ``LIBTPU_INIT_ARGS`` unless you set it
 (``xla_fsdp.tpu.libtpu_flags``).
 
@@ -37,8 +52,9 @@ The engine is the script's choice (``xla_fsdp_v2`` in the fsdp config, or
 in either runtime). Why CPU never spawns several replicas: explicit XLA
 collectives between processes (device threads, on CPU) race their compiles and
 hang (pytorch/xla issues 5005 and 9089), while one process driving N virtual
-devices runs the same collectives inside one SPMD program. The launcher says
-so in one line when it makes that choice.
+devices runs the same collectives inside one SPMD program. A script written
+for one process per device (torch_xla's FSDP examples) would see world 1 there
+and shard its data for one replica, so on CPU it runs at N > 1 only when asked.
 
 TPU subsets: PJRT runs one process per chip and uses every chip the host's
 topology exposes, so the valid counts are 1 and "every local device". To use
@@ -58,8 +74,9 @@ Failures: if a replica raises, the launcher prints that replica's traceback and
 exits 1; in the spawn path the failing replica exits at once so the process
 pool breaks and the remaining replicas are terminated instead of waiting
 forever in a collective. Ctrl-C stops every replica and exits 130. Usage errors
-(bad ``--num_cores``, missing script, missing ``_mp_fn``) exit 2 without a
-traceback.
+(bad ``--num_cores``, missing script, missing ``_mp_fn``, an entry point that
+cannot take what it is passed, a runtime this machine cannot run) exit 2 without
+a traceback.
 
 ``PJRT_DEVICE`` is detected when unset: TPU when TPU device files
 (``/dev/accel*``, ``/dev/vfio/<n>``) or TPU environment variables are present,
@@ -70,8 +87,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import multiprocessing
 import os
+import runpy
 import signal
 import sys
 import traceback
@@ -94,6 +113,10 @@ RUNTIME_MARKER = "XLA_FSDP_TPU_RUNTIME"  # a script's declared TPU runtime (xla_
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
                  "TPU_PROCESS_BOUNDS", "TPU_SKIP_MDS_QUERY")
+# torch_xla warns when use_spmd() finds XLA_USE_SPMD set: the launcher's own use_spmd() set it,
+# so a script (or run_clm) that turns SPMD on itself would print a deprecation it cannot act on
+SPMD_ENV_DEPRECATION = "XLA_USE_SPMD is being deprecated"
+TORCH_XLA_SPMD_ENV = "XLA_USE_SPMD"
 
 
 class UsageError(Exception):
@@ -169,13 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG}.py",
         usage="%(prog)s [--num_cores N] [--spmd | --per_chip] SCRIPT [SCRIPT_ARGS ...]",
-        description="Run SCRIPT's _mp_fn(index) on XLA devices. Everything after "
+        description="Run SCRIPT's _mp_fn(index), or the xmp.spawn / torch_xla.launch "
+                    "call of a script that starts itself, on XLA devices. Everything after "
                     "SCRIPT is passed to it untouched.",
-        epilog=f"On CPU, --num_cores takes 1..{CPU_MAX_DEVICES} and N>1 runs one "
-               "process driving the N devices (single-controller runtime; one "
-               "process per CPU device would hang on explicit collectives). On TPU "
-               "it takes 1 or every local device. On a multi-host pod run the same "
-               "command on every worker.")
+        epilog=f"On CPU, --num_cores takes 1..{CPU_MAX_DEVICES}; N>1 runs only as one "
+               "process driving the N devices (--spmd, or a script that declares "
+               f"{RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\"), where the script sees "
+               "world 1; one process per CPU device would hang on explicit collectives. "
+               "On TPU it takes 1 or every local device. On a multi-host pod run the "
+               "same command on every worker.")
     parser.add_argument(
         "--num_cores", default=None, metavar="N",
         help="number of XLA devices (replicas) on this host; default: every "
@@ -183,27 +208,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--spmd", action="store_true",
         help="one process per host driving every local device (torch_xla's SPMD "
-             "runtime; the single-controller runtime of the collective engine, or "
-             "the GSPMD engine): sets XLA_FSDP_RUNTIME=single_controller and calls "
-             "_mp_fn(0) once")
+             "runtime, turned on before the script runs; the single-controller runtime "
+             "of the collective engine, or the GSPMD engine): sets "
+             "XLA_FSDP_RUNTIME=single_controller and runs one replica, index 0, which "
+             "sees xr.world_size() == 1 and feeds the global batch")
     parser.add_argument(
         "--per_chip", action="store_true",
         help="one process per chip (torch_xla's xmp.spawn; pinned collectives), also for a "
              f"script that declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\" (launch/run_clm.py does); "
-             "a script that declares nothing runs this way on a TPU by default")
+             "a script that declares nothing runs this way on a TPU by default. TPU only at "
+             "--num_cores > 1")
     return parser
 
 
 def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
     """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip
-    win; then XLA_FSDP_RUNTIME; then, on a TPU slice (one host or several), what the script
-    declares (xla_fsdp.runtime.choice)."""
+    win; then XLA_FSDP_RUNTIME; then torch_xla's own XLA_USE_SPMD=1; then, on a TPU slice (one
+    host or several), what the script declares (xla_fsdp.runtime.choice). On CPU, several
+    devices and no choice here: cpu_replicas()."""
     if options.spmd and options.per_chip:
         raise UsageError("--spmd and --per_chip contradict each other; pass one")
     if options.spmd or options.per_chip:
         return options.spmd, ""
     if environ.get(RUNTIME_ENV, "").strip():
         return environ[RUNTIME_ENV].strip().lower() == SINGLE_CONTROLLER, ""
+    if environ.get(TORCH_XLA_SPMD_ENV, "").strip().lower() in ("1", "true", "yes"):
+        # torch_xla's is_spmd() reads it: the script runs in SPMD mode whatever the launcher plans
+        return True, f"{TORCH_XLA_SPMD_ENV}=1 in the environment: torch_xla's SPMD mode, the single controller"
     if device != "TPU":
         return False, ""
     from xla_fsdp.runtime import choice as runtime_choice
@@ -213,6 +244,56 @@ def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -
     except ValueError as e:
         raise UsageError(str(e)) from None
     return runtime == SINGLE_CONTROLLER, why
+
+
+def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """Several CPU devices and no --spmd / XLA_FSDP_RUNTIME=single_controller: (True, why) when the
+    script declares the single controller; otherwise a UsageError that says why not and what works.
+
+    [Note: no silent world on CPU] One process per CPU device (torch_xla's xmp.spawn, threads on
+    CPU) hangs in explicit collectives, so on CPU N > 1 devices exist only as the single
+    controller, where a script sees xr.world_size() == 1 and ordinal 0. A script written for one
+    process per device (torch_xla's FSDP examples: DistributedSampler(num_replicas=xr.world_size()),
+    lr scaled by the world) would run there as ONE replica of N, with one Nth of the global batch
+    it was written for; before this check it even ran on one device of the N it was told about.
+    So it runs at N > 1 only when someone said it is built for one controller.
+    """
+    if options.per_chip:
+        asked = "--per_chip asks for one process per device"
+    elif environ.get(RUNTIME_ENV, "").strip():
+        asked = f"{RUNTIME_ENV}={environ[RUNTIME_ENV].strip()} asks for one process per device"
+    else:
+        from xla_fsdp import runtime_choice
+
+        try:
+            declared = runtime_choice.declared_runtime(script)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if declared == SINGLE_CONTROLLER:
+            return True, f"{script} declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\""
+        asked = (f"{script} declares {RUNTIME_MARKER} = \"{declared}\"" if declared else
+                 f"{script} declares no runtime ({RUNTIME_MARKER}), so it is taken as written for "
+                 "torch_xla's one process per device")
+    raise UsageError(
+        f"--num_cores {num_cores} on CPU: {asked} (xr.world_size() == {num_cores}, an ordinal per "
+        "process), which CPU cannot run: explicit XLA collectives between CPU devices hang "
+        "(pytorch/xla issues 5005 and 9089). What runs here: --num_cores 1 (one device, world 1); or "
+        f"--spmd --num_cores {num_cores} (one process drives the {num_cores} devices: the script sees "
+        "xr.world_size() == 1 and ordinal 0, so it must feed the whole global batch, which xla_fsdp "
+        f"splits, with every parameter, over the {num_cores} devices; a script built for that can "
+        f"declare {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\"). One process per device runs on a TPU host")
+
+
+def enter_single_controller() -> None:
+    """torch_xla's SPMD mode, before the script creates any XLA tensor: the script need not call
+    xr.use_spmd() itself, and xla_fsdp's engine (which asks xr.is_spmd()) drives every device."""
+    import warnings
+
+    import torch_xla.runtime as xr
+
+    warnings.filterwarnings("ignore", message=SPMD_ENV_DEPRECATION)
+    if not xr.is_spmd():
+        xr.use_spmd()
 
 
 # --------------------------------------------------------------------------
@@ -312,14 +393,16 @@ def make_plan(device: str, num_cores: int, spmd: bool) -> LaunchPlan:
         env["CPU_NUM_DEVICES"] = str(num_cores)
     if spmd:
         env[RUNTIME_ENV] = SINGLE_CONTROLLER
-        return LaunchPlan(device, num_cores, False, env)
-    if device == "CPU" and num_cores > 1:
-        env[RUNTIME_ENV] = SINGLE_CONTROLLER
+        where = f"CPU_NUM_DEVICES={num_cores}" if device == "CPU" else "torch_xla's SPMD mode"
         return LaunchPlan(device, num_cores, False, env, reason=(
-            f"--num_cores {num_cores} on CPU: one process drives the {num_cores} devices "
-            f"(single-controller runtime: {RUNTIME_ENV}={SINGLE_CONTROLLER}, "
-            f"CPU_NUM_DEVICES={num_cores}) because explicit XLA collectives between "
-            "one process per CPU device hang"))
+            f"one process drives the {num_cores} {device} devices (single-controller runtime: "
+            f"{RUNTIME_ENV}={SINGLE_CONTROLLER}, {where}): the script runs once and sees "
+            "xr.world_size() == 1 and ordinal 0 (one checkpoint file, shard metadata world_size 1); "
+            f"it feeds each global batch, which xla_fsdp splits, with every parameter, over the "
+            f"{num_cores} devices"))
+    if device == "CPU" and num_cores > 1:
+        # cpu_replicas() refuses this before a plan is made ([Note: no silent world on CPU])
+        raise UsageError(f"--num_cores {num_cores} on CPU runs only as the single controller (--spmd)")
     if num_cores == 1:
         if device == "TPU":
             # One process on one chip, as xmp.spawn(nprocs=1) would configure it.
@@ -359,27 +442,29 @@ class ScriptEntry:
         fn = getattr(module, ENTRY_POINT, None)
         if not callable(fn):
             raise UsageError(f"{self.script} defines no function {ENTRY_POINT}(index); "
-                             f"add `def {ENTRY_POINT}(index): main()` to it")
+                             f"add `def {ENTRY_POINT}(index): main()` to it, or start the script "
+                             f"itself under `if __name__ == \"__main__\":` with xmp.spawn(fn, args=...)")
+        try:
+            inspect.signature(fn).bind(0)
+        except TypeError as e:
+            from xla_fsdp.runtime.self_starting import describe
+
+            raise UsageError(
+                f"{self.script}: xla_spawn calls {ENTRY_POINT}(index), the replica index alone, because the "
+                f"script does not start itself (no xmp.spawn or torch_xla.launch call), but "
+                f"{describe(fn)} cannot be called so ({e}). Give its other parameters defaults, or end "
+                f"the script with `if __name__ == \"__main__\": xmp.spawn({ENTRY_POINT}, args=(...))`, "
+                "which xla_spawn then runs with the script's own arguments") from None
+        except ValueError:
+            pass  # no signature to read: the call will say
         return fn
 
     def __call__(self, index: int) -> None:
-        """Replica body in the spawn path: any failure ends this process now.
+        """Replica body in the spawn path: any failure ends this process now, which breaks the
+        parent's process pool (xla_fsdp.runtime.self_starting.ReplicaCall)."""
+        from xla_fsdp.runtime.self_starting import ReplicaCall
 
-        Exiting with os._exit breaks the parent's process pool, which then
-        terminates the other replicas instead of leaving them blocked in a
-        collective that this replica will never join.
-        """
-        try:
-            self.load()(index)
-        except SystemExit as exc:
-            if exit_code(exc) != 0:
-                log(f"replica {index} exited with {exc.code}")
-                os._exit(exit_code(exc))
-        except KeyboardInterrupt:
-            os._exit(EXIT_INTERRUPTED)
-        except BaseException:
-            log(f"replica {index} failed:\n{traceback.format_exc()}")
-            os._exit(EXIT_FAILED)
+        ReplicaCall(lambda i: self.load()(i), ())(index)
 
 
 def run_in_process(fn: Callable[[int], object]) -> int:
@@ -404,8 +489,14 @@ def exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else EXIT_FAILED
 
 
-def run_spawned(entry: ScriptEntry) -> int:
-    import torch_xla.distributed.xla_multiprocessing as xmp
+def run_spawned(entry: Callable[[int], None], spawn: Optional[Callable] = None,
+                start_method: str = "spawn") -> int:
+    """One process per chip through torch_xla's spawn (`spawn`: its original, when a
+    self-starting script's calls are routed); `entry(index)` is each replica's body."""
+    if spawn is None:
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        spawn = xmp.spawn
 
     def stop_replicas(signum, frame):
         # Replicas may not have seen the signal (e.g. `kill -INT <launcher>`);
@@ -417,7 +508,7 @@ def run_spawned(entry: ScriptEntry) -> int:
     signal.signal(signal.SIGINT, stop_replicas)
     signal.signal(signal.SIGTERM, stop_replicas)
     try:
-        xmp.spawn(entry, args=(), nprocs=None)
+        spawn(entry, args=(), nprocs=None, start_method=start_method)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # BrokenProcessPool and anything re-raised by the pool
@@ -425,6 +516,58 @@ def run_spawned(entry: ScriptEntry) -> int:
             "The other replicas were stopped.")
         return EXIT_FAILED
     return 0
+
+
+def run_self_starting(script: str, args: tuple[str, ...], plan: LaunchPlan) -> int:
+    """Run `script` as `python script.py args` would, its xmp.spawn / torch_xla.launch routed to
+    `plan`: torch_xla's own spawn, one process per chip (plan.spawn), else `fn(0, *args)` here.
+    torch_xla's `nprocs=1` path also calls `fn(0, *args)` in the calling process."""
+    from xla_fsdp.runtime import self_starting
+
+    original = []  # torch_xla's own spawn, set when the hooks are in
+    started: list[str] = []  # the entry points the script called, so a failure names replica 0
+
+    def start(caller, fn, fn_args, nprocs, start_method):
+        self_starting.nprocs_asked(caller, nprocs, plan.num_cores)
+        self_starting.check_callable(fn, fn_args, caller)
+        started.append(caller)
+        if plan.spawn:
+            log(f"{caller}: spawning {plan.num_cores} replicas of {self_starting.describe(fn)} "
+                "(one process per chip)")
+            code = run_spawned(self_starting.ReplicaCall(fn, fn_args), spawn=original[0],
+                               start_method=start_method)
+            if code:
+                raise SystemExit(code)
+            return None
+        return fn(0, *fn_args)
+
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))  # as `python script.py` does
+    try:
+        with self_starting.hooked_entry_points(start) as spawn:
+            original.append(spawn)
+            runpy.run_path(script, run_name="__main__")
+    except self_starting.Refused as e:
+        raise UsageError(f"{script}: {e}") from None
+    except SystemExit as exc:
+        return exit_code(exc)
+    except Exception:
+        what = "replica 0" if started and not plan.spawn else script
+        log(f"{what} failed:\n{traceback.format_exc()}")
+        return EXIT_FAILED
+    return 0
+
+
+def describe_start(script: str, calls: tuple[str, ...], plan: LaunchPlan) -> str:
+    """The one line that says how a self-starting script's own entry point will run."""
+    if plan.spawn:
+        how = f"one process per chip ({plan.num_cores}), each calling fn(index, *args), world {plan.num_cores}"
+    elif plan.env.get(RUNTIME_ENV) == SINGLE_CONTROLLER:
+        how = "fn(0, *args) once, in this process (the single controller)"
+    else:
+        how = "fn(0, *args) in this process on one device, world 1 (torch_xla's nprocs=1)"
+    return (f"{script} starts itself: running its __main__ with its own arguments; its "
+            f"{' or '.join(sorted(calls, reverse=True))}(fn, args=...) runs {how}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -442,10 +585,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         device, source = detect_device(os.environ)
         log(f"PJRT_DEVICE={device} ({source})")
         spmd, why = choose_spmd(options, script, device, os.environ)
-        if why:
-            log(why)
         counts = device_counts(device, spmd, os.environ)
         num_cores = parse_num_cores(options.num_cores, counts, spmd)
+        if device == "CPU" and num_cores > 1 and not spmd:
+            spmd, why = cpu_replicas(options, script, num_cores, os.environ)
+        if why:
+            log(why)
         plan = make_plan(device, num_cores, spmd)
         if plan.reason:
             log(plan.reason)
@@ -456,6 +601,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if chips:
                     os.environ.setdefault("XLA_FSDP_SLICE_CHIPS", str(chips))
             async_collective_flags()
+        from xla_fsdp.runtime.self_starting import entry_calls
+
+        calls = entry_calls(script)
+        if spmd:
+            enter_single_controller()
+        if calls:
+            log(describe_start(script, calls, plan))
+            return run_self_starting(script, tuple(script_args), plan)
         entry = ScriptEntry(script, tuple(script_args))
         try:
             fn = entry.load()  # also checks _mp_fn early, before any spawn

@@ -1,50 +1,21 @@
 """launch/xla_spawn.py, run as users run it: a subprocess on PJRT_DEVICE=CPU.
 
-Fixture scripts under tests/fixtures/ record what a replica sees; none of them
-runs an XLA computation, so each launch takes a fraction of a second (the one
-spawn-path test imports torch_xla in two processes and takes ~15 s).
+Fixture scripts under tests/fixtures/ record what a replica sees. The spawn_*
+ones run no XLA computation, so each launch takes a fraction of a second (the
+spawn-path tests import torch_xla in two processes and take ~15 s). The txla_*
+ones are torch_xla-style training scripts (txla_job.py: two steps of a small
+FSDP MLP, ~5 s a launch); they hold the world the launcher prints against what
+the script sees (tests/test_launcher_world.py).
 """
-import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCHER = ROOT / "launch" / "xla_spawn.py"
-FIXTURES = ROOT / "tests" / "fixtures"
-TIMEOUT_S = 60
-
-
-def launcher_env(**overrides):
-    env = dict(os.environ)
-    for name in ("CPU_NUM_DEVICES", "XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "TPU_ACCELERATOR_TYPE",
-                 "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_BOUNDS",
-                 "TPU_SKIP_MDS_QUERY"):
-        env.pop(name, None)
-    env["PJRT_DEVICE"] = "CPU"
-    env.update(overrides)
-    return env
-
-
-def launch(*args, env=None, timeout=TIMEOUT_S):
-    return subprocess.run([sys.executable, str(LAUNCHER), *map(str, args)],
-                          cwd=ROOT, env=env or launcher_env(), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def load_launcher_module():
-    spec = importlib.util.spec_from_file_location("xla_spawn_under_test", LAUNCHER)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses resolve string annotations through sys.modules.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from launcher_cases import FIXTURES, LAUNCHER, ROOT, TIMEOUT_S, launch, launcher_env, load_launcher_module
 
 
 @pytest.fixture
@@ -71,8 +42,12 @@ def test_num_cores_1_runs_in_process_with_argv_untouched(record):
     assert "PJRT_DEVICE=CPU (from environment)" in result.stderr
 
 
-def test_num_cores_4_on_cpu_chooses_one_process_for_all_devices_and_says_why(record):
-    script = FIXTURES / "spawn_record.py"
+def test_num_cores_4_on_cpu_runs_a_declared_single_controller_script_and_says_what_it_sees(record, tmp_path):
+    # the declaration, not the launcher, chooses the single controller on CPU ([Note: no silent
+    # world on CPU]); launch/run_clm.py declares it the same way
+    script = tmp_path / "declares_single_controller.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(FIXTURES)!r})\n"
+                      'XLA_FSDP_TPU_RUNTIME = "single_controller"\nfrom spawn_record import _mp_fn\n')
     result = launch("--num_cores", "4", script, "--record", record, "--num_cores", "2")
     assert result.returncode == 0, result.stderr
     seen = json.loads(record.read_text())
@@ -80,9 +55,11 @@ def test_num_cores_4_on_cpu_chooses_one_process_for_all_devices_and_says_why(rec
     assert seen["index"] == 0
     assert seen["CPU_NUM_DEVICES"] == "4"
     assert seen["XLA_FSDP_RUNTIME"] == "single_controller" and seen["XLA_FSDP_ENGINE"] is None
+    assert seen["XLA_USE_SPMD"] == "1"  # torch_xla's SPMD mode is on before the script runs
+    assert 'declares XLA_FSDP_TPU_RUNTIME = "single_controller"' in result.stderr
     reason = [line for line in result.stderr.splitlines() if "single-controller runtime" in line]
     assert len(reason) == 1, result.stderr
-    assert "CPU_NUM_DEVICES=4" in reason[0] and "collectives" in reason[0]
+    assert "CPU_NUM_DEVICES=4" in reason[0] and "xr.world_size() == 1" in reason[0]
 
 
 def test_spmd_flag_sets_runtime_and_device_count(record):
@@ -94,7 +71,7 @@ def test_spmd_flag_sets_runtime_and_device_count(record):
 
 
 def test_default_num_cores_on_cpu_follows_cpu_num_devices(record):
-    result = launch(FIXTURES / "spawn_record.py", "--record", record,
+    result = launch("--spmd", FIXTURES / "spawn_record.py", "--record", record,
                     env=launcher_env(CPU_NUM_DEVICES="3"))
     assert result.returncode == 0, result.stderr
     seen = json.loads(record.read_text())
@@ -161,6 +138,18 @@ def test_script_without_mp_fn():
     assert "Traceback" not in result.stderr
 
 
+def test_mp_fn_that_needs_more_than_the_index_is_refused_by_name():
+    # torch_xla's _mp_fn(index, flags) in a script that does not start itself: nothing could
+    # give it its flags, so it is refused before it runs, not with a TypeError from inside
+    result = launch("--num_cores", "1", FIXTURES / "spawn_needs_flags.py")
+    assert result.returncode == 2, result.stderr
+    assert "xla_spawn calls _mp_fn(index)" in result.stderr
+    assert "_mp_fn(index, flags) (spawn_needs_flags.py:5) cannot be called so" in result.stderr
+    assert "missing a required argument: 'flags'" in result.stderr
+    assert "xmp.spawn(_mp_fn, args=(...))" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_help_exits_zero_and_names_the_flags():
     result = launch("--help")
     assert result.returncode == 0
@@ -171,9 +160,9 @@ def test_help_exits_zero_and_names_the_flags():
 # ---------------------------------------------------------------- failures
 
 
-@pytest.mark.parametrize("num_cores", ["1", "4"])
-def test_failing_replica_exits_nonzero_with_its_traceback(num_cores):
-    result = launch("--num_cores", num_cores, FIXTURES / "spawn_fail.py")
+@pytest.mark.parametrize("flags", [["--num_cores", "1"], ["--spmd", "--num_cores", "4"]])
+def test_failing_replica_exits_nonzero_with_its_traceback(flags):
+    result = launch(*flags, FIXTURES / "spawn_fail.py")
     assert result.returncode == 1
     assert "replica 0 failed" in result.stderr
     assert "Traceback" in result.stderr
@@ -185,7 +174,7 @@ def test_ctrl_c_stops_the_replica_with_exit_130(tmp_path):
     ready = tmp_path / "ready"
     # a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT:
     # give the launcher the default disposition, as a terminal's foreground job has
-    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--num_cores", "2",
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--spmd", "--num_cores", "2",
                              str(FIXTURES / "spawn_sleep.py"), str(ready)],
                             cwd=ROOT, env=launcher_env(), stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

@@ -239,8 +239,9 @@ class ManualRegion:
     Other outputs are refused by name.
 
     Buffers reach every device whole; a forward that updates a buffer in
-    place (BatchNorm running statistics) would update one device's copy, so
-    it is refused.
+    place (BatchNorm running statistics) would give each device its own
+    value, so it is refused, naming a runtime that keeps torch_xla's
+    per-replica statistics here ([Note: buffers updated in place]).
     """
 
     def __init__(self, placement: DevicePlacement, comm, is_batched_input: Optional[BatchedInputFn] = None):
@@ -317,9 +318,12 @@ class ManualRegion:
         if changed:
             raise RuntimeError(
                 f"the forward updated buffer(s) {', '.join(changed)} in place; under the single-controller "
-                "runtime each device would update its own copy and the result would depend on the "
-                "device. Put such modules in eval mode (e.g. BatchNorm running statistics), or run the "
-                "multi-process runtime (launch/xla_spawn.py without --spmd)")
+                "runtime each device would update its own copy from its own slice of the batch, and one "
+                "buffer cannot hold a value per device. What works: "
+                f"{_per_replica_buffers_path()}; or keep the statistics out of the training forward: "
+                "BatchNorm(..., track_running_stats=False) normalizes with each device's batch statistics "
+                "in training and evaluation alike, and .eval() on the BatchNorm modules freezes their "
+                "running statistics")
 
     # -- outputs --------------------------------------------------------------
     def _outputs(self, out, local_batch: Optional[int]):
@@ -345,6 +349,27 @@ class ManualRegion:
                     f"per-device batch {local_batch}) nor floating point, so it has no global value: "
                     "return it as a floating tensor to get its mean over devices, or batched")
         return tree_unflatten(result, spec)
+
+
+# [Note: buffers updated in place]
+# torch_xla's BatchNorm under one process per device is per replica: each replica updates its
+# own running statistics from its own batch shard, and each holds a different value. In the
+# single-controller runtime a buffer is one replicated global tensor; a per-device value would
+# need another shape (and other state-dict keys) than the module's, and averaging the devices'
+# updates would be a third semantics (neither torch_xla's nor SyncBatchNorm's: the running
+# variance would miss the spread between the devices' means). So the region refuses, and says
+# which runtime on this machine keeps torch_xla's semantics.
+def _per_replica_buffers_path() -> str:
+    """Where per-replica buffers run on this machine: one process per chip on a TPU; on CPU,
+    where one process per device hangs, only one device."""
+    import torch_xla.runtime as xr
+
+    if xr.device_type() == "TPU":
+        return ("one process per chip, torch_xla's per-replica statistics (launch/xla_spawn.py --per_chip, "
+                "without --spmd or XLA_FSDP_RUNTIME=single_controller)")
+    return (f"on {xr.device_type()} one process per device cannot run (its explicit collectives hang), so: "
+            "one device, one process (launch/xla_spawn.py --num_cores 1), where the statistics update "
+            "as in torch_xla; per-replica statistics over several devices need a TPU (xla_spawn --per_chip)")
 
 
 def _arg_name(path) -> str:

@@ -16,6 +16,11 @@ collectives). `launch/run_clm.py` declares the single controller: on a TPU
 its collectives are unpinned, so libtpu can run them asynchronously beside
 compute, which it never does for pinned ones (docs/performance.md, "Only unpinned collectives
 overlap").
+
+On CPU the launcher reads the same declaration at `--num_cores N > 1`, where
+only the single controller runs: a script that declares it runs there (it
+sees world 1), any other is refused ([Note: no silent world on CPU] in
+`launch/xla_spawn.py`).
 """
 from __future__ import annotations
 

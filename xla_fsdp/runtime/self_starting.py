@@ -1,0 +1,189 @@
+"""Scripts that start themselves, run by the launcher in the runtime it chose.
+
+torch_xla's own training scripts end with
+
+    if __name__ == "__main__":
+        xmp.spawn(_mp_fn, args=(FLAGS,))      # or torch_xla.launch(_mp_fn, args=(FLAGS,))
+
+and their `_mp_fn(index, flags)` takes more than the index that
+`launch/xla_spawn.py` passes to the `_mp_fn(index)` of Hugging Face's
+convention. For such a script the launcher runs the script's own `__main__`
+(its own argument parsing, its own entry point) and routes its call to
+`xmp.spawn` / `torch_xla.launch` to the runtime the launcher chose
+(`hooked_entry_points`): one process per chip through torch_xla's own
+spawn, or `fn(0, *args)` in this process (one device, or the single
+controller). Which scripts start themselves is read from the syntax tree
+(`entry_calls`), before anything runs. torch_xla is imported only by the
+routing, never by the detection.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import os
+import reprlib
+import sys
+import traceback
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+# the calls that start a torch_xla script, by their full dotted name -> how users write them
+ENTRY_POINTS: Dict[str, str] = {
+    "torch_xla.distributed.xla_multiprocessing.spawn": "xmp.spawn",
+    "torch_xla.launch": "torch_xla.launch",
+    "torch_xla.torch_xla.launch": "torch_xla.launch",
+}
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class Refused(Exception):
+    """The script's call cannot run as asked; the message says why and what works (exit 2)."""
+
+
+def entry_calls(script: str) -> Tuple[str, ...]:
+    """The torch_xla entry points `script` calls anywhere ("xmp.spawn", "torch_xla.launch"),
+    read from its syntax tree through its import aliases; () when it calls none (or does not
+    parse: running it will say what is wrong)."""
+    try:
+        with open(script, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    aliases: Dict[str, str] = {}  # local name -> the dotted name it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    aliases[a.asname] = a.name
+                else:  # `import torch_xla.distributed.xla_multiprocessing` binds `torch_xla`
+                    top = a.name.split(".")[0]
+                    aliases[top] = top
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name is None:
+                continue
+            head, _, rest = name.partition(".")
+            full = aliases.get(head, head) + ("." + rest if rest else "")
+            if full in ENTRY_POINTS and ENTRY_POINTS[full] not in found:
+                found.append(ENTRY_POINTS[full])
+    return tuple(found)
+
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def describe(fn: Callable) -> str:
+    """`name(signature)` of `fn`, with where it is defined when Python knows."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    try:
+        signature = str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        signature = "(...)"
+    code = getattr(fn, "__code__", None)
+    where = f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
+    return f"{name}{signature}{where}"
+
+
+def check_callable(fn: Callable, args: tuple, caller: str) -> None:
+    """Refuse, by name, an `fn` that cannot take what torch_xla's entry points pass it: the
+    replica index, then `args`."""
+    if not callable(fn):
+        raise Refused(f"{caller}() was given {fn!r}, which is not a function; pass the function each "
+                      "replica runs, e.g. xmp.spawn(_mp_fn, args=(flags,))")
+    try:
+        inspect.signature(fn).bind(0, *args)
+    except TypeError as e:
+        name = getattr(fn, "__name__", "fn")
+        passed = ", ".join(["0"] + [reprlib.repr(a) for a in args])
+        raise Refused(
+            f"{caller}() starts {describe(fn)}, which cannot take what it is called with: the replica "
+            f"index, then args={reprlib.repr(tuple(args))}, i.e. {name}({passed}) ({e}). "
+            f"xmp.spawn and torch_xla.launch call fn(index, *args): make the index {name}'s first "
+            f"parameter (def {name}(index, ...)) and pass the rest in args=") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): the call itself will say
+
+
+def nprocs_asked(caller: str, nprocs: Optional[int], num_cores: int) -> None:
+    """torch_xla's `nprocs` against the launcher's --num_cores: None takes the launcher's count,
+    1 must agree with it; torch_xla accepts nothing else."""
+    if nprocs is None:
+        return
+    if nprocs != 1:
+        raise Refused(f"{caller}(nprocs={nprocs!r}): torch_xla accepts nprocs=1 or None (every device); "
+                      "drop nprocs= and choose the count with xla_spawn's --num_cores")
+    if num_cores != 1:
+        raise Refused(f"{caller} asks for one replica (nprocs=1 or debug_single_process=True) but xla_spawn "
+                      f"was given --num_cores {num_cores}; run with --num_cores 1, or drop the argument")
+
+
+class ReplicaCall:
+    """`fn(index, *args)` in a replica process; any failure ends that process at once.
+
+    Picklable when `fn` is (a module-level function of the script), so torch_xla's
+    spawn can send it to each replica. Exiting with os._exit breaks the parent's
+    process pool, which then terminates the other replicas instead of leaving them
+    blocked in a collective this replica will never join.
+    """
+
+    def __init__(self, fn: Callable, args: tuple):
+        self.fn, self.args = fn, tuple(args)
+
+    def __call__(self, index: int) -> None:
+        try:
+            self.fn(index, *self.args)
+        except SystemExit as exc:
+            code = 0 if exc.code is None else (exc.code if isinstance(exc.code, int) else EXIT_FAILED)
+            if code != 0:
+                print(f"xla_spawn: replica {index} exited with {exc.code}", file=sys.stderr, flush=True)
+                os._exit(code)
+        except KeyboardInterrupt:
+            os._exit(EXIT_INTERRUPTED)
+        except BaseException:
+            print(f"xla_spawn: replica {index} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            os._exit(EXIT_FAILED)
+
+
+# start(caller, fn, args, nprocs, start_method) runs the replicas as the launcher decided
+StartFn = Callable[[str, Callable, tuple, Optional[int], str], object]
+
+
+@contextlib.contextmanager
+def hooked_entry_points(start: StartFn) -> Iterator[Callable]:
+    """While the script runs, its `xmp.spawn(...)` and `torch_xla.launch(...)` call `start`.
+
+    Yields torch_xla's own spawn (for the one-process-per-chip route). The module
+    attributes are swapped, not wrapped, so `from ... import spawn` inside the
+    script binds the routed function too; they are restored afterwards.
+    """
+    import torch_xla
+    import torch_xla.distributed.xla_multiprocessing as xmp
+    import torch_xla.torch_xla as txla
+
+    def spawn(fn, args=(), nprocs=None, join=True, daemon=False, start_method="spawn"):
+        return start("xmp.spawn", fn, tuple(args), nprocs, start_method)
+
+    def launch(fn, args=(), start_method="spawn", debug_single_process=False):
+        return start("torch_xla.launch", fn, tuple(args), 1 if debug_single_process else None, start_method)
+
+    saved = [(xmp, "spawn", xmp.spawn), (torch_xla, "launch", torch_xla.launch), (txla, "launch", txla.launch)]
+    original_spawn = xmp.spawn
+    xmp.spawn, torch_xla.launch, txla.launch = spawn, launch, launch
+    try:
+        yield original_spawn
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
