@@ -263,14 +263,14 @@ def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str
     elif environ.get(RUNTIME_ENV, "").strip():
         asked = f"{RUNTIME_ENV}={environ[RUNTIME_ENV].strip()} asks for one process per device"
     else:
-        from xla_fsdp import runtime_choice
+        from xla_fsdp.runtime import choice as runtime_choice
 
         try:
             declared = runtime_choice.declared_runtime(script)
         except ValueError as e:
             raise UsageError(str(e)) from None
         if declared == SINGLE_CONTROLLER:
-            return True, f"{script} declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\""
+            return True, runtime_choice.tpu_default(script)[1].split(":")[0]
         asked = (f"{script} declares {RUNTIME_MARKER} = \"{declared}\"" if declared else
                  f"{script} declares no runtime ({RUNTIME_MARKER}), so it is taken as written for "
                  "torch_xla's one process per device")

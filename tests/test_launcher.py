@@ -275,3 +275,28 @@ def test_tpu_runtime_follows_the_flags_then_the_environment_then_what_the_script
     bad.write_text('XLA_FSDP_TPU_RUNTIME = "both"\n')
     with pytest.raises(xla_spawn.UsageError, match="expected 'single_controller' or 'multi_process'"):
         xla_spawn.choose_spmd(parse([]), str(bad), "TPU", {})
+
+
+@pytest.mark.parametrize("lines", [
+    "import xla_fsdp.integrations.transformers\nxla_fsdp.integrations.transformers.enable()\n",
+    "from xla_fsdp.integrations import transformers as xt\nxt.enable()\n",
+    "def main():\n    from xla_fsdp.integrations.transformers import enable\n    enable()\n",
+])
+def test_a_script_that_enables_the_trainer_integration_runs_in_the_single_controller(lines, tmp_path):
+    """Hugging Face's run_clm.py with our two lines declares nothing else: on a TPU it gets the single
+    controller (the runtime whose collectives libtpu overlaps), on CPU at 4 devices it runs there
+    instead of being refused as a per-device script, and --per_chip still wins on a TPU."""
+    xla_spawn = load_launcher_module()
+    parse = xla_spawn.build_parser().parse_args
+    script = tmp_path / "run_clm.py"
+    script.write_text("import transformers\n" + lines)
+    spmd, why = xla_spawn.choose_spmd(parse([]), str(script), "TPU", {})
+    assert spmd and "xla_fsdp.integrations.transformers" in why and "--per_chip" in why, why
+    assert xla_spawn.choose_spmd(parse(["--per_chip"]), str(script), "TPU", {}) == (False, "")
+    single, why = xla_spawn.cpu_replicas(parse([]), str(script), 4, {})
+    assert single and "xla_fsdp.integrations.transformers" in why, why
+    plain = tmp_path / "plain.py"
+    plain.write_text("import transformers\n# xla_fsdp.integrations.transformers in a comment is no import\n")
+    assert xla_spawn.choose_spmd(parse([]), str(plain), "TPU", {}) == (False, "")
+    with pytest.raises(xla_spawn.UsageError, match="declares no runtime"):
+        xla_spawn.cpu_replicas(parse([]), str(plain), 4, {})

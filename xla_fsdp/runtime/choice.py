@@ -32,13 +32,41 @@ SINGLE_CONTROLLER = "single_controller"
 MULTI_PROCESS = "multi_process"
 
 
+TRAINER_INTEGRATION = "xla_fsdp.integrations.transformers"
+
+
 def declared_runtime(script: str) -> Optional[str]:
-    """The runtime `script` declares with `XLA_FSDP_TPU_RUNTIME = "..."`, else None."""
+    """The runtime `script` declares with `XLA_FSDP_TPU_RUNTIME = "..."`, else the single
+    controller for a script that imports the Trainer integration (see `enables_trainer`),
+    else None."""
     try:
         with open(script, encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=script)
     except (OSError, SyntaxError, ValueError):
         return None  # running it will say what is wrong
+    declared = _marker(script, tree)
+    if declared is None and enables_trainer(tree):
+        return SINGLE_CONTROLLER
+    return declared
+
+
+def enables_trainer(tree: ast.Module) -> bool:
+    """Whether the script imports xla_fsdp's Trainer integration anywhere (the two lines a Hugging
+    Face example gets). A Trainer script runs as one process whose engine shards over the
+    host's devices (the integration's contract), so importing it declares the single controller:
+    on a TPU that is the runtime whose collectives libtpu overlaps with compute, and on CPU the
+    only one that runs at several devices. `--per_chip` still picks one process per chip."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == TRAINER_INTEGRATION for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == TRAINER_INTEGRATION or (
+                    node.module == "xla_fsdp.integrations" and any(a.name == "transformers" for a in node.names)):
+                return True
+    return False
+
+
+def _marker(script: str, tree: ast.Module) -> Optional[str]:
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == MARKER for t in node.targets):
             value = node.value.value if isinstance(node.value, ast.Constant) else None
@@ -55,7 +83,14 @@ def tpu_default(script: str) -> Tuple[str, str]:
     Raises ValueError for a declaration that names no runtime."""
     declared = declared_runtime(script)
     if declared == SINGLE_CONTROLLER:
-        return SINGLE_CONTROLLER, (f"{script} declares {MARKER} = \"{SINGLE_CONTROLLER}\": one process "
-                                   "per host drives every local chip (unpinned collectives, which libtpu "
-                                   "overlaps with compute); --per_chip runs one process per chip")
+        what = (f"declares {MARKER} = \"{SINGLE_CONTROLLER}\"" if _declares_marker(script)
+                else f"imports {TRAINER_INTEGRATION} (a Trainer runs as one process per host)")
+        return SINGLE_CONTROLLER, (f"{script} {what}: one process per host drives every local chip "
+                                   "(unpinned collectives, which libtpu overlaps with compute); --per_chip "
+                                   "runs one process per chip")
     return MULTI_PROCESS, ""
+
+
+def _declares_marker(script: str) -> bool:
+    with open(script, encoding="utf-8") as f:
+        return _marker(script, ast.parse(f.read(), filename=script)) is not None
