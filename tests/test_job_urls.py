@@ -1,0 +1,77 @@
+"""run_clm with a URL --output_dir (issue 42): every file the job writes or reads goes
+through fsspec, and nothing lands in the working directory (no local `gs:` or `file:` folder).
+
+fsspec's file:// stands for a bucket where the job is a subprocess (memory:// lives in one
+process); the flag checks run in-process against memory://. The same job against a real
+bucket API (gcsfs and a GCS emulator) is tests/test_gcs_emulator.py.
+"""
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from xla_fsdp.checkpoint import save_checkpoint, storage
+from xla_fsdp.train.args import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "run_clm.py")
+TINY = os.path.join(ROOT, "configs", "models", "gpt2-tiny.json")
+FLAGS = ["--config_name", TINY, "--do_train", "--max_steps", "4", "--per_device_train_batch_size", "2",
+         "--block_size", "32", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2"]
+
+
+def _job(cwd, args, timeout=300):
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    for name in ("XLA_FSDP_ENGINE", "CPU_NUM_DEVICES", "XLA_USE_SPMD"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, SCRIPT] + args, env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def url_root():
+    url = f"memory://xla-fsdp-job/{uuid.uuid4().hex}"
+    yield url
+    storage.storage_for(url).rmtree(url, ignore_errors=True)
+
+
+def test_a_url_output_dir_gets_every_file_and_the_working_dir_none(tmp_path):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    url = f"file://{tmp_path}/bucket/run"
+    proc, out = _job(work, FLAGS + ["--output_dir", url])
+    assert proc.returncode == 0, out[-4000:]
+    assert os.listdir(work) == [], f"the job wrote into its working directory: {os.listdir(work)}"
+    run = tmp_path / "bucket" / "run"
+    assert {"metrics.json", "model.safetensors", "config.json", "checkpoint-2", "checkpoint-4"} <= set(os.listdir(run))
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 4
+    assert f"metrics written to {url}/metrics.json" in out
+
+
+def _plain_checkpoint(path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return save_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1), step=8)
+
+
+def test_resume_from_an_explicit_url_checkpoint_is_accepted(url_root):
+    path = _plain_checkpoint(f"{url_root}/checkpoint-8")
+    args = parse_args(["--config_name", TINY, "--output_dir", url_root, "--resume_from_checkpoint", path])
+    assert args.resume_from_checkpoint == path
+
+
+def test_a_url_checkpoint_that_is_missing_or_incomplete_is_refused_by_name(url_root, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--config_name", TINY, "--output_dir", url_root,
+                    "--resume_from_checkpoint", f"{url_root}/checkpoint-3"])
+    assert f"--resume_from_checkpoint {url_root}/checkpoint-3: no such directory" in capsys.readouterr().err
+    path = _plain_checkpoint(f"{url_root}/checkpoint-8")
+    storage.storage_for(path).remove(f"{path}/COMPLETE")  # as a save killed before its commit leaves it
+    with pytest.raises(SystemExit):
+        parse_args(["--config_name", TINY, "--output_dir", url_root, "--resume_from_checkpoint", path])
+    assert "no COMPLETE marker" in capsys.readouterr().err
