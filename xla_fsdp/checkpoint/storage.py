@@ -28,10 +28,37 @@ from typing import BinaryIO, Iterator, List
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _EXTRAS = {"gs": "xla_fsdp[gcs]", "gcs": "xla_fsdp[gcs]"}  # the extras of setup.py that install a file system
+_NO_BUCKETS = {"file", "local", "memory"}  # fsspec file systems whose first path component is no bucket
+_CREATE = {"gs": "create it (gcloud storage buckets create gs://BUCKET)",
+           "gcs": "create it (gcloud storage buckets create gs://BUCKET)",
+           "s3": "create it (aws s3 mb s3://BUCKET)"}
 
 
 def is_url(path) -> bool:
     return bool(_URL.match(os.fspath(path)))
+
+
+def check_bucket(path) -> None:
+    """Raise FileNotFoundError naming the fix when `path` is a URL into a bucket (gs://B/...,
+    s3://B/...) that does not exist; a job checks its output directory before it trains, so a
+    typo costs seconds, not a run whose first save fails. Local paths, file:// and memory://
+    have no buckets."""
+    path = os.fspath(path)
+    if not is_url(path):
+        return
+    protocol, rest = path.split("://", 1)
+    if protocol in _NO_BUCKETS:
+        return
+    bucket = rest.split("/", 1)[0]
+    st = storage_for(path)
+    try:
+        found = bool(bucket) and st.fs.exists(bucket)
+    except Exception as e:  # a bucket we may not list (permissions) is the next call's to report
+        found = "Forbidden" in type(e).__name__ or isinstance(e, PermissionError)
+    if not found:
+        create = _CREATE.get(protocol, "create it")
+        raise FileNotFoundError(f"{path}: bucket {protocol}://{bucket} does not exist (or these credentials "
+                                f"cannot see it); {create}, or fix the path")
 
 
 def storage_for(path) -> "Storage":
