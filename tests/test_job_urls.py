@@ -75,3 +75,25 @@ def test_a_url_checkpoint_that_is_missing_or_incomplete_is_refused_by_name(url_r
     with pytest.raises(SystemExit):
         parse_args(["--config_name", TINY, "--output_dir", url_root, "--resume_from_checkpoint", path])
     assert "no COMPLETE marker" in capsys.readouterr().err
+
+
+def test_the_trainer_integration_refuses_a_url_output_dir_before_making_a_folder(tmp_path):
+    """transformers' Trainer writes --output_dir with os and shutil: a URL would become a local
+    `gs:` folder at Trainer(...). The integration refuses it there, naming what works."""
+    code = ("import torch, transformers\n"
+            "from xla_fsdp.integrations import transformers as integration\n"
+            "integration.enable()\n"
+            "args = transformers.TrainingArguments(output_dir='gs://bucket/run', report_to=[])\n"
+            "try:\n"
+            "    transformers.Trainer(model=torch.nn.Linear(2, 2), args=args)\n"
+            "except ValueError as e:\n"
+            "    print('REFUSED:', e)\n")
+    script, work = tmp_path / "trainer.py", tmp_path / "cwd"
+    script.write_text(code)
+    work.mkdir()
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=work, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED: --output_dir gs://bucket/run is a URL" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert os.listdir(work) == [], os.listdir(work)
