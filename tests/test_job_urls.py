@@ -97,3 +97,23 @@ def test_the_trainer_integration_refuses_a_url_output_dir_before_making_a_folder
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REFUSED: --output_dir gs://bucket/run is a URL" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert os.listdir(work) == [], os.listdir(work)
+
+
+def test_aot_dump_writes_a_url(tmp_path, url_root):
+    from xla_fsdp.aot.cli import write_dump
+
+    (tmp_path / "program.txt").write_text("HloModule traced")
+    (tmp_path / "trace.log").write_text("log")
+    write_dump(f"{url_root}/aot", str(tmp_path), "HloModule optimized")
+    st = storage.storage_for(url_root)
+    assert st.listdir(f"{url_root}/aot") == ["tpu_optimized.hlo.txt", "trace.log", "traced_step.hlo.txt"]
+    assert st.read_bytes(f"{url_root}/aot/traced_step.hlo.txt") == b"HloModule traced"
+
+
+def test_aot_dump_to_a_url_without_its_file_system_is_refused_before_the_trace(tmp_path, capsys):
+    from xla_fsdp.aot.cli import EXIT_USAGE, main
+
+    code = main(["--tpu", "v4-8", "--dump", "nosuchfs://bucket/aot", "--", sys.executable, SCRIPT,
+                 "--config_name", TINY, "--output_dir", str(tmp_path / "o")])
+    assert code == EXIT_USAGE
+    assert "no file system for nosuchfs:// URLs" in capsys.readouterr().err
