@@ -117,3 +117,18 @@ def test_aot_dump_to_a_url_without_its_file_system_is_refused_before_the_trace(t
                  "--config_name", TINY, "--output_dir", str(tmp_path / "o")])
     assert code == EXIT_USAGE
     assert "no file system for nosuchfs:// URLs" in capsys.readouterr().err
+
+
+def test_inputs_read_by_other_libraries_refuse_a_url_by_name(capsys):
+    for flag in ("--config_name", "--fsdp_config", "--cache_dir"):
+        argv = ["--config_name", TINY, "--output_dir", "o", flag, "gs://bucket/x.json"]
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert f"{flag} gs://bucket/x.json: a URL; this flag takes a local path" in capsys.readouterr().err
+
+
+def test_a_train_file_at_a_url_is_read_through_fsspec(url_root):
+    from xla_fsdp.train.data import read_text_file
+
+    storage.storage_for(url_root).write_bytes(f"{url_root}/corpus.txt", b"one doc\n\nanother doc\n")
+    assert read_text_file(f"{url_root}/corpus.txt") == ["one doc", "another doc\n"]
