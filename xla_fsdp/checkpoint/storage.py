@@ -340,16 +340,33 @@ def _filesystem(protocol: str):
     try:
         import fsspec
     except ImportError:
-        raise ImportError(f"checkpoint paths like {protocol}://... need fsspec: pip install fsspec") from None
+        raise ImportError(f"paths like {protocol}://... need fsspec: pip install fsspec") from None
     from fsspec.registry import known_implementations
 
     try:
+        if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+            return _gcs_for_an_emulator()
         return fsspec.filesystem(protocol)
     except ImportError as e:
         known = known_implementations.get(protocol, {})
         package = known.get("class", "").split(".", 1)[0] or "the package that provides it"
         extra = f" (or pip install {_EXTRAS[protocol]})" if protocol in _EXTRAS else ""
-        raise ImportError(f"checkpoint paths {protocol}://... need {package}, fsspec's file system for "
+        raise ImportError(f"paths {protocol}://... need {package}, fsspec's file system for "
                           f"{protocol}://, which is not installed: pip install {package}{extra} ({e})") from None
     except ValueError as e:
         raise ValueError(f"no file system for {protocol}:// URLs: fsspec does not know it ({e})") from None
+
+
+def _gcs_for_an_emulator():
+    """gcsfs's JSON-API file system, for STORAGE_EMULATOR_HOST (a local GCS emulator).
+
+    Since 2025.x gcsfs's default class (ExtendedGcsFileSystem, on unless
+    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs is imported) asks the gRPC
+    storage-control API for every bucket's type; an emulator serves only the JSON API,
+    so with credentials (token=anon included) each bucket operation retries that probe
+    for about a minute before falling back. The core class is what an emulator serves,
+    whatever order gcsfs was imported in. Options still come from fsspec's config
+    (FSSPEC_GS_TOKEN=anon, ...)."""
+    from gcsfs.core import GCSFileSystem
+
+    return GCSFileSystem()
