@@ -132,3 +132,33 @@ def test_a_train_file_at_a_url_is_read_through_fsspec(url_root):
 
     storage.storage_for(url_root).write_bytes(f"{url_root}/corpus.txt", b"one doc\n\nanother doc\n")
     assert read_text_file(f"{url_root}/corpus.txt") == ["one doc", "another doc\n"]
+
+
+def test_a_scheme_without_its_file_system_names_the_package(capsys):
+    import importlib.util
+
+    from xla_fsdp.train.job import check_output_dir
+
+    if importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed")
+    args = parse_args(["--config_name", TINY, "--output_dir", "s3://bucket/run"])
+    with pytest.raises(SystemExit, match=r"--output_dir: paths s3://\.\.\. need s3fs.*pip install s3fs"):
+        check_output_dir(args)
+    with pytest.raises(SystemExit):
+        parse_args(["--config_name", TINY, "--output_dir", "o", "--resume_from_checkpoint", "s3://b/run/checkpoint-4"])
+    assert "need s3fs" in capsys.readouterr().err
+
+
+def test_gs_without_gcsfs_names_gcsfs_even_where_it_is_installed(tmp_path):
+    """gcsfs is a test dependency, so its absence is simulated in a child process."""
+    script = tmp_path / "no_gcsfs.py"
+    script.write_text("import sys\nsys.modules['gcsfs'] = None  # import gcsfs now fails\n"
+                      "from xla_fsdp.train.args import parse_args\nfrom xla_fsdp.train.job import check_output_dir\n"
+                      f"check_output_dir(parse_args(['--config_name', {TINY!r}, '--output_dir', 'gs://b/run']))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("STORAGE_EMULATOR_HOST", None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert ("--output_dir: paths gs://... need gcsfs, fsspec's file system for gs://, which is not installed: "
+            "pip install gcsfs (or pip install xla_fsdp[gcs])") in proc.stderr, proc.stderr[-2000:]
