@@ -69,7 +69,7 @@ def test_run_clm_at_4_devices_writes_every_file_to_the_bucket(gcs_emulator, gcs_
     print(f"run_clm at 4 devices to the emulator: {time.perf_counter() - started:.1f} s")
 
 
-def test_a_bucket_that_does_not_exist_is_named_before_training(gcs_emulator):
+def test_a_bucket_that_does_not_exist_is_named_before_training(gcs_emulator, tmp_path):
     from xla_fsdp.train.args import parse_args
     from xla_fsdp.train.job import check_output_dir
 
@@ -77,6 +77,9 @@ def test_a_bucket_that_does_not_exist_is_named_before_training(gcs_emulator):
     with pytest.raises(SystemExit, match=r"bucket gs://no-such-bucket-xla-fsdp does not exist .*gcloud storage "
                                          r"buckets create"):
         check_output_dir(args)
+    proc = subprocess.run([sys.executable, "-m", "xla_fsdp.checkpoint", "consolidate", "gs://no-such-bucket-xla-fsdp/c",
+                           "out"], env=_env(gcs_emulator), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "bucket gs://no-such-bucket-xla-fsdp does not exist" in proc.stderr, proc.stderr
 
 
 # -- slow: preemption, rotation, consolidation ------------------------------------------
