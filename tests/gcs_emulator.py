@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import os
 import socket
+import sys
 import threading
 import uuid
 
@@ -71,6 +72,15 @@ class Emulator:
             storage.create_file = real
 
 
+def _quiet_disconnects(handle_error):
+    """The server prints a traceback for every client that hung up (a SIGKILLed job, gcsfs
+    closing its session); other errors still print."""
+    def handle(request, client_address):
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            handle_error(request, client_address)
+    return handle
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,6 +97,7 @@ def gcs_emulator():
     port = _free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
+    server._api._httpd.handle_error = _quiet_disconnects(server._api._httpd.handle_error)
     emulator = Emulator(server, port)
     saved = {k: os.environ.get(k) for k in emulator.env}
     os.environ.update(emulator.env)

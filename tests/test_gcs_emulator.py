@@ -82,6 +82,16 @@ def test_a_bucket_that_does_not_exist_is_named_before_training(gcs_emulator, tmp
     assert proc.returncode == 2 and "bucket gs://no-such-bucket-xla-fsdp does not exist" in proc.stderr, proc.stderr
 
 
+def test_the_emulator_gets_gcsfs_json_api_file_system(gcs_emulator):
+    """Whatever gcsfs's default class (its experimental one probes a gRPC API for every
+    bucket, ~a minute per operation against an emulator), STORAGE_EMULATOR_HOST gets the core."""
+    import gcsfs.core
+
+    from xla_fsdp.checkpoint import storage
+
+    assert type(storage.storage_for(gcs_emulator.url).fs) is gcsfs.core.GCSFileSystem
+
+
 # -- slow: preemption, rotation, consolidation ------------------------------------------
 
 @pytest.fixture(scope="module")

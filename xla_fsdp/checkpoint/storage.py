@@ -29,9 +29,9 @@ from typing import BinaryIO, Iterator, List
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _EXTRAS = {"gs": "xla_fsdp[gcs]", "gcs": "xla_fsdp[gcs]"}  # the extras of setup.py that install a file system
 _NO_BUCKETS = {"file", "local", "memory"}  # fsspec file systems whose first path component is no bucket
-_CREATE = {"gs": "create it (gcloud storage buckets create gs://BUCKET)",
-           "gcs": "create it (gcloud storage buckets create gs://BUCKET)",
-           "s3": "create it (aws s3 mb s3://BUCKET)"}
+_CREATE = {"gs": "create it (gcloud storage buckets create gs://{bucket})",
+           "gcs": "create it (gcloud storage buckets create gs://{bucket})",
+           "s3": "create it (aws s3 mb s3://{bucket})"}
 
 
 def is_url(path) -> bool:
@@ -50,15 +50,27 @@ def check_bucket(path) -> None:
     if protocol in _NO_BUCKETS:
         return
     bucket = rest.split("/", 1)[0]
-    st = storage_for(path)
+    if not bucket or _bucket_exists(storage_for(path).fs, bucket):
+        return
+    create = _CREATE.get(protocol, "create it").format(bucket=bucket)
+    raise FileNotFoundError(f"{path}: bucket {protocol}://{bucket} does not exist (or these credentials "
+                            f"cannot see it); {create}, or fix the path")
+
+
+def _bucket_exists(fs, bucket: str) -> bool:
+    """False only when the store says the bucket is not there: a bucket whose metadata these
+    credentials may not read (a job needs only object permissions) still counts, as does any
+    other failure, which the first write then reports with its own message."""
     try:
-        found = bool(bucket) and st.fs.exists(bucket)
-    except Exception as e:  # a bucket we may not list (permissions) is the next call's to report
-        found = "Forbidden" in type(e).__name__ or isinstance(e, PermissionError)
-    if not found:
-        create = _CREATE.get(protocol, "create it")
-        raise FileNotFoundError(f"{path}: bucket {protocol}://{bucket} does not exist (or these credentials "
-                                f"cannot see it); {create}, or fix the path")
+        if fs.exists(bucket):
+            return True
+        fs.invalidate_cache(bucket)
+        fs.ls(bucket)  # listing objects: a permission every job that writes there has
+        return True
+    except FileNotFoundError:
+        return False
+    except Exception:
+        return True
 
 
 def storage_for(path) -> "Storage":
