@@ -6,10 +6,10 @@ NUM_CORES ?= 4
 
 .PHONY: install train test bench clean
 
-$(VENV)/.installed: requirements.txt setup.py
+$(VENV)/.installed: requirements.txt requirements-test.txt setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -11,7 +11,7 @@ setup(
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy", "fsspec"],
     extras_require={
         "hf": ["transformers==5.23.0", "tqdm"],
-        "test": ["pytest"],
+        "test": ["pytest", "gcsfs==2026.10.1", "gcp-storage-emulator==2026.7.19"],  # requirements-test.txt
         # checkpoints at gs:// URLs (fsspec's Google Cloud Storage file system)
         "gcs": ["gcsfs"],
         # the ahead-of-time check (`python -m xla_fsdp.aot`): libtpu's compiler, no TPU needed;

@@ -94,6 +94,21 @@ def _rings_to_retry(result: dict, text: str, job, spec, opts) -> bool:
             and prog.ring_ops(text) > 0)
 
 
+def write_dump(dump: str, workdir: str, optimized_hlo: Optional[str]) -> None:
+    """--dump DIR: the traced module, the TPU-optimized HLO and the trace log, into a folder
+    or a URL (gs://bucket/aot), through the same storage as checkpoints."""
+    from xla_fsdp.checkpoint import storage
+
+    st = storage.storage_for(dump)
+    st.makedirs(dump, exist_ok=True)
+    with open(os.path.join(workdir, "program.txt"), "rb") as f:
+        st.write_bytes(st.join(dump, "traced_step.hlo.txt"), f.read())
+    if optimized_hlo:
+        st.write_bytes(st.join(dump, "tpu_optimized.hlo.txt"), optimized_hlo.encode())
+    with open(os.path.join(workdir, "trace.log"), "rb") as f:
+        st.write_bytes(st.join(dump, "trace.log"), f.read())
+
+
 def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
     """Trace and compile the step again with XLA_FSDP_RINGS=0; the summary of that report."""
     from xla_fsdp.aot import program as prog
@@ -138,7 +153,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         job = trace.job_from_command(command, opts.runtime, spec.chips)
         if spec.chip.megacore:  # 3-D ICI (v4, v5p): [Note: one reduce-scatter per torus axis]
             job.torus = "x".join(map(str, spec.shape))
-    except (ValueError, trace.TraceError) as e:
+        if opts.dump:  # a URL whose file system or bucket is missing: now, not after the trace
+            from xla_fsdp.checkpoint import storage
+
+            storage.storage_for(opts.dump)
+            storage.check_bucket(opts.dump)
+    except (ValueError, ImportError, FileNotFoundError, trace.TraceError) as e:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         return EXIT_USAGE
     # libtpu's start-up looks for a TPU VM's environment; this host is not one
@@ -175,12 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if _rings_to_retry(result, text, job, spec, opts):
             result["without_rings"] = _without_rings(job, spec, compiler, workdir, opts, say)
         if opts.dump:
-            os.makedirs(opts.dump, exist_ok=True)
-            shutil.copy(os.path.join(workdir, "program.txt"), os.path.join(opts.dump, "traced_step.hlo.txt"))
-            if result.get("optimized_hlo"):
-                with open(os.path.join(opts.dump, "tpu_optimized.hlo.txt"), "w") as f:
-                    f.write(result["optimized_hlo"])
-            shutil.copy(os.path.join(workdir, "trace.log"), os.path.join(opts.dump, "trace.log"))
+            write_dump(opts.dump, workdir, result.get("optimized_hlo"))
         result.pop("optimized_hlo", None)
         if opts.json:
             print(json.dumps(result, indent=2))

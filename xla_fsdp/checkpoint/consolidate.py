@@ -28,6 +28,8 @@ from .format import CheckpointError
 def consolidate(checkpoint: str, out_dir: str) -> str:
     """Write the full model of `checkpoint` into `out_dir`; returns the safetensors file's path."""
     src = storage.storage_for(checkpoint)
+    storage.check_bucket(checkpoint)  # a missing bucket by name, not as "not a complete checkpoint"
+    storage.check_bucket(out_dir)
     checkpoint = src.abspath(checkpoint)
     if not fmt.is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {fmt.COMPLETE} marker)")
@@ -73,7 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = consolidate(args.checkpoint, args.out_dir)
-    except (CheckpointError, ImportError, ValueError) as e:  # ImportError: the URL's file system
+    except (CheckpointError, ImportError, ValueError, FileNotFoundError) as e:  # the URL's file system, bucket
         parser.exit(2, f"error: {e}\n")
     print(f"wrote {path}")
     return 0

@@ -4,7 +4,7 @@ After `enable()`, a `transformers.Trainer` run with `--fsdp full_shard
 --fsdp_config cfg.json`, where `cfg.json` holds `"xla": true`, wraps the model
 with xla_fsdp's collective engine instead of torch_xla's FSDP (with
 `"xla_fsdp_v2": true`, with xla_fsdp's GSPMD engine instead of torch_xla's
-FSDPv2). Nothing in transformers is edited; four names are replaced, each the
+FSDPv2). Nothing in transformers is edited; five names are replaced, each the
 narrowest point that serves (transformers 5.23; other versions are refused):
 
 - `transformers.trainer.wrap_model_xla_fsdp`: wraps with the config's
@@ -20,6 +20,9 @@ narrowest point that serves (transformers 5.23; other versions are refused):
   shards (`model.clip_grad_norm_`), and marks the gradients synced, because
   Accelerate would otherwise all-reduce (sum) every rank's *different*
   shard gradients before the optimizer step on XLA.
+- `Trainer.__init__`: refuses a URL `output_dir` (gs://...) by name before
+  transformers makes a local folder of it (`./gs:/...`): the Trainer writes
+  with os and shutil, so a bucket needs a mount (gcsfuse).
 - `Trainer._load_optimizer_and_scheduler`: refuses per-rank optimizer files
   of another world size, which transformers skips without a word (use
   `xla_fsdp.checkpoint` to reshard).
@@ -52,7 +55,8 @@ def enable() -> None:
             "yourself and use a training loop")
     Trainer = trainer_module.Trainer
     needed = {"wrap_model_xla_fsdp": trainer_module, "save_tpu_checkpoint": trainer_module,
-              "_clip_grad_norm": Trainer, "_get_grad_norm": Trainer, "_load_optimizer_and_scheduler": Trainer}
+              "_clip_grad_norm": Trainer, "_get_grad_norm": Trainer, "_load_optimizer_and_scheduler": Trainer,
+              "__init__": Trainer}
     missing = [name for name, owner in needed.items() if not callable(getattr(owner, name, None))]
     if missing:
         raise RuntimeError(f"transformers {transformers.__version__} has no {', '.join(missing)}; "
@@ -66,6 +70,7 @@ def enable() -> None:
     Trainer._clip_grad_norm = _clip_grad_norm
     Trainer._get_grad_norm = _get_grad_norm
     Trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+    Trainer.__init__ = _trainer_init
 
 
 def _is_ours(model) -> bool:
@@ -169,6 +174,19 @@ def _load_optimizer_and_scheduler(self, checkpoint):
     return _originals["_load_optimizer_and_scheduler"](self, checkpoint)
 
 
+def _trainer_init(self, *args, **kwargs):
+    training_args = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+    output_dir = getattr(training_args, "output_dir", None)
+    if output_dir is not None:
+        from xla_fsdp.checkpoint.storage import is_url
+
+        if is_url(output_dir):
+            raise ValueError(f"--output_dir {output_dir} is a URL: transformers' Trainer writes it with os and "
+                             "shutil, which would make a local folder of that name. Give a local path (a gcsfuse "
+                             "mount of the bucket works), or train with launch/run_clm.py, which writes URLs")
+    _originals["__init__"](self, *args, **kwargs)
+
+
 def disable() -> None:
     """Undo `enable()` (tests)."""
     if not _originals:
@@ -177,7 +195,7 @@ def disable() -> None:
 
     trainer_module.wrap_model_xla_fsdp = _originals["wrap_model_xla_fsdp"]
     trainer_module.save_tpu_checkpoint = _originals["save_tpu_checkpoint"]
-    for name in ("_clip_grad_norm", "_get_grad_norm", "_load_optimizer_and_scheduler"):
+    for name in ("_clip_grad_norm", "_get_grad_norm", "_load_optimizer_and_scheduler", "__init__"):
         setattr(trainer_module.Trainer, name, _originals[name])
     _originals.clear()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 FSDP_TOKENS = {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "auto_wrap"}
 STRATEGY_OF_TOKEN = {
@@ -151,6 +152,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.learning_rate = 1e-3 if embedded else 5e-5
     if args.num_train_epochs is None:
         args.num_train_epochs = 1.0 if embedded else 3.0
+    for flag in ("config_name", "fsdp_config", "cache_dir"):  # read by transformers/json/datasets: local only
+        value = getattr(args, flag)
+        if value and _URL.match(value):
+            parser.error(f"--{flag} {value}: a URL; this flag takes a local path (copy the file down first, "
+                         f"e.g. gcloud storage cp {value} .)")
     if not os.path.isfile(args.config_name):
         parser.error(f"--config_name {args.config_name}: no such file; give a GPT2Config JSON "
                      f"(e.g. configs/models/gpt2-tiny.json)")
@@ -164,8 +170,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--save_steps must be positive, got {args.save_steps}")
     if args.save_total_limit is not None and args.save_total_limit < 1:
         parser.error(f"--save_total_limit must be at least 1, got {args.save_total_limit}")
-    if args.resume_from_checkpoint not in (None, "auto") and not os.path.isdir(args.resume_from_checkpoint):
-        parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such directory "
-                     "(give a checkpoint-<step> folder, or 'auto')")
+    if args.resume_from_checkpoint not in (None, "auto"):
+        problem = _resume_problem(args.resume_from_checkpoint)
+        if problem:
+            parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {problem}")
     args.sharding_strategy, args.auto_wrap = parse_fsdp(args.fsdp)
     return args
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")  # as xla_fsdp/checkpoint/storage.py spells a URL
+
+
+def _resume_problem(path: str):
+    """Why `path` cannot be resumed from (None: it can), read through its storage, so a
+    URL (gs://bucket/run/checkpoint-8) is checked in its bucket, not on the local disk."""
+    from xla_fsdp.checkpoint import format as fmt
+    from xla_fsdp.checkpoint import storage
+
+    try:
+        st = storage.storage_for(path)
+        storage.check_bucket(path)
+    except (ImportError, ValueError, FileNotFoundError) as e:
+        return str(e)
+    if not st.isdir(path):
+        return "no such directory (give a checkpoint-<step> folder, or 'auto')"
+    if not fmt.is_complete(path):
+        return (f"not a complete checkpoint (no {fmt.COMPLETE} marker: its save did not finish); "
+                "give an earlier checkpoint-<step>, or 'auto' for the newest complete one")
+    return None

@@ -39,9 +39,14 @@ def embedded_documents() -> list[str]:
 
 
 def read_text_file(path: str) -> list[str]:
-    """A local plain-text file; blank-line-separated paragraphs become documents."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    """A plain-text file, local or at a URL (gs://bucket/corpus.txt, through fsspec);
+    blank-line-separated paragraphs become documents."""
+    from xla_fsdp.checkpoint import storage
+
+    try:
+        text = storage.storage_for(path).read_bytes(path).decode("utf-8")
+    except (ImportError, ValueError, FileNotFoundError) as e:
+        raise ValueError(f"--train_file {path}: {e}") from None
     docs = [p for p in text.split("\n\n") if p.strip()]
     if not docs:
         raise ValueError(f"--train_file {path} has no text; give a non-empty UTF-8 file")

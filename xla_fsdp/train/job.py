@@ -24,11 +24,13 @@ from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, se
 def check_output_dir(args) -> None:
     """Hugging Face's run_clm semantics: a non-empty --output_dir is refused unless
     --overwrite_output_dir is given, or it holds a checkpoint to resume from (which,
-    without --resume_from_checkpoint, is then resumed: the preempted job's restart)."""
+    without --resume_from_checkpoint, is then resumed: the preempted job's restart).
+    A URL (gs://bucket/run) is checked through its fsspec file system, bucket included."""
     d = args.output_dir
-    if os.path.exists(d) and not os.path.isdir(d):
+    st = output_storage(d)
+    if st.exists(d) and not st.isdir(d):
         raise SystemExit(f"--output_dir {d} exists and is a file; give a directory path")
-    if args.do_train and os.path.isdir(d) and os.listdir(d) and not args.overwrite_output_dir:
+    if args.do_train and st.listdir(d) and not args.overwrite_output_dir:
         from xla_fsdp.checkpoint import latest_checkpoint
 
         last = latest_checkpoint(d)
@@ -39,6 +41,28 @@ def check_output_dir(args) -> None:
             print(f"run_clm: checkpoint detected in {d}; resuming from {last} "
                   "(add --overwrite_output_dir to train from scratch)")
             args.resume_from_checkpoint = last
+
+
+def output_storage(d):
+    """The storage --output_dir lives on: the local disk, or the fsspec file system of a URL
+    (never a local folder named `gs:`). A missing file system or bucket ends the job here."""
+    from xla_fsdp.checkpoint import storage
+
+    try:
+        st = storage.storage_for(d)
+        storage.check_bucket(d)
+    except (ImportError, ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"--output_dir: {e}") from None
+    return st
+
+
+def write_metrics(report: dict, output_dir: str) -> str:
+    """metrics.json into --output_dir (a path or a URL); returns where it went."""
+    st = output_storage(output_dir)
+    st.makedirs(output_dir, exist_ok=True)
+    path = st.join(output_dir, "metrics.json")
+    st.write_bytes(path, json.dumps(report, indent=2).encode())
+    return path
 
 
 def device_facts(spmd: bool) -> dict:
@@ -138,10 +162,7 @@ def run(argv=None) -> dict:
     report["wall_time_s"] = time.perf_counter() - started
     report["xla_compiles"] = _compile_count()
     if facts["leader"]:
-        path = os.path.join(args.output_dir, "metrics.json")
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+        path = write_metrics(report, args.output_dir)
         log(f"run_clm: metrics written to {path}")
     return report
 
