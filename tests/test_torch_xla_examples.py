@@ -137,8 +137,14 @@ def _check_run(case, rc, log, result, out):
     """What every run of ours must show: it trained to the end and consolidated the torch_xla way."""
     assert rc == 0, log[-4000:]
     assert f"saved consolidated model to {out / 'final_ckpt'}_consolidated.pth" in log
-    _example_module().ConvBNClassifier().load_state_dict(result["consolidated"])  # every key, the plain model's names
-    assert all(v.dtype == torch.float32 for v in result["consolidated"].values() if v.is_floating_point())
+    assert result["fsdp_class"].startswith("xla_fsdp."), result["fsdp_class"]  # the swap took effect
+    plain = _example_module().ConvBNClassifier()
+    plain.load_state_dict(result["consolidated"])  # every key, the plain model's names
+    buffers = {name for name, _ in plain.named_buffers()}
+    for name, value in result["consolidated"].items():  # float32 parameters; buffers in buffer_dtype,
+        if value.is_floating_point():  # which defaults to compute_dtype in torch_xla's FSDP and ours
+            want = getattr(torch, case.compute_dtype) if name in buffers else torch.float32
+            assert value.dtype == want, (name, value.dtype)
     assert torch.isfinite(torch.tensor(result["losses"])).all()
     assert result["losses"][-1] < result["losses"][0]
     assert result["consolidated_accuracy"] > 50  # learned: chance is 10
@@ -177,6 +183,7 @@ def _compare_with_torch_xla(tmp_path, case):
     procs = {ours: _start(tmp_path, case, ours) for ours in (True, False)}  # both at once: 2 cores
     (rc, log, mine), (rc_t, log_t, want) = (_finish(*procs[True]), _finish(*procs[False]))
     assert rc_t == 0, "torch_xla's own FSDP failed (the control):\n" + log_t[-4000:]
+    assert want["fsdp_class"].startswith("torch_xla."), want["fsdp_class"]
     _check_run(case, rc, log, mine, procs[True][1])
     print(f"\n{case.id}: max differences from torch_xla {_max_differences(mine, want)}")
     _assert_same_training(mine, want)
