@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..options import FSDP_AXIS
+from .host_reads import refuse_host_reads
 
 REPLICATE_AXIS = "replicate"
 
@@ -255,7 +256,8 @@ class ManualRegion:
         swapped = self._localize_buffers(root)
         _local.depth = getattr(_local, "depth", 0) + 1
         try:
-            out = forward(args, kwargs)
+            with refuse_host_reads():  # [Note: host reads in the manual region]
+                out = forward(args, kwargs)
         finally:
             _local.depth -= 1
             self._restore_buffers(swapped)
