@@ -127,6 +127,8 @@ def _check_partition(groups: List[List[int]], num_devices: int) -> None:
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     # a new IR value: annotating device data in place would change the data's own sharding
+    if t.dtype == torch.bool:
+        return t | False  # `+ 0` would make it int64
     return t * 1 if t.is_floating_point() or t.is_complex() else t + 0
 
 
