@@ -9,7 +9,7 @@ from xla_fsdp.collective_engine import host_reads, manual_region
 
 def test_guard_comes_and_goes_and_spares_cpu_tensors():
     before = {name: torch.Tensor.__dict__.get(name) for name in host_reads.READS}
-    with host_reads.refuse_host_reads():
+    with host_reads.refuse_host_reads(manual_region.in_manual_region):
         assert torch.Tensor.__bool__ is not before["__bool__"]
         manual_region._local.depth = 1
         try:
@@ -22,7 +22,7 @@ def test_guard_comes_and_goes_and_spares_cpu_tensors():
 def test_xla_tensor_read_in_a_region_is_refused_by_line():
     xla = pytest.importorskip("torch_xla")
     t = torch.ones(2).to(xla.device())
-    with host_reads.refuse_host_reads():
+    with host_reads.refuse_host_reads(manual_region.in_manual_region):
         manual_region._local.depth = 1
         try:
             with pytest.raises(host_reads.HostReadInManualRegion, match=r"test_host_reads.py:\d+ in test_xla"):

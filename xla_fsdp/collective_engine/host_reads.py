@@ -51,9 +51,7 @@ def _where() -> str:
     return "an unknown line"
 
 
-def _guarded(name: str, original: Callable) -> Callable:
-    from .manual_region import in_manual_region
-
+def _guarded(name: str, original: Callable, in_manual_region: Callable[[], bool]) -> Callable:
     def read(self, *args, **kwargs):
         if in_manual_region() and isinstance(self, torch.Tensor) and self.device.type == "xla":
             raise HostReadInManualRegion(
@@ -72,15 +70,15 @@ def _guarded(name: str, original: Callable) -> Callable:
 
 
 @contextmanager
-def refuse_host_reads():
-    """While inside: Python-level host reads of XLA tensors in a manual region raise (all threads
-    share the patched methods; each checks its own thread's region)."""
+def refuse_host_reads(in_manual_region: Callable[[], bool]):
+    """While inside: Python-level host reads of XLA tensors raise when `in_manual_region()` (all
+    threads share the patched methods; the predicate answers for the calling thread)."""
     global _active
     with _lock:
         if _active == 0:
             for name in READS:
                 _saved[name] = torch.Tensor.__dict__.get(name, getattr(torch.Tensor, name))
-                setattr(torch.Tensor, name, _guarded(name, getattr(torch.Tensor, name)))
+                setattr(torch.Tensor, name, _guarded(name, getattr(torch.Tensor, name), in_manual_region))
         _active += 1
     try:
         yield

@@ -258,7 +258,7 @@ class ManualRegion:
         swapped = self._localize_buffers(root)
         _local.depth = getattr(_local, "depth", 0) + 1
         try:
-            with refuse_host_reads():  # [Note: host reads in the manual region]
+            with refuse_host_reads(in_manual_region):  # [Note: host reads in the manual region]
                 out = forward(args, kwargs)
         finally:
             _local.depth -= 1

@@ -1,10 +1,10 @@
 """Hugging Face Trainer on xla_fsdp: `xla_fsdp.integrations.transformers.enable()`.
 
-After `enable()`, a `transformers.Trainer` run with `--fsdp full_shard
+After `enable()`, a `transformers.Trainer` run with `--fsdp
 --fsdp_config cfg.json`, where `cfg.json` holds `"xla": true`, wraps the model
 with xla_fsdp's collective engine instead of torch_xla's FSDP (with
 `"xla_fsdp_v2": true`, with xla_fsdp's GSPMD engine instead of torch_xla's
-FSDPv2). Nothing in transformers is edited; four names are replaced, each the
+FSDPv2). Nothing in transformers is edited; these names are replaced, each the
 narrowest point that serves (transformers 5.23; other versions are refused):
 
 - `transformers.trainer.wrap_model_xla_fsdp`: wraps with the config's
@@ -23,6 +23,12 @@ narrowest point that serves (transformers 5.23; other versions are refused):
 - `Trainer._load_optimizer_and_scheduler`: refuses per-rank optimizer files
   of another world size, which transformers skips without a word (use
   `xla_fsdp.checkpoint` to reshard).
+- `Trainer.compute_loss`: under the single controller, divides
+  `num_items_in_batch` by the devices the batch is split over before the
+  model sees it; `Trainer.get_optimizer_cls_and_kwargs`: no fused AdamW on
+  XLA; and transformers' `is_tracing` (true inside the collective engine's
+  per-device region). `enable()` also turns on the SPMD runtime under
+  `XLA_FSDP_RUNTIME=single_controller`. Why: transformers_runtime.py.
 
 Gradient accumulation goes through Accelerate's `no_sync(model)`, which calls
 the model's `no_sync()`.
