@@ -123,13 +123,16 @@ def corpus(tmp_path_factory):
 
 def _clm(out, corpus, devices, *flags):
     """hf_clm_job.py: plain Python at 1 device (no FSDP: the unsharded reference), else
-    `xla_spawn --num_cores devices`. The default optimizer (adamw_torch_fused) is left in."""
+    `xla_spawn --num_cores devices`. Gradient accumulation 2 (the Trainer's num_items_in_batch
+    counts both micro-batches), clipping at 1.0 (the default); the default optimizer
+    (adamw_torch_fused) is left in."""
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), PYTHONPATH=ROOT)
     for name in ("XLA_USE_SPMD", "XLA_FSDP_RUNTIME", "XLA_FSDP_ENGINE"):
         env.pop(name, None)
     launcher = [SPAWN, "--num_cores", str(devices)] if devices > 1 else []
     cmd = [sys.executable, *launcher, CLM, "--output_dir", str(out), "--train_file", str(corpus), "--max_steps", "4",
-           "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "2",
+           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--logging_steps", "1",
+           "--save_steps", "2",
            "--learning_rate", "3e-3", "--report_to", "none", "--seed", "0", "--dataloader_drop_last", *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
