@@ -27,6 +27,11 @@ def test_xla_tensor_read_in_a_region_is_refused_by_line():
         try:
             with pytest.raises(host_reads.HostReadInManualRegion, match=r"test_host_reads.py:\d+ in test_xla"):
                 t.sum().item()
+            with pytest.raises(host_reads.HostReadInManualRegion, match=r"to\(\) of an XLA tensor"):
+                t.to("cpu")
+            with pytest.raises(host_reads.HostReadInManualRegion, match=r"to\(\) of an XLA tensor"):
+                t.to(device=torch.device("cpu"), dtype=torch.float64)
+            assert t.to(torch.float64).dtype == torch.float64 and t.to(t).device == t.device  # not reads
         finally:
             manual_region._local.depth = 0
         assert t.sum().item() == 2.0  # outside a region: read as usual

@@ -13,8 +13,9 @@ is all ones).
 
 While a region runs, the Python entry points of such reads on XLA tensors
 raise `HostReadInManualRegion` instead, naming the line that read and the
-fixes. Reads made in C++ (`torch.equal`, boolean-mask indexing, `nonzero`)
-are not seen here. Hugging Face's mask code is steered off its reads by
+fixes; so does `t.to("cpu")` (the methods are replaced only while a region
+runs, so `to` costs nothing elsewhere). Not seen here (they still abort):
+reads made in C++ (`torch.equal`, boolean-mask indexing, `nonzero`). Hugging Face's mask code is steered off its reads by
 `xla_fsdp.integrations.transformers` (its `is_tracing` is true inside the
 region).
 """
@@ -30,7 +31,7 @@ import torch
 
 # the Python entry points of a device-to-host read (all reach aten::_local_scalar_dense or a copy to CPU)
 READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy", "cpu", "__repr__",
-         "__format__")
+         "__format__", "to")
 
 _lock = threading.Lock()
 _active = 0
@@ -51,8 +52,20 @@ def _where() -> str:
     return "an unknown line"
 
 
+def _to_host(args, kwargs) -> bool:
+    """Whether `Tensor.to(*args, **kwargs)` copies to the CPU."""
+    target = kwargs.get("device", args[0] if args else None)
+    if isinstance(target, torch.Tensor):
+        target = target.device
+    if isinstance(target, str):
+        target = torch.device(target)
+    return isinstance(target, torch.device) and target.type == "cpu"
+
+
 def _guarded(name: str, original: Callable, in_manual_region: Callable[[], bool]) -> Callable:
     def read(self, *args, **kwargs):
+        if name == "to" and not _to_host(args, kwargs):
+            return original(self, *args, **kwargs)
         if in_manual_region() and isinstance(self, torch.Tensor) and self.device.type == "xla":
             raise HostReadInManualRegion(
                 f"{name}() of an XLA tensor (shape {tuple(self.shape)}, {self.dtype}) at {_where()}, inside "
