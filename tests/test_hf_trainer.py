@@ -9,6 +9,16 @@ from checkpoint-2 and must log the same losses for steps 3 and 4; the final
 computes the trained model's logits. The same with `"xla_fsdp_v2": true` on
 the GSPMD engine and 4 devices. One process (Trainer's world size is 1 here:
 multi-process XLA does not run on CPU).
+
+At 4 devices under launch/xla_spawn.py (one process, XLA_FSDP_RUNTIME=single_controller):
+tests/fixtures/hf_clm_job.py, a script in the style of Hugging Face's run_clm.py with
+only the two lines added, trains GPT-2 and Llama on a text file with a tokenizer-style
+attention_mask (padding zeros, or run_clm's all-ones blocks) in both engines; its
+losses equal the unsharded Trainer's within 1e-5 (f32), a resume from checkpoint-2 logs
+the same losses, and the final model loads with from_pretrained. Default run: the
+collective engine on padded GPT-2; the rest under `pytest -m slow`.
+tests/fixtures/hf_host_reads.py: host reads inside the manual region are Python errors
+naming the line, and transformers' mask code takes the paths that read nothing.
 """
 import json
 import os
@@ -21,6 +31,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "fixtures", "hf_trainer_job.py")
+CLM = os.path.join(ROOT, "tests", "fixtures", "hf_clm_job.py")
+HOST_READS = os.path.join(ROOT, "tests", "fixtures", "hf_host_reads.py")
+SPAWN = os.path.join(ROOT, "launch", "xla_spawn.py")
 CONFIGS = {"v1": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json"), 1, []),
            "v2": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_v2.json"), 4, ["--v2"])}
 
@@ -94,3 +107,129 @@ def test_trainer_fsdp_config_prefetch_keys(hf, forward, backward):
             wrap_model(torch.nn.Linear(4, 4), args(), True)
     with pytest.raises(ValueError, match="backward_prefetch"):
         wrap_model(torch.nn.Linear(4, 4), args(backward_prefetch="later"), False)
+
+
+# -- run_clm-style script at 4 devices under xla_spawn --------------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from xla_fsdp.train.data import embedded_documents
+
+    lines = [line.strip() for doc in embedded_documents()[:60] for line in doc.split("\n") if line.strip()]
+    path = tmp_path_factory.mktemp("corpus") / "train.txt"
+    path.write_text("\n".join(lines[:200]) + "\n")
+    return path
+
+
+def _clm(out, corpus, devices, *flags):
+    """hf_clm_job.py: plain Python at 1 device (no FSDP: the unsharded reference), else
+    `xla_spawn --num_cores devices`. Gradient accumulation 2 (the Trainer's num_items_in_batch
+    counts both micro-batches), clipping at 1.0 (the default); the default optimizer
+    (adamw_torch_fused) is left in."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), PYTHONPATH=ROOT)
+    for name in ("XLA_USE_SPMD", "XLA_FSDP_RUNTIME", "XLA_FSDP_ENGINE"):
+        env.pop(name, None)
+    launcher = [SPAWN, "--num_cores", str(devices)] if devices > 1 else []
+    cmd = [sys.executable, *launcher, CLM, "--output_dir", str(out), "--train_file", str(corpus), "--max_steps", "4",
+           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--logging_steps", "1",
+           "--save_steps", "2",
+           "--learning_rate", "3e-3", "--report_to", "none", "--seed", "0", "--dataloader_drop_last", *flags]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    log = json.loads((out / "log.json").read_text())
+    return {int(k): v for k, v in log["losses"].items()}, log, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory, corpus):
+    runs = {}
+
+    def get(model, pad):
+        if (model, pad) not in runs:
+            out = tmp_path_factory.mktemp(f"ref_{model}_{pad}")
+            runs[model, pad] = (_clm(out, corpus, 1, "--model_type", model, *(["--pad"] if pad else []))[0], out)
+        return runs[model, pad]
+    return get
+
+
+@pytest.mark.parametrize("engine,model,pad", [
+    ("collectives", "gpt2", True),
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("collectives", "llama", True), ("collectives", "gpt2", False),
+        ("spmd", "gpt2", True), ("spmd", "llama", True), ("spmd", "gpt2", False)]],
+])
+def test_clm_script_at_4_devices_under_xla_spawn(tmp_path, corpus, unsharded, engine, model, pad):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text(json.dumps({"xla": True, "xla_fsdp_v2": engine == "spmd",
+                               "xla_fsdp_settings": {"compute_dtype": "float32"}}))
+    flags = ["--model_type", model, *(["--pad"] if pad else []), "--fsdp", "--fsdp_config", str(cfg)]
+    losses, log, stderr = _clm(tmp_path / "whole", corpus, 4, *flags)
+    assert log["world_size"] == 1 and "XlaFullyShardedDataParallel" in log["mro"], log  # one process, our engine
+    assert "training with torch.optim.AdamW unfused" in stderr  # transformers' fused default on XLA
+    reference, ref_dir = unsharded(model, pad)
+    assert sorted(losses) == [1, 2, 3, 4]
+    for step in losses:
+        assert losses[step] == pytest.approx(reference[step], rel=1e-5), (step, losses, reference)
+
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", resumed_dir / "checkpoint-2")
+    resumed = _clm(resumed_dir, corpus, 4, *flags, "--resume")[0]
+    assert [resumed[s] for s in (3, 4)] == [losses[s] for s in (3, 4)], (resumed, losses)  # exact
+
+    ids = torch.arange(32).reshape(2, 16)
+    with torch.no_grad():
+        logits = {name: AutoModelForCausalLM.from_pretrained(str(d / "final"))(input_ids=ids).logits
+                  for name, d in (("whole", tmp_path / "whole"), ("resumed", resumed_dir), ("unsharded", ref_dir))}
+    torch.testing.assert_close(logits["resumed"], logits["whole"], rtol=0, atol=0)
+    torch.testing.assert_close(logits["whole"], logits["unsharded"], rtol=1e-4, atol=1e-4)
+
+
+def test_host_reads_in_the_manual_region_are_python_errors_and_hf_masks_read_nothing(tmp_path):
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", PYTHONPATH=ROOT)
+    for name in ("XLA_USE_SPMD", "XLA_FSDP_RUNTIME"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, HOST_READS, str(tmp_path / "out.json")], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert "item() of an XLA tensor" in out["item"] and "hf_host_reads.py:40 in forward" in out["item"], out
+    assert "__bool__()" in out["branch"] and "hf_host_reads.py:50 in forward" in out["branch"], out
+    for model in ("gpt2", "llama"):  # without enable(): transformers' mask code, by line
+        assert "masking_utils.py" in out[f"{model}_unsteered"] and "_ignore_causal_mask_sdpa" in out[
+            f"{model}_unsteered"] and "enable()" in out[f"{model}_unsteered"], out
+        for engine in ("collectives", "spmd"):
+            for mask in ("ones", "padded"):
+                assert out[f"{model}_{engine}_{mask}"] <= 1e-5, out
+
+
+def test_single_controller_runtime_set_up_too_late_names_the_fix():
+    code = ("import torch, torch_xla; torch.ones(2).to(torch_xla.device())\n"
+            "import xla_fsdp.integrations.transformers as t; t.enable()")
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", PYTHONPATH=ROOT, XLA_FSDP_RUNTIME="single_controller")
+    env.pop("XLA_USE_SPMD", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1 and "RuntimeError: XLA_FSDP_RUNTIME=single_controller" in proc.stderr, proc.stderr
+    assert "before any model or tensor is moved to the XLA device" in proc.stderr, proc.stderr
+
+
+def test_fused_adamw_becomes_unfused_on_xla_only(caplog):
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+    from transformers.training_args import OptimizerNames
+
+    from xla_fsdp.integrations import transformers_runtime
+
+    get = transformers_runtime.unfused_adamw(Trainer.get_optimizer_cls_and_kwargs).__func__
+
+    def args(device):
+        return SimpleNamespace(optim=OptimizerNames.ADAMW_TORCH_FUSED, learning_rate=1e-3, adam_beta1=0.9,
+                               adam_beta2=0.999, adam_epsilon=1e-8, optim_args=None, device=torch.device(device))
+
+    cls, kwargs = get(args("xla"))
+    assert cls is torch.optim.AdamW and "fused" not in kwargs and kwargs["lr"] == 1e-3
+    assert "--optim adamw_torch_fused (transformers' default) has no XLA kernel" in caplog.text
+    assert get(args("cpu"))[1]["fused"] is True

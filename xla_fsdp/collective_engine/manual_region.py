@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..options import FSDP_AXIS
+from .host_reads import refuse_host_reads
 
 REPLICATE_AXIS = "replicate"
 
@@ -126,6 +127,8 @@ def _check_partition(groups: List[List[int]], num_devices: int) -> None:
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     # a new IR value: annotating device data in place would change the data's own sharding
+    if t.dtype == torch.bool:
+        return t | False  # `+ 0` would make it int64
     return t * 1 if t.is_floating_point() or t.is_complex() else t + 0
 
 
@@ -256,7 +259,8 @@ class ManualRegion:
         swapped = self._localize_buffers(root)
         _local.depth = getattr(_local, "depth", 0) + 1
         try:
-            out = forward(args, kwargs)
+            with refuse_host_reads(in_manual_region):  # [Note: host reads in the manual region]
+                out = forward(args, kwargs)
         finally:
             _local.depth -= 1
             self._restore_buffers(swapped)

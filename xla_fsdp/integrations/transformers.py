@@ -1,10 +1,10 @@
 """Hugging Face Trainer on xla_fsdp: `xla_fsdp.integrations.transformers.enable()`.
 
-After `enable()`, a `transformers.Trainer` run with `--fsdp full_shard
+After `enable()`, a `transformers.Trainer` run with `--fsdp
 --fsdp_config cfg.json`, where `cfg.json` holds `"xla": true`, wraps the model
 with xla_fsdp's collective engine instead of torch_xla's FSDP (with
 `"xla_fsdp_v2": true`, with xla_fsdp's GSPMD engine instead of torch_xla's
-FSDPv2). Nothing in transformers is edited; five names are replaced, each the
+FSDPv2). Nothing in transformers is edited; these names are replaced, each the
 narrowest point that serves (transformers 5.23; other versions are refused):
 
 - `transformers.trainer.wrap_model_xla_fsdp`: wraps with the config's
@@ -26,6 +26,12 @@ narrowest point that serves (transformers 5.23; other versions are refused):
 - `Trainer._load_optimizer_and_scheduler`: refuses per-rank optimizer files
   of another world size, which transformers skips without a word (use
   `xla_fsdp.checkpoint` to reshard).
+- `Trainer.compute_loss`: under the single controller, divides
+  `num_items_in_batch` by the devices the batch is split over before the
+  model sees it; `Trainer.get_optimizer_cls_and_kwargs`: no fused AdamW on
+  XLA; and transformers' `is_tracing` (true inside the collective engine's
+  per-device region). `enable()` also turns on the SPMD runtime under
+  `XLA_FSDP_RUNTIME=single_controller`. Why: transformers_runtime.py.
 
 Gradient accumulation goes through Accelerate's `no_sync(model)`, which calls
 the model's `no_sync()`.
@@ -36,6 +42,8 @@ import functools
 import glob
 import os
 from typing import Any, Dict
+
+from . import transformers_runtime as runtime
 
 SUPPORTED = ("5.23",)
 
@@ -56,11 +64,14 @@ def enable() -> None:
     Trainer = trainer_module.Trainer
     needed = {"wrap_model_xla_fsdp": trainer_module, "save_tpu_checkpoint": trainer_module,
               "_clip_grad_norm": Trainer, "_get_grad_norm": Trainer, "_load_optimizer_and_scheduler": Trainer,
+              "get_optimizer_cls_and_kwargs": Trainer, "compute_loss": Trainer,
               "__init__": Trainer}
     missing = [name for name, owner in needed.items() if not callable(getattr(owner, name, None))]
     if missing:
         raise RuntimeError(f"transformers {transformers.__version__} has no {', '.join(missing)}; "
                            "xla_fsdp.integrations.transformers cannot patch it")
+    runtime.set_up_runtime()
+    runtime.steer_is_tracing()
     if _originals:
         return
     for name, owner in needed.items():
@@ -70,6 +81,8 @@ def enable() -> None:
     Trainer._clip_grad_norm = _clip_grad_norm
     Trainer._get_grad_norm = _get_grad_norm
     Trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+    Trainer.get_optimizer_cls_and_kwargs = runtime.unfused_adamw(_originals["get_optimizer_cls_and_kwargs"])
+    Trainer.compute_loss = _compute_loss
     Trainer.__init__ = _trainer_init
 
 
@@ -86,6 +99,7 @@ def wrap_model(model, args, is_fsdp_xla_v2_enabled: bool):
 
     if _is_ours(model):
         return model
+    runtime.steer_is_tracing()  # the model's modules are loaded by now
     config = args.fsdp_config
     kwargs: Dict[str, Any] = {}
     layer_names = config.get("transformer_layer_cls_to_wrap") or getattr(model, "_no_split_modules", None)
@@ -162,6 +176,16 @@ def _get_grad_norm(self, model, grad_norm=None):
     return grad_norm if grad_norm is not None else model.clip_grad_norm_(float("inf"))
 
 
+def _compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    split = runtime.batch_split(model) if _is_ours(model) else 1
+    if (split > 1 and num_items_in_batch is not None and self.model_accepts_loss_kwargs
+            and self.label_smoother is None and self.compute_loss_func is None):
+        # only the model's own loss reads it here: see transformers_runtime's docstring
+        num_items_in_batch = num_items_in_batch / split
+    return _originals["compute_loss"](self, model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+
+
 def _load_optimizer_and_scheduler(self, checkpoint):
     if checkpoint is not None and self.is_fsdp_xla_v1_enabled:
         files = glob.glob(os.path.join(checkpoint, "rank*-of-*-optimizer.pt"))
@@ -195,7 +219,9 @@ def disable() -> None:
 
     trainer_module.wrap_model_xla_fsdp = _originals["wrap_model_xla_fsdp"]
     trainer_module.save_tpu_checkpoint = _originals["save_tpu_checkpoint"]
-    for name in ("_clip_grad_norm", "_get_grad_norm", "_load_optimizer_and_scheduler", "__init__"):
+    for name in ("_clip_grad_norm", "_get_grad_norm", "_load_optimizer_and_scheduler", "compute_loss", "__init__"):
         setattr(trainer_module.Trainer, name, _originals[name])
+    trainer_module.Trainer.get_optimizer_cls_and_kwargs = staticmethod(_originals["get_optimizer_cls_and_kwargs"])
+    runtime.unsteer_is_tracing()
     _originals.clear()
 

@@ -83,9 +83,10 @@ def annotate(tensor: torch.Tensor, mesh: xs.Mesh,
   `mark_sharding_with_gradients`, a mesh re-parse per call); the OpSharding
   itself is cached by the mesh. `* 1` makes a new IR value (exact, even for
   -0.0 and NaN): annotating a clone of device data would collide with the
-  data's own sharding.
+  data's own sharding. A boolean tensor (a Hugging Face 4-D attention mask
+  passed to every layer) takes `| False`, since `* 1` would make it int64.
   """
-  fresh = tensor * 1
+  fresh = tensor | False if tensor.dtype == torch.bool else tensor * 1
   torch_xla._XLAC._xla_mark_sharding(fresh, mesh.get_op_sharding(spec))
   return fresh
 

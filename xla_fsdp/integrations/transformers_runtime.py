@@ -1,0 +1,113 @@
+"""What `xla_fsdp.integrations.transformers.enable()` sets up beyond the four replaced functions.
+
+- The single controller's runtime: under `XLA_FSDP_RUNTIME=single_controller`
+  (launch/xla_spawn.py sets it, e.g. `--num_cores 4` on CPU) torch_xla's SPMD
+  runtime is turned on (`xr.use_spmd()`) before any device use, so an
+  unchanged Trainer script sees one process and the engine shards over the
+  host's devices. Too late (tensors already on an XLA device without SPMD)
+  is an error that names the fix.
+- transformers' `is_tracing` is true inside the collective engine's
+  per-device region ([Note: host reads in the manual region] in
+  collective_engine/host_reads.py): its mask code then builds the causal
+  (and padding) mask from the attention mask without reading its values.
+- transformers 5.23's default optimizer, `adamw_torch_fused`, has no XLA
+  kernel: on an XLA device the Trainer gets `torch.optim.AdamW` unfused
+  (the same update), with a warning.
+- `num_items_in_batch` (the global count of label tokens the Trainer passes
+  to models whose loss sums over tokens) is divided by the devices the
+  batch is split over: each device's loss is then its sum over the global
+  count times D, and the region's mean over devices is the global loss.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable, Dict, List, Tuple
+
+RUNTIME_ENV = "XLA_FSDP_RUNTIME"
+SINGLE_CONTROLLER = "single_controller"
+
+logger = logging.getLogger("xla_fsdp.integrations.transformers")
+
+_steered: List[Tuple[Any, Callable]] = []  # (module, its original is_tracing)
+
+
+def set_up_runtime() -> None:
+    """Turn on torch_xla's SPMD runtime when the launcher chose the single controller."""
+    if os.environ.get(RUNTIME_ENV, "").strip().lower() != SINGLE_CONTROLLER:
+        return
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if xr.is_spmd():
+        return
+    if torch_xla._XLAC._xla_get_spmd_config_is_locked():
+        raise RuntimeError(
+            f"{RUNTIME_ENV}={SINGLE_CONTROLLER} (set by launch/xla_spawn.py) runs this process as the single "
+            "controller of every device, which needs torch_xla's SPMD runtime, but tensors were already put on "
+            "an XLA device without it, so the Trainer would see one replica per device and wait for the others. "
+            "Call xla_fsdp.integrations.transformers.enable() (or torch_xla.runtime.use_spmd()) at the top of "
+            "the script, before any model or tensor is moved to the XLA device")
+    xr.use_spmd()
+
+
+def steer_is_tracing() -> None:
+    """Point every loaded transformers module's `is_tracing` at one that is true inside a manual region
+    (again at wrap time: model modules load lazily)."""
+    from transformers.utils import import_utils
+
+    original = import_utils.is_tracing
+    steered = _steered_is_tracing(original)
+    for name, module in list(sys.modules.items()):
+        if (name == "transformers" or name.startswith("transformers.")) and getattr(module, "is_tracing",
+                                                                                     None) is original:
+            setattr(module, "is_tracing", steered)
+            _steered.append((module, original))
+
+
+_STEERED: Dict[int, Callable] = {}
+
+
+def _steered_is_tracing(original: Callable) -> Callable:
+    if id(original) not in _STEERED:
+        from xla_fsdp.collective_engine.manual_region import in_manual_region
+
+        def is_tracing(tensor=None) -> bool:
+            # inside the region values cannot be read on the host: take the paths that do not read them
+            return in_manual_region() or original(tensor)
+
+        is_tracing.xla_fsdp_original = original
+        _STEERED[id(original)] = is_tracing
+    return _STEERED[id(original)]
+
+
+def unsteer_is_tracing() -> None:
+    while _steered:
+        module, original = _steered.pop()
+        module.is_tracing = original
+
+
+def unfused_adamw(get_optimizer_cls_and_kwargs: Callable) -> Callable:
+    """`Trainer.get_optimizer_cls_and_kwargs` that drops `fused=True` on XLA devices."""
+
+    def get(args, model=None):
+        cls, kwargs = get_optimizer_cls_and_kwargs(args, model)
+        if kwargs.get("fused") and getattr(args.device, "type", None) == "xla":
+            logger.warning("xla_fsdp: --optim %s (transformers' default) has no XLA kernel; training with "
+                           "torch.optim.AdamW unfused (the same update). Pass --optim adamw_torch to say so.",
+                           getattr(args.optim, "value", args.optim))
+            kwargs = {k: v for k, v in kwargs.items() if k != "fused"}
+        return cls, kwargs
+
+    return staticmethod(get)
+
+
+def batch_split(model) -> int:
+    """How many devices the collective engine splits each batch over in this process (1 unless the
+    single controller runs it)."""
+    state = model.__dict__.get("_fsdp_state")
+    comm = getattr(getattr(state, "group", None), "comm", None)
+    if comm is None or not getattr(comm, "is_single_controller", False):
+        return 1
+    return comm.placement.num_devices
