@@ -328,3 +328,24 @@ def test_auto_runtime_is_the_one_xla_spawn_picks_on_the_slice(monkeypatch):
     assert trace.runtime_for("auto", False, False, own) == trace.MULTI_PROCESS
     job = trace.job_from_command(["launch/xla_spawn.py", "--per_chip", run_clm, "--x"], "auto", 4)
     assert job.runtime == trace.MULTI_PROCESS and job.args == ["--x"]
+
+
+def test_a_trainer_script_is_checked_in_the_runtime_it_gets_on_a_tpu(tmp_path):
+    """A Hugging Face run_clm-style Trainer script with xla_fsdp's two lines, launched as users do
+    (`xla_spawn --num_cores 4 script ...`): on a TPU it runs in the single controller (it imports
+    the Trainer integration), so the check traces and compiles that runtime's step and says so."""
+    from xla_fsdp.train.data import embedded_documents
+
+    lines = [line.strip() for doc in embedded_documents()[:20] for line in doc.split("\n") if line.strip()]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:100]) + "\n")
+    (tmp_path / "fsdp.json").write_text(json.dumps({"xla": True, "xla_fsdp_settings": {"compute_dtype": "float32"}}))
+    script = os.path.join(ac.ROOT, "tests", "fixtures", "hf_clm_job.py")
+    cmd = [os.path.join(ac.ROOT, "launch", "xla_spawn.py"), "--num_cores", "4", script,
+           "--output_dir", str(tmp_path / "out"), "--train_file", str(tmp_path / "train.txt"), "--max_steps", "4",
+           "--per_device_train_batch_size", "4", "--report_to", "none", "--model_type", "gpt2", "--pad",
+           "--fsdp", "--fsdp_config", str(tmp_path / "fsdp.json")]
+    got = ac.check("v4-8", cmd, timeout=600)
+    report = got["report"]
+    assert got["rc"] == 0 and report["compiles"], got["output"]
+    assert report["runtime"] == "single_controller" and report["chips"] == 4, report
+    assert not (tmp_path / "out" / "checkpoint-2").exists()  # traced, never run
