@@ -133,6 +133,23 @@ def test_two_hosts_write_each_row_once_with_the_replica_axis_across_them(single_
     check_files(os.path.join(root, f"checkpoint-{cc.K}"), 2, "HYBRID_SHARD")
 
 
+def test_a_hybrid_save_moves_to_host_memory_only_the_rows_each_host_writes(single_controller_hybrid_2):
+    """Each host holds every row (one replica per host) and writes half of them: the copies it does
+    not write must stay on its devices, not pass through host memory ([Note: moving only what a
+    host writes] in xla_fsdp/checkpoint/host_shards.py). Counted from this host's devices, what a
+    pod host moves; padding rows (67 -> 68 on 4 shards, and the write copy's) are allowed for."""
+    from xla_fsdp.checkpoint import format as fmt
+
+    tmp, root = single_controller_hybrid_2
+    path = os.path.join(root, f"checkpoint-{cc.K}")
+    for h in range(2):
+        index = json.load(open(os.path.join(path, f"index-rank{h:05d}.json")))
+        written = sum(math.prod(info["shape"]) * fmt.dtype_from_name(info["dtype"]).itemsize
+                      for key, info in index["tensors"].items() if key.startswith(("param/", "optim/")))
+        moved = json.load(open(str(tmp / f"unused-host{h}-moved.json")))["own"]
+        assert written > 0 and moved <= 1.25 * written, f"host {h} moved {moved} bytes to write {written}"
+
+
 def test_offline_consolidation_reads_every_hosts_pieces(single_controller_hybrid_2, tmp_path):
     from safetensors.torch import load_file
 
