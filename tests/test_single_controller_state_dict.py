@@ -5,7 +5,8 @@ device count; the state dict cuts the padding off (as the GSPMD engine's has
 none) and `load_state_dict` puts it back ([Note: state dicts of the single
 controller]). The model has dim 0 sizes 4 devices do not divide (10, 3, 5 and
 a 0-dim scale). tests/single_controller/full_shapes.py runs in a fresh process
-with 4 XLA:CPU devices.
+with 4 XLA:CPU devices. `optimizer.state_dict()` follows (tests/single_controller/optimizer_state.py):
+AdamW's state in the unwrapped shapes, loading both ways and going on with the same losses.
 """
 from __future__ import annotations
 
@@ -107,6 +108,8 @@ def test_optimizer_state_loads_into_the_unwrapped_model_and_continues_the_losses
 
 
 def test_unwrapped_optimizer_state_resumes_a_wrapped_model_sharded_like_its_parameters(opt_got):
+    """Loaded before the first step (a resume): held on the host until that step pads and shards it."""
+    assert all(all(on_host.values()) for on_host in opt_got["fresh_on_host"].values()), opt_got["fresh_on_host"]
     assert opt_got["fresh_shapes"] == opt_got["plain_shapes"]
     for i, specs in opt_got["fresh_specs"].items():
         for key, spec in specs.items():

@@ -74,15 +74,14 @@ def main(out_path: str) -> None:
     train(model, opt, range(BEFORE), device)
     model_state, opt_state = host(model.state_dict()), host(opt.state_dict())
     out["opt_shapes"] = shapes(opt_state)
-    out["padded_opt"] = {i: {k: v.detach().cpu() for k, v in opt.state[p].items()}
-                         for i, p in enumerate(model.parameters())}  # what the optimizer holds
+    out["padded_opt"] = {i: host(opt.state[p]) for i, p in enumerate(model.parameters())}  # what it holds
     out["losses"] = train(model, opt, range(BEFORE, BEFORE + AFTER), device)
 
     # into the unwrapped model and a plain AdamW
     plain = build(1)
     plain.load_state_dict(model_state)
     plain_opt = adamw(plain.parameters())
-    plain_opt.load_state_dict(opt_state)
+    plain_opt.load_state_dict(host(opt_state))  # a copy: torch keeps the loaded "step" tensors and counts on
     out["plain_shapes"] = shapes(host(plain_opt.state_dict()))
     out["plain_losses"] = train(plain, plain_opt, range(BEFORE, BEFORE + AFTER))
 
@@ -90,22 +89,27 @@ def main(out_path: str) -> None:
     plain = build(1)
     plain.load_state_dict(model_state)
     plain_opt = adamw(plain.parameters())
-    plain_opt.load_state_dict(opt_state)
+    plain_opt.load_state_dict(host(opt_state))
     fresh = wrap(build(2))
     fresh.load_state_dict(plain.state_dict())
     fresh_opt = adamw(fresh.parameters())
-    fresh_opt.load_state_dict(plain_opt.state_dict())
+    fresh_opt.load_state_dict(host(plain_opt.state_dict()))
+    # until the first step pads and shards it, the loaded state stays on the host (torch_xla moves a
+    # tensor to the devices at its first use): no device holds an unpadded, unsharded copy
+    out["fresh_on_host"] = {i: {k: "XLAData: None" in torch_xla._XLAC._get_xla_tensor_debug_info(v)
+                                for k, v in fresh_opt.state[p].items() if isinstance(v, torch.Tensor) and v.dim()}
+                            for i, p in enumerate(fresh.parameters())}
+    out["fresh_losses"] = train(fresh, fresh_opt, range(BEFORE, BEFORE + AFTER), device)
     out["fresh_shapes"] = shapes(host(fresh_opt.state_dict()))
     out["fresh_specs"] = {i: {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in fresh_opt.state[p].items()
                               if isinstance(v, torch.Tensor) and v.dim()} for i, p in enumerate(fresh.parameters())}
     out["param_specs"] = {i: torch_xla._XLAC._get_xla_sharding_spec(p) for i, p in enumerate(fresh.parameters())}
-    out["fresh_losses"] = train(fresh, fresh_opt, range(BEFORE, BEFORE + AFTER), device)
 
     # the padded state the optimizer holds (what state_dict() gave before) still loads
     old = wrap(build(3))
     old.load_state_dict(model_state)
     old_opt = adamw(old.parameters())
-    old_opt.load_state_dict({"state": out["padded_opt"], "param_groups": opt_state["param_groups"]})
+    old_opt.load_state_dict(host({"state": out["padded_opt"], "param_groups": opt_state["param_groups"]}))
     out["old_losses"] = train(old, old_opt, range(BEFORE, BEFORE + AFTER), device)
     torch.save(out, out_path)
 

@@ -315,5 +315,14 @@ def optimizer_names(optimizer, held: List[Holding]) -> Dict[int, Holding]:
     return out
 
 
+def held_state_dict(optimizer) -> Dict[str, Any]:
+    """`optimizer.state_dict()` with its tensors as the optimizer holds them: the single
+    controller's padded global tensors, which checkpoints write row by row (its own state_dict()
+    gives the unwrapped shapes: [Note: optimizer state of the single controller])."""
+    from ..collective_engine.optimizer_shapes import held_state_dict as held
+
+    return held(optimizer)
+
+
 def state_value(value: Any) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
