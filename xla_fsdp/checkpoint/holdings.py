@@ -30,11 +30,9 @@ import torch.nn as nn
 
 from .. import hosts
 from .. import state_keys as keys
+from ..collective_engine.optimizer_shapes import ROW_FACTORED  # state with one entry per parameter row
 from ..hosts import HostView
 from . import host_shards as hs
-
-# optimizer state tensors with one entry per row of the parameter (the rest averaged away)
-ROW_FACTORED = ("exp_avg_sq_row",)
 
 
 @dataclass
