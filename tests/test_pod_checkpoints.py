@@ -133,21 +133,16 @@ def test_two_hosts_write_each_row_once_with_the_replica_axis_across_them(single_
     check_files(os.path.join(root, f"checkpoint-{cc.K}"), 2, "HYBRID_SHARD")
 
 
-def test_a_hybrid_save_moves_to_host_memory_only_the_rows_each_host_writes(single_controller_hybrid_2):
-    """Each host holds every row (one replica per host) and writes half of them: the copies it does
-    not write must stay on its devices, not pass through host memory ([Note: moving only what a
-    host writes] in xla_fsdp/checkpoint/host_shards.py). Counted from this host's devices, what a
-    pod host moves; padding rows (67 -> 68 on 4 shards, and the write copy's) are allowed for."""
-    from xla_fsdp.checkpoint import format as fmt
-
-    tmp, root = single_controller_hybrid_2
-    path = os.path.join(root, f"checkpoint-{cc.K}")
+def test_a_hybrid_save_holds_one_tensors_shards_in_host_memory_at_a_time(single_controller_hybrid_2):
+    """Each host moves a tensor's shards to host memory when that tensor is written and lets go of
+    them (and at once of the copies it does not write) before the next one moves: the shard memory
+    alive at once never exceeds what one tensor's move brings ([Note: one tensor in host memory at
+    a time] in xla_fsdp/checkpoint/host_shards.py), not every shard the host writes."""
+    tmp, _ = single_controller_hybrid_2
     for h in range(2):
-        index = json.load(open(os.path.join(path, f"index-rank{h:05d}.json")))
-        written = sum(math.prod(info["shape"]) * fmt.dtype_from_name(info["dtype"]).itemsize
-                      for key, info in index["tensors"].items() if key.startswith(("param/", "optim/")))
-        moved = json.load(open(str(tmp / f"unused-host{h}-moved.json")))["own"]
-        assert written > 0 and moved <= 1.25 * written, f"host {h} moved {moved} bytes to write {written}"
+        moved = json.load(open(str(tmp / f"unused-host{h}-moved.json")))
+        assert moved["largest_call"] < moved["all"] / 3, moved  # the premise: several tensors, each moved apart
+        assert moved["peak"] <= moved["largest_call"], f"host {h}: {moved}"
 
 
 def test_offline_consolidation_reads_every_hosts_pieces(single_controller_hybrid_2, tmp_path):

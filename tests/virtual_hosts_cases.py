@@ -8,8 +8,8 @@ Without XLA_FSDP_VIRTUAL_HOSTS it is one host driving all D devices. ENGINE: "co
 single controller) or "gspmd"; LAYOUT: FULL_SHARD or HYBRID_SHARD (the devices split in two
 sharding groups / a mesh (2, D/2) with a replica axis: across hosts when there are 2 or more).
 
-save: train K steps (checkpoint_cases), save ROOT/checkpoint-K with a CheckpointManager (the bytes
-moved from the devices to host memory meanwhile in OUT-host<i>-moved.json); with
+save: train K steps (checkpoint_cases), save ROOT/checkpoint-K with a CheckpointManager (what moved
+from the devices to host memory meanwhile in OUT-host<i>-moved.json); with
 "kill", train one more step and save checkpoint-(K+1), where host 1 SIGKILLs itself after writing
 part of its tensor file. resume: load the newest complete checkpoint under ROOT, train MORE steps,
 and write OUT-host<i>.pt: losses, full parameters, the rows this host read.
@@ -107,20 +107,30 @@ def main(argv) -> None:
 
 @contextlib.contextmanager
 def _counting_moves(view):
-    """Bytes torch_xla moves from the devices to host memory through `_get_local_shards`: from this
-    host's devices (what a pod host, which addresses only those, would move) and from all."""
+    """What torch_xla moves from the devices to host memory through `_get_local_shards`: bytes in
+    all ("all": every device of this process; "own": this host's devices, what a pod host moves),
+    the most one call moved ("largest_call") and the most such shard memory alive at once ("peak":
+    at each call, what earlier calls moved and is still referenced, plus the call's own)."""
+    import weakref
+
     import torch_xla
 
     real = torch_xla._XLAC._get_local_shards
-    moved = {"own": 0, "all": 0}
+    moved = {"own": 0, "all": 0, "largest_call": 0, "peak": 0}
+    alive = []  # (weak reference to its storage: views keep it alive, bytes) of every shard moved so far
 
     def counted(tensors):
         out = real(tensors)
+        call = 0
         for shards in out:
             for data, device in shards:
                 n = data.numel() * data.element_size()
-                moved["all"] += n
+                call += n
                 moved["own"] += n if view.owns(device) else 0
+                alive.append((weakref.ref(data.untyped_storage()), n))
+        moved["all"] += call
+        moved["largest_call"] = max(moved["largest_call"], call)
+        moved["peak"] = max(moved["peak"], sum(n for ref, n in alive if ref() is not None))
         return out
     torch_xla._XLAC._get_local_shards = counted
     try:
