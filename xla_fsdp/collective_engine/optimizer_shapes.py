@@ -140,8 +140,10 @@ def _padded_value(key, value, p, rec, comm):
     if not isinstance(value, torch.Tensor) or tuple(value.shape) == tuple(p.shape):
         return value
     if tuple(value.shape) == tuple(rec.orig_shape) and not (value.dim() == 0 and key in SCALAR_STATE):
-        with torch.no_grad():  # the host copy (torch_xla keeps a fresh move on the host): no device round trip
-            return comm.place_global(rec.padded(value.detach().cpu().to(p.dtype)))
+        rows = value.detach().cpu()  # torch_xla keeps a freshly moved tensor on the host: no device round trip
+        if rows.is_floating_point() and p.is_floating_point():
+            rows = rows.to(p.dtype)  # as torch's load_state_dict casts floating state
+        return comm.place_global(rec.padded(rows))
     if key in ROW_FACTORED and value.dim() == 1 and value.shape[0] == rec.rows and len(rec.orig_shape) > 1:
         rows = value.detach().cpu()
         pad = rec.padded_rows - rec.rows
