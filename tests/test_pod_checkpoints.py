@@ -133,6 +133,18 @@ def test_two_hosts_write_each_row_once_with_the_replica_axis_across_them(single_
     check_files(os.path.join(root, f"checkpoint-{cc.K}"), 2, "HYBRID_SHARD")
 
 
+def test_a_hybrid_save_holds_one_tensors_shards_in_host_memory_at_a_time(single_controller_hybrid_2):
+    """Each host moves a tensor's shards to host memory when that tensor is written and lets go of
+    them (and at once of the copies it does not write) before the next one moves: the shard memory
+    alive at once never exceeds what one tensor's move brings ([Note: one tensor in host memory at
+    a time] in xla_fsdp/checkpoint/host_shards.py), not every shard the host writes."""
+    tmp, _ = single_controller_hybrid_2
+    for h in range(2):
+        moved = json.load(open(str(tmp / f"unused-host{h}-moved.json")))
+        assert moved["largest_call"] < moved["all"] / 3, moved  # the premise: several tensors, each moved apart
+        assert moved["peak"] <= moved["largest_call"], f"host {h}: {moved}"
+
+
 def test_offline_consolidation_reads_every_hosts_pieces(single_controller_hybrid_2, tmp_path):
     from safetensors.torch import load_file
 

@@ -5,7 +5,8 @@ device count; the state dict cuts the padding off (as the GSPMD engine's has
 none) and `load_state_dict` puts it back ([Note: state dicts of the single
 controller]). The model has dim 0 sizes 4 devices do not divide (10, 3, 5 and
 a 0-dim scale). tests/single_controller/full_shapes.py runs in a fresh process
-with 4 XLA:CPU devices.
+with 4 XLA:CPU devices. `optimizer.state_dict()` follows (tests/single_controller/optimizer_state.py):
+AdamW's state in the unwrapped shapes, loading both ways and going on with the same losses.
 """
 from __future__ import annotations
 
@@ -75,3 +76,49 @@ def test_get_state_dict_model_side_and_per_rank_consolidation(got):
         assert list(got[other]) == got["plain_keys"], other
         for key, want in got["state"].items():
             assert torch.equal(got[other][key], want), (other, key)
+
+
+# -- optimizer.state_dict() ([Note: optimizer state of the single controller]) --------------
+
+OPT_WORKER = ROOT / "tests" / "single_controller" / "optimizer_state.py"
+
+
+@pytest.fixture(scope="module")
+def opt_got(tmp_path_factory):
+    out = tmp_path_factory.mktemp("optimizer_state") / "out.pt"
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(DEVICES))
+    env.pop("XLA_USE_SPMD", None)
+    proc = subprocess.run([sys.executable, str(OPT_WORKER), str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=1800)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def test_optimizer_state_dict_has_the_unwrapped_shapes(opt_got):
+    """AdamW's moments in the parameters' own shapes (10, 16), (), (3, 10), ... not padded on dim 0;
+    what the optimizer holds stays padded (the premise)."""
+    assert opt_got["opt_shapes"] == opt_got["plain_shapes"]
+    assert opt_got["opt_shapes"][0]["exp_avg"] == [10, 16] and opt_got["opt_shapes"][2]["exp_avg"] == []
+    assert list(opt_got["padded_opt"][0]["exp_avg"].shape) == [12, 16]
+
+
+def test_optimizer_state_loads_into_the_unwrapped_model_and_continues_the_losses(opt_got):
+    torch.testing.assert_close(torch.tensor(opt_got["plain_losses"]), torch.tensor(opt_got["losses"]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_unwrapped_optimizer_state_resumes_a_wrapped_model_sharded_like_its_parameters(opt_got):
+    """Loaded before the first step (a resume): held on the host until that step pads and shards it."""
+    assert all(all(on_host.values()) for on_host in opt_got["fresh_on_host"].values()), opt_got["fresh_on_host"]
+    assert opt_got["fresh_shapes"] == opt_got["plain_shapes"]
+    for i, specs in opt_got["fresh_specs"].items():
+        for key, spec in specs.items():
+            assert spec == opt_got["param_specs"][i], (i, key, spec)  # placed as the parameter, not replicated
+    torch.testing.assert_close(torch.tensor(opt_got["fresh_losses"]), torch.tensor(opt_got["losses"]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_padded_optimizer_state_still_loads(opt_got):
+    """What state_dict() gave before (the padded global tensors) resumes as it did."""
+    torch.testing.assert_close(torch.tensor(opt_got["old_losses"]), torch.tensor(opt_got["losses"]),
+                               rtol=1e-5, atol=1e-6)

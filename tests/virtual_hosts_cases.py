@@ -1,19 +1,27 @@
 """One virtual host of an SPMD job ([Note: virtual hosts] in xla_fsdp/runtime/hosts.py), run as a script.
 
     XLA_FSDP_VIRTUAL_HOSTS=N XLA_FSDP_VIRTUAL_HOST_INDEX=i CPU_NUM_DEVICES=D \\
-        python tests/virtual_hosts_cases.py save|resume ENGINE LAYOUT KIND ROOT OUT [kill]
+        python tests/virtual_hosts_cases.py save|resume ENGINE LAYOUT KIND ROOT OUT [kill|export|count]
+    python tests/virtual_hosts_cases.py die ENGINE LAYOUT KIND ROOT OUT HOST SIGNAL
 
 Without XLA_FSDP_VIRTUAL_HOSTS it is one host driving all D devices. ENGINE: "collectives" (the
 single controller) or "gspmd"; LAYOUT: FULL_SHARD or HYBRID_SHARD (the devices split in two
 sharding groups / a mesh (2, D/2) with a replica axis: across hosts when there are 2 or more).
 
-save: train K steps (checkpoint_cases), save ROOT/checkpoint-K with a CheckpointManager; with
+save: train K steps (checkpoint_cases), save ROOT/checkpoint-K with a CheckpointManager (what moved
+from the devices to host memory meanwhile in OUT-host<i>-moved.json); with
 "kill", train one more step and save checkpoint-(K+1), where host 1 SIGKILLs itself after writing
 part of its tensor file. resume: load the newest complete checkpoint under ROOT, train MORE steps,
 and write OUT-host<i>.pt: losses, full parameters, the rows this host read.
+
+die: train K steps and save checkpoint-K, train one more step, then host HOST sends itself SIGNAL
+("KILL": the process dies; "STOP": it freezes, as a host that vanished without closing its
+connections) after writing OUT-dead (the time) while the others save checkpoint-(K+1).
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import sys
@@ -47,6 +55,8 @@ def main(argv) -> None:
 
     if argv[0] == "partial":
         return partial_replication(argv[1], argv[2])
+    if argv[0] == "die":
+        return die(*argv[1:])
     mode, engine, layout, kind, root, out = argv[:6]
     kill = len(argv) > 6 and argv[6] == "kill"
     view = hosts.host_view()
@@ -56,7 +66,10 @@ def main(argv) -> None:
     model, opt = cc.wrapped(kind, "adamw", _kwargs(engine, layout, devices), seed=0 if mode == "save" else 7)
     if mode == "save":
         losses = cc.train(model, opt, kind, range(cc.K), device=device, sync=torch_xla.sync, global_batch=True)
-        manager.save(cc.K, model, opt, extra_state={"losses": losses})
+        with _counting_moves(view) as moved:
+            manager.save(cc.K, model, opt, extra_state={"losses": losses})
+        with open(f"{out}-host{view.index}-moved.json", "w") as f:
+            json.dump(moved, f)
         if len(argv) > 6 and argv[6] == "export":
             from xla_fsdp.checkpoint import save_pretrained
 
@@ -90,6 +103,65 @@ def main(argv) -> None:
     torch.save({"step": got["step"], "losses": losses, "params": params, "reads": reads,
                 "devices": list(view.devices), "hosts": view.count},
                f"{out}-host{view.index}.pt")
+
+
+@contextlib.contextmanager
+def _counting_moves(view):
+    """What torch_xla moves from the devices to host memory through `_get_local_shards`: bytes in
+    all ("all": every device of this process; "own": this host's devices, what a pod host moves),
+    the most one call moved ("largest_call") and the most such shard memory alive at once ("peak":
+    at each call, what earlier calls moved and is still referenced, plus the call's own)."""
+    import weakref
+
+    import torch_xla
+
+    real = torch_xla._XLAC._get_local_shards
+    moved = {"own": 0, "all": 0, "largest_call": 0, "peak": 0}
+    alive = []  # (weak reference to its storage: views keep it alive, bytes) of every shard moved so far
+
+    def counted(tensors):
+        out = real(tensors)
+        call = 0
+        for shards in out:
+            for data, device in shards:
+                n = data.numel() * data.element_size()
+                call += n
+                moved["own"] += n if view.owns(device) else 0
+                alive.append((weakref.ref(data.untyped_storage()), n))
+        moved["all"] += call
+        moved["largest_call"] = max(moved["largest_call"], call)
+        moved["peak"] = max(moved["peak"], sum(n for ref, n in alive if ref() is not None))
+        return out
+    torch_xla._XLAC._get_local_shards = counted
+    try:
+        yield moved
+    finally:
+        torch_xla._XLAC._get_local_shards = real
+
+
+def die(engine: str, layout: str, kind: str, root: str, out: str, host: str, sig: str) -> None:
+    import time
+
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    from xla_fsdp.runtime import hosts
+    from xla_fsdp.checkpoint import CheckpointManager
+
+    view = hosts.host_view()
+    device = torch_xla.device()
+    manager = CheckpointManager(root)
+    model, opt = cc.wrapped(kind, "adamw", _kwargs(engine, layout, xr.global_runtime_device_count()))
+    cc.train(model, opt, kind, range(cc.K), device=device, sync=torch_xla.sync, global_batch=True)
+    manager.save(cc.K, model, opt)
+    cc.train(model, opt, kind, range(cc.K, cc.K + 1), device=device, sync=torch_xla.sync, global_batch=True)
+    if view.index == int(host):
+        with open(out + "-dead.tmp", "w") as f:
+            f.write(repr(time.time()))
+        os.rename(out + "-dead.tmp", out + "-dead")
+        os.kill(os.getpid(), getattr(signal, "SIG" + sig))
+    manager.save(cc.K + 1, model, opt)
+    print("saved checkpoint", cc.K + 1, flush=True)
 
 
 def partial_replication(path: str, out: str) -> None:

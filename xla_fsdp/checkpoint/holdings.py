@@ -30,11 +30,9 @@ import torch.nn as nn
 
 from ..runtime import hosts
 from .. import state_keys as keys
+from ..collective_engine.optimizer_shapes import ROW_FACTORED  # state with one entry per parameter row
 from ..runtime.hosts import HostView
 from . import host_shards as hs
-
-# optimizer state tensors with one entry per row of the parameter (the rest averaged away)
-ROW_FACTORED = ("exp_avg_sq_row",)
 
 
 @dataclass
@@ -313,6 +311,15 @@ def optimizer_names(optimizer, held: List[Holding]) -> Dict[int, Holding]:
             out[index] = by_id[id(p)]
             index += 1
     return out
+
+
+def held_state_dict(optimizer) -> Dict[str, Any]:
+    """`optimizer.state_dict()` with its tensors as the optimizer holds them: the single
+    controller's padded global tensors, which checkpoints write row by row (its own state_dict()
+    gives the unwrapped shapes: [Note: optimizer state of the single controller])."""
+    from ..collective_engine.optimizer_shapes import held_state_dict as held
+
+    return held(optimizer)
 
 
 def state_value(value: Any) -> Optional[torch.Tensor]:

@@ -25,7 +25,7 @@ anything else is refused by name.
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,21 +78,24 @@ def _dim0(name: str, index) -> Tuple[int, int]:
     return s.start, s.stop
 
 
-def _merged(pieces: List[Tuple[int, int, torch.Tensor]]) -> List[Piece]:
+def _merged(pieces: List[Piece]) -> List[Piece]:
     """Adjacent pieces as one (a host's devices usually hold consecutive blocks)."""
     pieces.sort(key=lambda p: p[0])
     runs: List[List] = []
-    for start, stop, data in pieces:
+    for start, stop, produce in pieces:
         if runs and runs[-1][1] == start:
             runs[-1][1] = stop
-            runs[-1][2].append(data)
+            runs[-1][2].append(produce)
         else:
-            runs.append([start, stop, [data]])
-    return [(a, b, (lambda parts=parts: torch.cat(parts) if len(parts) > 1 else parts[0])) for a, b, parts in runs]
+            runs.append([start, stop, [produce]])
+    return [(a, b, (lambda parts=parts: torch.cat([p() for p in parts]) if len(parts) > 1 else parts[0]()))
+            for a, b, parts in runs]
 
 
 def pieces_to_write(name: str, tensor: torch.Tensor, rows: int, view: HostView) -> List[Piece]:
-    """The rows [0, rows) of `tensor` (dim 0 may be padded beyond `rows`) that this host writes."""
+    """The rows [0, rows) of `tensor` (dim 0 may be padded beyond `rows`) that this host writes,
+    moved to host memory only when their turn to be written comes ([Note: one tensor in host
+    memory at a time])."""
     if tensor.dim() == 0 or not is_sharded(tensor):
         # replicated: the first host writes it whole
         if view.index != 0:
@@ -101,22 +104,59 @@ def pieces_to_write(name: str, tensor: torch.Tensor, rows: int, view: HostView) 
         return [(0, max(rows, 1) if tensor.dim() == 0 else rows, whole)]
     import torch_xla
 
-    shards = torch_xla._XLAC._get_local_shards([tensor])[0]
+    # which rows each device holds, from the sharding alone: nothing moves yet
     where = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
+    spans = [_dim0(name, index) for _, index in where]
+    shard_rows = max(tensor.shape[0] if stop < 0 else stop - start for start, stop in spans)
     replicas = copies(tensor)
-    out = []
-    for (data, device), (replica, index) in zip(shards, where):
+    writes = []  # (start, stop, the device's position in the process's devices)
+    for position, (device, (replica, _), (start, stop)) in enumerate(zip(view.all_devices, where, spans)):
         if not view.owns(device):
             continue
-        start, stop = _dim0(name, index)
         stop = rows if stop < 0 else min(stop, rows)
         if start >= stop:
             continue  # a block of padding only
-        block = start // max(data.shape[0], 1)
-        if replica != block % replicas:
+        if replica != (start // max(shard_rows, 1)) % replicas:
             continue  # another copy of these rows is written ([Note: who writes a row])
-        out.append((start, stop, data[: stop - start].detach()))
-    return _merged(out)
+        writes.append((start, stop, position))
+    moved = _Moved(tensor, [position for _, _, position in writes], view)
+    return _merged([(a, z, lambda i=i, n=z - a: moved.rows(i, n)) for a, z, i in writes])
+
+
+class _Moved:
+    """The shards of one tensor that this host writes, in host memory from the first of its
+    pieces' turn to the last's.
+
+    [Note: one tensor in host memory at a time] torch_xla moves a tensor's shards to the host only
+    all at once (`_get_local_shards`: every device of the process, copies included; 2.9 has no
+    call for some devices only). Moving each tensor when its pieces are written, keeping only the
+    shards this host writes and letting go of them once written, holds in host memory at most one
+    tensor's local shards at a time, instead of every shard this host writes (the whole model's
+    and optimizer's share of the host) from the first tensor written to the last."""
+
+    def __init__(self, tensor: torch.Tensor, positions: List[int], view: HostView):
+        self._tensor = tensor
+        self._keep = set(positions)
+        self._left = len(positions)
+        self._view = view
+        self._shards: Optional[Dict[int, torch.Tensor]] = None
+
+    def rows(self, position: int, count: int) -> torch.Tensor:
+        """The first `count` rows of the shard of the device at `position`."""
+        if self._shards is None:
+            import torch_xla
+
+            shards = torch_xla._XLAC._get_local_shards([self._tensor])[0]
+            if [device for _, device in shards] != list(self._view.all_devices):
+                raise RuntimeError(f"torch_xla listed the shards of a tensor on {[d for _, d in shards]}, expected "
+                                   f"this process's devices {list(self._view.all_devices)} in order")
+            # the copies this host does not write are let go at once
+            self._shards = {i: data for i, (data, _) in enumerate(shards) if i in self._keep}
+        out = self._shards[position][:count]
+        self._left -= 1
+        if self._left == 0:
+            self._shards = None
+        return out
 
 
 def device_rows(like: torch.Tensor) -> List[Tuple[int, int, int]]:

@@ -23,7 +23,7 @@ from . import format as fmt
 from . import storage
 from .. import state_keys as keys
 from .format import CheckpointError
-from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
+from .holdings import Holding, held_state_dict, holdings, layout_record, optimizer_names, process_info
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -124,7 +124,7 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
         raise CheckpointError(f"checkpoint {path} holds {saved['class']} state, the optimizer is {cls}; build the "
                               "same optimizer class as when saving")
     named = optimizer_names(optimizer, held)
-    current = optimizer.state_dict()
+    current = held_state_dict(optimizer)
     groups = current["param_groups"]
     if len(groups) != len(saved["param_groups"]) or any(
             [named[i].name for i in g["params"]] != s["params"] for g, s in zip(groups, saved["param_groups"])):

@@ -44,7 +44,7 @@ from . import format as fmt
 from .. import state_keys as keys
 from . import host_shards as hs
 from . import storage
-from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
+from .holdings import Holding, held_state_dict, holdings, layout_record, optimizer_names, process_info
 
 
 class CheckpointWriteError(OSError):
@@ -167,7 +167,7 @@ def _write_rank_files(st: storage.Storage, partial: str, rank: int, model, held:
 def _optimizer_tensors(optimizer, held):
     """(holding, state key, value, kind) for every optimizer state entry."""
     named = optimizer_names(optimizer, held)
-    state = optimizer.state_dict()["state"]
+    state = held_state_dict(optimizer)["state"]
     for index, entries in sorted(state.items()):
         h = named[index]
         for key, value in entries.items():
@@ -228,7 +228,7 @@ def _metadata(model, held, optimizer, step, info) -> Dict[str, Any]:
         "versions": _versions(),
     }
     if optimizer is not None:
-        sd = optimizer.state_dict()
+        sd = held_state_dict(optimizer)
         named = optimizer_names(optimizer, held)
         groups = []
         for group in sd["param_groups"]:

@@ -8,6 +8,8 @@ reduce-scattered by collectives this engine issues itself:
 - `state.py`: `FSDPState`, the hooks around a unit's forward and backward;
 - `collectives.py`: every collective, behind the `Collectives` interface;
 - `clip_grad.py`: gradient-norm clipping across shards;
+- `full_shapes.py`, `optimizer_shapes.py`: the single controller's model and optimizer
+  state dicts in the unwrapped shapes;
 - `build.py`: building a unit (collectives and layout, parameter group, buffers).
 
 The front door (`xla_fsdp.api`) calls `build.py` and hands it the unit class;

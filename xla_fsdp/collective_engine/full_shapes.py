@@ -21,7 +21,8 @@ it (torch's CheckpointWrapper) rename later. They hold the records weakly, so
 no reference cycle keeps a dropped model's parameters alive.
 
 With one process per device `state_dict()` stays each rank's shard (torch_xla's
-per-rank flow, with `get_shard_metadata()`).
+per-rank flow, with `get_shard_metadata()`). The optimizer's state dict follows
+([Note: optimizer state of the single controller] in optimizer_shapes.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Dict
 import torch
 import torch.nn as nn
 
+from . import optimizer_shapes
 from .param import FSDPParam
 
 
@@ -70,13 +72,18 @@ class _PadAgain(_PaddedParams):
 
 
 def register(group) -> None:
-    """Hooks for every parameter of `group` (single-controller runtime) that has padding rows."""
+    """Hooks for every parameter of `group` (single-controller runtime) that has padding rows, and
+    for the optimizers that will hold them ([Note: optimizer state of the single controller])."""
     by_module: Dict[int, tuple] = {}
+    padded = []
     for rec in group.params:
         if (rec.padded_rows, *rec.row_shape) == tuple(rec.orig_shape):
             continue  # no padding: the global tensor has the parameter's shape
+        padded.append(rec)
         for site in rec.sites:
             by_module.setdefault(id(site.module), (site.module, {}))[1][site.name] = rec
     for module, records in by_module.values():
         module.register_state_dict_post_hook(_CutPadding(records))
         module.register_load_state_dict_pre_hook(_PadAgain(records))
+    if padded:
+        optimizer_shapes.register(padded, group.comm)

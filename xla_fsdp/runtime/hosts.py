@@ -13,7 +13,8 @@ the members by process index and count and finds the master host from the TPU me
 needs no extra configuration (torch_xla's own SPMD checkpointing uses the same group). XLA
 collectives are the wrong tool: they run inside the compiled program, on device tensors, and a
 "did every host write its file" would cost a compile and a device round trip, and could not run at
-all once a host's write failed.
+all once a host's write failed. A host that stops answering is waited for at most
+XLA_FSDP_HOST_TIMEOUT seconds and named ([Note: a host that does not answer] in host_watch.py).
 
 [Note: virtual hosts] torch_xla 2.9 cannot run one SPMD program across processes on XLA:CPU (its
 CPU client has no cross-process collectives; process_count() is 1). To prove the per-host code on
@@ -106,17 +107,35 @@ def _virtual_env() -> Tuple[int, int]:
 
 class HostGroup:
     """The hosts agreeing on host-side facts (files written, batches read): a gloo group, one
-    member per host. One host: every call is local."""
+    member per host. One host: every call is local. Every agreement waits for a host that stopped
+    answering at most XLA_FSDP_HOST_TIMEOUT seconds, then raises `HostLostError` naming it
+    ([Note: a host that does not answer] in host_watch.py)."""
 
-    def __init__(self, view: HostView, dist=None):
+    def __init__(self, view: HostView, dist=None, watch=None):
         self.view = view
         self.rank = view.index
         self.world = view.count
         self._dist = dist
+        self._watch = watch
+
+    def _agree(self, run):
+        """`run()` (a gloo collective) once every host is there ([Note: a host that does not answer])."""
+        if self._watch is None:
+            return run()
+        self._watch.meet()
+        try:
+            return run()
+        except RuntimeError as e:  # a host died during the exchange: name it if its heartbeat stopped
+            silent = self._watch.silent_hosts()
+            if not silent:
+                raise
+            raise self._watch.lost(silent, f"stopped answering during an exchange of the hosts ({e})") from e
 
     def barrier(self) -> None:
         if self._dist is not None:
-            self._dist.barrier()
+            # gloo's barrier after the meeting: host 0, which serves the store, must not go on (and
+            # perhaps exit) before every host has seen the meeting complete
+            self._agree(self._dist.barrier)
 
     def all_ok(self, ok: bool) -> bool:
         if self._dist is None:
@@ -124,7 +143,7 @@ class HostGroup:
         import torch
 
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MIN)
+        self._agree(lambda: self._dist.all_reduce(flag, op=self._dist.ReduceOp.MIN))
         return bool(flag.item())
 
     def all_gather(self, value: Any) -> List[Any]:
@@ -132,7 +151,7 @@ class HostGroup:
         if self._dist is None:
             return [value]
         out: List[Any] = [None] * self.world
-        self._dist.all_gather_object(out, value)
+        self._agree(lambda: self._dist.all_gather_object(out, value))
         return out
 
     def gather(self, value: Any, dst: int = 0) -> Optional[List[Any]]:
@@ -140,7 +159,7 @@ class HostGroup:
         if self._dist is None:
             return [value]
         out: Optional[List[Any]] = [None] * self.world if self.rank == dst else None
-        self._dist.gather_object(value, out, dst=dst)
+        self._agree(lambda: self._dist.gather_object(value, out, dst=dst))
         return out
 
     def exchange(self, mine: dict) -> dict:
@@ -170,8 +189,14 @@ def host_group(view: Optional[HostView] = None) -> HostGroup:
     if view.count == 1:
         _GROUP = HostGroup(view)
         return _GROUP
+    import datetime
+
     import torch.distributed as dist
 
+    from .host_watch import HostWatch, host_timeout, store_of_default_group
+
+    # a host that never joins is waited for this long, as one that stops answering later
+    timeout = datetime.timedelta(seconds=host_timeout())
     if dist.is_initialized():
         if (dist.get_world_size(), dist.get_rank()) != (view.count, view.index):
             raise RuntimeError(f"torch.distributed is initialized with world {dist.get_world_size()} rank "
@@ -181,12 +206,15 @@ def host_group(view: Optional[HostView] = None) -> HostGroup:
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=view.index,
-                                world_size=view.count)
+                                world_size=view.count, timeout=timeout)
     else:
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
 
-        dist.init_process_group("gloo", init_method="xla://")
-    _GROUP = HostGroup(view, dist)
+        dist.init_process_group("gloo", init_method="xla://", timeout=timeout)
+    if _GROUP is not None and _GROUP._watch is not None:
+        _GROUP._watch.close()
+    _GROUP = HostGroup(view, dist, HostWatch(store_of_default_group(), view.index, view.count,
+                                             timeout.total_seconds()))
     return _GROUP
 
 

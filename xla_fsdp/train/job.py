@@ -120,6 +120,12 @@ def run(argv=None) -> dict:
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, engine, spmd)
     hosts = _host_batches(spmd, wrapped.mesh)  # several SPMD hosts: each reads only its rows
+    if hosts is not None:
+        from xla_fsdp.runtime.hosts import host_group
+
+        # the hosts' group from the start, not at the first save: a host lost in between is named
+        # at that save too ([Note: a host that does not answer])
+        host_group()
     ctx = loop.StepContext(device, wrapped.mesh, bf16=args.bf16,
                            allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
                            replicas=facts["world"], host_batches=hosts)  # replicas 1 under SPMD: one graph
