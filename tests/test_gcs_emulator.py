@@ -92,6 +92,36 @@ def test_the_emulator_gets_gcsfs_json_api_file_system(gcs_emulator):
     assert type(storage.storage_for(gcs_emulator.url).fs) is gcsfs.core.GCSFileSystem
 
 
+def test_a_load_from_the_bucket_reads_each_range_once_without_metadata_requests(gcs_emulator, gcs_bucket):
+    """[Note: ranged reads] (storage.py): a load asks the bucket for the bytes of each tensor
+    once, and object metadata per file, not per tensor; no read-ahead past a range."""
+    import torch
+
+    from xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
+
+    def plain(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(16)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = plain(0)
+    path = save_checkpoint(f"{gcs_bucket}/ckpt", model, opt, step=1)
+    fs = gcs_emulator.fs()
+    stored = sum(fs.du(path.split("://", 1)[1], total=False).values())
+    other, other_opt = plain(1)
+    with gcs_emulator.requests() as counts:
+        load_checkpoint(path, other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    assert other_opt.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    tensors = 3 * len(list(model.parameters()))  # each parameter and its two moments: one range each
+    assert tensors <= counts["read"] <= tensors + 12, counts
+    assert counts["metadata"] + counts["list"] <= 20, counts  # per file and marker, not per tensor
+    assert counts["read_bytes"] <= stored, (counts, stored)  # nothing fetched twice or past a range
+
+
 # -- slow: preemption, rotation, consolidation ------------------------------------------
 
 @pytest.fixture(scope="module")
