@@ -25,6 +25,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from gcs_emulator import _free_port, _kind  # noqa: E402
 BUCKET = "xla-fsdp-bench"
 PHASES = ("save_local", "save_bucket", "load_local", "load_bucket")
 
@@ -36,17 +37,6 @@ class Counter:
         self.lock = threading.Lock()
         self.now = collections.Counter()
         self.marks = {}
-
-    def kind(self, method, path):
-        if "/upload/" in path:
-            return "upload"
-        if method == "DELETE":
-            return "delete"
-        if "alt=media" in path or path.startswith("/download/"):
-            return "read"
-        if method == "GET" and path.split("?", 1)[0].rstrip("/").endswith("/o"):
-            return "list"
-        return "metadata"
 
     def install(self, handler_class):
         counter = self
@@ -63,7 +53,7 @@ class Counter:
                 real(self)
                 if "__phase__" in self.path:
                     return
-                kind = counter.kind(method, self.path)
+                kind = _kind(method, self.path)  # the kinds of tests/gcs_emulator.py
                 with counter.lock:
                     counter.now[f"{kind}_requests"] += 1
                     counter.now[f"{kind}_seconds"] += time.perf_counter() - started
@@ -151,7 +141,6 @@ def main():
     from gcp_storage_emulator import server as emulator
     from parity_cases import run_distributed_fn
 
-    from gcs_emulator import _free_port
 
     counter = Counter()
     counter.install(emulator.RequestHandler)
