@@ -94,7 +94,7 @@ def test_the_emulator_gets_gcsfs_json_api_file_system(gcs_emulator):
 
 def test_a_load_from_the_bucket_reads_each_range_once_without_metadata_requests(gcs_emulator, gcs_bucket):
     """[Note: ranged reads] (storage.py): a load asks the bucket for the bytes of each tensor
-    once, and object metadata per file, not per tensor; no read-ahead past a range."""
+    once, and object metadata per file, not per tensor; no byte is fetched twice."""
     import torch
 
     from xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
