@@ -4,9 +4,12 @@ emulator (tests/gcs_emulator.py; skipped, naming the package, without it).
 Default run: the README's tiny job at 4 CPU devices (one process each, xla_spawn) with a
 gs:// --output_dir, from an empty working directory: every file it writes is in the bucket
 (checkpoints with their COMPLETE markers, the final model, metrics.json) and none in the
-working directory. Under `-m slow`: a job SIGKILLed in the middle of a save, resumed from an
+working directory; a load's requests, counted at the emulator (one ranged read per tensor, no
+metadata per tensor). Under `-m slow`: a job SIGKILLed in the middle of a save, resumed from an
 explicit gs:// checkpoint and from `auto`, both logging the uninterrupted run's losses;
-rotation (--save_total_limit) in the bucket; consolidation from the bucket.
+rotation (--save_total_limit) in the bucket; consolidation from the bucket and an HF export
+from it with a local one's logits; two virtual hosts (HYBRID, FULL) saving one checkpoint to
+the bucket, consolidated bit for bit and resumed from it.
 """
 import json
 import os
