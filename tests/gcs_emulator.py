@@ -6,10 +6,14 @@ for this process and every child it starts (STORAGE_EMULATOR_HOST, anonymous tok
 it stops the server at the end. Without the emulator or gcsfs installed, the tests
 that use it skip, naming the package.
 
+`requests()` counts the requests the emulator serves, by kind, with the bytes of
+object reads (what a test of the number of round trips checks).
+
 `hold_upload(name_suffix)` makes the emulator hang the upload of a matching object
 until released and then drop it: a job can be SIGKILLed in the middle of a save,
 deterministically.
 """
+import collections
 import contextlib
 import importlib.util
 import os
@@ -48,6 +52,43 @@ class Emulator:
         return sorted(p[len(root):] for p in fs.find(root))
 
     @contextlib.contextmanager
+    def requests(self):
+        """A Counter of the requests served inside the block: "read" (object data), "upload",
+        "list", "delete", "metadata", and "read_bytes" (object data sent)."""
+        from gcp_storage_emulator import server
+
+        counts, lock = collections.Counter(), threading.Lock()
+        handler = server.RequestHandler
+        real = {m: getattr(handler, f"do_{m}") for m in ("GET", "POST", "PUT", "PATCH", "DELETE")}
+        real_header = handler.send_header
+
+        def counted(method):
+            def do(handler_self):
+                handler_self._counted_bytes = 0
+                real[method](handler_self)
+                kind = _kind(method, handler_self.path)
+                with lock:
+                    counts[kind] += 1
+                    if kind == "read":
+                        counts["read_bytes"] += handler_self._counted_bytes
+            return do
+
+        def send_header(handler_self, keyword, value):
+            if keyword.lower() == "content-length":
+                handler_self._counted_bytes = getattr(handler_self, "_counted_bytes", 0) + int(value)
+            return real_header(handler_self, keyword, value)
+
+        for method in real:
+            setattr(handler, f"do_{method}", counted(method))
+        handler.send_header = send_header
+        try:
+            yield counts
+        finally:
+            for method, fn in real.items():
+                setattr(handler, f"do_{method}", fn)
+            handler.send_header = real_header
+
+    @contextlib.contextmanager
     def hold_upload(self, suffix: str):
         """Hang the upload of the first object whose name ends with `suffix`; yields an
         Event set once it hangs. On exit the held upload is dropped (never stored)."""
@@ -68,6 +109,18 @@ class Emulator:
         finally:
             release.set()
             storage.create_file = real
+
+
+def _kind(method: str, path: str) -> str:
+    if "/upload/" in path:
+        return "upload"
+    if method == "DELETE":
+        return "delete"
+    if "alt=media" in path or path.startswith("/download/"):
+        return "read"
+    if method == "GET" and path.split("?", 1)[0].rstrip("/").endswith("/o"):
+        return "list"
+    return "metadata"
 
 
 def _quiet_disconnects(handle_error):

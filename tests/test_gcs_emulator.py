@@ -4,9 +4,12 @@ emulator (tests/gcs_emulator.py; skipped, naming the package, without it).
 Default run: the README's tiny job at 4 CPU devices (one process each, xla_spawn) with a
 gs:// --output_dir, from an empty working directory: every file it writes is in the bucket
 (checkpoints with their COMPLETE markers, the final model, metrics.json) and none in the
-working directory. Under `-m slow`: a job SIGKILLed in the middle of a save, resumed from an
+working directory; a load's requests, counted at the emulator (one ranged read per tensor, no
+metadata per tensor). Under `-m slow`: a job SIGKILLed in the middle of a save, resumed from an
 explicit gs:// checkpoint and from `auto`, both logging the uninterrupted run's losses;
-rotation (--save_total_limit) in the bucket; consolidation from the bucket.
+rotation (--save_total_limit) in the bucket; consolidation from the bucket and an HF export
+from it with a local one's logits; two virtual hosts (HYBRID, FULL) saving one checkpoint to
+the bucket, consolidated bit for bit and resumed from it.
 """
 import json
 import os
@@ -92,6 +95,36 @@ def test_the_emulator_gets_gcsfs_json_api_file_system(gcs_emulator):
     assert type(storage.storage_for(gcs_emulator.url).fs) is gcsfs.core.GCSFileSystem
 
 
+def test_a_load_from_the_bucket_reads_each_range_once_without_metadata_requests(gcs_emulator, gcs_bucket):
+    """[Note: ranged reads] (storage.py): a load asks the bucket for the bytes of each tensor
+    once, and object metadata per file, not per tensor; no byte is fetched twice."""
+    import torch
+
+    from xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
+
+    def plain(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(16)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = plain(0)
+    path = save_checkpoint(f"{gcs_bucket}/ckpt", model, opt, step=1)
+    fs = gcs_emulator.fs()
+    stored = sum(fs.du(path.split("://", 1)[1], total=False).values())
+    other, other_opt = plain(1)
+    with gcs_emulator.requests() as counts:
+        load_checkpoint(path, other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    assert other_opt.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    tensors = 3 * len(list(model.parameters()))  # each parameter and its two moments: one range each
+    assert tensors <= counts["read"] <= tensors + 12, counts
+    assert counts["metadata"] + counts["list"] <= 20, counts  # per file and marker, not per tensor
+    assert counts["read_bytes"] <= stored, (counts, stored)  # nothing fetched twice or past a range
+
+
 # -- slow: preemption, rotation, consolidation ------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -166,3 +199,69 @@ def test_consolidation_from_the_bucket(gcs_emulator, preempted):
     assert all((got[k] == final[k]).all() for k in final)
     assert "config.json" in gcs_emulator.objects(target)
     assert os.listdir(work) == []
+
+
+@pytest.mark.slow
+def test_hf_export_from_the_bucket_gives_the_logits_of_a_local_export(gcs_emulator, preempted, tmp_path):
+    """consolidate gs://.../checkpoint-12 into the bucket, download it, from_pretrained: the same
+    logits as the same checkpoint copied to a local directory and consolidated there."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    work, whole, _ = preempted
+    fs = gcs_emulator.fs()
+    local_ckpt, local_hf, downloaded = tmp_path / "ckpt", tmp_path / "hf-local", tmp_path / "hf-bucket"
+    fs.get(f"{whole}/checkpoint-12".split("://", 1)[1] + "/", str(local_ckpt), recursive=True)
+    target = f"{whole}/hf-export"
+    for src, dst in ((f"{whole}/checkpoint-12", target), (str(local_ckpt), str(local_hf))):
+        proc = subprocess.run([sys.executable, "-m", "xla_fsdp.checkpoint", "consolidate", src, dst],
+                              env=_env(gcs_emulator), cwd=work, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    fs.get(target.split("://", 1)[1] + "/", str(downloaded), recursive=True)
+    assert sorted(os.listdir(downloaded)) == sorted(os.listdir(local_hf)), os.listdir(downloaded)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [GPT2LMHeadModel.from_pretrained(str(d)).eval()(input_ids=ids).logits for d in (downloaded, local_hf)]
+    assert logits[0].equal(logits[1])
+
+
+# -- slow: two virtual hosts writing one checkpoint to the bucket -------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["HYBRID_SHARD", "FULL_SHARD"])
+def test_two_virtual_hosts_save_to_the_bucket_and_load_back(gcs_emulator, layout, tmp_path):
+    """Two hosts (4 XLA:CPU devices each, the single controller) save one checkpoint to gs://:
+    every row once, each in a host that holds it; consolidating it from the bucket gives the
+    hosts' own export bit for bit; both hosts resume from the bucket on the reference curve."""
+    import torch
+    from safetensors.torch import load_file
+
+    import test_pod_checkpoints as pods
+    import virtual_hosts as vh
+
+    root = gcs_emulator.fresh(f"hosts-{layout.lower()}")
+    exported = str(tmp_path / "exported")
+
+    def run(*args):
+        port = vh.free_port()
+        vh.finish(vh.start({f"host {i} of 2": ([sys.executable, pods.SCRIPT, *args],
+                                                dict(vh.host_env(2, i, port, pods.DEVICES), **gcs_emulator.env))
+                            for i in range(2)}, cwd=tmp_path), 600)
+
+    run("save", "collectives", layout, pods.KIND, root, exported, "export")
+    path = f"{root}/checkpoint-{pods.cc.K}"
+    assert "COMPLETE" in gcs_emulator.objects(path)
+    local = tmp_path / "copy"
+    gcs_emulator.fs().get(path.split("://", 1)[1] + "/", str(local), recursive=True)
+    pods.check_files(str(local), 2, layout)
+
+    proc = subprocess.run([sys.executable, "-m", "xla_fsdp.checkpoint", "consolidate", path, str(tmp_path / "hf")],
+                          env=_env(gcs_emulator), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    want = load_file(os.path.join(exported, "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    out = str(tmp_path / "resumed")
+    run("resume", "collectives", layout, pods.KIND, root, out)
+    pods.check_resumed(out, 2, layout, "collectives")

@@ -184,12 +184,11 @@ class ShardFile:
         if size != expected_bytes:
             raise CheckpointError(f"checkpoint file is truncated or was overwritten: {path} has {size} bytes, "
                                   f"its index says {expected_bytes}")
-        try:
-            with self.storage.open_read(path) as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                if length > size - 8:
-                    raise ValueError(f"header length {length} exceeds the file")
-                self.header = json.loads(f.read(length))
+        try:  # two ranged reads, not an open (storage.py: [Note: ranged reads])
+            (length,) = struct.unpack("<Q", self._read(0, 8))
+            if length > size - 8:
+                raise ValueError(f"header length {length} exceeds the file")
+            self.header = json.loads(self._read(8, length))
         except (ValueError, struct.error, UnicodeDecodeError) as e:
             raise CheckpointError(f"checkpoint file is corrupt: {path} (unreadable header: {e})") from None
         self.data_start = 8 + length
@@ -198,6 +197,10 @@ class ShardFile:
             raise CheckpointError(f"checkpoint file is corrupt: {path} (header says {self.data_start + end} bytes, "
                                   f"the file has {size})")
         self.crcs = crcs
+
+    def _read(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        return bytes(buf[:self.storage.read_into(self.path, offset, buf)])
 
     def info(self, key: str) -> Tuple[torch.dtype, List[int], int]:
         entry = self.header.get(key)
@@ -211,10 +214,9 @@ class ShardFile:
         whole = start == 0 and list(out.shape) == list(shape)
         row_bytes = out[0].numel() * out.element_size() if out.dim() else 0
         buf = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else None
-        with self.storage.open_read(self.path) as f:  # a local file or an fsspec one: both seek and readinto
-            f.seek(self.data_start + offset + start * row_bytes)
-            if buf is not None and f.readinto(buf) != buf.nbytes:
-                raise CheckpointError(f"checkpoint file is truncated: {self.path} ends inside {key!r}")
+        at = self.data_start + offset + start * row_bytes
+        if buf is not None and self.storage.read_into(self.path, at, buf) != buf.nbytes:
+            raise CheckpointError(f"checkpoint file is truncated: {self.path} ends inside {key!r}")
         if whole and buf is not None and zlib.crc32(buf) != self.crcs.get(key, zlib.crc32(buf)):
             raise CheckpointError(f"checkpoint file is corrupt: {self.path}: tensor {key!r} does not match its "
                                   "checksum")
