@@ -178,7 +178,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")  # as xla_fsdp/checkpoint/storage.py spells a URL
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")  # as xla_fsdp/checkpoint/filesystems.py spells a URL
 
 
 def _resume_problem(path: str):
