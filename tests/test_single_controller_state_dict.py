@@ -23,15 +23,19 @@ WORKER = ROOT / "tests" / "single_controller" / "full_shapes.py"
 DEVICES = 4
 
 
-@pytest.fixture(scope="module")
-def got(tmp_path_factory):
-    out = tmp_path_factory.mktemp("full_shapes") / "out.pt"
+def _run_worker(worker: Path, out: Path):
+    """Run a single-controller worker script at DEVICES devices; what it saved to `out`."""
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(DEVICES))
     env.pop("XLA_USE_SPMD", None)
-    proc = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.run([sys.executable, str(worker), str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=1800)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-6000:]}"
     return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def got(tmp_path_factory):
+    return _run_worker(WORKER, tmp_path_factory.mktemp("full_shapes") / "out.pt")
 
 
 def test_the_parameters_stay_padded_global_tensors(got):
@@ -85,13 +89,7 @@ OPT_WORKER = ROOT / "tests" / "single_controller" / "optimizer_state.py"
 
 @pytest.fixture(scope="module")
 def opt_got(tmp_path_factory):
-    out = tmp_path_factory.mktemp("optimizer_state") / "out.pt"
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(DEVICES))
-    env.pop("XLA_USE_SPMD", None)
-    proc = subprocess.run([sys.executable, str(OPT_WORKER), str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=1800)
-    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-6000:]}"
-    return torch.load(out, weights_only=False)
+    return _run_worker(OPT_WORKER, tmp_path_factory.mktemp("optimizer_state") / "out.pt")
 
 
 def test_optimizer_state_dict_has_the_unwrapped_shapes(opt_got):
