@@ -25,7 +25,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from gcs_emulator import _free_port, _kind  # noqa: E402
+from gcs_emulator import _free_port, observe_requests  # noqa: E402
 BUCKET = "xla-fsdp-bench"
 PHASES = ("save_local", "save_bucket", "load_local", "load_bucket")
 
@@ -39,36 +39,17 @@ class Counter:
         self.marks = {}
 
     def install(self, handler_class):
-        counter = self
-
-        def wrap(method):
-            real = getattr(handler_class, f"do_{method}")
-
-            def do(self):
-                if "__phase__" in self.path:  # a rank's phase mark: snapshot, not counted
-                    name = self.path.split("__phase__", 1)[1].strip("/%2F").split("?", 1)[0].split("%2F")[-1]
-                    with counter.lock:
-                        counter.marks[name.split("/")[-1]] = dict(counter.now, at=time.perf_counter())
-                self._bytes, started = 0, time.perf_counter()
-                real(self)
-                if "__phase__" in self.path:
+        def record(handler, kind, seconds, sent):
+            with self.lock:
+                if "__phase__" in handler.path:  # a rank's phase mark: a snapshot, not counted
+                    name = handler.path.split("__phase__", 1)[1].strip("/%2F").split("?", 1)[0].split("%2F")[-1]
+                    self.marks[name.split("/")[-1]] = dict(self.now, at=time.perf_counter())
                     return
-                kind = _kind(method, self.path)  # the kinds of tests/gcs_emulator.py
-                with counter.lock:
-                    counter.now[f"{kind}_requests"] += 1
-                    counter.now[f"{kind}_seconds"] += time.perf_counter() - started
-                    counter.now[f"{kind}_bytes_out"] += self._bytes
-            setattr(handler_class, f"do_{method}", do)
+                self.now[f"{kind}_requests"] += 1
+                self.now[f"{kind}_seconds"] += seconds
+                self.now[f"{kind}_bytes_out"] += sent
 
-        for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
-            wrap(method)
-        real_header = handler_class.send_header
-
-        def send_header(self, keyword, value):
-            if keyword.lower() == "content-length":
-                self._bytes = getattr(self, "_bytes", 0) + int(value)
-            return real_header(self, keyword, value)
-        handler_class.send_header = send_header
+        observe_requests(handler_class, record)
 
     def between(self, start, end):
         a, b = self.marks[start], self.marks[end]

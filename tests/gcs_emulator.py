@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -58,35 +59,18 @@ class Emulator:
         from gcp_storage_emulator import server
 
         counts, lock = collections.Counter(), threading.Lock()
-        handler = server.RequestHandler
-        real = {m: getattr(handler, f"do_{m}") for m in ("GET", "POST", "PUT", "PATCH", "DELETE")}
-        real_header = handler.send_header
 
-        def counted(method):
-            def do(handler_self):
-                handler_self._counted_bytes = 0
-                real[method](handler_self)
-                kind = _kind(method, handler_self.path)
-                with lock:
-                    counts[kind] += 1
-                    if kind == "read":
-                        counts["read_bytes"] += handler_self._counted_bytes
-            return do
+        def record(handler, kind, seconds, sent):
+            with lock:
+                counts[kind] += 1
+                if kind == "read":
+                    counts["read_bytes"] += sent
 
-        def send_header(handler_self, keyword, value):
-            if keyword.lower() == "content-length":
-                handler_self._counted_bytes = getattr(handler_self, "_counted_bytes", 0) + int(value)
-            return real_header(handler_self, keyword, value)
-
-        for method in real:
-            setattr(handler, f"do_{method}", counted(method))
-        handler.send_header = send_header
+        undo = observe_requests(server.RequestHandler, record)
         try:
             yield counts
         finally:
-            for method, fn in real.items():
-                setattr(handler, f"do_{method}", fn)
-            handler.send_header = real_header
+            undo()
 
     @contextlib.contextmanager
     def hold_upload(self, suffix: str):
@@ -109,6 +93,36 @@ class Emulator:
         finally:
             release.set()
             storage.create_file = real
+
+
+def observe_requests(handler_class, record):
+    """Have the emulator's HTTP handler call `record(handler, kind, seconds, bytes_sent)` after
+    every request it serves (kind: see `_kind`); returns the function that undoes it. Shared by
+    `Emulator.requests` and bench/bucket_checkpoint_cost.py."""
+    real = {m: getattr(handler_class, f"do_{m}") for m in ("GET", "POST", "PUT", "PATCH", "DELETE")}
+    real_header = handler_class.send_header
+
+    def served(method):
+        def do(handler):
+            handler._sent_bytes, started = 0, time.perf_counter()
+            real[method](handler)
+            record(handler, _kind(method, handler.path), time.perf_counter() - started, handler._sent_bytes)
+        return do
+
+    def send_header(handler, keyword, value):
+        if keyword.lower() == "content-length":
+            handler._sent_bytes = getattr(handler, "_sent_bytes", 0) + int(value)
+        return real_header(handler, keyword, value)
+
+    for method in real:
+        setattr(handler_class, f"do_{method}", served(method))
+    handler_class.send_header = send_header
+
+    def undo():
+        for method, fn in real.items():
+            setattr(handler_class, f"do_{method}", fn)
+        handler_class.send_header = real_header
+    return undo
 
 
 def _kind(method: str, path: str) -> str:
