@@ -113,9 +113,6 @@ RUNTIME_MARKER = "XLA_FSDP_TPU_RUNTIME"  # a script's declared TPU runtime (xla_
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
                  "TPU_PROCESS_BOUNDS", "TPU_SKIP_MDS_QUERY")
-# torch_xla warns when use_spmd() finds XLA_USE_SPMD set: the launcher's own use_spmd() set it,
-# so a script (or run_clm) that turns SPMD on itself would print a deprecation it cannot act on
-SPMD_ENV_DEPRECATION = "XLA_USE_SPMD is being deprecated"
 TORCH_XLA_SPMD_ENV = "XLA_USE_SPMD"
 
 
@@ -282,18 +279,6 @@ def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str
         "xr.world_size() == 1 and ordinal 0, so it must feed the whole global batch, which xla_fsdp "
         f"splits, with every parameter, over the {num_cores} devices; a script built for that can "
         f"declare {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\"). One process per device runs on a TPU host")
-
-
-def enter_single_controller() -> None:
-    """torch_xla's SPMD mode, before the script creates any XLA tensor: the script need not call
-    xr.use_spmd() itself, and xla_fsdp's engine (which asks xr.is_spmd()) drives every device."""
-    import warnings
-
-    import torch_xla.runtime as xr
-
-    warnings.filterwarnings("ignore", message=SPMD_ENV_DEPRECATION)
-    if not xr.is_spmd():
-        xr.use_spmd()
 
 
 # --------------------------------------------------------------------------
@@ -605,6 +590,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         calls = entry_calls(script)
         if spmd:
+            from xla_fsdp.runtime.choice import enter_single_controller
+
             enter_single_controller()
         if calls:
             log(describe_start(script, calls, plan))

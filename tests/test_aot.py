@@ -75,6 +75,16 @@ def test_the_module_is_taken_when_the_traced_process_dies_first(runtime):
     assert got["rc"] == 0 and got["report"]["compiles"] and got["report"]["chips"] == 8, got["output"]
 
 
+def test_the_single_controller_is_traced_in_spmd_as_the_launcher_runs_it():
+    """A loop that never calls xr.use_spmd() itself: xla_spawn turns SPMD on for the single
+    controller before the script runs, so the check must too, or it compiles one program per chip
+    while reporting the single controller."""
+    got = ac.check("v5e-8", [OWN_LOOP, "--mark"], runtime="single_controller", timeout=300)
+    report = got["report"]
+    assert got["rc"] == 0 and report["compiles"], got["output"]
+    assert report["runtime"] == "single_controller" and report["program"] == "spmd", report
+
+
 def test_a_traced_job_that_dies_on_a_signal_says_where():
     """A job whose process dies natively (no Python exception) is reported with the signal and
     the Python line it died on, not an empty log."""

@@ -110,6 +110,9 @@ def main() -> None:
     script, args = sys.argv[1], sys.argv[2:]
     _record_crashes()
     if os.environ.get("XLA_FSDP_RUNTIME") == "single_controller":
+        from xla_fsdp.runtime.choice import enter_single_controller
+
+        enter_single_controller()  # as launch/xla_spawn.py does before the script runs
         _traced(script, args)
         return
     import torch_xla.distributed.xla_multiprocessing as xmp

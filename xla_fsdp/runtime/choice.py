@@ -33,6 +33,23 @@ MULTI_PROCESS = "multi_process"
 
 
 TRAINER_INTEGRATION = "xla_fsdp.integrations.transformers"
+# torch_xla warns when use_spmd() finds XLA_USE_SPMD set: enter_single_controller's use_spmd() set
+# it, so a script (or run_clm) that turns SPMD on itself would print a deprecation it cannot act on
+SPMD_ENV_DEPRECATION = "XLA_USE_SPMD is being deprecated"
+
+
+def enter_single_controller() -> None:
+    """torch_xla's SPMD mode, before a script creates any XLA tensor: the script need not call
+    xr.use_spmd() itself, and xla_fsdp's engine (which asks xr.is_spmd()) drives every device.
+    The launcher calls it for the single controller, and so does the ahead-of-time check's traced
+    process, so a script is traced exactly as it runs."""
+    import warnings
+
+    import torch_xla.runtime as xr
+
+    warnings.filterwarnings("ignore", message=SPMD_ENV_DEPRECATION)
+    if not xr.is_spmd():
+        xr.use_spmd()
 
 
 def declared_runtime(script: str) -> Optional[str]:
