@@ -100,8 +100,11 @@ class XlaFullyShardedDataParallel(nn.Module):
         from .collective_engine.precision import warn_full_precision_units_inside
 
         warn_full_precision_units_inside(module, options.mixed_precision, XlaFullyShardedDataParallel)
-        build.materialize(module, kw["param_init_fn"], XlaFullyShardedDataParallel)
-        group = build.build_group(module, comm, options, XlaFullyShardedDataParallel)
+        fsdp2 = self._fsdp_keeps_meta  # FSDP2's fully_shard: a meta module stays meta until to_empty()
+        if not fsdp2:
+            build.materialize(module, kw["param_init_fn"], XlaFullyShardedDataParallel)
+        group = build.build_group(module, comm, options, XlaFullyShardedDataParallel,
+                                  param_cls=self._fsdp_param_class, keep_meta=fsdp2)
         self._fsdp_state = FSDPState(module, group, options)
         if comm.is_single_controller:  # [Note: state dicts of the single controller]
             from .collective_engine import full_shapes
@@ -109,9 +112,15 @@ class XlaFullyShardedDataParallel(nn.Module):
             full_shapes.register(group)
         module.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
         module.__dict__.pop("_fsdp_removed_attrs", None)
-        build.cast_buffers(module, options, comm.device, XlaFullyShardedDataParallel)
-        if options.execute_sharding_on_init:
+        build.cast_buffers(module, options, comm.device, XlaFullyShardedDataParallel,
+                           cast=not fsdp2)  # FSDP2's MixedPrecisionPolicy leaves buffers alone
+        if options.execute_sharding_on_init and not any(p.is_meta for p in group.shards):
             comm.sync(group.shards)
+
+    # what FSDP2's front door (xla_fsdp.fsdp) changes: the parameters' class, and meta modules
+    # kept on the meta device at wrap time (to_empty() gives them storage)
+    _fsdp_param_class = nn.Parameter
+    _fsdp_keeps_meta = False
 
     # -- runtime -----------------------------------------------------------
     def forward(self, *args, **kwargs):

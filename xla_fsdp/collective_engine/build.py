@@ -159,8 +159,12 @@ def owned_params(module: nn.Module, unit_cls: type):
     return out
 
 
-def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit_cls: type) -> FSDPParamGroup:
+def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit_cls: type,
+                param_cls: type = nn.Parameter, keep_meta: bool = False) -> FSDPParamGroup:
     """Shard the parameters `module` owns (not those of wrapped children) into one group.
+
+    `param_cls`: the class of the sharded parameters (FSDP2's front door gives its own);
+    `keep_meta`: a meta parameter stays a (padded) meta tensor until it is given storage.
 
     Each full tensor is freed as soon as its shard takes its place; a parameter
     already sharded by another unit (a tied weight split across units) is an error.
@@ -187,7 +191,7 @@ def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit
     for pid in order:
         # popped, so each full tensor is freed as soon as its shard is registered in its place
         p, sites = by_id.pop(pid)
-        rec = FSDPParam(p, sites, comm)
+        rec = FSDPParam(p, sites, comm, param_cls, keep_meta)
         rec.register(rec.sharded)
         _consumed_params[pid] = (weakref.ref(p), weakref.ref(module), sites[0].fqn)
         params.append(rec)
@@ -240,14 +244,17 @@ def _unit_modules(module: nn.Module, unit_cls: type):
     return out
 
 
-def cast_buffers(module: nn.Module, options: FSDPOptions, device, unit_cls: type) -> None:
-    """Move the buffers `module` owns to `device`, cast to the buffer (or compute) dtype."""
+def cast_buffers(module: nn.Module, options: FSDPOptions, device, unit_cls: type, cast: bool = True) -> None:
+    """Move the buffers `module` owns to `device`, cast to the buffer (or compute) dtype
+    (with `cast`). Meta buffers stay meta (FSDP2's to_empty() gives them storage)."""
     mp = options.mixed_precision
-    dtype = mp.buffer_dtype or (mp.compute_dtype if mp.enabled else None)
+    dtype = (mp.buffer_dtype or (mp.compute_dtype if mp.enabled else None)) if cast else None
 
     def visit(m):
         for name, b in m._buffers.items():
             if b is not None:
+                if b.is_meta and not cast and not abstract.active():
+                    continue
                 target = abstract.to_device(b, device)
                 if dtype is not None and b.is_floating_point():
                     target = target.to(dtype)

@@ -31,7 +31,8 @@ class ParamSite:
 class FSDPParam:
     """Sizes, padding and the local shard of one parameter."""
 
-    def __init__(self, full: torch.Tensor, sites: List[ParamSite], comm):
+    def __init__(self, full: torch.Tensor, sites: List[ParamSite], comm, param_cls: type = nn.Parameter,
+                 keep_meta: bool = False):
         self.sites = sites
         self.orig_shape = full.shape
         self.requires_grad = full.requires_grad
@@ -44,12 +45,16 @@ class FSDPParam:
         self.padded_rows = self.rows_per_rank * self.world
         self.shard_shape = (self.rows_per_rank, *self.row_shape)
         self.shard_numel = self.rows_per_rank * self.row_numel
-        if comm.is_single_controller:
+        if keep_meta and full.is_meta and not abstract.active():
+            # FSDP2's flow: storage comes with to_empty() (`materialize_on`)
+            data = self.padded(full) if comm.is_single_controller else self.local_rows(full, comm.layout.shard_rank)
+        elif comm.is_single_controller:
             # one global tensor of every shard ([Note: single-controller runtime])
             data = comm.place_global(self.padded(full))
         else:
             data = self._local_rows(full, comm.layout.shard_rank, comm.device)
-        self.sharded = nn.Parameter(data, requires_grad=self.requires_grad)
+        self.param_cls = param_cls
+        self.sharded = param_cls(data, requires_grad=self.requires_grad)
 
     @property
     def fqn(self) -> str:
@@ -102,6 +107,25 @@ class FSDPParam:
                 self.sharded.data = comm.place_global(shard)  # keeps the Parameter the optimizer holds
             else:
                 self.sharded.copy_(shard.to(self.sharded.device))
+
+    def materialize_on(self, comm) -> None:
+        """A meta shard (kept by `keep_meta`) -> uninitialized storage on the device, sharded as
+        usual; a new parameter object (no optimizer holds the meta one). Each device allocates
+        its own rows only: the empty tensor is created on the device, never on the host."""
+        if not self.sharded.is_meta:
+            return
+        if comm.is_single_controller:
+            shape = (self.padded_rows, *self.row_shape)
+            if abstract.active():  # [Note: abstract tracing]
+                data = abstract.to_device(torch.empty(shape, dtype=self.orig_dtype, device="meta"), comm.device,
+                                          comm.placement.mesh.get_op_sharding(comm.placement.spec("param", len(shape))))
+            else:
+                data = comm.place_global(torch.empty(shape, dtype=self.orig_dtype, device=comm.device))
+        else:
+            data = abstract.to_device(torch.empty(self.shard_shape, dtype=self.orig_dtype, device="meta"), comm.device) \
+                if abstract.active() else torch.empty(self.shard_shape, dtype=self.orig_dtype, device=comm.device)
+        self.sharded = self.param_cls(data, requires_grad=self.requires_grad)
+        self.register(self.sharded)
 
     def unpad(self, padded_rows: torch.Tensor) -> torch.Tensor:
         """(padded_rows, *row_shape) -> the full parameter, its own base tensor.

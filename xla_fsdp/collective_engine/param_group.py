@@ -115,6 +115,7 @@ class FSDPParamGroup:
         self.requires_grad_sync = True
         self.ends_backward = False  # the root's: its reduce-scatters are a step's last
         self.pending: dict = {}
+        self.grad_factor = 1.0  # FSDP2's set_gradient_divide_factor: a multiplier on the reduced gradients
         self.gather_buckets = gather_buckets([p.padded_rows * p.row_numel for p in params], options.collectives)
         self.reduce_buckets = self._reduce_buckets()
 
@@ -194,7 +195,7 @@ class FSDPParamGroup:
     def reduce_grads(self, full_grads: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """Full gradients -> shard gradients summed over every rank holding a replica of
         the shard, scaled so the result is the gradient of the global loss."""
-        scale = self.comm.grad_scale(self.across_replicas)
+        scale = self.comm.grad_scale(self.across_replicas) * self.grad_factor
         rdtype = self.options.mixed_precision.reduce_dtype
         out: List[Optional[torch.Tensor]] = [None] * len(self.params)
         with torch.no_grad():

@@ -150,6 +150,12 @@ class FSDPState:
         self.next_forward: Optional["FSDPState"] = None
         self.next_backward: Optional["FSDPState"] = None
         self._prefetched: Optional[List[torch.Tensor]] = None
+        # FSDP2's set_modules_to_forward_prefetch / _backward_prefetch: the units whose gathers this
+        # one starts, in place of the recorded order (None: the recorded neighbour)
+        self.forward_prefetch_targets: Optional[List["FSDPState"]] = None
+        self.backward_prefetch_targets: Optional[List["FSDPState"]] = None
+        # FSDP2's unshard(): a forward under autograd after it gathers as usual instead of refusing
+        self.unshard_feeds_forward = False
         self.region = None
         if group.comm.is_single_controller:
             self.region = ManualRegion(group.comm.placement, group.comm, options.is_batched_input)
@@ -187,6 +193,8 @@ class FSDPState:
         self.unsharded = None
 
     def forward(self, run: Callable, args: Tuple, kwargs: Dict) -> Any:
+        if self.unsharded is not None and self.unshard_feeds_forward and torch.is_grad_enabled():
+            self.reshard()  # FSDP2: the forward's own gather, wired into autograd, replaces them
         if self.unsharded is not None:
             if torch.is_grad_enabled() and any(p.requires_grad for p in self.group.params):
                 raise RuntimeError("this unit is unsharded (unshard() or summon_full_params()): its gradients "
@@ -239,7 +247,8 @@ class FSDPState:
             # a checkpointed unit re-running its forward in backward: the re-gather the
             # previous unit's backward started for it (BACKWARD_PRE/POST) is this forward's gather
             full, self._full_for_backward = self._full_for_backward, None
-        nxt = self._next_to_prefetch()
+        targets = self.forward_prefetch_targets
+        nxt = self._next_to_prefetch() if targets is None else None
         if full is None and nxt is not None and self.group.gathers_with(nxt.group):
             # [Note: the first gather of a step] this unit's gather and the one it prefetches
             # would both wait for the same input: one collective serves both
@@ -247,6 +256,9 @@ class FSDPState:
         full = self.group.gather_for_forward(barrier_with, gathered=full)
         if nxt is not None and nxt._prefetched is None:
             nxt._prefetched = nxt.group.gather(barrier_with)
+        for target in (targets or []) if not is_recomputing() else []:
+            if target._prefetched is None and target.unsharded is None:
+                target._prefetched = target.group.gather(barrier_with)
         reshard = self._reshards_after_forward and torch.is_grad_enabled()
         for p, t in zip(self.group.params, full):
             p.register(t)
@@ -341,11 +353,13 @@ class FSDPState:
         return grad
 
     def _prefetch_next_backward(self, barrier) -> None:
-        """Gather the unit whose backward comes next, tied to `barrier`: it runs during this unit's backward."""
-        nxt = self.next_backward
-        if nxt is not None and nxt._full_for_backward is None and nxt._reshards_after_forward \
-                and nxt.unsharded is None:
-            nxt._full_for_backward = nxt.group.gather(barrier)
+        """Gather the unit whose backward comes next (or the units named by
+        `backward_prefetch_targets`), tied to `barrier`: it runs during this unit's backward."""
+        targets = self.backward_prefetch_targets
+        for nxt in targets if targets is not None else [self.next_backward]:
+            if nxt is not None and nxt._full_for_backward is None and nxt._reshards_after_forward \
+                    and nxt.unsharded is None:
+                nxt._full_for_backward = nxt.group.gather(barrier)
 
     def full_params_for_backward(self) -> List[torch.Tensor]:
         if self._full_for_backward is None:  # an output escaped the pre-backward hook

@@ -1,0 +1,174 @@
+"""`fully_shard`: PyTorch FSDP2's entry point, on the collective engine's single controller.
+
+[Note: fully_shard on XLA] `fully_shard(module, ...)` turns `module` into an
+`FSDPModule` in place: its parameters not already owned by a unit below it
+become one unit of the collective engine ([Note: single-controller runtime]),
+held as `ShardedParameter`s ([Note: FSDP2 parameters on XLA]). Applied
+bottom-up (layers, then the root), the root's forward runs every device's
+share of the batch inside one SPMD manual-sharding region, where each unit
+all-gathers just in time and reduce-scatters its gradients, exactly as
+`XlaFullyShardedDataParallel(..., auto_wrap_policy=...)` would. FSDP2's
+arguments map onto the engine's options (`_engine_keywords`); whatever has
+no meaning here is refused by name rather than ignored.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch.nn as nn
+
+from .module import FSDPModule
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = None,
+                shard_placement_fn: Optional[Callable] = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None) -> FSDPModule:
+    """Shard `module`'s parameters on dim 0 over every device (see [Note: fully_shard on XLA]).
+
+    Same signature and meaning as `torch.distributed.fsdp.fully_shard`; returns `module`,
+    now an instance of `FSDPModule`.
+    """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("fully_shard([modules...]) (one unit for several modules) is not supported "
+                                  "here; call fully_shard on each module, or on their common parent")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(f"fully_shard does not support containers that do not implement forward: "
+                         f"{type(module).__name__}; call it on each module inside, and on the module that calls them")
+    name = type(module).__name__
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {name}; apply it once per module")
+    from ..api import XlaFullyShardedDataParallel
+
+    if isinstance(module, XlaFullyShardedDataParallel):
+        raise ValueError(f"{name} is already wrapped by XlaFullyShardedDataParallel; use one of the two APIs")
+    from .param import ShardedParameter
+
+    owned = [n for n, p in module.named_parameters() if isinstance(p, ShardedParameter)
+             and not _inside_unit(module, n)]
+    if owned:
+        raise ValueError(
+            f"fully_shard({name}) after its parent: {owned[0]!r} is already sharded by an enclosing "
+            "fully_shard call. Apply fully_shard bottom-up: each layer first, then the modules above, "
+            "the root last")
+    if ignored_params:
+        raise NotImplementedError(
+            "fully_shard(ignored_params=...) is not supported here: on the single controller a parameter "
+            "outside every unit would be computed with per-device copies whose gradients no unit reduces. "
+            "Make such parameters buffers (register_buffer) if they do not train, or leave them in a unit")
+    mp = as_mp_policy(mp_policy)
+    offload = as_offload_policy(offload_policy)
+    _enter_spmd(module)
+    xla_mesh, device_mesh = _mesh(mesh)
+    _check_placements(module, shard_placement_fn)
+    kw = _engine_keywords(module, mp, reshard_after_forward, xla_mesh.size())
+    kw["mesh"] = xla_mesh
+    FSDPModule(module, **kw)
+    module._fsdp2_mp = mp
+    module._fsdp2_device_mesh = device_mesh
+    for rec in module._fsdp_state.group.params:
+        rec.sharded.bind(rec, device_mesh)
+    from . import state_dict as sd
+
+    sd.register(module)
+    if isinstance(offload, CPUOffloadPolicy):
+        from .offload import HostOffload
+
+        module._fsdp2_offload = HostOffload.attach(module)
+    return module
+
+
+def _inside_unit(module: nn.Module, param_name: str) -> bool:
+    """Whether `param_name` belongs to an FSDPModule strictly below `module` (a child unit)."""
+    parts = param_name.split(".")[:-1]
+    m = module
+    for part in parts:
+        m = getattr(m, part)
+        if isinstance(m, FSDPModule):
+            return True
+    return False
+
+
+def _enter_spmd(module: nn.Module) -> None:
+    """fully_shard runs on the single controller: turn the SPMD runtime on if nothing stands in
+    the way, else say what to do."""
+    import torch_xla.runtime as xr
+
+    if xr.is_spmd():
+        return
+    if any(t.device.type == "xla" for t in list(module.parameters()) + list(module.buffers())):
+        raise RuntimeError(
+            "xla_fsdp.fsdp.fully_shard runs on the single controller (one process drives every chip of its "
+            "host), and this model is already on an XLA device without it: call "
+            "torch_xla.runtime.use_spmd() at the start of the script, before creating any XLA tensor "
+            "(or launch with `python launch/xla_spawn.py --spmd ...`), and build the model on the meta "
+            "device or on the CPU")
+    xr.use_spmd()
+
+
+def _mesh(mesh):
+    from .mesh import resolve_fsdp_mesh
+
+    return resolve_fsdp_mesh(mesh)
+
+
+def _check_placements(module: nn.Module, shard_placement_fn) -> None:
+    if shard_placement_fn is None:
+        return
+    from torch.distributed.tensor import Shard
+
+    for pname, p in module.named_parameters():
+        placement = shard_placement_fn(p)
+        if placement is None:
+            continue
+        dim = getattr(placement, "dim", None) if isinstance(placement, Shard) else None
+        if dim is None:
+            raise ValueError(f"shard_placement_fn returned {placement!r} for {pname!r}: return None or a Shard")
+        if dim not in (0, -p.dim() if p.dim() else 0):
+            raise ValueError(
+                f"shard_placement_fn returned Shard({dim}) for {pname!r}: xla_fsdp shards every parameter on "
+                "dim 0 (gathered and reduce-scattered as rows); return None or Shard(0)")
+
+
+def _engine_keywords(module: nn.Module, mp: MixedPrecisionPolicy, reshard_after_forward, devices: int) -> dict:
+    """FSDP2's arguments as the collective engine's keywords."""
+    import torch
+
+    if reshard_after_forward is None:
+        reshard, on_root = True, False  # FSDP2: True below the root, False on it
+    elif isinstance(reshard_after_forward, bool):
+        reshard, on_root = reshard_after_forward, reshard_after_forward
+    elif isinstance(reshard_after_forward, int):
+        if reshard_after_forward == devices:
+            reshard, on_root = True, True
+        elif reshard_after_forward == 1:
+            reshard, on_root = False, False
+        else:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward}: resharding to a smaller group after forward "
+                f"is not supported here (on a TPU slice every chip's gather runs over the same interconnect); "
+                f"pass True ({devices}) or False (1)")
+    else:
+        raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}")
+    if mp.param_dtype is not None and not mp.cast_forward_inputs:
+        raise NotImplementedError(
+            "MixedPrecisionPolicy(cast_forward_inputs=False) is not supported here: each unit casts its floating "
+            "inputs to param_dtype; keep the default (True)")
+    reduce = mp.reduce_dtype
+    compute = mp.param_dtype
+    if compute is None and reduce not in (None, torch.float32):
+        raise NotImplementedError(
+            f"MixedPrecisionPolicy(reduce_dtype={reduce}) with float32 parameters: gradients are reduced in the "
+            "compute dtype or in float32 here; set param_dtype too, or drop reduce_dtype")
+    if compute is not None and reduce not in (None, compute, torch.float32):
+        raise NotImplementedError(f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): "
+                                  f"gradients are reduced in param_dtype or in float32 here")
+    return dict(
+        reshard_after_forward=reshard,
+        disable_reshard_on_root=not on_root,
+        compute_dtype=compute,
+        fp32_reduce_scatter=compute is not None and reduce == torch.float32 and compute != torch.float32,
+    )

@@ -1,0 +1,197 @@
+"""`FSDPModule`: the class `fully_shard` mixes into a module, with FSDP2's methods.
+
+It is a kind of `XlaFullyShardedDataParallel` (the collective engine on the
+single controller), so everything that engine does (gathers just in time,
+prefetch, reduce-scatter, clipping, state dicts in the unwrapped shapes)
+applies. What FSDP2 adds lives here: meta modules kept on the meta device
+until `to_empty()`, FSDP2's names for unsharding, prefetch and gradient
+reduction, the root's output dtype and CPU offload.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from ..api import XlaFullyShardedDataParallel
+from .param import ShardedParameter
+
+
+class UnshardHandle:
+    """What `unshard(async_op=True)` returns. `wait()` returns at once: the gather is an
+    operation of the traced program, which XLA orders by its data dependencies."""
+
+    def wait(self) -> None:
+        return None
+
+
+class FSDPModule(XlaFullyShardedDataParallel):
+    """A module sharded by `xla_fsdp.fsdp.fully_shard` (PyTorch FSDP2's `FSDPModule`)."""
+
+    _fsdp_param_class = ShardedParameter
+    _fsdp_keeps_meta = True
+
+    # -- units ---------------------------------------------------------------
+    def _fsdp2_units(self, recurse: bool = True) -> List["FSDPModule"]:
+        if not recurse:
+            return [self]
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]
+
+    def _is_outermost_call(self) -> bool:
+        from ..collective_engine.state import _active_units
+
+        return not _active_units()
+
+    # -- forward -----------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        meta = [rec.fqn for rec in self._fsdp_state.group.params if rec.sharded.is_meta]
+        if meta:
+            raise RuntimeError(
+                f"{type(self).__name__}'s parameters are on the meta device ({', '.join(meta[:3])}): after "
+                "fully_shard, call model.to_empty(device=torch_xla.device()) and initialize them "
+                "(model.reset_parameters(), or load a state dict) before the forward")
+        outermost = self._is_outermost_call()
+        offload = getattr(self, "_fsdp2_offload", None) if outermost else None
+        if offload is not None:
+            offload.to_device(self)
+        out = super().forward(*args, **kwargs)
+        if offload is not None:
+            offload.after_forward(self, out)
+        dtype = self._fsdp2_mp.output_dtype
+        if outermost and dtype is not None:
+            out = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                           out)
+        return out
+
+    # -- storage -----------------------------------------------------------
+    def to_empty(self, *, device, recurse: bool = True):
+        """FSDP2's meta-device flow: give every sharded parameter (of this unit and the units in
+        it) uninitialized storage on the chips, each chip its own rows only, and every other
+        tensor storage on `device`, as nn.Module.to_empty does. Then initialize, e.g.
+        `model.reset_parameters()`."""
+        from ..collective_engine import optimizer_shapes
+
+        for unit in self._fsdp2_units(recurse):
+            group = unit._fsdp_state.group
+            fresh = [rec for rec in group.params if rec.sharded.is_meta]
+            for rec in fresh:
+                rec.materialize_on(group.comm)
+                rec.sharded.bind(rec, unit._fsdp2_device_mesh)
+            padded = [r for r in fresh if (r.padded_rows, *r.row_shape) != tuple(r.orig_shape)]
+            if padded and group.comm.is_single_controller:
+                optimizer_shapes.register(padded, group.comm)
+        device = torch.device(device)
+        return nn.Module._apply(self, lambda t: t if isinstance(t, ShardedParameter)
+                                else torch.empty_like(t, device=device), recurse)
+
+    # -- unshard / reshard -------------------------------------------------
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """Register this unit's parameters whole (not its child units'). On the single controller
+        each parameter is one global tensor, so this needs no collective. A forward under autograd
+        afterwards gathers inside the program as usual (gradients reach the shards); under
+        torch.no_grad() it computes with the whole parameters. `reshard()` undoes it."""
+        state = self._fsdp_state
+        state.unshard_feeds_forward = True
+        state.unshard()
+        return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Register the shards again after `unshard()`."""
+        self._fsdp_state.reshard()
+
+    # -- schedule ----------------------------------------------------------
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether units free their gathered parameters after forward and gather again in backward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        for unit in self._fsdp2_units(recurse):
+            opts = unit._fsdp_state.options
+            reshard = dataclasses.replace(opts.reshard, reshard_after_forward=reshard_after_forward,
+                                          disable_reshard_on_root=False)
+            unit._fsdp_state.options = dataclasses.replace(opts, reshard=reshard)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Accepted, no effect: the parameters gathered in backward are buffers of the step's XLA
+        program and die with it; nothing stays gathered between steps to keep or free."""
+
+    def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """Start these units' gathers when this unit's forward starts (tied to its input), in place
+        of the engine's default of the unit that ran next last step."""
+        self._fsdp_state.forward_prefetch_targets = [_state_of(m, "set_modules_to_forward_prefetch")
+                                                     for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """Start these units' backward re-gathers when this unit's backward starts."""
+        self._fsdp_state.backward_prefetch_targets = [_state_of(m, "set_modules_to_backward_prefetch")
+                                                      for m in modules]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted, no effect: every backward finishes its reduce-scatters inside the step's
+        program; gradients held back by set_requires_gradient_sync(False) are folded into the
+        next backward that syncs."""
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Accepted for HSDP scripts, no effect: fully_shard here shards over one mesh dimension,
+        so there is no replica all-reduce to skip."""
+
+    def set_post_optim_event(self, event) -> None:
+        """Accepted, no effect: XLA orders the next forward's gathers after the optimizer step by
+        data dependencies; there are no streams to synchronize."""
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduced gradients are the sum over processes divided by `factor` (default: the number
+        of processes, so that the gradient is that of the mean loss over every process's batch)."""
+        if not factor or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
+        from .mesh import process_count
+
+        for unit in self._fsdp2_units():
+            unit._fsdp_state.group.grad_factor = process_count() / float(factor)
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor
+
+    def _refused(name: str, why: str):
+        def method(self, *args, **kwargs):
+            raise NotImplementedError(f"FSDPModule.{name} is not supported by xla_fsdp.fsdp: {why}")
+
+        method.__name__ = name
+        method.__doc__ = f"Refused: {why}"
+        return method
+
+    set_custom_all_gather = _refused("set_custom_all_gather", "the all-gather is an XLA collective chosen by "
+                                     "the engine (all_gather_impl); there is no process-group call to replace")
+    set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", "the reduce-scatter is an XLA collective "
+                                         "in the traced program; there is no process-group call to replace")
+    set_all_reduce_hook = _refused("set_all_reduce_hook", "there is no HSDP all-reduce here (1-D meshes only)")
+    set_force_sum_reduction_for_comms = _refused(
+        "set_force_sum_reduction_for_comms", "use set_gradient_divide_factor(1.0) for summed gradients")
+    set_unshard_in_backward = _refused("set_unshard_in_backward", "every unit that resharded after forward "
+                                       "gathers again in backward; use reshard_after_forward=False to skip it")
+    set_allocate_memory_from_process_group_for_comm = _refused(
+        "set_allocate_memory_from_process_group_for_comm", "XLA allocates collective buffers itself")
+    del _refused
+
+    # -- state dicts --------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module's, for values of any kind FSDP2 scripts produce (CPU tensors, XLA tensors,
+        `distribute_tensor` results, parameters of another sharded model); the parameters stay
+        sharded, and with `assign=True` the sharded parameters take the values (see
+        xla_fsdp/fsdp/state_dict.py)."""
+        from . import state_dict as sd
+
+        return sd.load_into(self, state_dict, strict, assign)
+
+    @property
+    def device_mesh(self):
+        """The 1-D DeviceMesh("xla") this module is sharded over (its parameters report the same)."""
+        return self._fsdp2_device_mesh
+
+
+def _state_of(module, what: str):
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"{what} expects modules that fully_shard was applied to; "
+                         f"{type(module).__name__} is not one")
+    return module._fsdp_state
