@@ -9,9 +9,11 @@ from .fully_shard import fully_shard
 from .module import FSDPModule, UnshardHandle
 from .param import ShardedParameter
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .process_group import install as _install_rendezvous
 from .torch_guard import install as _install_torch_guard
 
 _install_torch_guard()
+_install_rendezvous()
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "ShardedParameter", "MixedPrecisionPolicy",
            "OffloadPolicy", "CPUOffloadPolicy"]

@@ -66,7 +66,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     _check_placements(module, shard_placement_fn)
     kw = _engine_keywords(module, mp, reshard_after_forward, xla_mesh.size())
     kw["mesh"] = xla_mesh
+    kw["collectives"] = _collectives.get(id(xla_mesh))  # every unit over one mesh shares one (if it fits)
     FSDPModule(module, **kw)
+    _collectives.setdefault(id(xla_mesh), module._fsdp_state.group.comm)
     module._fsdp2_mp = mp
     module._fsdp2_device_mesh = device_mesh
     for rec in module._fsdp_state.group.params:
@@ -79,6 +81,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
 
         module._fsdp2_offload = HostOffload.attach(module)
     return module
+
+
+_collectives: dict = {}
 
 
 def _inside_unit(module: nn.Module, param_name: str) -> bool:

@@ -48,8 +48,12 @@ def resolve_fsdp_mesh(mesh):
                              f"job has {processes} process(es) driving {devices} devices; use a 1-D mesh of "
                              f"{processes} (one entry per process, init_device_mesh(\"xla\", (world_size,))) "
                              f"or of {devices} (one per device), or pass no mesh")
-    xla_mesh = xs.Mesh(np.arange(devices), (devices,), ("fsdp",))
-    return xla_mesh, device_mesh(devices)
+    if devices not in _xla_meshes:  # one object per device count: units built over it share collectives
+        _xla_meshes[devices] = xs.Mesh(np.arange(devices), (devices,), ("fsdp",))
+    return _xla_meshes[devices], device_mesh(devices)
+
+
+_xla_meshes: dict = {}
 
 
 _meshes: dict = {}

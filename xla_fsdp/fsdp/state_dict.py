@@ -4,8 +4,10 @@
 engine's single-controller hooks cut the padding rows, [Note: state dicts of
 the single controller]); its values are whole global XLA tensors, never
 `ShardedParameter`s. FSDP2 scripts call `v.full_tensor()` on them (DTensors
-there), so each value is a `StateTensor`: a plain tensor whose `full_tensor()`
-and `to_local()` return it as a plain tensor; it pickles and deep-copies as a
+there) and read `v.device_mesh` / `v.placements` to `distribute_tensor` a full
+state dict onto a meta model, so each value is a `StateTensor`: a plain tensor
+whose `full_tensor()` and `to_local()` return it as a plain tensor, and which
+reports the mesh and `(Shard(0),)` of the parameter it comes from; it pickles and deep-copies as a
 plain tensor, so `torch.save`, `copy.deepcopy` and DCP see ordinary tensors.
 
 [Note: loading into sharded parameters] Loading keeps every parameter a dim-0
@@ -23,6 +25,7 @@ sharded global tensor, whatever the values are:
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict
 
 import torch
@@ -32,12 +35,14 @@ from .param import ShardedParameter
 
 
 class StateTensor(torch.Tensor):
-    """A state-dict value: a plain tensor with DTensor's `full_tensor()`, `to_local()` and
-    `placements`, as FSDP2 scripts call them on `model.state_dict()` values."""
+    """A state-dict value: a plain tensor with DTensor's `full_tensor()`, `to_local()`,
+    `device_mesh` and `placements`, as FSDP2 scripts use them on `model.state_dict()` values."""
 
     @staticmethod
-    def wrap(t: torch.Tensor) -> "StateTensor":
-        return torch.Tensor._make_subclass(StateTensor, t, False)
+    def wrap(t: torch.Tensor, device_mesh) -> "StateTensor":
+        out = torch.Tensor._make_subclass(StateTensor, t, False)
+        out.device_mesh = device_mesh
+        return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -49,9 +54,9 @@ class StateTensor(torch.Tensor):
 
     @property
     def placements(self):
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Shard
 
-        return (Replicate(),)
+        return (Shard(0),)
 
     def __reduce_ex__(self, proto):
         return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
@@ -59,17 +64,30 @@ class StateTensor(torch.Tensor):
     def __deepcopy__(self, memo):
         return self.as_subclass(torch.Tensor).clone()
 
+    def __repr__(self) -> str:
+        return f"StateTensor(shape={tuple(self.shape)}, placements=(Shard(dim=0),), device={self.device})"
 
-def _plain_values(module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
-    for key, value in list(state_dict.items()):
-        if key.startswith(prefix) and isinstance(value, torch.Tensor) and not isinstance(value, StateTensor):
-            if isinstance(value, ShardedParameter) or value.device.type == "xla":
-                state_dict[key] = StateTensor.wrap(value.detach())
+
+class _StateTensors:
+    """state_dict post-hook of one unit: the values of its parameters as `StateTensor`s."""
+
+    def __init__(self, unit: nn.Module):
+        self._unit = weakref.ref(unit)
+
+    def __call__(self, module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
+        unit = self._unit()
+        if unit is None:
+            return
+        mesh = unit._fsdp2_device_mesh
+        names = {prefix + n for n, p in module.named_parameters(remove_duplicate=False)}
+        for key, value in list(state_dict.items()):
+            if key in names and isinstance(value, torch.Tensor) and not isinstance(value, StateTensor):
+                state_dict[key] = StateTensor.wrap(value.detach(), mesh)
 
 
 def register(module: nn.Module) -> None:
     """The state-dict hook of one fully_shard unit (values as `StateTensor`s)."""
-    module.register_state_dict_post_hook(_plain_values)
+    module.register_state_dict_post_hook(_StateTensors(module))
 
 
 def _global_value(value):

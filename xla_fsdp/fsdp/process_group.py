@@ -1,0 +1,38 @@
+"""The process group line of an FSDP2 script on XLA: `dist.init_process_group("gloo", init_method="xla://")`.
+
+[Note: xla:// enters the single controller] FSDP2 scripts initialize the
+process group before they build the model, and torch_xla's `xla://`
+rendezvous starts the XLA runtime to learn the rank and world size. Started
+that way the runtime runs one process per device, and turning the SPMD
+runtime on afterwards (as `fully_shard` must) crashes it. So once
+`xla_fsdp.fsdp` is imported, the `xla://` rendezvous first enters the single
+controller (torch_xla's SPMD mode) and then runs torch_xla's own handler,
+which under SPMD numbers one member per host (process index and count):
+`dist.get_rank()` / `get_world_size()` count processes, as FSDP2 scripts
+assume. Nothing happens at import; only that rendezvous changes.
+"""
+from __future__ import annotations
+
+
+def install() -> None:
+    """Put our `xla://` handler in front of torch_xla's (once)."""
+    import importlib
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package re-exports a function of that name)
+    import torch_xla.distributed.xla_backend  # noqa: F401  registers torch_xla's handler first
+
+    handlers = rdzv._rendezvous_handlers
+    theirs = handlers.get("xla")
+    if theirs is None or getattr(theirs, "_xla_fsdp", False):
+        return
+
+    def handler(url, timeout=None, **kwargs):
+        from ..runtime.choice import enter_single_controller
+
+        enter_single_controller()
+        if timeout is None:
+            return theirs(url, **kwargs)
+        return theirs(url, timeout, **kwargs)
+
+    handler._xla_fsdp = True
+    handlers["xla"] = handler
