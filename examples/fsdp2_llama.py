@@ -323,6 +323,10 @@ def main(argv=None):
     blocks = token_blocks(args.seq_len or PRESETS[args.preset].max_seq_len)
     model, cfg, seq_len, device = build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if rank == 0:
+        where = sorted({p.device.type for p in model.parameters()})
+        print(f"{sum(p.numel() for p in model.parameters()):,} parameter elements (padded), held on: "
+              f"{', '.join(where)}", flush=True)
 
     def lr_at(step):
         if step < args.warmup_steps:

@@ -142,6 +142,29 @@ def convert_checkpoint_after_wrapping(unit: nn.Module) -> bool:
     return True
 
 
+def _call_wrapped(module: nn.Module, *args, **kwargs):
+    return module(*args, **kwargs)
+
+
+def convert_checkpoint_wrappers_around_units(root: nn.Module) -> int:
+    """torch's CheckpointWrapper put around a unit after wrapping (FSDP2 scripts'
+    `apply_activation_checkpointing` after `fully_shard`) -> the unit's own recomputation.
+
+    torch's recomputation cannot run on XLA (torch.utils.checkpoint looks for a `torch.xla`
+    device module), and it would recompute with whatever the unit registers outside its
+    forward; the unit's own recomputation gathers again, as FSDP2's does on GPUs. The wrapper
+    stays (its state-dict keys are handled) and calls the unit directly. Returns how many."""
+    converted = 0
+    for m in root.modules():
+        inner = getattr(m, "_checkpoint_wrapped_module", None)
+        if _is_torch_checkpoint_wrapper(m) and getattr(inner, "_fsdp_state", None) is not None \
+                and m.__dict__.get("checkpoint_fn") is not _call_wrapped:
+            m.checkpoint_fn = _call_wrapped
+            inner.enable_activation_checkpointing()
+            converted += 1
+    return converted
+
+
 def guard(unit: nn.Module, args) -> None:
     """Forward pre-hook of every unit: refuse an instance forward set after wrapping (it would
     run instead of the gather), except torch_xla's checkpoint_module(unit), which the root

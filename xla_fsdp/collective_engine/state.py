@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..activation_checkpoint import checkpoint_all_but_last, is_recomputing
 from ..options import FSDPOptions, ShardingStrategy, TrainingState
-from ..forward_overrides import convert_checkpoint_after_wrapping
+from ..forward_overrides import convert_checkpoint_after_wrapping, convert_checkpoint_wrappers_around_units
 from .manual_region import ManualRegion
 from .param_group import FSDPParamGroup, gather_together
 from .precision import cast_inputs
@@ -217,6 +217,7 @@ class FSDPState:
         for unit in self._units:
             if "forward" in unit.__dict__:
                 convert_checkpoint_after_wrapping(unit)
+        convert_checkpoint_wrappers_around_units(self._module())
         checkpoint_all_but_last(self._module(), self._units, self.options.checkpoint_all_but_last)
 
     def _check_runtime_unchanged(self) -> None:

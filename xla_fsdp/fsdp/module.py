@@ -69,16 +69,22 @@ class FSDPModule(XlaFullyShardedDataParallel):
     # -- storage -----------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True):
         """FSDP2's meta-device flow: give every sharded parameter (of this unit and the units in
-        it) uninitialized storage on the chips, each chip its own rows only, and every other
-        tensor storage on `device`, as nn.Module.to_empty does. Then initialize, e.g.
+        it) uninitialized storage on the chips, each chip its own rows only (host memory under
+        CPUOffloadPolicy), and every other tensor storage on `device`, as nn.Module.to_empty does. Then initialize, e.g.
         `model.reset_parameters()`."""
         from ..collective_engine import optimizer_shapes
 
         for unit in self._fsdp2_units(recurse):
             group = unit._fsdp_state.group
             fresh = [rec for rec in group.params if rec.sharded.is_meta]
+            offload = getattr(unit, "_fsdp2_offload", None) is not None
             for rec in fresh:
-                rec.materialize_on(group.comm)
+                if offload:  # [Note: CPU offload on the single controller]: host storage
+                    rec.sharded = rec.param_cls(torch.empty((rec.padded_rows, *rec.row_shape), dtype=rec.orig_dtype),
+                                                requires_grad=rec.requires_grad)
+                    rec.register(rec.sharded)
+                else:
+                    rec.materialize_on(group.comm)
                 rec.sharded.bind(rec, unit._fsdp2_device_mesh)
             padded = [r for r in fresh if (r.padded_rows, *r.row_shape) != tuple(r.orig_shape)]
             if padded and group.comm.is_single_controller:

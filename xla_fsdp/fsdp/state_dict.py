@@ -164,6 +164,10 @@ def _adopt(unit) -> None:
         was_meta = rec.sharded.is_meta
         rec.sharded = rec.param_cls(data, requires_grad=rec.requires_grad).bind(rec, unit._fsdp2_device_mesh)
         rec.register(rec.sharded)
+        if getattr(unit, "_fsdp2_offload", None) is not None:  # [Note: CPU offload on the single controller]
+            from .offload import to_host
+
+            to_host(rec, unit)
         if was_meta and (rec.padded_rows, *rec.row_shape) != tuple(rec.orig_shape):
             from ..collective_engine import optimizer_shapes
 
