@@ -9,7 +9,7 @@ runtime on afterwards (as `fully_shard` must) crashes it. So once
 controller (torch_xla's SPMD mode) and then runs torch_xla's own handler,
 which under SPMD numbers one member per host (process index and count):
 `dist.get_rank()` / `get_world_size()` count processes, as FSDP2 scripts
-assume. Nothing happens at import; only that rendezvous changes.
+assume. On one host the store is an in-process one (no port to collide on). Nothing happens at import; only that rendezvous changes.
 """
 from __future__ import annotations
 
@@ -27,12 +27,21 @@ def install() -> None:
         return
 
     def handler(url, timeout=None, **kwargs):
+        import torch.distributed as dist
+        import torch_xla.runtime as xr
+
         from ..runtime.choice import enter_single_controller
 
         enter_single_controller()
+        if xr.process_count() == 1:
+            # one host: a store in this process, not torch_xla's TCP store on its fixed port
+            # (12355), which two jobs on one machine would both try to bind
+            yield dist.HashStore(), 0, 1
+            return
         if timeout is None:
-            return theirs(url, **kwargs)
-        return theirs(url, timeout, **kwargs)
+            yield from theirs(url, **kwargs)
+        else:
+            yield from theirs(url, timeout, **kwargs)
 
     handler._xla_fsdp = True
     handlers["xla"] = handler

@@ -1,0 +1,217 @@
+"""FSDP2's API on XLA (xla_fsdp.fsdp) in one process driving N XLA:CPU devices.
+
+Run by tests/test_fsdp2.py in a fresh process (CPU_NUM_DEVICES fixes the device count when the
+runtime starts); writes what it observed as JSON:
+
+  api_cases.py errors OUT    bad input: each case's exception type and message, and whether the
+                             module was left as it was
+  api_cases.py methods OUT   FSDPModule's methods and ShardedParameter's attributes, each compared
+                             with what the unsharded model computes
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import torch_xla  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+
+import xla_fsdp.fsdp as fsdp  # noqa: E402
+from xla_fsdp.fsdp import FSDPModule, fully_shard  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = nn.Linear(d, 2 * d)
+        self.b = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d=8, vocab=10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def sharded_net(seed=0, **kw):
+    torch.manual_seed(seed)
+    net = Net()
+    for b in net.blocks:
+        fully_shard(b, **kw)
+    fully_shard(net, **kw)
+    return net
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return {"type": type(e).__name__, "message": str(e)}
+    return None
+
+
+def errors(out):
+    res = {}
+    net = sharded_net()
+    res["twice"] = _error(lambda: fully_shard(net.blocks[0]))
+
+    parent = Net()
+    fully_shard(parent)
+    res["child_after_parent"] = _error(lambda: fully_shard(parent.blocks[1]))
+    res["child_after_parent_untouched"] = not isinstance(parent.blocks[1], FSDPModule)
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    bad_mesh = DeviceMesh("xla", torch.arange(3), _init_backend=False)
+    fresh = Block()
+    res["mesh"] = _error(lambda: fully_shard(fresh, mesh=bad_mesh))
+    res["mesh_untouched"] = type(fresh) is Block and type(fresh.a.weight) is nn.Parameter
+
+    from torch.distributed.tensor import Shard
+
+    res["placement"] = _error(lambda: fully_shard(Block(), shard_placement_fn=lambda p: Shard(1)))
+    res["placement_dim0_ok"] = _error(lambda: fully_shard(Block(), shard_placement_fn=lambda p: Shard(0))) is None
+    res["ignored_params"] = _error(lambda: fully_shard(Block(), ignored_params={nn.Parameter(torch.ones(1))}))
+    res["reshard_int"] = _error(lambda: fully_shard(Block(), reshard_after_forward=3))
+    res["cast_inputs"] = _error(lambda: fully_shard(Block(), mp_policy=fsdp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, cast_forward_inputs=False)))
+    res["module_list"] = _error(lambda: fully_shard(nn.ModuleList([Block()])))
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    on_xla = Block().to(torch_xla.device())
+    res["torch_fully_shard"] = _error(lambda: torch_fully_shard(on_xla))
+
+    with torch.device("meta"):
+        meta = Net()
+    for b in meta.blocks:
+        fully_shard(b)
+    fully_shard(meta)
+    tokens = torch.randint(0, 10, (8, 4), device=torch_xla.device())
+    res["meta_forward"] = _error(lambda: meta(tokens))
+
+    wrong = {k: v.full_tensor().cpu() for k, v in net.state_dict().items()}
+    wrong["head.weight"] = torch.zeros(11, 8)
+    before = net.head.weight.full_tensor().detach().cpu().clone()
+    res["load_shapes"] = _error(lambda: net.load_state_dict(wrong))
+    res["load_shapes_untouched"] = bool(torch.equal(before, net.head.weight.full_tensor().detach().cpu()))
+    _write(out, res)
+
+
+def _write(out, res):
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def _grads_of(model, tokens, targets):
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    loss.backward()
+    return loss
+
+
+def methods(out):
+    dev = torch_xla.device()
+    res = {}
+    torch.manual_seed(0)
+    tokens, targets = torch.randint(0, 10, (8, 4)), torch.randint(0, 10, (8, 4))
+    ref = Net()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    net = sharded_net()
+    net.load_state_dict(state)
+    p = net.head.weight
+    res["param"] = {
+        "class": type(p).__name__, "placements": [str(x) for x in p.placements],
+        "mesh_size": p.device_mesh.size(), "mesh_type": p.device_mesh.device_type,
+        "full_shape": list(p.full_shape), "full_tensor_shape": list(p.full_tensor().shape),
+        "full_tensor_equal": bool(torch.equal(p.full_tensor().detach().cpu(), state["head.weight"])),
+        "isinstance": isinstance(net, FSDPModule) and isinstance(net.blocks[0], FSDPModule),
+        "state_dict_shapes_ok": all(tuple(v.shape) == tuple(state[k].shape) for k, v in net.state_dict().items()),
+    }
+    # unshard() under no_grad: the parameters registered whole, the output that of the unsharded model
+    net.unshard()
+    registered = net.head.weight
+    res["unshard_registers_whole"] = list(registered.shape) == list(state["head.weight"].shape) \
+        and not isinstance(registered, fsdp.ShardedParameter)
+    with torch.no_grad():
+        got = net(tokens.to(dev)).cpu()
+    net.reshard()
+    with torch.no_grad():
+        want = ref(tokens)
+    res["unshard_forward_diff"] = float((got - want).abs().max())
+    res["reshard_registers_shards"] = isinstance(net.head.weight, fsdp.ShardedParameter)
+
+    # unshard() then a forward under autograd: gradients reach the shards as without it
+    handle = net.unshard(async_op=True)
+    handle.wait()
+    _grads_of(net, tokens.to(dev), targets.to(dev))
+    _grads_of(ref, tokens, targets)
+    torch_xla.sync()
+    res["unshard_then_backward_grad_diff"] = max(
+        float((a.grad.cpu()[: b.shape[0]].reshape(b.shape) - b.grad).abs().max())
+        for a, b in zip(net.parameters(), ref.parameters()))
+
+    # set_gradient_divide_factor(f): gradients times (processes / f)
+    net.zero_grad()
+    net.set_gradient_divide_factor(0.5)
+    _grads_of(net, tokens.to(dev), targets.to(dev))
+    torch_xla.sync()
+    res["divide_factor_ratio"] = float(net.head.weight.grad.cpu()[:10].norm() / ref.head.weight.grad.norm())
+    net.set_gradient_divide_factor(float(fsdp.mesh.process_count()))
+
+    # set_requires_gradient_sync(False) on two micro-batches, then True: the sum of both gradients
+    net.zero_grad()
+    ref.zero_grad()
+    net.set_requires_gradient_sync(False)
+    _grads_of(net, tokens[:8].to(dev), targets[:8].to(dev))
+    net.set_requires_gradient_sync(True)
+    _grads_of(net, tokens.flip(0).to(dev), targets.flip(0).to(dev))
+    _grads_of(ref, tokens[:8], targets[:8])
+    _grads_of(ref, tokens.flip(0), targets.flip(0))
+    torch_xla.sync()
+    res["accumulation_grad_diff"] = max(
+        float((a.grad.cpu()[: b.shape[0]].reshape(b.shape) - b.grad).abs().max())
+        for a, b in zip(net.parameters(), ref.parameters()))
+
+    # explicit prefetch: block 0's forward starts block 2's gather (not block 1's)
+    net.zero_grad()
+    net.blocks[0].set_modules_to_forward_prefetch([net.blocks[2]])
+    seen = {}
+    hook = net.blocks[1].register_forward_pre_hook(
+        lambda m, a: seen.update(b2=net.blocks[2]._fsdp_state._prefetched is not None))
+    _grads_of(net, tokens.to(dev), targets.to(dev))
+    hook.remove()
+    res["explicit_prefetch_started"] = bool(seen.get("b2"))
+    for name in ("set_custom_all_gather", "set_unshard_in_backward"):
+        res[f"refused_{name}"] = _error(lambda: getattr(net, name)(None))
+    res["noop_methods"] = _error(lambda: (net.set_is_last_backward(True), net.set_reshard_after_backward(False),
+                                          net.set_post_optim_event(None), net.set_requires_all_reduce(True)))
+    _write(out, res)
+
+
+if __name__ == "__main__":
+    # the SPMD runtime, then the XLA runtime, before any autograd runs: torch's autograd engine sizes
+    # its per-device queues when it first runs, so a CPU backward first would leave none for XLA
+    xr.use_spmd()
+    torch_xla.device()
+    xr.global_runtime_device_count()
+    {"errors": errors, "methods": methods}[sys.argv[1]](sys.argv[2])
