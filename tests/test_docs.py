@@ -186,6 +186,11 @@ def check_script(argv: list) -> None:
         module = bench_modules.load(Path(script).stem)
         assert hasattr(module, "build_parser"), f"{script} has no build_parser() to check its flags with"
         parse_with(module.build_parser().parse_args, args, script)
+    elif script.startswith("examples/") and script.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"example_{Path(script).stem}", ROOT / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # examples define parse_args(argv) and run only under __main__
+        parse_with(module.parse_args, args, script)
     else:
         pytest.fail(f"no parser known for {script}; teach tests/test_docs.py to check it")
 

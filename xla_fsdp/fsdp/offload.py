@@ -43,10 +43,10 @@ class HostOffload:
     # -- per step ------------------------------------------------------------
     @staticmethod
     def _records(root) -> List[tuple]:
-        from .module import FSDPModule
+        from .units import fsdp2_units
 
-        return [(unit, rec) for unit in root.modules() if isinstance(unit, FSDPModule)
-                and getattr(unit, "_fsdp2_offload", None) is not None for rec in unit._fsdp_state.group.params]
+        return [(unit, rec) for unit in fsdp2_units(root) if getattr(unit, "_fsdp2_offload", None) is not None
+                for rec in unit._fsdp_state.group.params]
 
     def to_device(self, root) -> None:
         """Before the root's forward: every offloaded parameter onto the chips, as a fresh leaf."""

@@ -104,7 +104,7 @@ def _global_value(value):
 
 def load_into(root: nn.Module, state_dict, strict: bool, assign: bool):
     """`root.load_state_dict(...)` for a fully_shard module (see [Note: loading into sharded parameters])."""
-    from .module import FSDPModule
+    from .units import fsdp2_units
 
     values: Dict[str, object] = {k: _global_value(v) if isinstance(v, torch.Tensor) else v
                                  for k, v in state_dict.items()}
@@ -116,7 +116,7 @@ def load_into(root: nn.Module, state_dict, strict: bool, assign: bool):
         raise ValueError("load_state_dict: shapes do not match the model (nothing was loaded): " + "; ".join(wrong[:5])
                          + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""))
     result = nn.Module.load_state_dict(root, values, strict=strict, assign=assign)
-    for unit in [m for m in root.modules() if isinstance(m, FSDPModule)]:
+    for unit in fsdp2_units(root):
         _adopt(unit)
     return result
 
