@@ -189,6 +189,7 @@ def check_script(argv: list) -> None:
     elif script.startswith("examples/") and script.endswith(".py"):
         spec = importlib.util.spec_from_file_location(f"example_{Path(script).stem}", ROOT / script)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
         spec.loader.exec_module(module)  # examples define parse_args(argv) and run only under __main__
         parse_with(module.parse_args, args, script)
     else:
