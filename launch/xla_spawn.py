@@ -16,6 +16,9 @@ script untouched (even ``--num_cores`` or ``--help``), with
   runtime chosen below: ``fn(index, *args)`` as torch_xla calls it
   (xla_fsdp/runtime/self_starting.py). An ``fn`` that cannot take the index and
   ``args`` is refused by name.
+- A plain script (torchrun-style: no ``_mp_fn``, ``if __name__ == "__main__":
+  main()``, as FSDP2 scripts are) under the single controller: it runs once, as
+  ``python script.py`` would. One process per chip needs ``_mp_fn``.
 
 What runs where (the world is what ``xr.world_size()`` says in the script):
 
@@ -452,6 +455,43 @@ class ScriptEntry:
         ReplicaCall(lambda i: self.load()(i), ())(index)
 
 
+def defines_entry_point(script: str) -> bool:
+    """Whether `script` defines ``_mp_fn`` at module level (read, not imported)."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(script).read_text(encoding="utf-8"), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return True  # importing it will say what is wrong
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == ENTRY_POINT:
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(getattr(t, "id", None) == ENTRY_POINT for t in targets):
+                return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" or (a.asname or a.name.split(".")[0]) == ENTRY_POINT for a in node.names):
+                return True
+    return False
+
+
+def run_as_main(entry: "ScriptEntry") -> int:
+    """Run the script as ``python script.py args...`` would, here (the single controller)."""
+    import runpy
+
+    sys.argv = [entry.script, *entry.args]
+    sys.path.insert(0, str(Path(entry.script).resolve().parent))
+    try:
+        runpy.run_path(entry.script, run_name="__main__")
+    except SystemExit as exc:
+        return exit_code(exc)
+    except Exception:
+        log(f"{entry.script} failed:\n{traceback.format_exc()}")
+        return EXIT_FAILED
+    return 0
+
+
 def run_in_process(fn: Callable[[int], object]) -> int:
     """Call ``fn(0)`` here; a failure becomes a traceback and exit 1.
 
@@ -597,6 +637,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             log(describe_start(script, calls, plan))
             return run_self_starting(script, tuple(script_args), plan)
         entry = ScriptEntry(script, tuple(script_args))
+        if spmd and not plan.spawn and not defines_entry_point(script):
+            log(f"{script} defines no {ENTRY_POINT}(index): it runs once as __main__ (single controller)")
+            return run_as_main(entry)
         try:
             fn = entry.load()  # also checks _mp_fn early, before any spawn
         except UsageError:

@@ -138,6 +138,14 @@ def test_script_without_mp_fn():
     assert "Traceback" not in result.stderr
 
 
+def test_plain_script_runs_once_as_main_under_the_single_controller():
+    # FSDP2 scripts have no _mp_fn: under the single controller they run as `python script.py` would
+    result = launch("--spmd", "--num_cores", "1", FIXTURES / "plain_main.py", "--flag", "x")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("plain_main ran as __main__") == 1
+    assert "argv=['--flag', 'x'] spmd=True" in result.stdout
+
+
 def test_mp_fn_that_needs_more_than_the_index_is_refused_by_name():
     # torch_xla's _mp_fn(index, flags) in a script that does not start itself: nothing could
     # give it its flags, so it is refused before it runs, not with a TypeError from inside
