@@ -178,3 +178,11 @@ def test_bad_input(tmp_path):
     assert "to_empty" in r["meta_forward"]["message"]
     msg = r["load_shapes"]["message"]
     assert "head.weight" in msg and "(11, 8)" in msg and "(10, 8)" in msg and r["load_shapes_untouched"]
+
+
+def test_one_process_per_chip_is_refused_by_name():
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fsdp2" / "per_chip.py")], env=_env(2),
+                          capture_output=True, text=True, timeout=300)
+    refusals = [line for line in proc.stdout.splitlines() if "refused:" in line]
+    assert len(refusals) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert all("one of 2 processes" in r and "xla_spawn.py --spmd" in r for r in refusals)

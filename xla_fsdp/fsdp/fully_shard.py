@@ -104,6 +104,15 @@ def _enter_spmd(module: nn.Module) -> None:
 
     if xr.is_spmd():
         return
+    from .process_group import runtime_started
+
+    if runtime_started() and xr.world_size() > 1:
+        raise RuntimeError(
+            f"xla_fsdp.fsdp.fully_shard runs on the single controller (one process per host drives every "
+            f"chip, with FSDP2's per-process rank semantics), and this is one of {xr.world_size()} processes "
+            "of one process per chip (xmp.spawn or xla_spawn --per_chip). Launch the script with "
+            "`python launch/xla_spawn.py --spmd ...` (or plain `python script.py`), or use "
+            "xla_fsdp.XlaFullyShardedDataParallel, which runs one process per chip")
     if any(t.device.type == "xla" for t in list(module.parameters()) + list(module.buffers())):
         raise RuntimeError(
             "xla_fsdp.fsdp.fully_shard runs on the single controller (one process drives every chip of its "

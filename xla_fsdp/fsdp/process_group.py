@@ -32,6 +32,11 @@ def install() -> None:
 
         from ..runtime.choice import enter_single_controller
 
+        if not xr.is_spmd() and runtime_started():
+            # one process per chip (xmp.spawn, xla_spawn --per_chip): torch_xla's own meaning;
+            # fully_shard then refuses by name
+            yield from (theirs(url, **kwargs) if timeout is None else theirs(url, timeout, **kwargs))
+            return
         enter_single_controller()
         if xr.process_count() == 1:
             # one host: a store in this process, not torch_xla's TCP store on its fixed port
@@ -45,3 +50,10 @@ def install() -> None:
 
     handler._xla_fsdp = True
     handlers["xla"] = handler
+
+
+def runtime_started() -> bool:
+    """Whether this process's XLA runtime already runs (its mode can no longer change)."""
+    import torch_xla
+
+    return bool(torch_xla._XLAC._xla_runtime_is_initialized())
