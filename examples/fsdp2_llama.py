@@ -312,6 +312,17 @@ def apply_checkpointing(model):
                                    check_fn=lambda m: isinstance(m, DecoderLayer))
 
 
+def progress_bar(start: int, total: int):
+    """A tqdm bar on a terminal (loss and tokens/s beside it); None elsewhere, where each step is a line."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not dist.is_initialized():
@@ -362,6 +373,7 @@ def main(argv=None):
     for _ in range(start):  # resume: the batches already trained on
         next_batch()
     losses, t0, tokens = [], None, 0
+    bar = progress_bar(start, args.steps) if rank == 0 else None
     for step in range(start, args.steps):
         batch = next_batch().to(device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -379,11 +391,18 @@ def main(argv=None):
         else:
             tokens += inputs.numel() * world
         rate = tokens / max(time.perf_counter() - t0, 1e-9) if tokens else 0.0
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{rate:,.0f}")
         if rank == 0:
-            print(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
-                  f"lr {scheduler.get_last_lr()[0]:.2e}  {rate:,.0f} tokens/s", flush=True)
+            message = (f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
+                       f"lr {scheduler.get_last_lr()[0]:.2e}  {rate:,.0f} tokens/s")
+            if bar is None:
+                print(message, flush=True)
         if args.save_every and (step + 1) % args.save_every == 0:
             save(args.checkpoint_dir, step + 1, model, optimizer, scheduler)
+    if bar is not None:
+        bar.close()
     if args.save_full:
         full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
         if rank == 0:

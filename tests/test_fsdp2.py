@@ -174,6 +174,9 @@ def test_bad_input(tmp_path):
     assert "reshard_after_forward=3" in r["reshard_int"]["message"]
     assert "cast_forward_inputs" in r["cast_inputs"]["message"]
     assert "ModuleList" in r["module_list"]["message"]
+    # PyTorch's own policy objects are read as ours: bf16 gathers, f32 reduce, f16 outputs, host parameters
+    assert r["torch_policies"] == {"compute": "torch.bfloat16", "reduce": "torch.float32", "offloaded": True,
+                                   "param_device": "cpu", "output": "torch.float16"}
     assert "xla_fsdp.fsdp.fully_shard" in r["torch_fully_shard"]["message"]
     assert "to_empty" in r["meta_forward"]["message"]
     msg = r["load_shapes"]["message"]

@@ -95,6 +95,17 @@ def errors(out):
     res["reshard_int"] = _error(lambda: fully_shard(Block(), reshard_after_forward=3))
     res["cast_inputs"] = _error(lambda: fully_shard(Block(), mp_policy=fsdp.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, cast_forward_inputs=False)))
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload, MixedPrecisionPolicy as TorchMP
+
+    theirs = fully_shard(Block(), mp_policy=TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                    output_dtype=torch.float16),
+                         offload_policy=TorchOffload())
+    opts = theirs._fsdp_state.options.mixed_precision
+    with torch.no_grad():
+        y = theirs(torch.randn(8, 8, device=torch_xla.device()))
+    res["torch_policies"] = {"compute": str(opts.compute_dtype), "reduce": str(opts.reduce_dtype),
+                             "offloaded": theirs._fsdp2_offload is not None,
+                             "param_device": theirs.a.weight.device.type, "output": str(y.dtype)}
     res["module_list"] = _error(lambda: fully_shard(nn.ModuleList([Block()])))
 
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
