@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from .. import abstract
 from ..api import XlaFullyShardedDataParallel
 from .param import ShardedParameter
 
@@ -47,16 +48,16 @@ class FSDPModule(XlaFullyShardedDataParallel):
 
     # -- forward -----------------------------------------------------------
     def forward(self, *args, **kwargs):
-        meta = [rec.fqn for rec in self._fsdp_state.group.params if rec.sharded.is_meta]
+        outermost = self._is_outermost_call()
+        offload = getattr(self, "_fsdp2_offload", None) if outermost else None
+        if offload is not None and not self._meta_params():
+            offload.to_device(self)
+        meta = self._meta_params()
         if meta:
             raise RuntimeError(
                 f"{type(self).__name__}'s parameters are on the meta device ({', '.join(meta[:3])}): after "
                 "fully_shard, call model.to_empty(device=torch_xla.device()) and initialize them "
                 "(model.reset_parameters(), or load a state dict) before the forward")
-        outermost = self._is_outermost_call()
-        offload = getattr(self, "_fsdp2_offload", None) if outermost else None
-        if offload is not None:
-            offload.to_device(self)
         out = super().forward(*args, **kwargs)
         if offload is not None:
             offload.after_forward(self, out)
@@ -65,6 +66,14 @@ class FSDPModule(XlaFullyShardedDataParallel):
             out = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
                            out)
         return out
+
+    def _meta_params(self) -> List[str]:
+        """This unit's parameters without storage (built on meta, not yet given any), by name.
+        Under the check's trace an offloaded host parameter is a meta tensor by design."""
+        offloaded = getattr(self, "_fsdp2_offload", None) is not None and abstract.active()
+        return [rec.fqn for rec in self._fsdp_state.group.params
+                if rec.sharded.is_meta and not (offloaded and rec.sharded.device.type == "meta"
+                                                and getattr(self, "_fsdp2_given_storage", False))]
 
     # -- storage -----------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True):
@@ -80,8 +89,9 @@ class FSDPModule(XlaFullyShardedDataParallel):
             offload = getattr(unit, "_fsdp2_offload", None) is not None
             for rec in fresh:
                 if offload:  # [Note: CPU offload on the single controller]: host storage
-                    rec.sharded = rec.param_cls(torch.empty((rec.padded_rows, *rec.row_shape), dtype=rec.orig_dtype),
-                                                requires_grad=rec.requires_grad)
+                    where = "meta" if abstract.active() else "cpu"  # traced for the check: no host memory
+                    rec.sharded = rec.param_cls(torch.empty((rec.padded_rows, *rec.row_shape), dtype=rec.orig_dtype,
+                                                            device=where), requires_grad=rec.requires_grad)
                     rec.register(rec.sharded)
                 else:
                     rec.materialize_on(group.comm)
@@ -89,6 +99,8 @@ class FSDPModule(XlaFullyShardedDataParallel):
             padded = [r for r in fresh if (r.padded_rows, *r.row_shape) != tuple(r.orig_shape)]
             if padded and group.comm.is_single_controller:
                 optimizer_shapes.register(padded, group.comm)
+        for unit in self._fsdp2_units(recurse):
+            unit._fsdp2_given_storage = True
         device = torch.device(device)
         return nn.Module._apply(self, lambda t: t if isinstance(t, ShardedParameter)
                                 else torch.empty_like(t, device=device), recurse)

@@ -23,6 +23,8 @@ from typing import Dict, List
 
 import torch
 
+from .. import abstract
+
 
 class HostOffload:
     """The offloaded units under one module (the root, once it runs) and their host parameters."""
@@ -30,6 +32,7 @@ class HostOffload:
     def __init__(self):
         self._hosts: Dict[int, torch.Tensor] = {}  # id(record) -> host parameter, while the step runs
         self._pending = False
+        self._traced_grads: List[torch.Tensor] = []
 
     @staticmethod
     def attach(unit) -> "HostOffload":
@@ -53,9 +56,10 @@ class HostOffload:
         if self._pending:
             raise RuntimeError("CPUOffloadPolicy: a forward ran before the previous backward finished; call "
                                "backward on the previous step's loss first (or run evaluation under torch.no_grad())")
+        self._traced_grads = []
         for unit, rec in self._records(root):
             host = rec.sharded
-            if host.device.type != "cpu":
+            if host.device.type not in ("cpu", "meta"):  # meta: traced for the check, a placeholder below
                 continue
             comm = unit._fsdp_state.group.comm
             dev = rec.param_cls(comm.place_global(host.detach()), requires_grad=rec.requires_grad)
@@ -94,6 +98,14 @@ class HostOffload:
         """The step's gradients onto the host parameters (added), which are registered again."""
         self._pending = False
         records = [(unit, rec) for unit, rec in self._records(root) if id(rec) in self._hosts]
+        if abstract.active():
+            # [Note: abstract tracing] nothing can be read: the gradients stay outputs of the traced
+            # step (held until the next step), as a real run's transfers to the host make them
+            self._traced_grads = [rec.sharded.grad for _, rec in records if rec.sharded.grad is not None]
+            for _, rec in records:
+                rec.sharded = self._hosts.pop(id(rec))
+                rec.register(rec.sharded)
+            return
         if grads and any(rec.sharded.grad is not None for _, rec in records):
             import torch_xla
 
@@ -111,7 +123,10 @@ class HostOffload:
 def to_host(rec, unit) -> None:
     """`rec`'s parameter as a host tensor (the whole padded global parameter), registered."""
     data = rec.sharded.detach()
-    host = rec.param_cls(data.cpu() if data.device.type != "cpu" else data, requires_grad=rec.requires_grad)
+    if abstract.active():  # [Note: abstract tracing]: a placeholder cannot be read; the host copy is a shape
+        data = torch.empty(data.shape, dtype=data.dtype, device="meta")
+    host = rec.param_cls(data.cpu() if data.device.type not in ("cpu", "meta") else data,
+                         requires_grad=rec.requires_grad)
     host.bind(rec, unit._fsdp2_device_mesh)
     rec.sharded = host
     rec.register(host)
