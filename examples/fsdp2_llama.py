@@ -372,8 +372,22 @@ def main(argv=None):
 
     for _ in range(start):  # resume: the batches already trained on
         next_batch()
-    losses, t0, tokens = [], None, 0
+    losses, timing = [], {"t0": None, "tokens": 0}
     bar = progress_bar(start, args.steps) if rank == 0 else None
+
+    def report(step, loss, grad_norm, lr):
+        """One step's figures, read back one step late: the host never waits for the chips in between
+        (and the ahead-of-time check, which traces the first two steps, reads nothing)."""
+        losses.append(loss.item())
+        rate = timing["tokens"] / max(time.perf_counter() - timing["t0"], 1e-9) if timing["tokens"] else 0.0
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{rate:,.0f}")
+        elif rank == 0:
+            print(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
+                  f"lr {lr:.2e}  {rate:,.0f} tokens/s", flush=True)
+
+    pending = None
     for step in range(start, args.steps):
         batch = next_batch().to(device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -382,25 +396,21 @@ def main(argv=None):
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        lr = scheduler.get_last_lr()[0]
         scheduler.step()
         optimizer.zero_grad()
         torch_xla.sync()
-        losses.append(loss.item())
-        if t0 is None:
-            t0 = time.perf_counter()  # after the first (compiling) step
+        if timing["t0"] is None:
+            timing["t0"] = time.perf_counter()  # from the end of the first (compiling) step
         else:
-            tokens += inputs.numel() * world
-        rate = tokens / max(time.perf_counter() - t0, 1e-9) if tokens else 0.0
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{rate:,.0f}")
-        if rank == 0:
-            message = (f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
-                       f"lr {scheduler.get_last_lr()[0]:.2e}  {rate:,.0f} tokens/s")
-            if bar is None:
-                print(message, flush=True)
+            timing["tokens"] += inputs.numel() * world
+        if pending is not None:
+            report(*pending)
+        pending = (step, loss.detach(), grad_norm.detach(), lr)
         if args.save_every and (step + 1) % args.save_every == 0:
             save(args.checkpoint_dir, step + 1, model, optimizer, scheduler)
+    if pending is not None:
+        report(*pending)
     if bar is not None:
         bar.close()
     if args.save_full:
