@@ -157,6 +157,10 @@ def test_methods_and_parameters(tmp_path):
     assert abs(r["divide_factor_ratio"] - 2.0) < 1e-4  # factor 0.5 with one process: gradients doubled
     assert r["accumulation_grad_diff"] < 1e-5
     assert r["explicit_prefetch_started"]
+    mi = r["meta_init"]
+    assert mi["all_sharded"] and mi["classes"] == ["ShardedParameter"]
+    # uniform(-1/sqrt(8), 1/sqrt(8)) has std 0.204; N(0, 1) embeddings std 1
+    assert mi["within_bound"] and 0.15 < mi["spread"] < 0.26 and 0.7 < mi["embedding_std"] < 1.3
     for name in ("set_custom_all_gather", "set_unshard_in_backward"):
         assert r[f"refused_{name}"]["type"] == "NotImplementedError"
         assert name in r[f"refused_{name}"]["message"]

@@ -212,6 +212,24 @@ def methods(out):
     _grads_of(net, tokens.to(dev), targets.to(dev))
     hook.remove()
     res["explicit_prefetch_started"] = bool(seen.get("b2"))
+    # meta-device init: to_empty gives every parameter sharded device storage (each device its rows),
+    # and each module's own reset_parameters() fills it (nn.Linear: uniform within 1/sqrt(fan_in))
+    with torch.device("meta"):
+        meta = Net()
+    for b in meta.blocks:
+        fully_shard(b)
+    fully_shard(meta)
+    meta.to_empty(device=dev)
+    for m in meta.modules():
+        if hasattr(m, "reset_parameters") and not isinstance(m, FSDPModule):
+            m.reset_parameters()
+    torch_xla.sync()
+    specs = {n: torch_xla._XLAC._get_xla_sharding_spec(p) for n, p in meta.named_parameters()}
+    w = meta.blocks[1].a.weight.full_tensor().detach().cpu()
+    res["meta_init"] = {"all_sharded": all(s.startswith("{devices=[4") for s in specs.values()),
+                        "classes": sorted({type(p).__name__ for p in meta.parameters()}),
+                        "within_bound": bool(w.abs().max() <= 8 ** -0.5 + 1e-6), "spread": float(w.std()),
+                        "embedding_std": float(meta.emb.weight.full_tensor().detach().cpu().std())}
     for name in ("set_custom_all_gather", "set_unshard_in_backward"):
         res[f"refused_{name}"] = _error(lambda: getattr(net, name)(None))
     res["noop_methods"] = _error(lambda: (net.set_is_last_backward(True), net.set_reshard_after_backward(False),
