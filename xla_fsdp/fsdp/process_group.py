@@ -9,7 +9,8 @@ runtime on afterwards (as `fully_shard` must) crashes it. So once
 controller (torch_xla's SPMD mode) and then runs torch_xla's own handler,
 which under SPMD numbers one member per host (process index and count):
 `dist.get_rank()` / `get_world_size()` count processes, as FSDP2 scripts
-assume. Nothing happens at import; only that rendezvous changes.
+assume. Nothing happens at import; only that rendezvous changes (and, on a
+machine without CUDA, the devices gloo groups serve: `_gloo_on_the_host_only`).
 """
 from __future__ import annotations
 
@@ -30,9 +31,24 @@ def install() -> None:
         from ..runtime.choice import enter_single_controller
 
         enter_single_controller()
+        _gloo_on_the_host_only()
         if timeout is None:
             return theirs(url, **kwargs)
         return theirs(url, timeout, **kwargs)
 
     handler._xla_fsdp = True
     handlers["xla"] = handler
+
+
+def _gloo_on_the_host_only() -> None:
+    """Without CUDA, "gloo" groups serve the CPU only. torch registers gloo for "cpu" and "cuda"
+    whatever the machine has, and its state-dict helpers move tensors that live on neither
+    (XLA) to the group's first device type, which is CUDA: `set_state_dict(...,
+    StateDictOptions(broadcast_from_rank0=True))` then fails with "Found no NVIDIA driver".
+    The rendezvous runs before the group's backends are made, so this reaches the group."""
+    import torch
+    from torch.distributed import Backend
+
+    capability = Backend.backend_capability.get("gloo")
+    if capability and "cuda" in capability and not torch.cuda.is_available():
+        Backend.backend_capability["gloo"] = [d for d in capability if d != "cuda"]

@@ -153,8 +153,9 @@ def _adopt(unit, specs) -> None:
     """After a load: each record's sharded parameter holds the value registered in its place
     (assign=True put a new tensor there), sharded on dim 0 on the unit's devices. An in-place
     copy from an XLA tensor without sharding (or a replicated one: `set_state_dict` of a full
-    state dict moves each value to the device whole) leaves the parameter unsharded or
-    replicated; it is placed again, through the host, as it was before the load."""
+    state dict moves each value to the device whole), or DCP's in-place load into the
+    unpadded view `state_dict()` gave of a padded parameter, leaves the parameter unsharded or
+    replicated; it is placed again, through the host, sharded on dim 0."""
     import torch_xla
 
     group = unit._fsdp_state.group
@@ -163,8 +164,8 @@ def _adopt(unit, specs) -> None:
         site = rec.sites[0]
         current = site.module._parameters.get(site.name)
         if current is rec.sharded and not rec.sharded.is_meta:
-            before = specs.get(id(rec), "")
-            if rec.sharded.device.type == "xla" and _sharding_spec(rec.sharded) != before:
+            now = _sharding_spec(rec.sharded)
+            if rec.sharded.device.type == "xla" and (not now or now != specs.get(id(rec), now)):
                 with torch.no_grad():
                     rec.sharded.data = comm.place_global(rec.sharded.data.cpu())
             continue
