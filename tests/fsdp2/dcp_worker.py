@@ -82,8 +82,10 @@ def train_step(model, optimizer, step: int) -> float:
 
 
 def full_state(model, optimizer):
-    """Model and optimizer state as full CPU tensors (keys by name)."""
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Model and optimizer state as full CPU tensors (keys by name), copied: the optimizer's
+    `step` counters come back as the live CPU tensors the next step increments."""
+    return copy.deepcopy(get_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
 
 def max_diff(a, b) -> float:
@@ -172,7 +174,7 @@ def save(out: str, root: str, urls):
         result["specs"][name] = spec_faults(other, other_optim)
     # the next step from the loaded state equals the next step of the original (loaded from a
     # copy: `step` counters are CPU tensors that a load from a live optimizer shares)
-    msd, osd = copy.deepcopy(full_state(model, optimizer))
+    msd, osd = full_state(model, optimizer)
     scramble(other, other_optim)
     set_state_dict(other, other_optim, model_state_dict=msd, optim_state_dict=osd,
                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
