@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gcs_emulator import gcs_emulator  # noqa: F401 (fixture)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "fsdp2" / "dcp_worker.py"
 EXAMPLE = ROOT / "examples" / "fsdp2_llama.py"
