@@ -158,7 +158,7 @@ def _check_load(saved: dict, got: dict, devices: int) -> None:
 
 # -- the example: resume parity and a save killed midway -------------------------------
 
-EXAMPLE_ARGS = ["--steps", "6", "--save_every", "3", "--seq_len", "16", "--batch_size", "4"]
+EXAMPLE_ARGS = ["--steps", "6", "--save_every", "3", "--seq_len", "16", "--batch_size", "8"]
 
 
 def _example(devices: int, ckpt: Path, metrics: Path, resume=False, env=None) -> dict:

@@ -47,7 +47,7 @@ def start():
     return torch_xla
 
 
-def build(seed: int, cfg=CONFIG):
+def build(seed: int, cfg=CONFIG, init: bool = True):
     import torch_xla
 
     with torch.device("meta"):
@@ -56,8 +56,9 @@ def build(seed: int, cfg=CONFIG):
         fsdp2.fully_shard(layer)
     fsdp2.fully_shard(model)
     model.to_empty(device=torch_xla.device())
-    torch.manual_seed(seed)
-    model.reset_parameters()
+    if init:
+        torch.manual_seed(seed)
+        model.reset_parameters()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     torch_xla.sync()
     return model, optimizer
@@ -222,7 +223,7 @@ def save(out: str, root: str, urls):
 
     # a checkpoint whose shapes are not the model's
     wrong_cfg = ex.LlamaConfig(**{**CONFIG.__dict__, "vocab_size": OTHER_VOCAB})
-    wrong, wrong_optim = build(seed=3, cfg=wrong_cfg)
+    wrong, wrong_optim = build(seed=3, cfg=wrong_cfg, init=False)  # DCP plans (and fails) before reading
     try:
         dcp.load(_dcp_state(wrong, wrong_optim, step=0), storage_reader=dcp_storage.storage_reader(targets[0]))
         result["mismatch"] = None
