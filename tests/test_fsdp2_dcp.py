@@ -120,6 +120,7 @@ def test_dcp_save_and_load_to_a_directory_and_urls(saved):
     root, urls, r = saved
     targets = [str(root / "ckpt")] + urls
     assert sorted(r["dcp"]) == sorted(targets)
+    print("round trips:", ", ".join(f"{t}: max diff {g['diff']}" for t, g in r["dcp"].items()))
     for target, got in r["dcp"].items():
         assert got["complete"] and got["step"] == 3, target
         assert got["diff"] <= EXACT, (target, got)
@@ -153,6 +154,7 @@ def _check_load(saved: dict, got: dict, devices: int) -> None:
     assert got["diff"] <= EXACT, got
     assert got["specs"] == [], got["specs"]
     # the step after the load: the same loss as the 4-device model's next step
+    print(f"loaded at {devices}: next loss {got['next_loss']} vs {saved['next_loss_after']} at 4 devices")
     assert abs(got["next_loss"] - saved["next_loss_after"]) <= LOSS_TOL, (got["next_loss"], saved["next_loss_after"])
 
 
@@ -212,6 +214,7 @@ def test_example_resumes_at_other_device_counts(resumed, devices):
     assert whole["devices"] == 4 and got["devices"] == devices and got["start_step"] == 3
     assert len(whole["losses"]) == 6 and len(got["losses"]) == 3
     diffs = [abs(a - b) for a, b in zip(got["losses"], whole["losses"][3:])]
+    print(f"resumed at {devices}: losses {got['losses']} vs {whole['losses'][3:]}, max diff {max(diffs):.3g}")
     assert max(diffs) <= LOSS_TOL, (got["losses"], whole["losses"][3:])
 
 

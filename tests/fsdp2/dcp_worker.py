@@ -145,6 +145,9 @@ def scramble(model, optimizer):
 
 
 def save(out: str, root: str, urls):
+    import time
+
+    t0 = time.perf_counter()
     torch_xla = start()
     model, optimizer = build(seed=1)
     losses = [train_step(model, optimizer, s) for s in range(2)]
@@ -156,6 +159,7 @@ def save(out: str, root: str, urls):
         "optim": {f"{k}.{n}": (tuple(v.shape), expected[k]) for k, st in ref_optim["state"].items()
                   for n, v in st.items() if v.dim()},
     }
+    result.setdefault("seconds", {})["train"] = time.perf_counter() - t0
     other, other_optim = build(seed=2)
     train_step(other, other_optim, 0)  # optimizer state exists, then it is overwritten
     for name, opts in {
@@ -173,6 +177,7 @@ def save(out: str, root: str, urls):
         result["api"][name] = {"model": max_diff(ref_model, got_model), "optim": max_diff(ref_optim, got_optim),
                                "device": value.device.type, "shape": tuple(value.shape)}
         result["specs"][name] = spec_faults(other, other_optim)
+    result.setdefault("seconds", {})["api"] = time.perf_counter() - t0
     # the next step from the loaded state equals the next step of the original (loaded from a
     # copy: `step` counters are CPU tensors that a load from a live optimizer shares)
     msd, osd = full_state(model, optimizer)
@@ -184,6 +189,7 @@ def save(out: str, root: str, urls):
     model_after, optim_after = full_state(model, optimizer)
     result["next_step"] = max_diff((model_after, optim_after), full_state(other, other_optim))
 
+    result.setdefault("seconds", {})["next_step"] = time.perf_counter() - t0
     # FSDP2's full-state-dict pattern: save full CPU tensors, load onto a meta model with assign=True
     full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     torch.save(full, os.path.join(root, "full.pt"))
@@ -203,6 +209,7 @@ def save(out: str, root: str, urls):
                               "diff": max_diff(full, {k: v.full_tensor().cpu() for k, v in meta.state_dict().items()}),
                               "specs": spec_faults(meta, torch.optim.AdamW(meta.parameters()))}
 
+    result.setdefault("seconds", {})["full_pattern"] = time.perf_counter() - t0
     # DCP: the state after step 3, to a directory and to each URL, and back
     state = _dcp_state(model, optimizer, step=3)
     targets = [os.path.join(root, "ckpt")] + list(urls)
@@ -221,6 +228,7 @@ def save(out: str, root: str, urls):
     result["ref_after"] = full_state(model, optimizer)
     result["next_loss_after"] = train_step(model, optimizer, 3)
 
+    result.setdefault("seconds", {})["dcp"] = time.perf_counter() - t0
     # a checkpoint whose shapes are not the model's
     wrong_cfg = ex.LlamaConfig(**{**CONFIG.__dict__, "vocab_size": OTHER_VOCAB})
     wrong, wrong_optim = build(seed=3, cfg=wrong_cfg, init=False)  # DCP plans (and fails) before reading
@@ -229,6 +237,7 @@ def save(out: str, root: str, urls):
         result["mismatch"] = None
     except BaseException as e:  # DCP wraps the planner's error in a CheckpointException (a BaseException)
         result["mismatch"] = f"{type(e).__name__}: {e}"
+    result["seconds"]["mismatch"] = time.perf_counter() - t0
     result["compiles"] = _compiles()
     torch.save(result, out)
 
