@@ -3,7 +3,7 @@ and resuming the FSDP2 example ([Note: DCP checkpoints of fully_shard models]).
 
 The scenarios run tests/fsdp2/dcp_worker.py (or examples/fsdp2_llama.py) in fresh processes,
 CPU_NUM_DEVICES set per process (SPMD mode and the device count are fixed when the XLA
-runtime starts). A small Llama trained 2 steps at 4 devices gives every state dict; loads
+runtime starts). A small Llama trained a step at 4 devices gives every state dict; loads
 into a second model must reproduce it exactly (the values are copied, never recomputed),
 and every parameter and optimizer state tensor must be sharded like its parameter.
 
@@ -102,12 +102,6 @@ def test_get_and_set_state_dict(saved, option):
     assert saved[2]["specs"][option] == []
 
 
-def test_training_continues_identically_after_a_load(saved):
-    r = saved[2]
-    assert r["next_loss_loaded"] == r["next_loss"]
-    assert r["next_step"] <= 1e-7, r["next_step"]
-
-
 def test_full_state_dict_save_and_meta_load(saved):
     """{k: v.full_tensor().cpu()} + torch.save; distribute_tensor onto a meta model's
     placements + load_state_dict(assign=True) + to_empty gives the same values, sharded."""
@@ -153,7 +147,7 @@ def _check_load(saved: dict, got: dict, devices: int) -> None:
     assert got["devices"] == devices and got["step"] == 3
     assert got["diff"] <= EXACT, got
     assert got["specs"] == [], got["specs"]
-    # the step after the load: the same loss as the 4-device model's next step
+    # the step after the load: the same loss as the 4-device model's next step (training goes on alike)
     print(f"loaded at {devices}: next loss {got['next_loss']} vs {saved['next_loss_after']} at 4 devices")
     assert abs(got["next_loss"] - saved["next_loss_after"]) <= LOSS_TOL, (got["next_loss"], saved["next_loss_after"])
 

@@ -4,7 +4,7 @@ SPMD mode and the device count are fixed when the runtime starts, so
 tests/test_fsdp2_dcp.py runs this file in a fresh process with CPU_NUM_DEVICES
 set. Results go to a torch file:
 
-  dcp_worker.py save OUT ROOT [URL ...]   (4 devices) train a small Llama 2 steps; every
+  dcp_worker.py save OUT ROOT [URL ...]   (4 devices) train a small Llama 1 step; every
         get_state_dict / set_state_dict option into a second model; the full-state-dict
         torch.save + distribute_tensor + load_state_dict(assign=True) pattern; dcp.save to
         ROOT/ckpt and to each URL and dcp.load back; a checkpoint of other shapes
@@ -150,7 +150,7 @@ def save(out: str, root: str, urls):
     t0 = time.perf_counter()
     torch_xla = start()
     model, optimizer = build(seed=1)
-    losses = [train_step(model, optimizer, s) for s in range(2)]
+    losses = [train_step(model, optimizer, 0)]  # AdamW's state exists from here on
     ref_model, ref_optim = full_state(model, optimizer)
     expected = unwrapped_shapes()
     result = {"losses": losses, "ref": (ref_model, ref_optim), "api": {}, "specs": {}}
@@ -178,18 +178,6 @@ def save(out: str, root: str, urls):
                                "device": value.device.type, "shape": tuple(value.shape)}
         result["specs"][name] = spec_faults(other, other_optim)
     result.setdefault("seconds", {})["api"] = time.perf_counter() - t0
-    # the next step from the loaded state equals the next step of the original (loaded from a
-    # copy: `step` counters are CPU tensors that a load from a live optimizer shares)
-    msd, osd = full_state(model, optimizer)
-    scramble(other, other_optim)
-    set_state_dict(other, other_optim, model_state_dict=msd, optim_state_dict=osd,
-                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    result["next_loss"] = train_step(model, optimizer, 2)
-    result["next_loss_loaded"] = train_step(other, other_optim, 2)
-    model_after, optim_after = full_state(model, optimizer)
-    result["next_step"] = max_diff((model_after, optim_after), full_state(other, other_optim))
-
-    result.setdefault("seconds", {})["next_step"] = time.perf_counter() - t0
     # FSDP2's full-state-dict pattern: save full CPU tensors, load onto a meta model with assign=True
     full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     torch.save(full, os.path.join(root, "full.pt"))
