@@ -215,7 +215,20 @@ def latest_checkpoint(root: str):
 def save(root: str, step: int, model, optimizer, scheduler):
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step}
-    dcp.save(state, checkpoint_id=os.path.join(root, f"step-{step}"))
+    writer = dcp.FileSystemWriter(os.path.join(root, f"step-{step}"))
+    if os.environ.get("FSDP2_LLAMA_HOLD_SAVE") == str(step):  # tests: a job killed in the middle of a save
+        writer.finish = _hold_before_metadata(step)
+    dcp.save(state, storage_writer=writer)
+
+
+def _hold_before_metadata(step: int):
+    """DCP writes `.metadata` last (in `finish`, after every data file); wait there, forever,
+    so a test can SIGKILL the job with the data files written and no metadata."""
+    def finish(*args, **kwargs):
+        print(f"holding the save of step {step} before its metadata", flush=True)
+        while True:
+            time.sleep(60)
+    return finish
 
 
 def load(path: str, model, optimizer, scheduler) -> int:

@@ -128,10 +128,28 @@ def _cut_value(key, value, p, rec):
 def _pad(optimizer, state_dict) -> Optional[dict]:
     padded = _padded_params(optimizer)
     state = dict(state_dict["state"])
-    for index, (p, rec, comm) in padded.items():
-        if index in state:
-            state[index] = {k: _padded_value(k, v, p, rec, comm) for k, v in state[index].items()}
+    for key, index in _saved_keys(optimizer, state_dict).items():
+        if key in state and index in padded:
+            p, rec, comm = padded[index]
+            state[key] = {k: _padded_value(k, v, p, rec, comm) for k, v in state[key].items()}
     return {**state_dict, "state": state}
+
+
+def _saved_keys(optimizer, state_dict) -> Dict[object, int]:
+    """The loaded state's keys -> our numbering of the optimizer's parameters, paired as
+    torch's `load_state_dict` pairs them (group by group, in order): the keys are numbers in
+    `optimizer.state_dict()`, parameter names in torch.distributed.checkpoint's
+    `get_state_dict` / `set_state_dict`."""
+    out, index, seen = {}, {}, set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                index[id(p)] = len(seen)
+                seen.add(id(p))
+    for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", ())):
+        for p, key in zip(group["params"], saved.get("params", ())):
+            out.setdefault(key, index[id(p)])
+    return out
 
 
 def _padded_value(key, value, p, rec, comm):

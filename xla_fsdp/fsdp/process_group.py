@@ -9,7 +9,9 @@ runtime on afterwards (as `fully_shard` must) crashes it. So once
 controller (torch_xla's SPMD mode) and then runs torch_xla's own handler,
 which under SPMD numbers one member per host (process index and count):
 `dist.get_rank()` / `get_world_size()` count processes, as FSDP2 scripts
-assume. On one host the store is an in-process one (no port to collide on). Nothing happens at import; only that rendezvous changes.
+assume. On one host the store is an in-process one (no port to collide on).
+Nothing happens at import; only that rendezvous changes (and, on a machine
+without CUDA, the devices gloo groups serve: `_gloo_on_the_host_only`).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def install() -> None:
             yield from (theirs(url, **kwargs) if timeout is None else theirs(url, timeout, **kwargs))
             return
         enter_single_controller()
+        _gloo_on_the_host_only()
         if xr.process_count() == 1:
             # one host: a store in this process, not torch_xla's TCP store on its fixed port
             # (12355), which two jobs on one machine would both try to bind
@@ -57,3 +60,17 @@ def runtime_started() -> bool:
     import torch_xla
 
     return bool(torch_xla._XLAC._xla_runtime_is_initialized())
+
+
+def _gloo_on_the_host_only() -> None:
+    """Without CUDA, "gloo" groups serve the CPU only. torch registers gloo for "cpu" and "cuda"
+    whatever the machine has, and its state-dict helpers move tensors that live on neither
+    (XLA) to the group's first device type, which is CUDA: `set_state_dict(...,
+    StateDictOptions(broadcast_from_rank0=True))` then fails with "Found no NVIDIA driver".
+    The rendezvous runs before the group's backends are made, so this reaches the group."""
+    import torch
+    from torch.distributed import Backend
+
+    capability = Backend.backend_capability.get("gloo")
+    if capability and "cuda" in capability and not torch.cuda.is_available():
+        Backend.backend_capability["gloo"] = [d for d in capability if d != "cuda"]

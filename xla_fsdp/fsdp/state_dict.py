@@ -87,7 +87,10 @@ class _StateTensors:
 
 def register(module: nn.Module) -> None:
     """The state-dict hook of one fully_shard unit (values as `StateTensor`s)."""
+    from . import optim_state
+
     module.register_state_dict_post_hook(_StateTensors(module))
+    optim_state.install()
 
 
 def _global_value(value):
@@ -115,9 +118,11 @@ def load_into(root: nn.Module, state_dict, strict: bool, assign: bool):
     if wrong:
         raise ValueError("load_state_dict: shapes do not match the model (nothing was loaded): " + "; ".join(wrong[:5])
                          + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""))
+    units = fsdp2_units(root)
+    specs = {id(rec): _sharding_spec(rec.sharded) for unit in units for rec in unit._fsdp_state.group.params}
     result = nn.Module.load_state_dict(root, values, strict=strict, assign=assign)
-    for unit in fsdp2_units(root):
-        _adopt(unit)
+    for unit in units:
+        _adopt(unit, specs)
     return result
 
 
@@ -136,9 +141,21 @@ def _padded_shape(root: nn.Module, key: str):
     return tuple(p.shape)
 
 
-def _adopt(unit) -> None:
+def _sharding_spec(t: torch.Tensor) -> str:
+    if t.is_meta or t.device.type != "xla":
+        return ""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def _adopt(unit, specs) -> None:
     """After a load: each record's sharded parameter holds the value registered in its place
-    (assign=True put a new tensor there), sharded on dim 0 on the unit's devices."""
+    (assign=True put a new tensor there), sharded on dim 0 on the unit's devices. An in-place
+    copy from an XLA tensor without sharding (or a replicated one: `set_state_dict` of a full
+    state dict moves each value to the device whole), or DCP's in-place load into the
+    unpadded view `state_dict()` gave of a padded parameter, leaves the parameter unsharded or
+    replicated; it is placed again, through the host, sharded on dim 0."""
     import torch_xla
 
     group = unit._fsdp_state.group
@@ -147,9 +164,10 @@ def _adopt(unit) -> None:
         site = rec.sites[0]
         current = site.module._parameters.get(site.name)
         if current is rec.sharded and not rec.sharded.is_meta:
-            if rec.sharded.device.type == "xla" and not torch_xla._XLAC._get_xla_sharding_spec(rec.sharded):
+            now = _sharding_spec(rec.sharded)
+            if rec.sharded.device.type == "xla" and (not now or now != specs.get(id(rec), now)):
                 with torch.no_grad():
-                    rec.sharded.data = comm.place_global(rec.sharded.data)
+                    rec.sharded.data = comm.place_global(rec.sharded.data.cpu())
             continue
         if current is None or current is rec.sharded:
             continue
