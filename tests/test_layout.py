@@ -44,7 +44,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.spmd_engine": "spmd_engine",
     # layer 4: the front door
     "xla_fsdp.api": "front_door",
-    "xla_fsdp.fsdp": "front_door",  # PyTorch FSDP2's API (fully_shard) on the collective engine
+    "xla_fsdp.fsdp": "on_top",  # PyTorch FSDP2's API (fully_shard) on the collective engine
     # layer 5: on top
     "xla_fsdp.checkpoint": "checkpoint",
     "xla_fsdp.config": "config",
