@@ -6,10 +6,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 
 import pytest
 
-from tests import aot_cases as ac
+sys.path.insert(0, os.path.dirname(__file__))
+import aot_cases as ac  # noqa: E402
 
 ROOT = ac.ROOT
 TINY = os.path.join(ROOT, "configs", "models", "gpt2-tiny.json")
