@@ -9,8 +9,11 @@ transformers takes such names for kernels to download from the hub.
 - One process per chip: the kernel sees this chip's batch; no partition spec.
 - Single controller, collective engine: the model's forward runs inside the engine's
   manual-sharding region (collective_engine/manual_region.py), where every tensor is already
-  the device's own piece; the kernel is a per-device op there and must not be given a
-  partition spec (torch_xla would open a second manual region inside the first).
+  the device's own piece, and so does its recompute in backward under activation
+  checkpointing (outside `in_manual_region()`, but on the same per-device tensors); the kernel
+  is a per-device op there and must not be given a partition spec: torch_xla would open a
+  second manual region and read the per-device batch as a shard of a larger one (traced: a
+  batch of 4 against 2 in the recompute). run_clm gives no mesh (`use_mesh(None)`) then.
 - Single controller with global tensors (the GSPMD engine, or no --fsdp): the batch is
   sharded on dim 0 over every mesh axis (runtime/mesh.py `batch_spec`), and torch_xla's
   `flash_attention(partition_spec=..., mesh=...)` runs the kernel per device under that
@@ -33,7 +36,9 @@ _mesh = None  # the single controller's mesh, when the model sees global tensors
 
 
 def use_mesh(mesh) -> None:
-    """The mesh the batch is sharded over on the single controller (None: one process per chip)."""
+    """The mesh the batch is sharded over when the model sees global tensors (GSPMD engine, or no
+    engine, on the single controller); None when it sees per-device ones (one process per chip,
+    or the collective engine): [Note: the kernel's sharding]."""
     global _mesh
     _mesh = mesh
 

@@ -134,7 +134,8 @@ def run(argv=None) -> dict:
     if args.attn_implementation == "pallas":
         from xla_fsdp import attention
 
-        attention.use_mesh(wrapped.mesh if spmd else None)  # [Note: the kernel's sharding]
+        # [Note: the kernel's sharding]: only a model that sees global tensors takes a partition spec
+        attention.use_mesh(wrapped.mesh if spmd and wrapped.engine != "collectives" else None)
     hosts = _host_batches(spmd, wrapped.mesh)  # several SPMD hosts: each reads only its rows
     if hosts is not None:
         from xla_fsdp.runtime.hosts import host_group
