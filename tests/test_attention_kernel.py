@@ -98,6 +98,16 @@ def test_kernel_refuses_head_dims_above_256_and_padding_masks():
         attention.pallas_attention(torch.nn.Module(), q, q, q, torch.zeros(1, 1, SEQ, SEQ))
 
 
+def test_a_padding_mask_given_to_the_model_is_refused_not_dropped():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, kernel = _pair(GPT2LMHeadModel, GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=128, n_head=2, n_layer=1,
+                                                  bos_token_id=0, eos_token_id=0, attn_pdrop=0.0))
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
+    with interpret_on_cpu(), pytest.raises(rules.KernelInputError, match="attention_mask"):
+        kernel(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
 def test_kernel_requested_on_cpu_outside_the_check_is_refused():
     q = torch.zeros(1, 1, SEQ, 64)
     with pytest.raises(rules.KernelInputError, match="needs a TPU; this runs on cpu.*eager.*xla_fsdp.aot"):

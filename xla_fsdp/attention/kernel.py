@@ -30,6 +30,8 @@ from xla_fsdp import abstract
 from xla_fsdp.attention.rules import KernelInputError, check_shapes
 
 NAME = "pallas"
+_NO_PADDING = ("the Pallas attention kernel applies the causal mask itself and takes no attention_mask "
+               "(padding): pack sequences into full blocks, as run_clm does, and pass none")
 
 _state = threading.local()
 _mesh = None  # the single controller's mesh, when the model sees global tensors
@@ -44,10 +46,21 @@ def use_mesh(mesh) -> None:
 
 
 def register() -> None:
-    """Make `attn_implementation="pallas"` mean this function in transformers (idempotent)."""
+    """Make `attn_implementation="pallas"` mean this function in transformers (idempotent), with a
+    mask hook: transformers hands an attention function it has no mask hook for no mask at all,
+    which would drop a padding mask silently; `padding_mask_refused` refuses it instead."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, pallas_attention)
+    AttentionMaskInterface.register(NAME, padding_mask_refused)
+
+
+def padding_mask_refused(attention_mask=None, **kwargs):
+    """transformers' mask hook for "pallas": no mask (the kernel masks causally); a padding mask is an error."""
+    if attention_mask is not None:
+        raise KernelInputError(_NO_PADDING)
+    return None
 
 
 @contextmanager
@@ -68,9 +81,7 @@ def pallas_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise KernelInputError(f"attention dropout {dropout:g} reached the Pallas attention kernel, which has "
                                "none; set the config's attn_pdrop (GPT-2) / attention_dropout (Llama) to 0")
     if attention_mask is not None:
-        raise KernelInputError("the Pallas attention kernel applies the causal mask itself and takes no "
-                               "attention_mask (padding): pack sequences into full blocks, as run_clm does, "
-                               "and pass none")
+        raise KernelInputError(_NO_PADDING)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: the kernel wants one key/value head per query head
