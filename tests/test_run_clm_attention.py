@@ -47,17 +47,25 @@ def test_the_kernel_on_cpu_outside_the_check_is_refused_naming_eager_and_the_che
 
 
 @NEEDS_AOT
-def test_tiny_gpt2_step_with_the_kernel_compiles_for_v5e_8_and_its_attention_is_a_tpu_custom_call(tmp_path):
-    case = ac.BY_NAME["sc-grad_ckpt"]  # checkpointed blocks: the kernel runs again, per device, in backward
-    cmd = ac.command(case, 8, str(tmp_path / "fsdp.json"), str(tmp_path / "out"), block=128)
-    got = ac.check("v5e-8", [*cmd, "--attn_implementation", "pallas"], extra=["--dump", str(tmp_path / "dump")],
-                   timeout=300)
+@pytest.mark.parametrize("case, runtime, kernels", [
+    # checkpointed blocks: the kernel runs again, per device, in backward (2 layers x forward, its
+    # recompute, dq, dkv)
+    ("sc-grad_ckpt", "auto", 8),
+    # global tensors: the kernel gets the batch's partition spec (2 layers x forward, dq, dkv)
+    pytest.param("gspmd", "auto", 6, marks=pytest.mark.slow),
+    pytest.param("mp-grad_ckpt", "multi_process", 8, marks=pytest.mark.slow),
+])
+def test_tiny_gpt2_step_with_the_kernel_compiles_for_v5e_8_and_its_attention_is_a_tpu_custom_call(
+        tmp_path, case, runtime, kernels):
+    cmd = ac.command(ac.BY_NAME[case], 8, str(tmp_path / "fsdp.json"), str(tmp_path / "out"), block=128)
+    got = ac.check("v5e-8", [*cmd, "--attn_implementation", "pallas"], runtime=runtime,
+                   extra=["--dump", str(tmp_path / "dump")], timeout=300)
     assert got["rc"] == 0, got["output"]
     assert got["report"]["compiles"], got["output"]
     optimized = (tmp_path / "dump" / "tpu_optimized.hlo.txt").read_text()
-    kernels = re.findall(r"= \(?(bf16\[[0-9,]+\])[^=]*custom-call\([^)]*\), custom_call_target=\"tpu_custom_call\"",
-                         optimized)
-    # 2 layers x (forward, its recompute, dq, dkv); each on one chip's batch of 2 (16 sequences over
-    # 8 chips), 4 heads of 32
-    assert len(kernels) == 8, kernels
-    assert all(k.startswith("bf16[2,4,128,32]") for k in kernels), kernels
+    found = re.findall(r"= \(?(bf16\[[0-9,]+\])[^=]*custom-call\([^)]*\), custom_call_target=\"tpu_custom_call\"",
+                       optimized)
+    assert len(found) == kernels, found
+    # each on one chip's batch of 2 (16 sequences over 8 chips), 4 heads of 32
+    assert all(k.startswith("bf16[2,4,128,32]") for k in found), found
+    assert got["report"]["projection"]["kernel_calls"] == kernels
