@@ -53,6 +53,11 @@ def build_meta_model(config_path: str, grad_ckpt: bool, attn: str = "") -> nn.Mo
 
     config = GPT2Config.from_json_file(config_path)
     config.use_cache = not grad_ckpt  # as the HF Trainer does with gradient checkpointing
+    if attn == "pallas":  # run_clm's Pallas kernel (xla_fsdp/attention), so the anchors get it too
+        from xla_fsdp import attention
+
+        attention.check_config(config, config_path)
+        attention.register()
     if attn:  # default: what launch/run_clm.py gets (transformers' default), so engines compare
         config._attn_implementation = attn
     with torch.device("meta"):
@@ -84,6 +89,10 @@ def fsdpv2(model: nn.Module, grad_ckpt: bool):
 
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
+    if model.config._attn_implementation == "pallas":  # global tensors: the kernel takes the batch's spec
+        from xla_fsdp import attention
+
+        attention.use_mesh(mesh)
     _placeholders(model, spmd=True)
 
     def shard_output(output, mesh):  # what the HF Trainer hands FSDPv2

@@ -60,7 +60,7 @@ from xla_fsdp.tpu import libtpu_flags  # noqa: E402
 from xla_fsdp.train.args import ATTN_IMPLEMENTATIONS  # noqa: E402
 
 MODELS = {m: os.path.join(ROOT, "configs", "models", f"gpt2-{m}.json")
-          for m in ("125m", "2b", "16b", "20b", "32b", "64b", "128b")}
+          for m in ("125m", "2b", "2b-nodropout", "16b", "20b", "32b", "64b", "128b")}
 SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8, "v4-32": 16, "v4-64": 32, "v4-128": 64, "v4-256": 128,
           "v4-512": 256, "v5e-256": 256}
 TABLE_MODELS, TABLE_SLICES = ("125m", "2b"), ("v4-8", "v5e-8", "v6e-8")  # the default table
@@ -173,6 +173,10 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
                    async_compute_fraction=c.get("sent_async_with_compute_fraction"),
                    projected_s=p["projected_seconds"], compute_s=p["compute_seconds"],
                    flops=p["flops"], chip=p["chip"])
+        if p.get("kernel_calls"):  # Pallas kernels, charged at 50% of MXU peak; the step at 100% beside
+            row.update(kernel_calls=p["kernel_calls"], kernel_flops=p["kernel_flops"],
+                       kernel_mxu_share=p["kernel_mxu_share"],
+                       projected_s_kernels_at_peak=p["projected_seconds_kernels_at_peak"])
     elif r.get("does_not_fit"):
         need = r["does_not_fit"]
         row["error"] = f"does not fit: {need['needed'] / 2 ** 30:.2f} GiB needed, {need['usable'] / 2 ** 30:.2f} usable"

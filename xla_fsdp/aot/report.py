@@ -100,6 +100,10 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
     result["projection"] = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips,
                                                   spec.torus_axes).as_dict()
+    if result["projection"]["kernel_calls"]:  # Pallas kernels: also at full MXU peak ([Note: charging Pallas kernels])
+        at_peak = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips, spec.torus_axes,
+                                     kernel_mxu_share=1.0)
+        result["projection"]["projected_seconds_kernels_at_peak"] = at_peak.seconds
     result["collective_list"] = [c.as_dict() for c in found]
     result["optimized_hlo"] = compiled.optimized_hlo
     return result
@@ -183,4 +187,10 @@ def _render_one(r: dict) -> str:
                      f"{p['compute_seconds']:.3f} s and communication the core waits for "
                      f"{p['projected_seconds'] - p['compute_seconds']:.3f} s; x{step_time.CALIBRATION_RATIO:.3f} "
                      f"calibration ({step_time.CALIBRATION_SOURCE}): {p['calibrated_seconds']:.3f} s")
+        if p.get("kernel_calls"):
+            lines.append(f"  Pallas kernels: {p['kernel_calls']} calls, {p['kernel_flops'] / 1e12:.2f} TFLOP charged at "
+                         f"{100 * p['kernel_mxu_share']:.0f}% of MXU peak ({p['kernel_seconds']:.3f} s); at 100%: "
+                         f"PROJECTED step {p['projected_seconds_kernels_at_peak']:.3f} s "
+                         "(xla_fsdp/tpu/kernel_cost.py)"
+                         + (f"; {p['kernels_without_flops']} charged their bytes only" if p["kernels_without_flops"] else ""))
     return "\n".join(lines)

@@ -19,7 +19,10 @@ walks that order on two clocks, the TensorCore's and the ICI's:
   bandwidth: all-gather (n-1)/n of its result, reduce-scatter (n-1)/n of
   its operand, all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it;
   on a slice whose axes wrap around (a torus), a collective over every chip
-  sends on 2 links per wrapped axis ([Note: links per collective]).
+  sends on 2 links per wrapped axis ([Note: links per collective]);
+- a Pallas kernel (`tpu_custom_call`) is charged its FLOPs and HBM bytes at a stated
+  share of MXU peak (`kernel_mxu_share`, default 0.5): [Note: charging Pallas kernels] in
+  kernel_cost.py. It is never free.
 The projection is the core's clock at the end. Not modeled: launch and host
 overheads, HBM contention between a collective and the compute beside it,
 on-chip memory (VMEM) reuse, how libtpu routes a collective over part of
@@ -34,6 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from xla_fsdp.tpu import kernel_cost
 from xla_fsdp.tpu import optimized_hlo as oh
 
 # measured / projected for the one TPU step we have a measurement of: the blog's torch_xla FSDPv1
@@ -89,6 +93,11 @@ class StepEstimate:
     flops: float
     hbm_bytes: float
     chip: str
+    kernel_calls: int = 0         # Pallas kernels (tpu_custom_call) charged, whose FLOPs are in `flops`
+    kernel_flops: float = 0.0
+    kernel_seconds: float = 0.0   # their share of compute_seconds
+    kernel_mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE
+    kernels_without_flops: int = 0  # kernels charged their bytes only (unknown kind, no cost estimate)
 
     @property
     def exposed_seconds(self) -> float:
@@ -100,6 +109,9 @@ class StepEstimate:
                 "async_collective_seconds": self.async_collective_seconds,
                 "exposed_async_seconds": self.exposed_async_seconds, "flops": self.flops,
                 "hbm_bytes": self.hbm_bytes, "chip": self.chip, "label": "projection",
+                "kernel_calls": self.kernel_calls, "kernel_flops": self.kernel_flops,
+                "kernel_seconds": self.kernel_seconds, "kernel_mxu_share": self.kernel_mxu_share,
+                "kernels_without_flops": self.kernels_without_flops,
                 "calibrated_seconds": self.seconds * CALIBRATION_RATIO, "calibration_ratio": CALIBRATION_RATIO}
 
 
@@ -227,11 +239,19 @@ def _fusion_bytes(ins: oh.Instruction, entry_shapes: Dict[str, str], comps) -> f
     return total
 
 
-def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0) -> Tuple[float, float, float]:
-    """(seconds, FLOPs, HBM bytes) of one compute instruction of the entry computation."""
+def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0,
+                  mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE, kernels: Optional[list] = None
+                  ) -> Tuple[float, float, float]:
+    """(seconds, FLOPs, HBM bytes) of one compute instruction of the entry computation; Pallas
+    kernels met on the way are appended to `kernels` as (KernelCost, times it runs)."""
     op = ins.opcode
     if op in _FREE:
         return 0.0, 0.0, 0.0
+    if kernel_cost.is_pallas(ins):
+        k = kernel_cost.cost(ins, entry_shapes)
+        if kernels is not None:
+            kernels.append(k)
+        return k.seconds(chip, mxu_share), k.flops, k.hbm_bytes
     if op == "while":
         body = _BODY.search(ins.rest)
         trips = _TRIP.search(ins.rest)
@@ -240,9 +260,12 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
         if body and depth < 4:
             inner = comps.get(body.group(1), [])
             shapes = {i.name: i.shape for i in inner}
+            found: list = []
             for i in inner:
-                s, f, b = _compute_cost(i, shapes, comps, chip, depth + 1)
+                s, f, b = _compute_cost(i, shapes, comps, chip, depth + 1, mxu_share, found)
                 secs, flops, moved = secs + s, flops + f, moved + b
+            if kernels is not None:
+                kernels.extend(found * n)
         return secs * n, flops * n, moved * n
     if op in ("fusion", "call", "custom-call"):
         called = oh._CALLS.search(ins.rest)
@@ -272,9 +295,13 @@ def collective_seconds(c: oh.Collective, devices: int, chip, torus_axes: int = 0
     return COLLECTIVE_LATENCY_S + sent / (links(c, devices, torus_axes) * chip.ici_link_one_way) if sent else 0.0
 
 
-def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0) -> StepEstimate:
+def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0,
+             kernel_mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE) -> StepEstimate:
     """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`);
-    `torus_axes`: the slice's axes that wrap around (`SliceSpec.torus_axes`; 0 for a mesh)."""
+    `torus_axes`: the slice's axes that wrap around (`SliceSpec.torus_axes`; 0 for a mesh);
+    `kernel_mxu_share`: the share of MXU peak Pallas kernels are charged at."""
+    if not 0 < kernel_mxu_share <= 1:
+        raise ValueError(f"kernel_mxu_share must be in (0, 1], got {kernel_mxu_share}")
     comps = oh.computations(text)
     entry = comps.get("ENTRY", [])
     shapes = {i.name: i.shape for i in entry}
@@ -287,6 +314,7 @@ def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0
             waits.setdefault(c.done_position, []).append(c)
     core = ici = compute = sync = asynchronous = exposed = flops = moved = 0.0
     finish: Dict[str, float] = {}
+    kernels: list = []
     for pos, ins in enumerate(entry):
         if pos in waits:
             ready = max(finish.pop(c.name, 0.0) for c in waits[pos])
@@ -307,14 +335,18 @@ def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0
             continue
         if oh._is_done(ins):
             continue  # an unpaired done (its start not recognized): nothing to wait for
-        secs, f, b = _compute_cost(ins, shapes, comps, chip)
+        secs, f, b = _compute_cost(ins, shapes, comps, chip, mxu_share=kernel_mxu_share, kernels=kernels)
         core += secs
         compute += secs
         flops += f
         moved += b
     if finish:  # still open at the end: the step ends when they land
         core = max(core, *finish.values())
-    return StepEstimate(core, compute, sync, asynchronous, exposed, flops, moved, chip.generation)
+    return StepEstimate(core, compute, sync, asynchronous, exposed, flops, moved, chip.generation,
+                        kernel_calls=len(kernels), kernel_flops=sum(k.flops for k in kernels),
+                        kernel_seconds=sum(k.seconds(chip, kernel_mxu_share) for k in kernels),
+                        kernel_mxu_share=kernel_mxu_share,
+                        kernels_without_flops=sum(1 for k in kernels if not k.flops_known))
 
 
 def calibrated(projected: float, reference_projected: float, reference_measured: float) -> Tuple[float, float]:

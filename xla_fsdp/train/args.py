@@ -21,7 +21,9 @@ OPTIMIZERS = ("adamw", "adamw_torch", "adafactor")
 # Above this many parameters the model is built deferred, so no host holds
 # the full unsharded fp32 model at once (the 2023 recipe ran hosts out of memory).
 DEFERRED_INIT_PARAMS = 1_000_000_000
-ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # the two GPT-2 has without extra kernels
+# transformers' two without extra kernels, and torch_xla's Pallas flash-attention kernel on a TPU
+# (xla_fsdp/attention; docs/attention.md)
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "pallas")
 
 
 def str2bool(text: str) -> bool:
@@ -60,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(model, "--bf16", "bfloat16 autocast for forward/backward")
     model.add_argument("--attn_implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
                        help="GPT-2's attention (transformers' name); default: transformers' own choice (sdpa). "
-                            "On a TPU prefer eager: [Note: eager attention on XLA] in xla_fsdp/train/model.py")
+                            "On a TPU prefer eager ([Note: eager attention on XLA] in xla_fsdp/train/model.py) "
+                            "or pallas: torch_xla's Pallas flash-attention kernel, TPU only, no attention "
+                            "dropout (docs/attention.md)")
 
     data = p.add_argument_group("data")
     data.add_argument("--dataset_name", default=None, help="HF dataset (needs `datasets`)")

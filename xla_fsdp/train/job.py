@@ -99,6 +99,13 @@ def run(argv=None) -> dict:
     if args.block_size > config.n_positions:
         raise SystemExit(f"--block_size {args.block_size} exceeds n_positions {config.n_positions} "
                          f"of --config_name; lower --block_size")
+    if args.attn_implementation == "pallas":
+        from xla_fsdp.attention.rules import sequence_problem
+
+        problem = sequence_problem(args.block_size)
+        if problem:
+            raise SystemExit(f"--block_size {args.block_size}: the Pallas attention kernel cannot take this "
+                             f"sequence length ({problem}); pick e.g. 1024, or --attn_implementation eager")
     # Data and configs before the XLA runtime starts: their errors come in
     # seconds, not after device setup.
     # traced for the ahead-of-time check: token values never matter, so nothing is downloaded
@@ -114,11 +121,21 @@ def run(argv=None) -> dict:
     device = torch_xla.device()
     facts = device_facts(spmd)
     log = print if facts["leader"] else (lambda *a, **k: None)
+    if args.attn_implementation == "pallas" and facts["device_type"] != "TPU" and not abstract.active():
+        raise SystemExit(f"--attn_implementation pallas runs torch_xla's Pallas kernel, which needs a TPU; this "
+                         f"runs on {facts['device_type']}. Use --attn_implementation eager here (make train "
+                         "does); check the TPU job without one: python -m xla_fsdp.aot --tpu v5e-8 -- "
+                         "launch/run_clm.py <these flags>")
 
     torch.manual_seed(args.seed)
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, engine, spmd)
+    if args.attn_implementation == "pallas":
+        from xla_fsdp import attention
+
+        # [Note: the kernel's sharding]: only a model that sees global tensors takes a partition spec
+        attention.use_mesh(wrapped.mesh if spmd and wrapped.engine != "collectives" else None)
     hosts = _host_batches(spmd, wrapped.mesh)  # several SPMD hosts: each reads only its rows
     if hosts is not None:
         from xla_fsdp.runtime.hosts import host_group

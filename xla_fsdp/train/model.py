@@ -34,12 +34,21 @@ RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 # would build.
 def load_config(path: str, attn_implementation: str | None = None):
     """The GPT2Config of `--config_name`; non-GPT-2 configs are refused by name.
-    `attn_implementation` ("eager" / "sdpa") overrides transformers' choice."""
+    `attn_implementation` ("eager" / "sdpa" / "pallas") overrides transformers' choice; "pallas"
+    registers the kernel with transformers and refuses a config with attention dropout."""
     from transformers import GPT2Config
     config = GPT2Config.from_json_file(path)
     if config.model_type != "gpt2":
         raise SystemExit(f"--config_name {path} has model_type {config.model_type!r}; "
                          f"run_clm trains GPT-2 (model_type \"gpt2\") only")
+    if attn_implementation == "pallas":
+        from xla_fsdp import attention
+
+        try:
+            attention.check_config(config, f"--config_name {path}")
+        except attention.KernelInputError as e:
+            raise SystemExit(str(e)) from None
+        attention.register()
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     return config

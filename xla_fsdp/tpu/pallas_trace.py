@@ -1,0 +1,85 @@
+"""Tracing torch_xla's Pallas kernels on a host without a TPU, for libtpu's deviceless compiler.
+
+[Note: Pallas kernels in the ahead-of-time check]
+torch_xla turns a Pallas kernel into a `tpu_custom_call` by lowering it with jax
+(`trace_pallas`, torch_xla/experimental/custom_kernel.py:211-257): `jax.jit(kernel).lower(...)`
+lowers for jax's default backend, which on the check's CPU host is the CPU, and Pallas refuses:
+"Only interpret mode is supported on CPU backend". jax 0.7.1 can lower for a platform it does
+not run on: `jax.jit(kernel).trace(*args).lower(lowering_platforms=("tpu",))`. While the
+check traces a job (and only then: `install()` is called from the kernel's caller when
+`xla_fsdp.abstract.active()`), torch_xla's `trace_pallas` is replaced by `trace_for_tpu`,
+which does exactly that and hands torch_xla the same backend config it builds its custom call
+from; the Mosaic version is capped as on a TPU ([Note: Mosaic IR version for libtpu 0.0.21]
+in mosaic.py). The replacement is process-wide because torch_xla traces the backward kernels
+when autograd runs them, outside any call of ours; the traced process ends after the check.
+On a TPU torch_xla's own `trace_pallas` runs.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+_lock = threading.Lock()
+_original: Optional[Callable] = None
+_payloads: Dict[Tuple[Any, ...], str] = {}  # one lowering per kernel and shapes: 3 per layer otherwise
+
+
+def trace_for_tpu(kernel: Callable, *args, static_argnums=None, static_argnames=None, use_cache=False,
+                  **kwargs):
+    """torch_xla's `trace_pallas` contract (payload, tensor arguments), lowered for the TPU platform."""
+    import jax
+    import torch
+    from torch_xla.experimental import custom_kernel
+
+    jax_args, tensors = [], []
+    for arg in args:
+        if torch.is_tensor(arg):
+            jax_args.append(custom_kernel.to_jax_shape_dtype_struct(arg))
+            tensors.append(arg)
+        else:
+            jax_args.append(arg)
+    key = (kernel, static_argnums, tuple(static_argnames or ()), tuple(map(repr, jax_args)),
+           repr(sorted(kwargs.items())))
+    if key not in _payloads:
+        jitted = jax.jit(kernel, static_argnums=static_argnums, static_argnames=static_argnames)
+        ir = jitted.trace(*jax_args, **kwargs).lower(lowering_platforms=("tpu",)).compiler_ir()
+        payload = custom_kernel._extract_backend_config(ir)
+        if payload is None:
+            raise RuntimeError(f"lowering {getattr(kernel, '__name__', kernel)} for the TPU gave no "
+                               "tpu_custom_call; torch_xla's Pallas glue and jax disagree (pins: torch_xla "
+                               "2.9.0, jax 0.7.1)")
+        _payloads[key] = payload
+    return _payloads[key], tensors
+
+
+def installed() -> bool:
+    return _original is not None
+
+
+def install() -> None:
+    """Route torch_xla's Pallas tracing through `trace_for_tpu` in this process (idempotent)."""
+    global _original
+    with _lock:
+        if _original is not None:
+            return
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no TPU here: jax must not look for one
+        from torch_xla.experimental import custom_kernel
+
+        from xla_fsdp.tpu import mosaic
+
+        mosaic.pin_ir_version()
+        _original = custom_kernel.trace_pallas
+        custom_kernel.trace_pallas = trace_for_tpu
+
+
+def uninstall() -> None:
+    """Give torch_xla its own `trace_pallas` back (tests)."""
+    global _original
+    with _lock:
+        if _original is None:
+            return
+        from torch_xla.experimental import custom_kernel
+
+        custom_kernel.trace_pallas = _original
+        _original = None
