@@ -44,7 +44,9 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.spmd_engine": "spmd_engine",
     # layer 4: the front door
     "xla_fsdp.api": "front_door",
-    "xla_fsdp.fsdp": "on_top",  # PyTorch FSDP2's API (fully_shard) on the collective engine
+    "xla_fsdp.fsdp": "on_top",
+    "xla_fsdp.attention": "on_top",  # the Pallas attention kernel for transformers models (run_clm, Trainer)
+    "xla_fsdp.attention.rules": "base",  # what the kernel accepts: the step-time model reads it too  # PyTorch FSDP2's API (fully_shard) on the collective engine
     # layer 5: on top
     "xla_fsdp.checkpoint": "checkpoint",
     "xla_fsdp.config": "config",

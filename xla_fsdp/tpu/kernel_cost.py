@@ -98,10 +98,9 @@ def run_fraction(q_len: int, k_len: int, block_q: int, block_k: int, causal: boo
 def cost(ins: oh.Instruction, shapes: Dict[str, str]) -> KernelCost:
     """What one `tpu_custom_call` of the entry computation costs ([Note: charging Pallas kernels])."""
     from xla_fsdp.attention.rules import SEQUENCE_BLOCKS
-    from xla_fsdp.tpu.step_time import operand_names
 
     kind, causal = kind_of(ins.rest)
-    operands = [shapes.get(o, "") for o in operand_names(ins.rest)]
+    operands = [shapes.get(o, "") for o in oh.operand_names(ins.rest)]
     sizes = [sum(oh.shape_bytes(s)) for s in operands]
     result = sum(oh.shape_bytes(ins.shape))
     if kind in FLASH and len(operands) >= 3 and len(_dims(operands[0])) == 4:

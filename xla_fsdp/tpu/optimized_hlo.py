@@ -312,3 +312,17 @@ def scatters_as_all_reduce(text: str) -> List[ScatterHeld]:
         if ins.opcode == "all-reduce" and any(_slices_dynamically(entry[u], comps) for u in after):
             out.append(ScatterHeld(ins.name, max(shape_bytes(ins.shape), default=0), max(after) - pos))
     return out
+
+
+def operand_names(rest: str) -> List[str]:
+    """The operands of an instruction, from the text after its opcode's "(" (shapes printed inline
+    with tiled layouts hold parentheses of their own, so the list ends at the matching ")")."""
+    depth = 0
+    for i, ch in enumerate(rest):
+        if ch in "({":
+            depth += 1
+        elif ch in ")}":
+            if depth == 0:
+                return re.findall(r"%([\w.\-]+)", rest[:i])
+            depth -= 1
+    return re.findall(r"%([\w.\-]+)", rest)

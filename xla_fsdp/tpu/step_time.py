@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from xla_fsdp.tpu import kernel_cost
+from xla_fsdp.tpu.optimized_hlo import operand_names
 from xla_fsdp.tpu import optimized_hlo as oh
 
 # measured / projected for the one TPU step we have a measurement of: the blog's torch_xla FSDPv1
@@ -125,20 +126,6 @@ def _prod(xs) -> int:
     for x in xs:
         n *= x
     return n
-
-
-def operand_names(rest: str) -> List[str]:
-    """The operands of an instruction, from the text after its opcode's "(" (shapes printed inline
-    with tiled layouts hold parentheses of their own, so the list ends at the matching ")")."""
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch in "({":
-            depth += 1
-        elif ch in ")}":
-            if depth == 0:
-                return re.findall(r"%([\w.\-]+)", rest[:i])
-            depth -= 1
-    return re.findall(r"%([\w.\-]+)", rest)
 
 
 def _window_taps(rest: str, lhs_labels: str, lhs: List[int]) -> int:
