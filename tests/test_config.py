@@ -23,6 +23,8 @@ from xla_fsdp.config import (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "fsdp", "*.json")))
 MODEL_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.json")))
+GPT2_FILES = [f for f in MODEL_FILES if os.path.basename(f).startswith("gpt2-")]
+LLAMA_FILES = [f for f in MODEL_FILES if os.path.basename(f).startswith("llama")]
 
 
 def gpt2_param_count(c: GPT2Config) -> int:
@@ -45,6 +47,9 @@ def test_shipped_files_exist():
     models = {os.path.basename(f) for f in MODEL_FILES}
     for size in ("tiny", "125m", "2b", "16b", "20b", "32b", "64b", "128b"):
         assert f"gpt2-{size}.json" in models
+    assert {"llama-tiny.json", "llama3-8b.json", "llama3-70b.json"} <= models
+    assert set(GPT2_FILES) | set(LLAMA_FILES) == set(MODEL_FILES), "a model config of neither family"
+    assert {"llama_xla_fsdp.json", "llama_xla_fsdp_v2.json", "tiny_cpu_llama.json", "tiny_cpu_llama_v2.json"} <= names
 
 
 @pytest.mark.parametrize("path", FSDP_FILES, ids=os.path.basename)
@@ -78,7 +83,7 @@ def test_tiny_cpu_configs_are_fp32_per_block(name, spmd):
     cfg.check_model(tiny)  # GPT2Block really is a class in the model
 
 
-@pytest.mark.parametrize("path", MODEL_FILES, ids=os.path.basename)
+@pytest.mark.parametrize("path", GPT2_FILES, ids=os.path.basename)
 def test_every_model_config_loads_and_counts(path):
     c = GPT2Config.from_json_file(path)
     assert c.model_type == "gpt2"
@@ -91,6 +96,49 @@ def test_every_model_config_loads_and_counts(path):
     counted = sum(p.numel() for p in model.parameters())  # tied wte/lm_head counted once
     assert counted == gpt2_param_count(c)
     assert readme_table().get(os.path.basename(path)) == counted, "update configs/models/README.md"
+
+
+@pytest.mark.parametrize("path", LLAMA_FILES, ids=os.path.basename)
+def test_every_llama_config_loads_through_run_clm_and_counts(path):
+    from transformers import LlamaForCausalLM
+
+    from xla_fsdp.metrics import llama_num_params
+    from xla_fsdp.train.model import load_config
+
+    c = load_config(path)  # run_clm's own loader: dispatched by model_type
+    assert c.model_type == "llama" and type(c).__name__ == "LlamaConfig"
+    assert c.hidden_size % c.num_attention_heads == 0 and c.num_attention_heads % c.num_key_value_heads == 0
+    assert 0 <= c.bos_token_id < c.vocab_size and 0 <= c.eos_token_id < c.vocab_size
+    assert not c.tie_word_embeddings and c.rope_parameters["rope_theta"] == 500000.0 and c.rms_norm_eps == 1e-5
+    with torch.device("meta"):
+        model = LlamaForCausalLM(c)
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted == llama_num_params(c)
+    assert readme_table().get(os.path.basename(path)) == counted, "update configs/models/README.md"
+
+
+def test_llama3_configs_have_the_published_shapes():
+    from xla_fsdp.train.model import load_config
+
+    shape = lambda c: (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,  # noqa: E731
+                       c.intermediate_size, c.vocab_size)
+    models = os.path.join(ROOT, "configs", "models")
+    assert shape(load_config(os.path.join(models, "llama3-8b.json"))) == (4096, 32, 32, 8, 14336, 128256)
+    assert shape(load_config(os.path.join(models, "llama3-70b.json"))) == (8192, 80, 64, 8, 28672, 128256)
+    assert load_config(os.path.join(models, "llama3-8b.json")).max_position_embeddings == 8192
+
+
+@pytest.mark.parametrize("name,spmd", [("tiny_cpu_llama.json", False), ("tiny_cpu_llama_v2.json", True),
+                                       ("llama_xla_fsdp.json", False), ("llama_xla_fsdp_v2.json", True)])
+def test_llama_fsdp_configs_wrap_its_decoder_layer(name, spmd):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = load_fsdp_config(os.path.join(ROOT, "configs", "fsdp", name))
+    assert cfg.use_spmd is spmd and cfg.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
+    tiny = LlamaForCausalLM(LlamaConfig.from_json_file(os.path.join(ROOT, "configs", "models", "llama-tiny.json")))
+    cfg.check_model(tiny)
+    with pytest.raises(FSDPConfigError, match="GPT2Block.*LlamaDecoderLayer"):
+        load_fsdp_config(os.path.join(ROOT, "configs", "fsdp", "tiny_cpu.json")).check_model(tiny)
 
 
 def test_readme_lists_only_existing_files():

@@ -45,6 +45,71 @@ def gpt2_num_params(config) -> int:
     return embeddings + config.n_layer * per_layer + 2 * d + untied_head
 
 
+def llama_num_params(config) -> int:
+    """Parameters of a `LlamaForCausalLM` computed from its config alone.
+
+    Grouped-query attention: k_proj and v_proj are num_key_value_heads * head_dim
+    wide, q_proj and o_proj num_attention_heads * head_dim; the SwiGLU MLP has three
+    matrices (gate, up, down); two RMSNorm weights per layer and a final one; the
+    LM head is counted unless tied to the embedding (Llama 3: untied).
+    """
+    d, inner = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = config.num_key_value_heads * head_dim
+    per_layer = (
+        d * q + 2 * d * kv + q * d                      # q, k, v, o projections
+        + 3 * d * inner                                 # gate, up, down
+        + 2 * d                                         # input and post-attention RMSNorm
+    )
+    if getattr(config, "attention_bias", False):
+        per_layer += q + 2 * kv + d
+    if getattr(config, "mlp_bias", False):
+        per_layer += 2 * inner + d
+    untied_head = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * d
+    return config.vocab_size * d + config.num_hidden_layers * per_layer + d + untied_head
+
+
+def num_params(config) -> int:
+    """Parameters of run_clm's model for `config` (GPT-2 or Llama), from the config alone."""
+    if config.model_type == "llama":
+        return llama_num_params(config)
+    if config.model_type == "gpt2":
+        return gpt2_num_params(config)
+    raise ValueError(f"no parameter count for model_type {config.model_type!r} (gpt2 and llama have one)")
+
+
+# [Note: which parameters 6·N counts]
+# GPT-2 keeps the 2023 recipe's N: every parameter, the token and position embeddings
+# included, so our GPT-2 MFU compares with the published one. For Llama N is the
+# parameters that multiply each token's activations: the projections, the three SwiGLU
+# matrices and the LM head, not the input embedding (a row lookup, no FLOPs) nor the
+# RMSNorm weights: MaxText's count (`calculate_tflops_training_per_device`), which its
+# published Llama MFU (and torchprime's) use. For Llama 3 8B that is 7.50e9 of 8.03e9
+# parameters; with the attention term (`--mfu_include_attention`, 12·L·(heads·head_dim)·S
+# per token, causal masking not halved, as MaxText counted it when it published the
+# v6e-256 figure) 57.9 GFLOPs per token at sequence 8192.
+def matmul_params(config) -> int:
+    """The N of 6·N FLOPs per token for `config`: [Note: which parameters 6·N counts]."""
+    if config.model_type != "llama":
+        return num_params(config)
+    d, inner = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = config.num_key_value_heads * head_dim
+    per_layer = 2 * d * q + 2 * d * kv + 3 * d * inner
+    return config.num_hidden_layers * per_layer + config.vocab_size * d
+
+
+def attention_width(config) -> int:
+    """heads x head_dim: the width of the QK^T and AV matmuls that 6·N leaves out
+    (n_embd for GPT-2; Llama's grouped key/value heads are repeated to all query heads)."""
+    if config.model_type == "llama":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return config.num_attention_heads * head_dim
+    return config.n_embd
+
+
 def tokens_per_step(global_batch: int, seq_len: int) -> int:
     """Tokens one optimizer step consumes across all chips."""
     return global_batch * seq_len

@@ -218,7 +218,13 @@ class FSDPConfig:
         for name in self.transformer_layer_cls_to_wrap:
             if name not in present:
                 close = difflib.get_close_matches(name, present, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}?" if close else f"classes in the model: {', '.join(present)}"
+                layers = sorted(getattr(model, "_no_split_modules", None) or ())  # a transformers model's layer class
+                if close:
+                    hint = f"did you mean {close[0]!r}?"
+                elif layers:
+                    hint = f"its transformer layer class is {', '.join(repr(c) for c in layers)}"
+                else:
+                    hint = f"classes in the model: {', '.join(present)}"
                 raise FSDPConfigError(
                     f"fsdp_transformer_layer_cls_to_wrap names {name!r}, but no module of "
                     f"{type(model).__name__} has that class; {hint}"

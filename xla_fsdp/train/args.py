@@ -50,9 +50,10 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="run_clm.py", allow_abbrev=False,
-                description="Train a GPT-2 causal LM with xla_fsdp (HF run_clm.py flag names).")
+                description="Train a GPT-2 or Llama causal LM with xla_fsdp (HF run_clm.py flag names).")
     model = p.add_argument_group("model")
-    model.add_argument("--config_name", required=True, help="GPT2Config JSON file")
+    model.add_argument("--config_name", required=True,
+                       help="transformers config JSON: GPT-2 or Llama (model_type gpt2 / llama)")
     model.add_argument("--tokenizer_name", default=None,
                        help="HF tokenizer name or local dir; default: byte-level tokenizer (257 ids)")
     model.add_argument("--cache_dir", default=None, help="cache for HF datasets/tokenizers")
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(model, "--gradient_checkpointing", "recompute activations in backward")
     _bool_flag(model, "--bf16", "bfloat16 autocast for forward/backward")
     model.add_argument("--attn_implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
-                       help="GPT-2's attention (transformers' name); default: transformers' own choice (sdpa). "
+                       help="the model's attention (transformers' name); default: transformers' own choice (sdpa). "
                             "On a TPU prefer eager ([Note: eager attention on XLA] in xla_fsdp/train/model.py) "
                             "or pallas: torch_xla's Pallas flash-attention kernel, TPU only, no attention "
                             "dropout (docs/attention.md)")
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset_config_name", default=None)
     data.add_argument("--train_file", default=None, help="local plain-text file")
     data.add_argument("--block_size", type=int, default=None,
-                      help="tokens per sequence; default min(n_positions, 1024)")
+                      help="tokens per sequence; default min(n_positions / max_position_embeddings, 1024)")
     data.add_argument("--max_train_samples", type=int, default=None, help="cap on training blocks")
 
     fsdp = p.add_argument_group("fsdp")
@@ -162,8 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{flag} {value}: a URL; this flag takes a local path (copy the file down first, "
                          f"e.g. gcloud storage cp {value} .)")
     if not os.path.isfile(args.config_name):
-        parser.error(f"--config_name {args.config_name}: no such file; give a GPT2Config JSON "
-                     f"(e.g. configs/models/gpt2-tiny.json)")
+        parser.error(f"--config_name {args.config_name}: no such file; give a GPT-2 or Llama config JSON "
+                     f"(e.g. configs/models/gpt2-tiny.json, configs/models/llama-tiny.json)")
     if args.fsdp_config and not os.path.isfile(args.fsdp_config):
         parser.error(f"--fsdp_config {args.fsdp_config}: no such file")
     if args.logging_steps <= 0:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from xla_fsdp import abstract, metrics
-from xla_fsdp.train import data, loop
+from xla_fsdp.train import data, families, loop
 from xla_fsdp.train.args import parse_args
 from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, selected_engine,
                                   single_controller, wants_deferred_init, wrap_model)
@@ -95,10 +95,11 @@ def run(argv=None) -> dict:
     if not abstract.active():  # the ahead-of-time check writes nothing
         check_output_dir(args)
     config = load_config(args.config_name, args.attn_implementation)
-    args.block_size = args.block_size or min(config.n_positions, 1024)
-    if args.block_size > config.n_positions:
-        raise SystemExit(f"--block_size {args.block_size} exceeds n_positions {config.n_positions} "
-                         f"of --config_name; lower --block_size")
+    positions = config.max_position_embeddings  # GPT-2's n_positions
+    args.block_size = args.block_size or min(positions, 1024)
+    if args.block_size > positions:
+        raise SystemExit(f"--block_size {args.block_size} exceeds {families.family(config.model_type).positions_key} "
+                         f"{positions} of --config_name; lower --block_size")
     if args.attn_implementation == "pallas":
         from xla_fsdp.attention.rules import sequence_problem
 
@@ -150,14 +151,15 @@ def run(argv=None) -> dict:
     if corpus is None:
         _trace_steps(wrapped.model, micro_batch, ctx, args, config, facts)  # never returns
     global_batch = micro_batch * args.gradient_accumulation_steps  # one optimizer step's
-    num_params = metrics.gpt2_num_params(config)
-    meter = _meter(args, config, num_params, global_batch, facts, log)
+    num_params = metrics.num_params(config)
+    meter = _meter(args, config, global_batch, facts, log)
     report = {"params": num_params, "engine": wrapped.engine,
               "runtime": "single_controller" if spmd else "multi_process", "device": facts["device_kind"],
               "devices": facts["data_parallel"], "chips": facts["chips"],
               "peak_flops_per_chip": meter.peak.flops_per_chip, "peak_source": meter.peak.source,
               "global_batch": global_batch, "micro_batch": micro_batch, "block_size": args.block_size,
               "tokens_per_step": meter.tokens_per_step, "flops_per_step": meter.flops_per_step,
+              "matmul_params": metrics.matmul_params(config),
               "mfu_includes_attention": args.mfu_include_attention, "data": corpus.source,
               "learning_rate": args.learning_rate, "optim": args.optim}
     log(f"run_clm: {num_params / 1e6:.2f}M params ({'deferred' if deferred else 'eager'} init), "
@@ -203,7 +205,7 @@ def _host_batches(spmd: bool, mesh):
     return None if hosts.single else hosts
 
 
-def _meter(args, config, num_params: int, global_batch: int, facts: dict, log) -> metrics.ThroughputMeter:
+def _meter(args, config, global_batch: int, facts: dict, log) -> metrics.ThroughputMeter:
     """Tokens and FLOPs per step, and the per-chip peak MFU is measured against."""
     try:
         peak = metrics.detect_peak(facts["device_type"], facts["device_kind"], args.peak_tflops)
@@ -212,7 +214,8 @@ def _meter(args, config, num_params: int, global_batch: int, facts: dict, log) -
         log(f"run_clm: no MFU: {e}")
         peak = metrics.Peak(float("nan"), "unknown (pass --peak_tflops)")
     tokens = metrics.tokens_per_step(global_batch, args.block_size)
-    step_flops = metrics.flops_per_step(num_params, tokens, n_layer=config.n_layer, n_embd=config.n_embd,
+    step_flops = metrics.flops_per_step(metrics.matmul_params(config), tokens, n_layer=config.num_hidden_layers,
+                                        n_embd=metrics.attention_width(config),
                                         seq_len=args.block_size, include_attention=args.mfu_include_attention)
     return metrics.ThroughputMeter(tokens, step_flops, facts["chips"], peak)
 

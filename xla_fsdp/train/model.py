@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from xla_fsdp.metrics import gpt2_num_params
+from xla_fsdp.metrics import num_params
+from xla_fsdp.train import families
 from xla_fsdp.train.args import DEFERRED_INIT_PARAMS
 
 ENGINE_ENV = "XLA_FSDP_ENGINE"
@@ -33,14 +34,15 @@ RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 # picks it; the default stays transformers' own, so run_clm trains the model transformers
 # would build.
 def load_config(path: str, attn_implementation: str | None = None):
-    """The GPT2Config of `--config_name`; non-GPT-2 configs are refused by name.
+    """The transformers config of `--config_name`, of the class its `model_type` names
+    (GPT2Config, LlamaConfig: xla_fsdp/train/families.py); other model types are refused by name.
     `attn_implementation` ("eager" / "sdpa" / "pallas") overrides transformers' choice; "pallas"
     registers the kernel with transformers and refuses a config with attention dropout."""
-    from transformers import GPT2Config
-    config = GPT2Config.from_json_file(path)
-    if config.model_type != "gpt2":
-        raise SystemExit(f"--config_name {path} has model_type {config.model_type!r}; "
-                         f"run_clm trains GPT-2 (model_type \"gpt2\") only")
+    try:
+        family = families.family(families.model_type_of(path))
+    except ValueError as e:
+        raise SystemExit(f"--config_name {path}: {e}") from None
+    config = families.transformers_class(family.config_class).from_json_file(path)
     if attn_implementation == "pallas":
         from xla_fsdp import attention
 
@@ -56,20 +58,21 @@ def load_config(path: str, attn_implementation: str | None = None):
 
 def wants_deferred_init(config, forced: bool) -> bool:
     """Deferred build when asked, or when the model would crowd host memory."""
-    return forced or gpt2_num_params(config) > DEFERRED_INIT_PARAMS
+    return forced or num_params(config) > DEFERRED_INIT_PARAMS
 
 
 def build_model(config, deferred: bool) -> torch.nn.Module:
-    """A randomly initialized `GPT2LMHeadModel`, on the host or deferred.
+    """A randomly initialized causal LM of the config's family (`GPT2LMHeadModel`,
+    `LlamaForCausalLM`), on the host or deferred.
 
     Deferred: no parameter storage until the engine materializes each unit
     right after wrapping it, so no host ever holds the whole fp32 model.
     """
-    from transformers import GPT2LMHeadModel
+    model_class = families.transformers_class(families.family(config.model_type).model_class)
     if deferred:
         import xla_fsdp  # lazy: the deferred-init module is optional for small runs
-        return xla_fsdp.deferred_init(GPT2LMHeadModel, config)
-    return GPT2LMHeadModel(config)
+        return xla_fsdp.deferred_init(model_class, config)
+    return model_class(config)
 
 
 def selected_engine(fsdp_config) -> str:
@@ -122,16 +125,17 @@ class Wrapped:
         return self.engine != "none" or self.mesh is not None
 
 
-def engine_kwargs(args, fsdp_config) -> dict:
-    """Engine keyword arguments from `--fsdp_config` and the `--fsdp` string."""
+def engine_kwargs(args, fsdp_config, layer_classes=("GPT2Block",)) -> dict:
+    """Engine keyword arguments from `--fsdp_config` and the `--fsdp` string;
+    `layer_classes`: the model's decoder layer classes, for a bare `auto_wrap`."""
     kwargs = dict(fsdp_config.engine_kwargs()) if fsdp_config is not None else {}
     if args.auto_wrap and "auto_wrap_policy" not in kwargs:
         # HF's `--fsdp auto_wrap` without a policy wraps the model's
-        # no-split layer class; for GPT-2 that is GPT2Block.
+        # no-split layer class: GPT2Block, LlamaDecoderLayer.
         from xla_fsdp.wrap import transformer_auto_wrap_policy
         import functools
         kwargs["auto_wrap_policy"] = functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={"GPT2Block"})
+            transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes))
     if args.sharding_strategy and args.sharding_strategy != "FULL_SHARD":
         kwargs["sharding_strategy"] = args.sharding_strategy
     return kwargs
@@ -144,8 +148,8 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, engine: str, s
         # Not HF's gradient_checkpointing_enable(): torch.utils.checkpoint has no
         # XLA device module, and XLA's CSE would undo a plain recompute anyway.
         from xla_fsdp import checkpoint_module
-        for block in model.transformer.h:
-            checkpoint_module(block)
+        for layer in families.decoder_layers(model):
+            checkpoint_module(layer)
     if fsdp_config is not None:
         fsdp_config.check_model(model)
     mesh = None
@@ -161,7 +165,7 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, engine: str, s
         model.tie_weights()
         return Wrapped(model, "none", mesh)
     import xla_fsdp
-    kwargs = engine_kwargs(args, fsdp_config)
+    kwargs = engine_kwargs(args, fsdp_config, families.decoder_layer_classes(model) if args.auto_wrap else ())
     if engine == "spmd":
         kwargs["engine"] = "spmd"
         kwargs.setdefault("mesh", mesh)
