@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 XLA_FSDP_TPU_RUNTIME = "single_controller"  # both engines: one program over every chip
 
 
-def xla_fsdp_engine(model, ac: bool):
+def xla_fsdp_engine(model, ac: bool, fp32_reduce: bool = True):
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
     from xla_fsdp import checkpoint_module
     from xla_fsdp.wrap import transformer_auto_wrap_policy
@@ -44,7 +44,8 @@ def xla_fsdp_engine(model, ac: bool):
 
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
     extra = {"auto_wrapper_callable": lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)} if ac else {}
-    return FSDP(model, auto_wrap_policy=policy, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True, **extra)
+    return FSDP(model, auto_wrap_policy=policy, compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_reduce,
+                **extra)
 
 
 def fsdpv2_engine(model, ac: bool):
@@ -77,6 +78,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per chip")
     p.add_argument("--seq", type=int, default=0, help="default: the preset's max_seq_len")
     p.add_argument("--ac", action="store_true", help="recompute each DecoderLayer in backward")
+    p.add_argument("--bf16_reduce", action="store_true",
+                   help="xla_fsdp: reduce-scatter gradients in bf16 (what FSDPv2 does under autocast)")
     args = p.parse_args(argv)
 
     import torch_xla
@@ -96,7 +99,7 @@ def main(argv=None) -> None:
         model = Llama(cfg)
     mesh = None
     if args.engine == "xla_fsdp":
-        model = xla_fsdp_engine(model, args.ac)
+        model = xla_fsdp_engine(model, args.ac, fp32_reduce=not args.bf16_reduce)
     else:
         import torch_xla.distributed.spmd as xs
 
