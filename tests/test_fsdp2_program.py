@@ -107,3 +107,15 @@ def test_the_tiny_example_compiles_for_v5e_8_with_rings_of_async_permutes():
     # what stays synchronous is scalars (the loss, the clipping norm), combined by libtpu
     assert by_kind.get("all-reduce", {}).get("bytes", 0) <= 64, by_kind
     assert permutes["async_bytes"] == permutes["bytes"] > 0, permutes
+
+
+def test_the_traced_child_gets_a_free_rendezvous_port_unless_one_is_set(tmp_path, monkeypatch):
+    """[Note: the traced child's rendezvous port]: another job holding 12355 must not fail the check."""
+    from xla_fsdp.aot import trace
+
+    job = trace.Job(EXAMPLE, [], trace.SINGLE_CONTROLLER, DEVICES)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    port = int(trace.child_env(job, str(tmp_path), 2)["MASTER_PORT"])
+    assert 0 < port < 65536
+    monkeypatch.setenv("MASTER_PORT", "29123")
+    assert trace.child_env(job, str(tmp_path), 2)["MASTER_PORT"] == "29123"
