@@ -71,7 +71,7 @@ def fsdpv2_engine(model, ac: bool):
     return FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, shard_output=shard_output, **extra), mesh
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, choices=("xla_fsdp", "fsdpv2"))
     p.add_argument("--preset", default="tiny")
@@ -80,7 +80,11 @@ def main(argv=None) -> None:
     p.add_argument("--ac", action="store_true", help="recompute each DecoderLayer in backward")
     p.add_argument("--bf16_reduce", action="store_true",
                    help="xla_fsdp: reduce-scatter gradients in bf16 (what FSDPv2 does under autocast)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
 
     import torch_xla
     import torch_xla.runtime as xr
