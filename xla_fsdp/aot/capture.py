@@ -18,6 +18,10 @@ joins the first step's graph.
   first, the process crashes instead, and the module is taken from the
   dump all the same ([Note: the module is taken from the dump, whoever
   gets there first] in dump.py).
+After the first cut the step's results are placeholders, so a loop that logs
+its loss (`loss.item()` after the cut) would abort the process reading one:
+from then on `Tensor.item()` / `tolist()` of an XLA tensor returns zeros
+of its dtype and shape ([Note: values read after the first step]).
 Optimizer state that the first step created without a sharding of its own
 takes its parameter's when it has the parameter's shape, as the SPMD
 partitioner gives it in a real run.
@@ -74,8 +78,36 @@ def install() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_note_step)  # every optimizer's step, whoever built it
+    _read_as_zeros_after_first_step()
     for name in ("all_reduce", "reduce_scatter", "all_gather"):
         setattr(xm, name, _recorded(getattr(xm, name), name.replace("_", "-")))
+
+
+def _read_as_zeros_after_first_step() -> None:
+    """[Note: values read after the first step] Under the check no step runs, and after the
+    first cut every tensor the loop kept is a placeholder with no buffer: reading one aborts
+    the process (a check failure in torch_xla, no Python error). Scripts read values there
+    for logging (`losses.append(loss.item())`, a grad norm printed), never to decide the
+    second step's program, so from the first cut on the reads give zeros. Before it a read
+    still runs (a set-up graph on real data reads true values; one on placeholders aborts,
+    as docs/aot.md says)."""
+    original_item, original_tolist = torch.Tensor.item, torch.Tensor.tolist
+
+    def zeros(t):
+        return torch.zeros(t.shape, dtype=t.dtype)
+
+    def item(self):
+        if _State.cuts and self.device.type == "xla":
+            return original_item(zeros(self))
+        return original_item(self)
+
+    def tolist(self):
+        if _State.cuts and self.device.type == "xla":
+            return original_tolist(zeros(self))
+        return original_tolist(self)
+
+    torch.Tensor.item = item
+    torch.Tensor.tolist = tolist
 
 
 SITES = "collective_sites.json"

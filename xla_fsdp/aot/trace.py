@@ -139,6 +139,12 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
         "TF_CPP_MIN_LOG_LEVEL": env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
         "PYTHONUNBUFFERED": "1",
     })
+    if not env.get("MASTER_PORT"):
+        # [Note: the traced child's rendezvous port] A script's `init_process_group(init_method="xla://")`
+        # opens torch_xla's TCP store on MASTER_PORT (12355 unless set). The traced child stands in
+        # for one host alone, so any free local port serves, and another job on this host holding
+        # 12355 (a training run, a second check) must not fail the check.
+        env["MASTER_PORT"] = str(_free_port())
     if job.torus:  # the slice the step is checked for, not this host's stand-in devices
         from xla_fsdp.collective_engine.torus import ENV as TORUS_ENV
 
@@ -147,6 +153,14 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] = None,
