@@ -406,6 +406,7 @@ def main(argv=None):
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        del logits  # XLA: a tensor alive at sync() is an output of the step (the logits: 3.9 GiB per chip at 1b)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
