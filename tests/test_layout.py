@@ -46,6 +46,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.api": "front_door",
     "xla_fsdp.fsdp": "on_top",
     "xla_fsdp.attention": "on_top",  # the Pallas attention kernel for transformers models (run_clm, Trainer)
+    "xla_fsdp.loss": "shared",  # the causal-LM loss fused with the output projection (run_clm)
     "xla_fsdp.attention.rules": "base",  # what the kernel accepts: the step-time model reads it too  # PyTorch FSDP2's API (fully_shard) on the collective engine
     # layer 5: on top
     "xla_fsdp.checkpoint": "checkpoint",

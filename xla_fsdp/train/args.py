@@ -35,9 +35,9 @@ def str2bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def _bool_flag(parser, name: str, help: str) -> None:
+def _bool_flag(parser, name: str, help: str, default: bool = False) -> None:
     # nargs="?" lets both `--do_train` and `--do_train true` work, as in HF.
-    parser.add_argument(name, type=str2bool, nargs="?", const=True, default=False, help=help)
+    parser.add_argument(name, type=str2bool, nargs="?", const=True, default=default, help=help)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                f"build the model deferred (automatic above {DEFERRED_INIT_PARAMS:.0e} parameters)")
     _bool_flag(model, "--gradient_checkpointing", "recompute activations in backward")
     _bool_flag(model, "--bf16", "bfloat16 autocast for forward/backward")
+    _bool_flag(model, "--fused_loss", "the training loss fused with the output projection, a chunk of tokens "
+               "at a time: the [tokens, vocab] logits are never built (default true; [Note: fused output loss] "
+               "in xla_fsdp/loss/fused_cross_entropy.py). false: transformers' own head and loss", default=True)
     model.add_argument("--attn_implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
                        help="the model's attention (transformers' name); default: transformers' own choice (sdpa). "
                             "On a TPU prefer eager ([Note: eager attention on XLA] in xla_fsdp/train/model.py) "

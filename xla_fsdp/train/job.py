@@ -131,7 +131,11 @@ def run(argv=None) -> dict:
     torch.manual_seed(args.seed)
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
-    wrapped = wrap_model(build_model(config, deferred), args, fsdp_config, device, engine, spmd)
+    model = build_model(config, deferred)
+    if args.fused_loss:
+        from xla_fsdp.loss import use_fused_loss
+        use_fused_loss(model)  # [Note: fused output loss]: the logits are never built whole
+    wrapped = wrap_model(model, args, fsdp_config, device, engine, spmd)
     if args.attn_implementation == "pallas":
         from xla_fsdp import attention
 
