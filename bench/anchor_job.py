@@ -8,7 +8,8 @@
 The blog's recipe as the Hugging Face Trainer runs it with `"xla": true`:
 GPT-2 from a config, auto-wrapped on GPT2Block, gradient checkpointing on
 every block when asked (`xla_fsdp_grad_ckpt`), Adafactor, and transformers'
-default attention as launch/run_clm.py gets it (`--attn eager`: the blog's).
+default attention as launch/run_clm.py gets it (`--attn eager`: the blog's);
+transformers' head and loss unless `--fused_loss` (run_clm's default).
 - fsdpv1: `XlaFullyShardedDataParallel` with compute_dtype bf16, its other
   options at their defaults (pinned collectives), one process per chip.
 - fsdpv2: `SpmdFullyShardedDataParallel` over a 1-D "fsdp" mesh of every
@@ -48,7 +49,7 @@ def _placeholders(module: nn.Module, spmd: bool) -> None:
                 m._buffers[name] = t * 1 if spmd else t
 
 
-def build_meta_model(config_path: str, grad_ckpt: bool, attn: str = "") -> nn.Module:
+def build_meta_model(config_path: str, grad_ckpt: bool, attn: str = "", fused_loss: bool = False) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config.from_json_file(config_path)
@@ -63,6 +64,9 @@ def build_meta_model(config_path: str, grad_ckpt: bool, attn: str = "") -> nn.Mo
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     model.tie_weights()
+    if fused_loss:  # run_clm's default loss ([Note: fused output loss]), so the anchors get it too
+        from xla_fsdp.loss import use_fused_loss
+        use_fused_loss(model)
     return model
 
 
@@ -114,6 +118,8 @@ def main(argv=None) -> None:
     p.add_argument("--optim", default="adafactor", choices=("adafactor", "adamw"))
     p.add_argument("--attn", default="", help="attention implementation (default: transformers' own, as "
                    "launch/run_clm.py); eager: the blog's transformers")
+    p.add_argument("--fused_loss", action="store_true", help="run_clm's fused output loss instead of "
+                   "transformers' head and loss (the blog's program)")
     args = p.parse_args(argv)
 
     import torch_xla
@@ -127,7 +133,7 @@ def main(argv=None) -> None:
     if args.engine == "fsdpv2":
         xr.use_spmd()  # one program over every device, before any device work
     device = torch_xla.device()
-    model = build_meta_model(args.config, args.grad_ckpt, args.attn)
+    model = build_meta_model(args.config, args.grad_ckpt, args.attn, args.fused_loss)
     if args.engine == "fsdpv1":
         model, rows = fsdpv1(model, args.grad_ckpt), args.batch
         mesh = None

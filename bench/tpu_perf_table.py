@@ -2,7 +2,7 @@
 
     python bench/tpu_perf_table.py [--models 125m 2b] [--tpu v4-8 v5e-8 v6e-8]
                                    [--engines default per_chip gspmd fsdpv1 fsdpv2] [--json OUT]
-                                   [--attn eager]
+                                   [--attn eager] [--loss transformers]
 
 Every row is one training step (GPT-2 from configs/models/, sequence 1024,
 Adafactor, per-layer checkpointing, bf16 compute) traced on this host and
@@ -41,6 +41,11 @@ included (the blog's transformers had only that; the default is
 transformers' own choice, sdpa, which torch 2.9 runs in f32 on XLA: [Note:
 eager attention on XLA]); each attention gets its own table, and every table
 is calibrated by the blog's program, which had eager attention.
+`--loss` picks the training loss in every engine, anchors included:
+"transformers" (the default, as run_clm's: the model's own head and loss, the
+blog's program) or "fused" (run_clm --fused_loss: the output projection and
+loss a chunk of tokens at a time, [Note: fused output loss]). Only an FSDPv1
+eager row with transformers' loss calibrates.
 """
 from __future__ import annotations
 
@@ -98,14 +103,24 @@ DEFAULT_ATTN = "transformers' default"  # a row's "attn" when --attn was not giv
 ATTN_CHOICES = ("",) + ATTN_IMPLEMENTATIONS  # --attn: "" keeps transformers' own choice
 
 
+LOSSES = ("transformers", "fused")  # --loss; rows without "loss" were compiled with transformers'
+
+
+def loss_of(row: dict) -> str:
+    """A row's training loss (rows written before --loss existed had transformers' head and loss)."""
+    return row.get("loss", "transformers")
+
+
 def attn_of(row: dict) -> str:
     """A row's attention (rows written before --attn existed have none: transformers' default)."""
     return row.get("attn", DEFAULT_ATTN)
 
 
-def dump_name(model: str, tpu: str, engine: str, attn: str = "") -> str:
-    """The --dump folder of one row: <model>-<tpu>-<engine>, then -<attn> unless it is the default."""
-    return f"{model}-{tpu}-{engine}" + (f"-{attn}" if attn and attn != DEFAULT_ATTN else "")
+def dump_name(model: str, tpu: str, engine: str, attn: str = "", loss: str = "transformers") -> str:
+    """The --dump folder of one row: <model>-<tpu>-<engine>, then -<attn> unless it is the default,
+    then -fused_loss for the fused loss."""
+    return (f"{model}-{tpu}-{engine}" + (f"-{attn}" if attn and attn != DEFAULT_ATTN else "")
+            + ("-fused_loss" if loss == "fused" else ""))
 LAUNCHER = os.path.join(ROOT, "launch", "xla_spawn.py")
 
 
@@ -118,15 +133,18 @@ def param_count(config_path: str) -> int:
     return sum(p.numel() for p in model.parameters())  # tied embeddings once
 
 
-def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0, attn: str = "") -> tuple[list, str]:
+def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0, attn: str = "",
+            loss: str = "transformers") -> tuple[list, str]:
     """(the job's command as users launch it, the runtime to check it in); `batch`: sequences
     per chip (0: the slice's default, BATCH); `attn`: GPT-2's attention in every engine, ours
-    and the anchors alike (""; transformers' own choice)."""
+    and the anchors alike (""; transformers' own choice); `loss`: "fused" or "transformers", in
+    every engine alike."""
     batch = batch or BATCH[tpu]
     if engine in ("fsdpv1", "fsdpv2"):
         flag = "--per_chip" if engine == "fsdpv1" else "--spmd"
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
-                 "--seq", str(SEQ), "--grad_ckpt"] + (["--attn", attn] if attn else []), "auto")
+                 "--seq", str(SEQ), "--grad_ckpt"] + (["--attn", attn] if attn else [])
+                + (["--fused_loss"] if loss == "fused" else []), "auto")
     if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50") + tuple(KEEP):
         config = SHIPPED  # the shipped TPU config, as the README's TPU command runs it
         if engine in SETTINGS:
@@ -147,22 +165,24 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0, attn: s
         cmd = ac.command(case, SLICES[tpu], os.path.join(tmp, "fsdp.json"), os.path.join(tmp, "out"),
                          model=MODELS[model], batch=batch, block=SEQ) + ["--optim", "adafactor"]
     launcher = {"per_chip": [LAUNCHER, "--per_chip"], "gspmd": [LAUNCHER, "--spmd"]}.get(engine, [LAUNCHER])
-    return launcher + cmd + (["--attn_implementation", attn] if attn else []), "auto"
+    return (launcher + cmd + (["--attn_implementation", attn] if attn else [])
+            + (["--fused_loss"] if loss == "fused" else []), "auto")
 
 
-def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: int = 0, attn: str = "") -> dict:
+def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: int = 0, attn: str = "",
+        loss: str = "transformers") -> dict:
     batch = batch or BATCH[tpu]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd, runtime = command(engine, model, tpu, tmp, batch, attn)
+        cmd, runtime = command(engine, model, tpu, tmp, batch, attn, loss)
         started = time.time()
-        extra = ["--dump", os.path.join(dump, dump_name(model, tpu, engine, attn))] if dump else []
+        extra = ["--dump", os.path.join(dump, dump_name(model, tpu, engine, attn, loss))] if dump else []
         if engine in FLAGS:
             extra += ["--libtpu-flags", libtpu_flags.init_args(FLAGS[engine])]
         got = ac.check(tpu, cmd, runtime=runtime, extra=extra, timeout=3600)
     r = got["report"] or {}
     n = SLICES[tpu]
     row = {"engine": engine, "model": model, "tpu": tpu, "chips": n, "batch_per_chip": batch,
-           "params": params, "attn": attn or DEFAULT_ATTN, "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
+           "params": params, "attn": attn or DEFAULT_ATTN, "loss": loss, "seconds": round(time.time() - started, 1), "compiles": bool(r.get("compiles")),
            "runtime": r.get("runtime"), "ideal_gb": 3 * (n - 1) / n * params * 2 / 1e9}
     row["libtpu_flags"] = r.get("libtpu_flags")
     if r.get("compiles"):
@@ -198,12 +218,12 @@ def calibrate(rows: list) -> tuple:
     """(measured / projected, where from) for the blog's FSDPv1 2B v4-8 step: from this table's
     FSDPv1 2B v4-8 row with eager attention (the program the blog ran) when it has one, else
     step_time's constant (the same ratio, from the run that set it). A row with another attention
-    is not the blog's program and never calibrates."""
+    (or the fused loss) is not the blog's program and never calibrates."""
     from xla_fsdp.tpu import step_time
 
     for r in rows:
-        if (r["engine"], r["model"], r["tpu"], r.get("attn")) == ("fsdpv1", "2b", "v4-8", "eager") \
-                and r.get("projected_s"):
+        if (r["engine"], r["model"], r["tpu"], r.get("attn"), loss_of(r)) == (
+                "fsdpv1", "2b", "v4-8", "eager", "transformers") and r.get("projected_s"):
             return (BLOG_FSDPV1_2B_V4_8_S / r["projected_s"],
                     f"blog FSDPv1 2B v4-8 measured {BLOG_FSDPV1_2B_V4_8_S} s / this run's eager-attention "
                     f"FSDPv1 program projected at {r['projected_s']:.3f} s")
@@ -254,29 +274,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", default="", choices=ATTN_CHOICES,
                    help="GPT-2's attention in every engine (default: transformers' own, sdpa; eager: the blog's "
                         "transformers, [Note: eager attention on XLA])")
+    p.add_argument("--loss", default="transformers", choices=LOSSES,
+                   help="the training loss in every engine: transformers (run_clm's default: the model's own head "
+                        "and loss, the blog's program) or fused (run_clm --fused_loss, [Note: fused output loss])")
     return p
 
 
 def main(argv=None) -> int:
     opts = build_parser().parse_args(argv)
     rows = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else []
-    done = {(r["engine"], r["model"], r["tpu"], attn_of(r)) for r in rows}
+    done = {(r["engine"], r["model"], r["tpu"], attn_of(r), loss_of(r)) for r in rows}
     for model in opts.models:
         params = param_count(MODELS[model])
         for tpu in opts.tpu:
             for engine in opts.engines:
-                if (engine, model, tpu, opts.attn or DEFAULT_ATTN) in done:
+                if (engine, model, tpu, opts.attn or DEFAULT_ATTN, opts.loss) in done:
                     continue
-                row = run(engine, model, tpu, params, opts.dump, attn=opts.attn)
+                row = run(engine, model, tpu, params, opts.dump, attn=opts.attn, loss=opts.loss)
                 rows.append(row)
                 print(f"{model} {tpu} {engine}: {'compiles' if row['compiles'] else 'NO'} in {row['seconds']} s",
                       flush=True)
                 if opts.json:
                     with open(opts.json, "w") as f:
                         json.dump(rows, f, indent=1)
-    # one attention per table: the ratios compare programs with the same attention; the calibration
-    # is the blog's program's (eager attention), whichever attention the table shows
-    print(render([r for r in rows if attn_of(r) == (opts.attn or DEFAULT_ATTN)], rows))
+    # one attention and loss per table: the ratios compare like programs; the calibration is the
+    # blog's program's (eager attention, transformers' loss), whichever the table shows
+    print(render([r for r in rows if attn_of(r) == (opts.attn or DEFAULT_ATTN) and loss_of(r) == opts.loss], rows))
     return 0
 
 

@@ -4,8 +4,8 @@
   `ForCausalLMLoss` path for GPT-2 (tied head) and Llama (untied), with ignored labels, any
   chunk size, `num_items_in_batch` and a head bias; under bf16 autocast it stays as close to
   transformers' bf16 head as two bf16 programs can.
-- On XLA:CPU through run_clm: 4 devices of the single controller, fused (the default) against
-  `--fused_loss false` at one device: the same losses and weights step for step.
+- On XLA:CPU through run_clm: 4 devices of the single controller with `--fused_loss` against
+  transformers' head and loss (the default) at one device: the same losses and weights step for step.
 - What it cannot do is refused by name.
 """
 import copy
@@ -139,10 +139,10 @@ def _run_clm(out, args, devices):
 
 
 def test_sharded_fused_run_matches_transformers_loss_on_one_device(tmp_path):
-    # XLA:CPU: the default (fused) loss sharded over 4 devices of the single controller, per-layer
-    # checkpointing, against transformers' head and loss on one device, same data and init
-    want, want_w = _run_clm(tmp_path / "ref", ["--per_device_train_batch_size", "16", "--fused_loss", "false"], 1)
-    got, got_w = _run_clm(tmp_path / "fused", [
+    # XLA:CPU: the fused loss sharded over 4 devices of the single controller, per-layer
+    # checkpointing, against transformers' head and loss (the default) on one device, same data and init
+    want, want_w = _run_clm(tmp_path / "ref", ["--per_device_train_batch_size", "16"], 1)
+    got, got_w = _run_clm(tmp_path / "fused", ["--fused_loss",
         "--per_device_train_batch_size", "4", "--fsdp", "full_shard",
         "--fsdp_config", os.path.join(ROOT, "configs", "fsdp", "tiny_cpu.json"), "--gradient_checkpointing"], 4)
     assert got["devices"] == 4 and got["runtime"] == "single_controller"

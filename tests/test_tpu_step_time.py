@@ -136,6 +136,10 @@ def test_calibration_point_is_the_blogs_program():
     assert ratio == st.CALIBRATION_RATIO and "step_time" in source
     ratio, source = table.calibrate([sdpa, dict(eager[0], projected_s=4.0)])
     assert ratio == pytest.approx(4.191 / 4.0) and "this run" in source
+    # the fused output loss is not the blog's program either: its FSDPv1 eager row does not calibrate
+    ratio, source = table.calibrate([dict(eager[0], projected_s=4.0, loss="fused")])
+    assert ratio == st.CALIBRATION_RATIO and "step_time" in source
+    assert table.loss_of(eager[0]) == "transformers"  # rows from before --loss: transformers' loss
 
 
 @pytest.mark.parametrize("lhs,rhs,out,window,labels,flops", [

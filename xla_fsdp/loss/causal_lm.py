@@ -29,11 +29,11 @@ class FusedLossCausalLM:
                             f"(input_ids=..., labels=...)")
         if kwargs.get("shift_labels") is not None:
             raise ValueError("the fused loss shifts labels itself; pass labels, not shift_labels, or build "
-                             "the model without the fused loss (run_clm --fused_loss false)")
+                             "the model without the fused loss (run_clm without --fused_loss)")
         keep = kwargs.get("logits_to_keep", 0)
         if not (isinstance(keep, int) and keep == 0):
             raise ValueError(f"logits_to_keep={keep!r} with labels: the fused loss covers every position; "
-                             f"build the model without the fused loss (run_clm --fused_loss false)")
+                             f"build the model without the fused loss (run_clm without --fused_loss)")
         num_items = kwargs.get("num_items_in_batch")
         base_kwargs = {k: v for k, v in kwargs.items() if k not in _HEAD_ONLY}
         # use_cache as the caller (or the config) says, as the model's own forward passes it: a cache

@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(model, "--gradient_checkpointing", "recompute activations in backward")
     _bool_flag(model, "--bf16", "bfloat16 autocast for forward/backward")
     _bool_flag(model, "--fused_loss", "the training loss fused with the output projection, a chunk of tokens "
-               "at a time: the [tokens, vocab] logits are never built (default true; [Note: fused output loss] "
-               "in xla_fsdp/loss/fused_cross_entropy.py). false: transformers' own head and loss", default=True)
+               "at a time: the [tokens, vocab] logits are never built ([Note: fused output loss] in "
+               "xla_fsdp/loss/fused_cross_entropy.py; docs/performance.md has what it changes on a TPU). "
+               "Default: transformers' own head and loss")
     model.add_argument("--attn_implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
                        help="the model's attention (transformers' name); default: transformers' own choice (sdpa). "
                             "On a TPU prefer eager ([Note: eager attention on XLA] in xla_fsdp/train/model.py) "
