@@ -33,7 +33,7 @@ with all-gathers and staged reduce-scatters under the 70% budget (the default
 until 2026-11-26); prefetch / flat = those with prefetch on / one flat gather
 per unit; ring / rings = reduce-scatters / both as rings, at 70%;
 rings_budget50 = rings at 50%, named (now the default's collectives and
-flags); keepN (N = 1, 2, 4, 5, 9, 18) = the default with its last N checkpointed
+flags); keepN (N = 1, 2, 4, 5, 9, 10, 11, 18) = the default with its last N checkpointed
 layers keeping their activations (`checkpoint_all_but_last`).
 Every row records the libtpu flags it was compiled with.
 `--attn eager` builds GPT-2 with eager attention in every engine, anchors
@@ -65,7 +65,7 @@ from xla_fsdp.tpu import libtpu_flags  # noqa: E402
 from xla_fsdp.train.args import ATTN_IMPLEMENTATIONS  # noqa: E402
 
 MODELS = {m: os.path.join(ROOT, "configs", "models", f"gpt2-{m}.json")
-          for m in ("125m", "2b", "2b-nodropout", "16b", "20b", "32b", "64b", "128b")}
+          for m in ("125m", "125m-nodropout", "2b", "2b-nodropout", "16b", "20b", "32b", "64b", "128b")}
 SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8, "v4-32": 16, "v4-64": 32, "v4-128": 64, "v4-256": 128,
           "v4-512": 256, "v5e-256": 256}
 TABLE_MODELS, TABLE_SLICES = ("125m", "2b"), ("v4-8", "v5e-8", "v6e-8")  # the default table
@@ -78,7 +78,7 @@ ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 # unit / reduce-scatters alone as rings ([Note: ring reduce-scatter]) / gathers and reduce-scatters
 # as rings / the same under a 50% scheduler budget (named before it became the default's)
 # the default with its last N checkpointed layers keeping their activations ([Note: checkpoint all but the last])
-KEEP = {f"keep{n}": n for n in (1, 2, 4, 5, 9, 18)}
+KEEP = {f"keep{n}": n for n in (1, 2, 4, 5, 9, 10, 11, 18)}
 EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50") + tuple(KEEP)
 # xla_fsdp_settings each engine adds to the shipped config (or to its aot case)
 SETTINGS = {

@@ -188,3 +188,21 @@ def test_a_permute_on_a_torus_keeps_two_links():
     assert st.links(permute, 64, torus_axes=3) == st.RING_LINKS
     gather = oh.Collective(kind="all-gather", name="ag", bytes=1 << 20, asynchronous=False, position=0)
     assert st.links(gather, 64, torus_axes=3) == 3 * st.RING_LINKS
+
+
+def test_memory_space_prefetches_cost_the_core_nothing():
+    """[Note: prefetches off the core]: libtpu's sliced prefetches (slice-start/slice-done into S(3))
+    and copies (copy-start/copy-done) are DMAs beside the core; a plain slice still costs its bytes."""
+    base = program(asynchronous=False)
+    prefetch = ("  %ss = ((bf16[{K},{K}]{{1,0}}), bf16[64,{K}]{{1,0:S(3)}}, s32[]{{:S(2)}}) slice-start(%w), "
+                "slice={{[0:64], [0:{K}]}}\n  %sd = bf16[64,{K}]{{1,0:S(3)}} slice-done(%ss)\n"
+                "  %cs = (bf16[{K},{K}]{{1,0:S(3)}}, bf16[{K},{K}]{{1,0}}, u32[]{{:S(2)}}) copy-start(%w)\n"
+                "  %cd = bf16[{K},{K}]{{1,0:S(3)}} copy-done(%cs)\n").format(K=K)
+    anchor = f"  %g = bf16[{K},{K}]{{1,0}} all-gather(%s)"
+    assert anchor in base
+    e = st.estimate(base.replace(anchor, prefetch + anchor), CHIP, devices=N)
+    plain = st.estimate(base, CHIP, devices=N)
+    assert e.seconds == pytest.approx(plain.seconds) and e.hbm_bytes == pytest.approx(plain.hbm_bytes)
+    # the same region taken by a synchronous slice is charged on the core
+    sliced = f"  %sl = bf16[64,{K}]{{1,0}} slice(%w), slice={{[0:64], [0:{K}]}}\n"
+    assert st.estimate(base.replace(anchor, sliced + anchor), CHIP, devices=N).seconds > plain.seconds
