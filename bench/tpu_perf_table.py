@@ -33,8 +33,9 @@ with all-gathers and staged reduce-scatters under the 70% budget (the default
 until 2026-11-26); prefetch / flat = those with prefetch on / one flat gather
 per unit; ring / rings = reduce-scatters / both as rings, at 70%;
 rings_budget50 = rings at 50%, named (now the default's collectives and
-flags); keepN (N = 1, 2, 4, 5, 9, 10, 11, 18) = the default with its last N checkpointed
-layers keeping their activations (`checkpoint_all_but_last`).
+flags); keepN (N = 1, 2, 4, 5, 9-13, 15, 17, 18) = the default with its last N checkpointed
+layers keeping their activations (`checkpoint_all_but_last`); no_ckpt = the
+default without per-layer checkpointing (libtpu recomputes what it must to fit).
 Every row records the libtpu flags it was compiled with.
 `--attn eager` builds GPT-2 with eager attention in every engine, anchors
 included (the blog's transformers had only that; the default is
@@ -78,8 +79,11 @@ ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 # unit / reduce-scatters alone as rings ([Note: ring reduce-scatter]) / gathers and reduce-scatters
 # as rings / the same under a 50% scheduler budget (named before it became the default's)
 # the default with its last N checkpointed layers keeping their activations ([Note: checkpoint all but the last])
-KEEP = {f"keep{n}": n for n in (1, 2, 4, 5, 9, 10, 11, 18)}
-EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50") + tuple(KEEP)
+KEEP = {f"keep{n}": n for n in (1, 2, 4, 5, 9, 10, 11, 12, 13, 15, 17, 18)}
+# the default without our per-layer checkpointing: what to recompute is left to libtpu's own
+# rematerialization, which recomputes to fit HBM ([Note: the compiler's recompute])
+EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "no_ckpt") + tuple(KEEP)
+TOP = {"no_ckpt": {"xla_fsdp_grad_ckpt": False}}  # top-level fsdp_config keys an engine changes
 # xla_fsdp_settings each engine adds to the shipped config (or to its aot case)
 SETTINGS = {
     "gathers": {"all_gather_impl": "all_gather"},
@@ -145,12 +149,13 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0, attn: s
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"] + (["--attn", attn] if attn else [])
                 + (["--fused_loss"] if loss == "fused" else []), "auto")
-    if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50") + tuple(KEEP):
+    if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50", "no_ckpt") + tuple(KEEP):
         config = SHIPPED  # the shipped TPU config, as the README's TPU command runs it
-        if engine in SETTINGS:
+        if engine in SETTINGS or engine in TOP:
             with open(SHIPPED) as f:
                 shipped = json.load(f)
-            shipped["xla_fsdp_settings"].update(SETTINGS[engine])
+            shipped["xla_fsdp_settings"].update(SETTINGS.get(engine, {}))
+            shipped.update(TOP.get(engine, {}))
             config = os.path.join(tmp, "fsdp.json")
             with open(config, "w") as f:
                 json.dump(shipped, f)

@@ -488,3 +488,18 @@ def test_bench_keep_engines_are_the_shipped_config_with_fewer_recomputed_layers(
     assert got.pop("checkpoint_all_but_last") == table.KEEP[engine]
     assert "checkpoint_all_but_last" not in shipped
     assert {k: repr(v) for k, v in got.items()} == {k: repr(v) for k, v in shipped.items()}  # policies: new partials
+
+
+def test_bench_no_ckpt_engine_is_the_shipped_config_without_checkpointing(tmp_path):
+    """bench/tpu_perf_table.py's no_ckpt row: the shipped TPU config with xla_fsdp_grad_ckpt off, nothing else."""
+    from bench_modules import load
+
+    table = load("tpu_perf_table")
+    cmd, _ = table.command("no_ckpt", "2b", "v4-8", str(tmp_path))
+    with open(cmd[cmd.index("--fsdp_config") + 1]) as f:
+        got = json.load(f)
+    with open(table.SHIPPED) as f:
+        shipped = json.load(f)
+    assert shipped["xla_fsdp_grad_ckpt"] is True and got.pop("xla_fsdp_grad_ckpt") is False
+    shipped.pop("xla_fsdp_grad_ckpt")
+    assert got == shipped
