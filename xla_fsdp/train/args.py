@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(model, "--bf16", "bfloat16 autocast for forward/backward")
     _bool_flag(model, "--fused_loss", "the training loss fused with the output projection, a chunk of tokens "
                "at a time: the [tokens, vocab] logits are never built ([Note: fused output loss] in "
-               "xla_fsdp/loss/fused_cross_entropy.py; docs/performance.md has what it changes on a TPU). "
+               "xla_fsdp/loss/fused_cross_entropy.py). On the TPU programs compiled so far it was no better "
+               "(2B GPT-2 v4-8) or worse (Llama 3 8B v6e-256: out of HBM): docs/performance.md. "
                "Default: transformers' own head and loss")
     model.add_argument("--attn_implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
                        help="the model's attention (transformers' name); default: transformers' own choice (sdpa). "
