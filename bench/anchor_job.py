@@ -64,7 +64,10 @@ def build_meta_model(config_path: str, grad_ckpt: bool, attn: str = "", fused_lo
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     model.tie_weights()
-    if fused_loss:  # run_clm's default loss ([Note: fused output loss]), so the anchors get it too
+    if attn == "pallas":  # run_clm's head-major projections around the kernel, so the anchors get them too
+        from xla_fsdp.attention.gpt2_heads import use_head_major
+        use_head_major(model)
+    if fused_loss:  # run_clm's --fused_loss ([Note: fused output loss]), so the anchors get it too
         from xla_fsdp.loss import use_fused_loss
         use_fused_loss(model)
     return model

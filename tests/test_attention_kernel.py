@@ -57,6 +57,20 @@ def test_gpt2_with_the_interpreted_kernel_matches_eager_attention_forward_and_ba
     _assert_parity(*_pair(GPT2LMHeadModel, config), config.vocab_size)
 
 
+def test_gpt2_head_major_projections_with_the_kernel_match_eager_attention():
+    # [Note: head-major projections]: the same weights read head-major, einsums around the kernel
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from xla_fsdp.attention.gpt2_heads import HeadMajorGPT2Attention, use_head_major
+
+    config = GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=128, n_head=2, n_layer=2, bos_token_id=0, eos_token_id=0,
+                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    eager, kernel = _pair(GPT2LMHeadModel, config)
+    assert use_head_major(kernel) == 2 and use_head_major(kernel) == 0  # once per attention module
+    assert isinstance(kernel.transformer.h[0].attn, HeadMajorGPT2Attention)
+    assert list(kernel.state_dict()) == list(eager.state_dict())
+    _assert_parity(eager, kernel, config.vocab_size)
+
+
 def test_llama_grouped_query_attention_with_the_interpreted_kernel_matches_eager():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -89,13 +89,18 @@ def pallas_attention(module, query, key, value, attention_mask, scaling=None, dr
         value = value.repeat_interleave(groups, dim=1)
     check_shapes(tuple(query.shape), tuple(key.shape))
     scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
+    out = head_major_attention(query, key, value, causal, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def head_major_attention(query, key, value, causal: bool, scale: float) -> torch.Tensor:
+    """The kernel on [batch, heads, seq, head_dim] inputs, its output in the same layout: on a TPU
+    (or traced for one), or in Pallas interpret mode under `interpret_on_cpu()`."""
     if getattr(_state, "interpret", False):
         from xla_fsdp.attention.interpret import flash_attention_interpreted
 
-        out = flash_attention_interpreted(query, key, value, causal, scale)
-    else:
-        out = _on_tpu(query, key, value, causal, scale)
-    return out.transpose(1, 2).contiguous(), None
+        return flash_attention_interpreted(query, key, value, causal, scale)
+    return _on_tpu(query, key, value, causal, scale)
 
 
 def _on_tpu(query, key, value, causal: bool, scale: float) -> torch.Tensor:

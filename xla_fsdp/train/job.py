@@ -132,6 +132,9 @@ def run(argv=None) -> dict:
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     model = build_model(config, deferred)
+    if args.attn_implementation == "pallas":
+        from xla_fsdp.attention.gpt2_heads import use_head_major
+        use_head_major(model)  # [Note: head-major projections]: GPT-2's projections around the kernel
     if args.fused_loss:
         from xla_fsdp.loss import use_fused_loss
         use_fused_loss(model)  # [Note: fused output loss]: the logits are never built whole

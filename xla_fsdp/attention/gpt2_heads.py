@@ -1,0 +1,74 @@
+"""GPT-2's attention projections written head-major around the Pallas kernel.
+
+[Note: head-major projections]
+The kernel takes queries, keys and values as [batch, heads, seq, head_dim] and returns its
+output in that layout. transformers' GPT-2 computes them as one [batch, seq, 3 x hidden]
+matmul, splits, views and transposes them into the kernel's layout, and transposes the output
+back and flattens it for the output projection. On the TPU every one of those transposes and
+views is a copy of a [32, 1024, 3072] bf16 tensor (the 2B's per-chip activations) in the
+forward, the recompute and the backward: in libtpu's program of the 2B step with the kernel,
+about 190 ms of a 2.5 s step (docs/performance.md, "Fused attention").
+
+Here the same weights are read as [hidden, 3, heads, head_dim] and [heads, head_dim, hidden]
+and the projections are einsums that produce and consume the head-major layout directly, so
+the compiler can write each matmul's result where the kernel reads it. Same parameters, same
+state dict, same arithmetic (tests/test_attention_kernel.py checks it against eager attention
+in interpret mode). Only self-attention in training shape takes this path; anything else
+(cross-attention, GPT-2's reordered upcast attention) runs transformers' own forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from xla_fsdp.attention.rules import KernelInputError, check_shapes
+
+
+class HeadMajorGPT2Attention:
+    """Mixed into a transformers `GPT2Attention` instance by `use_head_major`."""
+
+    def forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, output_attentions=False, **kwargs):
+        from xla_fsdp.attention import kernel
+
+        if (encoder_hidden_states is not None or self.is_cross_attention or self.reorder_and_upcast_attn
+                or self.config._attn_implementation != kernel.NAME):
+            return super().forward(hidden_states, past_key_values=past_key_values, attention_mask=attention_mask,
+                                   encoder_hidden_states=encoder_hidden_states,
+                                   encoder_attention_mask=encoder_attention_mask,
+                                   output_attentions=output_attentions, **kwargs)
+        dropout = self.attn_dropout.p if self.training else 0.0
+        if dropout > 0:
+            raise KernelInputError(f"attention dropout {dropout:g} reached the Pallas attention kernel, which has "
+                                   "none; set the config's attn_pdrop to 0")
+        if attention_mask is not None:
+            raise KernelInputError(kernel._NO_PADDING)
+        heads, head_dim = self.num_heads, self.head_dim
+        hidden = self.c_attn.weight.shape[0]
+        weight = self.c_attn.weight.view(hidden, 3, heads, head_dim)  # Conv1D: [in, out]
+        bias = self.c_attn.bias.view(3, heads, 1, head_dim)
+        query, key, value = (torch.einsum("bsi,ihd->bhsd", hidden_states, weight[:, i]) + bias[i]
+                             for i in range(3))
+        if past_key_values is not None:  # as transformers' forward: the cache sees [b, h, s, d] keys/values
+            cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+            key, value = cache.update(key, value, self.layer_idx)
+        check_shapes(tuple(query.shape), tuple(key.shape))
+        out = kernel.head_major_attention(query, key, value, causal=True, scale=float(self.scaling))
+        proj = self.c_proj.weight.view(heads, head_dim, self.c_proj.weight.shape[1])
+        attn_output = torch.einsum("bhsd,hde->bse", out, proj) + self.c_proj.bias
+        return self.resid_dropout(attn_output), None
+
+
+def use_head_major(model: torch.nn.Module) -> int:
+    """Give every self-attention `GPT2Attention` of `model` the head-major forward (before
+    wrapping); returns how many. Other models are left as they are (0)."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    from xla_fsdp.class_swap import mix_into
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, GPT2Attention) and not module.is_cross_attention \
+                and not isinstance(module, HeadMajorGPT2Attention):
+            mix_into(module, HeadMajorGPT2Attention, "")
+            count += 1
+    return count
