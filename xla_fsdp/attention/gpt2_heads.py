@@ -46,7 +46,9 @@ class HeadMajorGPT2Attention:
         hidden = self.c_attn.weight.shape[0]
         weight = self.c_attn.weight.view(hidden, 3, heads, head_dim)  # Conv1D: [in, out]
         bias = self.c_attn.bias.view(3, heads, 1, head_dim)
-        query, key, value = (torch.einsum("bsi,ihd->bhsd", hidden_states, weight[:, i]) + bias[i]
+        # a bias in another dtype than the matmul (FSDPv1 keeps them f32 beside bf16 weights) joins in
+        # the matmul's dtype, as Conv1D's addmm does on XLA
+        query, key, value = (_plus(torch.einsum("bsi,ihd->bhsd", hidden_states, weight[:, i]), bias[i])
                              for i in range(3))
         if past_key_values is not None:  # as transformers' forward: the cache sees [b, h, s, d] keys/values
             cache = getattr(past_key_values, "self_attention_cache", past_key_values)
@@ -54,8 +56,12 @@ class HeadMajorGPT2Attention:
         check_shapes(tuple(query.shape), tuple(key.shape))
         out = kernel.head_major_attention(query, key, value, causal=True, scale=float(self.scaling))
         proj = self.c_proj.weight.view(heads, head_dim, self.c_proj.weight.shape[1])
-        attn_output = torch.einsum("bhsd,hde->bse", out, proj) + self.c_proj.bias
+        attn_output = _plus(torch.einsum("bhsd,hde->bse", out, proj), self.c_proj.bias)
         return self.resid_dropout(attn_output), None
+
+
+def _plus(product: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return product + bias.to(product.dtype)
 
 
 def use_head_major(model: torch.nn.Module) -> int:
