@@ -33,7 +33,7 @@ with all-gathers and staged reduce-scatters under the 70% budget (the default
 until 2026-11-26); prefetch / flat = those with prefetch on / one flat gather
 per unit; ring / rings = reduce-scatters / both as rings, at 70%;
 rings_budget50 = rings at 50%, named (now the default's collectives and
-flags); keepN (N = 1, 2, 4, 5, 9-18) = the default with its last N checkpointed
+flags); keepN (N = 1, 2, 4-18) = the default with its last N checkpointed
 layers keeping their activations (`checkpoint_all_but_last`); no_ckpt = the
 default without per-layer checkpointing (libtpu recomputes what it must to fit).
 Every row records the libtpu flags it was compiled with.
@@ -79,7 +79,7 @@ ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 # unit / reduce-scatters alone as rings ([Note: ring reduce-scatter]) / gathers and reduce-scatters
 # as rings / the same under a 50% scheduler budget (named before it became the default's)
 # the default with its last N checkpointed layers keeping their activations ([Note: checkpoint all but the last])
-KEEP = {f"keep{n}": n for n in (1, 2, 4, 5, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)}
+KEEP = {f"keep{n}": n for n in (1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)}
 # the default without our per-layer checkpointing: what to recompute is left to libtpu's own
 # rematerialization, which recomputes to fit HBM ([Note: the compiler's recompute])
 EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "no_ckpt") + tuple(KEEP)
