@@ -69,3 +69,7 @@ def test_tiny_gpt2_step_with_the_kernel_compiles_for_v5e_8_and_its_attention_is_
     # each on one chip's batch of 2 (16 sequences over 8 chips), 4 heads of 32
     assert all(k.startswith("bf16[2,4,128,32]") for k in found), found
     assert got["report"]["projection"]["kernel_calls"] == kernels
+    # [Note: head-major projections]: GPT-2's projections around the kernel are ours where the model
+    # sees per-device tensors, transformers' own under the GSPMD partitioner
+    traced = (tmp_path / "dump" / "traced_step.hlo.txt").read_text()
+    assert ("gpt2_heads.py" in traced) == (case != "gspmd")

@@ -15,6 +15,11 @@ the compiler can write each matmul's result where the kernel reads it. Same para
 state dict, same arithmetic (tests/test_attention_kernel.py checks it against eager attention
 in interpret mode). Only self-attention in training shape takes this path; anything else
 (cross-attention, GPT-2's reordered upcast attention) runs transformers' own forward.
+run_clm uses it where the model sees per-device tensors (one process per chip, the collective
+engine on the single controller). Under the GSPMD engine it does not: there the kernel's
+operands come out of the partitioner with a sharding torch_xla's custom-call handler refuses
+("Check failed: ShapeUtil::Compatible(input->shape(), MakePartitionedShape(...))", traced for
+the tiny GPT-2 on v5e-8), though torch_xla's FSDPv2 (bench/anchor_job.py) compiles with it.
 """
 from __future__ import annotations
 

@@ -132,9 +132,6 @@ def run(argv=None) -> dict:
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     model = build_model(config, deferred)
-    if args.attn_implementation == "pallas":
-        from xla_fsdp.attention.gpt2_heads import use_head_major
-        use_head_major(model)  # [Note: head-major projections]: GPT-2's projections around the kernel
     if args.fused_loss:
         from xla_fsdp.loss import use_fused_loss
         use_fused_loss(model)  # [Note: fused output loss]: the logits are never built whole
@@ -143,7 +140,13 @@ def run(argv=None) -> dict:
         from xla_fsdp import attention
 
         # [Note: the kernel's sharding]: only a model that sees global tensors takes a partition spec
-        attention.use_mesh(wrapped.mesh if spmd and wrapped.engine != "collectives" else None)
+        global_tensors = spmd and wrapped.engine != "collectives"
+        attention.use_mesh(wrapped.mesh if global_tensors else None)
+        if not global_tensors:
+            # [Note: head-major projections]; under the GSPMD partitioner (global tensors) libtpu's
+            # check of the kernel's operand shardings fails on them, so transformers' own run there
+            from xla_fsdp.attention.gpt2_heads import use_head_major
+            use_head_major(wrapped.model)
     hosts = _host_batches(spmd, wrapped.mesh)  # several SPMD hosts: each reads only its rows
     if hosts is not None:
         from xla_fsdp.runtime.hosts import host_group
