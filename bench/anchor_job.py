@@ -9,7 +9,7 @@ The blog's recipe as the Hugging Face Trainer runs it with `"xla": true`:
 GPT-2 from a config, auto-wrapped on GPT2Block, gradient checkpointing on
 every block when asked (`xla_fsdp_grad_ckpt`), Adafactor, and transformers'
 default attention as launch/run_clm.py gets it (`--attn eager`: the blog's);
-transformers' head and loss unless `--fused_loss` (run_clm's default).
+transformers' head and loss unless `--fused_loss` (run_clm's flag of that name).
 - fsdpv1: `XlaFullyShardedDataParallel` with compute_dtype bf16, its other
   options at their defaults (pinned collectives), one process per chip.
 - fsdpv2: `SpmdFullyShardedDataParallel` over a 1-D "fsdp" mesh of every

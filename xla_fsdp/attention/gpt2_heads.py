@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from xla_fsdp.attention.rules import KernelInputError, check_shapes
+from xla_fsdp.attention.rules import check_shapes
 
 
 class HeadMajorGPT2Attention:
@@ -41,12 +41,7 @@ class HeadMajorGPT2Attention:
                                    encoder_hidden_states=encoder_hidden_states,
                                    encoder_attention_mask=encoder_attention_mask,
                                    output_attentions=output_attentions, **kwargs)
-        dropout = self.attn_dropout.p if self.training else 0.0
-        if dropout > 0:
-            raise KernelInputError(f"attention dropout {dropout:g} reached the Pallas attention kernel, which has "
-                                   "none; set the config's attn_pdrop to 0")
-        if attention_mask is not None:
-            raise KernelInputError(kernel._NO_PADDING)
+        kernel.refuse_unsupported(self.attn_dropout.p if self.training else 0.0, attention_mask)
         heads, head_dim = self.num_heads, self.head_dim
         hidden = self.c_attn.weight.shape[0]
         weight = self.c_attn.weight.view(hidden, 3, heads, head_dim)  # Conv1D: [in, out]
@@ -70,8 +65,9 @@ def _plus(product: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def use_head_major(model: torch.nn.Module) -> int:
-    """Give every self-attention `GPT2Attention` of `model` the head-major forward (before
-    wrapping); returns how many. Other models are left as they are (0)."""
+    """Give every self-attention `GPT2Attention` of `model` the head-major forward (before or after
+    wrapping: only the modules' class changes, not their parameters); returns how many. Other models
+    are left as they are (0)."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
     from xla_fsdp.class_swap import mix_into

@@ -74,14 +74,19 @@ def interpret_on_cpu():
         _state.interpret = previous
 
 
-def pallas_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
-                     **kwargs):
-    """transformers' attention-function contract: (output [b, s, h, d], no attention weights)."""
+def refuse_unsupported(dropout, attention_mask) -> None:
+    """What reaches the kernel at call time that it cannot do: attention dropout, a padding mask."""
     if dropout and dropout > 0:
         raise KernelInputError(f"attention dropout {dropout:g} reached the Pallas attention kernel, which has "
                                "none; set the config's attn_pdrop (GPT-2) / attention_dropout (Llama) to 0")
     if attention_mask is not None:
         raise KernelInputError(_NO_PADDING)
+
+
+def pallas_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
+                     **kwargs):
+    """transformers' attention-function contract: (output [b, s, h, d], no attention weights)."""
+    refuse_unsupported(dropout, attention_mask)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: the kernel wants one key/value head per query head

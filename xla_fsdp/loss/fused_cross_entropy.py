@@ -32,7 +32,6 @@ over chunks) is what this would need on XLA; not tried.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -57,11 +56,6 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # under autocast both operands are cast to its dtype, as for the head's nn.Linear
-    return torch.matmul(a, b)
-
-
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, denominator, chunk):
@@ -73,7 +67,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             h = hidden[start:start + chunk]
             t = targets[start:start + chunk]
-            logits = _matmul(h, weight.t())
+            logits = torch.matmul(h, weight.t())
             if bias is not None:
                 logits = logits + bias
             logits = logits.float()
@@ -88,8 +82,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             g = g - F.one_hot(safe, logits.shape[1]).float()
             g = (g * scale.unsqueeze(1)).to(hidden.dtype if not torch.is_autocast_enabled(hidden.device.type)
                                             else torch.get_autocast_dtype(hidden.device.type))
-            grad_hidden.append(_matmul(g, weight).to(hidden.dtype))
-            gw = _matmul(g.t(), h).float()
+            grad_hidden.append(torch.matmul(g, weight).to(hidden.dtype))
+            gw = torch.matmul(g.t(), h).float()
             grad_weight = gw if grad_weight is None else grad_weight + gw
             if bias is not None:
                 gb = g.float().sum(0)
@@ -131,7 +125,3 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     chunk = min(chunk, flat.shape[0])
     return _FusedLinearCrossEntropy.apply(flat, weight, bias, targets, denominator, chunk)
 
-
-def chunks_of(tokens: int, vocab: int) -> int:
-    """How many chunks the default chunk size cuts `tokens` into (for logs and docs)."""
-    return math.ceil(tokens / chunk_tokens(vocab))
