@@ -43,6 +43,12 @@ PAIRS = {
 }
 
 
+def config_of(model: str, attn: str) -> str:
+    """The model config a pair compiles: under the Pallas kernel (no attention dropout) the pair's
+    config with attention dropout 0 (configs/models/gpt2-<model>-nodropout.json)."""
+    return f"{model}-nodropout" if attn == "pallas" else model
+
+
 def render(rows: list, calibration_rows: list = ()) -> str:
     """`rows`, one attention; calibrated by `table.calibrate(calibration_rows or rows)`."""
     ratio, source = table.calibrate(list(calibration_rows) or rows)
@@ -50,7 +56,7 @@ def render(rows: list, calibration_rows: list = ()) -> str:
            f"{'proj s':>9}{'calib s':>9}{'blog s':>8}{'/ blog':>8}"]
     for model, (tpu, batch, measured) in PAIRS.items():
         for r in rows:
-            if (r["model"], r["tpu"]) != (model, tpu):
+            if r["model"] not in (model, f"{model}-nodropout") or r["tpu"] != tpu:
                 continue
             head = f"{model + ' ' + tpu:<12}{r['engine']:<9}"
             if not r["compiles"]:
@@ -120,8 +126,9 @@ def main(argv=None) -> int:
         print(render([r for r in rows if table.attn_of(r) == attn], rows))
         return 0
     done = {(r["engine"], r["model"], r["tpu"]) for r in rows if table.attn_of(r) == attn}
-    for model in opts.pairs:
-        tpu, batch, _ = PAIRS[model]
+    for pair in opts.pairs:
+        tpu, batch, _ = PAIRS[pair]
+        model = config_of(pair, opts.attn)
         params = table.param_count(table.MODELS[model])
         for engine in opts.engines:
             if (engine, model, tpu) in done:

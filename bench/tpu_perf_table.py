@@ -66,7 +66,8 @@ from xla_fsdp.tpu import libtpu_flags  # noqa: E402
 from xla_fsdp.train.args import ATTN_IMPLEMENTATIONS  # noqa: E402
 
 MODELS = {m: os.path.join(ROOT, "configs", "models", f"gpt2-{m}.json")
-          for m in ("125m", "125m-nodropout", "2b", "2b-nodropout", "16b", "20b", "32b", "64b", "128b")}
+          for m in ("125m", "125m-nodropout", "2b", "2b-nodropout", "16b", "20b", "32b", "64b", "128b",
+                    "16b-nodropout", "20b-nodropout", "32b-nodropout", "64b-nodropout", "128b-nodropout")}
 SLICES = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8, "v4-32": 16, "v4-64": 32, "v4-128": 64, "v4-256": 128,
           "v4-512": 256, "v5e-256": 256}
 TABLE_MODELS, TABLE_SLICES = ("125m", "2b"), ("v4-8", "v5e-8", "v6e-8")  # the default table
