@@ -43,12 +43,6 @@ PAIRS = {
 }
 
 
-def config_of(model: str, attn: str) -> str:
-    """The model config a pair compiles: under the Pallas kernel (no attention dropout) the pair's
-    config with attention dropout 0 (configs/models/gpt2-<model>-nodropout.json)."""
-    return f"{model}-nodropout" if attn == "pallas" else model
-
-
 def render(rows: list, calibration_rows: list = ()) -> str:
     """`rows`, one attention; calibrated by `table.calibrate(calibration_rows or rows)`."""
     ratio, source = table.calibrate(list(calibration_rows) or rows)
@@ -128,7 +122,7 @@ def main(argv=None) -> int:
     done = {(r["engine"], r["model"], r["tpu"]) for r in rows if table.attn_of(r) == attn}
     for pair in opts.pairs:
         tpu, batch, _ = PAIRS[pair]
-        model = config_of(pair, opts.attn)
+        model = table.config_for(pair, opts.attn)
         params = table.param_count(table.MODELS[model])
         for engine in opts.engines:
             if (engine, model, tpu) in done:

@@ -111,6 +111,12 @@ ATTN_CHOICES = ("",) + ATTN_IMPLEMENTATIONS  # --attn: "" keeps transformers' ow
 LOSSES = ("transformers", "fused")  # --loss; rows without "loss" were compiled with transformers'
 
 
+def config_for(model: str, attn: str) -> str:
+    """The MODELS key a row of `model` compiles under `attn`: under the Pallas kernel (no attention
+    dropout) the same config with attention dropout 0 (configs/models/gpt2-<model>-nodropout.json)."""
+    return model if attn != "pallas" or model.endswith("-nodropout") else f"{model}-nodropout"
+
+
 def loss_of(row: dict) -> str:
     """A row's training loss (rows written before --loss existed had transformers' head and loss)."""
     return row.get("loss", "transformers")

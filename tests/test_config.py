@@ -506,16 +506,16 @@ def test_bench_no_ckpt_engine_is_the_shipped_config_without_checkpointing(tmp_pa
 
 
 def test_blog_pairs_under_the_kernel_compile_the_same_models_without_attention_dropout():
-    """bench/blog_pairs.py --attn pallas compiles, for every pair, a config that differs from the blog
+    """bench/blog_pairs.py and bench/capacity.py with --attn pallas compile, for every pair, a config that differs from the blog
     pair's only in attn_pdrop (0: the kernel has no attention dropout); other attentions keep the pair's."""
     from bench_modules import load
 
     pairs, table = load("blog_pairs"), load("tpu_perf_table")
     for pair in pairs.PAIRS:
-        assert pairs.config_of(pair, "eager") == pair
+        assert table.config_for(pair, "eager") == pair and table.config_for(pair, "") == pair
         with open(table.MODELS[pair]) as f:
             blog = json.load(f)
-        with open(table.MODELS[pairs.config_of(pair, "pallas")]) as f:
+        with open(table.MODELS[table.config_for(pair, "pallas")]) as f:
             kernel = json.load(f)
         assert blog.pop("attn_pdrop") > 0 and kernel.pop("attn_pdrop") == 0.0
         assert kernel == blog
