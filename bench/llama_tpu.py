@@ -139,8 +139,10 @@ def render(rows: list, config: str) -> str:
     anchor = MEASURED.get((os.path.basename(config), r0["tpu"], r0["batch_per_chip"], r0["seq"]))
     if anchor:
         out.append(f"  {anchor[2]}: {anchor[0]:,} tokens/s/chip, MFU {100 * anchor[1]:.2f}%")
+    gen = spec.chip.generation
     out.append("every step time is a PROJECTION from the TPU-compiled program (libtpu 0.0.21, deviceless); "
-               "no v6e step calibrates the model")
+               + (f"no {gen} step calibrates the model (its one calibration point is a v4 step)" if gen != "v4"
+                  else "calibrated by a v4 step"))
     return "\n".join(out)
 
 
