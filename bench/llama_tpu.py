@@ -164,6 +164,10 @@ def main(argv=None) -> int:
     doc = json.load(open(opts.json)) if opts.json and os.path.exists(opts.json) else {"rows": []}
     attn = opts.attn or "transformers' default"
     name = os.path.basename(opts.config)
+    doc.setdefault("what", f"{name}, {opts.tpu}, {opts.batch} x {opts.seq} tokens per chip, attention "
+                           f"{opts.attn or 'transformers default'}, run_clm single controller with "
+                           f"configs/fsdp/llama_xla_fsdp.json; libtpu 0.0.21 deviceless; projections uncalibrated; "
+                           f"written by bench/llama_tpu.py")
 
     def mine(r):
         return (r.get("config", "llama3-8b.json"), r["tpu"], r["batch_per_chip"], r["seq"], r["attn"],
