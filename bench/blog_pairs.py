@@ -50,7 +50,7 @@ def render(rows: list, calibration_rows: list = ()) -> str:
            f"{'proj s':>9}{'calib s':>9}{'blog s':>8}{'/ blog':>8}"]
     for model, (tpu, batch, measured) in PAIRS.items():
         for r in rows:
-            if r["model"] not in (model, f"{model}-nodropout") or r["tpu"] != tpu:
+            if (table.base_model(r["model"]), r["tpu"]) != (model, tpu):
                 continue
             head = f"{model + ' ' + tpu:<12}{r['engine']:<9}"
             if not r["compiles"]:

@@ -30,7 +30,7 @@ SLICES = ("v4-8", "v4-32", "v4-128", "v5e-8", "v5e-256")
 
 def size(row: dict) -> str:
     """The family size a row compiled (its config may be the size's twin without attention dropout)."""
-    return row["model"].removesuffix("-nodropout")
+    return table.base_model(row["model"])
 
 
 def render(rows: list) -> str:

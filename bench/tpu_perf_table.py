@@ -117,6 +117,11 @@ def config_for(model: str, attn: str) -> str:
     return model if attn != "pallas" or model.endswith("-nodropout") else f"{model}-nodropout"
 
 
+def base_model(model: str) -> str:
+    """The model a MODELS key is a variant of: config_for's inverse ("16b-nodropout" -> "16b")."""
+    return model.removesuffix("-nodropout")
+
+
 def loss_of(row: dict) -> str:
     """A row's training loss (rows written before --loss existed had transformers' head and loss)."""
     return row.get("loss", "transformers")

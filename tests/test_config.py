@@ -513,6 +513,7 @@ def test_blog_pairs_under_the_kernel_compile_the_same_models_without_attention_d
     pairs, table = load("blog_pairs"), load("tpu_perf_table")
     for pair in pairs.PAIRS:
         assert table.config_for(pair, "eager") == pair and table.config_for(pair, "") == pair
+        assert table.base_model(table.config_for(pair, "pallas")) == pair
         with open(table.MODELS[pair]) as f:
             blog = json.load(f)
         with open(table.MODELS[table.config_for(pair, "pallas")]) as f:
