@@ -17,8 +17,10 @@ script untouched (even ``--num_cores`` or ``--help``), with
   (xla_fsdp/runtime/self_starting.py). An ``fn`` that cannot take the index and
   ``args`` is refused by name.
 - A plain script (torchrun-style: no ``_mp_fn``, ``if __name__ == "__main__":
-  main()``, as FSDP2 scripts are) under the single controller: it runs once, as
-  ``python script.py`` would. One process per chip needs ``_mp_fn``.
+  main()``, as FSDP2 scripts are) under the single controller, or at
+  ``--num_cores 1`` when it declares the single controller (an FSDP2 script
+  does by importing ``xla_fsdp.fsdp``): it runs once, as ``python script.py``
+  would. One process per chip needs ``_mp_fn``.
 
 What runs where (the world is what ``xr.world_size()`` says in the script):
 
@@ -244,6 +246,40 @@ def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -
     except ValueError as e:
         raise UsageError(str(e)) from None
     return runtime == SINGLE_CONTROLLER, why
+
+
+def declares_single_controller(script: str) -> bool:
+    """Whether the script declares the single controller (xla_fsdp.runtime.choice)."""
+    from xla_fsdp.runtime import choice as runtime_choice
+
+    try:
+        return runtime_choice.declared_runtime(script) == SINGLE_CONTROLLER
+    except ValueError:
+        return False
+
+
+def per_chip_asked(options, environ: Mapping[str, str]) -> bool:
+    """Whether the command asked for one process per device (--per_chip, XLA_FSDP_RUNTIME)."""
+    return bool(options.per_chip) or environ.get(RUNTIME_ENV, "").strip().lower() == "multi_process"
+
+
+def refuse_single_controller_only(script: str, device: str) -> None:
+    """One process per device was asked for (--per_chip, XLA_FSDP_RUNTIME) a script that runs only
+    on the single controller: FSDP2's `fully_shard` (xla_fsdp.fsdp) refuses one process per chip,
+    so say so before starting any replica."""
+    from xla_fsdp.runtime import choice as runtime_choice
+
+    try:
+        tree = runtime_choice.parse_script(script)
+    except (OSError, SyntaxError, ValueError):
+        return
+    if runtime_choice.imports_module(tree, runtime_choice.FSDP2_API):
+        raise UsageError(
+            f"{script} imports {runtime_choice.FSDP2_API}, whose fully_shard runs only on the single controller "
+            f"(one process per host drives every {device} device, FSDP2's one rank per host), but one process "
+            "per device was asked for (--per_chip or XLA_FSDP_RUNTIME=multi_process). Drop --per_chip (the "
+            "script then runs as the single controller), or use xla_fsdp.XlaFullyShardedDataParallel, which "
+            "runs one process per chip")
 
 
 def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str]) -> tuple[bool, str]:
@@ -612,6 +648,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         spmd, why = choose_spmd(options, script, device, os.environ)
         counts = device_counts(device, spmd, os.environ)
         num_cores = parse_num_cores(options.num_cores, counts, spmd)
+        if num_cores > 1 and not spmd and per_chip_asked(options, os.environ):
+            refuse_single_controller_only(script, device)
         if device == "CPU" and num_cores > 1 and not spmd:
             spmd, why = cpu_replicas(options, script, num_cores, os.environ)
         if why:
@@ -637,7 +675,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             log(describe_start(script, calls, plan))
             return run_self_starting(script, tuple(script_args), plan)
         entry = ScriptEntry(script, tuple(script_args))
-        if spmd and not plan.spawn and not defines_entry_point(script):
+        if not plan.spawn and not defines_entry_point(script) and (spmd or declares_single_controller(script)):
+            if not spmd:  # one device, as the script's own process group would set it up
+                from xla_fsdp.runtime.choice import enter_single_controller
+
+                enter_single_controller()
             log(f"{script} defines no {ENTRY_POINT}(index): it runs once as __main__ (single controller)")
             return run_as_main(entry)
         try:

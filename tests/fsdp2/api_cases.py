@@ -7,6 +7,8 @@ runtime starts); writes what it observed as JSON:
                              module was left as it was
   api_cases.py methods OUT   FSDPModule's methods and ShardedParameter's attributes, each compared
                              with what the unsharded model computes
+  api_cases.py cuts OUT      graph cuts and compiles per step of a loop with no torch_xla.sync()
+                             and of one that syncs after each step ([Note: the step cut])
 """
 from __future__ import annotations
 
@@ -237,10 +239,40 @@ def methods(out):
     _write(out, res)
 
 
+def _loop(steps, sync_each_step):
+    """Train a fresh sharded net `steps` steps as a GPU loop would (forward, backward, clipping,
+    AdamW, zero_grad, the loss read), optionally with torch_xla.sync() after each step; per step:
+    XLA compiles so far, graph cuts so far, executions so far."""
+    import torch_xla.debug.metrics as met
+
+    dev = torch_xla.device()
+    net = sharded_net(seed=3)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 10, (8, 6), generator=gen).to(dev)
+        loss = _grads_of(net, tokens, tokens.roll(1, 1))
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if sync_each_step:
+            torch_xla.sync()
+        loss.item()
+        rows.append({"compiles": met.metric_data("CompileTime")[0], "cuts": met.counter_value("MarkStep") or 0,
+                     "executions": met.counter_value("ExecuteReplicated") or met.counter_value("ExecuteComputation") or 0})
+    return rows
+
+
+def cuts(out):
+    sync = _loop(6, True)  # first: its first step is the process's first ([Note: the step cut])
+    _write(out, {"sync": sync, "nosync": _loop(12, False)})
+
+
 if __name__ == "__main__":
     # the SPMD runtime, then the XLA runtime, before any autograd runs: torch's autograd engine sizes
     # its per-device queues when it first runs, so a CPU backward first would leave none for XLA
     xr.use_spmd()
     torch_xla.device()
     xr.global_runtime_device_count()
-    {"errors": errors, "methods": methods}[sys.argv[1]](sys.argv[2])
+    {"errors": errors, "methods": methods, "cuts": cuts}[sys.argv[1]](sys.argv[2])

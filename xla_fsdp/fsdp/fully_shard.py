@@ -73,9 +73,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     module._fsdp2_device_mesh = device_mesh
     for rec in module._fsdp_state.group.params:
         rec.sharded.bind(rec, device_mesh)
-    from . import state_dict as sd
+    from . import state_dict as sd, step_cut
 
     sd.register(module)
+    step_cut.install()
     if isinstance(offload, CPUOffloadPolicy):
         from .offload import HostOffload
 

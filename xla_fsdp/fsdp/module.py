@@ -49,6 +49,10 @@ class FSDPModule(XlaFullyShardedDataParallel):
     # -- forward -----------------------------------------------------------
     def forward(self, *args, **kwargs):
         outermost = self._is_outermost_call()
+        if outermost:
+            from . import step_cut
+
+            step_cut.settle()  # [Note: the step cut]
         offload = getattr(self, "_fsdp2_offload", None) if outermost else None
         if offload is not None and not self._meta_params():
             offload.to_device(self)

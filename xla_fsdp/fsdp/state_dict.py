@@ -86,11 +86,19 @@ class _StateTensors:
 
 
 def register(module: nn.Module) -> None:
-    """The state-dict hook of one fully_shard unit (values as `StateTensor`s)."""
+    """The state-dict hooks of one fully_shard unit (the step settled first, values as `StateTensor`s)."""
     from . import optim_state
 
+    module.register_state_dict_pre_hook(_settle_step)
     module.register_state_dict_post_hook(_StateTensors(module))
     optim_state.install()
+
+
+def _settle_step(module, prefix, keep_vars) -> None:
+    """A state dict reads every parameter: the last step's graph is cut first ([Note: the step cut])."""
+    from . import step_cut
+
+    step_cut.settle()
 
 
 def _global_value(value):

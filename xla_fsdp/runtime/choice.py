@@ -4,7 +4,12 @@ A script declares the runtime it is built for with one module-level line,
 
     XLA_FSDP_TPU_RUNTIME = "single_controller"    # or "multi_process"
 
-read here from the file's syntax tree (the script is not imported). The
+read here from the file's syntax tree (the script is not imported). Three
+kinds of script declare the single controller without the line, because
+they cannot run any other way: one that imports the Trainer integration
+(`xla_fsdp.integrations.transformers`), one that imports FSDP2's API
+(`xla_fsdp.fsdp`), and one that starts its process group as the README's
+FSDP2 port does (`init_process_group("gloo", init_method="xla://")`). The
 launcher (`launch/xla_spawn.py`) and the ahead-of-time check
 (`python -m xla_fsdp.aot`) use it when neither `--spmd` / `--per_chip` nor
 `XLA_FSDP_RUNTIME` chose, on one host or a pod slice (the single controller
@@ -33,6 +38,8 @@ MULTI_PROCESS = "multi_process"
 
 
 TRAINER_INTEGRATION = "xla_fsdp.integrations.transformers"
+FSDP2_API = "xla_fsdp.fsdp"
+XLA_INIT_METHOD = "xla://"
 # torch_xla warns when use_spmd() finds XLA_USE_SPMD set: enter_single_controller's use_spmd() set
 # it, so a script (or run_clm) that turns SPMD on itself would print a deprecation it cannot act on
 SPMD_ENV_DEPRECATION = "XLA_USE_SPMD is being deprecated"
@@ -42,8 +49,14 @@ def enter_single_controller() -> None:
     """torch_xla's SPMD mode, before a script creates any XLA tensor: the script need not call
     xr.use_spmd() itself, and xla_fsdp's engine (which asks xr.is_spmd()) drives every device.
     The launcher calls it for the single controller, and so does the ahead-of-time check's traced
-    process, so a script is traced exactly as it runs."""
+    process, so a script is traced exactly as it runs. It also sets torchrun's per-host variables
+    that GPU scripts read (`LOCAL_RANK`, `LOCAL_WORLD_SIZE`) unless set: this process is the only
+    one of its host, local rank 0 (rank and world size come from the process group)."""
+    import os
     import warnings
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
 
     import torch_xla.runtime as xr
 
@@ -54,17 +67,69 @@ def enter_single_controller() -> None:
 
 def declared_runtime(script: str) -> Optional[str]:
     """The runtime `script` declares with `XLA_FSDP_TPU_RUNTIME = "..."`, else the single
-    controller for a script that imports the Trainer integration (see `enables_trainer`),
-    else None."""
+    controller for a script that can run no other way (`_single_controller_reason`), else None."""
     try:
-        with open(script, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=script)
+        tree = parse_script(script)
     except (OSError, SyntaxError, ValueError):
         return None  # running it will say what is wrong
     declared = _marker(script, tree)
-    if declared is None and enables_trainer(tree):
+    if declared is None and _single_controller_reason(tree):
         return SINGLE_CONTROLLER
     return declared
+
+
+def _single_controller_reason(tree: ast.Module) -> str:
+    """Why a script with no marker is a single-controller script ("" when it is not): it imports
+    the Trainer integration, or FSDP2's API, or starts its process group through `xla://` with a
+    CPU backend (the README's FSDP2 port). torch_xla's per-chip scripts start theirs with the
+    "xla" backend, which is not taken as a declaration."""
+    if enables_trainer(tree):
+        return f"imports {TRAINER_INTEGRATION} (a Trainer runs as one process per host)"
+    if imports_module(tree, FSDP2_API):
+        return (f"imports {FSDP2_API} (FSDP2's fully_shard runs on the single controller; one process "
+                "per chip is refused)")
+    if inits_xla_process_group(tree):
+        return (f"starts its process group with init_method=\"{XLA_INIT_METHOD}\" and a CPU backend "
+                "(FSDP2's rank semantics: one rank per host)")
+    return ""
+
+
+def imports_module(tree: ast.Module, name: str) -> bool:
+    """Whether the script imports `name` or anything inside it, in any form
+    (`import a.b`, `import a.b.c as x`, `from a.b import x`, `from a import b`)."""
+    parent, _, leaf = name.rpartition(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            if any(a.name == name or a.name.startswith(name + ".") for a in node.names):
+                return True
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == name or node.module.startswith(name + "."):
+                return True
+            if parent and node.module == parent and any(a.name == leaf for a in node.names):
+                return True
+    return False
+
+
+def inits_xla_process_group(tree: ast.Module) -> bool:
+    """Whether the script calls `init_process_group(backend, init_method="xla://")` with a backend
+    other than "xla" (positional or keyword arguments)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name != "init_process_group":
+            continue
+        args = {i: a for i, a in enumerate(node.args)}
+        kwargs = {k.arg: k.value for k in node.keywords if k.arg}
+        method = kwargs.get("init_method", args.get(1))
+        backend = kwargs.get("backend", args.get(0))
+        if not (isinstance(method, ast.Constant) and method.value == XLA_INIT_METHOD):
+            continue
+        if isinstance(backend, ast.Constant) and backend.value == "xla":
+            continue  # torch_xla's per-process backend: one process per chip
+        return True
+    return False
 
 
 def enables_trainer(tree: ast.Module) -> bool:
@@ -101,13 +166,22 @@ def tpu_default(script: str) -> Tuple[str, str]:
     declared = declared_runtime(script)
     if declared == SINGLE_CONTROLLER:
         what = (f"declares {MARKER} = \"{SINGLE_CONTROLLER}\"" if _declares_marker(script)
-                else f"imports {TRAINER_INTEGRATION} (a Trainer runs as one process per host)")
+                else _reason_of(script))
         return SINGLE_CONTROLLER, (f"{script} {what}: one process per host drives every local chip "
                                    "(unpinned collectives, which libtpu overlaps with compute); --per_chip "
                                    "runs one process per chip")
     return MULTI_PROCESS, ""
 
 
-def _declares_marker(script: str) -> bool:
+def parse_script(script: str) -> ast.Module:
+    """The script's syntax tree (raises OSError, SyntaxError or ValueError)."""
     with open(script, encoding="utf-8") as f:
-        return _marker(script, ast.parse(f.read(), filename=script)) is not None
+        return ast.parse(f.read(), filename=script)
+
+
+def _declares_marker(script: str) -> bool:
+    return _marker(script, parse_script(script)) is not None
+
+
+def _reason_of(script: str) -> str:
+    return _single_controller_reason(parse_script(script))
