@@ -56,7 +56,9 @@ def test_checkpoint_all_but_last_recomputes_only_the_earlier_blocks():
     x, _ = batch("gpt2", 0)
     model(x.to(torch_xla.device()))
     first, last = model.transformer.h
-    assert (first._fsdp_keeps_activations, last._fsdp_keeps_activations) == (False, True)
+    from xla_fsdp.unit_state import state_of
+
+    assert (state_of(first).keeps_activations, state_of(last).keeps_activations) == (False, True)
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -31,7 +31,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.metrics": "base",
     "xla_fsdp.abstract": "base",  # placeholders for the ahead-of-time trace
     "xla_fsdp.tpu": "base",  # libtpu's compiler, topologies, chip facts: nothing of ours below it
-    "xla_fsdp.state_keys": "base",  # parameter names -> state_dict() keys (torch's wrappers)
+    "xla_fsdp.unit_state": "base",  # which modules are units, and each unit's engine state
     "xla_fsdp.data": "base",  # per-host batches under SPMD: this host's rows of a global batch, the global tensor from them  # the slice's hosts: this one's devices, the gloo group, virtual hosts
     # layer 2: mechanisms both engines share
     "xla_fsdp.wrap": "shared",

@@ -21,17 +21,34 @@ from .wrap import (always_wrap_policy, lambda_auto_wrap_policy, size_based_auto_
 from .deferred.compat import deferred_init, is_deferred, materialize_module  # noqa: E402
 
 
-def _keep_old_module_paths() -> None:
+class _MovedModules:
     """[Note: moved modules keep their import paths]
     Modules users import by name stay importable where they were before the package's root was
     tidied into folders (tests/test_public_api.py imports each): `import xla_fsdp.hosts` gives
-    `xla_fsdp.runtime.hosts` itself, not a copy. The two already loaded here are entered at once
-    (`xla_fsdp.deferred_init` must stay the *function* above, torchdistx's call shape, and an
-    entry in sys.modules keeps the import system from setting the attribute to the module); the
-    others are loaded on first import, so importing xla_fsdp does not start torch_xla's mesh code."""
-    import importlib
-    import importlib.abc
-    import importlib.util
+    `xla_fsdp.runtime.hosts` itself, not a copy, loaded on first import (importing xla_fsdp does
+    not start torch_xla's mesh code). The two already loaded here are entered in sys.modules at
+    once (`xla_fsdp.deferred_init` must stay the *function* above, torchdistx's call shape, and an
+    entry in sys.modules keeps the import system from setting the attribute to the module). This
+    finder is one of the import-time effects docs/DESIGN.md lists."""
+
+    MOVED = {__name__ + ".hosts": ".runtime.hosts", __name__ + ".mesh": ".runtime.mesh",
+             __name__ + ".runtime_choice": ".runtime.choice"}
+
+    def find_spec(self, fullname, path=None, target=None):
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, self) if fullname in self.MOVED else None
+
+    def create_module(self, spec):
+        import importlib
+
+        return importlib.import_module(self.MOVED[spec.name], __name__)
+
+    def exec_module(self, module):
+        pass  # the moved module ran when it was imported
+
+
+def _keep_old_module_paths() -> None:
     import sys
 
     from .checkpoint import state_dict as _state_dict
@@ -40,22 +57,7 @@ def _keep_old_module_paths() -> None:
     sys.modules[__name__ + ".state_dict"] = _state_dict
     globals()["state_dict"] = _state_dict  # as a submodule's import would have set it
     sys.modules[__name__ + ".deferred_init"] = _compat
-    moved = {__name__ + ".hosts": ".runtime.hosts", __name__ + ".mesh": ".runtime.mesh",
-             __name__ + ".runtime_choice": ".runtime.choice"}
-
-    class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, fullname, path=None, target=None):
-            if fullname in moved:
-                return importlib.util.spec_from_loader(fullname, self)
-            return None
-
-        def create_module(self, spec):
-            return importlib.import_module(moved[spec.name], __name__)
-
-        def exec_module(self, module):
-            pass  # the moved module ran when it was imported
-
-    sys.meta_path.append(_Alias())
+    sys.meta_path.append(_MovedModules())
 
 
 _keep_old_module_paths()

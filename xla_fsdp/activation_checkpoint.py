@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .class_swap import mix_into, unmix
 from .recompute_context import ForwardState
+from .unit_state import state_of
 
 _local = threading.local()
 
@@ -68,8 +69,12 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
     Works before or after FSDP wrapping: `FSDP(checkpoint_module(layer))` (torch_xla's
     order) and `checkpoint_module(FSDP(layer))` both recompute the unit including its gather.
     """
+    state = state_of(module)
+    if state is not None:  # a unit of the collective engine recomputes its own forward, gather included
+        state.checkpointed = True
+        return module
     enable = getattr(module, "enable_activation_checkpointing", None)
-    if enable is not None:  # an FSDP unit checkpoints its own forward, gather included
+    if enable is not None:  # a unit of the GSPMD engine says what checkpointing means there
         enable()
         return module
     if isinstance(module, _CheckpointMixin):
@@ -193,12 +198,12 @@ def checkpoint_all_but_last(root: nn.Module, units, count: int) -> None:
     Called by the root before each forward, after foreign checkpoints are converted."""
     others = [u for u in units if u is not root]
     for u in others:
-        mine = u._fsdp_state.options.checkpoint_all_but_last
+        mine = state_of(u).options.checkpoint_all_but_last
         if mine not in (0, count):
             raise ValueError(
                 f"{type(u).__name__} was wrapped with checkpoint_all_but_last={mine} and its root with "
                 f"{count}: which units recompute is the root's choice; give it to the root only")
-    checkpointed = [u for u in others if getattr(u, "_fsdp_checkpointed", False)]
+    checkpointed = [u for u in others if state_of(u).checkpointed]
     if count and count >= len(checkpointed):
         if not checkpointed:
             raise ValueError(f"checkpoint_all_but_last={count}, but no unit is checkpointed: turn on "
@@ -208,4 +213,4 @@ def checkpoint_all_but_last(root: nn.Module, units, count: int) -> None:
                          f"checkpointed units recomputing: give at most {len(checkpointed) - 1}, or turn "
                          "activation checkpointing off")
     for i, u in enumerate(checkpointed):
-        u._fsdp_keeps_activations = i >= len(checkpointed) - count
+        state_of(u).keeps_activations = i >= len(checkpointed) - count

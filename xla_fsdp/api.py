@@ -13,17 +13,84 @@ yields the local shards.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .class_swap import mix_into, original_class, unmix
 from .keywords import DEFAULTS, SPMD_KEYWORDS, build_options, resolve
-from .options import ShardingLayout
+from .options import ShardingLayout, TrainingState
+from .unit_state import is_unit, register, state_of, units, unregister
 
 
-class XlaFullyShardedDataParallel(nn.Module):
+# torch_xla's names for our training states (assert_state)
+ALIASES = {TrainingState.PRE_BACKWARD.name: {"BACKWARD_PRE", "BACKWARD_POST"}}
+
+
+class UnitMethods(nn.Module):
+    """What both front doors' units share (`XlaFullyShardedDataParallel` and FSDP2's `FSDPModule`):
+    the forward through the unit's engine state and the methods that act on that state alone.
+    Each reads the unit's state with `state_of` ([Note: one engine state per unit])."""
+
+    def forward(self, *args, **kwargs):
+        state = state_of(self)
+        run = state.inner_forward or super().forward
+        if state.checkpointed and not state.keeps_activations:
+            from .activation_checkpoint import checkpointed_call
+
+            return checkpointed_call(lambda *a, **k: state.forward(run, a, k), args, kwargs, self)
+        return state.forward(run, args, kwargs)
+
+    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+        """This unit's parameters whole until `reshard()` (not its child units'). On the single
+        controller each parameter is one global tensor, so no collective runs; with one process per
+        device every rank calls it (it gathers). Under `torch.no_grad()` a forward computes with the
+        whole parameters. Under autograd a `fully_shard` unit's forward gathers as usual (gradients
+        reach the shards); an `XlaFullyShardedDataParallel` unit's refuses. With `async_op=True`
+        returns an `UnshardHandle` (FSDP2's), whose `wait()` returns at once. A unit of the GSPMD
+        engine has no engine state and nothing to gather: its parameters are global tensors."""
+        state = state_of(self)
+        if state is not None:
+            state.unshard()
+        return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Back to the shards after `unshard()`."""
+        state = state_of(self)
+        if state is not None:
+            state.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch: with False, backward reduces nothing and each rank accumulates full
+        gradients (full-size memory) until a backward with True reduces them all together.
+        The XLA-friendly alternative keeps it True: each backward reduce-scatters and the shard
+        gradients accumulate, 1/N the memory for a collective per micro-batch."""
+        for unit in units(self) if recurse else [self]:
+            state_of(unit).group.requires_grad_sync = bool(requires_gradient_sync)
+
+    @property
+    def device_mesh(self):
+        """The mesh this unit is sharded over: FSDP2's 1-D `DeviceMesh("xla")` for a `fully_shard`
+        unit; for an `XlaFullyShardedDataParallel` unit the single-controller runtime's torch_xla
+        mesh (None with one process per device)."""
+        return state_of(self).device_mesh
+
+    def extra_repr(self) -> str:
+        layout = state_of(self).group.comm.layout
+        return (f"[xla_fsdp unit: {len(state_of(self).group.params)} params, "
+                f"shard {layout.shard_rank}/{layout.shard_world_size}]")
+
+
+class UnshardHandle:
+    """What `unshard(async_op=True)` returns. `wait()` returns at once: the gather is an
+    operation of the traced program, which XLA orders by its data dependencies."""
+
+    def wait(self) -> None:
+        return None
+
+
+class XlaFullyShardedDataParallel(UnitMethods):
     """Shard every parameter of `module` on dim 0 across the sharding group.
 
     See docs/migration.md for the keywords. Returns `module` itself (see [Note: no wrapper module]).
@@ -41,9 +108,10 @@ class XlaFullyShardedDataParallel(nn.Module):
             hints = [f"{k!r} (did you mean {difflib.get_close_matches(k, DEFAULTS, 1)[0]!r}?)"
                      if difflib.get_close_matches(k, DEFAULTS, 1) else repr(k) for k in unknown]
             raise TypeError(f"XlaFullyShardedDataParallel got unexpected keyword argument(s): {', '.join(hints)}")
-        if isinstance(module, XlaFullyShardedDataParallel):
+        if isinstance(module, XlaFullyShardedDataParallel) or is_unit(module):
             raise ValueError(
-                f"{type(module).__name__} is already wrapped by XlaFullyShardedDataParallel; "
+                f"{original_class(module).__name__} is already wrapped by "
+                f"{'XlaFullyShardedDataParallel' if isinstance(module, XlaFullyShardedDataParallel) else 'fully_shard'}; "
                 "wrap each module once (auto_wrap_policy skips wrapped children)"
             )
         if type(module).forward is nn.Module.forward:
@@ -53,88 +121,16 @@ class XlaFullyShardedDataParallel(nn.Module):
             )
         if kwargs.get("engine", "collectives") == "spmd":
             return _apply_spmd(module, kwargs)
-        from .activation_checkpoint import strip_checkpoint
-        from .forward_overrides import adopt
-
-        recompute, inner, removed = adopt(module)  # see [Note: foreign forwards]
-        checkpointed = strip_checkpoint(module) or recompute  # FSDP(checkpoint_module(m)): recompute the unit
-        mix_into(module, cls, "FSDP")
-        module._fsdp_checkpointed = checkpointed
-        module._fsdp_inner_forward = inner
-        module._fsdp_removed_attrs = removed
+        make_unit(module, kwargs, cls)
         return module
 
-    def __init__(self, module: nn.Module, **kwargs):  # noqa: D107 - nn.Module.__init__ must not run again
-        try:
-            self._fsdp_init(module, kwargs)
-        except BaseException:
-            from .forward_overrides import restore
-
-            removed = module.__dict__.pop("_fsdp_removed_attrs", {})
-            for name in ("_fsdp_checkpointed", "_fsdp_inner_forward"):
-                module.__dict__.pop(name, None)
-            unmix(module)  # nothing half-wrapped
-            restore(module, removed)
-            raise
-
-    def _fsdp_init(self, module, kwargs):
-        from .collective_engine import build
-        from .collective_engine.state import FSDPState
-
-        # validate everything before touching the module: a bad option leaves it as it was
-        kw = resolve(kwargs)
-        options = build_options(kw)
-        comm = build.collectives_for(module, kw, options)
-        if kw["auto_wrap_policy"] is not None:
-            from .wrap import auto_wrap_children
-
-            auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
-        from .forward_overrides import checkpointed_inside, guard
-
-        inside = checkpointed_inside(module, lambda m: isinstance(m, XlaFullyShardedDataParallel))
-        if inside:
-            raise ValueError(
-                f"{', '.join(inside)} inside {original_class(module).__name__} recompute(s) in backward, when the "
-                "unit's parameters are shards again: make each such module a unit of its own (wrap it, or "
-                "auto-wrap its class) so the recomputation gathers too, or use activation_checkpointing=True")
-        from .collective_engine.precision import warn_full_precision_units_inside
-
-        warn_full_precision_units_inside(module, options.mixed_precision, XlaFullyShardedDataParallel)
-        fsdp2 = self._fsdp_keeps_meta  # FSDP2's fully_shard: a meta module stays meta until to_empty()
-        if not fsdp2:
-            build.materialize(module, kw["param_init_fn"], XlaFullyShardedDataParallel)
-        group = build.build_group(module, comm, options, XlaFullyShardedDataParallel,
-                                  param_cls=self._fsdp_param_class, keep_meta=fsdp2)
-        self._fsdp_state = FSDPState(module, group, options)
-        if comm.is_single_controller:  # [Note: state dicts of the single controller]
-            from .collective_engine import full_shapes
-
-            full_shapes.register(group)
-        module.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
-        module.__dict__.pop("_fsdp_removed_attrs", None)
-        build.cast_buffers(module, options, comm.device, XlaFullyShardedDataParallel,
-                           cast=not fsdp2)  # FSDP2's MixedPrecisionPolicy leaves buffers alone
-        if options.execute_sharding_on_init and not any(p.is_meta for p in group.shards):
-            comm.sync(group.shards)
-
-    # what FSDP2's front door (xla_fsdp.fsdp) changes: the parameters' class, and meta modules
-    # kept on the meta device at wrap time (to_empty() gives them storage)
-    _fsdp_param_class = nn.Parameter
-    _fsdp_keeps_meta = False
-
-    # -- runtime -----------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        run = self._fsdp_inner_forward or super().forward
-        if getattr(self, "_fsdp_checkpointed", False) and not getattr(self, "_fsdp_keeps_activations", False):
-            from .activation_checkpoint import checkpointed_call
-
-            return checkpointed_call(lambda *a, **k: self._fsdp_state.forward(run, a, k), args, kwargs, self)
-        return self._fsdp_state.forward(run, args, kwargs)
+    def __init__(self, module: nn.Module, **kwargs):  # noqa: D107 - made a unit in __new__
+        pass
 
     def enable_activation_checkpointing(self) -> None:
         """Recompute this unit's whole forward (gather, compute, free) in backward;
-        what `checkpoint_module(unit)` calls on a unit."""
-        self._fsdp_checkpointed = True
+        what `checkpoint_module(unit)` does to a unit."""
+        state_of(self).checkpointed = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, groups=None) -> torch.Tensor:
         """Clip gradients of all shards of all units so their global norm is at most `max_norm`.
@@ -146,66 +142,82 @@ class XlaFullyShardedDataParallel(nn.Module):
 
         return clip_grad_norm_(self, max_norm, norm_type, groups)
 
-    # -- full parameters ------------------------------------------------------------
-    def unshard(self) -> None:
-        """FSDP2's unshard(): this unit's parameters whole until `reshard()` (not its child units).
-        Collective: every rank calls it. For evaluation and inspection (no gradients flow)."""
-        self._fsdp_state.unshard()
-
-    def reshard(self) -> None:
-        """Back to the shards after `unshard()`."""
-        self._fsdp_state.reshard()
-
-    def _units_below(self) -> list:
-        """This unit and every unit nested in it."""
-        return [m for m in self.modules() if getattr(m, "_fsdp_state", None) is not None]
-
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
         """PyTorch FSDP's context with every parameter whole (of all units below, with
         `recurse`), e.g. to evaluate or generate without per-layer gathers. With `writeback`,
         in-place changes to the full parameters are kept. Collective: every rank enters it."""
-        units = self._units_below() if recurse else [self]
-        for unit in units:
-            unit._fsdp_state.unshard()
+        states = [state_of(u) for u in (units(self) if recurse else [self])]
+        for state in states:
+            state.unshard()
         try:
             yield
         finally:
-            for unit in units:
-                unit._fsdp_state.reshard(writeback)
-
-    # -- gradient accumulation ---------------------------------------------------
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """FSDP2's switch: with False, backward reduces nothing and each rank accumulates full
-        gradients (full-size memory) until a backward with True reduces them all together.
-        The XLA-friendly alternative keeps it True: each backward reduce-scatters and the shard
-        gradients accumulate, 1/N the memory for a collective per micro-batch."""
-        units = self._units_below() if recurse else [self]
-        for unit in units:
-            unit._fsdp_state.group.requires_grad_sync = bool(requires_gradient_sync)
+            for state in states:
+                state.reshard(writeback)
 
     @contextlib.contextmanager
     def no_sync(self):
         """torch_xla's (and Accelerate's) gradient accumulation: inside, backward skips all
         communication and accumulates full gradients; the first backward after it reduces."""
-        if self._fsdp_state.is_root is False:
+        if state_of(self).is_root is False:
             raise RuntimeError(f"no_sync() must be called on the root unit, not on {original_class(self).__name__}")
-        units = [m._fsdp_state.group for m in self._units_below()]
-        before = [g.requires_grad_sync for g in units]
-        for g in units:
+        groups = [state_of(u).group for u in units(self)]
+        before = [g.requires_grad_sync for g in groups]
+        for g in groups:
             g.requires_grad_sync = False
         try:
             yield
         finally:
-            for g, value in zip(units, before):
+            for g, value in zip(groups, before):
                 g.requires_grad_sync = value
 
     def get_shard_metadata(self) -> dict:
         """How this rank's `state_dict()` is sharded (torch_xla's name); saved next to it, it lets
         `xla_fsdp.consolidate_sharded_model_checkpoints` rebuild the full model."""
-        from .collective_engine.shard_metadata import shard_metadata
+        from .collective_engine.model_state import shard_metadata
 
         return shard_metadata(self)
+
+    def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
+        """torch_xla's: reduced gradients become the sum over the ranks that reduce together divided
+        by `pre` (before the reduction) and `post` (after), each only when above 1; (1, 1) is the
+        default average. With `recursive`, the units below too. On the single controller a rank is
+        a process (host), as in FSDP2's `set_gradient_divide_factor`."""
+        if state_of(self).training_state != TrainingState.IDLE:
+            raise ValueError("set_gradient_divide_factors is called between steps, not during forward or backward")
+        divisor = (pre if pre > 1 else 1.0) * (post if post > 1 else 1.0)
+        for unit in units(self) if recursive else [self]:
+            group = state_of(unit).group
+            comm = group.comm
+            if comm.is_single_controller:
+                import torch_xla.runtime as xr
+
+                ranks = xr.process_count()
+            else:
+                ranks = 1.0 / comm.grad_scale(group.across_replicas)
+            group.grad_factor = 1.0 if (pre, post) == (1, 1) else ranks / divisor
+
+    @property
+    def params_with_grad(self) -> List[nn.Parameter]:
+        """torch_xla's: the parameters (local shards) that have a gradient."""
+        return [p for p in self.parameters() if p.grad is not None]
+
+    def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """torch_xla's: (original name, sharded parameter) pairs; here `named_parameters()` already has
+        the original names ([Note: no wrapper module])."""
+        return list(self.named_parameters())
+
+    def assert_state(self, state) -> None:
+        """torch_xla's: raise ValueError unless this unit is in `state`, a training state (ours or
+        torch_xla's `TrainingState`, by name) or a list of them."""
+        wanted = list(state) if isinstance(state, (list, tuple)) else [state]
+        unit = state_of(self)
+        now = {unit.training_state.name} | ALIASES.get(unit.training_state.name, set())
+        if unit.unsharded is not None:
+            now.add("SUMMON_FULL_PARAMS")
+        if not now & {getattr(s, "name", s) for s in wanted}:
+            raise ValueError(f"expected to be in states {wanted} but current state is {unit.training_state}")
 
     @property
     def module(self) -> nn.Module:
@@ -215,19 +227,70 @@ class XlaFullyShardedDataParallel(nn.Module):
         return child if child is not None else self
 
     @property
-    def device_mesh(self):
-        """The mesh the single-controller runtime shards over (None with one process per device)."""
-        comm = self._fsdp_state.group.comm
-        return comm.placement.mesh if comm.is_single_controller else None
-
-    @property
     def sharding_layout(self) -> ShardingLayout:
-        return self._fsdp_state.group.comm.layout
+        return state_of(self).group.comm.layout
 
-    def extra_repr(self) -> str:
-        layout = self.sharding_layout
-        return (f"[xla_fsdp unit: {len(self._fsdp_state.group.params)} params, "
-                f"shard {layout.shard_rank}/{layout.shard_world_size}]")
+
+def make_unit(module: nn.Module, kwargs: Dict[str, Any], door: type, *, param_cls: type = nn.Parameter,
+              keeps_meta: bool = False):
+    """Make `module` a unit of the collective engine in place, behind front door `door` (a class
+    mixed into the module's own): adopt forwards other libraries set on it, build its engine state
+    from the engine keywords `kwargs` and register it ([Note: one engine state per unit]). Returns
+    the state. `param_cls` is the class of its sharded parameters; with `keeps_meta` a meta module
+    stays on the meta device until it is given storage (FSDP2's `to_empty()`). On any error the
+    module is left as it was (nothing half-wrapped)."""
+    from .activation_checkpoint import strip_checkpoint
+    from .forward_overrides import adopt, restore
+
+    recompute, inner, removed = adopt(module)  # see [Note: foreign forwards]
+    checkpointed = strip_checkpoint(module) or recompute  # FSDP(checkpoint_module(m)): recompute the unit
+    mix_into(module, door, "FSDP")
+    try:
+        state = _build_state(module, kwargs, param_cls, keeps_meta)
+    except BaseException:
+        unregister(module)
+        unmix(module)
+        restore(module, removed)
+        raise
+    state.checkpointed = state.checkpointed or checkpointed
+    state.inner_forward = inner
+    return state
+
+
+def _build_state(module: nn.Module, kwargs: Dict[str, Any], param_cls: type, keeps_meta: bool):
+    from .collective_engine import build, model_state
+    from .collective_engine.precision import warn_full_precision_units_inside
+    from .collective_engine.state import FSDPState
+    from .forward_overrides import checkpointed_inside, guard
+
+    # validate everything before touching the module: a bad option leaves it as it was
+    kw = resolve(kwargs)
+    options = build_options(kw)
+    comm = build.collectives_for(module, kw, options)
+    if kw["auto_wrap_policy"] is not None:
+        from .wrap import auto_wrap_children
+
+        auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
+    inside = checkpointed_inside(module, is_unit)
+    if inside:
+        raise ValueError(
+            f"{', '.join(inside)} inside {original_class(module).__name__} recompute(s) in backward, when the "
+            "unit's parameters are shards again: make each such module a unit of its own (wrap it, or "
+            "auto-wrap its class) so the recomputation gathers too, or use activation_checkpointing=True")
+    warn_full_precision_units_inside(module, options.mixed_precision)
+    if not keeps_meta:
+        build.materialize(module, kw["param_init_fn"])
+    group = build.build_group(module, comm, options, param_cls=param_cls, keep_meta=keeps_meta)
+    state = FSDPState(module, group, options)
+    state.device_mesh = comm.placement.mesh if comm.is_single_controller else None
+    register(module, state)
+    if comm.is_single_controller:  # [Note: state dicts of the single controller]
+        model_state.register(group)
+    module.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
+    build.cast_buffers(module, options, comm.device, cast=not keeps_meta)  # FSDP2 leaves buffers alone
+    if options.execute_sharding_on_init and not any(p.is_meta for p in group.shards):
+        comm.sync(group.shards)
+    return state
 
 
 FSDP = XlaFullyShardedDataParallel
@@ -270,7 +333,12 @@ class GspmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
         pass
 
     def forward(self, *args, **kwargs):
-        return super(XlaFullyShardedDataParallel, self).forward(*args, **kwargs)
+        return super(UnitMethods, self).forward(*args, **kwargs)  # the module's own: the partitioner shards it
+
+    def enable_activation_checkpointing(self) -> None:
+        raise ValueError("checkpoint_module() after engine='spmd' wrapping: the GSPMD engine checkpoints its units "
+                         "when wrapped with activation_checkpointing=True (or checkpoint_module(layer) before "
+                         "wrapping); a unit it already built cannot start recomputing")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, groups=None) -> torch.Tensor:
         if groups is not None:
@@ -289,11 +357,6 @@ class GspmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
         yield
 
-    def unshard(self) -> None:
-        pass
-
-    def reshard(self) -> None:
-        pass
 
     def get_shard_metadata(self) -> dict:
         raise NotImplementedError(

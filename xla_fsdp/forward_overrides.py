@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 from .class_swap import original_class
+from .unit_state import is_unit, state_of
 
 _XLA_CKPT = "_xla_checkpointed_forward_original"
 _XLA_CKPT_HELPER = "_xla_checkpointed_forward_no_kwargs"
@@ -138,7 +139,7 @@ def convert_checkpoint_after_wrapping(unit: nn.Module) -> bool:
         return False
     for name in ("forward", _XLA_CKPT, _XLA_CKPT_HELPER):
         unit.__dict__.pop(name, None)
-    unit.enable_activation_checkpointing()
+    state_of(unit).checkpointed = True
     return True
 
 
@@ -157,10 +158,10 @@ def convert_checkpoint_wrappers_around_units(root: nn.Module) -> int:
     converted = 0
     for m in root.modules():
         inner = getattr(m, "_checkpoint_wrapped_module", None)
-        if _is_torch_checkpoint_wrapper(m) and getattr(inner, "_fsdp_state", None) is not None \
+        if _is_torch_checkpoint_wrapper(m) and inner is not None and is_unit(inner) \
                 and m.__dict__.get("checkpoint_fn") is not _call_wrapped:
             m.checkpoint_fn = _call_wrapped
-            inner.enable_activation_checkpointing()
+            state_of(inner).checkpointed = True
             converted += 1
     return converted
 

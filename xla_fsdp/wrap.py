@@ -17,6 +17,8 @@ from typing import Callable, Dict, Iterable, Set, Type, Union
 
 import torch.nn as nn
 
+from .unit_state import is_unit
+
 
 def _class_matches(module: nn.Module, classes: Set[Union[type, str]]) -> bool:
     for cls in type(module).__mro__:
@@ -77,8 +79,8 @@ def auto_wrap_children(root: nn.Module, kwargs: dict, wrapper_cls: type) -> None
     """Wrap the children of `root` (bottom-up) that the policy selects, with the same options.
 
     `wrapper_cls` is the unit class (the front door passes itself, so this
-    module never imports it): the default wrapper, and what marks a child as
-    already wrapped.
+    module never imports it): the default wrapper; a child that is a unit
+    (`unit_state.is_unit`, or an instance of it: the GSPMD engine's) is already wrapped.
     """
     policy = kwargs["auto_wrap_policy"]
     wrapper = kwargs.get("auto_wrapper_callable") or wrapper_cls
@@ -104,7 +106,7 @@ def auto_wrap_children(root: nn.Module, kwargs: dict, wrapper_cls: type) -> None
 
     def visit(m: nn.Module):
         for name, child in list(m._modules.items()):
-            if child is None or isinstance(child, wrapper_cls):
+            if child is None or is_unit(child) or isinstance(child, wrapper_cls):
                 continue
             if policy(child, True, unwrapped_numel(child)):
                 visit(child)
@@ -123,5 +125,5 @@ def auto_wrap_children(root: nn.Module, kwargs: dict, wrapper_cls: type) -> None
 def _unwrapped_modules(m: nn.Module, wrapper_cls: type):
     yield m
     for child in m._modules.values():
-        if child is not None and not isinstance(child, wrapper_cls):
+        if child is not None and not (is_unit(child) or isinstance(child, wrapper_cls)):
             yield from _unwrapped_modules(child, wrapper_cls)

@@ -7,6 +7,7 @@ runtime starts); writes what it observed as JSON:
                              module was left as it was
   api_cases.py methods OUT   FSDPModule's methods and ShardedParameter's attributes, each compared
                              with what the unsharded model computes
+  api_cases.py doors OUT     what each front door makes of a module (isinstance, units, policies)
   api_cases.py cuts OUT      graph cuts and compiles per step of a loop with no torch_xla.sync()
                              and of one that syncs after each step ([Note: the step cut])
 """
@@ -29,6 +30,7 @@ import torch_xla.runtime as xr  # noqa: E402
 
 import xla_fsdp.fsdp as fsdp  # noqa: E402
 from xla_fsdp.fsdp import FSDPModule, fully_shard  # noqa: E402
+from xla_fsdp.unit_state import state_of  # noqa: E402
 
 
 class Block(nn.Module):
@@ -102,11 +104,11 @@ def errors(out):
     theirs = fully_shard(Block(), mp_policy=TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                     output_dtype=torch.float16),
                          offload_policy=TorchOffload())
-    opts = theirs._fsdp_state.options.mixed_precision
+    opts = state_of(theirs).options.mixed_precision
     with torch.no_grad():
         y = theirs(torch.randn(8, 8, device=torch_xla.device()))
     res["torch_policies"] = {"compute": str(opts.compute_dtype), "reduce": str(opts.reduce_dtype),
-                             "offloaded": theirs._fsdp2_offload is not None,
+                             "offloaded": state_of(theirs).offload is not None,
                              "param_device": theirs.a.weight.device.type, "output": str(y.dtype)}
     res["module_list"] = _error(lambda: fully_shard(nn.ModuleList([Block()])))
 
@@ -210,7 +212,7 @@ def methods(out):
     net.blocks[0].set_modules_to_forward_prefetch([net.blocks[2]])
     seen = {}
     hook = net.blocks[1].register_forward_pre_hook(
-        lambda m, a: seen.update(b2=net.blocks[2]._fsdp_state._prefetched is not None))
+        lambda m, a: seen.update(b2=state_of(net.blocks[2])._prefetched is not None))
     _grads_of(net, tokens.to(dev), targets.to(dev))
     hook.remove()
     res["explicit_prefetch_started"] = bool(seen.get("b2"))
@@ -237,6 +239,29 @@ def methods(out):
     res["noop_methods"] = _error(lambda: (net.set_is_last_backward(True), net.set_reshard_after_backward(False),
                                           net.set_post_optim_event(None), net.set_requires_all_reduce(True)))
     _write(out, res)
+
+
+def doors(out):
+    """What each front door makes of a module: isinstance, units, where the policies live."""
+    from xla_fsdp import XlaFullyShardedDataParallel, always_wrap_policy
+    from xla_fsdp.unit_state import units
+
+    def kinds(net):
+        state = state_of(net)
+        return {"FSDPModule": isinstance(net, FSDPModule),
+                "XlaFullyShardedDataParallel": isinstance(net, XlaFullyShardedDataParallel),
+                "Net": isinstance(net, Net), "units": len(units(net)),
+                "state_holds_policies": state.mp_policy is not None and state.device_mesh is not None
+                and type(state.device_mesh).__name__ == "DeviceMesh"}
+
+    torch.manual_seed(0)
+    v1 = Net()
+    for i, b in enumerate(v1.blocks):
+        v1.blocks[i] = XlaFullyShardedDataParallel(b)
+    v1 = XlaFullyShardedDataParallel(v1)
+    mixed = Net()
+    mixed.blocks[0] = XlaFullyShardedDataParallel(mixed.blocks[0], auto_wrap_policy=always_wrap_policy)
+    _write(out, {"fully_shard": kinds(sharded_net()), "v1": kinds(v1), "mixed": _error(lambda: fully_shard(mixed))})
 
 
 def _loop(steps, sync_each_step):
@@ -275,4 +300,4 @@ if __name__ == "__main__":
     xr.use_spmd()
     torch_xla.device()
     xr.global_runtime_device_count()
-    {"errors": errors, "methods": methods, "cuts": cuts}[sys.argv[1]](sys.argv[2])
+    {"errors": errors, "methods": methods, "cuts": cuts, "doors": doors}[sys.argv[1]](sys.argv[2])

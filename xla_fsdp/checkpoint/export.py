@@ -17,7 +17,8 @@ import torch.nn as nn
 from . import format as fmt
 from . import storage
 from ..runtime import hosts
-from .. import state_keys as keys
+from ..collective_engine import model_state as keys
+from ..unit_state import units
 from .holdings import holdings, process_info, spmd_runtime
 from .state_dict import full_state_dict
 
@@ -27,7 +28,7 @@ def full_model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     the others). Collective for the collective engine and for SPMD hosts: every process calls it."""
     if spmd_runtime(model) and process_info(model).world > 1:
         return _gathered_over_hosts(model)
-    if any(getattr(m, "_fsdp_state", None) is not None for m in model.modules()):
+    if units(model):
         return full_state_dict(model, rank0_only=True)
     host: Dict[int, torch.Tensor] = {}
     return {k: host.setdefault(id(v), v.detach().cpu()) for k, v in model.state_dict(keep_vars=True).items()}

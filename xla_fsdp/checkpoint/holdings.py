@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 
 from ..runtime import hosts
-from .. import state_keys as keys
-from ..collective_engine.optimizer_shapes import ROW_FACTORED  # state with one entry per parameter row
+from ..collective_engine import model_state as keys
+from ..unit_state import state_of, units
+from ..collective_engine.optimizer_state import ROW_FACTORED  # state with one entry per parameter row
 from ..runtime.hosts import HostView
 from . import host_shards as hs
 
@@ -189,7 +190,7 @@ def holdings(model: nn.Module) -> List[Holding]:
     its `state_dict()` key."""
     records = {}
     for module in model.modules():
-        state = getattr(module, "_fsdp_state", None)
+        state = state_of(module)
         if state is not None:
             for rec in state.group.params:
                 records[id(rec.sharded)] = (rec, state.group.comm)
@@ -267,7 +268,7 @@ def _copy_keeping_layout(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def _engine_comm(model: nn.Module):
     """The collective engine's collectives of `model` (None: a plain or GSPMD-engine model)."""
-    return next((m._fsdp_state.group.comm for m in model.modules() if getattr(m, "_fsdp_state", None)), None)
+    return next((state_of(m).group.comm for m in units(model)), None)
 
 
 def process_info(model: nn.Module) -> ProcessInfo:
@@ -317,7 +318,7 @@ def held_state_dict(optimizer) -> Dict[str, Any]:
     """`optimizer.state_dict()` with its tensors as the optimizer holds them: the single
     controller's padded global tensors, which checkpoints write row by row (its own state_dict()
     gives the unwrapped shapes: [Note: optimizer state of the single controller])."""
-    from ..collective_engine.optimizer_shapes import held_state_dict as held
+    from ..collective_engine.optimizer_state import held_state_dict as held
 
     return held(optimizer)
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from . import format as fmt
 from . import storage
-from .. import state_keys as keys
+from ..collective_engine import model_state as keys
 from .format import CheckpointError
 from .holdings import Holding, held_state_dict, holdings, layout_record, optimizer_names, process_info
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from . import format as fmt
-from .. import state_keys as keys
+from ..collective_engine import model_state as keys
 from . import host_shards as hs
 from . import storage
 from .holdings import Holding, held_state_dict, holdings, layout_record, optimizer_names, process_info

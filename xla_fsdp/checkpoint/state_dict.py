@@ -11,37 +11,16 @@ Two formats, as PyTorch FSDP users expect:
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict
 
 import torch
 import torch.nn as nn
 
-from ..collective_engine.param import FSDPParam
-from .. import state_keys as keys
+from ..collective_engine import model_state as keys
+from ..collective_engine.model_state import check_load, records as _records
+from ..unit_state import named_units, state_of
 
 SHARDED_FORMAT = "xla_fsdp.sharded/1"
-
-
-def _units(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    for prefix, module in model.named_modules():
-        if getattr(module, "_fsdp_state", None) is not None:
-            yield (prefix + "." if prefix else ""), module
-
-
-def _records(model: nn.Module) -> List[Tuple[List[str], FSDPParam, "object"]]:
-    """(state-dict keys, record, group) for every sharded parameter in the model, the keys checked
-    against `model.state_dict()`'s ([Note: state-dict keys])."""
-    table = keys.names(model)
-    out = []
-    for prefix, unit in _units(model):
-        group = unit._fsdp_state.group
-        for rec in group.params:
-            out.append(([keys.key_of(table, prefix + site.fqn) for site in rec.sites], rec, group))
-    if not out:
-        raise ValueError("the model has no XlaFullyShardedDataParallel units; use model.state_dict()")
-    keys.check_against_state_dict(model, [n for names, _, _ in out for n in names] + list(_buffer_tensors(model)),
-                                  "the sharded model")
-    return out
 
 
 def _buffer_tensors(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.Tensor]:
@@ -56,14 +35,14 @@ def _buffers(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
     """The unwrapped model's state dict (full parameters, fp32, on CPU). Call on every rank."""
-    layout = model._fsdp_state.group.comm.layout
+    layout = state_of(model).group.comm.layout
     keep = not rank0_only or layout.shard_rank == 0
     # every key checked on every rank before the first gather (all raise, or none)
     names_of = {id(rec): names for names, rec, _ in _records(model)}
     order = list(model.state_dict().keys())
     out: Dict[str, torch.Tensor] = {}
-    for prefix, unit in _units(model):
-        group = unit._fsdp_state.group
+    for prefix, unit in named_units(model):
+        group = state_of(unit).group
         full = group.full_params()
         group.comm.sync(full)
         if keep:
@@ -80,14 +59,10 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torc
 def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
     """Load a full (unwrapped-model) state dict into the shards of this rank."""
     records = _records(model)
-    expected = {name: rec.orig_shape for names, rec, _ in records for name in names}
+    expected = {name: [rec.orig_shape] for names, rec, _ in records for name in names}
     buffers = _buffer_tensors(model)
-    expected.update({n: b.shape for n, b in buffers.items()})
-    _check_keys(set(state), set(expected), "full state dict")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != tuple(shape):
-            raise ValueError(f"full state dict: {name!r} has shape {tuple(state[name].shape)}, the model expects "
-                             f"{tuple(shape)}; was it saved from a different model configuration?")
+    expected.update({n: [b.shape] for n, b in buffers.items()})
+    check_load("full state dict", {k: v.shape for k, v in state.items()}, expected)
     with torch.no_grad():
         for names, rec, group in records:
             rec.load_full(state[names[0]], group.comm)
@@ -98,7 +73,7 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
 def sharded_state_dict(model: nn.Module) -> Dict:
     """This rank's shards and the layout they belong to (CPU tensors)."""
     records = _records(model)
-    layout = model._fsdp_state.group.comm.layout
+    layout = state_of(model).group.comm.layout
     return {
         "format": SHARDED_FORMAT,
         "layout": {"world_size": layout.world_size, "shard_world_size": layout.shard_world_size,
@@ -116,7 +91,7 @@ def load_sharded_state_dict(model: nn.Module, state: Dict) -> None:
         raise ValueError(f"not an xla_fsdp sharded checkpoint (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, "
                          f"expected {SHARDED_FORMAT!r}); for a full state dict use load_full_state_dict")
     records = _records(model)
-    layout = model._fsdp_state.group.comm.layout
+    layout = state_of(model).group.comm.layout
     saved = state["layout"]
     mine = {"world_size": layout.world_size, "shard_world_size": layout.shard_world_size,
             "shard_rank": layout.shard_rank, "shard_groups": [list(g) for g in layout.shard_groups]}
@@ -127,30 +102,16 @@ def load_sharded_state_dict(model: nn.Module, state: Dict) -> None:
                 f"has {key}={value}. Load it with the same world size and sharding groups, or consolidate it "
                 "with full_state_dict on the original layout and load that with load_full_state_dict")
     names = {names[0]: rec for names, rec, _ in records}
-    _check_keys(set(state["params"]), set(names), "sharded checkpoint")
-    for name, rec in names.items():
-        if list(rec.orig_shape) != list(state["shapes"][name]):
-            raise ValueError(f"sharded checkpoint: {name!r} was {tuple(state['shapes'][name])}, the model has "
-                             f"{tuple(rec.orig_shape)}; it was saved from a different model configuration")
-        if tuple(state["params"][name].shape) != tuple(rec.sharded.shape):
-            raise ValueError(f"sharded checkpoint: shard of {name!r} is {tuple(state['params'][name].shape)}, "
-                             f"expected {tuple(rec.sharded.shape)}")
     buffers = _buffer_tensors(model, persistent_only=False)
-    _check_keys(set(state["buffers"]), set(buffers), "sharded checkpoint buffers")
+    check_load("sharded checkpoint", {k: v for k, v in state["shapes"].items()},
+               {name: [rec.orig_shape] for name, rec in names.items()})
+    check_load("sharded checkpoint shards", {k: v.shape for k, v in state["params"].items()},
+               {name: [rec.sharded.shape] for name, rec in names.items()})
+    check_load("sharded checkpoint buffers", {k: v.shape for k, v in state["buffers"].items()},
+               {n: [b.shape] for n, b in buffers.items()})
     with torch.no_grad():
-        comm = model._fsdp_state.group.comm
+        comm = state_of(model).group.comm
         for name, rec in names.items():
             rec.load_shard(state["params"][name], comm)
         for name, b in buffers.items():
             b.copy_(state["buffers"][name].to(b.dtype).to(b.device))
-
-
-def _check_keys(got: set, want: set, what: str) -> None:
-    missing, unexpected = sorted(want - got), sorted(got - want)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-        raise ValueError(f"{what} does not match the model: {'; '.join(parts)}. Nothing was loaded.")

@@ -8,10 +8,11 @@ reduce-scattered by collectives this engine issues itself:
 - `state.py`: `FSDPState`, the hooks around a unit's forward and backward;
 - `collectives.py`: every collective, behind the `Collectives` interface;
 - `clip_grad.py`: gradient-norm clipping across shards;
-- `full_shapes.py`, `optimizer_shapes.py`: the single controller's model and optimizer
-  state dicts in the unwrapped shapes;
+- `model_state.py`, `optimizer_state.py`: model and optimizer state dicts (keys, the single
+  controller's unpadded shapes, shard metadata, loads that keep the sharding);
+- `sharded_param.py`: `ShardedParameter`, the parameter class of `fully_shard` units;
 - `build.py`: building a unit (collectives and layout, parameter group, buffers).
 
-The front door (`xla_fsdp.api`) calls `build.py` and hands it the unit class;
-nothing here imports the front door.
+The front doors (`xla_fsdp.api`, `xla_fsdp.fsdp`) call `build.py`; nothing here
+imports them.
 """

@@ -2,8 +2,8 @@
 parameter group (one shard record per parameter), its buffers.
 
 The front door (`xla_fsdp.api`) validates the keywords and calls these in
-order. `unit_cls` is the wrapper class it passes in; an instance of it is a
-child that is already a unit, whose parameters and buffers are its own.
+order. A child that is already a unit (`unit_state.is_unit`) keeps its
+parameters and buffers.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from .manual_region import DevicePlacement
 from .param import FSDPParam, ParamSite
 from .param_group import FSDPParamGroup
 from ..class_swap import original_class
+from ..unit_state import is_unit
 
 # id(original parameter) -> (weakref to it, weakref to the unit that sharded it, its name there),
 # so a tied weight split across units can be reported by name
@@ -139,7 +140,7 @@ def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> Shar
     return layout
 
 
-def owned_params(module: nn.Module, unit_cls: type):
+def owned_params(module: nn.Module):
     """(module, name, param, fqn) for parameters not inside an already wrapped child unit.
 
     An explicit stack, not a recursive closure: a closure that refers to itself
@@ -154,12 +155,12 @@ def owned_params(module: nn.Module, unit_cls: type):
             if p is not None:
                 out.append((m, name, p, prefix + name))
         children = [(c, f"{prefix}{n}.") for n, c in m._modules.items()
-                    if c is not None and not isinstance(c, unit_cls)]
+                    if c is not None and not is_unit(c)]
         stack.extend(reversed(children))  # keep definition order
     return out
 
 
-def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit_cls: type,
+def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions,
                 param_cls: type = nn.Parameter, keep_meta: bool = False) -> FSDPParamGroup:
     """Shard the parameters `module` owns (not those of wrapped children) into one group.
 
@@ -171,14 +172,14 @@ def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit
     """
     by_id: Dict[int, List] = {}
     order: List[int] = []
-    for m, name, p, fqn in owned_params(module, unit_cls):
+    for m, name, p, fqn in owned_params(module):
         consumed = _consumed_params.get(id(p))
         if consumed is not None and consumed[0]() is p:
             unit, pname = consumed[1](), consumed[2]
             where = next((f"{n}.{pname}" for n, mm in module.named_modules() if mm is unit and n), None)
-            other = repr(where) if where else f"{_class_name(unit, unit_cls)}.{pname}"
+            other = repr(where) if where else f"{original_class(unit).__name__}.{pname}"
             raise ValueError(
-                f"parameter {fqn!r} of {_class_name(module, unit_cls)} is tied to {other}, which is already "
+                f"parameter {fqn!r} of {original_class(module).__name__} is tied to {other}, which is already "
                 "sharded in its own FSDP unit; tied weights must stay in one unit: wrap their common "
                 "parent instead (auto-wrap policies do this for you)"
             )
@@ -200,51 +201,44 @@ def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions, unit
     return FSDPParamGroup(params, comm, options)
 
 
-def _class_name(module, unit_cls: type) -> str:
-    """The user's class name (not the FSDP subclass made at wrap time)."""
-    if isinstance(module, unit_cls):
-        return original_class(module).__name__
-    return type(module).__name__
-
-
-def materialize(module: nn.Module, param_init_fn: Optional[Callable], unit_cls: type) -> None:
+def materialize(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
     """Give a deferred or meta-device unit real storage right before it is sharded."""
-    if abstract.skip_materialization(p for _, _, p, _ in owned_params(module, unit_cls)):
+    if abstract.skip_materialization(p for _, _, p, _ in owned_params(module)):
         return  # [Note: abstract tracing]
     if param_init_fn is not None:
-        if any(p.is_meta for _, _, p, _ in owned_params(module, unit_cls)):
+        if any(p.is_meta for _, _, p, _ in owned_params(module)):
             param_init_fn(module)
         return
     from ..deferred.compat import is_deferred, materialize_module
 
     if is_deferred(module):
-        materialize_module(module, check_fn=lambda m: m is module or not isinstance(m, unit_cls))
-    elif any(p.is_meta for _, _, p, _ in owned_params(module, unit_cls)):
+        materialize_module(module, check_fn=lambda m: m is module or not is_unit(m))
+    elif any(p.is_meta for _, _, p, _ in owned_params(module)):
         # built under torch.device("meta"): FSDP's default, to_empty + reset_parameters()
         from ..deferred import reset_meta_modules
 
-        reset_meta_modules(_unit_modules(module, unit_cls), _class_name(module, unit_cls))
-    leftover = [fqn for _, _, p, fqn in owned_params(module, unit_cls) if p.is_meta]
+        reset_meta_modules(_unit_modules(module), original_class(module).__name__)
+    leftover = [fqn for _, _, p, fqn in owned_params(module) if p.is_meta]
     if leftover:
         raise ValueError(
-            f"{_class_name(module, unit_cls)} has parameters without storage ({', '.join(leftover[:3])}...); build it "
+            f"{original_class(module).__name__} has parameters without storage ({', '.join(leftover[:3])}...); build it "
             "with xla_fsdp.deferred_init(...) or pass param_init_fn= to materialize each unit"
         )
 
 
-def _unit_modules(module: nn.Module, unit_cls: type):
+def _unit_modules(module: nn.Module):
     """(name, module) for `module` and its descendants outside already wrapped child units."""
     out, stack = [], [("", module)]
     while stack:
         name, m = stack.pop()
         out.append((name, m))
         children = [(f"{name}.{n}" if name else n, c) for n, c in m._modules.items()
-                    if c is not None and not isinstance(c, unit_cls)]
+                    if c is not None and not is_unit(c)]
         stack.extend(reversed(children))  # definition order, as named_modules()
     return out
 
 
-def cast_buffers(module: nn.Module, options: FSDPOptions, device, unit_cls: type, cast: bool = True) -> None:
+def cast_buffers(module: nn.Module, options: FSDPOptions, device, cast: bool = True) -> None:
     """Move the buffers `module` owns to `device`, cast to the buffer (or compute) dtype
     (with `cast`). Meta buffers stay meta (FSDP2's to_empty() gives them storage)."""
     mp = options.mixed_precision
@@ -260,7 +254,7 @@ def cast_buffers(module: nn.Module, options: FSDPOptions, device, unit_cls: type
                     target = target.to(dtype)
                 m._buffers[name] = target
         for child in m._modules.values():
-            if child is not None and not isinstance(child, unit_cls):
+            if child is not None and not is_unit(child):
                 visit(child)
 
     visit(module)

@@ -21,11 +21,12 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
+from ..unit_state import state_of, units
 from .collectives import REDUCE_MAX, REDUCE_SUM
 
 
 def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0, groups=None) -> torch.Tensor:
-    state = getattr(root, "_fsdp_state", None)
+    state = state_of(root)
     if state is None:
         raise ValueError("clip_grad_norm_ must be called on a module wrapped by XlaFullyShardedDataParallel")
     if state.is_root is False:
@@ -73,11 +74,10 @@ def _grads_by_layout(root: nn.Module, root_comm) -> "OrderedDict":
     """Gradients (in `root.parameters()` order, the same on every rank) grouped by the sharding
     layout of the unit that owns them, keyed by one of those units' `Collectives`."""
     owner = {}
-    for m in root.modules():
-        unit = getattr(m, "_fsdp_state", None)
-        if unit is not None:
-            for fp in unit.group.params:
-                owner[id(fp.sharded)] = unit.group.comm
+    for m in units(root):
+        unit = state_of(m)
+        for fp in unit.group.params:
+            owner[id(fp.sharded)] = unit.group.comm
     comm_for: dict = {}
     out: "OrderedDict" = OrderedDict()
     for p in root.parameters():

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from ..class_swap import original_class
 from ..options import MixedPrecision
+from ..unit_state import state_of
 
 
 class MixedPrecisionNestingWarning(UserWarning):
@@ -45,7 +46,7 @@ def cast_inputs(mixed_precision: MixedPrecision, args, kwargs):
     return tree_map(cast, args), tree_map(cast, kwargs)
 
 
-def warn_full_precision_units_inside(module: nn.Module, mixed_precision: MixedPrecision, unit_cls: type) -> None:
+def warn_full_precision_units_inside(module: nn.Module, mixed_precision: MixedPrecision) -> None:
     """Warn when `module`, about to become a unit computing in `mixed_precision`'s dtype, holds
     units that compute in fp32 and own floating parameters ([Note: every unit casts its own inputs])."""
     if not mixed_precision.enabled:
@@ -54,8 +55,8 @@ def warn_full_precision_units_inside(module: nn.Module, mixed_precision: MixedPr
     stack = [(n, c) for n, c in module.named_children()]
     while stack:  # the units called from this one's own compute: not below another unit
         name, m = stack.pop(0)
-        state = getattr(m, "_fsdp_state", None)
-        if not isinstance(m, unit_cls) or state is None:
+        state = state_of(m)
+        if state is None:
             stack.extend((f"{name}.{n}", c) for n, c in m.named_children())
         elif not state.options.mixed_precision.enabled and any(p.orig_dtype.is_floating_point
                                                                 for p in state.group.params):

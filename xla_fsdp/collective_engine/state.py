@@ -58,6 +58,7 @@ from .manual_region import ManualRegion
 from .param_group import FSDPParamGroup, gather_together
 from .precision import cast_inputs
 from ..class_swap import original_class
+from ..unit_state import state_of, units
 
 _local = threading.local()
 
@@ -156,6 +157,14 @@ class FSDPState:
         self.backward_prefetch_targets: Optional[List["FSDPState"]] = None
         # FSDP2's unshard(): a forward under autograd after it gathers as usual instead of refusing
         self.unshard_feeds_forward = False
+        # what the front doors keep per unit ([Note: one engine state per unit])
+        self.checkpointed = False  # recompute the unit's whole forward, gather included, in backward
+        self.keeps_activations = False  # checkpoint_all_but_last: among the last checkpointed units
+        self.inner_forward: Optional[Callable] = None  # another library's forward, adopted at wrap time
+        self.device_mesh = None  # what the unit's `device_mesh` reports
+        self.mp_policy = None  # FSDP2's MixedPrecisionPolicy (its output_dtype applies at the root)
+        self.offload = None  # FSDP2's CPUOffloadPolicy at work (fsdp/offload.py's HostOffload)
+        self.given_storage = False  # FSDP2: to_empty() gave the meta parameters storage
         self.region = None
         if group.comm.is_single_controller:
             self.region = ManualRegion(group.comm.placement, group.comm, options.is_batched_input)
@@ -213,7 +222,7 @@ class FSDPState:
 
     def _convert_foreign_checkpoints(self) -> None:
         if self._units is None:
-            self._units = [m for m in self._module().modules() if getattr(m, "_fsdp_state", None) is not None]
+            self._units = units(self._module())
         for unit in self._units:
             if "forward" in unit.__dict__:
                 convert_checkpoint_after_wrapping(unit)
@@ -305,8 +314,8 @@ class FSDPState:
     def _learn_order(self) -> None:
         """After the root's forward: the order its units ran in is next step's prefetch order."""
         order, self._recording = self._recording or [self], None
-        units = [m._fsdp_state for m in self._units] if self._units is not None else order
-        for state in units:
+        states = [state_of(m) for m in self._units] if self._units is not None else order
+        for state in states:
             # every unit, not only those that ran: a gather started for one that did not run this
             # time (the order changed) would hold old values by the time it runs
             state._prefetched = None
@@ -386,4 +395,4 @@ class FSDPState:
 
 
 def _all_states(root: torch.nn.Module) -> List[FSDPState]:
-    return [m._fsdp_state for m in root.modules() if getattr(m, "_fsdp_state", None) is not None]
+    return [state_of(m) for m in units(root)]

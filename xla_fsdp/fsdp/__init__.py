@@ -7,7 +7,7 @@ host driving every chip) with the collective engine ([Note: fully_shard on XLA])
 """
 from .fully_shard import fully_shard
 from .module import FSDPModule, UnshardHandle
-from .param import ShardedParameter
+from ..collective_engine.sharded_param import ShardedParameter
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .process_group import install as _install_rendezvous
 from .torch_guard import install as _install_torch_guard

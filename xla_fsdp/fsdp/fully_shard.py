@@ -41,11 +41,15 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     name = type(module).__name__
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {name}; apply it once per module")
-    from ..api import XlaFullyShardedDataParallel
+    from ..api import XlaFullyShardedDataParallel, make_unit
 
     if isinstance(module, XlaFullyShardedDataParallel):
         raise ValueError(f"{name} is already wrapped by XlaFullyShardedDataParallel; use one of the two APIs")
-    from .param import ShardedParameter
+    v1 = [n for n, m in module.named_modules() if isinstance(m, XlaFullyShardedDataParallel)]
+    if v1:
+        raise ValueError(f"fully_shard({name}): {v1[0]!r} inside it is wrapped by XlaFullyShardedDataParallel; "
+                         "use one of the two APIs for the whole model")
+    from ..collective_engine.sharded_param import ShardedParameter
 
     owned = [n for n, p in module.named_parameters() if isinstance(p, ShardedParameter)
              and not _inside_unit(module, n)]
@@ -62,29 +66,31 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     mp = as_mp_policy(mp_policy)
     offload = as_offload_policy(offload_policy)
     _enter_spmd(module)
-    xla_mesh, device_mesh = _mesh(mesh)
+    mesh = _mesh(mesh)
     _check_placements(module, shard_placement_fn)
-    kw = _engine_keywords(module, mp, reshard_after_forward, xla_mesh.size())
-    kw["mesh"] = xla_mesh
-    kw["collectives"] = _collectives.get(id(xla_mesh))  # every unit over one mesh shares one (if it fits)
-    FSDPModule(module, **kw)
-    _collectives.setdefault(id(xla_mesh), module._fsdp_state.group.comm)
-    module._fsdp2_mp = mp
-    module._fsdp2_device_mesh = device_mesh
-    for rec in module._fsdp_state.group.params:
-        rec.sharded.bind(rec, device_mesh)
-    from . import state_dict as sd, step_cut
+    kw = _engine_keywords(module, mp, reshard_after_forward, mesh.xla.size())
+    kw["mesh"] = mesh.xla
+    kw["collectives"] = mesh.collectives  # every unit over one mesh shares one (if it fits)
+    state = make_unit(module, kw, FSDPModule, param_cls=ShardedParameter, keeps_meta=True)
+    if mesh.collectives is None:
+        mesh.collectives = state.group.comm
+    state.mp_policy = mp
+    state.device_mesh = mesh.device_mesh
+    state.unshard_feeds_forward = True  # FSDP2's unshard(): a forward under autograd still gathers
+    for rec in state.group.params:
+        rec.sharded.bind(rec, mesh.device_mesh)
+    from ..collective_engine import model_state, optimizer_state
+    from . import step_cut
 
-    sd.register(module)
+    model_state.register_state_tensors(module)
+    module.register_state_dict_pre_hook(step_cut.before_state_dict)
+    optimizer_state.install()
     step_cut.install()
     if isinstance(offload, CPUOffloadPolicy):
         from .offload import HostOffload
 
-        module._fsdp2_offload = HostOffload.attach(module)
+        state.offload = HostOffload.attach(module)
     return module
-
-
-_collectives: dict = {}
 
 
 def _inside_unit(module: nn.Module, param_name: str) -> bool:

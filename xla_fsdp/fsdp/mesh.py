@@ -12,7 +12,8 @@ mesh_dim_names=("fsdp",))` built without a process group, which is what
 """
 from __future__ import annotations
 
-from typing import Tuple
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
 
 
 def _devices_and_processes() -> Tuple[int, int]:
@@ -21,8 +22,19 @@ def _devices_and_processes() -> Tuple[int, int]:
     return xr.global_runtime_device_count(), xr.process_count()
 
 
-def resolve_fsdp_mesh(mesh):
-    """`mesh=` of fully_shard -> (torch_xla Mesh with one "fsdp" axis over every device, DeviceMesh)."""
+@dataclasses.dataclass
+class ShardMesh:
+    """What `fully_shard` shards over: torch_xla's mesh (one "fsdp" axis over every device, the
+    engine's), the `DeviceMesh` its parameters report, and the collectives every unit over it
+    shares (the first unit's, set when it is built). One per device count, for the process."""
+
+    xla: Any
+    device_mesh: Any
+    collectives: Optional[Any] = None
+
+
+def resolve_fsdp_mesh(mesh) -> ShardMesh:
+    """`mesh=` of fully_shard -> the `ShardMesh` over every device."""
     import numpy as np
     import torch_xla.distributed.spmd as xs
 
@@ -48,12 +60,12 @@ def resolve_fsdp_mesh(mesh):
                              f"job has {processes} process(es) driving {devices} devices; use a 1-D mesh of "
                              f"{processes} (one entry per process, init_device_mesh(\"xla\", (world_size,))) "
                              f"or of {devices} (one per device), or pass no mesh")
-    if devices not in _xla_meshes:  # one object per device count: units built over it share collectives
-        _xla_meshes[devices] = xs.Mesh(np.arange(devices), (devices,), ("fsdp",))
-    return _xla_meshes[devices], device_mesh(devices)
+    if devices not in _shard_meshes:  # one per device count: units built over it share collectives
+        _shard_meshes[devices] = ShardMesh(xs.Mesh(np.arange(devices), (devices,), ("fsdp",)), device_mesh(devices))
+    return _shard_meshes[devices]
 
 
-_xla_meshes: dict = {}
+_shard_meshes: Dict[int, ShardMesh] = {}
 
 
 _meshes: dict = {}

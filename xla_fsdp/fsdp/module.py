@@ -1,62 +1,48 @@
 """`FSDPModule`: the class `fully_shard` mixes into a module, with FSDP2's methods.
 
-It is a kind of `XlaFullyShardedDataParallel` (the collective engine on the
-single controller), so everything that engine does (gathers just in time,
-prefetch, reduce-scatter, clipping, state dicts in the unwrapped shapes)
-applies. What FSDP2 adds lives here: meta modules kept on the meta device
-until `to_empty()`, FSDP2's names for unsharding, prefetch and gradient
-reduction, the root's output dtype and CPU offload.
+A methods-only front door over the unit's engine state ([Note: one engine state
+per unit]), as PyTorch's `FSDPModule` is over its `FSDPState`: the collective
+engine on the single controller does the work (gathers just in time, prefetch,
+reduce-scatter, state dicts in the unwrapped shapes); `UnitMethods` gives it the
+forward and the methods both front doors share (`unshard`, `reshard`,
+`set_requires_gradient_sync`, `device_mesh`). What FSDP2 adds lives here: meta
+modules kept on the meta device until `to_empty()`, FSDP2's names for prefetch
+and gradient reduction, the root's output dtype, CPU offload and the step cut.
+It is not an `XlaFullyShardedDataParallel`: torch_xla's methods (`no_sync`,
+`summon_full_params`, `get_shard_metadata`, `.module`) are not FSDP2's.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .. import abstract
-from ..api import XlaFullyShardedDataParallel
-from .param import ShardedParameter
+from ..api import UnitMethods, UnshardHandle
+from ..unit_state import state_of, units
+from ..collective_engine.sharded_param import ShardedParameter
+
+__all__ = ["FSDPModule", "UnshardHandle"]
 
 
-class UnshardHandle:
-    """What `unshard(async_op=True)` returns. `wait()` returns at once: the gather is an
-    operation of the traced program, which XLA orders by its data dependencies."""
-
-    def wait(self) -> None:
-        return None
-
-
-class FSDPModule(XlaFullyShardedDataParallel):
+class FSDPModule(UnitMethods):
     """A module sharded by `xla_fsdp.fsdp.fully_shard` (PyTorch FSDP2's `FSDPModule`)."""
-
-    _fsdp_param_class = ShardedParameter
-    _fsdp_keeps_meta = True
-
-    # -- units ---------------------------------------------------------------
-    def _fsdp2_units(self, recurse: bool = True) -> List["FSDPModule"]:
-        if not recurse:
-            return [self]
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]
-
-    def _is_outermost_call(self) -> bool:
-        from ..collective_engine.state import _active_units
-
-        return not _active_units()
 
     # -- forward -----------------------------------------------------------
     def forward(self, *args, **kwargs):
-        outermost = self._is_outermost_call()
+        state = state_of(self)
+        outermost = not _active_units()
         if outermost:
             from . import step_cut
 
             step_cut.settle()  # [Note: the step cut]
-        offload = getattr(self, "_fsdp2_offload", None) if outermost else None
-        if offload is not None and not self._meta_params():
+        offload = state.offload if outermost else None
+        if offload is not None and not _meta_params(self):
             offload.to_device(self)
-        meta = self._meta_params()
+        meta = _meta_params(self)
         if meta:
             raise RuntimeError(
                 f"{type(self).__name__}'s parameters are on the meta device ({', '.join(meta[:3])}): after "
@@ -65,19 +51,11 @@ class FSDPModule(XlaFullyShardedDataParallel):
         out = super().forward(*args, **kwargs)
         if offload is not None:
             offload.after_forward(self, out)
-        dtype = self._fsdp2_mp.output_dtype
+        dtype = state.mp_policy.output_dtype
         if outermost and dtype is not None:
             out = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
                            out)
         return out
-
-    def _meta_params(self) -> List[str]:
-        """This unit's parameters without storage (built on meta, not yet given any), by name.
-        Under the check's trace an offloaded host parameter is a meta tensor by design."""
-        offloaded = getattr(self, "_fsdp2_offload", None) is not None and abstract.active()
-        return [rec.fqn for rec in self._fsdp_state.group.params
-                if rec.sharded.is_meta and not (offloaded and rec.sharded.device.type == "meta"
-                                                and getattr(self, "_fsdp2_given_storage", False))]
 
     # -- storage -----------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True):
@@ -85,12 +63,13 @@ class FSDPModule(XlaFullyShardedDataParallel):
         it) uninitialized storage on the chips, each chip its own rows only (host memory under
         CPUOffloadPolicy), and every other tensor storage on `device`, as nn.Module.to_empty does. Then initialize, e.g.
         `model.reset_parameters()`."""
-        from ..collective_engine import optimizer_shapes
+        from ..collective_engine import model_state, optimizer_state
 
-        for unit in self._fsdp2_units(recurse):
-            group = unit._fsdp_state.group
+        for unit in _units(self, recurse):
+            state = state_of(unit)
+            group = state.group
             fresh = [rec for rec in group.params if rec.sharded.is_meta]
-            offload = getattr(unit, "_fsdp2_offload", None) is not None
+            offload = state.offload is not None
             for rec in fresh:
                 if offload:  # [Note: CPU offload on the single controller]: host storage
                     where = "meta" if abstract.active() else "cpu"  # traced for the check: no host memory
@@ -99,41 +78,26 @@ class FSDPModule(XlaFullyShardedDataParallel):
                     rec.register(rec.sharded)
                 else:
                     rec.materialize_on(group.comm)
-                rec.sharded.bind(rec, unit._fsdp2_device_mesh)
-            padded = [r for r in fresh if (r.padded_rows, *r.row_shape) != tuple(r.orig_shape)]
+                rec.sharded.bind(rec, state.device_mesh)
+            padded = [r for r in fresh if model_state.is_padded(r)]
             if padded and group.comm.is_single_controller:
-                optimizer_shapes.register(padded, group.comm)
-        for unit in self._fsdp2_units(recurse):
-            unit._fsdp2_given_storage = True
+                optimizer_state.register_padded(padded, group.comm)
+        for unit in _units(self, recurse):
+            state_of(unit).given_storage = True
         device = torch.device(device)
         return nn.Module._apply(self, lambda t: t if isinstance(t, ShardedParameter)
                                 else torch.empty_like(t, device=device), recurse)
-
-    # -- unshard / reshard -------------------------------------------------
-    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """Register this unit's parameters whole (not its child units'). On the single controller
-        each parameter is one global tensor, so this needs no collective. A forward under autograd
-        afterwards gathers inside the program as usual (gradients reach the shards); under
-        torch.no_grad() it computes with the whole parameters. `reshard()` undoes it."""
-        state = self._fsdp_state
-        state.unshard_feeds_forward = True
-        state.unshard()
-        return UnshardHandle() if async_op else None
-
-    def reshard(self) -> None:
-        """Register the shards again after `unshard()`."""
-        self._fsdp_state.reshard()
 
     # -- schedule ----------------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether units free their gathered parameters after forward and gather again in backward."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
-        for unit in self._fsdp2_units(recurse):
-            opts = unit._fsdp_state.options
-            reshard = dataclasses.replace(opts.reshard, reshard_after_forward=reshard_after_forward,
+        for unit in _units(self, recurse):
+            state = state_of(unit)
+            reshard = dataclasses.replace(state.options.reshard, reshard_after_forward=reshard_after_forward,
                                           disable_reshard_on_root=False)
-            unit._fsdp_state.options = dataclasses.replace(opts, reshard=reshard)
+            state.options = dataclasses.replace(state.options, reshard=reshard)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Accepted, no effect: the parameters gathered in backward are buffers of the step's XLA
@@ -142,13 +106,13 @@ class FSDPModule(XlaFullyShardedDataParallel):
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Start these units' gathers when this unit's forward starts (tied to its input), in place
         of the engine's default of the unit that ran next last step."""
-        self._fsdp_state.forward_prefetch_targets = [_state_of(m, "set_modules_to_forward_prefetch")
-                                                     for m in modules]
+        state_of(self).forward_prefetch_targets = [_unit_state(m, "set_modules_to_forward_prefetch")
+                                                   for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Start these units' backward re-gathers when this unit's backward starts."""
-        self._fsdp_state.backward_prefetch_targets = [_state_of(m, "set_modules_to_backward_prefetch")
-                                                      for m in modules]
+        state_of(self).backward_prefetch_targets = [_unit_state(m, "set_modules_to_backward_prefetch")
+                                                    for m in modules]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted, no effect: every backward finishes its reduce-scatters inside the step's
@@ -170,8 +134,8 @@ class FSDPModule(XlaFullyShardedDataParallel):
             raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
         from .mesh import process_count
 
-        for unit in self._fsdp2_units():
-            unit._fsdp_state.group.grad_factor = process_count() / float(factor)
+        for unit in units(self):
+            state_of(unit).group.grad_factor = process_count() / float(factor)
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
@@ -200,20 +164,35 @@ class FSDPModule(XlaFullyShardedDataParallel):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module's, for values of any kind FSDP2 scripts produce (CPU tensors, XLA tensors,
         `distribute_tensor` results, parameters of another sharded model); the parameters stay
-        sharded, and with `assign=True` the sharded parameters take the values (see
-        xla_fsdp/fsdp/state_dict.py)."""
-        from . import state_dict as sd
+        sharded, and with `assign=True` the sharded parameters take the values ([Note: loading
+        into sharded parameters])."""
+        from ..collective_engine.model_state import load_into
 
-        return sd.load_into(self, state_dict, strict, assign)
-
-    @property
-    def device_mesh(self):
-        """The 1-D DeviceMesh("xla") this module is sharded over (its parameters report the same)."""
-        return self._fsdp2_device_mesh
+        return load_into(self, state_dict, strict, assign)
 
 
-def _state_of(module, what: str):
-    if not isinstance(module, FSDPModule):
+def _units(module: nn.Module, recurse: bool) -> List[nn.Module]:
+    return units(module) if recurse else [module]
+
+
+def _active_units():
+    from ..collective_engine.state import _active_units as active
+
+    return active()
+
+
+def _meta_params(unit: nn.Module) -> List[str]:
+    """The unit's parameters without storage (built on meta, not yet given any), by name. Under
+    the check's trace an offloaded host parameter is a meta tensor by design."""
+    state = state_of(unit)
+    offloaded = state.offload is not None and abstract.active()
+    return [rec.fqn for rec in state.group.params
+            if rec.sharded.is_meta and not (offloaded and rec.sharded.device.type == "meta" and state.given_storage)]
+
+
+def _unit_state(module, what: str):
+    state = state_of(module)
+    if not isinstance(module, FSDPModule) or state is None:
         raise ValueError(f"{what} expects modules that fully_shard was applied to; "
                          f"{type(module).__name__} is not one")
-    return module._fsdp_state
+    return state

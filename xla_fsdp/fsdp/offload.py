@@ -24,6 +24,7 @@ from typing import Dict, List
 import torch
 
 from .. import abstract
+from ..unit_state import state_of, units
 
 
 class HostOffload:
@@ -38,18 +39,21 @@ class HostOffload:
     def attach(unit) -> "HostOffload":
         """Offload `unit`'s parameters: to the host now (a meta one gets host storage at to_empty)."""
         offload = HostOffload()
-        for rec in unit._fsdp_state.group.params:
+        for rec in state_of(unit).group.params:
             if not rec.sharded.is_meta:
                 to_host(rec, unit)
         return offload
 
+    @staticmethod
+    def keep_on_host(rec, unit) -> None:
+        """A parameter a load just placed on the chips, back on the host (see `to_host`)."""
+        to_host(rec, unit)
+
     # -- per step ------------------------------------------------------------
     @staticmethod
     def _records(root) -> List[tuple]:
-        from .units import fsdp2_units
-
-        return [(unit, rec) for unit in fsdp2_units(root) if getattr(unit, "_fsdp2_offload", None) is not None
-                for rec in unit._fsdp_state.group.params]
+        return [(unit, rec) for unit in units(root) if state_of(unit).offload is not None
+                for rec in state_of(unit).group.params]
 
     def to_device(self, root) -> None:
         """Before the root's forward: every offloaded parameter onto the chips, as a fresh leaf."""
@@ -61,9 +65,9 @@ class HostOffload:
             host = rec.sharded
             if host.device.type not in ("cpu", "meta"):  # meta: traced for the check, a placeholder below
                 continue
-            comm = unit._fsdp_state.group.comm
+            comm = state_of(unit).group.comm
             dev = rec.param_cls(comm.place_global(host.detach()), requires_grad=rec.requires_grad)
-            dev.bind(rec, unit._fsdp2_device_mesh)
+            dev.bind(rec, state_of(unit).device_mesh)
             self._hosts[id(rec)] = host
             rec.sharded = dev
             rec.register(dev)
@@ -127,6 +131,6 @@ def to_host(rec, unit) -> None:
         data = torch.empty(data.shape, dtype=data.dtype, device="meta")
     host = rec.param_cls(data.cpu() if data.device.type not in ("cpu", "meta") else data,
                          requires_grad=rec.requires_grad)
-    host.bind(rec, unit._fsdp2_device_mesh)
+    host.bind(rec, state_of(unit).device_mesh)
     rec.sharded = host
     rec.register(host)

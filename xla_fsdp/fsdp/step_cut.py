@@ -51,7 +51,7 @@ def cut_count() -> int:
 
 
 def _steps_sharded_params(optimizer) -> bool:
-    from .param import ShardedParameter
+    from ..collective_engine.sharded_param import ShardedParameter
 
     return any(isinstance(p, ShardedParameter) for g in optimizer.param_groups for p in g["params"])
 
@@ -72,6 +72,12 @@ def _after_step(optimizer, args, kwargs) -> None:
     if cut_count() == _Cuts.after_last_step:
         _cut()
     _Cuts.after_last_step = cut_count()
+
+
+def before_state_dict(module, prefix, keep_vars) -> None:
+    """State-dict pre-hook of every fully_shard unit: a state dict reads every parameter, so the
+    first step is settled first."""
+    settle()
 
 
 def settle() -> None:

@@ -24,14 +24,18 @@ def _xla_active() -> bool:
     return xr.is_spmd() or xr.device_type() not in (None, "")
 
 
+_INSTALLED = []
+
+
 def install() -> None:
-    """Wrap the helpers (once)."""
+    """Wrap the helpers (once): one of the import-time effects docs/DESIGN.md lists."""
     try:
         from torch.distributed.fsdp._fully_shard import _fully_shard as impl
     except ImportError:
         return
-    if getattr(impl, "_xla_fsdp_guarded", False):
+    if _INSTALLED:
         return
+    _INSTALLED.append(True)
     default_mesh = impl._init_default_fully_shard_mesh
     device_from_mesh = impl._get_device_from_mesh
 
@@ -57,4 +61,3 @@ def install() -> None:
     impl._move_states_to_device = move_states_to_device
     impl._init_default_fully_shard_mesh = init_default_mesh
     impl._get_device_from_mesh = get_device_from_mesh
-    impl._xla_fsdp_guarded = True

@@ -106,8 +106,10 @@ def unfused_adamw(get_optimizer_cls_and_kwargs: Callable) -> Callable:
 def batch_split(model) -> int:
     """How many devices the collective engine splits each batch over in this process (1 unless the
     single controller runs it)."""
-    state = model.__dict__.get("_fsdp_state")
-    comm = getattr(getattr(state, "group", None), "comm", None)
+    from ..unit_state import state_of
+
+    state = state_of(model)
+    comm = state.group.comm if state is not None else None
     if comm is None or not getattr(comm, "is_single_controller", False):
         return 1
     return comm.placement.num_devices

@@ -1,5 +1,4 @@
-"""`optimizer.state_dict()` / `load_state_dict()` in the unwrapped model's shapes, single-controller
-runtime (the optimizer side of full_shapes.py).
+"""Optimizer state dicts of the collective engine's parameters, and loads that keep the sharding.
 
 [Note: optimizer state of the single controller] The optimizer holds the single controller's
 padded global tensors ([Note: state dicts of the single controller]), so its state is padded on
@@ -14,10 +13,20 @@ parameter as a whole (Adafactor's column factor, a mean over the rows padding in
 0-dim parameter (one row padded to one per device) a 0-dim state tensor is the parameter's,
 except the counters named in SCALAR_STATE, which every shape of parameter has.
 
-No hook reaches an optimizer at its construction, so torch's global optimizer-step pre-hook
-attaches the two hooks at the first step of an optimizer holding such a parameter. A state loaded
-before that step (a resume) arrives unpadded; torch_xla keeps such a freshly moved tensor on the
-host until it is first used, so the same hook pads and shards it before the step reads it: no
+[Note: loaded optimizer state keeps the sharding] torch's `Optimizer.load_state_dict` moves
+every state tensor to its parameter's device (`value.to(param.device)`). For a `fully_shard`
+parameter that is `xla:0`, and what arrives is an XLA tensor without sharding: a replicated
+copy on every device, and a step that is no longer the one the model was compiled with. That
+happens on every resume through `set_state_dict` or a plain `optimizer.load_state_dict`. So
+such an optimizer gets a load post-hook that marks every state tensor shaped like its
+parameter (the global, possibly padded shape) with that parameter's sharding (padded state
+arrives padded and placed by the pre-hook above, and is left alone).
+
+No hook reaches an optimizer at its construction, so one global optimizer-step pre-hook (the
+only one) attaches these hooks at the first step of an optimizer holding such a parameter
+(`set_state_dict` makes one step to create the state before it loads). A state loaded before
+that step (a resume) arrives unpadded or unsharded; torch_xla keeps such a freshly moved tensor
+on the host until it is first used, so the same hook places it before the step reads it: no
 device ever holds an unsharded copy. Our own checkpoints attach the hooks before they read or
 write (`prepare`), and read the padded tensors themselves (`held_state_dict`).
 """
@@ -30,24 +39,31 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .sharded_param import ShardedParameter
+
 ROW_FACTORED = ("exp_avg_sq_row",)  # one entry per row of the parameter (the rest averaged away)
 SCALAR_STATE = ("step", "mu_product")  # torch's per-parameter counters: 0-dim whatever the parameter
 
 _PADDED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # padded global parameter -> (record ref, comm)
 _PREPARED: "weakref.WeakSet" = weakref.WeakSet()
-_STEP_HOOK = None
+_STEP_HOOK = []
 _HELD = [0]  # > 0 while our checkpoints read the padded state
 
 
-def register(records, comm) -> None:
-    """The single controller's padded parameters (`records` with padding rows) of one group."""
-    global _STEP_HOOK
-    for rec in records:
-        _PADDED[rec.sharded] = (weakref.ref(rec), comm)
-    if _STEP_HOOK is None:
+def install() -> None:
+    """The global optimizer-step pre-hook (once per process): a unit built over sharded
+    parameters installs it."""
+    if not _STEP_HOOK:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _STEP_HOOK = register_optimizer_step_pre_hook(_before_step)  # every optimizer's step
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_step))  # every optimizer's step
+
+
+def register_padded(records, comm) -> None:
+    """The single controller's padded parameters (`records` with padding rows) of one group."""
+    for rec in records:
+        _PADDED[rec.sharded] = (weakref.ref(rec), comm)
+    install()
 
 
 def _before_step(optimizer, args, kwargs) -> None:
@@ -72,19 +88,50 @@ def _padded_params(optimizer) -> Dict[int, Tuple[torch.Tensor, object, object]]:
 
 
 def prepare(optimizer) -> None:
-    """Attach the state-dict hooks to `optimizer` (once) and pad any state loaded before them."""
+    """Attach the state-dict hooks to `optimizer` (once) and place any state loaded before them."""
     if optimizer in _PREPARED:
         return
     _PREPARED.add(optimizer)
-    if not _padded_params(optimizer):
-        return
-    optimizer.register_state_dict_post_hook(_cut)
-    optimizer.register_load_state_dict_pre_hook(_pad)
-    for p, rec, comm in _padded_params(optimizer).values():
-        state = optimizer.state.get(p)
-        if state:
+    padded = _padded_params(optimizer)
+    if padded:
+        optimizer.register_state_dict_post_hook(_cut)
+        optimizer.register_load_state_dict_pre_hook(_pad)
+        for p, rec, comm in padded.values():
+            state = optimizer.state.get(p)
+            if state:
+                for key, value in list(state.items()):
+                    state[key] = _padded_value(key, value, p, rec, comm)
+    if any(isinstance(p, ShardedParameter) for g in optimizer.param_groups for p in g["params"]):
+        optimizer.register_load_state_dict_post_hook(shard_like_params)
+        shard_like_params(optimizer)
+
+
+def shard_like_params(optimizer) -> None:
+    """Place each state tensor shaped like its (sharded) parameter but not sharded like it
+    (a CPU tensor, an XLA tensor without sharding or replicated) sharded like the parameter."""
+    import torch_xla
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state or not isinstance(p, ShardedParameter) or p.device.type != "xla":
+                continue
+            spec = torch_xla._XLAC._get_xla_sharding_spec(p)
+            if not spec:
+                continue
+            sharding = None
             for key, value in list(state.items()):
-                state[key] = _padded_value(key, value, p, rec, comm)
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape) or value.dim() == 0:
+                    continue
+                if value.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_spec(value) == spec:
+                    continue
+                if sharding is None:
+                    sharding = torch_xla._XLAC._get_xla_op_sharding(p)
+                # through the host: a fresh copy, so no tensor keeps the replicated data
+                placed = value.detach().cpu().to(dtype=p.dtype if value.is_floating_point() else value.dtype,
+                                                 device=p.device)
+                torch_xla._XLAC._xla_mark_sharding(placed, sharding)
+                state[key] = placed
 
 
 @contextlib.contextmanager
