@@ -264,6 +264,8 @@ def parse_args(argv=None):
     p.add_argument("--metrics_out", default=None, help="write the losses (and the run's figures) as JSON")
     p.add_argument("--save_full", default=None, help="after training, save the full state dict (rank 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="HSDP: replicate over R groups of devices, shard within each (a 2-D mesh)")
     return p.parse_args(argv)
 
 
@@ -277,6 +279,13 @@ def build(args):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 \
         else MixedPrecisionPolicy()
     shard = {"mp_policy": mp}
+    if args.hsdp > 1:
+        import torch_xla.runtime as xr
+        from torch.distributed.device_mesh import init_device_mesh
+
+        devices = xr.global_runtime_device_count()  # XLA: the mesh covers devices (a process drives all of its own)
+        shard["mesh"] = init_device_mesh("xla", (args.hsdp, devices // args.hsdp),
+                                         mesh_dim_names=("dp_replicate", "dp_shard"))
     if args.offload:
         shard["offload_policy"] = CPUOffloadPolicy()
     for layer in model.layers:
@@ -349,8 +358,8 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     if rank == 0:
         where = sorted({p.device.type for p in model.parameters()})
-        print(f"{sum(p.numel() for p in model.parameters()):,} parameter elements (padded), held on: "
-              f"{', '.join(where)}", flush=True)
+        print(f"{sum(p.numel() for p in model.parameters()):,} parameter elements, held on: "
+              f"{', '.join(where)}; placements {next(model.parameters()).placements}", flush=True)
 
     def lr_at(step):
         if step < args.warmup_steps:

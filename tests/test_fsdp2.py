@@ -36,9 +36,11 @@ VARIANTS = {
     "prefetch": ["--explicit_prefetch"],
     "combined": ["--offload", "--activation_checkpointing", "after", "--root_reshard_after_forward", "false",
                  "--explicit_prefetch"],
+    "hsdp2x4": ["--hsdp", "2"],  # HSDP: 2 replicas of 4-way sharding (8 devices)
+    "hsdp4x2": ["--hsdp", "4"],
 }
-DEFAULT = [(4, "ckpt_before"), (8, "combined")]
-SWEEP = [(n, v) for n in (4, 8) for v in VARIANTS if v != "combined"]
+DEFAULT = [(4, "ckpt_before"), (8, "combined"), (8, "hsdp2x4"), (8, "hsdp4x2")]
+SWEEP = [(n, v) for n in (4, 8) for v in VARIANTS if v != "combined" and not v.startswith("hsdp")]
 
 
 def _env(devices: int) -> dict:
@@ -119,6 +121,8 @@ def test_example_parity(runs, devices, variant):
         assert "held on: cpu" in got[2], "CPUOffloadPolicy: the optimizer's parameters must live on the host"
     else:
         assert "held on: xla" in got[2]
+    hsdp = "--hsdp" in VARIANTS[variant]
+    assert ("placements (Replicate(), Shard(dim=0))" in got[2]) == hsdp, got[2][-2000:]
     _assert_parity(runs.result("ref"), got, f"{variant}@{devices}")
 
 
@@ -172,6 +176,9 @@ def test_bad_input(tmp_path):
     assert "already applied" in r["twice"]["message"]
     assert "bottom-up" in r["child_after_parent"]["message"] and r["child_after_parent_untouched"]
     assert "covers 3" in r["mesh"]["message"] and "4 devices" in r["mesh"]["message"] and r["mesh_untouched"]
+    assert "3-D DeviceMesh" in r["mesh_3d"]["message"] and "dp_replicate" in r["mesh_3d"]["message"]
+    msg = r["hsdp_replicate_not_dividing"]["message"]
+    assert "replicate dim of 3 does not divide the 4 devices" in msg and r["hsdp_untouched"], msg
     assert "Shard(1)" in r["placement"]["message"] and "dim 0" in r["placement"]["message"]
     assert r["placement_dim0_ok"]
     assert "ignored_params" in r["ignored_params"]["message"]

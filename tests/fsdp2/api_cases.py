@@ -90,6 +90,11 @@ def errors(out):
     fresh = Block()
     res["mesh"] = _error(lambda: fully_shard(fresh, mesh=bad_mesh))
     res["mesh_untouched"] = type(fresh) is Block and type(fresh.a.weight) is nn.Parameter
+    from torch.distributed.device_mesh import init_device_mesh
+
+    res["mesh_3d"] = _error(lambda: fully_shard(fresh, mesh=init_device_mesh("xla", (2, 2, 1))))
+    res["hsdp_replicate_not_dividing"] = _error(lambda: fully_shard(fresh, mesh=init_device_mesh("xla", (3, 1))))
+    res["hsdp_untouched"] = type(fresh) is Block and type(fresh.a.weight) is nn.Parameter
 
     from torch.distributed.tensor import Shard
 

@@ -41,7 +41,7 @@ import torch.nn as nn
 from ..unit_state import named_units, state_of, units
 from . import optimizer_state
 from .param import FSDPParam
-from .sharded_param import ShardedParameter
+from .sharded_param import ShardedParameter, placements_on
 
 WRAPPED = "_checkpoint_wrapped_module"
 SHARD_METADATA_FORMAT = "xla_fsdp.shard_metadata/1"
@@ -252,9 +252,7 @@ class StateTensor(torch.Tensor):
 
     @property
     def placements(self):
-        from torch.distributed.tensor import Shard
-
-        return (Shard(0),)
+        return placements_on(self.device_mesh)
 
     def __reduce_ex__(self, proto):
         return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
@@ -263,7 +261,7 @@ class StateTensor(torch.Tensor):
         return self.as_subclass(torch.Tensor).clone()
 
     def __repr__(self) -> str:
-        return f"StateTensor(shape={tuple(self.shape)}, placements=(Shard(dim=0),), device={self.device})"
+        return f"StateTensor(shape={tuple(self.shape)}, placements={self.placements}, device={self.device})"
 
 
 class _StateTensors:

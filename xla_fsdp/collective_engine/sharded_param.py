@@ -46,9 +46,7 @@ class ShardedParameter(nn.Parameter):
 
     @property
     def placements(self):
-        from torch.distributed.tensor import Shard
-
-        return (Shard(0),)
+        return placements_on(self._device_mesh)
 
     @property
     def device_mesh(self):
@@ -71,5 +69,13 @@ class ShardedParameter(nn.Parameter):
         return self.view_as(self)
 
     def __repr__(self) -> str:
-        return (f"ShardedParameter(shape={tuple(self.full_shape)}, placements=(Shard(dim=0),), "
+        return (f"ShardedParameter(shape={tuple(self.full_shape)}, placements={self.placements}, "
                 f"mesh={self._device_mesh}, dtype={self.dtype})")
+
+
+def placements_on(device_mesh) -> tuple:
+    """FSDP2's placements on `device_mesh`: `(Shard(0),)`, or `(Replicate(), Shard(0))` on an HSDP mesh."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    ndim = getattr(device_mesh, "ndim", 1)
+    return (Replicate(),) * (ndim - 1) + (Shard(0),)

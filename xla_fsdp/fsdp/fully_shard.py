@@ -68,8 +68,11 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     _enter_spmd(module)
     mesh = _mesh(mesh)
     _check_placements(module, shard_placement_fn)
-    kw = _engine_keywords(module, mp, reshard_after_forward, mesh.xla.size())
+    kw = _engine_keywords(module, mp, reshard_after_forward, int(mesh.xla.mesh_shape[-1]))
     kw["mesh"] = mesh.xla
+    if mesh.replicas > 1:  # HSDP: shard within each row of the mesh, replicate across rows
+        kw["sharding_strategy"] = "HYBRID_SHARD"
+        kw["sharding_groups"] = mesh.shard_groups()
     kw["collectives"] = mesh.collectives  # every unit over one mesh shares one (if it fits)
     state = make_unit(module, kw, FSDPModule, param_cls=ShardedParameter, keeps_meta=True)
     if mesh.collectives is None:

@@ -5,15 +5,21 @@ processes (`init_device_mesh("cuda", (world_size,))`: one rank per GPU). Here
 one process drives every chip of its host, so a process is not a device: a
 1-D `DeviceMesh("xla", ...)` whose size is the number of processes means
 "shard over every device of those processes", and one whose size is the
-number of devices means the devices themselves. Anything else does not cover
-the job and is refused. Parameters report a 1-D `DeviceMesh("xla", devices,
-mesh_dim_names=("fsdp",))` built without a process group, which is what
+number of devices means the devices themselves. A 2-D mesh is HSDP
+(torchtitan's `dp_replicate` x `dp_shard`): dim 0 replicates, dim 1 shards,
+and its size is again the devices or the processes (then each process entry
+stands for that host's devices, laid along the shard dim). Anything else does
+not cover the job, or is 3-D, and is refused. Parameters report a
+`DeviceMesh("xla", ...)` over the devices built without a process group, 1-D
+(`"fsdp"`) or 2-D (the names the script gave), which is what
 `distribute_tensor(full, p.device_mesh, p.placements)` needs.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Dict, Optional, Tuple
+
+HSDP_NAMES = ("dp_replicate", "dp_shard")
 
 
 def _devices_and_processes() -> Tuple[int, int]:
@@ -24,61 +30,99 @@ def _devices_and_processes() -> Tuple[int, int]:
 
 @dataclasses.dataclass
 class ShardMesh:
-    """What `fully_shard` shards over: torch_xla's mesh (one "fsdp" axis over every device, the
-    engine's), the `DeviceMesh` its parameters report, and the collectives every unit over it
-    shares (the first unit's, set when it is built). One per device count, for the process."""
+    """What `fully_shard` shards over: torch_xla's mesh (the engine's: an "fsdp" axis, after a
+    "replicate" axis under HSDP), the `DeviceMesh` its parameters report, and the collectives every
+    unit over it shares (the first unit's, set when it is built). One per shape, for the process."""
 
     xla: Any
     device_mesh: Any
     collectives: Optional[Any] = None
 
+    @property
+    def replicas(self) -> int:
+        return int(self.xla.mesh_shape[0]) if len(self.xla.mesh_shape) == 2 else 1
+
+    def shard_groups(self) -> list:
+        """The device ids of each shard group: the rows of the mesh."""
+        import numpy as np
+
+        rows = np.asarray(self.xla.device_ids).reshape(self.replicas, -1)
+        return [[int(d) for d in row] for row in rows]
+
 
 def resolve_fsdp_mesh(mesh) -> ShardMesh:
-    """`mesh=` of fully_shard -> the `ShardMesh` over every device."""
+    """`mesh=` of fully_shard -> the `ShardMesh` over every device (see the note above)."""
     import numpy as np
     import torch_xla.distributed.spmd as xs
 
     devices, processes = _devices_and_processes()
+    replicas, names = 1, None
     if mesh is not None:
         if isinstance(mesh, xs.Mesh):
-            size = int(np.prod(mesh.mesh_shape))
+            size, shape = int(np.prod(mesh.mesh_shape)), tuple(mesh.mesh_shape)
             kind = f"torch_xla Mesh {dict(zip(mesh.axis_names or (), mesh.mesh_shape))}"
+            if len(shape) == 2 and tuple(mesh.axis_names or ()) != ("replicate", "fsdp"):
+                raise ValueError(f"fully_shard(mesh=...) got a 2-D {kind}: name its axes (\"replicate\", \"fsdp\") "
+                                 "for HSDP, or pass a DeviceMesh")
         elif hasattr(mesh, "device_type") and hasattr(mesh, "mesh"):
             if mesh.device_type != "xla":
                 raise ValueError(f"fully_shard(mesh=...) got a DeviceMesh of device type {mesh.device_type!r}; on "
                                  f"a TPU build it with init_device_mesh(\"xla\", (world_size,))")
-            if mesh.ndim != 1:
-                raise ValueError(f"fully_shard(mesh=...) got a {mesh.ndim}-D DeviceMesh: HSDP meshes are not "
-                                 "supported here; pass a 1-D mesh (or none) to shard over every device")
-            size = mesh.size()
-            kind = f"DeviceMesh of {size}"
+            size, shape = mesh.size(), tuple(mesh.mesh.shape)
+            kind = f"{mesh.ndim}-D DeviceMesh {shape}"
+            names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
         else:
             raise TypeError(f"fully_shard(mesh=...) expects a torch DeviceMesh (device type \"xla\") or a "
                             f"torch_xla Mesh, got {type(mesh).__name__}")
+        if len(shape) > 2:
+            raise ValueError(f"fully_shard(mesh=...) got a {kind}: meshes here are 1-D (shard over every device) or "
+                             "2-D for HSDP (dp_replicate, dp_shard); tensor or context parallel dims are not "
+                             "supported by xla_fsdp.fsdp")
+        if len(shape) == 2 and size not in (devices, processes):
+            hint = (f"a replicate dim of {shape[0]} does not divide the {devices} devices" if devices % shape[0]
+                    else f"with a replicate dim of {shape[0]} the shard dim is {devices // shape[0]}")
+            raise ValueError(f"fully_shard(mesh=...): the HSDP {kind} (replicate {shape[0]} x shard {shape[1]}) covers "
+                             f"{size} devices, but this job has {devices} devices in {processes} process(es): "
+                             f"{hint} (init_device_mesh(\"xla\", (replicate, devices // replicate)))")
         if size not in (devices, processes):
             raise ValueError(f"fully_shard(mesh=...): the {kind} covers {size} devices or processes, but this "
                              f"job has {processes} process(es) driving {devices} devices; use a 1-D mesh of "
                              f"{processes} (one entry per process, init_device_mesh(\"xla\", (world_size,))) "
-                             f"or of {devices} (one per device), or pass no mesh")
-    if devices not in _shard_meshes:  # one per device count: units built over it share collectives
-        _shard_meshes[devices] = ShardMesh(xs.Mesh(np.arange(devices), (devices,), ("fsdp",)), device_mesh(devices))
-    return _shard_meshes[devices]
+                             f"or of {devices} (one per device), a 2-D (replicate, shard) mesh of as many, or "
+                             "pass no mesh")
+        replicas = shape[0] if len(shape) == 2 else 1
+        if devices % replicas:
+            raise ValueError(f"fully_shard(mesh=...): the {kind}'s replicate dim of {replicas} does not divide the "
+                             f"{devices} devices")
+    key = (replicas, names)
+    if key not in _shard_meshes:  # one per shape: units built over it share collectives
+        if replicas == 1:
+            _shard_meshes[key] = ShardMesh(xs.Mesh(np.arange(devices), (devices,), ("fsdp",)), device_mesh(devices))
+        else:
+            shape = (replicas, devices // replicas)
+            _shard_meshes[key] = ShardMesh(xs.Mesh(np.arange(devices), shape, ("replicate", "fsdp")),
+                                           device_mesh(devices, shape, names or HSDP_NAMES))
+    return _shard_meshes[key]
 
 
-_shard_meshes: Dict[int, ShardMesh] = {}
+_shard_meshes: Dict[tuple, ShardMesh] = {}
 
 
 _meshes: dict = {}
 
 
-def device_mesh(devices: int):
-    """A 1-D DeviceMesh("xla") over `devices` devices named "fsdp", made without a process group."""
-    if devices not in _meshes:
+def device_mesh(devices: int, shape: Optional[Tuple[int, ...]] = None, names: Tuple[str, ...] = ("fsdp",)):
+    """A DeviceMesh("xla") over `devices` devices (1-D "fsdp", or `shape` with `names`), made without
+    a process group."""
+    shape = shape or (devices,)
+    key = (shape, names)
+    if key not in _meshes:
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        _meshes[devices] = DeviceMesh("xla", torch.arange(devices), mesh_dim_names=("fsdp",), _init_backend=False)
-    return _meshes[devices]
+        _meshes[key] = DeviceMesh("xla", torch.arange(devices).reshape(shape), mesh_dim_names=names,
+                                  _init_backend=False)
+    return _meshes[key]
 
 
 def process_count() -> int:

@@ -120,8 +120,9 @@ class FSDPModule(UnitMethods):
         next backward that syncs."""
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Accepted for HSDP scripts, no effect: fully_shard here shards over one mesh dimension,
-        so there is no replica all-reduce to skip."""
+        """Accepted, no effect: under HSDP every backward that reduces also all-reduces over the
+        replicate dim; skipping it for some micro-batches and doing it on the last gives the same
+        gradients (the all-reduce is linear), so only the traffic differs."""
 
     def set_post_optim_event(self, event) -> None:
         """Accepted, no effect: XLA orders the next forward's gathers after the optimizer step by
@@ -151,7 +152,8 @@ class FSDPModule(UnitMethods):
                                      "the engine (all_gather_impl); there is no process-group call to replace")
     set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", "the reduce-scatter is an XLA collective "
                                          "in the traced program; there is no process-group call to replace")
-    set_all_reduce_hook = _refused("set_all_reduce_hook", "there is no HSDP all-reduce here (1-D meshes only)")
+    set_all_reduce_hook = _refused("set_all_reduce_hook", "the HSDP all-reduce is an XLA collective in the traced "
+                                   "program; there is no process-group call to hook")
     set_force_sum_reduction_for_comms = _refused(
         "set_force_sum_reduction_for_comms", "use set_gradient_divide_factor(1.0) for summed gradients")
     set_unshard_in_backward = _refused("set_unshard_in_backward", "every unit that resharded after forward "
