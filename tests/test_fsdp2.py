@@ -155,6 +155,11 @@ def test_methods_and_parameters(tmp_path):
     assert (p["mesh_size"], p["mesh_type"]) == (4, "xla")
     assert p["full_shape"] == p["full_tensor_shape"] == [10, 8] and p["full_tensor_equal"]
     assert p["isinstance"] and p["state_dict_shapes_ok"]
+    # DTensor's semantics (issue 52 item 5): the global, unpadded shape; the padding only in storage
+    d = r["dtensor"]
+    assert (d["shape"], d["size"], d["size0"], d["numel"], d["len"], d["to_local"]) == ([10, 8], [10, 8], 10, 80, 10,
+                                                                                       [10, 8]), d
+    assert d["stored"] == [12, 8] and d["grad_flows"] == [12, 8] and d["is_parameter"] and not d["is_dtensor"], d
     assert r["unshard_registers_whole"] and r["reshard_registers_shards"]
     assert r["unshard_forward_diff"] < 1e-5
     assert r["unshard_then_backward_grad_diff"] < 1e-5

@@ -45,7 +45,7 @@ def placeholder(shape, dtype: torch.dtype, sharding=None) -> torch.Tensor:
 def to_device(tensor: torch.Tensor, device, sharding=None) -> torch.Tensor:
     """`tensor` on the XLA `device`; under the trace, a meta tensor becomes a placeholder."""
     if active() and tensor.is_meta:
-        return placeholder(tensor.shape, tensor.dtype, sharding)
+        return placeholder(torch.Tensor.size(tensor), tensor.dtype, sharding)  # stored shape
     return tensor.to(device)
 
 

@@ -167,6 +167,17 @@ def methods(out):
         "isinstance": isinstance(net, FSDPModule) and isinstance(net.blocks[0], FSDPModule),
         "state_dict_shapes_ok": all(tuple(v.shape) == tuple(state[k].shape) for k, v in net.state_dict().items()),
     }
+    from torch.distributed.tensor import DTensor
+
+    # DTensor's semantics: the global shape whatever the padding (head.weight's 10 rows at 4 devices: 12 stored)
+    res["dtensor"] = {"shape": list(p.shape), "size": list(p.size()), "size0": p.size(0), "numel": p.numel(),
+                      "len": len(p), "to_local": list(p.to_local().shape), "stored": list(torch.Tensor.size(p)),
+                      "is_dtensor": isinstance(p, DTensor), "is_parameter": isinstance(p, nn.Parameter),
+                      "grad_flows": None}
+    loss = net(tokens.to(dev)).float().sum()
+    loss.backward()
+    res["dtensor"]["grad_flows"] = list(p.grad.shape)
+    net.zero_grad(set_to_none=True)
     # unshard() under no_grad: the parameters registered whole, the output that of the unsharded model
     net.unshard()
     registered = net.head.weight

@@ -181,7 +181,7 @@ def _optimizer_shardings():
                     continue
                 op = torch_xla._XLAC._get_xla_op_sharding(p)
                 for value in obj.state.get(p, {}).values():
-                    if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    if isinstance(value, torch.Tensor) and value.shape == torch.Tensor.size(p):  # stored shape
                         out[id(value)] = op
     return out
 
@@ -202,7 +202,7 @@ def _as_if_run() -> None:
                 op = torch_xla._XLAC._get_xla_op_sharding(t)
             op = op if op is not None else inherited.get(id(t))
             with torch.no_grad():
-                t.data = abstract.placeholder(t.shape, t.dtype, op)
+                t.data = abstract.placeholder(torch.Tensor.size(t), t.dtype, op)  # stored shape
             devices.add(str(t.device))
     for device in devices or {str(torch_xla.device())}:
         torch_xla._XLAC._set_all_reduce_token(device, None)

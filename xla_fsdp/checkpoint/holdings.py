@@ -31,6 +31,7 @@ import torch.nn as nn
 from ..runtime import hosts
 from ..collective_engine import model_state as keys
 from ..unit_state import state_of, units
+from ..collective_engine.sharded_param import stored_shape
 from ..collective_engine.optimizer_state import ROW_FACTORED  # state with one entry per parameter row
 from ..runtime.hosts import HostView
 from . import host_shards as hs
@@ -110,7 +111,7 @@ class Holding:
             return "scalar"
         if value.dim() == 0:
             return "scalar"
-        if tuple(value.shape) == tuple(self.param.shape):
+        if tuple(value.shape) == tuple(stored_shape(self.param)):
             return "rows"
         if key in ROW_FACTORED and value.shape[0] == self.local_rows:
             return "rows"
@@ -134,7 +135,8 @@ class SpmdHolding(Holding):
 
     def __init__(self, name, aliases, param, full_shape, view: HostView):
         rows = full_shape[0] if len(full_shape) else 1
-        super().__init__(name, aliases, param, full_shape, (0, rows), True, None, param.shape[0] if param.dim() else 1,
+        super().__init__(name, aliases, param, full_shape, (0, rows), True, None,
+                         stored_shape(param)[0] if param.dim() else 1,
                          None)
         self.view = view
 
@@ -254,7 +256,7 @@ def _like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         import torch_xla
 
         sharding = torch_xla._XLAC._get_xla_op_sharding(reference)
-        if sharding is not None and value.shape == reference.shape:
+        if sharding is not None and value.shape == stored_shape(reference):
             torch_xla._XLAC._xla_mark_sharding(moved, sharding)
     return moved
 

@@ -31,6 +31,7 @@ import torch
 
 from ..runtime import hosts
 from ..runtime.hosts import HostGroup, HostView
+from ..collective_engine.sharded_param import stored_shape
 
 Piece = Tuple[int, int, Callable[[], torch.Tensor]]  # [start, stop) of the full tensor's rows, produce rows
 
@@ -169,7 +170,7 @@ def device_rows(like: torch.Tensor) -> List[Tuple[int, int, int]]:
     spec = torch_xla._XLAC._get_xla_sharding_spec(like)
     m = re.search(r"devices=\[([0-9,]+)\]", spec)
     tiles0 = int(m.group(1).split(",")[0]) if m else 1
-    total = like.shape[0]
+    total = stored_shape(like)[0]
     shard_rows = -(-total // tiles0)
     out = []
     for _, index in where:
@@ -211,5 +212,5 @@ class ShardReader:
         """A new global tensor of `like`'s shape and sharding from {device: shard}."""
         import torch_xla
 
-        return hosts.global_tensor(shards, torch_xla._XLAC._get_xla_op_sharding(like), like.shape, self.view,
+        return hosts.global_tensor(shards, torch_xla._XLAC._get_xla_op_sharding(like), stored_shape(like), self.view,
                                    self.group)

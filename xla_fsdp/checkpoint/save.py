@@ -44,6 +44,7 @@ from . import format as fmt
 from ..collective_engine import model_state as keys
 from . import host_shards as hs
 from . import storage
+from ..collective_engine.sharded_param import stored_shape
 from .holdings import Holding, held_state_dict, holdings, layout_record, optimizer_names, process_info
 
 
@@ -244,7 +245,7 @@ def _metadata(model, held, optimizer, step, info) -> Dict[str, Any]:
                     entry["dtype"] = fmt.dtype_name(value.dtype)
             elif kind == "rows":
                 # shaped like the parameter, or its rows with trailing dims averaged away
-                same = tuple(value.shape) == tuple(h.param.shape)
+                same = tuple(value.shape) == tuple(stored_shape(h.param))
                 entry["shape"] = list(h.full_shape) if same else [h.num_rows, *value.shape[1:]]
                 entry["dtype"] = fmt.dtype_name(value.dtype)
             elif kind == "whole":

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..collective_engine import model_state as keys
 from ..collective_engine.model_state import check_load, records as _records
+from ..collective_engine.sharded_param import stored_shape
 from ..unit_state import named_units, state_of
 
 SHARDED_FORMAT = "xla_fsdp.sharded/1"
@@ -106,7 +107,7 @@ def load_sharded_state_dict(model: nn.Module, state: Dict) -> None:
     check_load("sharded checkpoint", {k: v for k, v in state["shapes"].items()},
                {name: [rec.orig_shape] for name, rec in names.items()})
     check_load("sharded checkpoint shards", {k: v.shape for k, v in state["params"].items()},
-               {name: [rec.sharded.shape] for name, rec in names.items()})
+               {name: [stored_shape(rec.sharded)] for name, rec in names.items()})
     check_load("sharded checkpoint buffers", {k: v.shape for k, v in state["buffers"].items()},
                {n: [b.shape] for n, b in buffers.items()})
     with torch.no_grad():

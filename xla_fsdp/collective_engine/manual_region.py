@@ -178,7 +178,8 @@ class ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, mesh, spec, sum_replicas):
-        ctx.mesh, ctx.spec, ctx.shape, ctx.sum_replicas = mesh, spec, t.shape, sum_replicas
+        # the stored shape: a ShardedParameter shows its own, unpadded one ([Note: FSDP2 parameters on XLA])
+        ctx.mesh, ctx.spec, ctx.shape, ctx.sum_replicas = mesh, spec, torch.Tensor.size(t), sum_replicas
         return to_local(t, mesh, spec)
 
     @staticmethod

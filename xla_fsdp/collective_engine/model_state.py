@@ -41,7 +41,7 @@ import torch.nn as nn
 from ..unit_state import named_units, state_of, units
 from . import optimizer_state
 from .param import FSDPParam
-from .sharded_param import ShardedParameter, placements_on
+from .sharded_param import ShardedParameter, placements_on, stored_shape
 
 WRAPPED = "_checkpoint_wrapped_module"
 SHARD_METADATA_FORMAT = "xla_fsdp.shard_metadata/1"
@@ -172,7 +172,9 @@ class _PadAgain(_PaddedParams):
                  error_msgs) -> None:
         for name, rec in self.padded(module):
             value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(rec.orig_shape):
+            # a ShardedParameter shows its own shape and pads in copy_; a plain one shows the padding
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(rec.orig_shape) \
+                    and not isinstance(rec.sharded, ShardedParameter):
                 state_dict[prefix + name] = rec.padded(value)
 
 
@@ -301,7 +303,7 @@ def _global_value(value):
 def load_into(root: nn.Module, state_dict, strict: bool, assign: bool):
     """`root.load_state_dict(...)` for a fully_shard module (see [Note: loading into sharded parameters])."""
     values = {k: _global_value(v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
-    want = {n: [tuple(getattr(p, "full_shape", p.shape)), tuple(p.shape)] for n, p in root.named_parameters()}
+    want = {n: [tuple(p.shape), tuple(stored_shape(p))] for n, p in root.named_parameters()}
     check_load("load_state_dict", {k: v.shape for k, v in values.items() if isinstance(v, torch.Tensor)}, want,
                keys=False)
     sharded = units(root)

@@ -39,7 +39,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .sharded_param import ShardedParameter
+from .sharded_param import ShardedParameter, stored_shape
 
 ROW_FACTORED = ("exp_avg_sq_row",)  # one entry per row of the parameter (the rest averaged away)
 SCALAR_STATE = ("step", "mu_product")  # torch's per-parameter counters: 0-dim whatever the parameter
@@ -121,7 +121,7 @@ def shard_like_params(optimizer) -> None:
                 continue
             sharding = None
             for key, value in list(state.items()):
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape) or value.dim() == 0:
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(stored_shape(p)) or value.dim() == 0:
                     continue
                 if value.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_spec(value) == spec:
                     continue
@@ -165,9 +165,9 @@ def _cut(optimizer, state_dict) -> Optional[dict]:
 def _cut_value(key, value, p, rec):
     if not isinstance(value, torch.Tensor):
         return value
-    if tuple(value.shape) == tuple(p.shape):
+    if tuple(value.shape) == tuple(stored_shape(p)):
         return value[: rec.rows].reshape(rec.orig_shape)
-    if key in ROW_FACTORED and value.dim() >= 1 and value.shape[0] == p.shape[0] and len(rec.orig_shape) > 1:
+    if key in ROW_FACTORED and value.dim() >= 1 and value.shape[0] == stored_shape(p)[0] and len(rec.orig_shape) > 1:
         return value[: rec.rows]
     return value
 
@@ -202,7 +202,7 @@ def _saved_keys(optimizer, state_dict) -> Dict[object, int]:
 def _padded_value(key, value, p, rec, comm):
     """A state value of padded parameter `p` in the unwrapped shape -> padded and placed as the
     optimizer holds it; anything else as it is."""
-    if not isinstance(value, torch.Tensor) or tuple(value.shape) == tuple(p.shape):
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) == tuple(stored_shape(p)):
         return value
     if tuple(value.shape) == tuple(rec.orig_shape) and not (value.dim() == 0 and key in SCALAR_STATE):
         rows = value.detach().cpu()  # torch_xla keeps a freshly moved tensor on the host: no device round trip

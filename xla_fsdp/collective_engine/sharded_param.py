@@ -7,13 +7,20 @@ DTensors fail in dispatch; ../shared/notes/fsdp2-on-xla.md). Here a parameter
 is what the single controller already holds: one global XLA tensor, sharded
 on dim 0 over the mesh, padded on dim 0 to a multiple of the device count
 when the rows do not divide ([Note: dim-0 sharding]). This subclass of
-`nn.Parameter` adds DTensor's surface: `placements` (`(Shard(0),)`),
-`device_mesh`, `full_tensor()` (the unpadded whole parameter, differentiable)
-and `to_local()` (what this process holds: on one host, every device's rows).
-Its `shape` is the global tensor's, which is the parameter's own shape unless
-padding was needed; `full_shape` is always the parameter's own. Every op on it
-is a plain tensor op (the subclass does not intercept dispatch), so
-optimizers, `clip_grad_norm_` and `torch.nn.init` work as on any tensor.
+`nn.Parameter` does not intercept dispatch: every op on it is a plain op on
+the global tensor, so optimizers, `clip_grad_norm_` and `torch.nn.init` work
+as on any tensor. It has DTensor's surface: `placements` (`(Shard(0),)`, or
+`(Replicate(), Shard(0))` under HSDP), `device_mesh`, `full_tensor()` and
+`to_local()`. It is not a `DTensor` for `isinstance`: torch's DCP treats a
+DTensor parameter as one local shard per process (`set_model_state_dict(...,
+broadcast_from_rank0=True)` slices the full tensor by the process's
+coordinate on the mesh), which one process holding every device's rows is not.
+The padding stays out of sight: `shape`, `size()`, `numel()` and `len()`
+are the parameter's own global shape, as a DTensor's are, and `copy_` from a
+tensor of that shape writes its rows. Ops see the stored (padded) tensor, so
+gradients and optimizer state have the stored shape (`stored_shape`), which
+the state dicts cut back to the parameter's ([Note: state dicts of the single
+controller]).
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ class ShardedParameter(nn.Parameter):
                                "dropped or re-sharded)")
         return rec
 
+    # -- DTensor's surface ----------------------------------------------------------------------
     @property
     def placements(self):
         return placements_on(self._device_mesh)
@@ -51,6 +59,20 @@ class ShardedParameter(nn.Parameter):
     @property
     def device_mesh(self):
         return self._device_mesh
+
+    @property
+    def shape(self) -> torch.Size:
+        """The parameter's own global shape (padding rows are not counted)."""
+        return self.full_shape
+
+    def size(self, dim: Optional[int] = None):
+        return self.full_shape if dim is None else self.full_shape[dim]
+
+    def numel(self) -> int:
+        return self.full_shape.numel()
+
+    def __len__(self) -> int:
+        return self.full_shape[0]
 
     @property
     def full_shape(self) -> torch.Size:
@@ -65,12 +87,29 @@ class ShardedParameter(nn.Parameter):
 
     def to_local(self) -> torch.Tensor:
         """The rows this process holds: on the single controller every device of the host is this
-        process's, so that is the whole (padded) global tensor; differentiable like DTensor's."""
-        return self.view_as(self)
+        process's, so that is the whole parameter (padding rows cut off); differentiable."""
+        return self.full_tensor()
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "ShardedParameter":
+        """In-place copy; a source of the parameter's own shape fills its rows (the padding rows
+        become zeros), one of the stored shape is copied as it is."""
+        rec = self._rec()
+        if tuple(src.shape) == tuple(rec.orig_shape) and tuple(src.shape) != tuple(stored_shape(self)):
+            src = rec.padded(src)
+        return torch.Tensor.copy_(self, src, non_blocking)
+
+    def redistribute(self, *args, **kwargs):
+        raise NotImplementedError("ShardedParameter.redistribute: a fully_shard parameter stays sharded on dim 0 "
+                                  "over its mesh; use full_tensor() for the whole parameter")
 
     def __repr__(self) -> str:
         return (f"ShardedParameter(shape={tuple(self.full_shape)}, placements={self.placements}, "
                 f"mesh={self._device_mesh}, dtype={self.dtype})")
+
+
+def stored_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of the tensor as stored: for a `ShardedParameter`, padding rows included."""
+    return torch.Tensor.size(t)
 
 
 def placements_on(device_mesh) -> tuple:

@@ -180,7 +180,6 @@ class FSDPState:
             return False
         return self.options.reshard.reshard_after_forward
 
-    # -- forward -----------------------------------------------------------
     # -- unshard() / reshard() ---------------------------------------------
     def unshard(self) -> None:
         """Register every parameter of the unit whole (gathered, in its own dtype) until `reshard`."""
@@ -202,8 +201,11 @@ class FSDPState:
         self.unsharded = None
 
     def forward(self, run: Callable, args: Tuple, kwargs: Dict) -> Any:
-        if self.unsharded is not None and self.unshard_feeds_forward and torch.is_grad_enabled():
-            self.reshard()  # FSDP2: the forward's own gather, wired into autograd, replaces them
+        if self.unsharded is not None and self.unshard_feeds_forward:
+            # FSDP2: the forward's own gather (wired into autograd) replaces them; with or without
+            # autograd, since a unit computing outside the engine would leave the units below it
+            # outside the single controller's region
+            self.reshard()
         if self.unsharded is not None:
             if torch.is_grad_enabled() and any(p.requires_grad for p in self.group.params):
                 raise RuntimeError("this unit is unsharded (unshard() or summon_full_params()): its gradients "
