@@ -20,7 +20,7 @@ _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 if _BENCH not in sys.path:
     sys.path.append(_BENCH)
 from common.gloo import exit_without_finalizers as _exit_without_finalizers, run_distributed_fn  # noqa: E402,F401
-from common.models import GLOBAL_BATCH, batch, build_model, loss_fn  # noqa: E402,F401
+from common.models import GLOBAL_BATCH, batch, build_model, gpt2_config, loss_fn  # noqa: E402,F401
 
 STEPS = 5
 
