@@ -28,25 +28,7 @@ import sys
 import torch
 import torch.nn as nn
 
-
-def _placeholders(module: nn.Module, spmd: bool) -> None:
-    """Every meta parameter / buffer of `module` becomes a placeholder on the XLA device (tied
-    parameters stay tied). Under SPMD `* 1` makes it an IR value that mark_sharding can annotate
-    (a placeholder itself is refused)."""
-    from torch_xla.core import xla_builder as xb
-
-    memo = {}
-    for m in module.modules():
-        for name, p in list(m._parameters.items()):
-            if p is not None and p.is_meta:
-                if id(p) not in memo:
-                    t = xb.create_placeholder_tensor(tuple(p.shape), p.dtype)
-                    memo[id(p)] = nn.Parameter(t * 1 if spmd else t, requires_grad=p.requires_grad)
-                m._parameters[name] = memo[id(p)]
-        for name, b in list(m._buffers.items()):
-            if b is not None and b.is_meta:
-                t = xb.create_placeholder_tensor(tuple(b.shape), b.dtype)
-                m._buffers[name] = t * 1 if spmd else t
+from common.placeholders import to_placeholders
 
 
 def build_meta_model(config_path: str, grad_ckpt: bool, attn: str = "", fused_loss: bool = False) -> nn.Module:
@@ -82,7 +64,7 @@ def fsdpv1(model: nn.Module, grad_ckpt: bool) -> nn.Module:
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={GPT2Block})
     extra = {"auto_wrapper_callable": lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)} if grad_ckpt else {}
     return FSDP(model, auto_wrap_policy=policy, compute_dtype=torch.bfloat16,
-                param_init_fn=lambda m: _placeholders(m, spmd=False), **extra)
+                param_init_fn=lambda m: to_placeholders(m, spmd=False), **extra)
 
 
 def fsdpv2(model: nn.Module, grad_ckpt: bool):
@@ -100,7 +82,7 @@ def fsdpv2(model: nn.Module, grad_ckpt: bool):
         from xla_fsdp import attention
 
         attention.use_mesh(mesh)
-    _placeholders(model, spmd=True)
+    to_placeholders(model, spmd=True)
 
     def shard_output(output, mesh):  # what the HF Trainer hands FSDPv2
         real = output if isinstance(output, torch.Tensor) else output.logits

@@ -29,8 +29,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tpu_perf_table as table  # noqa: E402
+from common import perf_rows as table  # bench/tpu_perf_table.py's rows
 
 # model -> (slice, sequences per chip, blog's measured FSDPv1 step in seconds)
 PAIRS = {

@@ -23,9 +23,10 @@ import sys
 import threading
 import time
 
+from common.gcs_requests import free_port, observe_requests
+from common.gloo import run_distributed_fn
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from gcs_emulator import _free_port, observe_requests  # noqa: E402
 BUCKET = "xla-fsdp-bench"
 PHASES = ("save_local", "save_bucket", "load_local", "load_bucket")
 
@@ -120,12 +121,10 @@ def main():
     ap.add_argument("--label", default="", help="what library this measures (e.g. a commit), stored in the JSON")
     args = ap.parse_args()
     from gcp_storage_emulator import server as emulator
-    from parity_cases import run_distributed_fn
-
 
     counter = Counter()
     counter.install(emulator.RequestHandler)
-    port = _free_port()
+    port = free_port()
     srv = emulator.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     srv.start()
     os.environ.update(STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{port}", FSSPEC_GS_TOKEN="anon")

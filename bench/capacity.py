@@ -21,8 +21,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tpu_perf_table as table  # noqa: E402
+from common import perf_rows as table  # bench/tpu_perf_table.py's rows
 
 FAMILY = ("2b", "16b", "20b", "32b", "64b", "128b")
 SLICES = ("v4-8", "v4-32", "v4-128", "v5e-8", "v5e-256")

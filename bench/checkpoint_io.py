@@ -22,8 +22,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from common.gloo import run_distributed_fn
 
 
 def config(args):
@@ -84,8 +83,6 @@ def main():
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--dir", default="/tmp/ckpt_bench")
     args = ap.parse_args()
-    from parity_cases import run_distributed_fn
-
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     run_distributed_fn(worker, args.world, args.dir, args)

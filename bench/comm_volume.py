@@ -31,10 +31,8 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
-from hlo_utils import COLLECTIVES, ops, read, result_bytes, trace  # noqa: E402
+from common.hlo_trace import COLLECTIVES, ops, read, result_bytes, trace
+from common.models import batch, build_model, loss_fn
 
 RUNS = [
     ("xla_fsdp all_gather", "xla_fsdp", {"all_gather_impl": "all_gather"}),
@@ -63,7 +61,6 @@ def single_controller_child(model_kind: str, kwargs: dict) -> None:
     import torch_xla
 
     import xla_fsdp
-    from parity_cases import batch, build_model, loss_fn
 
     model = xla_fsdp.FSDP(build_model(model_kind), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
                           **kwargs)
@@ -105,8 +102,6 @@ def ring_bytes(hlo: str, world: int):
 
 
 def param_bytes(kind: str) -> int:
-    from parity_cases import build_model
-
     model = build_model(kind)
     return sum(p.numel() for p in model.parameters()) * 4
 

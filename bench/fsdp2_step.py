@@ -32,25 +32,25 @@ import os
 import sys
 import time
 
+from common import aot_cases as ac
+from common import examples
+from xla_fsdp.tpu import topology
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import aot_cases as ac  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "fsdp2_llama.py")
 JOB = os.path.join(ROOT, "bench", "llama_engine_job.py")
 ENGINES = ("fully_shard", "xla_fsdp", "fsdpv2")
-CHIPS = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8}
+CHIPS = {tpu: topology.parse_accelerator_type(tpu).chips for tpu in ("v4-8", "v5e-8", "v6e-8")}
 BYTES_PER_PARAM = 2 + 2 + 4  # bf16 gather in forward, again in backward, float32 reduce-scatter
 
 
 def param_count(preset: str) -> int:
     import torch
 
-    from fsdp2_llama import PRESETS, Llama
-
+    example = examples.load("fsdp2_llama")
     with torch.device("meta"):
-        model = Llama(PRESETS[preset])
+        model = example.Llama(example.PRESETS[preset])
     return sum(p.numel() for p in model.parameters())
 
 

@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from common import examples
+from common.placeholders import to_placeholders
 
 XLA_FSDP_TPU_RUNTIME = "single_controller"  # both engines: one program over every chip
 
@@ -40,9 +37,8 @@ def xla_fsdp_engine(model, ac: bool, fp32_reduce: bool = True):
     from xla_fsdp import checkpoint_module
     from xla_fsdp.wrap import transformer_auto_wrap_policy
 
-    from fsdp2_llama import DecoderLayer
-
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
+    decoder_layer = examples.load("fsdp2_llama").DecoderLayer
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={decoder_layer})
     extra = {"auto_wrapper_callable": lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)} if ac else {}
     return FSDP(model, auto_wrap_policy=policy, compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_reduce,
                 **extra)
@@ -56,17 +52,15 @@ def fsdpv2_engine(model, ac: bool):
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
-    from anchor_job import _placeholders
-    from fsdp2_llama import DecoderLayer
-
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
-    _placeholders(model, spmd=True)
+    to_placeholders(model, spmd=True)
 
     def shard_output(output, mesh):
         xs.mark_sharding(output, mesh, ("fsdp",) + (None,) * (output.dim() - 1))
 
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
+    decoder_layer = examples.load("fsdp2_llama").DecoderLayer
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={decoder_layer})
     extra = {"auto_wrapper_callable": lambda m, *a, **k: FSDPv2(checkpoint_module(m), *a, **k)} if ac else {}
     return FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, shard_output=shard_output, **extra), mesh
 
@@ -90,17 +84,18 @@ def main(argv=None) -> None:
     import torch_xla.runtime as xr
 
     import xla_fsdp.aot
-    from fsdp2_llama import PRESETS, Llama
+
+    example = examples.load("fsdp2_llama")
 
     if not xla_fsdp.aot.tracing():
         sys.exit("bench/llama_engine_job.py only runs under the TPU check: python -m xla_fsdp.aot --tpu v4-8 "
                  "--runtime single_controller -- bench/llama_engine_job.py ...")
     xr.use_spmd()  # no-op when the check entered the single controller already
-    cfg = PRESETS[args.preset]
+    cfg = example.PRESETS[args.preset]
     seq = args.seq or cfg.max_seq_len
     device = torch_xla.device()
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = example.Llama(cfg)
     mesh = None
     if args.engine == "xla_fsdp":
         model = xla_fsdp_engine(model, args.ac, fp32_reduce=not args.bf16_reduce)

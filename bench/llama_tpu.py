@@ -26,10 +26,9 @@ import sys
 import tempfile
 import time
 
+from common import aot_cases as ac
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, ROOT)
-import aot_cases as ac  # noqa: E402
 
 FSDP_CONFIG = os.path.join(ROOT, "configs", "fsdp", "llama_xla_fsdp.json")
 # measured anchors: (config file, slice, sequences per chip, sequence) -> (tokens/s/chip, MFU, source)

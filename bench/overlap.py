@@ -1,7 +1,7 @@
 """How much of a step's communication can hide behind compute, from the traced program at world 8.
 
 Traces (never executes) one forward+backward on 8 XLA:CPU device threads and
-reads the dependency graph of the program (tests/hlo_graph.py). For each
+reads the dependency graph of the program (bench/common/hlo_graph.py). For each
 collective: its bytes (sent per rank on a ring), the matmul FLOPs that are
 neither its ancestors nor its descendants (work it can overlap with), and,
 for gathers, whether it is hoistable (no matmul before it: the compiler may
@@ -15,7 +15,7 @@ overlap them, and the shallower the model the larger their share); the
 fraction that have enough of it to hide behind ("hidden at TPU rates":
 independent FLOPs at the chip's bf16
 peak take at least the collective's time on the ICI ring, figures of
-bench/tpu_specs.py, --tpu; a bound, since several collectives may count the
+bench/common/tpu_slices.py, --tpu; a bound, since several collectives may count the
 same matmuls), and the number of hoistable gathers.
 
     python bench/overlap.py [--per-collective] [--tpu v4-8]   # GPT-2 d256 L4 (gpt2_small), world 8
@@ -34,15 +34,11 @@ issue's baseline measurement.
 """
 import argparse
 import os
-import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
-from hlo_graph import HloGraph  # noqa: E402
-from hlo_utils import read, trace  # noqa: E402
-import tpu_specs  # noqa: E402
+from common import tpu_slices
+from common.hlo_graph import HloGraph
+from common.hlo_trace import read, trace
 
 WORLD = 8
 RESHARD_ALL = {"disable_reshard_on_root": False}
@@ -62,8 +58,8 @@ CONFIGS = [
 ]
 
 
-def analyse(text: str, world: int = WORLD, spec: "tpu_specs.TpuSlice" = None) -> dict:
-    spec = spec or tpu_specs.get("v4-8")
+def analyse(text: str, world: int = WORLD, spec: "tpu_slices.TpuSlice" = None) -> dict:
+    spec = spec or tpu_slices.get("v4-8")
     g = HloGraph(text)
     rows = []
     for c in g.collectives(("all-gather", "reduce-scatter")):
@@ -117,11 +113,11 @@ def from_traces(hlo_dir: str, spec) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2_small", choices=["gpt2_small", "gpt2"])
-    ap.add_argument("--tpu", default="v4-8", help="chip figures for the 'hidden' column (bench/tpu_specs.py)")
+    ap.add_argument("--tpu", default="v4-8", help="chip figures for the 'hidden' column (bench/common/tpu_slices.py)")
     ap.add_argument("--per-collective", action="store_true")
     ap.add_argument("--hlo-dir", help="analyse the traces bench/project_tpu.py --hlo-dir kept instead of tracing")
     args = ap.parse_args()
-    spec = tpu_specs.get(args.tpu)
+    spec = tpu_slices.get(args.tpu)
     if args.hlo_dir:
         from_traces(args.hlo_dir, spec)
         return

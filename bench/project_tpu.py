@@ -1,8 +1,8 @@
 """PROJECTED TPU step time and MFU of one GPT-2 training step, from the traced program.
 
 Nothing here runs on a TPU and nothing is measured: every printed time is a
-projection from published chip figures (bench/tpu_specs.py, each with its
-source) applied to the program XLA would be handed.
+projection from published chip figures (xla_fsdp/tpu/chips.py through
+bench/common/tpu_slices.py, each with its source) applied to the program XLA would be handed.
 
     python bench/project_tpu.py --tpu v4-8 --model gpt2_2b
     python bench/project_tpu.py --tpu v4-8 --model gpt2_125m
@@ -67,14 +67,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "tests"))
-sys.path.insert(0, HERE)
-sys.path.insert(0, REPO)
+from common import REPO, tpu_slices
+from common.hlo_graph import HloGraph, dot_flops, result_bytes
 
-import tpu_specs  # noqa: E402
-from hlo_graph import HloGraph, dot_flops, result_bytes  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 MODELS = {"gpt2_2b": "configs/models/gpt2-2b.json", "gpt2_125m": "configs/models/gpt2-125m.json"}
 BF16 = {"compute_dtype": "bfloat16"}
@@ -151,7 +147,7 @@ def op_costs(g: HloGraph, rbytes: dict, spec, world: int, free_param_slices: boo
             passes = 1
             if ins.dtype == "f32":
                 low = ins.attrs.lower()
-                passes = tpu_specs.F32_PASSES["highest" if "highest" in low else "high" if "high" in low else "default"]
+                passes = tpu_slices.F32_PASSES["highest" if "highest" in low else "high" if "high" in low else "default"]
             t_math = dot_flops(g, ins) * passes / spec.peak_bf16_flops
             costs[name] = ("compute", max(t_math, (sum(ins_bytes) + out) / spec.hbm_bytes_per_s), "dot")
         elif _fusible(op):
@@ -310,7 +306,7 @@ def table(model: str, spec, args, hlo_dir: str) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tpu", default="v4-8", help=f"one of {', '.join(sorted(tpu_specs.SLICES))}")
+    ap.add_argument("--tpu", default="v4-8", help=f"one of {', '.join(sorted(tpu_slices.SLICES))}")
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2_2b")
     ap.add_argument("--all", action="store_true", help="both models")
     ap.add_argument("--batch", type=int, default=32, help="per chip")
@@ -322,7 +318,7 @@ def main(argv=None):
     ap.add_argument("--ring-links", type=int, default=None,
                     help="ICI links a chip sends on in a ring collective (default 2; a sensitivity knob)")
     args = ap.parse_args(argv)
-    spec = tpu_specs.get(args.tpu)
+    spec = tpu_slices.get(args.tpu)
     if args.ring_links:
         import dataclasses
 

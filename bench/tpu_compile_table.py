@@ -2,7 +2,7 @@
 
     python bench/tpu_compile_table.py [--model tiny|2b] [--tpu v4-8 v5e-8] [--cases NAME ...] [--json OUT]
 
-Each row is one case of tests/aot_cases.py (runtime x sharding strategy x
+Each row is one case of bench/common/aot_cases.py (runtime x sharding strategy x
 feature) checked with `python -m xla_fsdp.aot` for one slice: whether it
 compiles, the peak HBM per chip from the compiler, and the collectives of
 the TPU-optimized program (synchronous / asynchronous, and the share of the
@@ -21,15 +21,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import aot_cases as ac  # noqa: E402
+from common import aot_cases as ac
+from xla_fsdp.tpu import topology
 
 MODELS = {
     "tiny": dict(model=ac.TINY, batch=2, block=64, extra=()),
     "2b": dict(model=os.path.join(ac.ROOT, "configs", "models", "gpt2-2b.json"), batch=32, block=1024,
                extra=("--optim", "adafactor")),
 }
-CHIPS = {"v4-8": 4, "v5e-8": 8, "v6e-8": 8, "v5p-8": 4}
+CHIPS = {tpu: topology.parse_accelerator_type(tpu).chips for tpu in ("v4-8", "v5e-8", "v6e-8", "v5p-8")}
 
 
 def run(case_name: str, tpu: str, model: str) -> dict:

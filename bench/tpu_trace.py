@@ -40,7 +40,6 @@ import threading
 import torch
 import torch.nn as nn
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _lock = threading.Lock()
 
 
@@ -191,7 +190,6 @@ def _wait_for_dump(dump_dir: str, before: set, timeout: float = 1800.0) -> str:
 
 def main():
     out_path, cfg = sys.argv[1], json.loads(sys.argv[2])
-    sys.path.insert(0, REPO)
     if cfg["engine"] == "fsdpv2":
         import tempfile
 

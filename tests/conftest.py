@@ -1,10 +1,12 @@
-"""Test-suite setup: tests import their helpers (parity_cases, ...) from this folder."""
+"""Test-suite setup: tests import their helpers (parity_cases, ...) from this folder, and the ones
+they share with bench/ (aot_cases, hlo_trace, models, ...) from bench/common."""
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))  # `common`
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 # [Note: the suite compiles XLA:CPU at optimization level 0]

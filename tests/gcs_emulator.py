@@ -17,13 +17,13 @@ import collections
 import contextlib
 import importlib.util
 import os
-import socket
 import sys
 import threading
-import time
 import uuid
 
 import pytest
+
+from common.gcs_requests import free_port, observe_requests  # bench/common: bench/bucket_checkpoint_cost.py counts them too
 
 BUCKET = "xla-fsdp-test"
 
@@ -95,48 +95,6 @@ class Emulator:
             storage.create_file = real
 
 
-def observe_requests(handler_class, record):
-    """Have the emulator's HTTP handler call `record(handler, kind, seconds, bytes_sent)` after
-    every request it serves (kind: see `_kind`); returns the function that undoes it. Shared by
-    `Emulator.requests` and bench/bucket_checkpoint_cost.py."""
-    real = {m: getattr(handler_class, f"do_{m}") for m in ("GET", "POST", "PUT", "PATCH", "DELETE")}
-    real_header = handler_class.send_header
-
-    def served(method):
-        def do(handler):
-            handler._sent_bytes, started = 0, time.perf_counter()
-            real[method](handler)
-            record(handler, _kind(method, handler.path), time.perf_counter() - started, handler._sent_bytes)
-        return do
-
-    def send_header(handler, keyword, value):
-        if keyword.lower() == "content-length":
-            handler._sent_bytes = getattr(handler, "_sent_bytes", 0) + int(value)
-        return real_header(handler, keyword, value)
-
-    for method in real:
-        setattr(handler_class, f"do_{method}", served(method))
-    handler_class.send_header = send_header
-
-    def undo():
-        for method, fn in real.items():
-            setattr(handler_class, f"do_{method}", fn)
-        handler_class.send_header = real_header
-    return undo
-
-
-def _kind(method: str, path: str) -> str:
-    if "/upload/" in path:
-        return "upload"
-    if method == "DELETE":
-        return "delete"
-    if "alt=media" in path or path.startswith("/download/"):
-        return "read"
-    if method == "GET" and path.split("?", 1)[0].rstrip("/").endswith("/o"):
-        return "list"
-    return "metadata"
-
-
 def _quiet_disconnects(handle_error):
     """The server prints a traceback for every client that hung up (a SIGKILLed job, gcsfs
     closing its session); other errors still print."""
@@ -146,12 +104,6 @@ def _quiet_disconnects(handle_error):
     return handle
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def gcs_emulator():
     for module, package in (("gcp_storage_emulator", "gcp-storage-emulator"), ("gcsfs", "gcsfs")):
@@ -159,7 +111,7 @@ def gcs_emulator():
             pytest.skip(f"the GCS emulator tests need {package}: pip install -r requirements-test.txt")
     from gcp_storage_emulator.server import create_server
 
-    port = _free_port()
+    port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
     server._api._httpd.handle_error = _quiet_disconnects(server._api._httpd.handle_error)

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
-GLOBAL_BATCH = 8
+# the models and the gloo runner are bench/common's, shared with bench/ (tests/conftest.py puts
+# bench/ on the path; a worker that imports this file alone gets it here)
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+if _BENCH not in sys.path:
+    sys.path.append(_BENCH)
+from common.gloo import exit_without_finalizers as _exit_without_finalizers, run_distributed_fn  # noqa: E402,F401
+from common.models import GLOBAL_BATCH, batch, build_model, gpt2_config, loss_fn  # noqa: E402,F401
+
 STEPS = 5
 
 
@@ -88,45 +96,6 @@ MIXED_LAYOUTS = [
     Case("gpt2_full_shard_blocks_no_shard_root", "gpt2", "adamw", clip=0.05, worlds=(2,),
          fsdp=(("sharding_strategy", "NO_SHARD"),), inner=(("sharding_strategy", "FULL_SHARD"),)),
 ]
-
-
-def gpt2_config(size: str = "tiny"):
-    from transformers import GPT2Config
-
-    dims = {"tiny": dict(n_embd=64, n_layer=2, n_head=2, vocab_size=128),
-            "small": dict(n_embd=256, n_layer=4, n_head=4, vocab_size=8192)}[size]
-    return GPT2Config(n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **dims)
-
-
-def build_model(kind: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    if kind == "mlp_mixed":
-        # two weights above the small-parameter bucket's 16384 elements (521 rows: padding too)
-        return nn.Sequential(nn.Linear(32, 521), nn.GELU(), nn.Sequential(nn.Linear(521, 67), nn.Tanh()),
-                             nn.Linear(67, 5))
-    if kind in ("mlp", "mlp_nested"):
-        # 67 rows do not divide by 2 or 4: every rank holds padding somewhere
-        return nn.Sequential(nn.Linear(32, 67), nn.GELU(), nn.Sequential(nn.Linear(67, 67), nn.Tanh()),
-                             nn.Linear(67, 5))
-    if kind in ("gpt2", "gpt2_small"):
-        from transformers import GPT2LMHeadModel
-
-        return GPT2LMHeadModel(gpt2_config("small" if kind == "gpt2_small" else "tiny"))
-    raise ValueError(kind)
-
-
-def batch(kind: str, step: int, size: int = GLOBAL_BATCH):
-    gen = torch.Generator().manual_seed(1000 + step)
-    if kind.startswith("mlp"):
-        return torch.randn(size, 32, generator=gen), torch.randn(size, 5, generator=gen)
-    ids = torch.randint(0, 128, (size, 16), generator=gen)
-    return ids, ids
-
-
-def loss_fn(kind: str, model: nn.Module, x, y) -> torch.Tensor:
-    if kind.startswith("mlp"):
-        return ((model(x).float() - y) ** 2).mean()
-    return model(input_ids=x, labels=y).loss.float()
 
 
 def make_optimizer(name: str, params):
@@ -330,47 +299,6 @@ def assert_rel_close(got: torch.Tensor, want: torch.Tensor, rel: float, what: st
     got, want = got.double(), want.double()
     err = (got - want).norm() / want.norm().clamp_min(1e-12)
     assert err <= rel, f"{what}: relative error {err:.3g} > {rel:g} (max abs diff {(got - want).abs().max():.3g})"
-
-
-def run_distributed_fn(fn, world: int, tmp_dir: str, *args) -> None:
-    """Run module-level `fn(rank, world, tmp_dir, *args)` on `world` gloo processes."""
-    import torch.multiprocessing as mp
-
-    import uuid
-
-    store = os.path.join(tmp_dir, f"store-{uuid.uuid4().hex}")  # a FileStore file serves one group only
-    mp.start_processes(_fn_worker, args=(world, store, fn, tmp_dir, args), nprocs=world, join=True,
-                       start_method="spawn")
-
-
-def _fn_worker(rank, world, store, fn, tmp_dir, args):
-    import torch.distributed as dist
-
-    os.environ.pop("PJRT_DEVICE", None)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, tmp_dir, *args)
-    finally:
-        dist.destroy_process_group()
-    _exit_without_finalizers()
-
-
-def _exit_without_finalizers() -> None:
-    """End a worker whose results are on disk without running interpreter teardown.
-
-    Once, in a fresh-clone CI run, a gloo worker of test_checkpoint_export aborted (the test
-    passed alone 3 times and with its file 4 times after); its last word was "terminate called
-    without an active exception", a joinable C++ thread destroyed, as in interpreter teardown;
-    the cause is not confirmed, and the parent fails the test on the signal.
-    Only reached when the worker returned normally: an exception still propagates and fails
-    the test. Results are compared by the parent from the files the worker wrote.
-    """
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def train_accumulated(case: Case, rank: int, world: int, mode: str, micro: int = 2, device=None, sync=None,

@@ -157,7 +157,7 @@ def test_the_port_compiles_for_v4_8_under_the_check():
     """`python -m xla_fsdp.aot --tpu v4-8 -- launch/xla_spawn.py --num_cores 4 <port>`: the check
     reads the same declaration as the launcher (the single controller), cuts the loop's steps
     itself, and libtpu compiles the step. About 20 s here."""
-    import aot_cases as ac
+    from common import aot_cases as ac
 
     got = ac.check("v4-8", [str(SPAWN), "--num_cores", "4", str(PORT), "--steps", "3", "--mixed-precision",
                             "--explicit-prefetching"], timeout=600)

@@ -21,8 +21,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import aot_cases as ac  # noqa: E402
-from hlo_graph import HloGraph  # noqa: E402
+from common import aot_cases as ac  # noqa: E402
+from common.hlo_graph import HloGraph  # noqa: E402
 
 EXAMPLE = os.path.join(ac.ROOT, "examples", "fsdp2_llama.py")
 DEVICES = 8

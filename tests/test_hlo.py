@@ -16,7 +16,7 @@ default groups small parameters and gathers large ones alone (tests/test_buckets
 """
 import pytest
 
-from hlo_utils import normalized, ops, result_elements, trace, read
+from common.hlo_trace import normalized, ops, result_elements, trace, read
 
 WORLD = 8
 ROOT, INNER = 365, 612  # flat shard elements per rank

@@ -1,5 +1,6 @@
 """The package layout (docs/DESIGN.md, "Layers"): no import cycles, no module
-importing a layer above its own (least of all the front door), small files.
+importing a layer above its own (least of all the front door), small files
+(in launch/ and bench/ too).
 
 Every module under xla_fsdp/ is parsed with `ast`, so imports inside functions
 count as much as those at the top of a file; nothing is imported.
@@ -16,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "xla_fsdp"
 FRONT_DOOR = "xla_fsdp.api"
 MAX_LINES = 400
+SCRIPT_FOLDERS = ("launch", "bench")  # entry points and benchmarks: the same line limit as the package
 MAX_ROOT_FILES = 12  # .py files directly in xla_fsdp/, __init__.py included: each concern has its folder
 
 # Every module belongs to a room; a name covers the module and, for a folder,
@@ -54,6 +56,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.train": "on_top",
     "xla_fsdp.integrations": "on_top",
     "xla_fsdp.aot": "on_top",  # the ahead-of-time check traces whole jobs
+    "xla_fsdp.launcher": "on_top",  # launch/xla_spawn.py's launcher (it imports only runtime/ and tpu/)
     "xla_fsdp": "on_top",  # the package root re-exports the front door
 }
 LAYER = {"base": 1, "shared": 2, "collective_engine": 3, "spmd_engine": 3, "front_door": 4,
@@ -266,6 +269,22 @@ def test_no_module_over_the_line_limit(sources):
                   if len(src.splitlines()) > MAX_LINES)
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): " + ", ".join(
         f"{m} ({n})" for n, m in long)
+
+
+def test_no_script_over_the_line_limit():
+    """launch/ and bench/ hold entry points and benchmarks; what grows there moves into the package
+    (launch/xla_spawn.py -> xla_fsdp/launcher/) or bench/common/."""
+    long = []
+    for folder in SCRIPT_FOLDERS:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    with open(path, encoding="utf-8") as f:
+                        lines = len(f.read().splitlines())
+                    if lines > MAX_LINES:
+                        long.append(f"{os.path.relpath(path, ROOT)} ({lines})")
+    assert not long, f"scripts over {MAX_LINES} lines (split them by concern): " + ", ".join(sorted(long))
 
 
 def test_the_package_root_stays_small():

@@ -14,8 +14,8 @@ parameters are alive (the root's stay gathered until the LM head at the end).
 """
 import pytest
 
-from hlo_graph import HloGraph
-from hlo_utils import read, trace
+from common.hlo_graph import HloGraph
+from common.hlo_trace import read, trace
 
 WORLD = 8
 D, TOKENS = 256, 2 * 16  # gpt2_small's width; the trace's per-rank batch

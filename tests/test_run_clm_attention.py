@@ -11,7 +11,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import aot_cases as ac  # noqa: E402
+from common import aot_cases as ac  # noqa: E402
 
 ROOT = ac.ROOT
 TINY = os.path.join(ROOT, "configs", "models", "gpt2-tiny.json")

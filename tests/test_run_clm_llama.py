@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import aot_cases as ac  # noqa: E402
+from common import aot_cases as ac  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "run_clm.py")

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import aot_cases as ac  # noqa: E402
+from common import aot_cases as ac  # noqa: E402
 
 pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -e .[tpu-aot]` (make test installs it)")
 

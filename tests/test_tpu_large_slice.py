@@ -28,7 +28,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import aot_cases as ac  # noqa: E402
+from common import aot_cases as ac  # noqa: E402
 
 from xla_fsdp.tpu import libtpu_flags as lf  # noqa: E402
 from xla_fsdp.tpu import optimized_hlo as oh  # noqa: E402

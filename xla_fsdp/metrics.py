@@ -1,4 +1,4 @@
-"""Throughput and model-FLOPS-utilization arithmetic, and per-chip peaks.
+"""Throughput and model-FLOPS-utilization arithmetic, and per-chip peaks (TPUs: the chip table).
 
 The MFU definition is the one our users already quote from the 2023
 PyTorch/XLA + Hugging Face GPT-2 recipe: 6 FLOPs per parameter per token
@@ -13,13 +13,11 @@ import re
 import time
 from dataclasses import dataclass
 
-# Dense bf16 TFLOPS per chip, from Google's published TPU specifications.
-TPU_PEAK_TFLOPS = {
-    "v4": 275.0,
-    "v5e": 197.0,
-    "v5p": 459.0,
-    "v6e": 918.0,
-}
+from xla_fsdp.tpu.chips import CHIPS
+
+# Dense bf16 TFLOPS per chip by generation: the chip table (xla_fsdp.tpu.chips, each figure
+# with its source), in the unit --peak_tflops takes.
+TPU_PEAK_TFLOPS = {generation: chip.peak_bf16_flops / 1e12 for generation, chip in CHIPS.items()}
 
 
 def gpt2_num_params(config) -> int:

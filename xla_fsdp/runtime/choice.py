@@ -25,7 +25,7 @@ overlap").
 On CPU the launcher reads the same declaration at `--num_cores N > 1`, where
 only the single controller runs: a script that declares it runs there (it
 sees world 1), any other is refused ([Note: no silent world on CPU] in
-`launch/xla_spawn.py`).
+`xla_fsdp/launcher/single_controller.py`).
 """
 from __future__ import annotations
 

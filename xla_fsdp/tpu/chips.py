@@ -1,8 +1,10 @@
 """Published per-chip figures of Cloud TPU generations: HBM, peak bf16 FLOP/s, ICI.
 
-Each figure names its source page. HBM capacity is kept in GiB, as
-bench/tpu_specs.py does (the docs print "GB"; what a program can use on the
-chip is a little less, so a plan that fits with a margin is what to aim at).
+The one table of chip facts: `xla_fsdp.metrics` (MFU peaks), the slice
+topologies, the step-time model and bench/ read it. Each figure names its
+source page. HBM capacity is kept in GiB (the docs print "GB"; what a program
+can use on the chip is a little less, so a plan that fits with a margin is
+what to aim at).
 ICI: the one-way bandwidth of one link and the number of links per chip; the
 docs give a per-chip total, which we split evenly over the chip's ports.
 """

@@ -2,8 +2,8 @@
 
 Each case is a run_clm command (flags and an fsdp_config) and a runtime; the
 check (`python -m xla_fsdp.aot`) traces it at the slice's device count and
-compiles it with libtpu. Shared by tests/test_tpu_compile_matrix.py and
-bench/tpu_compile_table.py.
+compiles it with libtpu. Shared by tests/test_tpu_compile_matrix.py (and the
+other tests that run the check) and bench/'s TPU tables.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from . import REPO as ROOT
+
 RUN_CLM = os.path.join(ROOT, "launch", "run_clm.py")
 TINY = os.path.join(ROOT, "configs", "models", "gpt2-tiny.json")
 SINGLE, MULTI = "single_controller", "multi_process"

@@ -4,7 +4,7 @@ A collective can run while a matmul runs only if neither depends on the
 other: `independent_flops(c)` is the matmul work that is neither an ancestor
 nor a descendant of collective `c`. A gather with no matmul among its
 ancestors could be scheduled at the very start of the step ("hoistable").
-Used by tests/test_overlap.py, bench/overlap.py and bench/project_tpu.py.
+Used by tests/test_overlap.py, tests/test_fsdp2_program.py, bench/overlap.py and bench/project_tpu.py.
 """
 from __future__ import annotations
 

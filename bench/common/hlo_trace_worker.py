@@ -1,6 +1,7 @@
 """Trace (never execute) one training step on every device thread and dump its HLO.
 
-Run as: CPU_NUM_DEVICES=8 PJRT_DEVICE=CPU python hlo_trace_worker.py OUT_DIR CONFIGS_JSON
+Run as (bench/ on PYTHONPATH; `common.hlo_trace.trace` does it):
+    CPU_NUM_DEVICES=8 PJRT_DEVICE=CPU python -m common.hlo_trace_worker OUT_DIR CONFIGS_JSON
 where CONFIGS_JSON is a list of {"name", "model", "engine", "kwargs"}; each rank
 writes OUT_DIR/<name>.rank<r>.hlo.
 Explicit collectives across CPU devices hang when executed (see the notes on
@@ -10,7 +11,8 @@ that would compute the shard gradients. Nothing here may force execution
 (no .item(), no sync, execute_sharding_on_init=False).
 
 MODEL is "mlp_nested" (a root unit and one nested unit), "gpt2" or
-"gpt2_small" (auto-wrap on GPT2Block). Shared by tests/test_hlo.py and bench/comm_volume.py.
+"gpt2_small" (auto-wrap on GPT2Block): common.models. Shared by tests/test_hlo.py,
+tests/test_overlap.py, bench/comm_volume.py and bench/overlap.py.
 """
 import json
 import os
@@ -19,13 +21,12 @@ import threading
 
 import torch
 
+from common.models import build_model
+
 _lock = threading.Lock()
 
 
 def build(model_kind: str, engine: str, kwargs: dict, device):
-    sys.path.insert(0, os.path.dirname(__file__))
-    from parity_cases import build_model
-
     with _lock:  # device threads share the global RNG; keep construction whole
         model = build_model(model_kind)
     if engine == "torch_xla":

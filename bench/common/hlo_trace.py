@@ -1,4 +1,6 @@
-"""Run the HLO trace worker and read what it wrote."""
+"""One training step traced (never run) on XLA:CPU device threads, its HLO read back, and its
+instructions picked out by opcode (tests/test_hlo.py, tests/test_overlap.py, bench/comm_volume.py,
+bench/overlap.py). The trace runs `common.hlo_trace_worker` in a child process."""
 import json
 import os
 import re
@@ -6,15 +8,18 @@ import subprocess
 import sys
 from typing import Dict, List
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
 
 def trace(configs: List[dict], out_dir: str, world: int = 8, timeout: int = 600) -> None:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world))
+    """Each of `configs` ({"name", "model", "engine", "kwargs"}) traced at `world` devices; every
+    rank writes OUT_DIR/<name>.rank<r>.hlo (`read`)."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world),
+               PYTHONPATH=os.pathsep.join(p for p in (BENCH, os.environ.get("PYTHONPATH", "")) if p))
     env.pop("XLA_USE_SPMD", None)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "hlo_trace_worker.py"), out_dir,
-                           json.dumps(configs)], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "common.hlo_trace_worker", out_dir, json.dumps(configs)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"trace worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 

@@ -1,0 +1,92 @@
+"""`python launch/xla_spawn.py [--num_cores N] [--spmd | --per_chip] SCRIPT ARGS...`: the
+launcher's steps in order (launch/xla_spawn.py's docstring says what each choice means)."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from xla_fsdp.launcher.command_line import (ENTRY_POINT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError,
+                                            build_parser, log, split_argv)
+from xla_fsdp.launcher.plan import (async_collective_flags, detect_device, device_counts, make_plan,
+                                    parse_num_cores, quiet_xla_logs, slice_chips)
+from xla_fsdp.launcher.run_script import (ScriptEntry, defines_entry_point, describe_start, exit_code, run_as_main,
+                                          run_in_process, run_self_starting, run_spawned)
+from xla_fsdp.launcher.single_controller import (choose_spmd, cpu_replicas, declares_single_controller,
+                                                 per_chip_asked, refuse_single_controller_only)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Launch as `python launch/xla_spawn.py *argv` (default: this process's arguments); returns the
+    exit status: the script's, 1 when it failed, 2 for a usage error, 130 when interrupted."""
+    argv = sys.argv[1:] if argv is None else argv
+    quiet_xla_logs()
+    parser = build_parser()
+    launcher_argv, script, script_args = split_argv(argv)
+    options = parser.parse_args(launcher_argv)
+    if script is None:
+        parser.error("the training script path is missing (e.g. launch/run_clm.py)")
+    try:
+        if not Path(script).is_file():
+            raise UsageError(f"training script not found: {script} "
+                             f"(working directory: {os.getcwd()})")
+        device, source = detect_device(os.environ)
+        log(f"PJRT_DEVICE={device} ({source})")
+        spmd, why = choose_spmd(options, script, device, os.environ)
+        counts = device_counts(device, spmd, os.environ)
+        num_cores = parse_num_cores(options.num_cores, counts, spmd)
+        if num_cores > 1 and not spmd and per_chip_asked(options, os.environ):
+            refuse_single_controller_only(script, device)
+        if device == "CPU" and num_cores > 1 and not spmd:
+            spmd, why = cpu_replicas(options, script, num_cores, os.environ)
+        if why:
+            log(why)
+        plan = make_plan(device, num_cores, spmd)
+        if plan.reason:
+            log(plan.reason)
+        os.environ.update(plan.env)
+        if device == "TPU":
+            if spmd:  # the libtpu budget depends on it ([Note: rings by default on a TPU])
+                chips = slice_chips(counts.default)
+                if chips:
+                    os.environ.setdefault("XLA_FSDP_SLICE_CHIPS", str(chips))
+            async_collective_flags()
+        from xla_fsdp.runtime.self_starting import entry_calls
+
+        calls = entry_calls(script)
+        if spmd:
+            from xla_fsdp.runtime.choice import enter_single_controller
+
+            enter_single_controller()
+        if calls:
+            log(describe_start(script, calls, plan))
+            return run_self_starting(script, tuple(script_args), plan)
+        entry = ScriptEntry(script, tuple(script_args))
+        if not plan.spawn and not defines_entry_point(script) and (spmd or declares_single_controller(script)):
+            if not spmd:  # one device, as the script's own process group would set it up
+                from xla_fsdp.runtime.choice import enter_single_controller
+
+                enter_single_controller()
+            log(f"{script} defines no {ENTRY_POINT}(index): it runs once as __main__ (single controller)")
+            return run_as_main(entry)
+        try:
+            fn = entry.load()  # also checks _mp_fn early, before any spawn
+        except UsageError:
+            raise
+        except SystemExit as exc:
+            return exit_code(exc)
+        except Exception:
+            log(f"importing {script} failed:\n{traceback.format_exc()}")
+            return EXIT_FAILED
+        if plan.spawn:
+            log(f"spawning {num_cores} replicas (one process per chip)")
+            return run_spawned(entry)
+        return run_in_process(fn)
+    except UsageError as exc:
+        log(f"error: {exc}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        log("interrupted; all replicas stopped")
+        return EXIT_INTERRUPTED

@@ -1,0 +1,106 @@
+"""One process driving every local device (the single controller) or one process per chip:
+what the flags, the environment and the script's own declaration (xla_fsdp.runtime.choice) ask
+for, and what this device can run ([Note: no silent world on CPU])."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from xla_fsdp.launcher.command_line import (RUNTIME_ENV, RUNTIME_MARKER, SINGLE_CONTROLLER, TORCH_XLA_SPMD_ENV,
+                                            UsageError)
+
+
+def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip
+    win; then XLA_FSDP_RUNTIME; then torch_xla's own XLA_USE_SPMD=1; then, on a TPU slice (one
+    host or several), what the script declares (xla_fsdp.runtime.choice). On CPU, several
+    devices and no choice here: cpu_replicas()."""
+    if options.spmd and options.per_chip:
+        raise UsageError("--spmd and --per_chip contradict each other; pass one")
+    if options.spmd or options.per_chip:
+        return options.spmd, ""
+    if environ.get(RUNTIME_ENV, "").strip():
+        return environ[RUNTIME_ENV].strip().lower() == SINGLE_CONTROLLER, ""
+    if environ.get(TORCH_XLA_SPMD_ENV, "").strip().lower() in ("1", "true", "yes"):
+        # torch_xla's is_spmd() reads it: the script runs in SPMD mode whatever the launcher plans
+        return True, f"{TORCH_XLA_SPMD_ENV}=1 in the environment: torch_xla's SPMD mode, the single controller"
+    if device != "TPU":
+        return False, ""
+    from xla_fsdp.runtime import choice as runtime_choice
+
+    try:
+        runtime, why = runtime_choice.tpu_default(script)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return runtime == SINGLE_CONTROLLER, why
+
+
+def declares_single_controller(script: str) -> bool:
+    """Whether the script declares the single controller (xla_fsdp.runtime.choice)."""
+    from xla_fsdp.runtime import choice as runtime_choice
+
+    try:
+        return runtime_choice.declared_runtime(script) == SINGLE_CONTROLLER
+    except ValueError:
+        return False
+
+
+def per_chip_asked(options, environ: Mapping[str, str]) -> bool:
+    """Whether the command asked for one process per device (--per_chip, XLA_FSDP_RUNTIME)."""
+    return bool(options.per_chip) or environ.get(RUNTIME_ENV, "").strip().lower() == "multi_process"
+
+
+def refuse_single_controller_only(script: str, device: str) -> None:
+    """One process per device was asked for (--per_chip, XLA_FSDP_RUNTIME) a script that runs only
+    on the single controller: FSDP2's `fully_shard` (xla_fsdp.fsdp) refuses one process per chip,
+    so say so before starting any replica."""
+    from xla_fsdp.runtime import choice as runtime_choice
+
+    try:
+        tree = runtime_choice.parse_script(script)
+    except (OSError, SyntaxError, ValueError):
+        return
+    if runtime_choice.imports_module(tree, runtime_choice.FSDP2_API):
+        raise UsageError(
+            f"{script} imports {runtime_choice.FSDP2_API}, whose fully_shard runs only on the single controller "
+            f"(one process per host drives every {device} device, FSDP2's one rank per host), but one process "
+            "per device was asked for (--per_chip or XLA_FSDP_RUNTIME=multi_process). Drop --per_chip (the "
+            "script then runs as the single controller), or use xla_fsdp.XlaFullyShardedDataParallel, which "
+            "runs one process per chip")
+
+
+def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """Several CPU devices and no --spmd / XLA_FSDP_RUNTIME=single_controller: (True, why) when the
+    script declares the single controller; otherwise a UsageError that says why not and what works.
+
+    [Note: no silent world on CPU] One process per CPU device (torch_xla's xmp.spawn, threads on
+    CPU) hangs in explicit collectives, so on CPU N > 1 devices exist only as the single
+    controller, where a script sees xr.world_size() == 1 and ordinal 0. A script written for one
+    process per device (torch_xla's FSDP examples: DistributedSampler(num_replicas=xr.world_size()),
+    lr scaled by the world) would run there as ONE replica of N, with one Nth of the global batch
+    it was written for; before this check it even ran on one device of the N it was told about.
+    So it runs at N > 1 only when someone said it is built for one controller.
+    """
+    if options.per_chip:
+        asked = "--per_chip asks for one process per device"
+    elif environ.get(RUNTIME_ENV, "").strip():
+        asked = f"{RUNTIME_ENV}={environ[RUNTIME_ENV].strip()} asks for one process per device"
+    else:
+        from xla_fsdp.runtime import choice as runtime_choice
+
+        try:
+            declared = runtime_choice.declared_runtime(script)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if declared == SINGLE_CONTROLLER:
+            return True, runtime_choice.tpu_default(script)[1].split(":")[0]
+        asked = (f"{script} declares {RUNTIME_MARKER} = \"{declared}\"" if declared else
+                 f"{script} declares no runtime ({RUNTIME_MARKER}), so it is taken as written for "
+                 "torch_xla's one process per device")
+    raise UsageError(
+        f"--num_cores {num_cores} on CPU: {asked} (xr.world_size() == {num_cores}, an ordinal per "
+        "process), which CPU cannot run: explicit XLA collectives between CPU devices hang "
+        "(pytorch/xla issues 5005 and 9089). What runs here: --num_cores 1 (one device, world 1); or "
+        f"--spmd --num_cores {num_cores} (one process drives the {num_cores} devices: the script sees "
+        "xr.world_size() == 1 and ordinal 0, so it must feed the whole global batch, which xla_fsdp "
+        f"splits, with every parameter, over the {num_cores} devices; a script built for that can "
+        f"declare {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\"). One process per device runs on a TPU host")
