@@ -46,6 +46,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.spmd_engine": "spmd_engine",
     # layer 4: the front door
     "xla_fsdp.api": "front_door",
+    "xla_fsdp.spmd_fsdp": "front_door",  # torch_xla's FSDPv2 name on the GSPMD engine
     "xla_fsdp.fsdp": "on_top",
     "xla_fsdp.attention": "on_top",  # the Pallas attention kernel for transformers models (run_clm, Trainer)
     "xla_fsdp.loss": "shared",  # the causal-LM loss fused with the output projection (run_clm)

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PUBLIC = [
     ("xla_fsdp", "XlaFullyShardedDataParallel", "class"),
     ("xla_fsdp", "FSDP", "class"),
+    ("xla_fsdp", "SpmdFullyShardedDataParallel", "class"),
     ("xla_fsdp", "checkpoint_module", "function"),
     ("xla_fsdp", "MixedPrecision", "class"),
     ("xla_fsdp", "ShardingStrategy", "class"),

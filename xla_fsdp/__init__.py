@@ -1,6 +1,7 @@
 """xla_fsdp: fully sharded data parallel training for PyTorch/XLA.
 
-Public entry points: `XlaFullyShardedDataParallel` (alias `FSDP`), the auto-wrap
+Public entry points: `XlaFullyShardedDataParallel` (alias `FSDP`), torch_xla's FSDPv2 name
+`SpmdFullyShardedDataParallel` (on the GSPMD engine), the auto-wrap
 policies in `xla_fsdp.wrap`, `checkpoint_module`, deferred initialization
 (`deferred_init`, `materialize_module`, `is_deferred`), the Hugging Face
 `fsdp_config` loader (`xla_fsdp.config.load_fsdp_config`), checkpoints
@@ -15,6 +16,7 @@ from .activation_checkpoint import checkpoint_module  # noqa: E402
 from .api import FSDP, XlaFullyShardedDataParallel
 from .checkpoint import consolidate_sharded_model_checkpoints
 from .options import MixedPrecision, ShardingStrategy
+from .spmd_fsdp import SpmdFullyShardedDataParallel
 from .wrap import (always_wrap_policy, lambda_auto_wrap_policy, size_based_auto_wrap_policy,
                    transformer_auto_wrap_policy)
 
@@ -64,7 +66,7 @@ _keep_old_module_paths()
 
 
 __all__ = [
-    "XlaFullyShardedDataParallel", "FSDP", "checkpoint_module", "MixedPrecision", "ShardingStrategy",
+    "XlaFullyShardedDataParallel", "FSDP", "SpmdFullyShardedDataParallel", "checkpoint_module", "MixedPrecision", "ShardingStrategy",
     "always_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy", "deferred_init", "materialize_module", "is_deferred",
     "consolidate_sharded_model_checkpoints",

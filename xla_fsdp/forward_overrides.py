@@ -98,8 +98,23 @@ def adopt(module: nn.Module) -> Tuple[bool, Optional[Callable], Dict[str, object
 
 
 def restore(module: nn.Module, removed: Dict[str, object]) -> None:
-    """Undo `adopt` (wrapping failed after it)."""
+    """Undo `adopt` or `take_torch_xla_checkpoint` (wrapping failed after it)."""
     module.__dict__.update(removed)
+
+
+def take_torch_xla_checkpoint(module: nn.Module) -> Optional[Dict[str, object]]:
+    """Take torch_xla's `checkpoint_module(module)` off `module`, for an engine that recomputes
+    the module its own way: the forward torch_xla wrapped stays (as an instance attribute only if
+    it was one, e.g. a `functools.partial`). Returns the attributes removed, for `restore`, or
+    None when `module` was not checkpointed by torch_xla."""
+    if _XLA_CKPT not in module.__dict__ or "forward" not in module.__dict__:
+        return None
+    original = module.__dict__[_XLA_CKPT]
+    removed = {name: module.__dict__.pop(name) for name in ("forward", _XLA_CKPT, _XLA_CKPT_HELPER)
+               if name in module.__dict__}
+    if not (getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is type(module).forward):
+        module.__dict__["forward"] = original
+    return removed
 
 
 def _unknown(module: nn.Module, fn) -> ValueError:

@@ -19,7 +19,7 @@ replicated; they have no dim to split.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -55,9 +55,11 @@ def fsdp_degree(mesh: xs.Mesh) -> int:
   return int(mesh.mesh_shape[mesh.axis_names.index(FSDP_AXIS)])
 
 
-def data_degree(mesh: xs.Mesh) -> int:
-  """How many shards the batch is split into (every mesh axis)."""
-  return int(np.prod(mesh.mesh_shape))
+def data_degree(mesh: xs.Mesh, axes: Optional[Sequence[str]] = None) -> int:
+  """How many shards the batch is split into (over `axes`, default every mesh axis)."""
+  if axes is None:
+    return int(np.prod(mesh.mesh_shape))
+  return int(np.prod([mesh.mesh_shape[mesh.axis_names.index(a)] for a in axes]))
 
 
 def param_spec(tensor: torch.Tensor) -> PartitionSpec:
@@ -67,9 +69,11 @@ def param_spec(tensor: torch.Tensor) -> PartitionSpec:
   return (FSDP_AXIS,) + (None,) * (tensor.dim() - 1)
 
 
-def batch_spec(tensor: torch.Tensor, mesh: xs.Mesh) -> PartitionSpec:
-  """Batch (dim 0) over all mesh axes, so no device holds a replica."""
-  axes = tuple(mesh.axis_names)
+def batch_spec(tensor: torch.Tensor, mesh: xs.Mesh,
+               axes: Optional[Sequence[str]] = None) -> PartitionSpec:
+  """Batch (dim 0) over `axes`, default all mesh axes, so no device holds a
+  replica (torch_xla's FSDPv2 splits it over "fsdp" and its extra data axis)."""
+  axes = tuple(mesh.axis_names) if axes is None else tuple(axes)
   first = axes[0] if len(axes) == 1 else axes
   return (first,) + (None,) * (tensor.dim() - 1)
 

@@ -25,7 +25,7 @@ is left to propagation.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,12 +38,17 @@ from xla_fsdp.spmd_engine.units import is_sharded
 
 
 class BatchSharding:
-  """Annotates batch-dim activations; learns the batch size at the root."""
+  """Annotates batch-dim activations; learns the batch size at the root.
+  The batch is split over `axes` (default every mesh axis)."""
 
-  def __init__(self, mesh: xs.Mesh):
+  def __init__(self, mesh: xs.Mesh, axes: Optional[Sequence[str]] = None):
     self.mesh = mesh
+    self.axes = None if axes is None else tuple(axes)
     self.batch_size: Optional[int] = None
     self._warned = False
+
+  def spec(self, tensor: torch.Tensor):
+    return batch_spec(tensor, self.mesh, self.axes)
 
   def _applies(self, tensor: Any) -> bool:
     return (isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and
@@ -55,12 +60,12 @@ class BatchSharding:
     first = next((t for t in list(args) + list(kwargs.values())
                   if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     self.batch_size = None if first is None else int(first.shape[0])
-    if self.batch_size is not None and self.batch_size % data_degree(
-        self.mesh) != 0:
+    shards = data_degree(self.mesh, self.axes)
+    if self.batch_size is not None and self.batch_size % shards != 0:
       if not self._warned:
         warnings.warn(
-            f"batch size {self.batch_size} is not divisible by the "
-            f"{data_degree(self.mesh)} devices of the mesh; activations are "
+            f"batch size {self.batch_size} is not divisible by the {shards} "
+            "shards of the batch (devices of its mesh axes); activations are "
             "left unannotated and the partitioner may replicate them. Use a "
             "global batch that is a multiple of the device count.")
         self._warned = True
@@ -70,12 +75,12 @@ class BatchSharding:
       # In place: the inputs are usually device data, and sharding the data
       # itself means each device only receives its slice.
       if self._applies(tensor) and not is_sharded(tensor):
-        xs.mark_sharding(tensor, self.mesh, batch_spec(tensor, self.mesh))
+        xs.mark_sharding(tensor, self.mesh, self.spec(tensor))
 
   def annotate(self, tree: Any) -> Any:
     """Batch-shards tensors in `tree` and, through autograd, their grads."""
     if self._applies(tree):
-      spec = batch_spec(tree, self.mesh)
+      spec = self.spec(tree)
       return ShardedView.apply(tree, self.mesh, spec, spec)
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
       return tuple(self.annotate(t) for t in tree)
@@ -86,7 +91,7 @@ class BatchSharding:
       # their tensors in place (forward only).
       for value in tree.values():
         if self._applies(value):
-          xs.mark_sharding(value, self.mesh, batch_spec(value, self.mesh))
+          xs.mark_sharding(value, self.mesh, self.spec(value))
     return tree
 
   def unit_inputs(self, module: nn.Module, args: Tuple, kwargs: Dict):

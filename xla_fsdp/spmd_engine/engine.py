@@ -25,7 +25,7 @@ unwrapped model's. The steps, in order:
 from __future__ import annotations
 
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -57,6 +57,7 @@ def apply_spmd_fsdp(
     param_init_fn: Optional[ParamInitFn] = None,
     activation_checkpointing: bool = False,
     gather_params: bool = False,
+    batch_axes: Optional[Sequence[str]] = None,
 ) -> nn.Module:
   """Shards `module` in place over the SPMD mesh and returns it.
 
@@ -89,6 +90,11 @@ def apply_spmd_fsdp(
         f"{type(module).__name__} is already sharded by the SPMD engine; "
         "apply it once, to the root model.")
   mesh = resolve_mesh(mesh)
+  unknown = [a for a in batch_axes or () if a not in mesh.axis_names]
+  if unknown or batch_axes is not None and not batch_axes:
+    raise ValueError(
+        f"batch_axes {batch_axes!r} must name axes of the mesh "
+        f"{tuple(mesh.axis_names)} (at least one); default: all of them.")
   device = torch_xla.device()
 
   units = find_units(module, auto_wrap_policy)
@@ -108,7 +114,7 @@ def apply_spmd_fsdp(
     for unit in units[:-1]:
       checkpoint_unit(unit, views.get(unit))
 
-  batch = BatchSharding(mesh)
+  batch = BatchSharding(mesh, batch_axes)
   # prepend: see the batch before the compute-dtype cast of the inputs.
   module.register_forward_pre_hook(
       batch.root_inputs, with_kwargs=True, prepend=True)
