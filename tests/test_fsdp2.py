@@ -199,6 +199,29 @@ def test_bad_input(tmp_path):
     assert "head.weight" in msg and "(11, 8)" in msg and "(10, 8)" in msg and r["load_shapes_untouched"]
 
 
+def test_ignored_params_stay_whole_and_train_as_unsharded(tmp_path):
+    """fully_shard(..., ignored_params={emb.weight}) at 4 devices: the embedding is not sharded (a
+    plain replicated parameter in the state dict), and loss and every gradient equal the unsharded
+    model's; a parameter that is not the module's is refused by name."""
+    r = _cases(tmp_path, "ignored")
+    assert r["loss_diff"] <= 1e-6 and r["max_grad_diff"] <= 1e-5, r
+    assert (r["emb_class"], r["emb_sharding"], r["emb_in_state_dict"]) == ("Parameter", "", True), r
+    assert "not a parameter of Block" in r["stray"]["message"]
+
+
+def test_a_list_of_modules_is_one_unit_and_trains_as_unsharded(tmp_path):
+    """fully_shard([net.emb, net.head]) inside a root at 4 devices: one state and one group for both,
+    3 AdamW steps equal to the unsharded Net (losses within 1e-5, parameters within 1e-5), the state
+    dict's keys the unwrapped model's; a list whose modules overlap is refused and left alone."""
+    r = _cases(tmp_path, "grouped")
+    for step, (want, got) in enumerate(r["losses"]):
+        assert abs(want - got) <= 1e-5 * abs(want), (step, want, got)
+    assert r["max_param_diff"] <= 1e-5 and r["keys_equal"], r
+    assert r["one_state"] and r["group_params"] == 3 and r["both_fsdp"] and r["units"] == 6, r
+    assert "is inside Block (item 0)" in r["overlap"]["message"] and r["overlap_untouched"], r
+    assert "item 0 again" in r["twice"]["message"], r
+
+
 def test_one_process_per_chip_is_refused_by_name():
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fsdp2" / "per_chip.py")], env=_env(2),
                           capture_output=True, text=True, timeout=300)

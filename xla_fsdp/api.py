@@ -13,7 +13,7 @@ yields the local shards.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -39,8 +39,8 @@ class UnitMethods(nn.Module):
         if state.checkpointed and not state.keeps_activations:
             from .activation_checkpoint import checkpointed_call
 
-            return checkpointed_call(lambda *a, **k: state.forward(run, a, k), args, kwargs, self)
-        return state.forward(run, args, kwargs)
+            return checkpointed_call(lambda *a, **k: state.forward(run, a, k, self), args, kwargs, self)
+        return state.forward(run, args, kwargs, self)
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
         """This unit's parameters whole until `reshard()` (not its child units'). On the single
@@ -231,38 +231,52 @@ class XlaFullyShardedDataParallel(UnitMethods):
         return state_of(self).group.comm.layout
 
 
-def make_unit(module: nn.Module, kwargs: Dict[str, Any], door: type, *, param_cls: type = nn.Parameter,
-              keeps_meta: bool = False):
-    """Make `module` a unit of the collective engine in place, behind front door `door` (a class
-    mixed into the module's own): adopt forwards other libraries set on it, build its engine state
-    from the engine keywords `kwargs` and register it ([Note: one engine state per unit]). Returns
-    the state. `param_cls` is the class of its sharded parameters; with `keeps_meta` a meta module
-    stays on the meta device until it is given storage (FSDP2's `to_empty()`). On any error the
-    module is left as it was (nothing half-wrapped)."""
+def make_unit(module: Union[nn.Module, Sequence[nn.Module]], kwargs: Dict[str, Any], door: type, *,
+              param_cls: type = nn.Parameter, keeps_meta: bool = False, ignored: frozenset = frozenset()):
+    """Make `module` (or several modules: one unit, [Note: a unit of several modules]) a unit of the
+    collective engine in place, behind front door `door` (a class mixed into the module's own): adopt
+    forwards other libraries set on it, build its engine state from the engine keywords `kwargs` and
+    register it ([Note: one engine state per unit]). Returns the state. `param_cls` is the class of its
+    sharded parameters; with `keeps_meta` a meta module stays on the meta device until it is given
+    storage (FSDP2's `to_empty()`); `ignored` holds the ids of parameters it leaves alone (FSDP2's
+    `ignored_params`). On any error the modules are left as they were (nothing half-wrapped)."""
     from .activation_checkpoint import strip_checkpoint
     from .forward_overrides import adopt, restore
 
-    recompute, inner, removed = adopt(module)  # see [Note: foreign forwards]
-    checkpointed = strip_checkpoint(module) or recompute  # FSDP(checkpoint_module(m)): recompute the unit
-    mix_into(module, door, "FSDP")
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    entered = []
     try:
-        state = _build_state(module, kwargs, param_cls, keeps_meta)
+        for m in modules:
+            recompute, inner, removed = adopt(m)  # see [Note: foreign forwards]
+            entered.append((m, removed))
+            checkpointed = strip_checkpoint(m) or recompute  # FSDP(checkpoint_module(m)): recompute the unit
+            if len(modules) > 1 and (checkpointed or inner is not None):
+                raise ValueError(f"fully_shard([...]): {type(m).__name__} carries another library's forward or "
+                                 "checkpointing; a unit of several modules takes plain modules (checkpoint with "
+                                 "apply_activation_checkpointing around them, or shard them one by one)")
+            mix_into(m, door, "FSDP")
+        state = _build_state(modules, kwargs, param_cls, keeps_meta, ignored)
     except BaseException:
-        unregister(module)
-        unmix(module)
-        restore(module, removed)
+        for m, removed in entered:
+            unregister(m)
+            unmix(m)
+            restore(m, removed)
         raise
     state.checkpointed = state.checkpointed or checkpointed
     state.inner_forward = inner
     return state
 
 
-def _build_state(module: nn.Module, kwargs: Dict[str, Any], param_cls: type, keeps_meta: bool):
+def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: type, keeps_meta: bool,
+                 ignored: frozenset):
+    import weakref
+
     from .collective_engine import build, model_state
     from .collective_engine.precision import warn_full_precision_units_inside
     from .collective_engine.state import FSDPState
     from .forward_overrides import checkpointed_inside, guard
 
+    module = modules[0]
     # validate everything before touching the module: a bad option leaves it as it was
     kw = resolve(kwargs)
     options = build_options(kw)
@@ -271,23 +285,27 @@ def _build_state(module: nn.Module, kwargs: Dict[str, Any], param_cls: type, kee
         from .wrap import auto_wrap_children
 
         auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
-    inside = checkpointed_inside(module, is_unit)
-    if inside:
-        raise ValueError(
-            f"{', '.join(inside)} inside {original_class(module).__name__} recompute(s) in backward, when the "
-            "unit's parameters are shards again: make each such module a unit of its own (wrap it, or "
-            "auto-wrap its class) so the recomputation gathers too, or use activation_checkpointing=True")
-    warn_full_precision_units_inside(module, options.mixed_precision)
-    if not keeps_meta:
-        build.materialize(module, kw["param_init_fn"])
-    group = build.build_group(module, comm, options, param_cls=param_cls, keep_meta=keeps_meta)
+    for m in modules:
+        inside = checkpointed_inside(m, is_unit)
+        if inside:
+            raise ValueError(
+                f"{', '.join(inside)} inside {original_class(m).__name__} recompute(s) in backward, when the "
+                "unit's parameters are shards again: make each such module a unit of its own (wrap it, or "
+                "auto-wrap its class) so the recomputation gathers too, or use activation_checkpointing=True")
+        warn_full_precision_units_inside(m, options.mixed_precision)
+        if not keeps_meta:
+            build.materialize(m, kw["param_init_fn"])
+    group = build.build_group(modules, comm, options, param_cls=param_cls, keep_meta=keeps_meta, ignored=ignored)
     state = FSDPState(module, group, options)
+    state.modules = [weakref.ref(m) for m in modules]
     state.device_mesh = comm.placement.mesh if comm.is_single_controller else None
-    register(module, state)
+    for m in modules:
+        register(m, state)
     if comm.is_single_controller:  # [Note: state dicts of the single controller]
         model_state.register(group)
-    module.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
-    build.cast_buffers(module, options, comm.device, cast=not keeps_meta)  # FSDP2 leaves buffers alone
+    for m in modules:
+        m.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
+        build.cast_buffers(m, options, comm.device, cast=not keeps_meta)  # FSDP2 leaves buffers alone
     if options.execute_sharding_on_init and not any(p.is_meta for p in group.shards):
         comm.sync(group.shards)
     return state

@@ -12,7 +12,7 @@ which would make the wrapper look like a unit too.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch.nn as nn
 
@@ -41,10 +41,3 @@ def is_unit(module: nn.Module) -> bool:
 def units(root: nn.Module) -> List[nn.Module]:
     """`root` (if it is one) and every unit under it, in module order."""
     return [m for m in root.modules() if _KEY in m.__dict__]
-
-
-def named_units(root: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """(prefix with a trailing dot, or "" for `root`, unit) for every unit under `root`."""
-    for name, m in root.named_modules():
-        if _KEY in m.__dict__:
-            yield (name + "." if name else ""), m

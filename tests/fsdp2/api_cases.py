@@ -8,6 +8,8 @@ runtime starts); writes what it observed as JSON:
   api_cases.py methods OUT   FSDPModule's methods and ShardedParameter's attributes, each compared
                              with what the unsharded model computes
   api_cases.py doors OUT     what each front door makes of a module (isinstance, units, policies)
+  api_cases.py ignored OUT   ignored_params: left out of the unit, loss and gradients as unsharded
+  api_cases.py grouped OUT   fully_shard([emb, head]): one unit of two modules, trained as unsharded
   api_cases.py cuts OUT      graph cuts and compiles per step of a loop with no torch_xla.sync()
                              and of one that syncs after each step ([Note: the step cut])
 """
@@ -257,6 +259,72 @@ def methods(out):
     _write(out, res)
 
 
+def ignored(out):
+    """FSDP2's ignored_params: a Net whose embedding is left out of its unit, against the same Net
+    unsharded: loss and every gradient after one step, and where the ignored parameter lives."""
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    tokens, targets = torch.randint(0, 10, (8, 4)), torch.randint(0, 10, (8, 4))
+    ref = Net()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    net = Net()
+    net.load_state_dict(state)
+    for b in net.blocks:
+        fully_shard(b)
+    fully_shard(net, ignored_params={net.emb.weight})
+    net.to(dev)
+    want_loss = _grads_of(ref, tokens, targets)
+    got_loss = _grads_of(net, tokens.to(dev), targets.to(dev))
+    grads = {n: p.grad for n, p in net.named_parameters()}
+    diffs = {n: float((grads[n].detach().cpu()[: p.shape[0]].reshape(p.shape) - p.grad).abs().max())
+             for n, p in ref.named_parameters()}
+    _write(out, {"loss_diff": abs(got_loss.item() - want_loss.item()), "max_grad_diff": max(diffs.values()),
+                 "emb_class": type(net.emb.weight).__name__, "emb_sharding": torch_xla._XLAC._get_xla_sharding_spec(
+                     net.emb.weight), "emb_in_state_dict": "emb.weight" in net.state_dict(),
+                 "stray": _error(lambda: fully_shard(Block(), ignored_params={net.emb.weight}))})
+
+
+def grouped(out):
+    """fully_shard([net.emb, net.head]): one unit of two modules (one group), inside a root; 3 AdamW
+    steps against the unsharded Net: losses, and every parameter after the steps; the state dicts'
+    keys; overlapping lists refused."""
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    ref = Net()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    net = Net()
+    net.load_state_dict(state)
+    for b in net.blocks:
+        fully_shard(b)
+    fully_shard([net.emb, net.head])
+    fully_shard(net)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, net)]
+    gen = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(3):
+        tokens, targets = torch.randint(0, 10, (8, 4), generator=gen), torch.randint(0, 10, (8, 4), generator=gen)
+        pair = []
+        for model, opt, where in ((ref, opts[0], "cpu"), (net, opts[1], dev)):
+            loss = _grads_of(model, tokens.to(where), targets.to(where))
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    got = net.state_dict()
+    from xla_fsdp.unit_state import units
+
+    bad = Net()
+    _write(out, {"losses": losses, "max_param_diff": max(float((got[k].cpu() - v).abs().max())
+                                                       for k, v in ref.state_dict().items()),
+                 "keys_equal": sorted(got) == sorted(state),
+                 "one_state": state_of(net.emb) is state_of(net.head), "group_params": len(state_of(net.emb).group.params),
+                 "both_fsdp": isinstance(net.emb, FSDPModule) and isinstance(net.head, FSDPModule),
+                 "units": len(units(net)),
+                 "overlap": _error(lambda: fully_shard([bad.blocks[0], bad.blocks[0].a])),
+                 "twice": _error(lambda: fully_shard([bad.head, bad.head])),
+                 "overlap_untouched": type(bad.blocks[0]) is Block})
+
+
 def doors(out):
     """What each front door makes of a module: isinstance, units, where the policies live."""
     from xla_fsdp import XlaFullyShardedDataParallel, always_wrap_policy
@@ -316,4 +384,5 @@ if __name__ == "__main__":
     xr.use_spmd()
     torch_xla.device()
     xr.global_runtime_device_count()
-    {"errors": errors, "methods": methods, "cuts": cuts, "doors": doors}[sys.argv[1]](sys.argv[2])
+    {"errors": errors, "methods": methods, "cuts": cuts, "doors": doors, "ignored": ignored,
+     "grouped": grouped}[sys.argv[1]](sys.argv[2])

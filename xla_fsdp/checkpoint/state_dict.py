@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from ..collective_engine import model_state as keys
-from ..collective_engine.model_state import check_load, records as _records
+from ..collective_engine.model_state import check_load, records as _records, unit_states
 from ..collective_engine.sharded_param import stored_shape
-from ..unit_state import named_units, state_of
+from ..unit_state import state_of
 
 SHARDED_FORMAT = "xla_fsdp.sharded/1"
 
@@ -42,8 +42,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torc
     names_of = {id(rec): names for names, rec, _ in _records(model)}
     order = list(model.state_dict().keys())
     out: Dict[str, torch.Tensor] = {}
-    for prefix, unit in named_units(model):
-        group = state_of(unit).group
+    for unit_state in unit_states(model):
+        group = unit_state.group
         full = group.full_params()
         group.comm.sync(full)
         if keep:

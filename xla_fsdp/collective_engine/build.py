@@ -140,8 +140,9 @@ def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> Shar
     return layout
 
 
-def owned_params(module: nn.Module):
-    """(module, name, param, fqn) for parameters not inside an already wrapped child unit.
+def owned_params(module: nn.Module, ignored: frozenset = frozenset()):
+    """(module, name, param, fqn) for parameters not inside an already wrapped child unit, and not
+    among `ignored` (ids of FSDP2's `ignored_params`).
 
     An explicit stack, not a recursive closure: a closure that refers to itself
     is a reference cycle, which would keep the full tensors alive until the
@@ -152,7 +153,7 @@ def owned_params(module: nn.Module):
     while stack:
         m, prefix = stack.pop()
         for name, p in m._parameters.items():
-            if p is not None:
+            if p is not None and id(p) not in ignored:
                 out.append((m, name, p, prefix + name))
         children = [(c, f"{prefix}{n}.") for n, c in m._modules.items()
                     if c is not None and not is_unit(c)]
@@ -160,19 +161,24 @@ def owned_params(module: nn.Module):
     return out
 
 
-def build_group(module: nn.Module, comm: Collectives, options: FSDPOptions,
-                param_cls: type = nn.Parameter, keep_meta: bool = False) -> FSDPParamGroup:
-    """Shard the parameters `module` owns (not those of wrapped children) into one group.
+def build_group(modules, comm: Collectives, options: FSDPOptions,
+                param_cls: type = nn.Parameter, keep_meta: bool = False,
+                ignored: frozenset = frozenset()) -> FSDPParamGroup:
+    """Shard the parameters a module (or each of a list of modules: one unit of several) owns (not
+    those of wrapped children) into one group.
 
     `param_cls`: the class of the sharded parameters (FSDP2's front door gives its own);
-    `keep_meta`: a meta parameter stays a (padded) meta tensor until it is given storage.
+    `keep_meta`: a meta parameter stays a (padded) meta tensor until it is given storage;
+    `ignored`: ids of parameters left alone (FSDP2's `ignored_params`).
 
     Each full tensor is freed as soon as its shard takes its place; a parameter
     already sharded by another unit (a tied weight split across units) is an error.
     """
+    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    module = roots[0]
     by_id: Dict[int, List] = {}
     order: List[int] = []
-    for m, name, p, fqn in owned_params(module):
+    for m, name, p, fqn in (entry for root in roots for entry in owned_params(root, ignored)):
         consumed = _consumed_params.get(id(p))
         if consumed is not None and consumed[0]() is p:
             unit, pname = consumed[1](), consumed[2]

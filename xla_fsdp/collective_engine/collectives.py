@@ -40,7 +40,7 @@ from .. import abstract
 from ..options import CollectiveOptions, ShardingLayout
 from ..tpu import libtpu_flags
 from . import auto, ring, torus
-from .manual_region import ToLocal, to_global, to_local
+from .conversions import ToLocal, to_global, to_local
 
 REDUCE_SUM = "sum"
 REDUCE_MAX = "max"

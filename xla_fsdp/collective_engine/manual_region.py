@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from ..options import FSDP_AXIS
+from .conversions import MeanOverDevices, ToGlobal, ToLocal, to_local
 from .host_reads import refuse_host_reads
 
 REPLICATE_AXIS = "replicate"
@@ -123,104 +124,6 @@ def _check_partition(groups: List[List[int]], num_devices: int) -> None:
             "e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] for 8 devices")
 
 
-# -- the two conversions ------------------------------------------------------
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    # a new IR value: annotating device data in place would change the data's own sharding
-    if t.dtype == torch.bool:
-        return t | False  # `+ 0` would make it int64
-    return t * 1 if t.is_floating_point() or t.is_complex() else t + 0
-
-
-def to_local(t: torch.Tensor, mesh, spec: tuple) -> torch.Tensor:
-    """Global tensor -> this device's piece (no autograd)."""
-    import torch_xla
-
-    x = t
-    if torch_xla._XLAC._get_xla_sharding_spec(t) != _spec_text(mesh, spec):  # parameters are laid out so already
-        x = _fresh(t)
-        torch_xla._XLAC._xla_mark_sharding(x, mesh.get_op_sharding(spec))
-    return torch_xla._XLAC._spmd_full_to_shard_shape(x)
-
-
-_SPEC_TEXT: Dict[Tuple[int, tuple], str] = {}
-
-
-def _spec_text(mesh, spec: tuple) -> str:
-    """How torch_xla prints the sharding `spec` on `mesh` (read once from a small probe)."""
-    key = (id(mesh), spec)
-    if key not in _SPEC_TEXT:
-        import torch_xla
-
-        probe = torch.zeros([int(np.prod(mesh.mesh_shape))] * len(spec)).to(torch_xla.device())
-        torch_xla._XLAC._xla_mark_sharding(probe, mesh.get_op_sharding(spec))
-        _SPEC_TEXT[key] = torch_xla._XLAC._get_xla_sharding_spec(probe)
-    return _SPEC_TEXT[key]
-
-
-def to_global(t: torch.Tensor, mesh, spec: tuple, shape: torch.Size) -> torch.Tensor:
-    """Per-device pieces -> the global tensor of `shape` laid out as `spec` (no autograd)."""
-    import torch_xla
-    import torch_xla.distributed.spmd as xs
-
-    x = _fresh(t)
-    manual = torch_xla._XLAC.OpSharding([], [], [], xs.ShardingType.MANUAL)
-    torch_xla._XLAC._mark_manual_sharding(x, manual)
-    return torch_xla._XLAC._spmd_shard_to_full_shape(x, mesh.get_op_sharding(spec), shape, x.dtype)
-
-
-class ToLocal(torch.autograd.Function):
-    """`to_local` whose gradient goes back to the global layout.
-
-    For a replicated input every device used the whole tensor, so its global
-    gradient is the sum of the per-device gradients (`sum_replicas`).
-    """
-
-    @staticmethod
-    def forward(ctx, t, mesh, spec, sum_replicas):
-        # the stored shape: a ShardedParameter shows its own, unpadded one ([Note: FSDP2 parameters on XLA])
-        ctx.mesh, ctx.spec, ctx.shape, ctx.sum_replicas = mesh, spec, torch.Tensor.size(t), sum_replicas
-        return to_local(t, mesh, spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.sum_replicas is not None:
-            grad = ctx.sum_replicas(grad)
-        return to_global(grad, ctx.mesh, ctx.spec, ctx.shape), None, None, None
-
-
-class MeanOverDevices(torch.autograd.Function):
-    """Per-device values -> their mean, one global (replicated) tensor.
-
-    The sum is an all-reduce the engine issues inside the region, so the
-    partitioner has nothing to add; each device's gradient is 1/D of the
-    incoming one.
-    """
-
-    @staticmethod
-    def forward(ctx, t, comm, mesh):
-        ctx.mesh, ctx.devices = mesh, comm.layout.world_size
-        total = comm.all_reduce(t, "world") / ctx.devices
-        return to_global(total, mesh, (None,) * t.dim(), t.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return to_local(grad, ctx.mesh, (None,) * grad.dim()) / ctx.devices, None, None
-
-
-class ToGlobal(torch.autograd.Function):
-    """`to_global` whose gradient is handed back to each device's piece."""
-
-    @staticmethod
-    def forward(ctx, t, mesh, spec, shape):
-        ctx.mesh, ctx.spec = mesh, spec
-        return to_global(t, mesh, spec, shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return to_local(grad, ctx.mesh, ctx.spec), None, None, None
-
-
 # -- the region ---------------------------------------------------------------
 
 def _is_kv_cache(x) -> bool:
@@ -258,12 +161,15 @@ class ManualRegion:
             return forward(args, kwargs)
         args, kwargs, local_batch = self._inputs(args, kwargs)
         swapped = self._localize_buffers(root)
+        outside = self._localize_params_outside_units(root)
         _local.depth = getattr(_local, "depth", 0) + 1
         try:
             with refuse_host_reads(in_manual_region):  # [Note: host reads in the manual region]
                 out = forward(args, kwargs)
         finally:
             _local.depth -= 1
+            for m, name, p in outside:
+                m._parameters[name] = p
             self._restore_buffers(swapped)
         return self._outputs(out, local_batch)
 
@@ -311,6 +217,25 @@ class ManualRegion:
                 local = to_local(b, self.placement.mesh, self.placement.spec("replicated", b.dim()))
                 m._buffers[name] = local
                 swapped.append((m, name, b, local, local._version))
+        return swapped
+
+    def _localize_params_outside_units(self, root: nn.Module) -> List[Tuple[nn.Module, str, torch.Tensor]]:
+        """FSDP2's `ignored_params` (in no unit): each device computes with the whole replicated
+        tensor, and its gradient is the sum over devices, as for a replicated input."""
+        from ..unit_state import state_of, units
+
+        managed = {(id(site.module), site.name) for u in units(root) for rec in state_of(u).group.params
+                   for site in rec.sites}
+        swapped = []
+        for m in root.modules():
+            for name, p in m._parameters.items():
+                if p is None or (id(m), name) in managed:
+                    continue
+                spec = self.placement.spec("replicated", p.dim())
+                m._parameters[name] = (ToLocal.apply(p, self.placement.mesh, spec, self._sum_over_devices)
+                                       if p.requires_grad and torch.is_grad_enabled() else
+                                       to_local(p, self.placement.mesh, spec))
+                swapped.append((m, name, p))
         return swapped
 
     @staticmethod

@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterable, Iterator, Mapping, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from ..unit_state import named_units, state_of, units
+from ..unit_state import state_of, units
 from . import optimizer_state
 from .param import FSDPParam
 from .sharded_param import ShardedParameter, placements_on, stored_shape
@@ -133,12 +133,31 @@ def check_against_state_dict(model: nn.Module, keys: Iterable[str], what: str) -
     return order
 
 
+def unit_states(model: nn.Module) -> list:
+    """The engine state of every unit under `model`, once each (a unit of several modules is one)."""
+    return list({id(s): s for s in (state_of(u) for u in units(model))}.values())
+
+
+def site_keys(model: nn.Module, rec, table: Dict[str, str], where: Dict[int, str]) -> list:
+    """The state-dict keys of a record's sites ([Note: state-dict keys]); `where` is id(module) ->
+    its tree name in `model` (`module_names`)."""
+    return [key_of(table, (where[id(site.module)] + "." if where[id(site.module)] else "") + site.name)
+            for site in rec.sites]
+
+
+def module_names(model: nn.Module) -> Dict[int, str]:
+    out: Dict[int, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        out.setdefault(id(m), name)
+    return out
+
+
 def records(model: nn.Module):
     """(state-dict keys, record, group) for every sharded parameter in the model, the keys checked
     against `model.state_dict()`'s."""
-    table = names(model)
-    out = [([key_of(table, prefix + site.fqn) for site in rec.sites], rec, state_of(unit).group)
-           for prefix, unit in named_units(model) for rec in state_of(unit).group.params]
+    table, where = names(model), module_names(model)
+    out = [(site_keys(model, rec, table, where), rec, state.group) for state in unit_states(model)
+           for rec in state.group.params]
     if not out:
         raise ValueError("the model has no XlaFullyShardedDataParallel units; use model.state_dict()")
     check_against_state_dict(model, [n for keys, _, _ in out for n in keys] + list(buffers(model)), "the sharded model")
@@ -206,15 +225,14 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
     comm = state_of(root).group.comm
     layout = comm.layout
     single = comm.is_single_controller
-    table = names(root)
+    table, where = names(root), module_names(root)
     info: Dict[str, Any] = {}
-    for prefix, unit in named_units(root):
-        state = state_of(unit)
+    for state in unit_states(root):
         # the ranks whose shards make up one whole parameter: this unit's, which may differ from
         # the root's (a NO_SHARD unit nested in a FULL_SHARD root, or the reverse)
         group = [0] if single else list(state.group.comm.layout.shard_groups[0])
         for rec in state.group.params:
-            keys = [key_of(table, prefix + site.fqn) for site in rec.sites]
+            keys = site_keys(root, rec, table, where)
             for name in keys:
                 # one process holds every row on the single controller, unpadded in its state_dict()
                 info[name] = {"shape": list(rec.orig_shape), "rows": rec.rows,

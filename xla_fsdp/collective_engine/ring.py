@@ -33,7 +33,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
-from .manual_region import to_global, to_local
+from .conversions import to_global, to_local
 
 AXES = ("ring_z", "ring_y", "ring_x")
 LANES = 128  # a TPU vector register's lanes: the minor dimension of every buffer on a ring

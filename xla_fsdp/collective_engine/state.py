@@ -1,17 +1,5 @@
 """`FSDPState`: what a unit does around its module's forward and backward.
 
-[Note: freeing gathered parameters] Autograd normally keeps every tensor an op
-saves for backward, which would keep each unit's full parameters alive from
-forward to backward. While a unit that reshards runs its forward, a
-saved-tensor hook replaces any saved full parameter (or a view of one) by a
-small token. In backward a hook on the unit's outputs gathers the parameters
-again (behind an optimization barrier tied to the incoming gradient, so XLA
-can neither merge this gather with the forward one nor hoist it), and the
-token unpacks to the fresh copy (re-applying the view). The reduce-scatter of
-the unit's gradients runs in the backward of `_GatherParams`, after which the
-copy is dropped. On CPU the forward copy's storage is released at once, so a
-saved tensor that escaped the hook fails loudly instead of silently costing memory.
-
 [Note: prefetch] XLA overlaps a collective with compute only when neither
 depends on the other. A unit's gather is tied (optimization barrier) to its
 own input, which is the previous unit's output, so without prefetch nothing
@@ -40,11 +28,21 @@ step (measured: 6% step time on XLA:CPU), so they gather separately, as do
 units whose collectives differ (groups, device, compute dtype). If the root
 computed much before its first child (in decoders it only looks up
 embeddings), the joined gather could not overlap that.
+
+[Note: a unit of several modules] FSDP2's `fully_shard([a, b])` makes one
+unit of several modules: one group, gathered by one collective. The first
+of them to run its forward gathers the group and leaves it registered; the
+others compute with it; after the last of them the unit frees it (or keeps
+it for backward) as a one-module unit does after its forward. If a pass ends
+before all of them ran (the root's forward returns), the root frees it
+then. The backward is a one-module unit's: the first incoming gradient of
+any of their outputs gathers again, and the reduce-scatter runs once every
+gradient of the group has arrived. A recomputation (activation
+checkpointing) re-runs each module's forward on its own.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -55,81 +53,20 @@ from ..activation_checkpoint import checkpoint_all_but_last, is_recomputing
 from ..options import FSDPOptions, ShardingStrategy, TrainingState
 from ..forward_overrides import convert_checkpoint_after_wrapping, convert_checkpoint_wrappers_around_units
 from .manual_region import ManualRegion
+from .saved_params import active_units, make_hooks, registry
 from .param_group import FSDPParamGroup, gather_together
 from .precision import cast_inputs
 from ..class_swap import original_class
 from ..unit_state import state_of, units
 
-_local = threading.local()
+class _Span:
+    """A unit of several modules between its first module's forward and its last's: the gathered
+    parameters stay registered ([Note: a unit of several modules])."""
 
+    __slots__ = ("full", "reshard", "grad", "waiting")
 
-def _registry() -> Dict[int, Tuple["FSDPState", int, torch.Tensor]]:
-    if not hasattr(_local, "registry"):
-        _local.registry = {}
-        _local.active = []
-    return _local.registry
-
-
-def _active_units() -> List["FSDPState"]:
-    _registry()
-    return _local.active
-
-
-class _ParamToken:
-    """Stands in for a saved full parameter (or a view of one) between forward and backward."""
-
-    __slots__ = ("state", "index", "view_of", "geometry")
-
-    def __init__(self, state: "FSDPState", index: int, view_of: Optional[torch.Tensor]):
-        self.state, self.index, self.view_of = state, index, view_of
-        # CPU bases lose their storage at reshard, after which a view can no longer
-        # replay itself; the strided geometry rebuilds it on the fresh contiguous copy
-        self.geometry = None
-        if view_of is not None and view_of.device.type == "cpu":
-            self.geometry = (view_of.size(), view_of.stride(),
-                             view_of.storage_offset() - view_of._base.storage_offset())
-            self.view_of = None
-
-
-class _Outer:
-    """A tensor handed to the saved-tensor hooks that were active outside the unit."""
-
-    __slots__ = ("packed", "unpack")
-
-    def __init__(self, packed, unpack):
-        self.packed, self.unpack = packed, unpack
-
-
-def _make_hooks(outer):
-    """Our pack/unpack pair; anything that is not a gathered parameter goes to `outer`
-    (hooks active around the unit, e.g. torch.autograd.graph.save_on_cpu), if any."""
-
-    def pack(t: torch.Tensor):
-        reg = _registry()
-        hit = reg.get(id(t))
-        if hit is not None and hit[2] is t:
-            return _ParamToken(hit[0], hit[1], None)
-        base = t._base
-        if base is not None:
-            hit = reg.get(id(base))
-            if hit is not None and hit[2] is base:
-                return _ParamToken(hit[0], hit[1], t)
-        if outer is not None:
-            return _Outer(outer[0](t), outer[1])
-        return t
-
-    return pack, _unpack
-
-
-def _unpack(x):
-    if isinstance(x, _Outer):
-        return x.unpack(x.packed)
-    if not isinstance(x, _ParamToken):
-        return x
-    full = x.state.full_params_for_backward()[x.index]
-    if x.geometry is not None:
-        return full.as_strided(*x.geometry)
-    return full if x.view_of is None else x.view_of._view_func(full)
+    def __init__(self, full, reshard: bool, grad: bool, waiting: set):
+        self.full, self.reshard, self.grad, self.waiting = full, reshard, grad, waiting
 
 
 class FSDPState:
@@ -137,6 +74,8 @@ class FSDPState:
 
     def __init__(self, module: torch.nn.Module, group: FSDPParamGroup, options: FSDPOptions):
         self._module = weakref.ref(module)  # the module owns this state; no reference cycle
+        self.modules = [self._module]  # the modules whose forwards gather (fully_shard([a, b]): several)
+        self._span: Optional[_Span] = None
         self.group = group
         self.options = options
         self.is_root: Optional[bool] = None
@@ -200,7 +139,7 @@ class FSDPState:
             p.register(p.sharded)
         self.unsharded = None
 
-    def forward(self, run: Callable, args: Tuple, kwargs: Dict) -> Any:
+    def forward(self, run: Callable, args: Tuple, kwargs: Dict, module: Optional[torch.nn.Module] = None) -> Any:
         if self.unsharded is not None and self.unshard_feeds_forward:
             # FSDP2: the forward's own gather (wired into autograd) replaces them; with or without
             # autograd, since a unit computing outside the engine would leave the units below it
@@ -211,7 +150,7 @@ class FSDPState:
                 raise RuntimeError("this unit is unsharded (unshard() or summon_full_params()): its gradients "
                                    "would not reach the shards. Call reshard(), or run under torch.no_grad()")
             return run(*args, **kwargs)  # the full parameters are registered: plain compute
-        active = _active_units()
+        active = active_units()
         if self.is_root is None:
             self.is_root = not active
             self.group.ends_backward = self.is_root
@@ -219,8 +158,8 @@ class FSDPState:
             self._check_runtime_unchanged()
             self._convert_foreign_checkpoints()
             if self.region is not None:  # the root of a single-controller model
-                return self.region.run(self._module(), lambda a, k: self._forward(run, a, k), args, kwargs)
-        return self._forward(run, args, kwargs)
+                return self.region.run(self._module(), lambda a, k: self._forward(run, a, k, module), args, kwargs)
+        return self._forward(run, args, kwargs, module)
 
     def _convert_foreign_checkpoints(self) -> None:
         if self._units is None:
@@ -242,8 +181,13 @@ class FSDPState:
                     "the SPMD runtime was turned on afterwards; call torch_xla.runtime.use_spmd() before "
                     "wrapping (and before creating any XLA tensor) to run the single-controller runtime")
 
-    def _forward(self, run: Callable, args: Tuple, kwargs: Dict) -> Any:
-        active = _active_units()
+    def _forward(self, run: Callable, args: Tuple, kwargs: Dict, module: Optional[torch.nn.Module] = None) -> Any:
+        span = self._span
+        if span is not None and not is_recomputing() and id(module) in span.waiting:
+            return self._continue_span(run, args, kwargs, module)
+        if span is not None:  # a module of the unit ran twice: the next pass of the unit
+            self._close_span()
+        active = active_units()
         if self.is_root:
             self._recording = [self]
         elif active and active[0]._recording is not None:
@@ -269,39 +213,82 @@ class FSDPState:
         if nxt is not None and nxt._prefetched is None:
             nxt._prefetched = nxt.group.gather(barrier_with)
         for target in (targets or []) if not is_recomputing() else []:
-            if target._prefetched is None and target.unsharded is None:
+            if target._prefetched is None and target.unsharded is None and target._span is None:
                 target._prefetched = target.group.gather(barrier_with)
         reshard = self._reshards_after_forward and torch.is_grad_enabled()
         for p, t in zip(self.group.params, full):
             p.register(t)
-        reg = _registry()
+        reg = registry()
         if reshard:
             for i, t in enumerate(full):
                 reg[id(t)] = (self, i, t)
-        hooks = contextlib.nullcontext()
-        if reshard:
-            hooks = torch.autograd.graph.saved_tensors_hooks(
-                *_make_hooks(torch._C._autograd._top_saved_tensors_default_hooks(False)))
+        if len(self.modules) > 1 and not is_recomputing():  # [Note: a unit of several modules]
+            self._span = _Span(full, reshard, torch.is_grad_enabled(), {id(r()) for r in self.modules} - {id(module)})
         active.append(self)
         try:
-            with hooks:
+            with self._saved_tensor_hooks(reshard):
                 out = run(*args, **kwargs)
         finally:
             active.pop()
-            for p in self.group.params:
-                p.register(p.sharded)
-            for t in full:
-                reg.pop(id(t), None)
+            if self._span is None:
+                self._register_shards(full)
             self.training_state = TrainingState.IDLE
-        if reshard:
-            self._release(full)
-        else:
-            self._full_for_backward = full if torch.is_grad_enabled() else None
+        if self._span is None:
+            self._after_forward(full, reshard, torch.is_grad_enabled())
         if torch.is_grad_enabled():
             self._register_pre_backward(out)
         if self.is_root:
+            for state in [state_of(m) for m in self._units or []]:
+                if state._span is not None:  # a module of that unit did not run this pass
+                    state._close_span()
             self._learn_order()
         return out
+
+    @staticmethod
+    def _saved_tensor_hooks(reshard: bool):
+        if not reshard:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(*make_hooks(torch._C._autograd._top_saved_tensors_default_hooks(False)))
+
+    def _register_shards(self, full: List[torch.Tensor]) -> None:
+        for p in self.group.params:
+            p.register(p.sharded)
+        reg = registry()
+        for t in full:
+            reg.pop(id(t), None)
+
+    def _after_forward(self, full: List[torch.Tensor], reshard: bool, grad: bool) -> None:
+        if reshard:
+            self._release(full)
+        else:
+            self._full_for_backward = full if grad else None
+
+    # -- a unit of several modules (fully_shard([a, b])) -------------------------
+    def _continue_span(self, run: Callable, args: Tuple, kwargs: Dict, module) -> Any:
+        """A later module of the unit in the same pass: the first module's gather serves it."""
+        span = self._span
+        span.waiting.discard(id(module))
+        if self.options.mixed_precision.enabled:
+            args, kwargs = cast_inputs(self.options.mixed_precision, args, kwargs)
+        active = active_units()
+        self.training_state = TrainingState.FORWARD
+        active.append(self)
+        try:
+            with self._saved_tensor_hooks(span.reshard):
+                out = run(*args, **kwargs)
+        finally:
+            active.pop()
+            self.training_state = TrainingState.IDLE
+        if not span.waiting:
+            self._close_span()
+        if torch.is_grad_enabled():
+            self._register_pre_backward(out)
+        return out
+
+    def _close_span(self) -> None:
+        span, self._span = self._span, None
+        self._register_shards(span.full)
+        self._after_forward(span.full, span.reshard, span.grad)
 
     # -- prefetch -------------------------------------------------------------
     def _next_to_prefetch(self) -> Optional["FSDPState"]:
@@ -309,7 +296,7 @@ class FSDPState:
         this unit computes; None when prefetch is off or there is nothing to start."""
         nxt = self.next_forward
         if (nxt is None or not self.options.prefetch.forward or is_recomputing()
-                or nxt._prefetched is not None or nxt.unsharded is not None):
+                or nxt._prefetched is not None or nxt.unsharded is not None or nxt._span is not None):
             return None
         return nxt
 

@@ -13,7 +13,7 @@ no meaning here is refused by name rather than ignored.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch.nn as nn
 
@@ -21,27 +21,74 @@ from .module import FSDPModule
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = None,
+def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
+                reshard_after_forward: Optional[Union[bool, int]] = None,
                 shard_placement_fn: Optional[Callable] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None) -> FSDPModule:
+                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None):
     """Shard `module`'s parameters on dim 0 over every device (see [Note: fully_shard on XLA]).
 
     Same signature and meaning as `torch.distributed.fsdp.fully_shard`; returns `module`,
-    now an instance of `FSDPModule`.
+    now an instance of `FSDPModule`. A list of modules becomes one unit ([Note: a unit of several
+    modules]): their parameters are gathered together; each module becomes an `FSDPModule`.
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard([modules...]) (one unit for several modules) is not supported "
-                                  "here; call fully_shard on each module, or on their common parent")
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    for m in modules:
+        _check_module(m)
+    _check_disjoint(modules)
+    from ..collective_engine.sharded_param import ShardedParameter
+
+    ignored = _ignored(modules, ignored_params)
+    mp = as_mp_policy(mp_policy)
+    offload = as_offload_policy(offload_policy)
+    for m in modules:
+        _enter_spmd(m)
+    mesh = _mesh(mesh)
+    for m in modules:
+        _check_placements(m, shard_placement_fn)
+    kw = _engine_keywords(mp, reshard_after_forward, int(mesh.xla.mesh_shape[-1]))
+    kw["mesh"] = mesh.xla
+    if mesh.replicas > 1:  # HSDP: shard within each row of the mesh, replicate across rows
+        kw["sharding_strategy"] = "HYBRID_SHARD"
+        kw["sharding_groups"] = mesh.shard_groups()
+    kw["collectives"] = mesh.collectives  # every unit over one mesh shares one (if it fits)
+    from ..api import make_unit
+
+    state = make_unit(modules if len(modules) > 1 else modules[0], kw, FSDPModule, param_cls=ShardedParameter,
+                      keeps_meta=True, ignored=ignored)
+    if mesh.collectives is None:
+        mesh.collectives = state.group.comm
+    state.mp_policy = mp
+    state.device_mesh = mesh.device_mesh
+    state.unshard_feeds_forward = True  # FSDP2's unshard(): a forward under autograd still gathers
+    for rec in state.group.params:
+        rec.sharded.bind(rec, mesh.device_mesh)
+    from ..collective_engine import model_state, optimizer_state
+    from . import step_cut
+
+    for m in modules:
+        model_state.register_state_tensors(m)
+        m.register_state_dict_pre_hook(step_cut.before_state_dict)
+    optimizer_state.install()
+    step_cut.install()
+    if isinstance(offload, CPUOffloadPolicy):
+        from .offload import HostOffload
+
+        state.offload = HostOffload.attach(modules[0])
+    return module
+
+
+def _check_module(module) -> None:
+    """Refuse what cannot become (part of) a unit, naming it."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(module).__name__}")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         raise ValueError(f"fully_shard does not support containers that do not implement forward: "
                          f"{type(module).__name__}; call it on each module inside, and on the module that calls them")
     name = type(module).__name__
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {name}; apply it once per module")
-    from ..api import XlaFullyShardedDataParallel, make_unit
+    from ..api import XlaFullyShardedDataParallel
 
     if isinstance(module, XlaFullyShardedDataParallel):
         raise ValueError(f"{name} is already wrapped by XlaFullyShardedDataParallel; use one of the two APIs")
@@ -58,42 +105,35 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
             f"fully_shard({name}) after its parent: {owned[0]!r} is already sharded by an enclosing "
             "fully_shard call. Apply fully_shard bottom-up: each layer first, then the modules above, "
             "the root last")
-    if ignored_params:
-        raise NotImplementedError(
-            "fully_shard(ignored_params=...) is not supported here: on the single controller a parameter "
-            "outside every unit would be computed with per-device copies whose gradients no unit reduces. "
-            "Make such parameters buffers (register_buffer) if they do not train, or leave them in a unit")
-    mp = as_mp_policy(mp_policy)
-    offload = as_offload_policy(offload_policy)
-    _enter_spmd(module)
-    mesh = _mesh(mesh)
-    _check_placements(module, shard_placement_fn)
-    kw = _engine_keywords(module, mp, reshard_after_forward, int(mesh.xla.mesh_shape[-1]))
-    kw["mesh"] = mesh.xla
-    if mesh.replicas > 1:  # HSDP: shard within each row of the mesh, replicate across rows
-        kw["sharding_strategy"] = "HYBRID_SHARD"
-        kw["sharding_groups"] = mesh.shard_groups()
-    kw["collectives"] = mesh.collectives  # every unit over one mesh shares one (if it fits)
-    state = make_unit(module, kw, FSDPModule, param_cls=ShardedParameter, keeps_meta=True)
-    if mesh.collectives is None:
-        mesh.collectives = state.group.comm
-    state.mp_policy = mp
-    state.device_mesh = mesh.device_mesh
-    state.unshard_feeds_forward = True  # FSDP2's unshard(): a forward under autograd still gathers
-    for rec in state.group.params:
-        rec.sharded.bind(rec, mesh.device_mesh)
-    from ..collective_engine import model_state, optimizer_state
-    from . import step_cut
 
-    model_state.register_state_tensors(module)
-    module.register_state_dict_pre_hook(step_cut.before_state_dict)
-    optimizer_state.install()
-    step_cut.install()
-    if isinstance(offload, CPUOffloadPolicy):
-        from .offload import HostOffload
 
-        state.offload = HostOffload.attach(module)
-    return module
+def _check_disjoint(modules: List[nn.Module]) -> None:
+    """A list's modules must be distinct and none inside another (their parameters would belong to
+    one unit twice)."""
+    if not modules:
+        raise ValueError("fully_shard([]) got no module; pass a module or a non-empty list of modules")
+    for i, a in enumerate(modules):
+        for j, b in enumerate(modules):
+            if i != j and (a is b or any(m is b for m in a.modules())):
+                what = f"item {i} again" if a is b else f"inside {type(a).__name__} (item {i})"
+                raise ValueError(f"fully_shard([...]): item {j}, a {type(b).__name__}, is {what}; the modules of "
+                                 "one unit must not overlap: pass the outer one alone, or disjoint modules")
+
+
+def _ignored(modules: List[nn.Module], ignored_params) -> frozenset:
+    """The ids of `ignored_params`, each checked to be a parameter of the modules. An ignored parameter
+    is not sharded and its gradient is not reduce-scattered: it stays one replicated tensor, every
+    device computes with the whole of it, and its gradient is that of the process's whole batch
+    (the sum over its devices), as a GPU rank's is of its own batch."""
+    if not ignored_params:
+        return frozenset()
+    ids = {id(p) for m in modules for p in m.parameters()}
+    stray = [p for p in ignored_params if id(p) not in ids]
+    if stray:
+        raise ValueError(f"fully_shard(ignored_params=...): {len(stray)} of them (shape {tuple(stray[0].shape)}) "
+                         f"is not a parameter of {', '.join(type(m).__name__ for m in modules)}; pass "
+                         "parameters of the module(s) given")
+    return frozenset(id(p) for p in ignored_params)
 
 
 def _inside_unit(module: nn.Module, param_name: str) -> bool:
@@ -157,7 +197,7 @@ def _check_placements(module: nn.Module, shard_placement_fn) -> None:
                 "dim 0 (gathered and reduce-scattered as rows); return None or Shard(0)")
 
 
-def _engine_keywords(module: nn.Module, mp: MixedPrecisionPolicy, reshard_after_forward, devices: int) -> dict:
+def _engine_keywords(mp: MixedPrecisionPolicy, reshard_after_forward, devices: int) -> dict:
     """FSDP2's arguments as the collective engine's keywords."""
     import torch
 

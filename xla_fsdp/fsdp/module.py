@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 
 from .. import abstract
 from ..api import UnitMethods, UnshardHandle
+from ..collective_engine.saved_params import active_units
 from ..unit_state import state_of, units
 from ..collective_engine.sharded_param import ShardedParameter
 
@@ -34,7 +35,7 @@ class FSDPModule(UnitMethods):
     # -- forward -----------------------------------------------------------
     def forward(self, *args, **kwargs):
         state = state_of(self)
-        outermost = not _active_units()
+        outermost = not active_units()
         if outermost:
             from . import step_cut
 
@@ -175,12 +176,6 @@ class FSDPModule(UnitMethods):
 
 def _units(module: nn.Module, recurse: bool) -> List[nn.Module]:
     return units(module) if recurse else [module]
-
-
-def _active_units():
-    from ..collective_engine.state import _active_units as active
-
-    return active()
 
 
 def _meta_params(unit: nn.Module) -> List[str]:

@@ -52,8 +52,13 @@ class HostOffload:
     # -- per step ------------------------------------------------------------
     @staticmethod
     def _records(root) -> List[tuple]:
-        return [(unit, rec) for unit in units(root) if state_of(unit).offload is not None
-                for rec in state_of(unit).group.params]
+        seen, out = set(), []
+        for unit in units(root):  # a unit of several modules once
+            state = state_of(unit)
+            if state.offload is not None and id(state) not in seen:
+                seen.add(id(state))
+                out += [(unit, rec) for rec in state.group.params]
+        return out
 
     def to_device(self, root) -> None:
         """Before the root's forward: every offloaded parameter onto the chips, as a fresh leaf."""
