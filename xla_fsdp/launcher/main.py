@@ -53,6 +53,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if chips:
                     os.environ.setdefault("XLA_FSDP_SLICE_CHIPS", str(chips))
             async_collective_flags()
+        if not plan.spawn:  # one process per host: its folder of the compile cache (replicas: their own)
+            from xla_fsdp.runtime import compile_cache
+
+            try:
+                cache = compile_cache.from_environment(f"host-{compile_cache.host_index()}")
+            except compile_cache.CompileCacheError as e:
+                raise UsageError(str(e)) from None
+            if cache:
+                log(f"{compile_cache.ENV}: compiled programs kept in {cache}")
         from xla_fsdp.runtime.self_starting import entry_calls
 
         calls = entry_calls(script)

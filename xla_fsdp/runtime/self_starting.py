@@ -144,6 +144,9 @@ class ReplicaCall:
 
     def __call__(self, index: int) -> None:
         try:
+            from .compile_cache import from_environment
+
+            from_environment(f"rank-{index}")  # each replica its own folder of the compile cache
             self.fn(index, *self.args)
         except SystemExit as exc:
             code = 0 if exc.code is None else (exc.code if isinstance(exc.code, int) else EXIT_FAILED)

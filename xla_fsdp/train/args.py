@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a checkpoint-<step> directory, or 'auto' for the newest complete one in "
                              "--output_dir (none: start fresh)")
     _bool_flag(report, "--mfu_include_attention", "add 12·L·d·S FLOPs/token for attention to MFU")
+    report.add_argument("--compile_cache", default=None, metavar="DIR",
+                        help="keep compiled programs in DIR so a restarted or resumed job compiles nothing; "
+                             "default: compile_cache/ under a local --output_dir ($XLA_FSDP_COMPILE_CACHE when "
+                             "set); 'off' disables it (xla_fsdp/runtime/compile_cache.py)")
     report.add_argument("--peak_tflops", type=float, default=None,
                         help="override the per-chip peak (dense bf16 TFLOPS) used for MFU")
     return p

@@ -122,6 +122,7 @@ def run(argv=None) -> dict:
     device = torch_xla.device()
     facts = device_facts(spmd)
     log = print if facts["leader"] else (lambda *a, **k: None)
+    cache = _compile_cache(args, spmd, facts)  # before the first program is compiled
     if args.attn_implementation == "pallas" and facts["device_type"] != "TPU" and not abstract.active():
         raise SystemExit(f"--attn_implementation pallas runs torch_xla's Pallas kernel, which needs a TPU; this "
                          f"runs on {facts['device_type']}. Use --attn_implementation eager here (make train "
@@ -196,10 +197,35 @@ def run(argv=None) -> dict:
             f"({ev['eval_batches']} batches)")
     report["wall_time_s"] = time.perf_counter() - started
     report["xla_compiles"] = _compile_count()
+    if cache is not None:
+        from xla_fsdp.runtime import compile_cache
+
+        report["compile_cache"] = {"path": cache, **compile_cache.counts()}
+        log(f"run_clm: {compile_cache.summary(cache)}")
     if facts["leader"]:
         path = write_metrics(report, args.output_dir)
         log(f"run_clm: metrics written to {path}")
     return report
+
+
+def _compile_cache(args, spmd: bool, facts: dict):
+    """The persistent compilation cache's folder for this process, or None ([Note: the persistent
+    compilation cache]): --compile_cache, else $XLA_FSDP_COMPILE_CACHE, else compile_cache/ under a
+    local --output_dir; one folder per host under the single controller, per replica otherwise."""
+    from xla_fsdp.checkpoint.filesystems import is_url
+    from xla_fsdp.runtime import compile_cache
+
+    if abstract.active():  # the ahead-of-time check compiles with libtpu, not here
+        return None
+    base = args.compile_cache or os.environ.get(compile_cache.ENV, "").strip() or (
+        None if is_url(args.output_dir) else os.path.join(args.output_dir, "compile_cache"))
+    if base is None or base.lower() in compile_cache.OFF:
+        return None
+    part = f"host-{compile_cache.host_index()}" if spmd or facts["world"] == 1 else f"rank-{facts['rank']}"
+    try:
+        return compile_cache.enable(base, part)
+    except compile_cache.CompileCacheError as e:
+        raise SystemExit(f"run_clm: {e}") from None
 
 
 def _host_batches(spmd: bool, mesh):
