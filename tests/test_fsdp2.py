@@ -162,6 +162,7 @@ def test_methods_and_parameters(tmp_path):
     assert d["stored"] == [12, 8] and d["grad_flows"] == [12, 8] and d["is_parameter"] and not d["is_dtensor"], d
     assert r["unshard_registers_whole"] and r["reshard_registers_shards"]
     assert r["unshard_forward_diff"] < 1e-5
+    assert (r["unshard_dtype_bf16"], r["reshard_dtype"]) == ("torch.bfloat16", "torch.float32"), r
     assert r["unshard_then_backward_grad_diff"] < 1e-5
     assert abs(r["divide_factor_ratio"] - 2.0) < 1e-4  # factor 0.5 with one process: gradients doubled
     assert r["accumulation_grad_diff"] < 1e-5

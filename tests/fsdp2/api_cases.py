@@ -191,6 +191,13 @@ def methods(out):
     with torch.no_grad():
         want = ref(tokens)
     res["unshard_forward_diff"] = float((got - want).abs().max())
+    # FSDP2's unshard() under a bf16 MixedPrecisionPolicy registers bf16 parameters (PyTorch's example checks it)
+    bf16 = sharded_net(mp_policy=fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    bf16.to_empty(device=dev) if bf16.head.weight.is_meta else None
+    bf16.unshard()
+    res["unshard_dtype_bf16"] = str(bf16.head.weight.dtype)
+    bf16.reshard()
+    res["reshard_dtype"] = str(bf16.head.weight.dtype)
     res["reshard_registers_shards"] = isinstance(net.head.weight, fsdp.ShardedParameter)
 
     # unshard() then a forward under autograd: gradients reach the shards as without it

@@ -121,10 +121,14 @@ class FSDPState:
 
     # -- unshard() / reshard() ---------------------------------------------
     def unshard(self) -> None:
-        """Register every parameter of the unit whole (gathered, in its own dtype) until `reshard`."""
+        """Register every parameter of the unit whole until `reshard`: in its own dtype, or (FSDP2's
+        unshard) in the compute dtype, as the forward would gather it."""
         if self.unsharded is not None:
             return
         full = self.group.full_params()
+        mp = self.options.mixed_precision
+        if self.unshard_feeds_forward and mp.enabled:
+            full = [t.to(mp.compute_dtype) if t.is_floating_point() else t for t in full]
         for p, t in zip(self.group.params, full):
             p.register(t)
         self.unsharded = full
