@@ -151,13 +151,18 @@ def _grads_of(model, tokens, targets):
     return loss
 
 
-def methods(out):
-    dev = torch_xla.device()
-    res = {}
+def _reference():
+    """A batch, the unsharded Net (seed 0) and a copy of its state dict."""
     torch.manual_seed(0)
     tokens, targets = torch.randint(0, 10, (8, 4)), torch.randint(0, 10, (8, 4))
     ref = Net()
-    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    return tokens, targets, ref, {k: v.clone() for k, v in ref.state_dict().items()}
+
+
+def methods(out):
+    dev = torch_xla.device()
+    res = {}
+    tokens, targets, ref, state = _reference()
     net = sharded_net()
     net.load_state_dict(state)
     p = net.head.weight
@@ -270,10 +275,7 @@ def ignored(out):
     """FSDP2's ignored_params: a Net whose embedding is left out of its unit, against the same Net
     unsharded: loss and every gradient after one step, and where the ignored parameter lives."""
     dev = torch_xla.device()
-    torch.manual_seed(0)
-    tokens, targets = torch.randint(0, 10, (8, 4)), torch.randint(0, 10, (8, 4))
-    ref = Net()
-    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    tokens, targets, ref, state = _reference()
     net = Net()
     net.load_state_dict(state)
     for b in net.blocks:
