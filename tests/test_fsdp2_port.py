@@ -165,3 +165,7 @@ def test_the_port_compiles_for_v4_8_under_the_check():
     assert got["rc"] == 0 and report is not None, got["output"]
     assert report["runtime"] == "single_controller" and report["program"] == "spmd", report
     assert report["compiles"] and report["fits"], report.get("error")
+    # the share of asynchronous bytes, in all and per kind (issue 51: a user sees it on their own job)
+    c = report["collectives"]
+    assert abs(c["async_bytes_fraction"] * c["bytes"] - sum(k["async_bytes"] for k in c["by_kind"].values())) < 1
+    assert all(0.0 <= k["async_bytes_fraction"] <= 1.0 for k in c["by_kind"].values()), c

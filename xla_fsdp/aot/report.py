@@ -172,14 +172,16 @@ def _render_one(r: dict) -> str:
     if not r["fits"]:
         lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(r['hbm_per_chip'])} per chip")
     c = r["collectives"]
+    async_share = _share(c["async_bytes_fraction"] * c["bytes"], c["bytes"])
     lines.append(f"collectives of the TPU-optimized program: {c['count']} ({c['sync']} synchronous, "
-                 f"{c['async']} asynchronous), {c['bytes'] / 1e9:.3f} GB per step; "
-                 f"{100 * c['async_bytes_with_matmul_fraction']:.0f}% of the bytes asynchronous with a "
-                 "matmul scheduled beside them")
-    lines.append(f"  {'kind':<20}{'sync':>6}{'async':>7}{'with matmul':>13}{'GB':>10}{'GB sent/chip':>14}")
+                 f"{c['async']} asynchronous), {c['bytes'] / 1e9:.3f} GB per step; {async_share} of the bytes "
+                 f"asynchronous, {100 * c['async_bytes_with_matmul_fraction']:.0f}% with a matmul scheduled beside them")
+    lines.append(f"  {'kind':<20}{'sync':>6}{'async':>7}{'with matmul':>13}{'GB':>10}{'async bytes':>13}"
+                 f"{'GB sent/chip':>14}")
     for kind, k in sorted(c["by_kind"].items()):
         lines.append(f"  {kind:<20}{k['sync']:>6}{k['async']:>7}{k['async_with_matmul']:>13}"
-                     f"{k['bytes'] / 1e9:>10.3f}{k.get('sent', 0) / 1e9:>14.3f}")
+                     f"{k['bytes'] / 1e9:>10.3f}{_share(k.get('async_bytes', 0), k['bytes']):>13}"
+                     f"{k.get('sent', 0) / 1e9:>14.3f}")
     p = r.get("projection")
     if p:
         lines.append(f"PROJECTED step time on the compiled schedule (not measured; roofline, see "
@@ -194,3 +196,8 @@ def _render_one(r: dict) -> str:
                          "(xla_fsdp/tpu/kernel_cost.py)"
                          + (f"; {p['kernels_without_flops']} charged their bytes only" if p["kernels_without_flops"] else ""))
     return "\n".join(lines)
+
+
+def _share(part: float, whole: float) -> str:
+    """`part` of `whole` as a percentage, or "-" when there is nothing to share."""
+    return f"{100 * part / whole:.1f}%" if whole else "-"

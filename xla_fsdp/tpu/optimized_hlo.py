@@ -265,7 +265,10 @@ def summarize(found: List[Collective], devices: int = 0) -> dict:
     overlapped = sum(c.bytes for c in found if c.asynchronous and c.beside_matmuls > 0)
     out = {"by_kind": by_kind, "count": len(found), "sync": sum(not c.asynchronous for c in found),
            "async": sum(c.asynchronous for c in found), "bytes": total,
-           "async_bytes_with_matmul_fraction": (overlapped / total) if total else 0.0}
+           "async_bytes_with_matmul_fraction": (overlapped / total) if total else 0.0,
+           "async_bytes_fraction": (sum(c.bytes for c in found if c.asynchronous) / total) if total else 0.0}
+    for k in by_kind.values():
+        k["async_bytes_fraction"] = (k["async_bytes"] / k["bytes"]) if k["bytes"] else 0.0
     if devices:
         sent = sum(ring_bytes(c, devices) for c in found)
         beside = sum(ring_bytes(c, devices) for c in found if c.asynchronous and c.beside_matmuls > 0)
