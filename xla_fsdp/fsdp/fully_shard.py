@@ -83,9 +83,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     for rec in state.group.params:
         rec.sharded.bind(rec, mesh.device_mesh)
     from ..collective_engine import model_state, optimizer_state
-    from . import step_cut
+    from . import dcp, step_cut
 
     model_state.register_state_tensors(module)
+    dcp.use_host_chunks()  # several hosts: DCP writes and reads each host's rows ([Note: DCP across hosts])
     module.register_state_dict_pre_hook(step_cut.before_state_dict)
     optimizer_state.install()
     step_cut.install()
