@@ -19,12 +19,15 @@ naming the key, anything that does not match `model.state_dict()`'s keys.
 
 [Note: loading into sharded parameters] A `fully_shard` unit's `state_dict()`
 values are `StateTensor`s (whole global tensors with DTensor's `full_tensor()`,
-`to_local()`, `device_mesh`, `placements`; plain tensors to pickle and DCP).
+`to_local()`, `device_mesh`, `placements`; plain tensors to pickle, and to DCP on one
+host; defined in optimizer_state.py).
 Loading keeps every parameter a dim-0 sharded global tensor whatever arrives:
 a CPU tensor is copied in place; an unsharded XLA tensor is copied, then marked
 sharded again; `distribute_tensor(...)`'s XLAShardedTensor gives its global
 tensor; with `assign=True` each unit takes the assigned tensor into its own
-sharded parameter afterwards (materializing a meta one).
+sharded parameter afterwards (materializing a meta one). On several hosts a value
+`dcp.load` filled host by host ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py)
+becomes its parameter's data directly, built from each host's rows.
 
 `check_load` is the one check of what is loaded against the model: every key
 one side lacks and every shape that differs, in one message, before anything
@@ -40,8 +43,9 @@ import torch.nn as nn
 
 from ..unit_state import state_of, units
 from . import optimizer_state
+from .optimizer_state import StateTensor
 from .param import FSDPParam
-from .sharded_param import ShardedParameter, placements_on, stored_shape
+from .sharded_param import ShardedParameter, stored_shape
 
 WRAPPED = "_checkpoint_wrapped_module"
 SHARD_METADATA_FORMAT = "xla_fsdp.shard_metadata/1"
@@ -252,38 +256,6 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
 
 
 # -- fully_shard units ([Note: loading into sharded parameters]) -----------------------------------
-class StateTensor(torch.Tensor):
-    """A state-dict value: a plain tensor with DTensor's `full_tensor()`, `to_local()`,
-    `device_mesh` and `placements`, as FSDP2 scripts use them on `model.state_dict()` values."""
-
-    @staticmethod
-    def wrap(t: torch.Tensor, device_mesh) -> "StateTensor":
-        out = torch.Tensor._make_subclass(StateTensor, t, False)
-        out.device_mesh = device_mesh
-        return out
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    def full_tensor(self) -> torch.Tensor:
-        return self.as_subclass(torch.Tensor)
-
-    def to_local(self) -> torch.Tensor:
-        return self.as_subclass(torch.Tensor)
-
-    @property
-    def placements(self):
-        return placements_on(self.device_mesh)
-
-    def __reduce_ex__(self, proto):
-        return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
-
-    def __deepcopy__(self, memo):
-        return self.as_subclass(torch.Tensor).clone()
-
-    def __repr__(self) -> str:
-        return f"StateTensor(shape={tuple(self.shape)}, placements={self.placements}, device={self.device})"
-
-
 class _StateTensors:
     """state_dict post-hook of one fully_shard unit: the values of its parameters as `StateTensor`s."""
 
@@ -294,11 +266,18 @@ class _StateTensors:
         unit = self._unit()
         if unit is None:
             return
-        mesh = state_of(unit).device_mesh
+        state = state_of(unit)
         params = {prefix + n for n, _ in module.named_parameters(remove_duplicate=False)}
+        sources = {}  # several hosts: key -> (the global parameter, its rows), for DCP's per-host rows
+        if StateTensor.per_host():
+            table = names(module)
+            for rec in state.group.params:
+                for site in rec.sites:
+                    if site.module._parameters.get(site.name) is rec.sharded:  # not unshard()ed
+                        sources[prefix + key_of(table, site.fqn)] = (rec.sharded, rec.rows)
         for key, value in list(state_dict.items()):
             if key in params and isinstance(value, torch.Tensor) and not isinstance(value, StateTensor):
-                state_dict[key] = StateTensor.wrap(value.detach(), mesh)
+                state_dict[key] = StateTensor.wrap(value.detach(), state.device_mesh, *sources.get(key, (None, 0)))
 
 
 def register_state_tensors(unit: nn.Module) -> None:
@@ -318,15 +297,42 @@ def _global_value(value):
     return value
 
 
+def _loaded_rows(value) -> bool:
+    return isinstance(value, StateTensor) and value.has_loaded_rows()
+
+
+def _take_loaded_rows(root: nn.Module, values: dict) -> dict:
+    """Values `dcp.load` read host by host ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py): each
+    parameter takes the global tensor built from this host's rows as its data and is its own value
+    (its copy_ onto itself does nothing); a key that is no parameter gets the tensor's real rows.
+    Every host builds the same tensors in the same order."""
+    loaded = [k for k, v in values.items() if _loaded_rows(v)]
+    if not loaded:
+        return values
+    table = names(root)
+    params = {table[n]: p for n, p in root.named_parameters(remove_duplicate=False)}
+    values = dict(values)
+    for key in loaded:
+        p = params.get(key)
+        if isinstance(p, ShardedParameter):
+            with torch.no_grad():
+                p.data = values[key].loaded(p, p.dtype)
+            values[key] = p
+        else:
+            values[key] = values[key].full_tensor()
+    return values
+
+
 def load_into(root: nn.Module, state_dict, strict: bool, assign: bool):
     """`root.load_state_dict(...)` for a fully_shard module (see [Note: loading into sharded parameters])."""
-    values = {k: _global_value(v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+    values = {k: _global_value(v) if isinstance(v, torch.Tensor) and not _loaded_rows(v) else v
+              for k, v in state_dict.items()}
     want = {n: [tuple(p.shape), tuple(stored_shape(p))] for n, p in root.named_parameters()}
     check_load("load_state_dict", {k: v.shape for k, v in values.items() if isinstance(v, torch.Tensor)}, want,
                keys=False)
     sharded = units(root)
     specs = {id(rec): _sharding_spec(rec.sharded) for unit in sharded for rec in state_of(unit).group.params}
-    result = nn.Module.load_state_dict(root, values, strict=strict, assign=assign)
+    result = nn.Module.load_state_dict(root, _take_loaded_rows(root, values), strict=strict, assign=assign)
     for unit in sharded:
         _adopt(unit, specs)
     return result

@@ -29,6 +29,11 @@ that step (a resume) arrives unpadded or unsharded; torch_xla keeps such a fresh
 on the host until it is first used, so the same hook places it before the step reads it: no
 device ever holds an unsharded copy. Our own checkpoints attach the hooks before they read or
 write (`prepare`), and read the padded tensors themselves (`held_state_dict`).
+
+`StateTensor`, the value both state dicts of a `fully_shard` model give, lives here (the lower of
+the two modules): on several hosts the state tensors shaped like their parameter are StateTensors
+too, so DCP writes and reads each host's rows of them ([Note: DCP across hosts] in
+xla_fsdp/fsdp/dcp.py); on one host optimizer state dicts are as before.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .sharded_param import ShardedParameter, stored_shape
+from .sharded_param import ShardedParameter, placements_on, stored_shape
 
 ROW_FACTORED = ("exp_avg_sq_row",)  # one entry per row of the parameter (the rest averaged away)
 SCALAR_STATE = ("step", "mu_product")  # torch's per-parameter counters: 0-dim whatever the parameter
@@ -48,6 +53,87 @@ _PADDED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # padded global paramete
 _PREPARED: "weakref.WeakSet" = weakref.WeakSet()
 _STEP_HOOK = []
 _HELD = [0]  # > 0 while our checkpoints read the padded state
+
+
+# -- the values state dicts give ([Note: loading into sharded parameters] in model_state.py) ---------
+class StateTensor(torch.Tensor):
+    """A state-dict value of a `fully_shard` model: a plain tensor with DTensor's `full_tensor()`,
+    `to_local()`, `device_mesh` and `placements`, as FSDP2 scripts use them, and DCP's checkpoint
+    protocol (`__create_write_items__`, `__create_chunk_list__`, `__get_tensor_shard__`). On one host
+    DCP sees a plain tensor; on several the protocol is `host_chunks`'s: each host's chunks are the
+    rows its own devices hold of `source` ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py)."""
+
+    host_chunks = None  # xla_fsdp.fsdp.dcp.HostChunks, set by fully_shard (this layer cannot import it)
+
+    @staticmethod
+    def wrap(t: torch.Tensor, device_mesh, source: Optional[torch.Tensor] = None, rows: int = 0) -> "StateTensor":
+        """`t` as a StateTensor; `source` is the global tensor whose first `rows` rows it is (padded
+        on dim 0), for DCP on several hosts."""
+        out = torch.Tensor._make_subclass(StateTensor, t, False)
+        out.device_mesh = device_mesh
+        out.source = source
+        out.rows = rows
+        out.dcp = None  # what host_chunks keeps between DCP's calls (pieces to write, rows read)
+        return out
+
+    @staticmethod
+    def per_host() -> bool:
+        """Whether DCP sees this host's rows (several hosts) rather than whole tensors."""
+        return StateTensor.host_chunks is not None and StateTensor.host_chunks.active()
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def _chunks(self):
+        return StateTensor.host_chunks if getattr(self, "source", None) is not None and self.per_host() else None
+
+    def has_loaded_rows(self) -> bool:
+        """Whether `dcp.load` read this host's rows into this value (they take effect in a load)."""
+        return getattr(self, "dcp", None) is not None and "read" in self.dcp
+
+    def loaded(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The global tensor of `like`'s stored shape and sharding from the rows `dcp.load` read."""
+        return StateTensor.host_chunks.loaded(self, like, dtype)
+
+    def full_tensor(self) -> torch.Tensor:
+        if self.has_loaded_rows():
+            return self.loaded(self.source, self.dtype)[: self.rows].reshape(self.shape)
+        return self.as_subclass(torch.Tensor)
+
+    def to_local(self) -> torch.Tensor:
+        return self.full_tensor()
+
+    @property
+    def placements(self):
+        return placements_on(self.device_mesh)
+
+    def __create_write_items__(self, fqn: str, obj):
+        chunks = self._chunks()
+        if chunks is None:
+            from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_tensor
+
+            return [_create_write_item_for_tensor(fqn, self)]
+        return chunks.write_items(self, fqn)
+
+    def __create_chunk_list__(self):
+        chunks = self._chunks()
+        if chunks is None:
+            from torch.distributed.checkpoint.planner_helpers import _create_chunk_from_tensor
+
+            return [_create_chunk_from_tensor(self)]
+        return chunks.chunk_list(self)
+
+    def __get_tensor_shard__(self, index):
+        chunks = self._chunks()
+        return self if chunks is None else chunks.tensor_shard(self, index)
+
+    def __reduce_ex__(self, proto):
+        return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __repr__(self) -> str:
+        return f"StateTensor(shape={tuple(self.shape)}, placements={self.placements}, device={self.device})"
 
 
 def install() -> None:
@@ -102,6 +188,9 @@ def prepare(optimizer) -> None:
                 for key, value in list(state.items()):
                     state[key] = _padded_value(key, value, p, rec, comm)
     if any(isinstance(p, ShardedParameter) for g in optimizer.param_groups for p in g["params"]):
+        optimizer.register_state_dict_pre_hook(_placed_first)
+        optimizer.register_state_dict_post_hook(_as_state_tensors)  # after _cut
+        optimizer.register_load_state_dict_pre_hook(_take_loaded_rows, prepend=True)  # before _pad
         optimizer.register_load_state_dict_post_hook(shard_like_params)
         shard_like_params(optimizer)
 
@@ -179,6 +268,71 @@ def _pad(optimizer, state_dict) -> Optional[dict]:
         if key in state and index in padded:
             p, rec, comm = padded[index]
             state[key] = {k: _padded_value(k, v, p, rec, comm) for k, v in state[key].items()}
+    return {**state_dict, "state": state}
+
+
+def _params(optimizer) -> Dict[int, torch.Tensor]:
+    """state_dict numbering -> parameter."""
+    out: Dict[int, torch.Tensor] = {}
+    seen = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[len(out)] = p
+    return out
+
+
+def _placed_first(optimizer) -> None:
+    """Several hosts: state not yet sharded like its parameter (a fresh optimizer's, made by
+    `set_state_dict`'s first step) is placed so before DCP asks which rows each host holds."""
+    if not _HELD[0] and StateTensor.per_host():
+        shard_like_params(optimizer)
+
+
+def _as_state_tensors(optimizer, state_dict) -> Optional[dict]:
+    """On several hosts: state tensors shaped like their `fully_shard` parameter as `StateTensor`s
+    of the optimizer's own (padded) tensors, so DCP writes and reads each host's rows ([Note: DCP
+    across hosts] in xla_fsdp/fsdp/dcp.py). One host: nothing changes."""
+    if _HELD[0] or not StateTensor.per_host():
+        return None
+    params = _params(optimizer)
+    state = dict(state_dict["state"])
+    for index, entry in state.items():
+        p = params.get(index)
+        if not isinstance(p, ShardedParameter):
+            continue
+        held = optimizer.state.get(p, {})
+        rows = p.shape[0] if len(p.shape) else 1  # the parameter's own rows
+
+        def wrapped(key, value):
+            source = held.get(key)
+            if (isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and source.dim()
+                    and tuple(source.shape) == tuple(stored_shape(p))):
+                return StateTensor.wrap(value.detach(), p.device_mesh, source, rows)
+            return value
+        state[index] = {k: wrapped(k, v) for k, v in entry.items()}
+    return {**state_dict, "state": state}
+
+
+def _take_loaded_rows(optimizer, state_dict) -> Optional[dict]:
+    """State `dcp.load` read host by host becomes global tensors sharded like their parameter
+    (stored shape: `_pad` and `shard_like_params` leave them alone); other `StateTensor`s plain."""
+    if not any(isinstance(v, StateTensor) for entry in state_dict["state"].values() for v in entry.values()):
+        return None
+    params = _params(optimizer)
+    keys = _saved_keys(optimizer, state_dict)
+    state = dict(state_dict["state"])
+    for key, entry in state.items():
+        p = params.get(keys.get(key))
+
+        def taken(value):
+            if not isinstance(value, StateTensor):
+                return value
+            if value.has_loaded_rows() and p is not None:
+                return value.loaded(p, p.dtype if value.is_floating_point() and p.is_floating_point() else value.dtype)
+            return value.full_tensor()
+        state[key] = {k: taken(v) for k, v in entry.items()}
     return {**state_dict, "state": state}
 
 

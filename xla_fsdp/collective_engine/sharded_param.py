@@ -92,7 +92,10 @@ class ShardedParameter(nn.Parameter):
 
     def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "ShardedParameter":
         """In-place copy; a source of the parameter's own shape fills its rows (the padding rows
-        become zeros), one of the stored shape is copied as it is."""
+        become zeros), one of the stored shape is copied as it is, the parameter itself not at all
+        (a load that set its data already: [Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py)."""
+        if src is self:
+            return self
         rec = self._rec()
         if tuple(src.shape) == tuple(rec.orig_shape) and tuple(src.shape) != tuple(stored_shape(self)):
             src = rec.padded(src)

@@ -64,11 +64,12 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     for rec in state.group.params:
         rec.sharded.bind(rec, mesh.device_mesh)
     from ..collective_engine import model_state, optimizer_state
-    from . import step_cut
+    from . import dcp, step_cut
 
     for m in modules:
         model_state.register_state_tensors(m)
         m.register_state_dict_pre_hook(step_cut.before_state_dict)
+    dcp.use_host_chunks()  # several hosts: DCP writes and reads each host's rows ([Note: DCP across hosts])
     optimizer_state.install()
     step_cut.install()
     if isinstance(offload, CPUOffloadPolicy):

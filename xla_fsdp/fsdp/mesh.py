@@ -23,9 +23,12 @@ HSDP_NAMES = ("dp_replicate", "dp_shard")
 
 
 def _devices_and_processes() -> Tuple[int, int]:
+    """Devices and hosts (one process each; virtual hosts count as hosts)."""
     import torch_xla.runtime as xr
 
-    return xr.global_runtime_device_count(), xr.process_count()
+    from ..runtime.hosts import host_view
+
+    return xr.global_runtime_device_count(), host_view().count
 
 
 @dataclasses.dataclass

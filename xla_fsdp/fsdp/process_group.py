@@ -9,7 +9,9 @@ runtime on afterwards (as `fully_shard` must) crashes it. So once
 controller (torch_xla's SPMD mode) and then runs torch_xla's own handler,
 which under SPMD numbers one member per host (process index and count):
 `dist.get_rank()` / `get_world_size()` count processes, as FSDP2 scripts
-assume. On one host the store is an in-process one (no port to collide on).
+assume. On one host the store is an in-process one (no port to collide on);
+virtual hosts (`XLA_FSDP_VIRTUAL_HOSTS`, tests) meet over MASTER_ADDR/MASTER_PORT
+as their hosts' group does, one member per virtual host.
 Nothing happens at import; only that rendezvous changes (and, on a machine
 without CUDA, the devices gloo groups serve: `_gloo_on_the_host_only`).
 """
@@ -41,6 +43,14 @@ def install() -> None:
             return
         enter_single_controller()
         _gloo_on_the_host_only()
+        view = _virtual_hosts()
+        if view is not None:
+            # the hosts' group as host_group() makes it ([Note: virtual hosts] in runtime/hosts.py)
+            from ..runtime.hosts import virtual_group_address
+
+            yield from dist.rendezvous(virtual_group_address(), rank=view.index, world_size=view.count,
+                                       **({} if timeout is None else {"timeout": timeout}))
+            return
         if xr.process_count() == 1:
             # one host: a store in this process, not torch_xla's TCP store on its fixed port
             # (12355), which two jobs on one machine would both try to bind
@@ -53,6 +63,16 @@ def install() -> None:
 
     handler._xla_fsdp = True
     handlers["xla"] = handler
+
+
+def _virtual_hosts():
+    """This process's HostView when it is one of several virtual hosts, else None."""
+    from ..runtime import hosts
+
+    if not hosts.virtual_hosts_requested():
+        return None
+    view = hosts.host_view()
+    return view if view.count > 1 else None
 
 
 def runtime_started() -> bool:

@@ -105,6 +105,14 @@ def _virtual_env() -> Tuple[int, int]:
     return count, index
 
 
+def virtual_group_address() -> str:
+    """Virtual hosts: where their gloo group meets (MASTER_ADDR/MASTER_PORT, default
+    127.0.0.1:29531), as `tcp://addr:port` ([Note: virtual hosts])."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
+    return f"tcp://{addr}:{port}"
+
+
 class HostGroup:
     """The hosts agreeing on host-side facts (files written, batches read): a gloo group, one
     member per host. One host: every call is local. Every agreement waits for a host that stopped
@@ -203,9 +211,7 @@ def host_group(view: Optional[HostView] = None) -> HostGroup:
                                f"{dist.get_rank()}; the SPMD runtime needs one member per host ({view.count} "
                                f"hosts, this one {view.index}). Destroy it or initialize it over the hosts.")
     elif view.virtual:
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=view.index,
+        dist.init_process_group("gloo", init_method=virtual_group_address(), rank=view.index,
                                 world_size=view.count, timeout=timeout)
     else:
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
