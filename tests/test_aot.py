@@ -189,6 +189,7 @@ def test_a_step_that_does_not_fit_is_named_and_checked_again_without_rings(tmp_p
     assert 0.5 < again["does_not_fit"]["needed"] / need["needed"] < 2, (again, need)
 
 
+@pytest.mark.slow  # the default run keeps the 256-chip per-chip case and the multi-host one
 def test_single_controller_step_compiles_for_a_slice_of_128_chips(tmp_path):
     """v4-256: 128 chips, one XLA:CPU device each in one traced process. torch's autograd
     numbers devices in 8 bits and fails at 128 devices with an internal assert; the traced

@@ -176,7 +176,8 @@ def across_runtimes(saved, tmp_path_factory):
 _SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("source,target", [("gloo4", "single8"), pytest.param("gloo4", "gspmd8", marks=_SLOW),
+@pytest.mark.parametrize("source,target", [pytest.param("gloo4", "single8", marks=_SLOW),
+                                           pytest.param("gloo4", "gspmd8", marks=_SLOW),
                                            ("collectives4", "gloo2"), pytest.param("collectives4", "xla1", marks=_SLOW),
                                            pytest.param("gspmd4", "gloo2", marks=_SLOW), ("gspmd4", "xla1")])
 def test_resumes_across_engines_and_runtimes(across_runtimes, source, target):

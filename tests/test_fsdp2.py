@@ -39,8 +39,8 @@ VARIANTS = {
     "hsdp2x4": ["--hsdp", "2"],  # HSDP: 2 replicas of 4-way sharding (8 devices)
     "hsdp4x2": ["--hsdp", "4"],
 }
-DEFAULT = [(4, "ckpt_before"), (8, "combined"), (8, "hsdp2x4"), (8, "hsdp4x2")]
-SWEEP = [(n, v) for n in (4, 8) for v in VARIANTS if v != "combined" and not v.startswith("hsdp")]
+DEFAULT = [(4, "ckpt_before"), (8, "combined"), (8, "hsdp2x4")]
+SWEEP = [(n, v) for n in (4, 8) for v in VARIANTS if v != "combined" and not v.startswith("hsdp")] + [(8, "hsdp4x2")]
 
 
 def _env(devices: int) -> dict:

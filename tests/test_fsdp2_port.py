@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PORT = ROOT / "tests" / "fixtures" / "fsdp2_gpu_port.py"
 SPAWN = ROOT / "launch" / "xla_spawn.py"
 CASES = ROOT / "tests" / "fsdp2" / "api_cases.py"
-STEPS = 8
+STEPS = 5
 
 
 def _env(extra=None) -> dict:

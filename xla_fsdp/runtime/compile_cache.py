@@ -44,6 +44,15 @@ def host_index() -> int:
     return 0
 
 
+def too_late(path: str) -> bool:
+    """Whether this process compiled a program already, with the cache elsewhere or off (torch_xla
+    reads the setting at the first compile)."""
+    import torch_xla
+
+    return bool(torch_xla._XLAC._xla_computation_cache_is_initialized()) and \
+        os.environ.get(TORCH_XLA_ENV) != os.path.abspath(path)
+
+
 def enable(base: str, part: str) -> str:
     """Keep compiled programs under `base`/`part` (created); returns that folder. Raises
     CompileCacheError for a folder that cannot be written, or when a program was already compiled

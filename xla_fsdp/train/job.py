@@ -122,12 +122,12 @@ def run(argv=None) -> dict:
     device = torch_xla.device()
     facts = device_facts(spmd)
     log = print if facts["leader"] else (lambda *a, **k: None)
-    cache = _compile_cache(args, spmd, facts)  # before the first program is compiled
     if args.attn_implementation == "pallas" and facts["device_type"] != "TPU" and not abstract.active():
         raise SystemExit(f"--attn_implementation pallas runs torch_xla's Pallas kernel, which needs a TPU; this "
                          f"runs on {facts['device_type']}. Use --attn_implementation eager here (make train "
                          "does); check the TPU job without one: python -m xla_fsdp.aot --tpu v5e-8 -- "
                          "launch/run_clm.py <these flags>")
+    cache = _compile_cache(args, spmd, facts, log)  # before the first program is compiled
 
     torch.manual_seed(args.seed)
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
@@ -208,10 +208,12 @@ def run(argv=None) -> dict:
     return report
 
 
-def _compile_cache(args, spmd: bool, facts: dict):
+def _compile_cache(args, spmd: bool, facts: dict, log):
     """The persistent compilation cache's folder for this process, or None ([Note: the persistent
     compilation cache]): --compile_cache, else $XLA_FSDP_COMPILE_CACHE, else compile_cache/ under a
-    local --output_dir; one folder per host under the single controller, per replica otherwise."""
+    local --output_dir; one folder per host under the single controller, per replica otherwise.
+    The default is skipped, with a line saying why, in a process that compiled before the job
+    started (run() called from a notebook or a test); one asked for by name ends the job then."""
     from xla_fsdp.checkpoint.filesystems import is_url
     from xla_fsdp.runtime import compile_cache
 
@@ -222,6 +224,10 @@ def _compile_cache(args, spmd: bool, facts: dict):
     if base is None or base.lower() in compile_cache.OFF:
         return None
     part = f"host-{compile_cache.host_index()}" if spmd or facts["world"] == 1 else f"rank-{facts['rank']}"
+    if args.compile_cache is None and compile_cache.too_late(os.path.join(base, part)):
+        log("run_clm: no compile cache: this process compiled before the job started (give --compile_cache "
+            "or XLA_FSDP_COMPILE_CACHE in a fresh process)")
+        return None
     try:
         return compile_cache.enable(base, part)
     except compile_cache.CompileCacheError as e:
