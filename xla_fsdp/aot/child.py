@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
 import traceback
 
 EXIT_NO_SECOND_STEP = 3
@@ -68,19 +69,24 @@ def _serial_backward_beyond_device_index() -> None:
 
 
 _crash_file = None
+_crash_lock = threading.Lock()
 
 
 def _record_crashes() -> None:
     """A traced process that dies on a signal (XLA aborting, a segfault) says where in
-    `crash.txt` beside the module; the check shows it when it got no module."""
+    `crash.txt` beside the module; the check shows it when it got no module. Every device thread
+    of the pool worker calls it: the file is opened once, under a lock (an unlocked check let two
+    threads each open, truncating, the file), and the handler installed again by each caller, so
+    whatever ran in between (the XLA runtime starting in another thread) cannot leave it off."""
     global _crash_file
-    if _crash_file is None:
-        import faulthandler
+    import faulthandler
 
-        from xla_fsdp.aot import capture
-        from xla_fsdp.aot.dump import CRASH
+    with _crash_lock:
+        if _crash_file is None:
+            from xla_fsdp.aot import capture
+            from xla_fsdp.aot.dump import CRASH
 
-        _crash_file = open(os.path.join(capture._spec()["out"], CRASH), "w")
+            _crash_file = open(os.path.join(capture._spec()["out"], CRASH), "w")
         faulthandler.enable(file=_crash_file, all_threads=True)
 
 
@@ -90,6 +96,7 @@ def _traced(script: str, args) -> None:
     try:
         _serial_backward_beyond_device_index()
         capture.install()
+        _record_crashes()  # the crash handler installed last before the job's own code runs
         _run_script(script, args)
     except SystemExit as e:
         if e.code not in (None, 0):
