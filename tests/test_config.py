@@ -520,3 +520,15 @@ def test_blog_pairs_under_the_kernel_compile_the_same_models_without_attention_d
             kernel = json.load(f)
         assert blog.pop("attn_pdrop") > 0 and kernel.pop("attn_pdrop") == 0.0
         assert kernel == blog
+
+
+def test_scan_layers_key_reaches_the_spmd_engine_and_is_refused_elsewhere():
+    layers = {"xla": True, "fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"]}
+    cfg = load_fsdp_config({**layers, "xla_fsdp_v2": True, "scan_layers": True})
+    kwargs = cfg.engine_kwargs()
+    assert kwargs["engine"] == "spmd" and kwargs["scan_layers"] is True
+    assert load_fsdp_config(cfg.to_dict()) == cfg
+    assert "scan_layers" not in load_fsdp_config({**layers, "xla_fsdp_v2": True}).engine_kwargs()
+    assert 'needs "xla_fsdp_v2": true' in _error({**layers, "scan_layers": True})
+    assert "fsdp_transformer_layer_cls_to_wrap" in _error({"xla": True, "xla_fsdp_v2": True, "scan_layers": True})
+    assert "bool" in _error({**layers, "xla_fsdp_v2": True, "scan_layers": "yes"})

@@ -328,7 +328,7 @@ def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
 
     kw = resolve(kwargs)
     spmd = {k: kw[k] for k in ("mesh", "compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrapper_callable",
-                               "param_init_fn", "activation_checkpointing")}
+                               "param_init_fn", "activation_checkpointing", "scan_layers")}
     mesh = spmd["mesh"]
     apply_spmd_fsdp(module, **spmd)
     mix_into(module, GspmdFullyShardedDataParallel, "FSDP")

@@ -58,6 +58,7 @@ DEFAULTS: Dict[str, Any] = dict(
     mesh=None,
     activation_checkpointing=False,
     checkpoint_all_but_last=0,
+    scan_layers=False,
     is_batched_input=None,
     collectives=None,
 )
@@ -78,7 +79,7 @@ REFUSED = ("_debug_dummy_forward_pass", "_debug_print", "_debug_dummy_all_gather
 
 # what engine="spmd" acts on; anything else set to a non-default value is an error there
 SPMD_KEYWORDS = ("compute_dtype", "buffer_dtype", "mixed_precision", "auto_wrap_policy", "auto_wrapper_callable",
-                 "param_init_fn", "mesh", "activation_checkpointing", "engine") + tuple(NO_EFFECT)
+                 "param_init_fn", "mesh", "activation_checkpointing", "engine", "scan_layers") + tuple(NO_EFFECT)
 ENGINES = ("collectives", "spmd")
 
 
@@ -95,6 +96,12 @@ def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         # torch_xla tests its truth; a string such as "false" would then mean True
         raise TypeError(f"shard_param_on_dim_0={kw['shard_param_on_dim_0']!r} is not a bool; pass True or False "
                         "(here both shard on dim 0) or drop the option")
+    if not isinstance(kw["scan_layers"], bool):
+        raise TypeError(f"scan_layers={kw['scan_layers']!r} is not a bool; pass True or False")
+    if kw["scan_layers"] and kw["engine"] != "spmd":
+        raise ValueError("scan_layers=True needs engine='spmd' (fsdp_config \"xla_fsdp_v2\": true): only the SPMD "
+                         "engine runs repeated layers as one XLA loop so far; the collectives engine traces each "
+                         "layer. Drop scan_layers or switch the engine.")
     if kw["coalesce_all_gather_ops"]:
         # torch_xla: one coalesced all-gather for a unit's parameters; here, one flat bucket
         if kw["flatten_parameters"] is False:

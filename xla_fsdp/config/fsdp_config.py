@@ -62,6 +62,8 @@ class FSDPConfig:
     """HF key `xla_fsdp_grad_ckpt`: gradient checkpointing on every auto-wrapped layer."""
     xla_fsdp_v2: bool = False
     """HF key `xla_fsdp_v2`: use the SPMD engine (`engine="spmd"`)."""
+    scan_layers: bool = False
+    """Key `scan_layers` (ours): run the wrapped repeated layers as one XLA loop (needs xla_fsdp_v2)."""
     forward_prefetch: Optional[bool] = None
     """HF key `forward_prefetch`: gather the next unit while this one computes; None = engine default (on)."""
     backward_prefetch: Optional[str] = None
@@ -71,6 +73,7 @@ class FSDPConfig:
         _check_bool("xla", self.xla)
         _check_bool("xla_fsdp_grad_ckpt", self.xla_fsdp_grad_ckpt)
         _check_bool("xla_fsdp_v2", self.xla_fsdp_v2)
+        _check_bool("scan_layers", self.scan_layers)
         if self.forward_prefetch is not None:
             _check_bool("forward_prefetch", self.forward_prefetch)
         if self.backward_prefetch is not None:
@@ -117,6 +120,14 @@ class FSDPConfig:
                 "activations, and xla_fsdp_grad_ckpt is off, so none is checkpointed; set "
                 "\"xla_fsdp_grad_ckpt\": true or drop checkpoint_all_but_last"
             )
+        if self.scan_layers and not self.xla_fsdp_v2:
+            raise FSDPConfigError(
+                "scan_layers needs \"xla_fsdp_v2\": true: only the SPMD engine runs the repeated "
+                "layers as one XLA loop so far; set xla_fsdp_v2 or drop scan_layers")
+        if self.scan_layers and not self.uses_auto_wrap:
+            raise FSDPConfigError(
+                "scan_layers scans the wrapped repeated layer; add fsdp_transformer_layer_cls_to_wrap "
+                "naming it, e.g. [\"GPT2Block\"]")
         if self.xla_fsdp_v2 and not self.xla:
             raise FSDPConfigError("xla_fsdp_v2 requires xla: true; set \"xla\": true")
         if self.xla_fsdp_v2:
@@ -199,6 +210,8 @@ class FSDPConfig:
                 # wrong; the SPMD engine checkpoints its units itself, keeping
                 # the compute-dtype casts inside the recomputation.
                 kwargs["activation_checkpointing"] = True
+            if self.scan_layers:
+                kwargs["scan_layers"] = True
         elif self.xla_fsdp_grad_ckpt:
             kwargs["auto_wrapper_callable"] = checkpointed_wrapper
         if self.forward_prefetch is not None:
@@ -242,6 +255,8 @@ class FSDPConfig:
             out["fsdp_min_num_params"] = self.min_num_params
         out["xla_fsdp_grad_ckpt"] = self.xla_fsdp_grad_ckpt
         out["xla_fsdp_v2"] = self.xla_fsdp_v2
+        if self.scan_layers:
+            out["scan_layers"] = True
         if self.forward_prefetch is not None:
             out["fsdp_forward_prefetch"] = self.forward_prefetch
         if self.backward_prefetch is not None:
@@ -325,6 +340,7 @@ def load_fsdp_config(source: Union[str, os.PathLike, Mapping, FSDPConfig]) -> FS
             min_num_params=keys.get("fsdp_min_num_params", 0),
             xla_fsdp_grad_ckpt=keys.get("xla_fsdp_grad_ckpt", False),
             xla_fsdp_v2=keys.get("xla_fsdp_v2", False),
+            scan_layers=keys.get("scan_layers", False),
             forward_prefetch=keys.get("fsdp_forward_prefetch"),
             backward_prefetch=keys.get("fsdp_backward_prefetch"),
         )

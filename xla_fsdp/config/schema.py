@@ -95,6 +95,7 @@ _TOP_LEVEL_KEYS = (
     "fsdp_min_num_params",
     "xla_fsdp_grad_ckpt",
     "xla_fsdp_v2",
+    "scan_layers",
     "fsdp_forward_prefetch",
     "fsdp_backward_prefetch",
 )

@@ -37,6 +37,8 @@ from xla_fsdp.runtime.mesh import resolve_mesh
 from xla_fsdp.spmd_engine.activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms
 from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters
+from xla_fsdp.spmd_engine.scan import (ScanSettings, find_layer_lists,
+                                       install_scans)
 from xla_fsdp.spmd_engine.units import (ParamInitFn, Placed, WrapPolicy,
                                         find_units, materialize_unit,
                                         place_and_shard, unit_tensors)
@@ -58,6 +60,7 @@ def apply_spmd_fsdp(
     activation_checkpointing: bool = False,
     gather_params: bool = False,
     batch_axes: Optional[Sequence[str]] = None,
+    scan_layers: bool = False,
 ) -> nn.Module:
   """Shards `module` in place over the SPMD mesh and returns it.
 
@@ -80,6 +83,9 @@ def apply_spmd_fsdp(
     gather_params: make every module compute with a replicated view of its
       parameters, forcing FSDP's all-gather / reduce-scatter pattern instead
       of letting GSPMD choose ([Note: gathering parameters by annotation]).
+    scan_layers: run each nn.ModuleList of identical units as one XLA While
+      loop ([Note: scanning the layers of a ModuleList] in scan.py); with
+      activation_checkpointing each layer is recomputed inside the loop.
   """
   if not xr.is_spmd():
     raise RuntimeError(
@@ -101,6 +107,13 @@ def apply_spmd_fsdp(
   if auto_wrapper_callable is not None:
     units = _apply_wrapper(module, units, auto_wrapper_callable)
 
+  # checked before anything is placed: a refusal leaves the model as it was
+  found = find_layer_lists(module, units) if scan_layers else []
+  scanned = {id(layer) for _, _, layers, _ in found for layer in layers}
+  if scanned and gather_params:
+    raise ValueError("scan_layers with gather_params is not supported: inside "
+                     "the loop the partitioner places the parameters.")
+
   done: Placed = {}
   for unit in units:
     materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
@@ -112,7 +125,8 @@ def apply_spmd_fsdp(
   install_partitionable_layer_norms(module)
   if activation_checkpointing:
     for unit in units[:-1]:
-      checkpoint_unit(unit, views.get(unit))
+      if id(unit) not in scanned:  # a scanned layer recomputes in the loop
+        checkpoint_unit(unit, views.get(unit))
 
   batch = BatchSharding(mesh, batch_axes)
   # prepend: see the batch before the compute-dtype cast of the inputs.
@@ -125,6 +139,9 @@ def apply_spmd_fsdp(
     unit.register_forward_hook(batch.unit_output)
   for owner in _param_owners(module, exclude=units):
     owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
+  if found:
+    install_scans(module, found, ScanSettings(mesh, compute_dtype, batch.annotate,
+                                      recompute=activation_checkpointing))
   _applied.add(module)
   return module
 

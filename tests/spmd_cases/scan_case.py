@@ -1,0 +1,165 @@
+"""scan_layers on the SPMD engine, in a fresh SPMD process (CPU_NUM_DEVICES
+set by tests/test_scan_layers.py); prints `RESULT <json>`.
+
+  scan_case.py parity --layers L [--dtype bf16] [--ckpt] [--steps N]
+  scan_case.py errors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch_xla.runtime as xr
+
+xr.use_spmd()
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch_xla  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
+import xla_fsdp  # noqa: E402
+
+
+def gpt2(layers: int, seed: int = 0) -> nn.Module:
+  from transformers import GPT2Config, GPT2LMHeadModel
+  config = GPT2Config(n_embd=64, n_layer=layers, n_head=2, vocab_size=128,
+                      n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0)
+  torch.manual_seed(seed)
+  return GPT2LMHeadModel(config)
+
+
+def shard(model: nn.Module, scan: bool, dtype, ckpt: bool) -> nn.Module:
+  return xla_fsdp.XlaFullyShardedDataParallel(
+      model, engine="spmd", auto_wrap_policy=models.gpt2_policy(),
+      compute_dtype=dtype, activation_checkpointing=ckpt, scan_layers=scan)
+
+
+def step_hlo(model: nn.Module, batch) -> str:
+  ids, labels = (t.to(torch_xla.device()) for t in batch)
+  loss = model(input_ids=ids, labels=labels).loss
+  loss.backward()
+  grads = [p.grad for p in model.parameters()]
+  hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+  torch_xla.sync()
+  model.zero_grad(set_to_none=True)
+  return hlo
+
+
+def train(model: nn.Module, batches) -> list:
+  device = torch_xla.device()
+  # SGD with momentum: AdamW divides by sqrt(v), so the rounding noise of
+  # GPT-2's key bias (its gradient is mathematically zero) would move it by
+  # up to lr in either run, whatever the engine does.
+  opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  losses = []
+  for batch in batches:
+    ids, labels = (t.to(device) for t in batch)
+    opt.zero_grad()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    opt.step()
+    torch_xla.sync()
+    losses.append(loss.item())
+  return losses
+
+
+def parity(args) -> dict:
+  xr.global_runtime_device_count()
+  dtype = torch.bfloat16 if args.dtype == "bf16" else None
+  batches = models.gpt2_batches(args.steps)
+  plain = shard(gpt2(args.layers), False, dtype, args.ckpt)
+  scanned = shard(gpt2(args.layers), True, dtype, args.ckpt)
+  hlo_plain = step_hlo(plain, batches[0])
+  hlo_scan = step_hlo(scanned, batches[0])
+  plain_losses = train(plain, batches)
+  scan_losses = train(scanned, batches)
+  plain_sd = {k: v.cpu() for k, v in plain.state_dict().items()}
+  scan_sd = {k: v.cpu() for k, v in scanned.state_dict().items()}
+  diffs = {k: float((plain_sd[k] - scan_sd[k]).abs().max()) for k in plain_sd}
+  # a checkpoint of the scanned model loads into the plain model unchanged
+  fresh = gpt2(args.layers)
+  fresh.load_state_dict(scan_sd)
+  reload = max(float((fresh.state_dict()[k] - scan_sd[k]).abs().max())
+               for k in scan_sd)
+  return {
+      "plain_losses": plain_losses,
+      "scan_losses": scan_losses,
+      "param_max_abs_diff": diffs,
+      "same_keys": list(plain_sd) == list(scan_sd),
+      "reload_diff": reload,
+      "while_plain": hlo_plain.count(" while("),
+      "while_scan": hlo_scan.count(" while("),
+      "dots_plain": hlo_plain.count(" dot("),
+      "dots_scan": hlo_scan.count(" dot("),
+      "layers_type": type(scanned.transformer.h).__name__,
+  }
+
+
+def caught(fn) -> str:
+  try:
+    fn()
+  except (ValueError, RuntimeError, TypeError) as e:
+    return f"{type(e).__name__}: {e}"
+  return "no error"
+
+
+class Odd(nn.Module):
+  """Two blocks of different widths in one ModuleList."""
+
+  def __init__(self):
+    super().__init__()
+    self.blocks = nn.ModuleList([models.Block(8, 8), models.Block(8, 16)])
+
+  def forward(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return x.sum()
+
+
+def errors(args) -> dict:
+  device = torch_xla.device()
+  out = {}
+  out["not_identical"] = caught(lambda: xla_fsdp.XlaFullyShardedDataParallel(
+      Odd(), engine="spmd", auto_wrap_policy=models.mlp_policy(),
+      scan_layers=True))
+  out["not_wrapped"] = caught(lambda: xla_fsdp.XlaFullyShardedDataParallel(
+      gpt2(2), engine="spmd", scan_layers=True))
+  out["collectives_engine"] = caught(lambda: xla_fsdp.XlaFullyShardedDataParallel(
+      gpt2(2), auto_wrap_policy=models.gpt2_policy(), scan_layers=True))
+  ids = torch.randint(0, 128, (8, 16)).to(device)
+  model = shard(gpt2(2), True, None, False)
+  out["use_cache_after_wrap"] = model.config.use_cache
+  out["hidden_states"] = caught(
+      lambda: model(input_ids=ids, output_hidden_states=True))
+  # generation-style call with a cache runs the layers one by one
+  plain = shard(gpt2(2), False, None, False)
+  with torch.no_grad():
+    a = model(input_ids=ids, use_cache=True).logits.cpu()
+    b = plain(input_ids=ids, use_cache=True).logits.cpu()
+  out["cache_logits_diff"] = float((a - b).abs().max())
+  handle = model.transformer.h[1].register_forward_hook(lambda *a: None)
+  out["hook_after_wrap"] = caught(lambda: model(input_ids=ids))
+  handle.remove()
+  return out
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("case", choices=["parity", "errors"])
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+  parser.add_argument("--steps", type=int, default=4)
+  parser.add_argument("--ckpt", action="store_true")
+  args = parser.parse_args()
+  result = {"parity": parity, "errors": errors}[args.case](args)
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,392 @@
+"""Scan over a model's repeated layers (the SPMD engine's `scan_layers`).
+
+[Note: scanning the layers of a ModuleList]
+A decoder calls its identical layers one after the other; traced lazily,
+every layer is a fresh copy of the same HLO, so the program and its compile
+time grow with depth. Scanning runs the layers as one XLA While loop over
+their stacked parameters (torch_xla's `scan`, traced once with AOTAutograd),
+so the program holds one layer's forward and one layer's backward.
+
+Transformers' models (and most users' own) loop over an `nn.ModuleList`
+themselves, so the engine does not rewrite their forward. It swaps the
+ModuleList for a `ScannedLayers` (same children, same state-dict keys: a
+checkpoint saved with scan loads without it and the reverse). Iterating it
+hands out one stand-in per layer: the first stand-in's call runs the whole
+loop with the arguments it was given (every layer of a decoder gets the same
+mask and positions) and returns the last layer's output; each later stand-in
+checks that it got back exactly that output, unchanged, and returns it
+again. A model that does anything to the hidden state between its layers
+fails that check loudly instead of computing something else.
+
+What stays per layer under FSDP: each layer's parameters are stacked on a
+new dim 0 (their dim-0 shards become dim-1 shards, no communication), the
+loop body slices one layer's shards, and the partitioner gathers them inside
+the body and reduce-scatters their gradients there, so a chip holds one
+layer's full parameters at a time, as without scan.
+
+Where the loop cannot run as written it does not run: a call with a KV cache
+(generation) runs the real layers one by one; hooks that transformers uses to
+collect per-layer outputs (`output_hidden_states`, `output_attentions`) and
+hooks added to the layers after wrapping are refused with the reason, since a
+loop body cannot call them per layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch_xla.distributed.spmd as xs
+
+logger = logging.getLogger(__name__)
+
+ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
+
+
+def check_identical(layers: Sequence[nn.Module], where: str) -> None:
+  """Raises ValueError unless the layers have one class and the same
+  parameter and buffer names, shapes and dtypes."""
+  first = layers[0]
+  kinds = {type(layer).__name__ for layer in layers}
+  if len(kinds) > 1:
+    raise ValueError(
+        f"scan_layers: {where} holds layers of different classes "
+        f"({', '.join(sorted(kinds))}); a scanned loop runs one layer's "
+        "program for every layer. Turn scan_layers off for this model.")
+
+  def signature(layer: nn.Module) -> Dict[str, Tuple]:
+    return {
+        name: (tuple(t.shape), t.dtype, isinstance(t, nn.Parameter))
+        for name, t in list(layer.named_parameters()) +
+        list(layer.named_buffers())
+    }
+
+  reference = signature(first)
+  for index, layer in enumerate(layers[1:], start=1):
+    mine = signature(layer)
+    if mine == reference:
+      continue
+    names = sorted(set(mine) ^ set(reference))
+    if names:
+      raise ValueError(
+          f"scan_layers: layer {index} of {where} differs from layer 0 in its "
+          f"tensors {names[:4]}; every scanned layer must have the same "
+          "parameters and buffers. Turn scan_layers off for this model.")
+    name = next(n for n in reference if reference[n] != mine[n])
+    raise ValueError(
+        f"scan_layers: layer {index} of {where} has {name} of shape/dtype "
+        f"{mine[name][:2]} where layer 0 has {reference[name][:2]}; every "
+        "scanned layer must be identical. Turn scan_layers off for this model.")
+  if any(layer.__dict__.get("forward") is not None for layer in layers):
+    raise ValueError(
+        f"scan_layers: a layer of {where} has its own instance `forward`; "
+        "the loop runs the class's forward for every layer.")
+
+
+def _hook_keys(layers: Sequence[nn.Module]) -> Dict[int, Tuple[frozenset, ...]]:
+  return {
+      id(m): (frozenset(m._forward_pre_hooks), frozenset(m._forward_hooks),
+              frozenset(m._backward_hooks))
+      for layer in layers for m in layer.modules()
+  }
+
+
+def _template(layer: nn.Module) -> nn.Module:
+  """A copy of `layer` whose tensors are meta (functional_call supplies them)
+  and whose modules carry no hooks (the engine's hooks act on the real
+  modules; inside the loop body the partitioner places the tensors)."""
+  memo: Dict[int, Any] = {}
+  for tensor in list(layer.parameters()) + list(layer.buffers()):
+    meta = torch.empty_like(tensor, device="meta")
+    memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(
+        tensor, nn.Parameter) else meta
+  template = copy.deepcopy(layer, memo)
+  for module in template.modules():
+    module._forward_pre_hooks.clear()
+    module._forward_hooks.clear()
+    module._backward_hooks.clear()
+    module._backward_pre_hooks.clear()
+  return template
+
+
+def recompute_partition(joint_module, _joint_inputs, *, num_fwd_outputs,
+                        **_ignored):
+  """AOTAutograd partitioner that saves only the layer's inputs: the
+  backward body recomputes the whole layer (per-layer checkpointing)."""
+  from torch._functorch import partitioners as p
+
+  saved = [
+      n for n in joint_module.graph.nodes
+      if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))
+  ]
+  return p._extract_fwd_bwd_modules(
+      joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
+
+
+class ScanSettings:
+  """What every scanned ModuleList of one model shares."""
+
+  def __init__(self, mesh: xs.Mesh, compute_dtype: Optional[torch.dtype],
+               annotate: ScanAnnotate, recompute: bool):
+    self.mesh = mesh
+    self.compute_dtype = compute_dtype
+    self.annotate = annotate
+    self.recompute = recompute
+
+
+class ScannedLayers(nn.ModuleList):
+  """An `nn.ModuleList` whose iteration runs its layers as one While loop
+  ([Note: scanning the layers of a ModuleList])."""
+
+  def __init__(self, modules=None, settings: Optional[ScanSettings] = None,
+               where: str = "layers", hooks=None):
+    super().__init__(modules)
+    self._scan_settings = settings
+    self._scan_where = where
+    # the hooks present at wrapping (the engine's); later ones are refused
+    self._scan_hooks = _hook_keys(list(self)) if hooks is None else hooks
+    self._scan_box: List[nn.Module] = []  # the template, off the module tree
+
+  def __getitem__(self, idx):
+    if isinstance(idx, slice):  # `self.layers[:n]`, as Llama's loop writes it
+      part = ScannedLayers(list(self._modules.values())[idx],
+                           self._scan_settings, self._scan_where,
+                           self._scan_hooks)
+      part._scan_box = self._scan_box
+      return part
+    return super().__getitem__(idx)
+
+  def __iter__(self):
+    layers = list(self._modules.values())
+    if self._scan_settings is None or len(layers) < 2:
+      return iter(layers)
+    run = _ScanRun(self, layers)
+    return iter([_Turn(run, i) for i in range(len(layers))])
+
+  def template(self) -> nn.Module:
+    if not self._scan_box:
+      self._scan_box.append(_template(next(iter(self._modules.values()))))
+    return self._scan_box[0]
+
+
+class _Turn:
+  """Stands in for layer `index` in the model's loop."""
+
+  def __init__(self, run: "_ScanRun", index: int):
+    self._run = run
+    self._index = index
+
+  def __getattr__(self, name: str) -> Any:  # attributes the loop reads
+    return getattr(self._run.layers[self._index], name)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self._index == 0:
+      return self._run.start(args, kwargs)
+    return self._run.follow(self._index, args)
+
+
+class _ScanRun:
+  """One pass of the model's loop over a ScannedLayers."""
+
+  def __init__(self, owner: ScannedLayers, layers: List[nn.Module]):
+    self.owner = owner
+    self.layers = layers
+    self.output: Any = None
+
+  def _hidden(self, output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+  def follow(self, index: int, args: Tuple) -> Any:
+    if self.output is None:
+      raise RuntimeError(
+          f"scan_layers: layer {index} of {self.owner._scan_where} was called "
+          "before layer 0; a scanned ModuleList must be run in order.")
+    if not args or args[0] is not self._hidden(self.output):
+      raise RuntimeError(
+          f"scan_layers: layer {index} of {self.owner._scan_where} did not get "
+          "the previous layer's output unchanged; the model works on the hidden "
+          "state between its layers, which a scanned loop cannot do. Turn "
+          "scan_layers off for this model.")
+    return self.output
+
+  def start(self, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    if not args or not isinstance(args[0], torch.Tensor):
+      raise TypeError(
+          f"scan_layers: the layers of {self.owner._scan_where} must take the "
+          "hidden state as their first positional argument.")
+    self._refuse_per_layer_hooks()
+    if _carries_cache(args[1:], kwargs):
+      # generation: each layer writes its cache; run them as written
+      out = args[0]
+      for layer in self.layers:
+        result = layer(out, *args[1:], **kwargs)
+        out = self._hidden(result)
+      self.output = result
+      return result
+    self.output = self._scan(args, kwargs)
+    return self.output
+
+  def _refuse_per_layer_hooks(self) -> None:
+    try:
+      from transformers.utils.output_capturing import _active_collector
+      collecting = _active_collector.get()
+    except ImportError:
+      collecting = None
+    if collecting:
+      raise RuntimeError(
+          f"scan_layers: the model was asked for per-layer outputs "
+          f"({', '.join(k for k in collecting if not k.startswith('_'))}); a "
+          "scanned loop has no per-layer calls. Call it without "
+          "output_hidden_states/output_attentions, or turn scan_layers off.")
+    now = _hook_keys(self.layers)
+    for key, hooks in now.items():
+      before = self.owner._scan_hooks.get(key, (frozenset(),) * 3)
+      added = [h for h, b in zip(hooks, before) if h - b]
+      if added and not _transformers_capture_only(self.layers, key, hooks, before):
+        raise RuntimeError(
+            f"scan_layers: a hook was registered on a layer of "
+            f"{self.owner._scan_where} after it was wrapped; a scanned loop "
+            "cannot call per-layer hooks. Register it on the model instead, or "
+            "turn scan_layers off.")
+
+  def _scan(self, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    from torch_xla.experimental.scan import scan
+    from torch.utils._pytree import tree_flatten
+    from functorch.compile import default_partition
+
+    settings = self.owner._scan_settings
+    others, _ = tree_flatten((args[1:], kwargs))
+    grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
+    if grads:
+      raise RuntimeError(
+          f"scan_layers: an argument of the layers of {self.owner._scan_where} "
+          f"other than the hidden state requires grad (shape "
+          f"{tuple(grads[0].shape)}); only the hidden state is carried through "
+          "the loop. Turn scan_layers off for this model.")
+    template = self.owner.template()
+    names = [n for n, _ in self.layers[0].named_parameters()]
+    buffer_names = [n for n, _ in self.layers[0].named_buffers()]
+    stacked: Dict[str, torch.Tensor] = {}
+    for name in names:
+      tensors = [layer.get_parameter(name) for layer in self.layers]
+      stack = torch.stack(tensors)
+      if settings.compute_dtype is not None and stack.is_floating_point():
+        stack = stack.to(settings.compute_dtype)  # [Note: casting sharded parameters]
+      if stack.dim() > 1:
+        spec = (None, "fsdp") + (None,) * (stack.dim() - 2)
+        xs.mark_sharding(stack, settings.mesh, spec)
+      stacked[name] = stack
+    for name in buffer_names:
+      stacked[name] = torch.stack([layer.get_buffer(name) for layer in self.layers])
+    shape_out: List[Any] = []
+
+    def one_layer(hidden: torch.Tensor, tensors: Dict[str, torch.Tensor]):
+      out = torch.func.functional_call(
+          template, tensors, (hidden,) + tuple(args[1:]), kwargs, strict=True)
+      if not shape_out:
+        shape_out.append(out)
+      return self._hidden(out), None
+
+    hidden = settings.annotate(args[0])
+    partition = recompute_partition if settings.recompute else default_partition
+    final, _ = scan(one_layer, hidden, stacked, partition_fn=partition)
+    final = settings.annotate(final)
+    traced = shape_out[0]
+    if isinstance(traced, torch.Tensor):
+      return final
+    if isinstance(traced, tuple) and all(t is None for t in traced[1:]):
+      return (final,) + tuple(traced[1:])
+    raise RuntimeError(
+        f"scan_layers: the layers of {self.owner._scan_where} return "
+        f"{type(traced).__name__} with more than the hidden state; a scanned "
+        "loop carries only the hidden state. Turn scan_layers off.")
+
+
+def _carries_cache(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+  values = list(args) + list(kwargs.values())
+  for value in values:
+    kind = type(value).__name__
+    if value is not None and kind.endswith("Cache"):
+      return True
+  return bool(kwargs.get("use_cache")) and any(
+      v is not None for k, v in kwargs.items() if "past" in k)
+
+
+def _transformers_capture_only(layers, key, hooks, before) -> bool:
+  """Hooks transformers installs to capture per-layer outputs; inactive
+  unless a collector is set, which `_refuse_per_layer_hooks` checks."""
+  module = next(m for layer in layers for m in layer.modules() if id(m) == key)
+  for table, now, was in zip(
+      (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks),
+      hooks, before):
+    for handle in now - was:
+      fn = table[handle]
+      if getattr(fn, "__module__", "") != "transformers.utils.output_capturing":
+        return False
+  return True
+
+
+Found = List[Tuple[nn.Module, str, List[nn.Module], str]]
+
+
+def require_scan_support() -> None:
+  """torch_xla 2.9's scan backward under SPMD constrains each gradient's
+  sharding with JAX's `shard_alike`, called through torchax; without both it
+  fails in the first backward. Checked at wrapping instead."""
+  from torch_xla._internal.jax_workarounds import maybe_get_jax, maybe_get_torchax
+
+  if maybe_get_jax(log=False) is None or maybe_get_torchax() is None:
+    raise ImportError(
+        "scan_layers needs jax and torchax (torch_xla 2.9's scan calls JAX's "
+        "shard_alike in backward under SPMD): pip install jax==0.7.1 "
+        "jaxlib==0.7.1 torchax==0.0.7, or drop scan_layers.")
+
+
+def find_layer_lists(root: nn.Module, units: Sequence[nn.Module]) -> Found:
+  """Every ModuleList of `root` whose children are all (non-root) units, as
+  (owner, attribute, layers, dotted name), checked to be identical.
+
+  Raises ValueError when there is none (the wrap policy must make the
+  repeated layer a unit) or when the layers are not identical.
+  """
+  require_scan_support()
+  unit_ids = {id(u) for u in units[:-1]}
+  found: Found = []
+  for owner_name, owner in list(root.named_modules()):
+    for name, child in list(owner.named_children()):
+      if type(child) is not nn.ModuleList or len(child) < 2:
+        continue
+      layers = list(child)
+      if not all(id(layer) in unit_ids for layer in layers):
+        continue
+      where = f"{owner_name}.{name}" if owner_name else name
+      check_identical(layers, where)
+      found.append((owner, name, layers, where))
+  if not found:
+    raise ValueError(
+        "scan_layers found no nn.ModuleList whose layers are all wrapped "
+        "units; make the repeated layer class a unit (fsdp config "
+        "fsdp_transformer_layer_cls_to_wrap, or an auto_wrap_policy that wraps "
+        "it) and keep the layers in an nn.ModuleList.")
+  return found
+
+
+def install_scans(root: nn.Module, found: Found, settings: ScanSettings) -> None:
+  """Swaps each found ModuleList for a ScannedLayers (after the engine's own
+  hooks are in place: those are the ones a scanned layer may carry).
+
+  A transformers model whose config asks for a KV cache by default (GPT-2's
+  `use_cache`) would pass one to its layers in training too, and a call with
+  a cache runs unscanned; as transformers does for gradient checkpointing,
+  the default is turned off (generation can still pass `use_cache=True`).
+  """
+  for owner, name, layers, where in found:
+    setattr(owner, name, ScannedLayers(layers, settings, where))
+  config = getattr(root, "config", None)
+  if getattr(config, "use_cache", False):
+    logger.info("scan_layers: setting %s.config.use_cache = False (a KV cache "
+                "runs the layers unscanned)", type(root).__name__)
+    config.use_cache = False
