@@ -63,7 +63,7 @@ def test_scan_bf16_compute_matches_at_4_devices():
 
 def test_scan_misuse_fails_loudly():
   r = run_case(4, "errors")
-  assert "different classes" in r["not_identical"] or "differs from layer 0" in r["not_identical"]
+  assert "layer 1 of blocks" in r["not_identical"] and "must be identical" in r["not_identical"]
   assert "fsdp_transformer_layer_cls_to_wrap" in r["not_wrapped"]
   assert "engine='spmd'" in r["collectives_engine"]
   assert r["use_cache_after_wrap"] is False
