@@ -54,6 +54,12 @@ def test_scan_with_recompute_matches_at_8_devices():
 
 
 @pytest.mark.slow
+def test_scanned_llama_matches_at_4_devices():
+  """LlamaModel loops over `self.layers[:n]` with rotary embeddings as arguments."""
+  check_parity(run_case(4, "parity", "--layers", "3", "--model", "llama"), 3)
+
+
+@pytest.mark.slow
 def test_scan_bf16_compute_matches_at_4_devices():
   r = run_case(4, "parity", "--layers", "3", "--dtype", "bf16")
   for a, b in zip(r["plain_losses"], r["scan_losses"]):

@@ -1,7 +1,7 @@
 """scan_layers on the SPMD engine, in a fresh SPMD process (CPU_NUM_DEVICES
 set by tests/test_scan_layers.py); prints `RESULT <json>`.
 
-  scan_case.py parity --layers L [--dtype bf16] [--ckpt] [--steps N]
+  scan_case.py parity --layers L [--model gpt2|llama] [--dtype bf16] [--ckpt] [--steps N]
   scan_case.py errors
 """
 
@@ -34,9 +34,27 @@ def gpt2(layers: int, seed: int = 0) -> nn.Module:
   return GPT2LMHeadModel(config)
 
 
+def llama(layers: int, seed: int = 0) -> nn.Module:
+  from transformers import LlamaConfig, LlamaForCausalLM
+  config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160,
+                       num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=32)
+  torch.manual_seed(seed)
+  return LlamaForCausalLM(config)
+
+
+def llama_policy():
+  import functools
+  from xla_fsdp.wrap import transformer_auto_wrap_policy
+  return functools.partial(transformer_auto_wrap_policy,
+                           transformer_layer_cls={"LlamaDecoderLayer"})
+
+
 def shard(model: nn.Module, scan: bool, dtype, ckpt: bool) -> nn.Module:
+  is_llama = type(model).__name__.startswith("Llama")
   return xla_fsdp.XlaFullyShardedDataParallel(
-      model, engine="spmd", auto_wrap_policy=models.gpt2_policy(),
+      model, engine="spmd",
+      auto_wrap_policy=llama_policy() if is_llama else models.gpt2_policy(),
       compute_dtype=dtype, activation_checkpointing=ckpt, scan_layers=scan)
 
 
@@ -73,8 +91,9 @@ def parity(args) -> dict:
   xr.global_runtime_device_count()
   dtype = torch.bfloat16 if args.dtype == "bf16" else None
   batches = models.gpt2_batches(args.steps)
-  plain = shard(gpt2(args.layers), False, dtype, args.ckpt)
-  scanned = shard(gpt2(args.layers), True, dtype, args.ckpt)
+  build = llama if args.model == "llama" else gpt2
+  plain = shard(build(args.layers), False, dtype, args.ckpt)
+  scanned = shard(build(args.layers), True, dtype, args.ckpt)
   hlo_plain = step_hlo(plain, batches[0])
   hlo_scan = step_hlo(scanned, batches[0])
   plain_losses = train(plain, batches)
@@ -83,7 +102,7 @@ def parity(args) -> dict:
   scan_sd = {k: v.cpu() for k, v in scanned.state_dict().items()}
   diffs = {k: float((plain_sd[k] - scan_sd[k]).abs().max()) for k in plain_sd}
   # a checkpoint of the scanned model loads into the plain model unchanged
-  fresh = gpt2(args.layers)
+  fresh = build(args.layers)
   fresh.load_state_dict(scan_sd)
   reload = max(float((fresh.state_dict()[k] - scan_sd[k]).abs().max())
                for k in scan_sd)
@@ -97,7 +116,8 @@ def parity(args) -> dict:
       "while_scan": hlo_scan.count(" while("),
       "dots_plain": hlo_plain.count(" dot("),
       "dots_scan": hlo_scan.count(" dot("),
-      "layers_type": type(scanned.transformer.h).__name__,
+      "layers_type": type(scanned.model.layers if args.model == "llama"
+                          else scanned.transformer.h).__name__,
   }
 
 
@@ -153,6 +173,7 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("case", choices=["parity", "errors"])
   parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
   parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--ckpt", action="store_true")

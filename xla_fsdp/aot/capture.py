@@ -146,7 +146,19 @@ def _objects_of(cls) -> list:
 
 
 def _live_xla_tensors():
-    return [o for o in _objects_of(torch.Tensor) if o.device.type == "xla"]
+    """Live tensors backed by XLA data. Tensors that only claim the device (the fake and
+    functional tensors AOTAutograd keeps when scan_layers traces a layer) are skipped."""
+    return [o for o in _objects_of(torch.Tensor) if o.device.type == "xla" and _is_xla_data(o)]
+
+
+def _is_xla_data(tensor: torch.Tensor) -> bool:
+    import torch_xla
+
+    try:
+        torch_xla._XLAC._get_xla_sharding_spec(tensor)
+    except RuntimeError:  # "Expected XLA tensor"
+        return False
+    return True
 
 
 def _note_step(optimizer, args, kwargs) -> None:
