@@ -206,3 +206,49 @@ def test_memory_space_prefetches_cost_the_core_nothing():
     # the same region taken by a synchronous slice is charged on the core
     sliced = f"  %sl = bf16[64,{K}]{{1,0}} slice(%w), slice={{[0:64], [0:{K}]}}\n"
     assert st.estimate(base.replace(anchor, sliced + anchor), CHIP, devices=N).seconds > plain.seconds
+
+
+SCANNED = """HloModule scanned, num_partitions=4
+
+%cond (p: (u32[], f32[8,16])) -> pred[] {
+  %p = (u32[], f32[8,16]) parameter(0)
+  %gte = u32[] get-tuple-element(%p), index=0
+  %c = u32[] constant(3)
+  ROOT %lt = pred[] compare(%gte, %c), direction=LT
+}
+
+%body (q: (u32[], f32[8,16])) -> (u32[], f32[8,16]) {
+  %q = (u32[], f32[8,16]) parameter(0)
+  %i = u32[] get-tuple-element(%q), index=0
+  %x = f32[8,16] get-tuple-element(%q), index=1
+  %ag = f32[32,16] all-gather(%x), dimensions={0}, replica_groups={{0,1,2,3}}
+  %one = u32[] constant(1)
+  %j = u32[] add(%i, %one)
+  %s = f32[8,16] slice(%ag), slice={[0:8], [0:16]}
+  ROOT %t = (u32[], f32[8,16]) tuple(%j, %s)
+}
+
+ENTRY %main (a: f32[8,16]) -> f32[8,16] {
+  %a = f32[8,16] parameter(0)
+  %z = u32[] constant(0)
+  %init = (u32[], f32[8,16]) tuple(%z, %a)
+  %w = (u32[], f32[8,16]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[8,16] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_while_body_counts_once_per_trip():
+    """scan_layers' loop: torch_xla writes no known_trip_count; the condition's bound is the count
+    ([Note: collectives inside While loops])."""
+    assert [(l["name"], l["trip_count"]) for l in oh.while_loops(SCANNED)] == [("w", 3)]
+    assert oh.collectives(SCANNED) == []  # the entry itself holds none
+    found = oh.all_collectives(SCANNED)
+    assert [c.kind for c in found] == ["all-gather"] * 3 and all(not c.asynchronous for c in found)
+    chip = chips.CHIPS["v4"]
+    one = st.collective_seconds(found[0], 4, chip)
+    est = st.estimate(SCANNED, chip, 4)
+    assert est.sync_collective_seconds == pytest.approx(3 * one)
+    assert est.seconds >= 3 * one
+    unknown = SCANNED.replace("direction=LT", "direction=NE")
+    assert oh.while_loops(unknown)[0]["trip_count"] is None and len(oh.all_collectives(unknown)) == 1

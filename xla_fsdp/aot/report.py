@@ -96,8 +96,9 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
                                          "generated_code": m.generated_code_size, "peak": peak,
                                          "compiler_peak": m.peak_memory},
                   fits=peak <= spec.hbm_bytes_per_chip, cost=compiled.cost)
-    found = optimized_hlo.collectives(compiled.optimized_hlo)
+    found = optimized_hlo.all_collectives(compiled.optimized_hlo)  # While bodies once per trip
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
+    result["while_loops"] = optimized_hlo.while_loops(compiled.optimized_hlo)
     result["projection"] = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips,
                                                   spec.torus_axes).as_dict()
     if result["projection"]["kernel_calls"]:  # Pallas kernels: also at full MXU peak ([Note: charging Pallas kernels])
@@ -176,6 +177,11 @@ def _render_one(r: dict) -> str:
     lines.append(f"collectives of the TPU-optimized program: {c['count']} ({c['sync']} synchronous, "
                  f"{c['async']} asynchronous), {c['bytes'] / 1e9:.3f} GB per step; {async_share} of the bytes "
                  f"asynchronous, {100 * c['async_bytes_with_matmul_fraction']:.0f}% with a matmul scheduled beside them")
+    for loop in r.get("while_loops") or ():
+        trips = loop["trip_count"]
+        lines.append(f"  While loop {loop['name']} (scan_layers): body counted "
+                     + (f"{trips} times (its trip count)" if trips else
+                        "ONCE: its trip count is not in the program, so its collectives and time are undercounted"))
     lines.append(f"  {'kind':<20}{'sync':>6}{'async':>7}{'with matmul':>13}{'GB':>10}{'async bytes':>13}"
                  f"{'GB sent/chip':>14}")
     for kind, k in sorted(c["by_kind"].items()):

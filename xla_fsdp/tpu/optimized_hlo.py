@@ -186,16 +186,64 @@ def _holds_matmul(ins: Instruction, comps: Dict[str, List[Instruction]]) -> bool
     return bool(called) and any(i.opcode in ("convolution", "dot") for i in comps.get(called.group(1), []))
 
 
-def collectives(text: str) -> List[Collective]:
-    """The entry computation's collectives in schedule order, each marked synchronous or
-    asynchronous, with the work scheduled beside the asynchronous ones.
+# [Note: collectives inside While loops]
+# A scanned model (scan_layers) compiles to a While loop whose body gathers one layer's
+# parameters and reduce-scatters its gradients. The body is scheduled on its own, so its
+# collectives are read like the entry's (start/done pairs, work beside them) and counted once
+# per trip. torch_xla's scan writes no known_trip_count; its condition compares the loop
+# counter (tuple element 0) with a constant, which is the trip count.
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
+_BODY_OF = re.compile(r"body=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"constant\((-?\d+)\)")
+
+
+def trip_count(ins: Instruction, comps: Dict[str, List[Instruction]]) -> Optional[int]:
+    """How many times a `while` instruction runs its body, or None when the program does not say."""
+    known = _TRIP_COUNT.search(ins.rest)
+    if known:
+        return int(known.group(1))
+    cond = _CONDITION.search(ins.rest)
+    inner = comps.get(cond.group(1), []) if cond else []
+    constants = {i.name: int(m.group(1)) for i in inner if i.opcode == "constant"
+                 for m in [_CONSTANT.search(i.opcode + "(" + i.rest)] if m}
+    bounds = [constants[o] for i in inner if i.opcode == "compare" and "direction=LT" in i.rest
+              for o in i.operands if o in constants]
+    return max(bounds) if bounds else None
+
+
+def while_loops(text: str) -> List[dict]:
+    """The entry computation's While loops: body, trip count (None: unknown) and position."""
+    comps = computations(text)
+    out = []
+    for pos, ins in enumerate(comps.get("ENTRY", [])):
+        if ins.opcode == "while":
+            body = _BODY_OF.search(ins.rest)
+            out.append({"name": ins.name, "body": body.group(1) if body else "",
+                        "trip_count": trip_count(ins, comps), "position": pos})
+    return out
+
+
+def all_collectives(text: str) -> List[Collective]:
+    """The entry's collectives, then every While body's, repeated for each trip (a body whose
+    trip count is unknown counted once) ([Note: collectives inside While loops])."""
+    found = collectives(text)
+    for loop in while_loops(text):
+        inner = collectives(text, loop["body"])
+        found.extend(c for _ in range(loop["trip_count"] or 1) for c in inner)
+    return found
+
+
+def collectives(text: str, computation: str = "ENTRY") -> List[Collective]:
+    """One computation's collectives (default the entry's) in schedule order, each marked
+    synchronous or asynchronous, with the work scheduled beside the asynchronous ones.
 
     A done is paired with its start through data: libtpu's done fusions read the start's
     buffers through get-tuple-elements and the compute fusions it threads them through, so
     every instruction carries the set of open starts it depends on.
     """
     comps = computations(text)
-    entry = comps.get("ENTRY", [])
+    entry = comps.get(computation, [])
     shapes = {ins.name: ins.shape for ins in entry}
     out: List[Collective] = []
     open_starts: Dict[str, Collective] = {}

@@ -72,7 +72,6 @@ _DIMS = re.compile(r"\[([0-9,]*)\]")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 
 
@@ -252,8 +251,7 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
         return k.seconds(chip, mxu_share), k.flops, k.hbm_bytes
     if op == "while":
         body = _BODY.search(ins.rest)
-        trips = _TRIP.search(ins.rest)
-        n = int(trips.group(1)) if trips else 1
+        n = oh.trip_count(ins, comps) or 1
         secs = flops = moved = 0.0
         if body and depth < 4:
             inner = comps.get(body.group(1), [])
@@ -293,18 +291,14 @@ def collective_seconds(c: oh.Collective, devices: int, chip, torus_axes: int = 0
     return COLLECTIVE_LATENCY_S + sent / (links(c, devices, torus_axes) * chip.ici_link_one_way) if sent else 0.0
 
 
-def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0,
-             kernel_mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE) -> StepEstimate:
-    """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`);
-    `torus_axes`: the slice's axes that wrap around (`SliceSpec.torus_axes`; 0 for a mesh);
-    `kernel_mxu_share`: the share of MXU peak Pallas kernels are charged at."""
-    if not 0 < kernel_mxu_share <= 1:
-        raise ValueError(f"kernel_mxu_share must be in (0, 1], got {kernel_mxu_share}")
-    comps = oh.computations(text)
-    entry = comps.get("ENTRY", [])
-    shapes = {i.name: i.shape for i in entry}
-    devices = devices or oh.program_devices(text)
-    found = oh.collectives(text)
+def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_share: float,
+          kernels: list, depth: int = 0) -> Tuple[float, ...]:
+    """One scheduled computation on the chip's timeline: (end of the core's clock, compute,
+    sync, async, exposed seconds, FLOPs, HBM bytes). A While loop in it is its body walked the
+    same way, times its trip count ([Note: collectives inside While loops])."""
+    instrs = comps.get(name, [])
+    shapes = {i.name: i.shape for i in instrs}
+    found = oh.collectives(text, name)
     at = {c.position: c for c in found}
     waits: Dict[int, List[oh.Collective]] = {}
     for c in found:
@@ -312,8 +306,7 @@ def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0
             waits.setdefault(c.done_position, []).append(c)
     core = ici = compute = sync = asynchronous = exposed = flops = moved = 0.0
     finish: Dict[str, float] = {}
-    kernels: list = []
-    for pos, ins in enumerate(entry):
+    for pos, ins in enumerate(instrs):
         if pos in waits:
             ready = max(finish.pop(c.name, 0.0) for c in waits[pos])
             if ready > core:
@@ -333,13 +326,39 @@ def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0
             continue
         if oh._is_done(ins):
             continue  # an unpaired done (its start not recognized): nothing to wait for
-        secs, f, b = _compute_cost(ins, shapes, comps, chip, mxu_share=kernel_mxu_share, kernels=kernels)
+        if ins.opcode == "while" and depth < 4:
+            body = _BODY.search(ins.rest)
+            n = oh.trip_count(ins, comps) or 1
+            inner: list = []
+            parts = _walk(text, body.group(1) if body else "", comps, chip, devices, torus_axes,
+                          mxu_share, inner, depth + 1)
+            kernels.extend(inner * n)
+            core = ici = max(core, ici) + n * parts[0]
+            compute, sync, asynchronous, exposed, flops, moved = (
+                a + n * b for a, b in zip((compute, sync, asynchronous, exposed, flops, moved), parts[1:]))
+            continue
+        secs, f, b = _compute_cost(ins, shapes, comps, chip, mxu_share=mxu_share, kernels=kernels)
         core += secs
         compute += secs
         flops += f
         moved += b
-    if finish:  # still open at the end: the step ends when they land
+    if finish:  # still open at the end: the computation ends when they land
         core = max(core, *finish.values())
+    return core, compute, sync, asynchronous, exposed, flops, moved
+
+
+def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0,
+             kernel_mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE) -> StepEstimate:
+    """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`);
+    `torus_axes`: the slice's axes that wrap around (`SliceSpec.torus_axes`; 0 for a mesh);
+    `kernel_mxu_share`: the share of MXU peak Pallas kernels are charged at."""
+    if not 0 < kernel_mxu_share <= 1:
+        raise ValueError(f"kernel_mxu_share must be in (0, 1], got {kernel_mxu_share}")
+    comps = oh.computations(text)
+    devices = devices or oh.program_devices(text)
+    kernels: list = []
+    core, compute, sync, asynchronous, exposed, flops, moved = _walk(
+        text, "ENTRY", comps, chip, devices, torus_axes, kernel_mxu_share, kernels)
     return StepEstimate(core, compute, sync, asynchronous, exposed, flops, moved, chip.generation,
                         kernel_calls=len(kernels), kernel_flops=sum(k.flops for k in kernels),
                         kernel_seconds=sum(k.seconds(chip, kernel_mxu_share) for k in kernels),
