@@ -44,8 +44,14 @@ def check_parity(r: dict, layers: int) -> None:
   assert r["dots_scan"] < r["dots_plain"]
 
 
-def test_scan_matches_unscanned_at_4_devices():
-  check_parity(run_case(4, "parity", "--layers", "4"), 4)
+@pytest.fixture(scope="module")
+def at_4():
+  """Parity and misuse at 4 devices, one process (the default run's cases)."""
+  return run_case(4, "both", "--layers", "4")
+
+
+def test_scan_matches_unscanned_at_4_devices(at_4):
+  check_parity(at_4["parity"], 4)
 
 
 @pytest.mark.slow
@@ -67,8 +73,8 @@ def test_scan_bf16_compute_matches_at_4_devices():
   assert max(r["param_max_abs_diff"].values()) <= 3e-3  # measured 7.1e-4 (bf16 rounding)
 
 
-def test_scan_misuse_fails_loudly():
-  r = run_case(4, "errors")
+def test_scan_misuse_fails_loudly(at_4):
+  r = at_4["errors"]
   assert "layer 1 of blocks" in r["not_identical"] and "must be identical" in r["not_identical"]
   assert "fsdp_transformer_layer_cls_to_wrap" in r["not_wrapped"]
   assert "engine='spmd'" in r["collectives_engine"]

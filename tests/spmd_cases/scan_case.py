@@ -3,6 +3,7 @@ set by tests/test_scan_layers.py); prints `RESULT <json>`.
 
   scan_case.py parity --layers L [--model gpt2|llama] [--dtype bf16] [--ckpt] [--steps N]
   scan_case.py errors
+  scan_case.py both ...   (parity, then errors, in one process)
 """
 
 from __future__ import annotations
@@ -171,14 +172,17 @@ def errors(args) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("case", choices=["parity", "errors"])
+  parser.add_argument("case", choices=["parity", "errors", "both"])
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
   parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--ckpt", action="store_true")
   args = parser.parse_args()
-  result = {"parity": parity, "errors": errors}[args.case](args)
+  if args.case == "both":  # one process for the default run: parity, then the misuse
+    result = {"parity": parity(args), "errors": errors(args)}
+  else:
+    result = {"parity": parity, "errors": errors}[args.case](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 
