@@ -17,7 +17,5 @@ setup(
         # the ahead-of-time check (`python -m xla_fsdp.aot`): libtpu's compiler, no TPU needed;
         # the versions torch_xla 2.9 pins for its tpu and pallas extras
         "tpu-aot": ["libtpu==0.0.21", "jax==0.7.1", "jaxlib==0.7.1"],
-        # scan_layers under SPMD: torch_xla 2.9's scan backward calls JAX through torchax
-        "scan": ["jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.7"],
     },
 )

@@ -112,20 +112,6 @@ def _template(layer: nn.Module) -> nn.Module:
   return template
 
 
-def recompute_partition(joint_module, _joint_inputs, *, num_fwd_outputs,
-                        **_ignored):
-  """AOTAutograd partitioner that saves only the layer's inputs: the
-  backward body recomputes the whole layer (per-layer checkpointing)."""
-  from torch._functorch import partitioners as p
-
-  saved = [
-      n for n in joint_module.graph.nodes
-      if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))
-  ]
-  return p._extract_fwd_bwd_modules(
-      joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
-
-
 class ScanSettings:
   """What every scanned ModuleList of one model shares."""
 
@@ -257,6 +243,9 @@ class _ScanRun:
     from torch.utils._pytree import tree_flatten
     from functorch.compile import default_partition
 
+    from xla_fsdp.spmd_engine.scan_glue import recompute_partition, use_shard_like
+
+    use_shard_like()
     settings = self.owner._scan_settings
     others, _ = tree_flatten((args[1:], kwargs))
     grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -332,19 +321,6 @@ def _transformers_capture_only(layers, key, hooks, before) -> bool:
 Found = List[Tuple[nn.Module, str, List[nn.Module], str]]
 
 
-def require_scan_support() -> None:
-  """torch_xla 2.9's scan backward under SPMD constrains each gradient's
-  sharding with JAX's `shard_alike`, called through torchax; without both it
-  fails in the first backward. Checked at wrapping instead."""
-  from torch_xla._internal.jax_workarounds import maybe_get_jax, maybe_get_torchax
-
-  if maybe_get_jax(log=False) is None or maybe_get_torchax() is None:
-    raise ImportError(
-        "scan_layers needs jax and torchax (torch_xla 2.9's scan calls JAX's "
-        "shard_alike in backward under SPMD): pip install jax==0.7.1 "
-        "jaxlib==0.7.1 torchax==0.0.7, or drop scan_layers.")
-
-
 def find_layer_lists(root: nn.Module, units: Sequence[nn.Module]) -> Found:
   """Every ModuleList of `root` whose children are all (non-root) units, as
   (owner, attribute, layers, dotted name), checked to be identical.
@@ -352,7 +328,6 @@ def find_layer_lists(root: nn.Module, units: Sequence[nn.Module]) -> Found:
   Raises ValueError when there is none (the wrap policy must make the
   repeated layer a unit) or when the layers are not identical.
   """
-  require_scan_support()
   unit_ids = {id(u) for u in units[:-1]}
   found: Found = []
   for owner_name, owner in list(root.named_modules()):
