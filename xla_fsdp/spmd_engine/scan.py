@@ -240,14 +240,14 @@ class _ScanRun:
 
   def _scan(self, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     from torch_xla.experimental.scan import scan
-    from torch.utils._pytree import tree_flatten
+    from torch.utils._pytree import tree_flatten, tree_unflatten
     from functorch.compile import default_partition
 
     from xla_fsdp.spmd_engine.scan_glue import recompute_partition, use_shard_like
 
     use_shard_like()
     settings = self.owner._scan_settings
-    others, _ = tree_flatten((args[1:], kwargs))
+    others, tree = tree_flatten((args[1:], kwargs))
     grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
     if grads:
       raise RuntimeError(
@@ -270,18 +270,29 @@ class _ScanRun:
       stacked[name] = stack
     for name in buffer_names:
       stacked[name] = torch.stack([layer.get_buffer(name) for layer in self.layers])
+    # The other arguments' tensors (mask, positions, rotary tables) enter the loop as
+    # per-trip inputs, the same for every trip: AOTAutograd traces the layer with fake
+    # tensors and refuses real ones captured from outside.
+    layers = len(self.layers)
+    where = [i for i, t in enumerate(others) if isinstance(t, torch.Tensor)]
+    repeated = [others[i].unsqueeze(0).expand(layers, *others[i].shape) for i in where]
     shape_out: List[Any] = []
 
-    def one_layer(hidden: torch.Tensor, tensors: Dict[str, torch.Tensor]):
+    def one_layer(hidden: torch.Tensor, x):
+      tensors, extra = x
+      leaves = list(others)
+      for i, t in zip(where, extra):
+        leaves[i] = t
+      rest, named = tree_unflatten(leaves, tree)
       out = torch.func.functional_call(
-          template, tensors, (hidden,) + tuple(args[1:]), kwargs, strict=True)
+          template, tensors, (hidden,) + tuple(rest), named, strict=True)
       if not shape_out:
         shape_out.append(out)
       return self._hidden(out), None
 
     hidden = settings.annotate(args[0])
     partition = recompute_partition if settings.recompute else default_partition
-    final, _ = scan(one_layer, hidden, stacked, partition_fn=partition)
+    final, _ = scan(one_layer, hidden, (stacked, repeated), partition_fn=partition)
     final = settings.annotate(final)
     traced = shape_out[0]
     if isinstance(traced, torch.Tensor):
