@@ -316,3 +316,20 @@ def test_attn_implementation_reaches_the_model_and_eager_keeps_the_attention_mat
     assert {"bf16" + scores, "bf16" + context} <= dots["eager"], dots["eager"]
     assert {"f32" + scores, "f32" + context} <= dots["sdpa"], dots["sdpa"]
     assert not any(d.startswith("f32[") for d in dots["eager"]), dots["eager"]
+
+
+@pytest.mark.slow
+def test_scan_layers_through_the_launcher_logs_the_unscanned_losses(tiny_config, tmp_path):
+    """`"scan_layers": true` in the GSPMD config, as a user runs it: the same losses as without."""
+    plain_config = TINY_FSDP_CONFIG.replace("tiny_cpu", "tiny_cpu_v2")
+    scan_config = tmp_path / "tiny_cpu_v2_scan.json"
+    scan_config.write_text(json.dumps({**json.load(open(plain_config)), "scan_layers": True}))
+    runs = []
+    for i, config in enumerate((plain_config, str(scan_config))):
+        (tmp_path / str(i)).mkdir()
+        report, _ = _train(tmp_path / str(i), [
+            "--config_name", tiny_config, "--fsdp", "full_shard", "--fsdp_config", config,
+            "--do_train", "--max_steps", "6", "--per_device_train_batch_size", "4",
+            "--block_size", "32", "--logging_steps", "2", "--learning_rate", "3e-3"], launcher_cores=2)
+        runs.append([loss for _, loss in report["losses"]])
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5), runs
