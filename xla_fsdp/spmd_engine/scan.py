@@ -97,7 +97,10 @@ def _hook_keys(layers: Sequence[nn.Module]) -> Dict[int, Tuple[frozenset, ...]]:
 def _template(layer: nn.Module) -> nn.Module:
   """A copy of `layer` whose tensors are meta (functional_call supplies them)
   and whose modules carry no hooks (the engine's hooks act on the real
-  modules; inside the loop body the partitioner places the tensors)."""
+  modules; inside the loop body the partitioner places the tensors). A
+  layer checkpointed by transformers (`gradient_checkpointing_enable()`) is
+  not checkpointed again inside the traced body: the loop recomputes it
+  (`hf_checkpointed`)."""
   memo: Dict[int, Any] = {}
   for tensor in list(layer.parameters()) + list(layer.buffers()):
     meta = torch.empty_like(tensor, device="meta")
@@ -109,7 +112,15 @@ def _template(layer: nn.Module) -> nn.Module:
     module._forward_hooks.clear()
     module._backward_hooks.clear()
     module._backward_pre_hooks.clear()
+    if getattr(module, "gradient_checkpointing", False) is True:
+      module.gradient_checkpointing = False
   return template
+
+
+def hf_checkpointed(layer: nn.Module) -> bool:
+  """Whether transformers checkpoints this layer (GradientCheckpointingLayer)."""
+  return any(getattr(m, "gradient_checkpointing", False) is True
+             for m in layer.modules())
 
 
 class ScanSettings:
@@ -291,7 +302,8 @@ class _ScanRun:
       return self._hidden(out), None
 
     hidden = settings.annotate(args[0])
-    partition = recompute_partition if settings.recompute else default_partition
+    recompute = settings.recompute or (self.owner.training and hf_checkpointed(self.layers[0]))
+    partition = recompute_partition if recompute else default_partition
     final, _ = scan(one_layer, hidden, (stacked, repeated), partition_fn=partition)
     final = settings.annotate(final)
     traced = shape_out[0]
