@@ -107,6 +107,9 @@ def _template(layer: nn.Module) -> nn.Module:
     memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(
         tensor, nn.Parameter) else meta
   template = copy.deepcopy(layer, memo)
+  from xla_fsdp.activation_checkpoint import strip_checkpoint
+
+  strip_checkpoint(template)  # checkpoint_module(layer): the loop recomputes instead
   for module in template.modules():
     module._forward_pre_hooks.clear()
     module._forward_hooks.clear()
@@ -118,9 +121,12 @@ def _template(layer: nn.Module) -> nn.Module:
 
 
 def hf_checkpointed(layer: nn.Module) -> bool:
-  """Whether transformers checkpoints this layer (GradientCheckpointingLayer)."""
-  return any(getattr(m, "gradient_checkpointing", False) is True
-             for m in layer.modules())
+  """Whether the layer is checkpointed by transformers (GradientCheckpointingLayer)
+  or by `xla_fsdp.checkpoint_module` (run_clm's --gradient_checkpointing)."""
+  from xla_fsdp.activation_checkpoint import _CheckpointMixin
+
+  return isinstance(layer, _CheckpointMixin) or any(
+      getattr(m, "gradient_checkpointing", False) is True for m in layer.modules())
 
 
 class ScanSettings:
