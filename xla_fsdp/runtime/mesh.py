@@ -90,8 +90,13 @@ def annotate(tensor: torch.Tensor, mesh: xs.Mesh,
   data's own sharding. A boolean tensor (a Hugging Face 4-D attention mask
   passed to every layer) takes `| False`, since `* 1` would make it int64.
   """
+  return annotate_with(tensor, mesh.get_op_sharding(spec))
+
+
+def annotate_with(tensor: torch.Tensor, op_sharding) -> torch.Tensor:
+  """`annotate` with an OpSharding already at hand (another tensor's)."""
   fresh = tensor | False if tensor.dtype == torch.bool else tensor * 1
-  torch_xla._XLAC._xla_mark_sharding(fresh, mesh.get_op_sharding(spec))
+  torch_xla._XLAC._xla_mark_sharding(fresh, op_sharding)
   return fresh
 
 

@@ -34,14 +34,14 @@ def shard_like(inputs, grads):
   import torch_xla
   from torch.utils._pytree import tree_map
 
+  from xla_fsdp.runtime.mesh import annotate_with
+
   def one(x, g):
     if not isinstance(x, torch.Tensor) or not isinstance(g, torch.Tensor):
       return g
     if not torch_xla._XLAC._get_xla_sharding_spec(x):
       return g
-    fresh = g | False if g.dtype == torch.bool else g * 1  # a new IR value to annotate
-    torch_xla._XLAC._xla_mark_sharding(fresh, torch_xla._XLAC._get_xla_op_sharding(x))
-    return fresh
+    return annotate_with(g, torch_xla._XLAC._get_xla_op_sharding(x))
 
   return inputs, tree_map(one, inputs, grads)
 

@@ -212,14 +212,19 @@ def trip_count(ins: Instruction, comps: Dict[str, List[Instruction]]) -> Optiona
     return max(bounds) if bounds else None
 
 
+def loop_body(ins: Instruction) -> str:
+    """The body computation's name of a `while` instruction ("" when it names none)."""
+    body = _BODY_OF.search(ins.rest)
+    return body.group(1) if body else ""
+
+
 def while_loops(text: str) -> List[dict]:
     """The entry computation's While loops: body, trip count (None: unknown) and position."""
     comps = computations(text)
     out = []
     for pos, ins in enumerate(comps.get("ENTRY", [])):
         if ins.opcode == "while":
-            body = _BODY_OF.search(ins.rest)
-            out.append({"name": ins.name, "body": body.group(1) if body else "",
+            out.append({"name": ins.name, "body": loop_body(ins),
                         "trip_count": trip_count(ins, comps), "position": pos})
     return out
 

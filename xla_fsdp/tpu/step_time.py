@@ -72,7 +72,6 @@ _DIMS = re.compile(r"\[([0-9,]*)\]")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
-_BODY = re.compile(r"body=%?([\w.\-]+)")
 
 
 # [Note: links per collective]
@@ -250,11 +249,11 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
             kernels.append(k)
         return k.seconds(chip, mxu_share), k.flops, k.hbm_bytes
     if op == "while":
-        body = _BODY.search(ins.rest)
+        body = oh.loop_body(ins)
         n = oh.trip_count(ins, comps) or 1
         secs = flops = moved = 0.0
         if body and depth < 4:
-            inner = comps.get(body.group(1), [])
+            inner = comps.get(body, [])
             shapes = {i.name: i.shape for i in inner}
             found: list = []
             for i in inner:
@@ -327,10 +326,9 @@ def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_
         if oh._is_done(ins):
             continue  # an unpaired done (its start not recognized): nothing to wait for
         if ins.opcode == "while" and depth < 4:
-            body = _BODY.search(ins.rest)
             n = oh.trip_count(ins, comps) or 1
             inner: list = []
-            parts = _walk(text, body.group(1) if body else "", comps, chip, devices, torus_axes,
+            parts = _walk(text, oh.loop_body(ins), comps, chip, devices, torus_axes,
                           mxu_share, inner, depth + 1)
             kernels.extend(inner * n)
             core = ici = max(core, ici) + n * parts[0]
