@@ -47,7 +47,7 @@ def check_parity(r: dict, layers: int) -> None:
 @pytest.fixture(scope="module")
 def at_4():
   """Parity and misuse at 4 devices, one process (the default run's cases)."""
-  return run_case(4, "both", "--layers", "4")
+  return run_case(4, "both", "--layers", "4")  # parity, misuse, the stored stacks
 
 
 def test_scan_matches_unscanned_at_4_devices(at_4):
@@ -83,3 +83,18 @@ def test_scan_misuse_fails_loudly(at_4):
   assert "after it was wrapped" in r["hook_after_wrap"]
   # a call with a KV cache runs the layers one by one: same logits as unscanned
   assert r["cache_logits_diff"] <= 1e-5
+
+
+def test_stored_stacks_checkpoint_and_refuse_per_tensor_optimizers(at_4):
+  """[Note: parameters stored stacked]: each layer parameter is one (d0, L, *rest) tensor sharded
+  on dim 0; the sharded checkpoint resumes exactly, consolidates and save_pretrained's per
+  layer, and an optimizer whose statistics span a tensor is refused unless "per_step"."""
+  r = at_4["stored"]
+  assert r["stored_shape"] == [64, 3, 192] and r["layer_has_param"] is False
+  assert r["resumed"] == r["continued"]
+  assert r["consolidated_diff"] == 0.0 and r["save_pretrained_diff"] == 0.0
+  assert r["load_state_dict_diff"] == 0.0
+  assert "scan_layers=True" in r["into_unscanned"] and "Nothing was loaded" in r["into_unscanned"]
+  assert "Adafactor" in r["adafactor"] and '"per_step"' in r["adafactor"]
+  assert len(r["adafactor_per_step"]) == 1 and r["adafactor_per_step"][0] > 0
+  assert "shared weights" in r["shared"] and "per_step" in r["shared"]

@@ -96,8 +96,9 @@ def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         # torch_xla tests its truth; a string such as "false" would then mean True
         raise TypeError(f"shard_param_on_dim_0={kw['shard_param_on_dim_0']!r} is not a bool; pass True or False "
                         "(here both shard on dim 0) or drop the option")
-    if not isinstance(kw["scan_layers"], bool):
-        raise TypeError(f"scan_layers={kw['scan_layers']!r} is not a bool; pass True or False")
+    if not (isinstance(kw["scan_layers"], bool) or kw["scan_layers"] == "per_step"):
+        raise TypeError(f"scan_layers={kw['scan_layers']!r} is not valid; pass True (parameters stored "
+                        "stacked), \"per_step\" (per-layer parameters, stacked every step) or False")
     if kw["scan_layers"] and kw["engine"] != "spmd":
         raise ValueError("scan_layers=True needs engine='spmd' (fsdp_config \"xla_fsdp_v2\": true): only the SPMD "
                          "engine runs repeated layers as one XLA loop so far; the collectives engine traces each "

@@ -3,7 +3,8 @@ set by tests/test_scan_layers.py); prints `RESULT <json>`.
 
   scan_case.py parity --layers L [--model gpt2|llama] [--dtype bf16] [--ckpt] [--steps N]
   scan_case.py errors
-  scan_case.py both ...   (parity, then errors, in one process)
+  scan_case.py stored     (the stored stacks: checkpoints, save_pretrained, optimizers)
+  scan_case.py both ...   (parity, errors, then stored, in one process)
 """
 
 from __future__ import annotations
@@ -170,9 +171,78 @@ def errors(args) -> dict:
   return out
 
 
+def _sgd(model):
+  return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _steps(model, opt, batches) -> list:
+  device = torch_xla.device()
+  losses = []
+  for batch in batches:
+    ids, labels = (t.to(device) for t in batch)
+    opt.zero_grad()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    opt.step()
+    torch_xla.sync()
+    losses.append(loss.item())
+  return losses
+
+
+def stored(args) -> dict:
+  """What a run with parameters stored stacked keeps: a sharded checkpoint resumes exactly
+  and consolidates per layer, save_pretrained writes per-layer keys, optimizers with
+  per-tensor statistics are refused (and run with "per_step")."""
+  import tempfile
+
+  from transformers import GPT2LMHeadModel
+  from transformers.optimization import Adafactor
+  from xla_fsdp.checkpoint import consolidate, load_checkpoint, save_checkpoint, save_pretrained
+
+  out = {}
+  batches = models.gpt2_batches(4)
+  work = tempfile.mkdtemp()
+  model = shard(gpt2(3), True, None, False)
+  out["stored_shape"] = list(model.transformer.h_scan.attn.c_attn.weight.shape)
+  out["layer_has_param"] = hasattr(model.transformer.h[0].attn.c_attn, "weight")
+  opt = _sgd(model)
+  _steps(model, opt, batches[:2])
+  at_save = {k: v.cpu() for k, v in model.state_dict().items()}
+  save_checkpoint(f"{work}/ckpt", model, opt, step=2)
+  out["continued"] = _steps(model, opt, batches[2:])
+  again = shard(gpt2(3, seed=1), True, None, False)
+  opt2 = _sgd(again)
+  load_checkpoint(f"{work}/ckpt", again, opt2)
+  out["resumed"] = _steps(again, opt2, batches[2:])
+  consolidate(f"{work}/ckpt", f"{work}/hf")
+  plain = GPT2LMHeadModel.from_pretrained(f"{work}/hf")
+  out["consolidated_diff"] = max(float((plain.state_dict()[k] - at_save[k]).abs().max()) for k in at_save)
+  save_pretrained(again, f"{work}/pretrained")
+  plain = GPT2LMHeadModel.from_pretrained(f"{work}/pretrained")
+  now = {k: v.cpu() for k, v in again.state_dict().items()}
+  out["save_pretrained_diff"] = max(float((plain.state_dict()[k] - now[k]).abs().max()) for k in now)
+  # into a model without scan: the checkpoint holds the stacks, and says so
+  out["into_unscanned"] = caught(lambda: load_checkpoint(
+      f"{work}/ckpt", shard(gpt2(3), False, None, False)))
+  # a per-layer state dict loads into the stored stacks
+  fresh = shard(gpt2(3, seed=2), True, None, False)
+  fresh.load_state_dict(at_save)
+  out["load_state_dict_diff"] = max(
+      float((v.cpu() - at_save[k]).abs().max()) for k, v in fresh.state_dict().items())
+  ada = Adafactor(model.parameters(), lr=1e-3, scale_parameter=False, relative_step=False)
+  out["adafactor"] = caught(lambda: _steps(model, ada, batches[:1]))
+  per_step = shard(gpt2(3), "per_step", None, False)
+  ada = Adafactor(per_step.parameters(), lr=1e-3, scale_parameter=False, relative_step=False)
+  out["adafactor_per_step"] = _steps(per_step, ada, batches[:1])
+  tied = gpt2(2)
+  tied.transformer.h[1].mlp.c_fc.weight = tied.transformer.h[0].mlp.c_fc.weight
+  out["shared"] = caught(lambda: shard(tied, True, None, False))
+  return out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("case", choices=["parity", "errors", "both"])
+  parser.add_argument("case", choices=["parity", "errors", "stored", "both"])
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
   parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -180,9 +250,9 @@ def main() -> None:
   parser.add_argument("--ckpt", action="store_true")
   args = parser.parse_args()
   if args.case == "both":  # one process for the default run: parity, then the misuse
-    result = {"parity": parity(args), "errors": errors(args)}
+    result = {"parity": parity(args), "errors": errors(args), "stored": stored(args)}
   else:
-    result = {"parity": parity, "errors": errors}[args.case](args)
+    result = {"parity": parity, "errors": errors, "stored": stored}[args.case](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -37,16 +37,33 @@ def consolidate(checkpoint: str, out_dir: str) -> str:
     index = fmt.RowIndex(checkpoint, range(meta["world_size"]))
     index.open_all()
     entries = []
+    stacked = meta.get("stacked", {})
+    last: dict = {}  # the stored stack read last (its layers are written one after another)
     for name, p in meta["params"].items():  # tied parameters once, under their first name
         shape = p["shape"]
         rows = shape[0] if shape else 1
+        dtype = fmt.dtype_from_name(p["dtype"])
 
-        def produce(name=name, shape=shape, rows=rows, dtype=fmt.dtype_from_name(p["dtype"])):
+        def produce(name=name, shape=shape, rows=rows, dtype=dtype):
             out = torch.empty((rows, *shape[1:]), dtype=dtype)
             index.read_rows(f"param/{name}", 0, rows, out=out)
             return out.reshape(shape)
 
-        entries.append((name, fmt.dtype_from_name(p["dtype"]), shape, produce))
+        if name not in stacked:
+            entries.append((name, dtype, shape, produce))
+            continue
+        # scan_layers' stored stack (d0, L, *rest), or (L,): each layer's key ([Note: parameters
+        # stored stacked]); the stack is read once for all its layers
+        layer_shape = [shape[0], *shape[2:]] if len(shape) > 1 else []
+        for i, key in enumerate(stacked[name]):
+            def layer(i=i, name=name, produce=produce):
+                if name not in last:
+                    last.clear()
+                    last[name] = produce()
+                whole = last[name]
+                return (whole.select(1, i) if whole.dim() > 1 else whole[i]).contiguous()
+
+            entries.append((key, dtype, layer_shape, layer))
     for name, b in meta.get("buffers", {}).items():
         entries.append((name, fmt.dtype_from_name(b["dtype"]), b["shape"],
                         lambda name=name: index.read_rank(f"buffer/{name}", 0)))

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from . import format as fmt
 from . import storage
-from ..runtime import hosts
+from ..runtime import hosts, stored_keys
 from ..collective_engine import model_state as keys
 from ..unit_state import units
 from .holdings import holdings, process_info, spmd_runtime
@@ -27,7 +27,7 @@ def full_model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The unwrapped model's state dict on the host, tied weights as one tensor (rank 0; {} on
     the others). Collective for the collective engine and for SPMD hosts: every process calls it."""
     if spmd_runtime(model) and process_info(model).world > 1:
-        return _gathered_over_hosts(model)
+        return stored_keys.per_layer(model, _gathered_over_hosts(model))  # scan_layers' stacks per layer
     if units(model):
         return full_state_dict(model, rank0_only=True)
     host: Dict[int, torch.Tensor] = {}

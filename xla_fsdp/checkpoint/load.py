@@ -93,7 +93,13 @@ def _check_params(path: str, meta: Dict[str, Any], held: List[Holding]) -> None:
         if unexpected:
             parts.append(f"the checkpoint has {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} which the "
                          "model lacks")
-        raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(parts)}. Nothing was loaded.")
+        hint = ""
+        if meta.get("stacked") or any(getattr(h.param, "_xla_fsdp_stacked", False) for h in held):
+            hint = (" One side was wrapped with scan_layers=True, which stores the scanned layers' parameters "
+                    "stacked ([Note: parameters stored stacked]): wrap both the same way, or consolidate the "
+                    "checkpoint (python -m xla_fsdp.checkpoint consolidate) and load its per-layer model.")
+        raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(parts)}. Nothing was "
+                              f"loaded.{hint}")
     for name, h in mine.items():
         if list(h.full_shape) != saved[name]["shape"]:
             raise CheckpointError(f"checkpoint {path} is of another model: {name!r} is {tuple(saved[name]['shape'])} "

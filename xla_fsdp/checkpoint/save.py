@@ -45,6 +45,7 @@ from ..collective_engine import model_state as keys
 from . import host_shards as hs
 from . import storage
 from ..collective_engine.sharded_param import stored_shape
+from ..runtime import stored_keys
 from .holdings import Holding, held_state_dict, holdings, layout_record, optimizer_names, process_info
 
 
@@ -228,6 +229,9 @@ def _metadata(model, held, optimizer, step, info) -> Dict[str, Any]:
                     for name, b in _named_buffers(model)},
         "versions": _versions(),
     }
+    stacks = stored_keys.stack_table(model)
+    if stacks:  # scan_layers' stored stacks: consolidation writes their layers' keys
+        meta["stacked"] = stacks
     if optimizer is not None:
         sd = held_state_dict(optimizer)
         named = optimizer_names(optimizer, held)

@@ -41,6 +41,7 @@ from typing import Any, Dict, Iterable, Iterator, Mapping, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from ..runtime import stored_keys
 from ..unit_state import state_of, units
 from . import optimizer_state
 from .optimizer_state import StateTensor
@@ -121,7 +122,8 @@ def buffers(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.T
 def check_against_state_dict(model: nn.Module, keys: Iterable[str], what: str) -> list:
     """`model.state_dict()`'s keys, in order, after checking that `keys` are exactly those; an error
     naming every key that one side has and the other lacks (nothing is dropped silently)."""
-    order = list(model.state_dict().keys())
+    with stored_keys.stored_keys():  # stacked parameters as the model holds them (scan_layers)
+        order = list(model.state_dict().keys())
     have = set(keys)
     missing = [k for k in order if k not in have]
     extra = sorted(have - set(order))

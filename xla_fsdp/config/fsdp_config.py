@@ -62,8 +62,9 @@ class FSDPConfig:
     """HF key `xla_fsdp_grad_ckpt`: gradient checkpointing on every auto-wrapped layer."""
     xla_fsdp_v2: bool = False
     """HF key `xla_fsdp_v2`: use the SPMD engine (`engine="spmd"`)."""
-    scan_layers: bool = False
-    """Key `scan_layers` (ours): run the wrapped repeated layers as one XLA loop (needs xla_fsdp_v2)."""
+    scan_layers: Union[bool, str] = False
+    """Key `scan_layers` (ours): run the wrapped repeated layers as one XLA loop (needs xla_fsdp_v2);
+    true stores their parameters stacked, "per_step" stacks per-layer parameters every step."""
     forward_prefetch: Optional[bool] = None
     """HF key `forward_prefetch`: gather the next unit while this one computes; None = engine default (on)."""
     backward_prefetch: Optional[str] = None
@@ -73,7 +74,9 @@ class FSDPConfig:
         _check_bool("xla", self.xla)
         _check_bool("xla_fsdp_grad_ckpt", self.xla_fsdp_grad_ckpt)
         _check_bool("xla_fsdp_v2", self.xla_fsdp_v2)
-        _check_bool("scan_layers", self.scan_layers)
+        if self.scan_layers != "per_step" and type(self.scan_layers) is not bool:
+            raise FSDPConfigError(f"scan_layers must be true, false or \"per_step\", got "
+                                  f"{_type_name(self.scan_layers)} {self.scan_layers!r}")
         if self.forward_prefetch is not None:
             _check_bool("forward_prefetch", self.forward_prefetch)
         if self.backward_prefetch is not None:
@@ -211,7 +214,7 @@ class FSDPConfig:
                 # the compute-dtype casts inside the recomputation.
                 kwargs["activation_checkpointing"] = True
             if self.scan_layers:
-                kwargs["scan_layers"] = True
+                kwargs["scan_layers"] = self.scan_layers
         elif self.xla_fsdp_grad_ckpt:
             kwargs["auto_wrapper_callable"] = checkpointed_wrapper
         if self.forward_prefetch is not None:
@@ -256,7 +259,7 @@ class FSDPConfig:
         out["xla_fsdp_grad_ckpt"] = self.xla_fsdp_grad_ckpt
         out["xla_fsdp_v2"] = self.xla_fsdp_v2
         if self.scan_layers:
-            out["scan_layers"] = True
+            out["scan_layers"] = self.scan_layers
         if self.forward_prefetch is not None:
             out["fsdp_forward_prefetch"] = self.forward_prefetch
         if self.backward_prefetch is not None:

@@ -25,7 +25,7 @@ unwrapped model's. The steps, in order:
 from __future__ import annotations
 
 import weakref
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -60,7 +60,7 @@ def apply_spmd_fsdp(
     activation_checkpointing: bool = False,
     gather_params: bool = False,
     batch_axes: Optional[Sequence[str]] = None,
-    scan_layers: bool = False,
+    scan_layers: Union[bool, str] = False,
 ) -> nn.Module:
   """Shards `module` in place over the SPMD mesh and returns it.
 
@@ -85,7 +85,11 @@ def apply_spmd_fsdp(
       of letting GSPMD choose ([Note: gathering parameters by annotation]).
     scan_layers: run each nn.ModuleList of identical units as one XLA While
       loop ([Note: scanning the layers of a ModuleList] in scan.py); with
-      activation_checkpointing each layer is recomputed inside the loop.
+      activation_checkpointing each layer is recomputed inside the loop. True
+      stores each parameter of the scanned layers once, stacked ([Note:
+      parameters stored stacked] in stacked.py); "per_step" keeps per-layer
+      parameters and stacks them every step (for optimizers with per-tensor
+      statistics, such as Adafactor).
   """
   if not xr.is_spmd():
     raise RuntimeError(
@@ -108,7 +112,8 @@ def apply_spmd_fsdp(
     units = _apply_wrapper(module, units, auto_wrapper_callable)
 
   # checked before anything is placed: a refusal leaves the model as it was
-  found = find_layer_lists(module, units) if scan_layers else []
+  stored = scan_layers is True  # "per_step": stack every step
+  found = find_layer_lists(module, units, stored) if scan_layers else []
   scanned = {id(layer) for _, _, layers, _ in found for layer in layers}
   if scanned and gather_params:
     raise ValueError("scan_layers with gather_params is not supported: inside "
@@ -141,7 +146,8 @@ def apply_spmd_fsdp(
     owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
   if found:
     install_scans(module, found, ScanSettings(mesh, compute_dtype, batch.annotate,
-                                      recompute=activation_checkpointing))
+                                              recompute=activation_checkpointing,
+                                              stored=stored))
   _applied.add(module)
   return module
 

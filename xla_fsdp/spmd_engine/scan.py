@@ -41,6 +41,9 @@ import torch
 import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 
+from xla_fsdp.spmd_engine.stacked import (SUFFIX, check_stackable, stacked_view,
+                                          store_stacked)
+
 logger = logging.getLogger(__name__)
 
 ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
@@ -133,11 +136,12 @@ class ScanSettings:
   """What every scanned ModuleList of one model shares."""
 
   def __init__(self, mesh: xs.Mesh, compute_dtype: Optional[torch.dtype],
-               annotate: ScanAnnotate, recompute: bool):
+               annotate: ScanAnnotate, recompute: bool, stored: bool = True):
     self.mesh = mesh
     self.compute_dtype = compute_dtype
     self.annotate = annotate
     self.recompute = recompute
+    self.stored = stored  # parameters stored stacked ([Note: parameters stored stacked])
 
 
 class ScannedLayers(nn.ModuleList):
@@ -152,15 +156,31 @@ class ScannedLayers(nn.ModuleList):
     # the hooks present at wrapping (the engine's); later ones are refused
     self._scan_hooks = _hook_keys(list(self)) if hooks is None else hooks
     self._scan_box: List[nn.Module] = []  # the template, off the module tree
+    self._scan_store: List[nn.Module] = []  # the stored stacks' module (on the owner)
+    self._scan_rows = (0, len(self))  # which layers of the stored stacks these are
 
   def __getitem__(self, idx):
     if isinstance(idx, slice):  # `self.layers[:n]`, as Llama's loop writes it
+      rows = range(*self._scan_rows)[idx]
+      if rows.step != 1:
+        raise ValueError(f"scan_layers: {self._scan_where}[{idx}] skips layers; a scanned "
+                         "list is run in order, whole or a contiguous part of it.")
       part = ScannedLayers(list(self._modules.values())[idx],
                            self._scan_settings, self._scan_where,
                            self._scan_hooks)
       part._scan_box = self._scan_box
+      part._scan_store = self._scan_store
+      part._scan_rows = (rows.start, rows.stop) if len(rows) else (0, 0)
       return part
     return super().__getitem__(idx)
+
+  def stored(self) -> Dict[str, torch.Tensor]:
+    """Each parameter name's stored stack as (layers, ...) for these layers (empty: per-step stacking)."""
+    if not self._scan_store:
+      return {}
+    start, stop = self._scan_rows
+    return {name: stacked_view(p)[start:stop]
+            for name, p in self._scan_store[0].named_parameters()}
 
   def __iter__(self):
     layers = list(self._modules.values())
@@ -224,8 +244,17 @@ class _ScanRun:
     if _carries_cache(args[1:], kwargs):
       # generation: each layer writes its cache; run them as written
       out = args[0]
-      for layer in self.layers:
-        result = layer(out, *args[1:], **kwargs)
+      stored = self.owner.stored()
+      for i, layer in enumerate(self.layers):
+        if stored:  # the layer holds no parameters: its slice of each stack
+          tensors = {n: t[i] for n, t in stored.items()}
+          dtype = self.owner._scan_settings.compute_dtype
+          if dtype is not None:
+            tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+          # the real layer (its own index for the cache), the slices set for the call
+          result = torch.func.functional_call(layer, tensors, (out,) + tuple(args[1:]), kwargs)
+        else:
+          result = layer(out, *args[1:], **kwargs)
         out = self._hidden(result)
       self.output = result
       return result
@@ -273,12 +302,15 @@ class _ScanRun:
           f"{tuple(grads[0].shape)}); only the hidden state is carried through "
           "the loop. Turn scan_layers off for this model.")
     template = self.owner.template()
-    names = [n for n, _ in self.layers[0].named_parameters()]
+    names = [n for n, _ in template.named_parameters()]
     buffer_names = [n for n, _ in self.layers[0].named_buffers()]
     stacked: Dict[str, torch.Tensor] = {}
+    stored = self.owner.stored()
     for name in names:
-      tensors = [layer.get_parameter(name) for layer in self.layers]
-      stack = torch.stack(tensors)
+      if stored:
+        stack = stored[name]  # [Note: parameters stored stacked]
+      else:
+        stack = torch.stack([layer.get_parameter(name) for layer in self.layers])
       if settings.compute_dtype is not None and stack.is_floating_point():
         stack = stack.to(settings.compute_dtype)  # [Note: casting sharded parameters]
       if stack.dim() > 1:
@@ -350,7 +382,8 @@ def _transformers_capture_only(layers, key, hooks, before) -> bool:
 Found = List[Tuple[nn.Module, str, List[nn.Module], str]]
 
 
-def find_layer_lists(root: nn.Module, units: Sequence[nn.Module]) -> Found:
+def find_layer_lists(root: nn.Module, units: Sequence[nn.Module],
+                     stored: bool = True) -> Found:
   """Every ModuleList of `root` whose children are all (non-root) units, as
   (owner, attribute, layers, dotted name), checked to be identical.
 
@@ -368,6 +401,8 @@ def find_layer_lists(root: nn.Module, units: Sequence[nn.Module]) -> Found:
         continue
       where = f"{owner_name}.{name}" if owner_name else name
       check_identical(layers, where)
+      if stored:
+        check_stackable(root, layers, where)
       found.append((owner, name, layers, where))
   if not found:
     raise ValueError(
@@ -388,7 +423,12 @@ def install_scans(root: nn.Module, found: Found, settings: ScanSettings) -> None
   the default is turned off (generation can still pass `use_cache=True`).
   """
   for owner, name, layers, where in found:
-    setattr(owner, name, ScannedLayers(layers, settings, where))
+    scanned = ScannedLayers(layers, settings, where)
+    scanned.template()  # from a layer that still holds its parameters
+    setattr(owner, name, scanned)
+    if settings.stored:
+      store_stacked(owner, name, layers, _template(layers[0]), settings.mesh)
+      scanned._scan_store.append(getattr(owner, name + SUFFIX))
   config = getattr(root, "config", None)
   if getattr(config, "use_cache", False):
     logger.info("scan_layers: setting %s.config.use_cache = False (a KV cache "
