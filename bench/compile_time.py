@@ -2,13 +2,15 @@
 torch_xla's FSDPv2, as the depth grows.
 
     python bench/compile_time.py [--layers 2 4 8 16 32 48] [--devices 4]
-                                 [--engines scan spmd fsdpv2] [--json OUT]
+                                 [--engines scan scan_per_step spmd fsdpv2] [--json OUT]
 
 For each depth and engine a fresh process (SPMD, `--devices` virtual CPU devices)
 builds a GPT-2 of width 128 (4 heads, vocabulary 512, no dropout), shards it,
 and runs three AdamW steps on 8 sequences of 64 tokens (steps 1 and 2 each compile a
 program: AdamW's state appears after step 1; step 3 runs compiled):
-- scan: `XlaFullyShardedDataParallel(engine="spmd", scan_layers=True)`, GPT2Block units;
+- scan: `XlaFullyShardedDataParallel(engine="spmd", scan_layers=True)`, GPT2Block units
+  (parameters stored stacked);
+- scan_per_step: the same with `scan_layers="per_step"` (per-layer parameters, stacked every step);
 - spmd: the same without scan_layers;
 - fsdpv2: torch_xla 2.9's `SpmdFullyShardedDataParallel`, GPT2Block units.
 Columns: trace seconds of steps 1 and 2 (forward, backward and optimizer step
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import time
 
-ENGINES = ("scan", "spmd", "fsdpv2")
+ENGINES = ("scan", "scan_per_step", "spmd", "fsdpv2")
 
 
 def worker(engine: str, layers: int) -> dict:
@@ -66,7 +68,7 @@ def worker(engine: str, layers: int) -> dict:
         import functools
 
         model = xla_fsdp.XlaFullyShardedDataParallel(
-            model, engine="spmd", scan_layers=engine == "scan",
+            model, engine="spmd", scan_layers={"scan": True, "scan_per_step": "per_step"}.get(engine, False),
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={"GPT2Block"}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
@@ -95,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 48])
     parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=["scan", "spmd", "fsdpv2"])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--worker", nargs=2, metavar=("ENGINE", "LAYERS"), help=argparse.SUPPRESS)
     opts = parser.parse_args()

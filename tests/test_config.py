@@ -531,4 +531,7 @@ def test_scan_layers_key_reaches_the_spmd_engine_and_is_refused_elsewhere():
     assert "scan_layers" not in load_fsdp_config({**layers, "xla_fsdp_v2": True}).engine_kwargs()
     assert 'needs "xla_fsdp_v2": true' in _error({**layers, "scan_layers": True})
     assert "fsdp_transformer_layer_cls_to_wrap" in _error({"xla": True, "xla_fsdp_v2": True, "scan_layers": True})
-    assert "bool" in _error({**layers, "xla_fsdp_v2": True, "scan_layers": "yes"})
+    assert '"per_step"' in _error({**layers, "xla_fsdp_v2": True, "scan_layers": "yes"})
+    per_step = load_fsdp_config({**layers, "xla_fsdp_v2": True, "scan_layers": "per_step"})
+    assert per_step.engine_kwargs()["scan_layers"] == "per_step"
+    assert load_fsdp_config(per_step.to_dict()) == per_step
