@@ -36,11 +36,16 @@ MEASURED = {
     ("llama3-8b.json", "v6e-256", 4, 8192): (
         7207, 0.4546, "MaxText, measured (AI-Hypercomputer/tpu-recipes, Llama 3.1 8B on v6e-256)"),
 }
+# published MFU of a comparable job where its batch and model differ from ours: printed beside, not matched
+PUBLISHED_MFU = {
+    ("llama3-70b.json", "v5p-512"): (0.654, "MaxText's README: Llama 2 70B on v5p-512, 65.4% MFU (its batch and "
+                                            "sequence, and Llama 2, not this job's)"),
+}
 
 
-def command(config: str, batch: int, seq: int, attn: str, out: str) -> list:
+def command(config: str, batch: int, seq: int, attn: str, out: str, fsdp_config: str = FSDP_CONFIG) -> list:
     """run_clm as the docs run the Llama job (docs/performance.md, Llama 3 8B on v6e-256)."""
-    return [ac.RUN_CLM, "--config_name", config, "--fsdp", "full_shard", "--fsdp_config", FSDP_CONFIG,
+    return [ac.RUN_CLM, "--config_name", config, "--fsdp", "full_shard", "--fsdp_config", fsdp_config,
             "--per_device_train_batch_size", str(batch), "--block_size", str(seq), "--output_dir", out,
             "--do_train"] + (["--attn_implementation", attn] if attn else [])
 
@@ -61,15 +66,18 @@ def with_layers(config: str, layers: int, folder: str) -> str:
     return path
 
 
-def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, timeout: float) -> dict:
+def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, timeout: float,
+        fsdp_config: str = FSDP_CONFIG) -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = command(with_layers(config, layers, tmp), batch, seq, attn, os.path.join(tmp, "out"))
+        cmd = command(with_layers(config, layers, tmp), batch, seq, attn, os.path.join(tmp, "out"), fsdp_config)
         got = ac.check(tpu, cmd, runtime="auto", timeout=timeout)
     r = got["report"] or {}
     row = {"config": os.path.basename(config), "layers": layers, "batch_per_chip": batch, "seq": seq, "tpu": tpu,
            "attn": attn or "transformers' default", "fused_loss": False, "compiles": bool(r.get("compiles")),
            "fits": bool(r.get("fits")), "seconds": round(time.time() - started, 1),
+           "fsdp_config": os.path.basename(fsdp_config), "trace_s": r.get("trace_seconds"),
+           "compile_s": r.get("compile_seconds"),
            "libtpu_flags": r.get("libtpu_flags"), "error": ""}
     if r.get("compiles"):
         p, c = r["projection"], r["collectives"]
@@ -138,6 +146,9 @@ def render(rows: list, config: str) -> str:
     anchor = MEASURED.get((os.path.basename(config), r0["tpu"], r0["batch_per_chip"], r0["seq"]))
     if anchor:
         out.append(f"  {anchor[2]}: {anchor[0]:,} tokens/s/chip, MFU {100 * anchor[1]:.2f}%")
+    published = PUBLISHED_MFU.get((os.path.basename(config), r0["tpu"]))
+    if published:
+        out.append(f"  beside: {published[1]} ({100 * published[0]:.1f}%)")
     gen = spec.chip.generation
     out.append("every step time is a PROJECTION from the TPU-compiled program (libtpu 0.0.21, deviceless); "
                + (f"no {gen} step calibrates the model (its one calibration point is a v4 step)" if gen != "v4"
@@ -154,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2], help="decoder layers to compile, each a row")
     p.add_argument("--attn", default="pallas", help="run_clm --attn_implementation ('' for transformers' own)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds for one compile")
+    p.add_argument("--fsdp_config", default=FSDP_CONFIG,
+                   help="run_clm's --fsdp_config (default configs/fsdp/llama_xla_fsdp.json; e.g. "
+                        "configs/fsdp/llama_xla_fsdp_v2_scan.json for the GSPMD engine with scan_layers)")
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     return p
 
@@ -165,12 +179,14 @@ def main(argv=None) -> int:
     name = os.path.basename(opts.config)
     doc.setdefault("what", f"{name}, {opts.tpu}, {opts.batch} x {opts.seq} tokens per chip, attention "
                            f"{opts.attn or 'transformers default'}, run_clm single controller with "
-                           f"configs/fsdp/llama_xla_fsdp.json; libtpu 0.0.21 deviceless; projections uncalibrated; "
+                           f"configs/fsdp/{os.path.basename(opts.fsdp_config)}; libtpu 0.0.21 deviceless; "
+                           f"projections uncalibrated; "
                            f"written by bench/llama_tpu.py")
 
     def mine(r):
         return (r.get("config", "llama3-8b.json"), r["tpu"], r["batch_per_chip"], r["seq"], r["attn"],
-                r.get("fused_loss", False)) == (name, opts.tpu, opts.batch, opts.seq, attn, False)
+                r.get("fused_loss", False), r.get("fsdp_config", "llama_xla_fsdp.json")) == (
+                    name, opts.tpu, opts.batch, opts.seq, attn, False, os.path.basename(opts.fsdp_config))
 
     with open(opts.config) as f:
         depth = json.load(f)["num_hidden_layers"]
@@ -180,7 +196,7 @@ def main(argv=None) -> int:
     for layers in opts.layers:
         if any(mine(r) and r["layers"] == layers for r in doc["rows"]):
             continue
-        row = run(opts.config, opts.tpu, layers, opts.batch, opts.seq, opts.attn, opts.timeout)
+        row = run(opts.config, opts.tpu, layers, opts.batch, opts.seq, opts.attn, opts.timeout, opts.fsdp_config)
         doc["rows"].append(row)
         print(f"{layers} layers: {'compiles' if row['compiles'] else 'NO'} in {row['seconds']} s", flush=True)
         if opts.json:

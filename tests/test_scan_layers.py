@@ -60,6 +60,12 @@ def test_scan_with_recompute_matches_at_8_devices():
 
 
 @pytest.mark.slow
+def test_per_step_stacking_matches_at_4_devices():
+  """scan_layers="per_step": per-layer parameters stacked every step (for Adafactor)."""
+  check_parity(run_case(4, "parity", "--layers", "3", "--per-step"), 3)
+
+
+@pytest.mark.slow
 def test_scanned_llama_matches_at_4_devices():
   """LlamaModel loops over `self.layers[:n]` with rotary embeddings as arguments."""
   check_parity(run_case(4, "parity", "--layers", "3", "--model", "llama"), 3)

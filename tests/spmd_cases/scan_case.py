@@ -95,7 +95,7 @@ def parity(args) -> dict:
   batches = models.gpt2_batches(args.steps)
   build = llama if args.model == "llama" else gpt2
   plain = shard(build(args.layers), False, dtype, args.ckpt)
-  scanned = shard(build(args.layers), True, dtype, args.ckpt)
+  scanned = shard(build(args.layers), "per_step" if args.per_step else True, dtype, args.ckpt)
   hlo_plain = step_hlo(plain, batches[0])
   hlo_scan = step_hlo(scanned, batches[0])
   plain_losses = train(plain, batches)
@@ -248,6 +248,7 @@ def main() -> None:
   parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--ckpt", action="store_true")
+  parser.add_argument("--per-step", action="store_true", help='scan_layers="per_step"')
   args = parser.parse_args()
   if args.case == "both":  # one process for the default run: parity, then the misuse
     result = {"parity": parity(args), "errors": errors(args), "stored": stored(args)}

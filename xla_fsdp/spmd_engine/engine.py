@@ -37,7 +37,8 @@ from xla_fsdp.runtime.mesh import resolve_mesh
 from xla_fsdp.spmd_engine.activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms
 from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters
-from xla_fsdp.spmd_engine.scan import (ScanSettings, find_layer_lists,
+from xla_fsdp.spmd_engine.scan_find import find_layer_lists
+from xla_fsdp.spmd_engine.scan import (ScanSettings,
                                        install_scans)
 from xla_fsdp.spmd_engine.units import (ParamInitFn, Placed, WrapPolicy,
                                         find_units, materialize_unit,

@@ -61,11 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
                f"build the model deferred (automatic above {DEFERRED_INIT_PARAMS:.0e} parameters)")
     _bool_flag(model, "--gradient_checkpointing", "recompute activations in backward")
     _bool_flag(model, "--bf16", "bfloat16 autocast for forward/backward")
-    model.add_argument("--pad_vocab_multiple", type=int, default=128,
-                       help="pad the output layer's logits with -inf columns to a multiple of this (GPT-2's "
-                            "50257 -> 50304): the loss and gradients are exactly the model's, and libtpu "
-                            "compiles the step about 3x faster ([Note: padded vocabulary] in "
-                            "xla_fsdp/vocab_padding.py); 0 leaves the logits as they are")
     _bool_flag(model, "--fused_loss", "the training loss fused with the output projection, a chunk of tokens "
                "at a time: the [tokens, vocab] logits are never built ([Note: fused output loss] in "
                "xla_fsdp/loss/fused_cross_entropy.py). On the TPU programs compiled so far it was no better "
@@ -183,8 +178,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--fsdp_config {args.fsdp_config}: no such file")
     if args.logging_steps <= 0:
         parser.error(f"--logging_steps must be positive, got {args.logging_steps}")
-    if args.pad_vocab_multiple < 0:
-        parser.error(f"--pad_vocab_multiple must be 0 (off) or positive, got {args.pad_vocab_multiple}")
     if args.gradient_accumulation_steps < 1:
         parser.error(f"--gradient_accumulation_steps must be at least 1, got {args.gradient_accumulation_steps}")
     if args.save_steps <= 0:

@@ -133,9 +133,6 @@ def run(argv=None) -> dict:
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     model = build_model(config, deferred)
-    if args.pad_vocab_multiple and not args.fused_loss:
-        from xla_fsdp.vocab_padding import pad_vocabulary
-        pad_vocabulary(model, args.pad_vocab_multiple)  # [Note: padded vocabulary]: exact, compiles faster
     if args.fused_loss:
         from xla_fsdp.loss import use_fused_loss
         use_fused_loss(model)  # [Note: fused output loss]: the logits are never built whole
