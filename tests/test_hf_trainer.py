@@ -35,7 +35,8 @@ CLM = os.path.join(ROOT, "tests", "fixtures", "hf_clm_job.py")
 HOST_READS = os.path.join(ROOT, "tests", "fixtures", "hf_host_reads.py")
 SPAWN = os.path.join(ROOT, "launch", "xla_spawn.py")
 CONFIGS = {"v1": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json"), 1, []),
-           "v2": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_v2.json"), 4, ["--v2"])}
+           "v2": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_v2.json"), 4, ["--v2"]),
+           "v2_scan": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_v2_scan.json"), 4, ["--v2"])}
 
 
 def _job(out, flavour, *extra):
@@ -49,7 +50,9 @@ def _job(out, flavour, *extra):
 
 
 # v2 (the GSPMD engine, 4 devices) under `pytest -m slow`: keeps the default run short
-@pytest.mark.parametrize("flavour", ["v1", pytest.param("v2", marks=pytest.mark.slow)])
+# v2_scan: scan_layers' stored stacks through the Trainer (its AdamW, checkpoints, save_model)
+@pytest.mark.parametrize("flavour", ["v1", pytest.param("v2", marks=pytest.mark.slow),
+                                     pytest.param("v2_scan", marks=pytest.mark.slow)])
 def test_trainer_trains_resumes_and_saves_with_xla_fsdp(tmp_path, flavour):
     from transformers import GPT2LMHeadModel
 
