@@ -97,6 +97,7 @@ def test_stored_stacks_checkpoint_and_refuse_per_tensor_optimizers(at_4):
   layer, and an optimizer whose statistics span a tensor is refused unless "per_step"."""
   r = at_4["stored"]
   assert r["stored_shape"] == [64, 3, 192] and r["layer_has_param"] is False
+  assert r["decay_same"] is True  # transformers' weight-decay groups as without scan
   assert r["resumed"] == r["continued"]
   assert r["consolidated_diff"] == 0.0 and r["save_pretrained_diff"] == 0.0
   assert r["load_state_dict_diff"] == 0.0

@@ -204,6 +204,12 @@ def stored(args) -> dict:
   work = tempfile.mkdtemp()
   model = shard(gpt2(3), True, None, False)
   out["stored_shape"] = list(model.transformer.h_scan.attn.c_attn.weight.shape)
+  # the Trainer's weight-decay groups: the stored stacks sit in modules of the layers' types
+  from transformers import Trainer
+  decayed = Trainer.get_decay_parameter_names(None, model)
+  plain_decayed = Trainer.get_decay_parameter_names(None, gpt2(3))
+  out["decay_same"] = sorted(n.replace("h_scan.", "h.0.") for n in decayed if "h_scan." in n) == sorted(
+      n for n in plain_decayed if ".h.0." in n)
   out["layer_has_param"] = hasattr(model.transformer.h[0].attn.c_attn, "weight")
   opt = _sgd(model)
   _steps(model, opt, batches[:2])
