@@ -72,21 +72,10 @@ def step_hlo(model: nn.Module, batch) -> str:
 
 
 def train(model: nn.Module, batches) -> list:
-  device = torch_xla.device()
   # SGD with momentum: AdamW divides by sqrt(v), so the rounding noise of
   # GPT-2's key bias (its gradient is mathematically zero) would move it by
   # up to lr in either run, whatever the engine does.
-  opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-  losses = []
-  for batch in batches:
-    ids, labels = (t.to(device) for t in batch)
-    opt.zero_grad()
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    opt.step()
-    torch_xla.sync()
-    losses.append(loss.item())
-  return losses
+  return _steps(model, _sgd(model), batches)
 
 
 def parity(args) -> dict:
