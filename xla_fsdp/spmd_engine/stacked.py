@@ -4,13 +4,14 @@
 Stacking the layers' parameters for every step (`torch.stack` of each layer's
 shard, the gradients sliced back) leaves an O(depth) part in the step's
 program: one copy per layer and parameter, and the optimizer's update once
-per layer and parameter. With libtpu that part is most of the compile: the
+per layer and parameter. It was most of the program: the
 2B GPT-2 on v4-8, scanned that way, held 1142 of its 1325 fusions outside the
 loops, and its HLO passes took 10 s of a 122 s compile (the rest is code
 generation); stored once, the program held 262 fusions and compiled in 93 s
 (what remains scales with the shapes: docs/scan.md). So `scan_layers` stores
-each parameter of a scanned list once: the model holds `<list>_scan.<name in the layer>` (e.g.
-`transformer.h_scan.attn.c_attn.weight`), the layers hold none, and the
+each parameter of a scanned list once: the model holds
+`<list>_scan.<name in the layer>` (e.g. `transformer.h_scan.attn.c_attn.weight`),
+the layers hold none, and the
 optimizer updates one tensor per name whatever the depth.
 
 Layout: a layer's parameter of shape (d0, *rest) is stored as (d0, L, *rest),
