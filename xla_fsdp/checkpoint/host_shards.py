@@ -103,10 +103,8 @@ def pieces_to_write(name: str, tensor: torch.Tensor, rows: int, view: HostView) 
             return []
         whole = lambda: tensor.detach().cpu().reshape(-1)[:1] if tensor.dim() == 0 else tensor.detach().cpu()[:rows]
         return [(0, max(rows, 1) if tensor.dim() == 0 else rows, whole)]
-    import torch_xla
-
     # which rows each device holds, from the sharding alone: nothing moves yet
-    where = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
+    where = _shard_indices(tensor)
     spans = [_dim0(name, index) for _, index in where]
     shard_rows = max(tensor.shape[0] if stop < 0 else stop - start for start, stop in spans)
     replicas = copies(tensor)
@@ -160,13 +158,26 @@ class _Moved:
         return out
 
 
+def _shard_indices(tensor: torch.Tensor):
+    """torch_xla's (replica, indices) per local shard of `tensor`. It reads the tensor's device
+    data, which a step still in flight (torch_xla.sync() returns before the device finishes)
+    has not produced yet: "Trying to access XLA data ... while an async operation is in
+    flight" (seen once in three fresh-clone suite runs). Waiting for the device first is cheap
+    when it is idle."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()
+    return torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
+
+
 def device_rows(like: torch.Tensor) -> List[Tuple[int, int, int]]:
     """For each device the process drives (runtime order): ([start, stop) of dim 0 of `like`'s
     global shape it holds, its padded shard rows), from `like`'s sharding."""
     import torch_xla
     import torch_xla.runtime as xr
 
-    where = torch_xla._XLAC._get_local_shard_replica_and_indices([like])[0]
+    where = _shard_indices(like)
     spec = torch_xla._XLAC._get_xla_sharding_spec(like)
     m = re.search(r"devices=\[([0-9,]+)\]", spec)
     tiles0 = int(m.group(1).split(",")[0]) if m else 1
