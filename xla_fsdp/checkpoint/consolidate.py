@@ -21,6 +21,7 @@ from typing import List, Optional
 import torch
 
 from . import format as fmt
+from ..runtime import stored_keys
 from . import storage
 from .format import CheckpointError
 
@@ -60,8 +61,7 @@ def consolidate(checkpoint: str, out_dir: str) -> str:
                 if name not in last:
                     last.clear()
                     last[name] = produce()
-                whole = last[name]
-                return (whole.select(1, i) if whole.dim() > 1 else whole[i]).contiguous()
+                return stored_keys.layer_slice(last[name], i).contiguous()
 
             entries.append((key, dtype, layer_shape, layer))
     for name, b in meta.get("buffers", {}).items():

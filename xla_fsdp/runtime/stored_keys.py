@@ -41,6 +41,12 @@ def layer_slice(stored: torch.Tensor, index: int) -> torch.Tensor:
   return stored.select(1, index) if stored.dim() > 1 else stored[index]
 
 
+def stack_layers(tensors) -> torch.Tensor:
+  """Layers' tensors -> their stored stack (the inverse of `layer_slice`)."""
+  tensors = list(tensors)
+  return torch.stack(tensors, dim=1 if tensors[0].dim() > 0 else 0)
+
+
 def split(records, state: Dict[str, torch.Tensor], prefix: str) -> None:
   """Rewrites `state` (keys under `prefix`, the owner's) in place: each stored stack of `records`
   (spmd_engine.stacked.StackRecord) becomes its layers' keys, placed where the layers' own keys

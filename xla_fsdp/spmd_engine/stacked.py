@@ -99,10 +99,6 @@ def stacked_view(stored: torch.Tensor) -> torch.Tensor:
   return stored.movedim(1, 0) if stored.dim() > 1 else stored
 
 
-def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-  return torch.stack(list(tensors), dim=1 if tensors[0].dim() > 0 else 0)
-
-
 def _locate(root: nn.Module, dotted: str):
   owner_name, _, local = dotted.rpartition(".")
   return (root.get_submodule(owner_name) if owner_name else root), local
@@ -122,7 +118,7 @@ def store_stacked(owner: nn.Module, attr: str, layers: Sequence[nn.Module], cont
   for name in names:
     per_layer = [layer.get_parameter(name) for layer in layers]
     with torch.no_grad():
-      stored = _stack([p.detach() for p in per_layer])
+      stored = stored_keys.stack_layers([p.detach() for p in per_layer])
     if stored.dim() > 1:
       xs.mark_sharding(stored, mesh, (FSDP_AXIS,) + (None,) * (stored.dim() - 1))
     param = nn.Parameter(stored, requires_grad=per_layer[0].requires_grad)
@@ -161,7 +157,7 @@ def _stack_on_load(owner: nn.Module, state, prefix, _meta, _strict, _missing, _u
       keys = [f"{prefix}{record.attr}.{i}.{name}" for i in range(record.layers)]
       present = [k for k in keys if k in state]
       if len(present) == len(keys):
-        state[f"{prefix}{record.store}.{name}"] = _stack([state.pop(k) for k in keys])
+        state[f"{prefix}{record.store}.{name}"] = stored_keys.stack_layers([state.pop(k) for k in keys])
       elif present:
         errors.append(f"scan_layers: the state dict has {len(present)} of the {record.layers} layers' "
                       f"{prefix}{record.attr}.<i>.{name} (missing {sorted(set(keys) - set(present))[:3]}); "
