@@ -4,6 +4,7 @@ set by tests/test_scan_layers.py); prints `RESULT <json>`.
   scan_case.py parity --layers L [--model gpt2|llama] [--dtype bf16] [--ckpt] [--steps N]
   scan_case.py errors
   scan_case.py stored     (the stored stacks: checkpoints, save_pretrained, optimizers)
+  scan_case.py random     (dropout inside the loop: per layer, per step, same in the backward)
   scan_case.py both ...   (parity, errors, then stored, in one process)
 """
 
@@ -235,9 +236,97 @@ def stored(args) -> dict:
   return out
 
 
+class NoiseLayer(nn.Module):
+  """h + dropout(1) * w: the output encodes every layer's keep mask (w_l = 4**l)."""
+
+  def __init__(self, width: int, scale: float, draw: str = "dropout"):
+    super().__init__()
+    self.w = nn.Parameter(torch.full((width,), scale))
+    self.lin = nn.Linear(width, width)  # a matmul, so the layer is an ordinary FSDP unit
+    self.draw = draw
+
+  def forward(self, h):
+    ones = torch.ones_like(h)
+    noise = torch.rand_like(h) if self.draw == "rand" else nn.functional.dropout(ones, 0.5, self.training)
+    return h + noise * self.w + 0.0 * self.lin(h)
+
+
+class NoiseStack(nn.Module):
+  def __init__(self, layers: int, width: int, draw: str = "dropout"):
+    super().__init__()
+    self.layers = nn.ModuleList([NoiseLayer(width, 4.0 ** i, draw) for i in range(layers)])
+
+  def forward(self, h):
+    for layer in self.layers:
+      h = layer(h)
+    return h
+
+
+def _noise_masks(ckpt: bool, layers: int = 4, width: int = 16, batch: int = 32) -> dict:
+  """Two training calls of a scanned NoiseStack: each layer's mask decoded from the output
+  (base-4 digits of y/2) against the gradient of its w, which the backward computes from
+  the masks it saw (recomputed there when ckpt)."""
+  import functools
+  from xla_fsdp.wrap import transformer_auto_wrap_policy
+
+  torch.manual_seed(0)
+  model = xla_fsdp.XlaFullyShardedDataParallel(
+      NoiseStack(layers, width), engine="spmd", activation_checkpointing=ckpt, scan_layers=True,
+      auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={NoiseLayer}))
+  model.train()
+  calls = []
+  for _ in range(2):
+    y = model(torch.zeros(batch, width, device=torch_xla.device()))
+    y.sum().backward()
+    torch_xla.sync()
+    digits = (y.detach().cpu() / 2).round().long()
+    masks = torch.stack([(digits // 4 ** l) % 2 for l in range(layers)])  # (L, batch, width)
+    grad = model.layers_scan.w.grad.cpu()  # stored (width, L)
+    model.zero_grad(set_to_none=True)
+    expected = 2.0 * masks.sum(1).T.float()  # d sum(y) / d w_l[j] = sum_b 2 m_l[b, j]
+    calls.append({"masks": masks, "grad_diff": float((grad - expected).abs().max())})
+  first = calls[0]["masks"].float()
+  return {
+      "grad_diff": max(c["grad_diff"] for c in calls),
+      "keep_fraction": float(first.mean()),
+      "layers_agree": max(float((first[l] == first[0]).float().mean()) for l in range(1, layers)),
+      "steps_agree": float((calls[0]["masks"] == calls[1]["masks"]).float().mean()),
+  }
+
+
+def random(args) -> dict:
+  """[Note: dropout under scan]."""
+  out = {"masks": _noise_masks(False), "masks_recompute": _noise_masks(True)}
+  import functools
+  from xla_fsdp.wrap import transformer_auto_wrap_policy
+  model = xla_fsdp.XlaFullyShardedDataParallel(
+      NoiseStack(2, 16, draw="rand"), engine="spmd", scan_layers=True,
+      auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={NoiseLayer}))
+  out["rand_refused"] = caught(lambda: model(torch.zeros(8, 16, device=torch_xla.device())))
+  # attention dropout goes through the written-out attention: with p 1e-9 it keeps every
+  # weight, so the scanned GPT-2 trains as the unscanned one without dropout
+  batches = models.gpt2_batches(3)
+  plain = shard(gpt2(3), False, None, False)
+  keyed = gpt2(3)
+  keyed.config.attn_pdrop = 1e-9
+  for block in keyed.transformer.h:
+    block.attn.attn_dropout.p = 1e-9
+  keyed = shard(keyed, True, None, False)
+  out["attention_plain"] = train(plain, batches)
+  out["attention_keyed"] = train(keyed, batches)
+  # GPT-2's own dropouts at 0.1 under scan train (and differ from no dropout)
+  dropped = gpt2(3)
+  for m in dropped.modules():
+    if isinstance(m, nn.Dropout):
+      m.p = 0.1
+  dropped.config.attn_pdrop = 0.1
+  out["dropout_losses"] = train(shard(dropped, True, None, True), batches)
+  return out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("case", choices=["parity", "errors", "stored", "both"])
+  parser.add_argument("case", choices=["parity", "errors", "stored", "random", "both"])
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
   parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -246,9 +335,10 @@ def main() -> None:
   parser.add_argument("--per-step", action="store_true", help='scan_layers="per_step"')
   args = parser.parse_args()
   if args.case == "both":  # one process for the default run: parity, then the misuse
-    result = {"parity": parity(args), "errors": errors(args), "stored": stored(args)}
+    result = {"parity": parity(args), "errors": errors(args), "stored": stored(args),
+              "random": random(args)}
   else:
-    result = {"parity": parity, "errors": errors, "stored": stored}[args.case](args)
+    result = {"parity": parity, "errors": errors, "stored": stored, "random": random}[args.case](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 

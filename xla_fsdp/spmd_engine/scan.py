@@ -206,6 +206,7 @@ class _ScanRun:
     from functorch.compile import default_partition
 
     from xla_fsdp.spmd_engine.scan_glue import recompute_partition, use_shard_like
+    from xla_fsdp.spmd_engine.scan_random import KeyedRandom, layer_keys
 
     use_shard_like()
     settings = self.owner._scan_settings
@@ -243,14 +244,18 @@ class _ScanRun:
     repeated = [others[i].unsqueeze(0).expand(layers, *others[i].shape) for i in where]
     shape_out: List[Any] = []
 
+    # one key per layer for its dropout masks ([Note: dropout under scan])
+    keys = layer_keys(layers, args[0].device)
+
     def one_layer(hidden: torch.Tensor, x):
-      tensors, extra = x
+      tensors, extra, key = x
       leaves = list(others)
       for i, t in zip(where, extra):
         leaves[i] = t
       rest, named = tree_unflatten(leaves, tree)
-      out = torch.func.functional_call(
-          template, tensors, (hidden,) + tuple(rest), named, strict=True)
+      with KeyedRandom(key, self.owner._scan_where):
+        out = torch.func.functional_call(
+            template, tensors, (hidden,) + tuple(rest), named, strict=True)
       if not shape_out:
         shape_out.append(out)
       return self._hidden(out), None
@@ -258,7 +263,7 @@ class _ScanRun:
     hidden = settings.annotate(args[0])
     recompute = settings.recompute or (self.owner.training and hf_checkpointed(self.layers[0]))
     partition = recompute_partition if recompute else default_partition
-    final, _ = scan(one_layer, hidden, (stacked, repeated), partition_fn=partition)
+    final, _ = scan(one_layer, hidden, (stacked, repeated, keys), partition_fn=partition)
     final = settings.annotate(final)
     traced = shape_out[0]
     if isinstance(traced, torch.Tensor):
