@@ -218,6 +218,22 @@ def test_single_controller_runtime_set_up_too_late_names_the_fix():
     assert "before any model or tensor is moved to the XLA device" in proc.stderr, proc.stderr
 
 
+def test_xla_fsdp_v2_trainer_trains_with_default_pin_memory():
+    """TrainingArguments' default dataloader_pin_memory=True under the SPMD runtime: torch's
+    pin_memory fails in the loader's thread and the Trainer ended at step 0 ("not a single
+    sample"); enable() turns it off."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", PYTHONPATH=ROOT)
+    env.pop("XLA_USE_SPMD", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fixtures", "hf_trainer_spmd_step.py")],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["global_step"] == 1 and r["pin_memory"] is False, r
+    assert 0 < r["train_loss"] < 10, r
+    assert "dataloader_pin_memory set to False" in proc.stderr
+
+
 def test_fused_adamw_becomes_unfused_on_xla_only(caplog):
     from types import SimpleNamespace
 

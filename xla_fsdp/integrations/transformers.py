@@ -22,7 +22,9 @@ narrowest point that serves (transformers 5.23; other versions are refused):
   shard gradients before the optimizer step on XLA.
 - `Trainer.__init__`: refuses a URL `output_dir` (gs://...) by name before
   transformers makes a local folder of it (`./gs:/...`): the Trainer writes
-  with os and shutil, so a bucket needs a mount (gcsfuse).
+  with os and shutil, so a bucket needs a mount (gcsfuse); and turns
+  `dataloader_pin_memory` off under the SPMD runtime, where torch's
+  pin_memory fails and the Trainer would end at step 0.
 - `Trainer._load_optimizer_and_scheduler`: refuses per-rank optimizer files
   of another world size, which transformers skips without a word (use
   `xla_fsdp.checkpoint` to reshard).
@@ -209,6 +211,19 @@ def _trainer_init(self, *args, **kwargs):
                              "shutil, which would make a local folder of that name. Give a local path (a gcsfuse "
                              "mount of the bucket works), or train with launch/run_clm.py, which writes URLs")
     _originals["__init__"](self, *args, **kwargs)
+    _no_pinned_memory_under_spmd(self.args)
+
+
+def _no_pinned_memory_under_spmd(args) -> None:
+    """Under the SPMD runtime torch's `pin_memory` asks for a PrivateUse1 hooks interface that
+    torch_xla 2.9 does not register: the data loader's thread raises, and the Trainer ends at
+    step 0 saying the epoch had no sample. Pinned host memory buys XLA's transfers nothing."""
+    import torch_xla.runtime as xr
+
+    if getattr(args, "dataloader_pin_memory", False) and xr.is_spmd():
+        args.dataloader_pin_memory = False
+        runtime.logger.warning("xla_fsdp: dataloader_pin_memory set to False: under the SPMD runtime torch's "
+                               "pin_memory fails in torch_xla 2.9 (the data loader would hand out no batch)")
 
 
 def disable() -> None:
