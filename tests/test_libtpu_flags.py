@@ -159,3 +159,48 @@ def test_each_flag_changes_the_program(traced_step, flag):
     every = _program(_compile(traced_step, dict(lf.ASYNC_COLLECTIVES)))
     without = _program(_compile(traced_step, {k: v for k, v in lf.ASYNC_COLLECTIVES.items() if k != flag}))
     assert without != every, f"dropping --{flag} leaves the optimized program unchanged: it does nothing here"
+
+
+# A dropout's random bits under the SPMD partitioner: tiled over the 4 chips of a v4-8, and tiled
+# over 2 with each tile on 2 chips (partially replicated)
+_RANDOM_BITS = """HloModule random_bits, entry_computation_layout={{(u64[2]{{0}})->u32[64,128]{{1,0}}}}
+
+ENTRY e {{
+  s = u64[2]{{0}} parameter(0), sharding={{replicated}}
+  r = (u64[2]{{0}}, u32[64,128]{{1,0}}) rng-bit-generator(s), algorithm=rng_default, sharding={{{{replicated}}, {sharding}}}
+  ROOT o = u32[64,128]{{1,0}} get-tuple-element(r), index=1, sharding={sharding}
+}}
+"""
+
+
+def _random_bits_program(sharding: str, flags: str) -> str:
+    from xla_fsdp.aot.cli import _load_compiler
+    from xla_fsdp.tpu import compile_options as co
+    from xla_fsdp.tpu import topology
+
+    spec = topology.parse_accelerator_type("v4-8")
+    compiler = _load_compiler()
+    with compiler.topology(spec.topology_name, spec.options) as top:
+        out = compiler.compile(top, co.hlo_text_to_proto(_RANDOM_BITS.format(sharding=sharding)),
+                               co.spmd_options(top.device_ids, co.parse_libtpu_init_args(flags)))
+    return out.optimized_hlo
+
+
+@needs_libtpu
+def test_random_bits_are_drawn_per_chip_and_equal_on_replicas():
+    """[Note: random bits per chip] in xla_fsdp/tpu/libtpu_flags.py."""
+    import re
+
+    def generated(program):  # the shape each chip draws, and the per-tile offsets of the state
+        shape = re.search(r"= (u32\[[0-9,]+\])\S* rng-bit-generator\(", program).group(1)
+        table = re.search(r"u32\[4\]\S* constant\(\{([0-9, ]+)\}\)", program)
+        return shape, [int(v) for v in table.group(1).split(",")] if table else None
+
+    tiled, halves = "{devices=[4,1]<=[4]}", "{devices=[2,1,2]<=[4] last_tile_dim_replicate}"
+    assert generated(_random_bits_program(tiled, ""))[0] == "u32[64,128]"  # libtpu's default: the whole
+    for flags in (lf.SINGLE_CONTROLLER_INIT_ARGS, lf.DEFAULT_INIT_ARGS):
+        shape, offsets = generated(_random_bits_program(tiled, flags))
+        assert shape == "u32[16,128]" and len(set(offsets)) == 4, (shape, offsets)  # its own bits per chip
+        shape, offsets = generated(_random_bits_program(halves, flags))
+        assert shape == "u32[32,128]", shape
+        assert offsets[0] == offsets[1] and offsets[2] == offsets[3] and offsets[0] != offsets[2], offsets

@@ -50,6 +50,10 @@ class BatchSharding:
   def spec(self, tensor: torch.Tensor):
     return batch_spec(tensor, self.mesh, self.axes)
 
+  def batch_entry(self, tensor: torch.Tensor):
+    """The mesh axes `tensor`'s dim 0 is split over when it is a batch, else None."""
+    return self.spec(tensor)[0] if self._applies(tensor) else None
+
   def _applies(self, tensor: Any) -> bool:
     return (isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and
             self.batch_size is not None and tensor.shape[0] == self.batch_size)

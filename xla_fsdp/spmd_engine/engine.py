@@ -148,7 +148,7 @@ def apply_spmd_fsdp(
   if found:
     install_scans(module, found, ScanSettings(mesh, compute_dtype, batch.annotate,
                                               recompute=activation_checkpointing,
-                                              stored=stored))
+                                              stored=stored, batch_entry=batch.batch_entry))
   _applied.add(module)
   return module
 

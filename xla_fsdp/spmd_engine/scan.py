@@ -52,8 +52,10 @@ class ScanSettings:
   """What every scanned ModuleList of one model shares."""
 
   def __init__(self, mesh: xs.Mesh, compute_dtype: Optional[torch.dtype],
-               annotate: ScanAnnotate, recompute: bool, stored: bool = True):
+               annotate: ScanAnnotate, recompute: bool, stored: bool = True,
+               batch_entry: Optional[Callable[[torch.Tensor], Any]] = None):
     self.mesh = mesh
+    self.batch_entry = batch_entry  # the mesh axes of a batch tensor's dim 0, else None
     self.compute_dtype = compute_dtype
     self.annotate = annotate
     self.recompute = recompute
@@ -244,8 +246,11 @@ class _ScanRun:
     repeated = [others[i].unsqueeze(0).expand(layers, *others[i].shape) for i in where]
     shape_out: List[Any] = []
 
-    # one key per layer for its dropout masks ([Note: dropout under scan])
-    keys = layer_keys(layers, args[0].device)
+    # one key per layer and sequence for the dropout masks ([Note: dropout under scan])
+    keys = layer_keys(layers, args[0])
+    entry = settings.batch_entry(args[0]) if settings.batch_entry is not None else None
+    if entry is not None:
+      xs.mark_sharding(keys, settings.mesh, (None, entry))
 
     def one_layer(hidden: torch.Tensor, x):
       tensors, extra, key = x

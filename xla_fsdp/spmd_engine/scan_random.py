@@ -1,4 +1,4 @@
-"""Random numbers inside a scanned layer: dropout drawn from a per-layer key.
+"""Random numbers inside a scanned layer: dropout drawn from per-layer, per-sequence keys.
 
 [Note: dropout under scan]
 A scanned loop runs one traced layer for every layer, so whatever random
@@ -8,14 +8,15 @@ recomputes the layer must draw the same ones the forward did. torch_xla 2.9's
 the SPMD engine its seed detection does not fire: measured on XLA:CPU, every
 layer of a scanned model applied the same dropout mask (a 4-layer stack of
 `h + dropout(1)` gave only 0 or 8, never 2, 4 or 6), and the backward scan
-would draw fresh seeds for a recomputed layer in any case. The libtpu program
-also drew the residual dropout's bits at the global batch's shape inside the
-loop (two 9 GiB `rng-bit-generator` buffers on the 64B GPT-2 for v4-256).
+would draw fresh seeds for a recomputed layer in any case. (Random bits drawn
+by XLA's generator are also drawn at the global batch's shape on every chip
+unless libtpu is told otherwise: [Note: random bits per chip].)
 
-So the loop carries one int32 key per layer, drawn from torch's RNG each call
-(so each step differs), and while the body is traced a function mode replaces
-dropout with a counter-based one: every element's keep bit is a hash of
-(key, which dropout call in the layer, its index on each dim). The mask is a
+So the loop carries one int32 key per layer and sequence, drawn from torch's
+RNG each call (so each step differs) and split over the devices as the batch
+is, and while the body is traced a function mode replaces dropout with a
+counter-based one: every element's keep bit is a hash of (its sequence's
+key, which dropout call in the layer, its index on each other dim). The mask is a
 pure function of the key, so a recomputed backward rebuilds it exactly, and
 it is element-wise over iotas, so the partitioner shards it like the
 activation it multiplies. Dropout inside `scaled_dot_product_attention` is
@@ -27,7 +28,7 @@ reason instead of repeating across layers.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -64,15 +65,28 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def uniform_from_key(key: torch.Tensor, salt: int, like: torch.Tensor) -> torch.Tensor:
   """Floats in [0, 1) shaped like `like`, a pure function of (key, salt, element index).
 
-  The index enters one dim at a time as a broadcast iota, so no int32 index
-  overflows however large the tensor, and nothing is drawn at a fixed shape.
+  `key` holds one int32 per sequence of the batch; when `like`'s dim 0 is the
+  batch, each sequence starts from its own key and the index enters from dim
+  1 on. The keys are split over the devices as the batch is, so nothing
+  about the batch is replicated (an iota over the batch dim was: on the 64B
+  GPT-2 for v4-256 the partitioner replicated it with two small all-reduces
+  per trip). Any
+  other shape hashes every dim's index from the first sequence's key. One
+  dim at a time, so no int32 index overflows however large the tensor.
   """
-  bits = _mix(key.to(torch.int32).reshape(()) ^ _i32(salt * 0x27D4EB2F + 0x165667B1))
-  for dim, size in enumerate(like.shape):
-    index = torch.arange(size, dtype=torch.int32, device=like.device)
+  salted = key.to(torch.int32) ^ _i32(salt * 0x27D4EB2F + 0x165667B1)
+  if like.dim() >= 1 and like.shape[0] == key.shape[0]:
+    bits = _mix(salted.view([-1] + [1] * (like.dim() - 1)))
+    first = 1
+  else:
+    bits = _mix(salted[0])
+    first = 0
+  for dim in range(first, like.dim()):
+    size = like.shape[dim]
     view = [1] * like.dim()
     view[dim] = size
-    bits = _mix(bits + index.view(view) * _GOLDEN + dim)
+    index = torch.arange(size, dtype=torch.int32, device=like.device).view(view)
+    bits = _mix(bits + index * _GOLDEN + dim)
   top24 = _shift_right(bits, 8)
   return top24.to(torch.float32) * (1.0 / (1 << 24))
 
@@ -191,7 +205,7 @@ def _inactive(func, args, kwargs) -> bool:
   return False
 
 
-def layer_keys(layers: int, device: Any, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-  """One int32 key per layer for this call, from torch's RNG on the device (each step differs)."""
-  return torch.randint(0, (1 << 31) - 1, (layers,), dtype=torch.int32, device=device,
-                       generator=generator)
+def layer_keys(layers: int, hidden: torch.Tensor) -> torch.Tensor:
+  """(layers, sequences) int32 keys for this call, from torch's RNG on the device (each step differs)."""
+  return torch.randint(0, (1 << 31) - 1, (layers, hidden.shape[0] if hidden.dim() else 1),
+                       dtype=torch.int32, device=hidden.device)

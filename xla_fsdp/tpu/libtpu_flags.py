@@ -1,4 +1,5 @@
-"""The libtpu flags xla_fsdp sets on a TPU: asynchronous all-gathers, within a memory budget.
+"""The libtpu flags xla_fsdp sets on a TPU: asynchronous all-gathers, within a memory budget, and
+random bits drawn per chip.
 
 libtpu 0.0.21 keeps every collective of our step synchronous on v4 unless
 told otherwise (v5e already overlaps unpinned ones by default). Pinned
@@ -33,6 +34,9 @@ Each flag was checked with libtpu's compiler (tests/test_libtpu_flags.py):
   without it; with it 49 of 98 all-gathers asynchronous beside matmuls (as
   on v4-32, where the gathers stay gathers without it). It changes nothing
   on v4-8 or v5e.
+- `xla_tpu_spmd_rng_bit_generator_unsafe`: without it the SPMD partitioner
+  draws every random-bit generator at its global shape on every chip and
+  slices its part ([Note: random bits per chip]).
 Flags measured to change nothing in our programs are not set
 (`xla_tpu_enable_async_collective_fusion`, `..._multiple_steps`,
 `xla_tpu_overlap_compute_collective_tc`, `xla_enable_async_all_reduce`:
@@ -71,6 +75,20 @@ ASYNC_COLLECTIVES: Mapping[str, str] = {
 SINGLE_CONTROLLER_COLLECTIVES: Mapping[str, str] = dict(
     ASYNC_COLLECTIVES, xla_tpu_scheduler_percent_shared_memory_limit="50")
 
+# [Note: random bits per chip]
+# libtpu's SPMD partitioner replicates a random-bit generator (dropout's `bernoulli`) whatever
+# its output's sharding: every chip draws the bits of the whole global batch and keeps its
+# slice. On the 64B GPT-2 for v4-256 (8 x 1024 per chip, 128 chips) the embedding dropout drew
+# two u8[1024, 1024, 9216] buffers, 9 GiB each, on every chip, and the scanned step lost all its
+# asynchronous all-gathers (async share of collective bytes 0.00 against 0.52). With this flag
+# each chip draws only its tile's bits (u8[8, 1024, 9216] there), from the generator's state
+# offset by a per-tile constant: chips holding the same tile (a partially replicated sharding)
+# draw the same bits, so replicas stay equal (tests/test_libtpu_flags.py compiles both cases).
+# "Unsafe" in libtpu's name: the bits differ from the unpartitioned program's, and with the
+# sharding; dropout and on-device random initialization need random bits, not those ones.
+# A flag of the partitioner: it changes nothing for one process per chip.
+PARTITIONED_RANDOM_BITS: Mapping[str, str] = {"xla_tpu_spmd_rng_bit_generator_unsafe": "true"}
+
 MARK = "XLA_FSDP_LIBTPU_INIT_ARGS"  # what xla_fsdp itself put in LIBTPU_INIT_ARGS
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 CHIPS_ENV = "XLA_FSDP_SLICE_CHIPS"  # chips of the whole slice, when the launcher knows them
@@ -87,8 +105,8 @@ def init_args(flags: Mapping[str, str] = ASYNC_COLLECTIVES) -> str:
     return " ".join(f"--{k}={v}" for k, v in flags.items())
 
 
-DEFAULT_INIT_ARGS = init_args()  # one process per chip, and a runtime not yet known
-SINGLE_CONTROLLER_INIT_ARGS = init_args(SINGLE_CONTROLLER_COLLECTIVES)
+DEFAULT_INIT_ARGS = init_args({**ASYNC_COLLECTIVES, **PARTITIONED_RANDOM_BITS})  # one process per chip, and a runtime not yet known
+SINGLE_CONTROLLER_INIT_ARGS = init_args({**SINGLE_CONTROLLER_COLLECTIVES, **PARTITIONED_RANDOM_BITS})
 
 
 def rings_enabled(environ: Mapping[str, str] = os.environ) -> bool:
