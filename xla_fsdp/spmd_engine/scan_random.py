@@ -122,25 +122,25 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
   return drop(weights, dropout_p) @ value
 
 
-def _refused_random() -> Dict[Any, str]:
-  return {
-      torch.rand: "torch.rand", torch.rand_like: "torch.rand_like",
-      torch.randn: "torch.randn", torch.randn_like: "torch.randn_like",
-      torch.randint: "torch.randint", torch.randint_like: "torch.randint_like",
-      torch.randperm: "torch.randperm", torch.bernoulli: "torch.bernoulli",
-      torch.normal: "torch.normal", torch.multinomial: "torch.multinomial",
-      torch.poisson: "torch.poisson", torch.rrelu: "torch.rrelu", F.rrelu: "F.rrelu",
-      torch.Tensor.bernoulli: "Tensor.bernoulli", torch.Tensor.bernoulli_: "Tensor.bernoulli_",
-      torch.Tensor.uniform_: "Tensor.uniform_", torch.Tensor.normal_: "Tensor.normal_",
-      torch.Tensor.random_: "Tensor.random_", torch.Tensor.exponential_: "Tensor.exponential_",
-      torch.Tensor.geometric_: "Tensor.geometric_", torch.Tensor.cauchy_: "Tensor.cauchy_",
-      torch.Tensor.log_normal_: "Tensor.log_normal_", torch.Tensor.multinomial: "Tensor.multinomial",
-      F.alpha_dropout: "F.alpha_dropout", F.feature_alpha_dropout: "F.feature_alpha_dropout",
-      F.dropout1d: "F.dropout1d", F.dropout2d: "F.dropout2d", F.dropout3d: "F.dropout3d",
-      F.gumbel_softmax: "F.gumbel_softmax", torch.native_dropout: "torch.native_dropout",
-      torch.alpha_dropout: "torch.alpha_dropout", torch.feature_dropout: "torch.feature_dropout",
-      torch.feature_alpha_dropout: "torch.feature_alpha_dropout",
-  }
+# random functions a scanned layer may not call (each would repeat across layers), with their names
+_REFUSED: Dict[Any, str] = {
+    torch.rand: "torch.rand", torch.rand_like: "torch.rand_like",
+    torch.randn: "torch.randn", torch.randn_like: "torch.randn_like",
+    torch.randint: "torch.randint", torch.randint_like: "torch.randint_like",
+    torch.randperm: "torch.randperm", torch.bernoulli: "torch.bernoulli",
+    torch.normal: "torch.normal", torch.multinomial: "torch.multinomial",
+    torch.poisson: "torch.poisson", torch.rrelu: "torch.rrelu", F.rrelu: "F.rrelu",
+    torch.Tensor.bernoulli: "Tensor.bernoulli", torch.Tensor.bernoulli_: "Tensor.bernoulli_",
+    torch.Tensor.uniform_: "Tensor.uniform_", torch.Tensor.normal_: "Tensor.normal_",
+    torch.Tensor.random_: "Tensor.random_", torch.Tensor.exponential_: "Tensor.exponential_",
+    torch.Tensor.geometric_: "Tensor.geometric_", torch.Tensor.cauchy_: "Tensor.cauchy_",
+    torch.Tensor.log_normal_: "Tensor.log_normal_", torch.Tensor.multinomial: "Tensor.multinomial",
+    F.alpha_dropout: "F.alpha_dropout", F.feature_alpha_dropout: "F.feature_alpha_dropout",
+    F.dropout1d: "F.dropout1d", F.dropout2d: "F.dropout2d", F.dropout3d: "F.dropout3d",
+    F.gumbel_softmax: "F.gumbel_softmax", torch.native_dropout: "torch.native_dropout",
+    torch.alpha_dropout: "torch.alpha_dropout", torch.feature_dropout: "torch.feature_dropout",
+    torch.feature_alpha_dropout: "torch.feature_alpha_dropout",
+}
 
 
 class KeyedRandom(TorchFunctionMode):
@@ -151,7 +151,6 @@ class KeyedRandom(TorchFunctionMode):
     self._key = key
     self._where = where
     self._calls = 0
-    self._refused = _refused_random()
 
   def _drop(self, x: torch.Tensor, p: float) -> torch.Tensor:
     salt = self._calls
@@ -167,9 +166,9 @@ class KeyedRandom(TorchFunctionMode):
       if p and p > 0:
         return _attention(*args, **kwargs, drop=self._drop)
       return func(*args, **kwargs)
-    if func in self._refused and not _inactive(func, args, kwargs):
+    if func in _REFUSED and not _inactive(func, args, kwargs):
       raise RuntimeError(
-          f"scan_layers: a layer of {self._where} calls {self._refused[func]} while it is "
+          f"scan_layers: a layer of {self._where} calls {_REFUSED[func]} while it is "
           "traced for the scanned loop; every layer would draw the same numbers. Dropout "
           "(F.dropout, nn.Dropout, attention dropout) is supported; draw other random "
           "numbers outside the layers, or turn scan_layers off for this model.")
