@@ -36,7 +36,8 @@ REMAT = "involuntary full rematerialization"
 SCENARIOS = {
     "mlp4": (4, ["train", "--model", "mlp", "--gather-params"]),
     "mlp8_meta": (8, ["train", "--model", "mlp", "--meta-init"]),
-    "gpt2_8": (8, ["train", "--model", "gpt2"]),
+    # 120 tokens over 8 chips: the tied embedding is stored padded to 128 rows
+    "gpt2_8": (8, ["train", "--model", "gpt2", "--vocab", "120"]),
     "gpt2_4_bf16": (4, ["train", "--model", "gpt2", "--dtype", "bf16",
                         "--gather-params"]),
     "checkpoint4": (4, ["checkpoint"]),
@@ -149,6 +150,9 @@ def test_gpt2_matches_eager_on_8_devices(runs):
   assert_really_sharded(r)
   assert_one_compile_after_warmup(r)
   assert r["remat_warnings"] == 0
+  # [Note: padded rows]: stored padded, zero rows stay zero, the state dict has the real rows
+  assert r["stored_rows"] == {"transformer.wte.weight": 128}, r["stored_rows"]
+  assert r["padded_rows_max"] == 0.0 and r["state_shapes_same"] and r["reload_diff"] == 0.0
 
 
 def test_gpt2_bf16_compute_gathered_views_close_to_fp32_eager(runs):
@@ -225,3 +229,20 @@ def test_units_follow_policy_innermost_first():
 
   assert find_units(root, policy) == [inner, block, root]
   assert find_units(root, None) == [root]
+
+
+def test_padded_rows_resume_from_a_checkpoint_and_save_as_the_real_model():
+  """[Note: padded rows]: a 120-token GPT-2 over 8 devices stores its tied embedding as 128
+  rows; a sharded checkpoint resumes it exactly and `save_pretrained` writes the real 120 rows,
+  which a plain GPT2LMHeadModel loads and computes the same loss with."""
+  env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8")
+  env.pop("XLA_USE_SPMD", None)
+  got = subprocess.run([sys.executable, str(ROOT / "tests" / "spmd_cases" / "padded_rows_case.py")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  lines = [l for l in got.stdout.splitlines() if l.startswith("RESULT ")]
+  assert got.returncode == 0 and lines, got.stderr[-4000:]
+  r = json.loads(lines[-1][len("RESULT "):])
+  assert r["stored_shape"] == [128, 64] and r["state_shape"] == [120, 64], r
+  assert r["pretrained_shape"] == [120, 64] and r["saved_diff"] == 0.0, r
+  assert r["resume_diff"] == 0.0 and r["losses_after_resume"][0] == r["losses_after_resume"][1], r
+  assert math.isclose(r["plain_loss"], r["wrapped_loss"], rel_tol=1e-6), r

@@ -62,9 +62,9 @@ def mlp_policy():
                            transformer_layer_cls={Block})
 
 
-def build_gpt2(seed: int = 0) -> nn.Module:
+def build_gpt2(seed: int = 0, vocab: int = 128) -> nn.Module:
   from transformers import GPT2Config, GPT2LMHeadModel
-  config = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128,
+  config = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=vocab,
                       n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
                       attn_pdrop=0.0)
   torch.manual_seed(seed)
@@ -72,11 +72,11 @@ def build_gpt2(seed: int = 0) -> nn.Module:
 
 
 def gpt2_batches(steps: int, batch: int = 8,
-                 seq: int = 16) -> List[Tuple[torch.Tensor, ...]]:
+                 seq: int = 16, vocab: int = 128) -> List[Tuple[torch.Tensor, ...]]:
   gen = torch.Generator().manual_seed(1)
   out = []
   for _ in range(steps):
-    ids = torch.randint(0, 128, (batch, seq), generator=gen)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
     out.append((ids, ids.clone()))
   return out
 

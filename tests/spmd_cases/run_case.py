@@ -11,6 +11,7 @@ so tests/test_spmd.py runs this file with CPU_NUM_DEVICES set.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -85,10 +86,10 @@ def train_case(args) -> dict:
   # start the XLA runtime (device count) before the eager reference runs one.
   xr.global_runtime_device_count()
   device = torch_xla.device()
-  build = models.build_mlp if args.model == "mlp" else models.build_gpt2
+  build = models.build_mlp if args.model == "mlp" else functools.partial(models.build_gpt2, vocab=args.vocab)
   policy = models.mlp_policy() if args.model == "mlp" else models.gpt2_policy()
   batches = (models.mlp_batches(args.steps)
-             if args.model == "mlp" else models.gpt2_batches(args.steps))
+             if args.model == "mlp" else models.gpt2_batches(args.steps, vocab=args.vocab))
 
   model = build()
   reference = models.reference_copy(model)
@@ -125,15 +126,32 @@ def train_case(args) -> dict:
     compiles.append(compile_count())
 
   ref_params = dict(reference.named_parameters())
+  # stored shapes beside the real ones ([Note: padded rows]); the state dict gives the real rows
+  stored_rows = {n: p.shape[0] for n, p in model.named_parameters()
+                 if p.dim() and p.shape[0] != ref_params[n].shape[0]}
+  padded_rows_max = max((float(p.detach()[ref_params[n].shape[0]:].abs().max().cpu())
+                         for n, p in model.named_parameters() if n in stored_rows), default=0.0)
+  state = model.state_dict()
+  state_shapes_same = all(tuple(state[n].shape) == tuple(t.shape)
+                          for n, t in reference.state_dict().items())
   param_diff = {}
   diff_sq = update_sq = 0.0
-  for name, param in model.named_parameters():
-    got = param.detach().cpu()
+  for name, _ in model.named_parameters():
+    got = state[name].detach().cpu()
     want = ref_params[name].detach()
     param_diff[name] = float((got - want).abs().max())
     diff_sq += float(((got - want)**2).sum())
     update_sq += float(((want - initial[name])**2).sum())
+  # the reference's state dict (real rows) loads into the padded model and reads back the same
+  model.load_state_dict(reference.state_dict())
+  reloaded = model.state_dict()
+  reload_diff = max(float((reloaded[n].detach().cpu() - t).abs().max())
+                    for n, t in reference.state_dict().items())
   return {
+      "stored_rows": stored_rows,
+      "padded_rows_max": padded_rows_max,
+      "state_shapes_same": state_shapes_same,
+      "reload_diff": reload_diff,
       "losses": losses,
       "ref_losses": ref_losses,
       "compiles": compiles,
@@ -241,6 +259,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--meta-init", action="store_true")
   parser.add_argument("--gather-params", action="store_true")
+  parser.add_argument("--vocab", type=int, default=128)
   args = parser.parse_args()
   result = {"train": train_case, "checkpoint": checkpoint_case,
             "errors": errors_case, "partition": partition_case}[args.case](args)

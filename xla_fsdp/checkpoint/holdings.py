@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime import hosts
+from ..runtime.real_rows import real_shape
 from ..collective_engine import model_state as keys
 from ..unit_state import state_of, units
 from ..collective_engine.sharded_param import stored_shape
@@ -208,7 +209,8 @@ def holdings(model: nn.Module) -> List[Holding]:
     for pid, p in params.items():
         name, aliases = names[pid][0], names[pid][1:]
         if view is not None:
-            full = records[pid][0].orig_shape if pid in records else p.shape
+            # the single controller's padded global tensors; the SPMD engine's padded rows
+            full = records[pid][0].orig_shape if pid in records else real_shape(p)
             out.append(SpmdHolding(name, aliases, p, full, view))
         elif pid in records:
             out.append(_engine_holding(name, aliases, p, *records[pid]))

@@ -36,6 +36,7 @@ import torch_xla.runtime as xr
 from xla_fsdp.runtime.mesh import resolve_mesh
 from xla_fsdp.spmd_engine.activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms
+from xla_fsdp.spmd_engine.padded_rows import pad_uneven_rows
 from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters
 from xla_fsdp.spmd_engine.scan_find import find_layer_lists
 from xla_fsdp.spmd_engine.scan import (ScanSettings,
@@ -125,6 +126,7 @@ def apply_spmd_fsdp(
     materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
     place_and_shard(unit, done, mesh, device, buffer_dtype)
 
+  pad_uneven_rows(module, mesh)  # [Note: padded rows]
   _, views = install_compute_views(module, compute_dtype, mesh, gather_params)
 
   # Before checkpointing: a LayerNorm unit's checkpoint must wrap this forward.
