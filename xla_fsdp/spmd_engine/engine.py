@@ -126,7 +126,8 @@ def apply_spmd_fsdp(
     materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
     place_and_shard(unit, done, mesh, device, buffer_dtype)
 
-  pad_uneven_rows(module, mesh)  # [Note: padded rows]
+  # [Note: padded rows]; not inside scanned layers
+  pad_uneven_rows(module, mesh, [layer for _, _, layers, _ in found for layer in layers])
   _, views = install_compute_views(module, compute_dtype, mesh, gather_params)
 
   # Before checkpointing: a LayerNorm unit's checkpoint must wrap this forward.

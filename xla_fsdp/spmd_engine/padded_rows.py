@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Collection, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -47,10 +47,6 @@ class PaddedRows:
   holders: List[Tuple[nn.Module, str]]
 
 
-def shard_count(mesh: xs.Mesh) -> int:
-  return fsdp_degree(mesh)
-
-
 def _holders(root: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]:
   out: Dict[int, List[Tuple[nn.Module, str]]] = {}
   for module in root.modules():
@@ -68,11 +64,14 @@ def _paddable(module: nn.Module, name: str) -> bool:
   return type(module) is nn.Linear and module.bias is None
 
 
-def pad_uneven_rows(root: nn.Module, mesh: xs.Mesh) -> List[PaddedRows]:
+def pad_uneven_rows(root: nn.Module, mesh: xs.Mesh,
+                    scanned: Collection[nn.Module] = ()) -> List[PaddedRows]:
   """Stores every paddable parameter of `root` whose rows do not split into whole tiles
-  per shard with zero rows appended ([Note: padded rows]); returns what it padded."""
-  multiple = ROW_TILE * shard_count(mesh)
+  per shard with zero rows appended ([Note: padded rows]); returns what it padded. Layers
+  that will run in a scanned loop are left as they are (the loop runs a hook-free copy)."""
+  multiple = ROW_TILE * fsdp_degree(mesh)
   holders = _holders(root)
+  inside = {id(m) for layer in scanned for m in layer.modules()}
   seen, padded = set(), []
   for p in list(root.parameters()):
     if (id(p) in seen or p.dim() < 1 or not p.is_floating_point() or p.shape[0] % multiple == 0
@@ -80,7 +79,7 @@ def pad_uneven_rows(root: nn.Module, mesh: xs.Mesh) -> List[PaddedRows]:
       continue
     seen.add(id(p))
     held = holders.get(id(p), [])
-    if not held or not all(_paddable(m, n) for m, n in held):
+    if not held or not all(_paddable(m, n) and id(m) not in inside for m, n in held):
       continue
     rows = p.shape[0]
     extra = -rows % multiple
