@@ -74,8 +74,9 @@ MATRIX = [
                                                               ("backward_prefetch", None))),
     Case("gpt2_rs_buckets", "gpt2", "adamw", fsdp=(("reduce_scatter_bucket_size_mb", 0.01),)),
     Case("gpt2_checkpoint", "gpt2", "adamw", checkpoint=True),
-    # configs/fsdp/gpt2_xla_fsdp.json, the shipped TPU config: per-layer checkpointing, no prefetch
-    Case("gpt2_shipped", "gpt2", "adamw", checkpoint=True, worlds=(), fsdp=(("forward_prefetch", False),
+    # configs/fsdp/gpt2_2b_v4_kernel.json's engine settings: per-layer checkpointing, no prefetch
+    # (the shipped gpt2_xla_fsdp.json is gpt2_checkpoint: checkpointing, prefetch on)
+    Case("gpt2_ckpt_no_prefetch", "gpt2", "adamw", checkpoint=True, worlds=(), fsdp=(("forward_prefetch", False),
                                                                           ("backward_prefetch", None))),
     Case("mlp_bf16", "mlp_nested", "sgd", fsdp=(("compute_dtype", torch.bfloat16),)),
     Case("gpt2_bf16_fp32rs", "gpt2", "sgd", fsdp=(("compute_dtype", torch.bfloat16),

@@ -28,7 +28,7 @@ CASES = [
 
 # in the default run elsewhere, so here only under `-m slow`: gpt2_checkpoint and gpt2_no_reshard in the
 # gloo matrix at worlds 2 and 4; checkpointing without prefetch together as the single controller's
-# gpt2_shipped at 4 devices
+# gpt2_ckpt_no_prefetch at 4 devices
 ELSEWHERE = ("gpt2_checkpoint", "gpt2_no_reshard", "gpt2_no_prefetch")
 
 

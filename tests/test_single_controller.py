@@ -48,12 +48,12 @@ CROSS_RUNTIME_TENSOR_REL = 2e-6
 # one of each variant in the default run: (devices, "case[:gather impl]")
 # (reshard off: SHARD_GRAD_OP; HYBRID at 8 only)
 DEFAULT = {
-    4: ["mlp_sgd", "gpt2_shipped", "mlp_bf16", "mlp_clip_sgd:all_reduce", "acc/no_sync/mlp_nested_adamw"],
+    4: ["mlp_sgd", "gpt2_ckpt_no_prefetch", "mlp_bf16", "mlp_clip_sgd:all_reduce", "acc/no_sync/mlp_nested_adamw"],
     8: ["gpt2_hybrid", "meta"],
-}  # gpt2_shipped is the shipped TPU config (per-layer checkpointing, no prefetch: gpt2_checkpoint and
+}  # gpt2_ckpt_no_prefetch is the 2B v4 job's config (per-layer checkpointing, no prefetch: gpt2_checkpoint and
 # gpt2_no_prefetch in one run). mlp_mixed_sizes, mlp_shard_grad_op and gpt2_no_shard (all three in the
 # gloo suite's default run), gpt2_txla_ckpt_after (also at XLA world 1), gpt2_adamw (GPT-2 with AdamW
-# stays: gpt2_shipped, and with rings at 8 devices), gpt2_checkpoint, gpt2_no_prefetch and accumulation
+# stays: gpt2_ckpt_no_prefetch, and with rings at 8 devices), gpt2_checkpoint, gpt2_no_prefetch and accumulation
 # on GPT-2 run in the sweep (-m slow), as every case does
 # the rest runs with `pytest -m slow`: every case, both gather implementations, every accumulation mode
 SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")]
@@ -83,7 +83,7 @@ class Run:
 def _start(tmp: Path, cases_by_devices):
     runs = {}
     for devices, cases in cases_by_devices.items():
-        extra = [c.name for c in MIXED_LAYOUTS] if devices == 4 else TORUS_CASES + RING_CASES
+        extra = [c.name for c in MIXED_LAYOUTS] if devices == 4 else TORUS_CASES + RING_CASES + POD_CASES
         # at 8: the devices stand for a 2x2x2 v4 slice ([Note: one reduce-scatter per torus axis])
         runs[("parity", devices)] = Run(devices, "parity", tmp / f"parity{devices}.pt", cases + extra,
                                         env={"XLA_FSDP_TORUS": "2x2x2"} if devices == 8 else None)
@@ -102,6 +102,8 @@ def _start(tmp: Path, cases_by_devices):
 
 TORUS_CASES = ["mlp_sgd"]  # at 8 devices, whose parity run stands for a 2x2x2 slice
 RING_CASES = ["gpt2_adamw@ring:ring"]  # the same, reduce_scatter_stages and all_gather_impl "ring"
+# a pod's default: reduce-scatters as rings, gathers as all-gathers ([Note: reduce-scatter rings on pods])
+POD_CASES = ["gpt2_adamw@ring:all_gather"]
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +166,16 @@ def test_reduce_scatter_as_rings_of_neighbour_exchanges(runs, spec):
     assert got["scatter_sizes"] == [], got["scatter_sizes"]
     assert got["gathers"] == 0  # all_gather_impl="ring": the gathers are rings too
     assert runs[("parity", 8)].result()["mlp_sgd"]["gathers"] > 0  # what counts them sees the others
+    _check_parity(spec, got)
+
+
+@pytest.mark.parametrize("spec", POD_CASES)
+def test_reduce_scatter_rings_beside_all_gathers(runs, spec):
+    """A pod's default on 2x2x2: gradients travel by rings (no reduce-scatter issued), parameters
+    by all-gathers; parameters match the unsharded run at fp32 tolerance."""
+    got = runs[("parity", 8)].result()[spec]
+    assert got["scatter_sizes"] == [], got["scatter_sizes"]
+    assert got["gathers"] > 0
     _check_parity(spec, got)
 
 

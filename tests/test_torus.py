@@ -191,6 +191,34 @@ def test_rings_apply_to_one_group_of_every_device_in_id_order():
     assert not auto.rings_apply([list(range(32))], 32)  # v4-64: the gathers project faster there
 
 
+@pytest.mark.parametrize("gather,single,pod,tpu,enabled,want", [
+    ("auto", True, True, True, True, ("all_gather", "ring")),           # a pod: reduce-scatters ring
+    ("all_gather", True, True, True, True, ("all_gather", "ring")),     # gathers asked for: the same
+    ("auto", True, True, False, True, ("all_gather", "axes")),          # XLA:CPU
+    ("auto", False, True, True, True, ("all_gather", "axes")),          # one process per chip
+    ("auto", True, True, True, False, ("all_gather", "axes")),          # XLA_FSDP_RINGS=0
+    ("auto", True, False, True, True, ("all_gather", "axes")),          # sharding groups, torus unknown
+    ("all_reduce", True, True, True, True, ("all_reduce", "axes")),     # the emulated gather keeps its stages
+])
+def test_pods_ring_the_reduce_scatters_only(gather, single, pod, tpu, enabled, want):
+    """[Note: reduce-scatter rings on pods] in collective_engine/auto.py."""
+    from xla_fsdp.collective_engine import auto
+
+    got = auto.resolve(CollectiveOptions(all_gather_impl=gather, reduce_scatter_stages="auto"),
+                       single_controller=single, rings_possible=False, on_tpu=tpu, rings_enabled=enabled,
+                       scatter_rings_possible=pod)
+    assert (got.all_gather_impl, got.reduce_scatter_stages) == want
+
+
+def test_scatter_rings_apply_to_pods_with_a_known_torus():
+    from xla_fsdp.collective_engine import auto
+
+    assert auto.scatter_rings_apply([list(range(32))], 32, torus_known=True)  # v4-64
+    assert not auto.scatter_rings_apply([list(range(32))], 32, torus_known=False)  # v5e/v6e, unknown
+    assert not auto.scatter_rings_apply([list(range(8))], 8, torus_known=True)  # rings for both there
+    assert not auto.scatter_rings_apply([list(range(16)), list(range(16, 32))], 32, torus_known=True)
+
+
 def test_rings_under_the_per_chip_budget_say_how_to_get_theirs():
     """A script that turned the single controller on itself (libtpu started with the 70% budget
     xla_fsdp sets for one process per chip) is told how to get the rings' 50%."""

@@ -41,11 +41,12 @@ MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "gpt2-512.json")
 
 
 def _trace(tmp, stages: str) -> str:
-    """The single-controller step traced at v4-128's 64 devices (the check's --dump)."""
+    """The single-controller step traced at v4-128's 64 devices (the check's --dump); `stages`
+    "auto": the engine's own choice there ([Note: reduce-scatter rings on pods])."""
     case = ac.BY_NAME["sc-full_shard"]
-    # all-gathers, not rings ("auto" would make both rings: [Note: rings by default on a TPU])
-    case = dataclasses.replace(case, settings={**case.settings, "reduce_scatter_stages": stages,
-                                               "all_gather_impl": "all_gather"})
+    if stages != "auto":  # all-gathers and these stages
+        case = dataclasses.replace(case, settings={**case.settings, "reduce_scatter_stages": stages,
+                                                   "all_gather_impl": "all_gather"})
     cmd = ac.command(case, 64, str(tmp / "fsdp.json"), str(tmp / "out"), model=MODEL, batch=1, block=128)
     got = ac.check(TPU, cmd, runtime=case.runtime, extra=["--dump", str(tmp / "dump"), "--libtpu-flags", ""])
     assert got["report"] and got["report"]["compiles"], got["output"]
@@ -61,6 +62,11 @@ def traced_step(tmp_path_factory):
 @pytest.fixture(scope="module")
 def traced_default(tmp_path_factory):
     return _trace(tmp_path_factory.mktemp("v4_128"), "axes")
+
+
+@pytest.fixture(scope="module")
+def traced_auto(tmp_path_factory):
+    return _trace(tmp_path_factory.mktemp("v4_128_auto"), "auto")
 
 
 def _compile(text: str, flags) -> dict:
@@ -110,3 +116,18 @@ def test_gradients_reduce_scatter_along_each_torus_axis_and_stay_reduce_scatters
     assert scattered > 0 and default.get("all-reduce", {}).get("sent", 0) < 0.05 * scattered, default
     # and the gradient reduction sends about half what the flat program's all-reduces did
     assert scattered < 0.6 * flat["all-reduce"]["sent"], (default, flat)
+
+
+def test_the_default_on_a_pod_rings_the_reduce_scatters_beside_compute(traced_default, traced_auto):
+    """[Note: reduce-scatter rings on pods]: "auto" on v4-128 leaves no reduce-scatter in the
+    TPU program; the gradients travel as collective-permutes, asynchronous, sending about what
+    the staged reduce-scatters sent, while the parameters keep their all-gathers."""
+    staged = _compile(traced_default, lf.ASYNC_COLLECTIVES)["collectives"]
+    auto = _compile(traced_auto, lf.ASYNC_COLLECTIVES)["collectives"]
+    kinds = auto["by_kind"]
+    assert "reduce-scatter" not in kinds and kinds.get("all-gather", {}).get("async", 0) > 0, kinds
+    permutes = kinds["collective-permute"]
+    assert permutes["sync"] == 0 and permutes["async_bytes_fraction"] == 1.0, permutes
+    scattered = staged["by_kind"]["reduce-scatter"]["sent"]
+    assert 0.9 * scattered < permutes["sent"] < 1.2 * scattered, (permutes, staged["by_kind"])
+    assert auto["async_bytes_fraction"] > staged["async_bytes_fraction"] + 0.2, (auto, staged)

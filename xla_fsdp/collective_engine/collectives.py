@@ -262,6 +262,13 @@ SPMD_CHANNEL_ID = 1
 # the step for v4-8 and v5e-8 in tests/test_tpu_compile_matrix.py).
 
 
+def _torus_known() -> bool:
+    try:
+        return torus.slice_shape() is not None
+    except ValueError:  # a malformed XLA_FSDP_TORUS: the rings' own check says so
+        return True
+
+
 class SpmdCollectives(XlaCollectives):
     """The same collectives between the devices of one process, inside manual-sharding regions,
     unpinned ([Note: no pinning in one program]).
@@ -279,7 +286,9 @@ class SpmdCollectives(XlaCollectives):
 
         options = auto.resolve(options, single_controller=True,
                                rings_possible=auto.rings_apply(placement.shard_groups, placement.num_devices),
-                               on_tpu=auto.tpu_target(), rings_enabled=libtpu_flags.rings_enabled())
+                               on_tpu=auto.tpu_target(), rings_enabled=libtpu_flags.rings_enabled(),
+                               scatter_rings_possible=auto.scatter_rings_apply(
+                                   placement.shard_groups, placement.num_devices, _torus_known()))
         if options.all_gather_impl == "ring" and options.reduce_scatter_stages == "ring":
             auto.warn_if_budget_is_not_the_rings()
         super().__init__(layout, options, device)
