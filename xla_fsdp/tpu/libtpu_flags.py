@@ -120,14 +120,18 @@ def rings_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     (31.04 by our count; libtpu compiled it). XLA_FSDP_RINGS=0 is that configuration in one switch:
     "auto" keeps the gathers and staged reduce-scatters, and the launcher, `import xla_fsdp` and
     `python -m xla_fsdp.aot` give libtpu the gathers' 70% budget. The check tries it by itself
-    when the default does not fit (xla_fsdp/aot/cli.py)."""
+    when the default does not fit (xla_fsdp/aot/cli.py). On pods it also keeps the staged
+    reduce-scatters where "auto" would ring them ([Note: reduce-scatter rings on pods] in
+    collective_engine/auto.py); on 16B v4-64 the rings peak at 24.06 GiB where the staged
+    reduce-scatters (prefetch off) peaked at 17.51."""
     value = environ.get(RINGS_ENV, "").strip().lower()
     if value in ("", "1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{RINGS_ENV}={environ.get(RINGS_ENV)!r}: expected 0 (all-gathers and staged reduce-scatters "
-                     f"under the 70% libtpu budget) or 1 (rings on slices of up to {RING_MAX_CHIPS} chips, the default)")
+                     f"under the 70% libtpu budget) or 1 (rings on slices of up to {RING_MAX_CHIPS} chips and reduce-scatter "
+                     f"rings on larger v4/v5p slices, the default)")
 
 
 def for_runtime(runtime: Optional[str], chips: Optional[int] = None,
