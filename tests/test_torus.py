@@ -229,3 +229,19 @@ def test_rings_under_the_per_chip_budget_say_how_to_get_theirs():
         assert auto.warn_if_budget_is_not_the_rings({lf.ENV: lf.DEFAULT_INIT_ARGS})
     assert not auto.warn_if_budget_is_not_the_rings({lf.ENV: lf.SINGLE_CONTROLLER_INIT_ARGS})
     assert not auto.warn_if_budget_is_not_the_rings({lf.ENV: "--mine=1"})  # the user's own: theirs
+
+
+def test_spec_probe_is_as_long_as_the_devices_each_dim_is_split_over():
+    """The probe that reads how torch_xla prints a ring's sharding (conversions._spec_text) is
+    sized by the mesh axes each dim is split over: 128 elements for v4-256's 8x4x4 rings, where
+    a probe of the whole mesh in every dim needed 128**5 floats and the 64B step failed to trace."""
+    from types import SimpleNamespace
+
+    from xla_fsdp.collective_engine.conversions import _split_over
+    from xla_fsdp.collective_engine.ring import AXES
+
+    mesh = SimpleNamespace(axis_names=AXES, mesh_shape=(8, 4, 4))
+    assert [_split_over(mesh, a) for a in AXES + (None, None)] == [8, 4, 4, 1, 1]
+    assert _split_over(mesh, ("ring_z", "ring_x")) == 32 and _split_over(mesh, 1) == 4
+    unnamed = SimpleNamespace(axis_names=None, mesh_shape=(16, 8))
+    assert _split_over(unnamed, 0) == 16 and _split_over(unnamed, (0, 1)) == 128

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-import numpy as np
 import torch
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
@@ -39,10 +38,24 @@ def _spec_text(mesh, spec: tuple) -> str:
     if key not in _SPEC_TEXT:
         import torch_xla
 
-        probe = torch.zeros([int(np.prod(mesh.mesh_shape))] * len(spec)).to(torch_xla.device())
+        # each dim as long as the devices it is split over: a probe of the whole mesh's size in
+        # every dim would be 128**5 elements for a 5-D spec on v4-256's 128 chips (512 GB)
+        probe = torch.zeros([_split_over(mesh, axes) for axes in spec]).to(torch_xla.device())
         torch_xla._XLAC._xla_mark_sharding(probe, mesh.get_op_sharding(spec))
         _SPEC_TEXT[key] = torch_xla._XLAC._get_xla_sharding_spec(probe)
     return _SPEC_TEXT[key]
+
+
+def _split_over(mesh, axes) -> int:
+    """Devices one dim of a partition spec is split over: 1 for None, else the product of the
+    named (or numbered) mesh axes' sizes."""
+    if axes is None:
+        return 1
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape)) if mesh.axis_names else {}
+    out = 1
+    for axis in (axes if isinstance(axes, tuple) else (axes,)):
+        out *= sizes[axis] if isinstance(axis, str) else mesh.mesh_shape[axis]
+    return int(out)
 
 
 def to_global(t: torch.Tensor, mesh, spec: tuple, shape: torch.Size) -> torch.Tensor:
