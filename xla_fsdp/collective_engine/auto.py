@@ -40,8 +40,11 @@ gather rings cost compute and HBM (above). Ringing only the reduce-scatters, one
 axis, makes those bytes collective-permutes that libtpu runs beside compute, while the gathers
 stay all-gathers under the 70% budget. Compiled for v4-64 (4-layer copy of the 16B, 16 x 1024
 per chip, kernel; 2026-11-28): async bytes 0.81 against 0.44, compute +0.8%, peak 6.43 GiB
-against 7.31, projected 0.786 s against 0.802. The full-depth pod rows are in
-docs/performance.md. Applied where the slice's torus shape is known (torus.slice_shape(): the
+against 7.31, projected 0.786 s against 0.802. At full depth with prefetch on (the shipped config), the
+bytes beside compute went from 0.48-0.50 to 0.92-0.99 and the projected steps fell 3-6% on
+16B v4-64, 20B and 32B v4-128; HBM rose (16B: 24.06 GiB against 17.51) as libtpu's 70%
+scheduler budget lets the asynchronous permutes and gathers overlap more. The rows are in
+docs/performance.md (the blog's table, compiled). Applied where the slice's torus shape is known (torus.slice_shape(): the
 check sets it; on a TPU the runtime's coordinates), with one shard group of every device in id
 order, on the single controller on a TPU, unless XLA_FSDP_RINGS=0.
 """
