@@ -216,6 +216,8 @@ def test_scatter_rings_apply_to_pods_with_a_known_torus():
     assert auto.scatter_rings_apply([list(range(32))], 32, torus_known=True)  # v4-64
     assert not auto.scatter_rings_apply([list(range(32))], 32, torus_known=False)  # v5e/v6e, unknown
     assert not auto.scatter_rings_apply([list(range(8))], 8, torus_known=True)  # rings for both there
+    assert auto.scatter_rings_apply([list(range(64))], 64, torus_known=True)  # v4-128, measured
+    assert not auto.scatter_rings_apply([list(range(128))], 128, torus_known=True)  # v4-256: not measured
     assert not auto.scatter_rings_apply([list(range(16)), list(range(16, 32))], 32, torus_known=True)
 
 

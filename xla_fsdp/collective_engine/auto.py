@@ -29,7 +29,7 @@ projected step. So "auto" means rings where they apply:
   keeps the staged reduce-scatters too.
 - XLA_FSDP_RINGS not "0" (the switch for models at the edge of HBM, where the gathers at 70% fit
   and the rings at 50% do not: [Note: rings off for the last GiB], xla_fsdp.tpu.libtpu_flags).
-On larger slices (pods) "auto" rings the reduce-scatters only ([Note: reduce-scatter rings on
+On slices of 9 to 64 chips "auto" rings the reduce-scatters only ([Note: reduce-scatter rings on
 pods]). Everywhere else "auto" is the native all-gather and, for the reduce-scatter, "axes": one
 reduce-scatter per torus axis on v4/v5p slices ([Note: one reduce-scatter per torus axis]).
 
@@ -44,7 +44,11 @@ against 7.31, projected 0.786 s against 0.802. At full depth with prefetch on (t
 bytes beside compute went from 0.48-0.50 to 0.92-0.99 and the projected steps fell 3-6% on
 16B v4-64, 20B and 32B v4-128; HBM rose (16B: 24.06 GiB against 17.51) as libtpu's 70%
 scheduler budget lets the asynchronous permutes and gathers overlap more. The rows are in
-docs/performance.md (the blog's table, compiled). Applied where the slice's torus shape is known (torus.slice_shape(): the
+docs/performance.md (the blog's table, compiled). On v4-256 (128 chips) libtpu's compile of
+the 64B step with the rings outgrew this host's 24 GB (killed at 23.9 GB after 1,076 s; with
+the staged reduce-scatters it compiled in 298 s), so nothing above 64 chips was measured and
+slices of more than SCATTER_RING_MAX_CHIPS keep the staged reduce-scatters (an explicit
+reduce_scatter_stages="ring" still rings them). Applied where the slice's torus shape is known (torus.slice_shape(): the
 check sets it; on a TPU the runtime's coordinates), with one shard group of every device in id
 order, on the single controller on a TPU, unless XLA_FSDP_RINGS=0.
 """
@@ -78,10 +82,15 @@ def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool
             and [list(g) for g in shard_groups] == [list(range(num_devices))])
 
 
+# the largest slice whose reduce-scatter rings were compiled and measured ([Note: reduce-scatter
+# rings on pods]): v4-128's 64 chips; on v4-256 the 64B step's compile ran out of this host's 24 GB
+SCATTER_RING_MAX_CHIPS = 64
+
+
 def scatter_rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int, torus_known: bool) -> bool:
     """One shard group of every device in id order, over more than RING_MAX_CHIPS devices of a
     slice whose torus shape is known ([Note: reduce-scatter rings on pods])."""
-    return (torus_known and num_devices > libtpu_flags.RING_MAX_CHIPS
+    return (torus_known and libtpu_flags.RING_MAX_CHIPS < num_devices <= SCATTER_RING_MAX_CHIPS
             and [list(g) for g in shard_groups] == [list(range(num_devices))])
 
 

@@ -131,7 +131,7 @@ def rings_enabled(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     raise ValueError(f"{RINGS_ENV}={environ.get(RINGS_ENV)!r}: expected 0 (all-gathers and staged reduce-scatters "
                      f"under the 70% libtpu budget) or 1 (rings on slices of up to {RING_MAX_CHIPS} chips and reduce-scatter "
-                     f"rings on larger v4/v5p slices, the default)")
+                     f"rings on v4/v5p slices of up to 64 chips, the default)")
 
 
 def for_runtime(runtime: Optional[str], chips: Optional[int] = None,
