@@ -88,8 +88,8 @@ SCATTER_RING_MAX_CHIPS = 64
 
 
 def scatter_rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int, torus_known: bool) -> bool:
-    """One shard group of every device in id order, over more than RING_MAX_CHIPS devices of a
-    slice whose torus shape is known ([Note: reduce-scatter rings on pods])."""
+    """One shard group of every device in id order, over more than RING_MAX_CHIPS and at most
+    SCATTER_RING_MAX_CHIPS devices of a slice whose torus shape is known ([Note: reduce-scatter rings on pods])."""
     return (torus_known and libtpu_flags.RING_MAX_CHIPS < num_devices <= SCATTER_RING_MAX_CHIPS
             and [list(g) for g in shard_groups] == [list(range(num_devices))])
 

@@ -39,7 +39,7 @@ def _spec_text(mesh, spec: tuple) -> str:
         import torch_xla
 
         # each dim as long as the devices it is split over: a probe of the whole mesh's size in
-        # every dim would be 128**5 elements for a 5-D spec on v4-256's 128 chips (512 GB)
+        # every dim would be 128**5 floats for a 5-D spec on v4-256's 128 chips (137 GB)
         probe = torch.zeros([_split_over(mesh, axes) for axes in spec]).to(torch_xla.device())
         torch_xla._XLAC._xla_mark_sharding(probe, mesh.get_op_sharding(spec))
         _SPEC_TEXT[key] = torch_xla._XLAC._get_xla_sharding_spec(probe)
