@@ -76,6 +76,14 @@ MATRIX = [
     Case("gpt2_checkpoint", "gpt2", "adamw", checkpoint=True),
     # configs/fsdp/gpt2_2b_v4_kernel.json's engine settings: per-layer checkpointing, no prefetch
     # (the shipped gpt2_xla_fsdp.json is gpt2_checkpoint: checkpointing, prefetch on)
+    # scan_layers on the collectives engine: the blocks as one XLA loop (single controller only)
+    Case("gpt2_ckpt_scan", "gpt2", "adamw", checkpoint=True, worlds=(), fsdp=(("scan_layers", True),)),
+    Case("gpt2_ckpt_scan_bf16", "gpt2", "adamw", checkpoint=True, worlds=(), clip=0.05,
+         fsdp=(("scan_layers", True), ("compute_dtype", torch.bfloat16))),
+    # buckets large enough to reduce-scatter one torus axis at a time on 2x2x2 (8 rows of 128 a device)
+    Case("gpt2_small_sgd", "gpt2_small", "sgd", worlds=()),
+    Case("gpt2_ckpt_bf16", "gpt2", "adamw", checkpoint=True, worlds=(), clip=0.05,
+         fsdp=(("compute_dtype", torch.bfloat16),)),  # gpt2_ckpt_scan_bf16 unscanned
     Case("gpt2_ckpt_no_prefetch", "gpt2", "adamw", checkpoint=True, worlds=(), fsdp=(("forward_prefetch", False),
                                                                           ("backward_prefetch", None))),
     Case("mlp_bf16", "mlp_nested", "sgd", fsdp=(("compute_dtype", torch.bfloat16),)),

@@ -522,14 +522,18 @@ def test_blog_pairs_under_the_kernel_compile_the_same_models_without_attention_d
         assert kernel == blog
 
 
-def test_scan_layers_key_reaches_the_spmd_engine_and_is_refused_elsewhere():
+def test_scan_layers_key_reaches_both_engines_and_is_refused_where_it_cannot_run():
     layers = {"xla": True, "fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"]}
     cfg = load_fsdp_config({**layers, "xla_fsdp_v2": True, "scan_layers": True})
     kwargs = cfg.engine_kwargs()
     assert kwargs["engine"] == "spmd" and kwargs["scan_layers"] is True
     assert load_fsdp_config(cfg.to_dict()) == cfg
     assert "scan_layers" not in load_fsdp_config({**layers, "xla_fsdp_v2": True}).engine_kwargs()
-    assert 'needs "xla_fsdp_v2": true' in _error({**layers, "scan_layers": True})
+    # the collectives engine: with every layer recomputed, and not "per_step"
+    collectives = load_fsdp_config({**layers, "xla_fsdp_grad_ckpt": True, "scan_layers": True}).engine_kwargs()
+    assert collectives["scan_layers"] is True and "engine" not in collectives
+    assert '"xla_fsdp_grad_ckpt": true' in _error({**layers, "scan_layers": True})
+    assert 'use "scan_layers": true' in _error({**layers, "xla_fsdp_grad_ckpt": True, "scan_layers": "per_step"})
     assert "fsdp_transformer_layer_cls_to_wrap" in _error({"xla": True, "xla_fsdp_v2": True, "scan_layers": True})
     assert '"per_step"' in _error({**layers, "xla_fsdp_v2": True, "scan_layers": "yes"})
     per_step = load_fsdp_config({**layers, "xla_fsdp_v2": True, "scan_layers": "per_step"})

@@ -285,6 +285,11 @@ def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: ty
         from .wrap import auto_wrap_children
 
         auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
+    scanned = []
+    if kw["scan_layers"]:  # [Note: scanning units of the collectives engine]
+        from .collective_engine import scan_loop
+
+        scanned = scan_loop.find(module, comm)
     for m in modules:
         inside = checkpointed_inside(m, is_unit)
         if inside:
@@ -306,6 +311,8 @@ def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: ty
     for m in modules:
         m.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
         build.cast_buffers(m, options, comm.device, cast=not keeps_meta)  # FSDP2 leaves buffers alone
+    if scanned:
+        scan_loop.install(module, scanned, state.device_mesh)
     if options.execute_sharding_on_init and not any(p.is_meta for p in group.shards):
         comm.sync(group.shards)
     return state

@@ -84,7 +84,7 @@ def auto_wrap_children(root: nn.Module, kwargs: dict, wrapper_cls: type) -> None
     """
     policy = kwargs["auto_wrap_policy"]
     wrapper = kwargs.get("auto_wrapper_callable") or wrapper_cls
-    child_kwargs = {k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "auto_wrapper_callable")}
+    child_kwargs = {k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "auto_wrapper_callable", "scan_layers")}
     users = _param_users(root)
 
     def unwrapped_numel(m: nn.Module) -> int:

@@ -71,6 +71,7 @@ def parity(names):
     scatter_sizes: list = []
     _count_reduce_scatters(scatter_sizes)
     for spec in names:
+        scatter_sizes.clear()  # each case counts its own (the accumulation cases leave theirs)
         if spec == "meta":  # a meta-device model materialized by reset_parameters()
             import meta_cases
 
@@ -102,7 +103,8 @@ def parity(names):
         out[spec] = {"losses": got["losses"], "ref_losses": ref["losses"], "params": full,
                      "ref_params": ref["params"], "padded_shapes": shapes, "groups": got["groups"],
                      "scatter_sizes": sorted({s for s in scatter_sizes if s[0] != "all-gather"}),
-                     "gathers": sum(1 for s in scatter_sizes if s[0] == "all-gather")}
+                     "gathers": sum(1 for s in scatter_sizes if s[0] == "all-gather"),
+                     "scatter_calls": sum(1 for s in scatter_sizes if s[0] != "all-gather")}
         scatter_sizes.clear()
     return out
 

@@ -32,7 +32,8 @@ memory, to the compiler, and cost 7% step time on XLA:CPU.
 from __future__ import annotations
 
 import abc
-from typing import List, Sequence, Tuple
+import contextlib
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -159,6 +160,16 @@ class XlaCollectives(Collectives):
 
     def _rank_index(self) -> torch.Tensor:
         return self._rank
+
+    def loop_constants(self) -> List[torch.Tensor]:
+        """The per-device tensors the collectives read, for a loop body to take as inputs
+        ([Note: a loop in the manual region]); none here."""
+        return []
+
+    @contextlib.contextmanager
+    def constants_from(self, values: Sequence[torch.Tensor]):
+        """While tracing a loop body: read the constants from `values` (`loop_constants`'s order)."""
+        yield
 
     @property
     def is_xla(self) -> bool:
@@ -358,11 +369,30 @@ class SpmdCollectives(XlaCollectives):
         xs.mark_sharding(data, self.placement.mesh, spec)
         return data
 
+    _given: Optional[Sequence[torch.Tensor]] = None  # constants_from's, while a loop body is traced
+
     def _rank_index(self):
+        if self._given is not None:
+            return self._given[0]
         return to_local(self._positions, self.placement.mesh, self.placement.spec("batch", 1))
 
     def _my_ring_orders(self):
+        if self._given is not None:
+            return self._given[1]
         return to_local(self._ring_orders, self.placement.mesh, self.placement.spec("batch", 2))
+
+    def loop_constants(self):
+        # the device's position in its group, and its ring orders: global tensors split over the
+        # devices, which a loop body inside the region cannot read itself
+        return [self._rank_index()] + ([self._my_ring_orders()] if self._rings is not None else [])
+
+    @contextlib.contextmanager
+    def constants_from(self, values):
+        self._given = list(values)
+        try:
+            yield
+        finally:
+            self._given = None
 
     def all_gather(self, flat_shard):
         if self._rings is None or self.options.all_gather_impl != "ring":

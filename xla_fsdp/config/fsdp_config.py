@@ -63,8 +63,9 @@ class FSDPConfig:
     xla_fsdp_v2: bool = False
     """HF key `xla_fsdp_v2`: use the SPMD engine (`engine="spmd"`)."""
     scan_layers: Union[bool, str] = False
-    """Key `scan_layers` (ours): run the wrapped repeated layers as one XLA loop (needs xla_fsdp_v2);
-    true stores their parameters stacked, "per_step" stacks per-layer parameters every step."""
+    """Key `scan_layers` (ours): run the wrapped repeated layers as one XLA loop. With xla_fsdp_v2,
+    true stores their parameters stacked and "per_step" stacks per-layer parameters every step; on
+    the collectives engine (true only, with xla_fsdp_grad_ckpt) each layer keeps its own parameters."""
     forward_prefetch: Optional[bool] = None
     """HF key `forward_prefetch`: gather the next unit while this one computes; None = engine default (on)."""
     backward_prefetch: Optional[str] = None
@@ -123,10 +124,14 @@ class FSDPConfig:
                 "activations, and xla_fsdp_grad_ckpt is off, so none is checkpointed; set "
                 "\"xla_fsdp_grad_ckpt\": true or drop checkpoint_all_but_last"
             )
-        if self.scan_layers and not self.xla_fsdp_v2:
+        if self.scan_layers == "per_step" and not self.xla_fsdp_v2:
             raise FSDPConfigError(
-                "scan_layers needs \"xla_fsdp_v2\": true: only the SPMD engine runs the repeated "
-                "layers as one XLA loop so far; set xla_fsdp_v2 or drop scan_layers")
+                "scan_layers \"per_step\" is the SPMD engine's (xla_fsdp_v2); the collectives engine keeps "
+                "its parameters per layer anyway: use \"scan_layers\": true")
+        if self.scan_layers and not self.xla_fsdp_v2 and not self.xla_fsdp_grad_ckpt:
+            raise FSDPConfigError(
+                "scan_layers on the collectives engine recomputes every layer in backward; set "
+                "\"xla_fsdp_grad_ckpt\": true (or use xla_fsdp_v2)")
         if self.scan_layers and not self.uses_auto_wrap:
             raise FSDPConfigError(
                 "scan_layers scans the wrapped repeated layer; add fsdp_transformer_layer_cls_to_wrap "
@@ -215,8 +220,11 @@ class FSDPConfig:
                 kwargs["activation_checkpointing"] = True
             if self.scan_layers:
                 kwargs["scan_layers"] = self.scan_layers
-        elif self.xla_fsdp_grad_ckpt:
-            kwargs["auto_wrapper_callable"] = checkpointed_wrapper
+        else:
+            if self.xla_fsdp_grad_ckpt:
+                kwargs["auto_wrapper_callable"] = checkpointed_wrapper
+            if self.scan_layers:  # [Note: scanning units of the collectives engine]
+                kwargs["scan_layers"] = True
         if self.forward_prefetch is not None:
             kwargs["forward_prefetch"] = self.forward_prefetch
         if self.backward_prefetch is not None:

@@ -53,8 +53,12 @@ class ScanSettings:
 
   def __init__(self, mesh: xs.Mesh, compute_dtype: Optional[torch.dtype],
                annotate: ScanAnnotate, recompute: bool, stored: bool = True,
-               batch_entry: Optional[Callable[[torch.Tensor], Any]] = None):
+               batch_entry: Optional[Callable[[torch.Tensor], Any]] = None,
+               loop: Optional[Callable[["_ScanRun", Tuple, Dict[str, Any]], Any]] = None):
     self.mesh = mesh
+    # the engine's own loop in place of torch_xla's `scan` (the collectives engine's:
+    # collective_engine/scan_loop.py)
+    self.loop = loop
     self.batch_entry = batch_entry  # the mesh axes of a batch tensor's dim 0, else None
     self.compute_dtype = compute_dtype
     self.annotate = annotate
@@ -176,7 +180,8 @@ class _ScanRun:
         out = self._hidden(result)
       self.output = result
       return result
-    self.output = self._scan(args, kwargs)
+    loop = self.owner._scan_settings.loop
+    self.output = loop(self, args, kwargs) if loop is not None else self._scan(args, kwargs)
     return self.output
 
   def _refuse_per_layer_hooks(self) -> None:

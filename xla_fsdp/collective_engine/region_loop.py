@@ -1,0 +1,122 @@
+"""An XLA While loop inside the single controller's manual region.
+
+[Note: a loop in the manual region]
+torch_xla's scan builds its While from tensors it makes itself (the trip
+counter, the stacked outputs) and from the data the body captured (scalars
+such as `0.5` or a norm's epsilon become device data, "hoisted" into loop
+operands). Inside the region the loop's carry is per-device (manual
+sharding), and the SPMD partitioner then marks the captured scalars manual
+inside the body too; with the operands outside left replicated it aborts the
+process (`Check failed: !IsManual()` in HandleTuple, measured on XLA:CPU with
+torch_xla 2.9). So this module builds the loop itself and marks every
+operand manual: what is replicated is the same on every device, so each
+device's piece is the whole tensor. A captured tensor split over the devices
+(a global tensor read with `to_local` inside the body) cannot be marked so
+and is refused; pass its local piece in the carry instead.
+
+The body is traced once, lazily, with placeholder inputs (any engine code may
+run in it, explicit collectives included); torch's RNG state must not be used
+in it (a scanned layer draws from keys, spmd_engine/scan_random.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+
+Body = Callable[[List[torch.Tensor], List[torch.Tensor]], Tuple[List[torch.Tensor], List[torch.Tensor]]]
+
+
+def _manual(t: torch.Tensor, mesh, data: bool = False) -> torch.Tensor:
+    """`t` as a loop operand inside the region: marked manual. Data made outside the region
+    (`data`: the trip counter, the output buffers, what the body captured) is replicated and
+    taken in through the region's entry, which XLA cannot simplify away (a marked `t * 1`
+    becomes `t` again, replicated)."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    from .conversions import _fresh, to_local
+
+    if mesh is None:  # one process per device: no manual sharding
+        return t
+    if data:
+        return to_local(t, mesh, (None,) * t.dim())
+    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+    if "devices=" in spec:
+        raise RuntimeError(
+            f"a scanned loop body read a tensor split over the devices (shape {tuple(t.shape)}, "
+            f"sharding {spec}) from outside the loop; only replicated tensors can be captured "
+            "inside the single controller's region. This is a bug in xla_fsdp's scan; turn "
+            "scan_layers off")
+    x = _fresh(t)
+    torch_xla._XLAC._mark_manual_sharding(x, torch_xla._XLAC.OpSharding([], [], [], xs.ShardingType.MANUAL))
+    return x
+
+
+def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], mesh=None,
+               reverse: bool = False) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Runs `body(carry, x)` for each slice x of `xs` along dim 0 (last first with `reverse`);
+    returns the final carry and the bodies' second outputs stacked on a new dim 0. `mesh`: the
+    single controller's (None with one process per device)."""
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    from torch_xla.experimental.scan import Builder, dynamic_slice, dynamic_update_slice
+
+    trips = xs[0].shape[0]
+    fake_carry = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in carry]
+    fake_x = [xb.create_placeholder_tensor(t.shape[1:], t.dtype) for t in xs]
+    out_carry, out_y = body(list(fake_carry), list(fake_x))
+    for before, after in zip(carry, out_carry):
+        if before.shape != after.shape or before.dtype != after.dtype:
+            raise RuntimeError(f"a loop body changed its carry from {tuple(before.shape)} {before.dtype} to "
+                               f"{tuple(after.shape)} {after.dtype}")
+    lowering = torch_xla._XLAC.lowering.LoweringContext("ScanBody")
+    lowering.build(list(out_carry) + list(out_y))
+    computation = xb.computation_from_module_proto("scan_body", lowering.hlo())
+    ids, values = torch_xla._XLAC._get_tensors_xla_device_data_node(list(out_carry) + list(out_y))
+    if torch_xla._XLAC._get_seed_info_id() in ids:
+        raise RuntimeError("a scanned layer draws from torch's random number generator; inside the loop "
+                           "every trip would draw the same numbers. Turn scan_layers off")
+
+    builder = Builder("scan_in_region")
+    to_while = {}  # the body computation's parameter id -> the While's
+    builder.add_param(_manual(torch.tensor(0, dtype=torch.int64, device=carry[0].device), mesh, data=True))
+    for real, fake in ((carry, fake_carry), (xs, fake_x)):
+        for value, placeholder in zip(real, fake):
+            index = builder.add_param(_manual(value, mesh))
+            pid = lowering.tensor_parameter_id(placeholder)
+            if pid != -1:
+                to_while[pid] = index
+    ys = [torch.zeros((trips, *y.shape), dtype=y.dtype, device=carry[0].device) for y in out_y]
+    for y in ys:
+        builder.add_param(_manual(y, mesh, data=True))
+    captured = lowering.device_parameter_id_tensor_mapping()
+    for placeholder in list(fake_carry) + list(fake_x):
+        captured.pop(lowering.tensor_parameter_id(placeholder), None)
+    for pid, tensor in captured.items():
+        to_while[pid] = builder.add_param(_manual(tensor, mesh, data=True))
+    n_carry, n_x, n_y = len(carry), len(xs), len(ys)
+
+    def cond(counter, *rest):
+        return counter < xb.Op.scalar(counter.builder(), trips, dtype=xb.Type.S64)
+
+    def step(*params):
+        counter = params[0]
+        state = list(params[1:1 + n_carry])
+        slices = params[1 + n_carry:1 + n_carry + n_x]
+        outs = list(params[1 + n_carry + n_x:1 + n_carry + n_x + n_y])
+        index = counter
+        if reverse:
+            index = xb.Op.scalar(counter.builder(), trips - 1, dtype=xb.Type.S64) - counter
+        inputs = list(params)
+        for k, v in enumerate(slices):
+            inputs[1 + n_carry + k] = dynamic_slice(v, index)
+        result = xb.Op.call(computation, [inputs[to_while[pid]] for pid in range(len(to_while))])
+        state = [result.get_tuple_element(k) for k in range(n_carry)]
+        outs = [dynamic_update_slice(o, result.get_tuple_element(n_carry + k), index) for k, o in enumerate(outs)]
+        one = xb.Op.scalar(counter.builder(), 1, dtype=xb.Type.S64)
+        return (counter + one, *state, *slices, *outs, *params[1 + n_carry + n_x + n_y:])
+
+    loop = xb.Op.mkwhile(builder.params(), cond, step).build("scan_in_region")
+    outputs = torch_xla._XLAC._xla_user_computation("xla::scan_in_region", builder.param_tensors(), loop)
+    return list(outputs[1:1 + n_carry]), list(outputs[1 + n_carry + n_x:1 + n_carry + n_x + n_y])

@@ -1,0 +1,355 @@
+"""Scanned layers on the collectives engine: one XLA While loop per pass, one layer ahead.
+
+[Note: scanning units of the collectives engine]
+With `scan_layers` a ModuleList of identical units runs as two While loops
+(forward, and backward with each layer recomputed) built by torch_xla's
+forward-only `_scan_impl_pytree`, whose body is traced lazily: the body holds
+the engine's own explicit collectives, as an unscanned unit's forward and
+backward do.
+
+- Forward, trip i: the carry holds layer i's gathered parameters (compute
+  dtype); the body runs the layer and gathers layer i+1's shards into the
+  carry. The gather does not depend on the layer's compute, so they can run
+  side by side (FSDP's forward prefetch, written into the loop).
+- Backward, trip i (last layer first): the carry holds layer i's gathered
+  parameters and the gradient of its output; the body recomputes the layer
+  from its saved input, takes the gradients (`torch.autograd.grad`),
+  reduce-scatters the parameters' gradients with the unit's own buckets and
+  gathers layer i-1's shards into the carry.
+- A chip holds two layers' full parameters at a time, as with prefetch. The
+  trip after the last (before the first) gathers a layer it does not use:
+  one layer's gather bytes per pass more than unscanned.
+- The loop reads its layers' shards from one stack per parameter, made in
+  the compute dtype when the loop starts (forward and backward each make
+  their own; it lives for that loop only). The parameters stay per layer:
+  the optimizer, the state dict and checkpoints see the unscanned model.
+- Each layer is recomputed in backward: scan needs activation checkpointing
+  on the scanned units (`activation_checkpointing=True`, fsdp_config
+  `xla_fsdp_grad_ckpt`), and refuses without it.
+- Dropout inside the loop draws its masks from a key per layer and sequence
+  ([Note: dropout under scan] in spmd_engine/scan_random.py), so a
+  recomputed layer draws the mask its forward drew.
+- torch_xla threads a token through its collectives; a collective traced in
+  the body must not leave a body value as the token the program after the
+  loop reads, so each body starts from a fresh token and the token is put
+  back after tracing it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..unit_state import state_of
+from .param_group import FSDPParamGroup
+from .precision import cast_inputs
+
+# (full parameters by site name, buffers by name, hidden, key, the other tensors) -> hidden output
+LayerCall = Callable[[Dict[str, torch.Tensor], Dict[str, torch.Tensor], torch.Tensor, torch.Tensor,
+                      Sequence[torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class _Plan:
+    call: LayerCall
+    group: FSDPParamGroup  # layer 0's: sizes, buckets and collectives, alike for every layer
+    site_names: List[List[str]]  # per parameter of the group, the names it has in the layer
+    layers: int
+    compute_dtype: Optional[torch.dtype]
+    device: torch.device
+    mesh: Any  # the single controller's (None with one process per device)
+
+
+def unit_template(layer: nn.Module) -> nn.Module:
+    """A hook-free copy of unit `layer` with meta tensors and its own class's forward (the engine's
+    state stays on the real layer)."""
+    from ..class_swap import original_class
+    from ..spmd_engine.scan_find import _template
+    from ..unit_state import _KEY
+
+    state = layer.__dict__.pop(_KEY)
+    cls = layer.__class__
+    try:
+        layer.__class__ = original_class(layer)
+        return _template(layer)
+    finally:
+        layer.__class__ = cls
+        layer.__dict__[_KEY] = state
+
+
+def check_layers(layers: Sequence[nn.Module], where: str) -> None:
+    """Refuses, with the reason, units the loop cannot run alike (at wrap time)."""
+    from ..unit_state import units
+
+    for index, layer in enumerate(layers):
+        inner = [m for m in units(layer) if m is not layer]
+        if inner:
+            raise ValueError(f"scan_layers: layer {index} of {where} holds units of its own "
+                             f"({type(inner[0]).__name__}); a scanned layer is gathered as one unit. Wrap "
+                             "only the repeated layer class.")
+        state = state_of(layer)
+        if state.inner_forward is not None:
+            raise ValueError(f"scan_layers: layer {index} of {where} runs another library's forward; the "
+                             "loop runs the layer class's own forward. Turn scan_layers off.")
+        if len(state.modules) > 1:
+            raise ValueError(f"scan_layers: layer {index} of {where} shares its unit with other modules; "
+                             "each scanned layer must be a unit of its own.")
+    first = state_of(layers[0]).group
+    for index, layer in enumerate(layers[1:], start=1):
+        group = state_of(layer).group
+        mine = [(p.orig_shape, p.orig_dtype, p.requires_grad, [s.fqn for s in p.sites]) for p in group.params]
+        ref = [(p.orig_shape, p.orig_dtype, p.requires_grad, [s.fqn for s in p.sites]) for p in first.params]
+        if mine != ref:
+            raise ValueError(f"scan_layers: layer {index} of {where} shards different parameters than "
+                             "layer 0 (names, shapes, dtypes or requires_grad); every scanned layer must "
+                             "be identical. Turn scan_layers off for this model.")
+
+
+def _check_run(states, where: str) -> None:
+    """What can change after wrapping, checked when the loop runs."""
+    for index, state in enumerate(states):
+        if not state.checkpointed or state.keeps_activations:
+            raise ValueError(
+                f"scan_layers: layer {index} of {where} keeps its activations for backward; the "
+                "collectives engine's scanned loop recomputes every layer. Turn on activation "
+                "checkpointing for the layers (activation_checkpointing=True, fsdp_config "
+                "\"xla_fsdp_grad_ckpt\": true; no checkpoint_all_but_last) or turn scan_layers off.")
+        group = state.group
+        if not group.requires_grad_sync or group.pending:
+            raise RuntimeError(
+                f"scan_layers: gradient sync is off (no_sync / set_requires_gradient_sync(False)) for "
+                f"layer {index} of {where}; the scanned loop reduce-scatters every step. Accumulate "
+                "with synced micro-batches, or turn scan_layers off.")
+        if state.unsharded is not None:
+            raise RuntimeError(f"scan_layers: layer {index} of {where} is unsharded (unshard() or "
+                               "summon_full_params()); call reshard() first.")
+        if group.grad_factor != states[0].group.grad_factor:
+            raise ValueError(f"scan_layers: layer {index} of {where} has its own gradient divide factor; "
+                             "set one for every scanned layer alike.")
+
+
+class _Token:
+    """Each traced body starts from a fresh collective token; the one outside is put back."""
+
+    def __init__(self, device: torch.device):
+        import torch_xla
+
+        self._xlac = torch_xla._XLAC
+        self._device = str(device)
+
+    def __enter__(self):
+        self._saved = self._xlac._get_all_reduce_token(self._device)
+        self._xlac._set_all_reduce_token(self._device, None)
+
+    def __exit__(self, *exc):
+        self._xlac._set_all_reduce_token(self._device, self._saved)
+
+
+def _stack(plan: _Plan, shards: Sequence[torch.Tensor], order: Sequence[int]) -> List[torch.Tensor]:
+    """Per parameter, (layers, *shard) of the layers in `order`, in the compute dtype."""
+    count = len(plan.group.params)
+    out = []
+    with torch.no_grad():
+        for j in range(count):
+            rows = [shards[layer * count + j].detach() for layer in order]
+            if plan.compute_dtype is not None and rows[0].is_floating_point():
+                rows = [r.to(plan.compute_dtype) for r in rows]
+            out.append(torch.stack(rows))
+    return out
+
+
+def _gather(plan: _Plan, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    return plan.group.gather(shards=list(shards))
+
+
+def _named(plan: _Plan, full: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {name: t for names, t in zip(plan.site_names, full) for name in names}
+
+
+def _loop(trip, carry, xs, mesh, reverse: bool = False):
+    """`region_loop.while_loop` on pytrees: (final carry, stacked ys)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from .region_loop import while_loop
+
+    flat_carry, carry_tree = tree_flatten(carry)
+    flat_xs, xs_tree = tree_flatten(xs)
+    ys_tree = []
+
+    def body(c, x):
+        out_carry, y = trip(tree_unflatten(c, carry_tree), tree_unflatten(x, xs_tree))
+        flat_y, tree = tree_flatten(y)
+        ys_tree.append(tree)
+        return tree_flatten(out_carry)[0], flat_y
+
+    final, ys = while_loop(body, flat_carry, flat_xs, mesh, reverse)
+    return tree_unflatten(final, carry_tree), tree_unflatten(ys, ys_tree[0])
+
+
+class _ScannedUnits(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, count_rest: int, hidden: torch.Tensor, keys: torch.Tensor,
+                buffers: Dict[str, torch.Tensor], *flat: torch.Tensor) -> torch.Tensor:
+        rest, shards = list(flat[:count_rest]), flat[count_rest:]
+        count, layers = len(plan.group.params), plan.layers
+
+        comm = plan.group.comm
+
+        def trip(carry, x):
+            h, full, kept, consts = carry
+            key, following, bufs = x
+            with _Token(plan.device), comm.constants_from(consts):
+                out = plan.call(_named(plan, full), bufs, h, key, kept)
+                nxt = _gather(plan, following)
+            return (out, nxt, kept, consts), h
+
+        first = _gather(plan, [s.detach() for s in shards[:count]])
+        ahead = _stack(plan, shards, [(i + 1) % layers for i in range(layers)])
+        (out, _, _, _), inputs = _loop(trip, (hidden.detach(), first, rest, comm.loop_constants()),
+                                       (keys, ahead, buffers), plan.mesh)
+        ctx.plan, ctx.count_rest, ctx.buffers = plan, count_rest, buffers
+        ctx.save_for_backward(inputs, keys, *flat)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        plan = ctx.plan
+        inputs, keys, *flat = ctx.saved_tensors
+        rest, shards = list(flat[:ctx.count_rest]), flat[ctx.count_rest:]
+        params = plan.group.params
+        count, layers = len(params), plan.layers
+        trained = [j for j, p in enumerate(params) if p.requires_grad]
+
+        comm = plan.group.comm
+
+        def trip(carry, x):
+            g, full, kept, consts = carry
+            h, key, previous, bufs = x
+            with torch.enable_grad():
+                h = h.detach().requires_grad_(True)
+                leaves = [t.detach().requires_grad_(j in trained) for j, t in enumerate(full)]
+                out = plan.call(_named(plan, leaves), bufs, h, key, kept)
+                wrt = [h] + [leaves[j] for j in trained]
+                grads = torch.autograd.grad(out, wrt, g, allow_unused=True)
+            grad_in = torch.zeros_like(h) if grads[0] is None else grads[0]
+            full_grads: List[Optional[torch.Tensor]] = [None] * count
+            for j, d in zip(trained, grads[1:]):
+                full_grads[j] = d
+            with _Token(plan.device), comm.constants_from(consts):
+                reduced = plan.group.reduce_grads(full_grads)
+                nxt = _gather(plan, previous)
+            return (grad_in.to(g.dtype), nxt, kept, consts), [reduced[j] for j in trained]
+
+        last = _gather(plan, [s.detach() for s in shards[(layers - 1) * count:]])
+        behind = _stack(plan, shards, [(i - 1) % layers for i in range(layers)])
+        (grad_in, _, _, _), reduced = _loop(trip, (grad_out.detach(), last, rest, comm.loop_constants()),
+                                         (inputs, keys, behind, ctx.buffers), plan.mesh, reverse=True)
+        shard_grads: List[Optional[torch.Tensor]] = [None] * (count * layers)
+        for k, j in enumerate(trained):
+            for layer, g in enumerate(reduced[k].unbind(0)):
+                shard_grads[layer * count + j] = g
+        ctx.plan = ctx.buffers = None  # the layer's call holds the model's other arguments
+        return (None, None, grad_in, None, None, *([None] * ctx.count_rest), *shard_grads)
+
+
+def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
+    """The model's call of its first scanned layer: every layer, as two loops. `scan_run` is the
+    pass of a ScannedLayers (spmd_engine/scan.py: _ScanRun)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from ..spmd_engine.scan_random import KeyedRandom, layer_keys
+
+    owner, layers = scan_run.owner, scan_run.layers
+    where = owner._scan_where
+    states = [state_of(layer) for layer in layers]
+    _check_run(states, where)
+    group = states[0].group
+    mp = states[0].options.mixed_precision
+    if mp.enabled:  # [Note: every unit casts its own inputs]
+        args, kwargs = cast_inputs(mp, args, kwargs)
+    others, tree = tree_flatten((args[1:], kwargs))
+    grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
+    if grads:
+        raise RuntimeError(
+            f"scan_layers: an argument of the layers of {where} other than the hidden state requires "
+            f"grad (shape {tuple(grads[0].shape)}); only the hidden state is carried through the loop. "
+            "Turn scan_layers off for this model.")
+    slots = [i for i, t in enumerate(others) if isinstance(t, torch.Tensor)]
+    template = owner.template()
+    shape_out: List[Any] = []
+
+    def call(params, bufs, h, key, kept):
+        leaves = list(others)
+        for i, t in zip(slots, kept):
+            leaves[i] = t
+        rest, named = tree_unflatten(leaves, tree)
+        with KeyedRandom(key, where):
+            out = torch.func.functional_call(template, {**params, **bufs}, (h,) + tuple(rest), named,
+                                             strict=True)
+        if not shape_out:  # what the layer returns, without keeping traced tensors alive
+            shape_out.append(_stand_in(out))
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    buffers = {name: torch.stack([layer.get_buffer(name) for layer in layers])
+               for name, _ in layers[0].named_buffers()}
+    hidden = args[0]
+    plan = _Plan(call=call, group=group, site_names=[[s.fqn for s in p.sites] for p in group.params],
+                 layers=len(layers), compute_dtype=mp.compute_dtype if mp.enabled else None,
+                 device=hidden.device,
+                 mesh=group.comm.placement.mesh if group.comm.is_single_controller else None)
+    shards = [s for st in states for s in st.group.local_shards(grad=True)]
+    keys = layer_keys(len(layers), hidden)
+    final = _ScannedUnits.apply(plan, len(slots), hidden, keys, buffers, *[others[i] for i in slots], *shards)
+    traced = shape_out[0]
+    if isinstance(traced, torch.Tensor):
+        return final
+    if isinstance(traced, tuple) and all(t is None for t in traced[1:]):
+        return (final,) + tuple(traced[1:])
+    raise RuntimeError(
+        f"scan_layers: the layers of {where} return {type(traced).__name__} with more than the hidden "
+        "state; a scanned loop carries only the hidden state. Turn scan_layers off.")
+
+
+def _stand_in(out: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: torch.empty(0) if isinstance(t, torch.Tensor) else t, out)
+
+
+def find(root: nn.Module, comm):
+    """The ModuleLists of `root` whose children are identical units, checked (before `install`)."""
+    from ..spmd_engine.scan_find import find_layer_lists
+    from ..unit_state import units
+
+    if not comm.is_xla:
+        raise ValueError("scan_layers runs the layers as an XLA loop; this model's collectives are not "
+                         "XLA's (torch.distributed on CPU tensors). Turn scan_layers off.")
+
+    children = [m for m in units(root) if m is not root]
+    found = find_layer_lists(root, children + [root], stored=False)
+    for _, _, layers, where in found:
+        check_layers(layers, where)
+    return found
+
+
+def install(root: nn.Module, found, mesh) -> None:
+    """Swap each found ModuleList for a ScannedLayers run by this engine's loop."""
+    from ..spmd_engine.scan import ScannedLayers, ScanSettings
+
+    settings = ScanSettings(mesh, None, lambda t: t, recompute=True, stored=False, loop=run_loop)
+    for owner, name, layers, where in found:
+        scanned = ScannedLayers(layers, settings, where)
+        scanned._scan_box.append(unit_template(layers[0]))
+        setattr(owner, name, scanned)
+    config = getattr(root, "config", None)
+    if getattr(config, "use_cache", False):  # a call with a KV cache runs the layers one by one
+        config.use_cache = False
+        if type(root).__module__.startswith("transformers."):
+            # without a cache transformers' mask code reads tensor values on the host, which the
+            # single controller's region cannot; steered as enable() steers it for the Trainer
+            from ..integrations.transformers_runtime import steer_is_tracing
+
+            steer_is_tracing()
