@@ -2,7 +2,8 @@
 torch_xla's FSDPv2, as the depth grows.
 
     python bench/compile_time.py [--layers 2 4 8 16 32 48] [--devices 4]
-                                 [--engines scan scan_per_step spmd fsdpv2] [--json OUT]
+                                 [--engines scan scan_per_step spmd fsdpv2 collectives_scan collectives]
+                                 [--json OUT]
 
 For each depth and engine a fresh process (SPMD, `--devices` virtual CPU devices)
 builds a GPT-2 of width 128 (4 heads, vocabulary 512, no dropout), shards it,
@@ -12,7 +13,10 @@ program: AdamW's state appears after step 1; step 3 runs compiled):
   (parameters stored stacked);
 - scan_per_step: the same with `scan_layers="per_step"` (per-layer parameters, stacked every step);
 - spmd: the same without scan_layers;
-- fsdpv2: torch_xla 2.9's `SpmdFullyShardedDataParallel`, GPT2Block units.
+- fsdpv2: torch_xla 2.9's `SpmdFullyShardedDataParallel`, GPT2Block units;
+- collectives_scan: the collectives engine (the single controller) with scan_layers, every block
+  checkpointed ([Note: scanning units of the collectives engine]);
+- collectives: the same without scan_layers.
 Columns: trace seconds of steps 1 and 2 (forward, backward and optimizer step
 recorded lazily, up to each step's sync), XLA:CPU compile seconds (torch_xla's
 CompileTime metric, every graph of steps 1 and 2), their wall time, and step 3's wall
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import time
 
-ENGINES = ("scan", "scan_per_step", "spmd", "fsdpv2")
+ENGINES = ("scan", "scan_per_step", "spmd", "fsdpv2", "collectives_scan", "collectives")
 
 
 def worker(engine: str, layers: int) -> dict:
@@ -62,6 +66,13 @@ def worker(engine: str, layers: int) -> dict:
             shard_output=lambda out, mesh: xs.mark_sharding(
                 out if isinstance(out, torch.Tensor) else out.logits, mesh, ("fsdp", None, None)),
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={GPT2Block}))
+    elif engine.startswith("collectives"):
+        import xla_fsdp
+        from xla_fsdp import FSDP
+
+        model = FSDP(model.to(torch_xla.device()), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
+                     auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw),
+                     scan_layers=engine == "collectives_scan")
     else:
         import xla_fsdp
         from xla_fsdp.wrap import transformer_auto_wrap_policy
@@ -106,18 +117,18 @@ def main() -> None:
         return
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(opts.devices), XLA_USE_SPMD="1")
     rows = []
-    print(f"{'layers':>6} {'engine':>7} {'trace s':>8} {'compile s':>9} {'steps 1-2 s':>11} {'step 3 s':>9}")
+    print(f"{'layers':>6} {'engine':>16} {'trace s':>8} {'compile s':>9} {'steps 1-2 s':>11} {'step 3 s':>9}")
     for layers in opts.layers:
         for engine in opts.engines:
             got = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", engine, str(layers)],
                                  env=env, capture_output=True, text=True)
             line = [l for l in got.stdout.splitlines() if l.startswith("ROW ")]
             if got.returncode or not line:
-                print(f"{layers:>6} {engine:>7} failed rc={got.returncode}: {got.stderr[-600:]}")
+                print(f"{layers:>6} {engine:>16} failed rc={got.returncode}: {got.stderr[-600:]}")
                 continue
             row = json.loads(line[-1][4:])
             rows.append(row)
-            print(f"{layers:>6} {engine:>7} {row['trace_s']:>8} {row['compile_s']:>9} "
+            print(f"{layers:>6} {engine:>16} {row['trace_s']:>8} {row['compile_s']:>9} "
                   f"{row['first_steps_s']:>11} {row['step_s']:>9}", flush=True)
     by = {(r["engine"], r["layers"]): r for r in rows}
     lo, hi = min(opts.layers), max(opts.layers)
