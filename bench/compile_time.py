@@ -69,7 +69,9 @@ def worker(engine: str, layers: int) -> dict:
     elif engine.startswith("collectives"):
         import xla_fsdp
         from xla_fsdp import FSDP
+        from xla_fsdp.integrations.transformers_runtime import steer_is_tracing
 
+        steer_is_tracing()  # transformers' mask code, inside the single controller's region
         model = FSDP(model.to(torch_xla.device()), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
                      auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw),
                      scan_layers=engine == "collectives_scan")

@@ -172,3 +172,37 @@ def test_scan_trains_the_small_stack_like_unscanned():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
     for name, want in ref.items():
         torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-7)
+
+
+def test_llama_layers_with_rotary_arguments_scan_like_unscanned():
+    """Llama's layers take the rotary tables and the mask as arguments: they enter the loop as
+    carried tensors; the slice `self.layers[:n]` its forward takes is scanned too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def run(scan):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        device = torch_xla.device()
+        model = FSDP(LlamaForCausalLM(cfg).to(device),
+                     auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["LlamaDecoderLayer"]),
+                     auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw),
+                     scan_layers=scan)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 128, (4, 16), generator=gen).to(device)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch_xla.sync()
+            losses.append(float(loss.detach()))
+        return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+    ref_losses, ref = run(False)
+    losses, got = run(True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
+    for name, want in ref.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-7)

@@ -347,9 +347,9 @@ def install(root: nn.Module, found, mesh) -> None:
     config = getattr(root, "config", None)
     if getattr(config, "use_cache", False):  # a call with a KV cache runs the layers one by one
         config.use_cache = False
-        if type(root).__module__.startswith("transformers."):
-            # without a cache transformers' mask code reads tensor values on the host, which the
-            # single controller's region cannot; steered as enable() steers it for the Trainer
-            from ..integrations.transformers_runtime import steer_is_tracing
+    if type(root).__module__.startswith("transformers."):
+        # without a cache transformers' mask code reads tensor values on the host, which the
+        # single controller's region cannot; steered as enable() steers it for the Trainer
+        from ..integrations.transformers_runtime import steer_is_tracing
 
-            steer_is_tracing()
+        steer_is_tracing()
