@@ -69,7 +69,7 @@ def worker(engine: str, layers: int) -> dict:
     elif engine.startswith("collectives"):
         import xla_fsdp
         from xla_fsdp import FSDP
-        from xla_fsdp.integrations.transformers_runtime import steer_is_tracing
+        from xla_fsdp.collective_engine.manual_region import steer_is_tracing
 
         steer_is_tracing()  # transformers' mask code, inside the single controller's region
         model = FSDP(model.to(torch_xla.device()), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),

@@ -40,6 +40,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.activation_checkpoint": "shared",
     "xla_fsdp.recompute_context": "shared",
     "xla_fsdp.forward_overrides": "shared",
+    "xla_fsdp.layer_scan": "shared",  # scan_layers' ModuleList and keyed dropout; each engine brings its loop
     "xla_fsdp.keywords": "base",
     # layer 3: the engines, one folder each
     "xla_fsdp.collective_engine": "collective_engine",

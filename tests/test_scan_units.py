@@ -46,7 +46,7 @@ def _train(scan: bool, steps: int = 3, layers: int = 3, fixed: bool = False):
 
 
 def test_scanned_blocks_train_like_the_unscanned_model_without_dropout():
-    from xla_fsdp.spmd_engine.scan import ScannedLayers
+    from xla_fsdp.layer_scan.scanned_list import ScannedLayers
 
     torch.manual_seed(0)
     ref, ref_losses = _train_no_dropout(scan=False)

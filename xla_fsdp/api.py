@@ -312,7 +312,7 @@ def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: ty
         m.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
         build.cast_buffers(m, options, comm.device, cast=not keeps_meta)  # FSDP2 leaves buffers alone
     if scanned:
-        scan_loop.install(module, scanned, state.device_mesh)
+        scan_loop.install(module, scanned)
     if options.execute_sharding_on_init and not any(p.is_meta for p in group.shards):
         comm.sync(group.shards)
     return state

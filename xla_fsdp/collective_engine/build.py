@@ -16,7 +16,8 @@ import torch.nn as nn
 from .. import abstract
 from ..memory.host import release_freed_host_memory
 from ..options import FSDPOptions, ShardingLayout, ShardingStrategy
-from .collectives import Collectives, SpmdCollectives, XlaCollectives
+from .collectives import Collectives, XlaCollectives
+from .spmd_collectives import SpmdCollectives
 from .dist_collectives import DistCollectives
 from .manual_region import DevicePlacement
 from .param import FSDPParam, ParamSite

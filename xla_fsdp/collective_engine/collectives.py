@@ -2,7 +2,7 @@
 
 `Collectives` is what a parameter group talks to. Implementations:
 `XlaCollectives` (pinned-layout HLO collectives, rank-independent graphs),
-`SpmdCollectives` (the same inside one SPMD program, the single controller) and
+`SpmdCollectives` (spmd_collectives.py: the same inside one SPMD program, the single controller) and
 `DistCollectives` (dist_collectives.py: torch.distributed, e.g. gloo on CPU
 tensors, so the same engine trains across real processes on a machine without
 accelerators).
@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
 from .. import abstract
 from ..options import CollectiveOptions, ShardingLayout
-from ..tpu import libtpu_flags
-from . import auto, ring, torus
-from .conversions import ToLocal, to_global, to_local
+from . import auto
 
 REDUCE_SUM = "sum"
 REDUCE_MAX = "max"
@@ -248,178 +246,3 @@ class XlaCollectives(Collectives):
         import torch_xla.core.xla_model as xm
 
         return bool(xm.mesh_reduce("xla_fsdp.all_ok", int(bool(ok)), min))
-
-
-# [Note: channel ids] Inside a manual-sharding region a collective runs
-# across the partitions of one SPMD program, which XLA expresses with a
-# channel id and global device ids (`use_global_device_ids`). Without them XLA
-# reads the groups as replica ids, and an SPMD program has one replica. The
-# channel id only marks the collective as cross-partition (one program,
-# nothing to pair up), so every collective carries the same one and the
-# traced graph stays identical from step to step.
-SPMD_CHANNEL_ID = 1
-
-# [Note: no pinning in one program] `pin_layout_in_collective_ops` exists so
-# that separately compiled per-process programs agree on the memory layout of
-# what they exchange. The single-controller runtime compiles ONE program for
-# every device, so there is nothing to agree on, and pinning does harm on a
-# TPU: libtpu refuses a module that mixes layout-constrained and
-# unconstrained all-reduces ("HloModule has a mix of layout constrained and
-# unconstrained AllReduce instructions"; a reduce-scatter counts, it becomes
-# an all-reduce), and torch_xla 2.9 has no pinned cross-partition all-reduce
-# while the SPMD partitioner adds unpinned ones of its own. Pinned collectives
-# are also never made asynchronous by the TPU compiler. So this runtime issues
-# every collective unpinned, whatever the option says (checked by compiling
-# the step for v4-8 and v5e-8 in tests/test_tpu_compile_matrix.py).
-
-
-def _torus_known() -> bool:
-    try:
-        return torus.slice_shape() is not None
-    except ValueError:  # a malformed XLA_FSDP_TORUS: the rings' own check says so
-        return True
-
-
-class SpmdCollectives(XlaCollectives):
-    """The same collectives between the devices of one process, inside manual-sharding regions,
-    unpinned ([Note: no pinning in one program]).
-
-    The single-controller runtime ([Note: single-controller runtime] in
-    manual_region.py). Groups are device ids; parameters are global tensors
-    and `local_view` gives a device's piece inside the region. Gradients
-    arrive pre-scaled by the region's output rules, so reduce-scatters sum.
-    """
-
-    _channel = (SPMD_CHANNEL_ID, True)
-
-    def __init__(self, layout: ShardingLayout, options: CollectiveOptions, placement, device=None):
-        import torch_xla.distributed.spmd as xs
-
-        options = auto.resolve(options, single_controller=True,
-                               rings_possible=auto.rings_apply(placement.shard_groups, placement.num_devices),
-                               on_tpu=auto.tpu_target(), rings_enabled=libtpu_flags.rings_enabled(),
-                               scatter_rings_possible=auto.scatter_rings_apply(
-                                   placement.shard_groups, placement.num_devices, _torus_known()))
-        if options.all_gather_impl == "ring" and options.reduce_scatter_stages == "ring":
-            auto.warn_if_budget_is_not_the_rings()
-        super().__init__(layout, options, device)
-        self._pin_layout = False  # [Note: no pinning in one program]
-        self.placement = placement
-        self._stages = None  # reduce-scatter stages, decided at the first one (torus.py)
-        self._rings = None  # "ring" gathers or reduce-scatters: the rings ([Note: ring reduce-scatter])
-        asked = [f"{k}='ring'" for k, v in (("all_gather_impl", options.all_gather_impl),
-                                            ("reduce_scatter_stages", options.reduce_scatter_stages)) if v == "ring"]
-        if asked and layout.shard_world_size > 1:
-            every = list(range(placement.num_devices))
-            if [list(g) for g in placement.shard_groups] != [every]:
-                raise ValueError(
-                    f"{' and '.join(asked)} needs one shard group holding every device in id order, "
-                    f"not {[list(g) for g in placement.shard_groups]}; use 'auto' or 'flat' stages and "
-                    f"the 'all_gather' gather with sharding groups")
-            self._rings = ring.TorusRings(torus.slice_shape() or (len(every),))
-            if self._rings.devices != len(every):
-                raise ValueError(f"{torus.ENV} names a slice of {self._rings.devices} devices; "
-                                 f"this job has {len(every)}")
-            # each device's chunk orders, as data (one row per device)
-            self._ring_orders = torch.from_numpy(self._rings.orders()).to(self.device)
-            xs.mark_sharding(self._ring_orders, placement.mesh, placement.spec("batch", 2))
-        # each device's position in its shard group, as data
-        self._positions = torch.tensor(placement.shard_positions(), dtype=torch.long).to(self.device)
-        xs.mark_sharding(self._positions, placement.mesh, placement.spec("batch", 1))
-
-    @property
-    def is_single_controller(self) -> bool:
-        return True
-
-    def grad_scale(self, across_replicas: bool) -> float:
-        return 1.0
-
-    def stash(self, tensor):
-        # a per-device tensor lives on as one global tensor with a leading device dim
-        spec = self.placement.spec("batch", tensor.dim() + 1)
-        return to_global(tensor.unsqueeze(0), self.placement.mesh, spec,
-                         torch.Size([self.placement.num_devices, *tensor.shape]))
-
-    def unstash(self, kept):
-        return to_local(kept, self.placement.mesh, self.placement.spec("batch", kept.dim()))[0]
-
-    def barrier(self):
-        """One process drives every device: nothing to wait for."""
-
-    def all_ok(self, ok):
-        return ok
-
-    def local_view(self, tensor, kind="param", grad=True):
-        spec = self.placement.spec(kind, tensor.dim())
-        if grad and tensor.requires_grad and torch.is_grad_enabled():
-            return ToLocal.apply(tensor, self.placement.mesh, spec, None)
-        return to_local(tensor.detach(), self.placement.mesh, spec)
-
-    def global_value(self, tensor):
-        return to_global(tensor, self.placement.mesh, self.placement.spec("replicated", tensor.dim()), tensor.shape)
-
-    def place_global(self, padded: torch.Tensor) -> torch.Tensor:
-        """A padded full parameter -> the global device tensor, sharded on dim 0."""
-        import torch_xla.distributed.spmd as xs
-
-        spec = self.placement.spec("param", padded.dim())
-        if padded.is_meta:  # traced for the ahead-of-time check ([Note: abstract tracing])
-            return abstract.to_device(padded, self.device, self.placement.mesh.get_op_sharding(spec))
-        data = padded.to(self.device)
-        xs.mark_sharding(data, self.placement.mesh, spec)
-        return data
-
-    _given: Optional[Sequence[torch.Tensor]] = None  # constants_from's, while a loop body is traced
-
-    def _rank_index(self):
-        if self._given is not None:
-            return self._given[0]
-        return to_local(self._positions, self.placement.mesh, self.placement.spec("batch", 1))
-
-    def _my_ring_orders(self):
-        if self._given is not None:
-            return self._given[1]
-        return to_local(self._ring_orders, self.placement.mesh, self.placement.spec("batch", 2))
-
-    def loop_constants(self):
-        # the device's position in its group, and its ring orders: global tensors split over the
-        # devices, which a loop body inside the region cannot read itself
-        return [self._rank_index()] + ([self._my_ring_orders()] if self._rings is not None else [])
-
-    @contextlib.contextmanager
-    def constants_from(self, values):
-        self._given = list(values)
-        try:
-            yield
-        finally:
-            self._given = None
-
-    def all_gather(self, flat_shard):
-        if self._rings is None or self.options.all_gather_impl != "ring":
-            return super().all_gather(flat_shard)
-        return self._rings.all_gather(flat_shard, self._my_ring_orders())
-
-    def reduce_scatter(self, flat, follow_chain=True):
-        if self._rings is None or self.options.reduce_scatter_stages != "ring":
-            return super().reduce_scatter(flat, follow_chain)
-        # [Note: ring reduce-scatter]: permutes made by the partitioner carry no token, so this
-        # neither waits for nor orders later collectives through it
-        return self._rings.reduce_scatter(flat, self._my_ring_orders())
-
-    def _scatter_stages(self, flat, groups, count):
-        if self._stages is None:
-            self._stages = torus.stages(groups[0], torus.slice_shape(), self.options.reduce_scatter_stages) \
-                if len(groups) == 1 else []
-        # a bucket too small for whole rows of every stage's shards is an all-reduce either way
-        # ([Note: 2-D reduce-scatter]); staged, libtpu also merges it with its neighbours' stages
-        if self._stages and as_rows(flat, count).dim() == 2:
-            return self._stages  # [Note: one reduce-scatter per torus axis]
-        return super()._scatter_stages(flat, groups, count)
-
-    def all_reduce(self, tensor, group, op=REDUCE_SUM):
-        groups, count = self._group(group)
-        if count == 1:
-            return tensor
-        # torch_xla 2.9 has no layout-pinned cross-partition all-reduce; pinning guards
-        # separately compiled programs, and here one program serves every device
-        return self._xlac._xla_spmd_all_reduce(op, tensor, 1.0, groups)

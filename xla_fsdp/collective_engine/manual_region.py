@@ -24,9 +24,10 @@ the engine's reduce-scatter sums instead of averaging.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -311,3 +312,43 @@ def _arg_name(path) -> str:
         rest = text[3:]
         return rest[2:-2] if rest.startswith("['") and rest.endswith("']") else "kwargs" + rest
     return text
+
+
+# [Note: host reads in the manual region], for transformers: its mask code asks `is_tracing` before it
+# reads tensor values; inside the region the answer is yes (integrations/transformers.py's enable()
+# and scan_layers on a transformers model steer it)
+_steered: List[Tuple[Any, Callable]] = []  # (module, its original is_tracing)
+
+
+def steer_is_tracing() -> None:
+    """Point every loaded transformers module's `is_tracing` at one that is true inside a manual region
+    (again at wrap time: model modules load lazily)."""
+    from transformers.utils import import_utils
+
+    original = import_utils.is_tracing
+    steered = _steered_is_tracing(original)
+    for name, module in list(sys.modules.items()):
+        if (name == "transformers" or name.startswith("transformers.")) and getattr(module, "is_tracing",
+                                                                                     None) is original:
+            setattr(module, "is_tracing", steered)
+            _steered.append((module, original))
+
+
+_STEERED: Dict[int, Callable] = {}
+
+
+def _steered_is_tracing(original: Callable) -> Callable:
+    if id(original) not in _STEERED:
+        def is_tracing(tensor=None) -> bool:
+            # inside the region values cannot be read on the host: take the paths that do not read them
+            return in_manual_region() or original(tensor)
+
+        is_tracing.xla_fsdp_original = original
+        _STEERED[id(original)] = is_tracing
+    return _STEERED[id(original)]
+
+
+def unsteer_is_tracing() -> None:
+    while _steered:
+        module, original = _steered.pop()
+        module.is_tracing = original

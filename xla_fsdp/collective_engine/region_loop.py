@@ -16,7 +16,7 @@ and is refused; pass its local piece in the carry instead.
 
 The body is traced once, lazily, with placeholder inputs (any engine code may
 run in it, explicit collectives included); torch's RNG state must not be used
-in it (a scanned layer draws from keys, spmd_engine/scan_random.py).
+in it (a scanned layer draws from keys, layer_scan/keyed_random.py).
 """
 from __future__ import annotations
 

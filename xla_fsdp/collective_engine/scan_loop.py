@@ -27,7 +27,7 @@ backward do.
   on the scanned units (`activation_checkpointing=True`, fsdp_config
   `xla_fsdp_grad_ckpt`), and refuses without it.
 - Dropout inside the loop draws its masks from a key per layer and sequence
-  ([Note: dropout under scan] in spmd_engine/scan_random.py), so a
+  ([Note: dropout under scan] in layer_scan/keyed_random.py), so a
   recomputed layer draws the mask its forward drew.
 - torch_xla threads a token through its collectives; a collective traced in
   the body must not leave a body value as the token the program after the
@@ -66,7 +66,7 @@ def unit_template(layer: nn.Module) -> nn.Module:
     """A hook-free copy of unit `layer` with meta tensors and its own class's forward (the engine's
     state stays on the real layer)."""
     from ..class_swap import original_class
-    from ..spmd_engine.scan_find import _template
+    from ..layer_scan.find import _template
     from ..unit_state import _KEY
 
     state = layer.__dict__.pop(_KEY)
@@ -257,10 +257,10 @@ class _ScannedUnits(torch.autograd.Function):
 
 def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     """The model's call of its first scanned layer: every layer, as two loops. `scan_run` is the
-    pass of a ScannedLayers (spmd_engine/scan.py: _ScanRun)."""
+    pass of a ScannedLayers (layer_scan/scanned_list.py: ScanRun)."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
-    from ..spmd_engine.scan_random import KeyedRandom, layer_keys
+    from ..layer_scan.keyed_random import KeyedRandom, layer_keys
 
     owner, layers = scan_run.owner, scan_run.layers
     where = owner._scan_where
@@ -321,7 +321,7 @@ def _stand_in(out: Any) -> Any:
 
 def find(root: nn.Module, comm):
     """The ModuleLists of `root` whose children are identical units, checked (before `install`)."""
-    from ..spmd_engine.scan_find import find_layer_lists
+    from ..layer_scan.find import find_layer_lists
     from ..unit_state import units
 
     if not comm.is_xla:
@@ -329,17 +329,17 @@ def find(root: nn.Module, comm):
                          "XLA's (torch.distributed on CPU tensors). Turn scan_layers off.")
 
     children = [m for m in units(root) if m is not root]
-    found = find_layer_lists(root, children + [root], stored=False)
+    found = find_layer_lists(root, children + [root])
     for _, _, layers, where in found:
         check_layers(layers, where)
     return found
 
 
-def install(root: nn.Module, found, mesh) -> None:
+def install(root: nn.Module, found) -> None:
     """Swap each found ModuleList for a ScannedLayers run by this engine's loop."""
-    from ..spmd_engine.scan import ScannedLayers, ScanSettings
+    from ..layer_scan.scanned_list import ScannedLayers, ScanSettings
 
-    settings = ScanSettings(mesh, None, lambda t: t, recompute=True, stored=False, loop=run_loop)
+    settings = ScanSettings(run_loop)
     for owner, name, layers, where in found:
         scanned = ScannedLayers(layers, settings, where)
         scanned._scan_box.append(unit_template(layers[0]))
@@ -350,6 +350,6 @@ def install(root: nn.Module, found, mesh) -> None:
     if type(root).__module__.startswith("transformers."):
         # without a cache transformers' mask code reads tensor values on the host, which the
         # single controller's region cannot; steered as enable() steers it for the Trainer
-        from ..integrations.transformers_runtime import steer_is_tracing
+        from .manual_region import steer_is_tracing
 
         steer_is_tracing()

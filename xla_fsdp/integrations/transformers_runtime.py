@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Callable
 
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 SINGLE_CONTROLLER = "single_controller"
 
 logger = logging.getLogger("xla_fsdp.integrations.transformers")
 
-_steered: List[Tuple[Any, Callable]] = []  # (module, its original is_tracing)
+# transformers' is_tracing steered inside the region: the collective engine's, which scan_layers uses too
+from ..collective_engine.manual_region import steer_is_tracing, unsteer_is_tracing  # noqa: E402,F401
 
 
 def set_up_runtime() -> None:
@@ -50,42 +50,6 @@ def set_up_runtime() -> None:
             "Call xla_fsdp.integrations.transformers.enable() (or torch_xla.runtime.use_spmd()) at the top of "
             "the script, before any model or tensor is moved to the XLA device")
     xr.use_spmd()
-
-
-def steer_is_tracing() -> None:
-    """Point every loaded transformers module's `is_tracing` at one that is true inside a manual region
-    (again at wrap time: model modules load lazily)."""
-    from transformers.utils import import_utils
-
-    original = import_utils.is_tracing
-    steered = _steered_is_tracing(original)
-    for name, module in list(sys.modules.items()):
-        if (name == "transformers" or name.startswith("transformers.")) and getattr(module, "is_tracing",
-                                                                                     None) is original:
-            setattr(module, "is_tracing", steered)
-            _steered.append((module, original))
-
-
-_STEERED: Dict[int, Callable] = {}
-
-
-def _steered_is_tracing(original: Callable) -> Callable:
-    if id(original) not in _STEERED:
-        from xla_fsdp.collective_engine.manual_region import in_manual_region
-
-        def is_tracing(tensor=None) -> bool:
-            # inside the region values cannot be read on the host: take the paths that do not read them
-            return in_manual_region() or original(tensor)
-
-        is_tracing.xla_fsdp_original = original
-        _STEERED[id(original)] = is_tracing
-    return _STEERED[id(original)]
-
-
-def unsteer_is_tracing() -> None:
-    while _steered:
-        module, original = _steered.pop()
-        module.is_tracing = original
 
 
 def unfused_adamw(get_optimizer_cls_and_kwargs: Callable) -> Callable:

@@ -38,9 +38,10 @@ from xla_fsdp.spmd_engine.activations import BatchSharding, checkpoint_unit
 from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms
 from xla_fsdp.spmd_engine.padded_rows import pad_uneven_rows
 from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters
-from xla_fsdp.spmd_engine.scan_find import find_layer_lists
+from xla_fsdp.layer_scan.find import find_layer_lists
 from xla_fsdp.spmd_engine.scan import (ScanSettings,
                                        install_scans)
+from xla_fsdp.spmd_engine.stacked import check_stackable
 from xla_fsdp.spmd_engine.units import (ParamInitFn, Placed, WrapPolicy,
                                         find_units, materialize_unit,
                                         place_and_shard, unit_tensors)
@@ -115,7 +116,7 @@ def apply_spmd_fsdp(
 
   # checked before anything is placed: a refusal leaves the model as it was
   stored = scan_layers is True  # "per_step": stack every step
-  found = find_layer_lists(module, units, stored) if scan_layers else []
+  found = find_layer_lists(module, units, check_stackable if stored else None) if scan_layers else []
   scanned = {id(layer) for _, _, layers, _ in found for layer in layers}
   if scanned and gather_params:
     raise ValueError("scan_layers with gather_params is not supported: inside "

@@ -1,46 +1,27 @@
-"""Scan over a model's repeated layers (the SPMD engine's `scan_layers`).
+"""The SPMD engine's loop for scanned layers (`scan_layers`, engine="spmd").
 
-[Note: scanning the layers of a ModuleList]
-A decoder calls its identical layers one after the other; traced lazily,
-every layer is a fresh copy of the same HLO, so the program and its compile
-time grow with depth. Scanning runs the layers as one XLA While loop over
-their stacked parameters (torch_xla's `scan`, traced once with AOTAutograd),
-so the program holds one layer's forward and one layer's backward.
-
-Transformers' models (and most users' own) loop over an `nn.ModuleList`
-themselves, so the engine does not rewrite their forward. It swaps the
-ModuleList for a `ScannedLayers` (same children, same state-dict keys: a
-checkpoint saved with scan loads without it and the reverse). Iterating it
-hands out one stand-in per layer: the first stand-in's call runs the whole
-loop with the arguments it was given (every layer of a decoder gets the same
-mask and positions) and returns the last layer's output; each later stand-in
-checks that it got back exactly that output, unchanged, and returns it
-again. A model that does anything to the hidden state between its layers
-fails that check loudly instead of computing something else.
-
-What stays per layer under FSDP: each layer's parameters are stacked on a
-new dim 0 (their dim-0 shards become dim-1 shards, no communication), the
-loop body slices one layer's shards, and the partitioner gathers them inside
-the body and reduce-scatters their gradients there, so a chip holds one
-layer's full parameters at a time, as without scan.
-
-Where the loop cannot run as written it does not run: a call with a KV cache
-(generation) runs the real layers one by one; hooks that transformers uses to
-collect per-layer outputs (`output_hidden_states`, `output_attentions`) and
-hooks added to the layers after wrapping are refused with the reason, since a
-loop body cannot call them per layer.
+The layers' ModuleList becomes a `ScannedLayers` (layer_scan/scanned_list.py,
+[Note: scanning the layers of a ModuleList]); its first call runs this
+engine's loop: torch_xla's `scan` over their stacked parameters, traced once
+with AOTAutograd. What stays per layer under FSDP: each layer's parameters
+are stacked on a new dim (stored stacked, or stacked every step with
+"per_step"), the loop body slices one layer's shards, and the partitioner
+gathers them inside the body and reduce-scatters their gradients there, so a
+chip holds one layer's full parameters at a time, as without scan.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 
-from xla_fsdp.spmd_engine.scan_find import Found, _hook_keys, _template, hf_checkpointed
+from xla_fsdp.layer_scan.find import Found, _template, hf_checkpointed
+from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanRun
+from xla_fsdp.layer_scan.scanned_list import ScanSettings as _Shared
 from xla_fsdp.spmd_engine.stacked import SUFFIX, stacked_view, store_stacked
 
 logger = logging.getLogger(__name__)
@@ -48,266 +29,98 @@ logger = logging.getLogger(__name__)
 ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
 
 
-class ScanSettings:
-  """What every scanned ModuleList of one model shares."""
+class ScanSettings(_Shared):
+  """What every scanned ModuleList of one model shares on the SPMD engine."""
 
   def __init__(self, mesh: xs.Mesh, compute_dtype: Optional[torch.dtype],
                annotate: ScanAnnotate, recompute: bool, stored: bool = True,
-               batch_entry: Optional[Callable[[torch.Tensor], Any]] = None,
-               loop: Optional[Callable[["_ScanRun", Tuple, Dict[str, Any]], Any]] = None):
+               batch_entry: Optional[Callable[[torch.Tensor], Any]] = None):
+    super().__init__(gspmd_loop, compute_dtype, stacked_view)
     self.mesh = mesh
-    # the engine's own loop in place of torch_xla's `scan` (the collectives engine's:
-    # collective_engine/scan_loop.py)
-    self.loop = loop
     self.batch_entry = batch_entry  # the mesh axes of a batch tensor's dim 0, else None
-    self.compute_dtype = compute_dtype
     self.annotate = annotate
     self.recompute = recompute
     self.stored = stored  # parameters stored stacked ([Note: parameters stored stacked])
 
 
-class ScannedLayers(nn.ModuleList):
-  """An `nn.ModuleList` whose iteration runs its layers as one While loop
-  ([Note: scanning the layers of a ModuleList])."""
+def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+  """The layers of `run` as torch_xla's `scan` (the first layer's call)."""
+  from torch_xla.experimental.scan import scan
+  from torch.utils._pytree import tree_flatten, tree_unflatten
+  from functorch.compile import default_partition
 
-  def __init__(self, modules=None, settings: Optional[ScanSettings] = None,
-               where: str = "layers", hooks=None):
-    super().__init__(modules)
-    self._scan_settings = settings
-    self._scan_where = where
-    # the hooks present at wrapping (the engine's); later ones are refused
-    self._scan_hooks = _hook_keys(list(self)) if hooks is None else hooks
-    self._scan_box: List[nn.Module] = []  # the template, off the module tree
-    self._scan_store: List[nn.Module] = []  # the stored stacks' module (on the owner)
-    self._scan_rows = (0, len(self))  # which layers of the stored stacks these are
+  from xla_fsdp.spmd_engine.scan_glue import recompute_partition, use_shard_like
+  from xla_fsdp.layer_scan.keyed_random import KeyedRandom, layer_keys
 
-  def __getitem__(self, idx):
-    if isinstance(idx, slice):  # `self.layers[:n]`, as Llama's loop writes it
-      rows = range(*self._scan_rows)[idx]
-      if rows.step != 1:
-        raise ValueError(f"scan_layers: {self._scan_where}[{idx}] skips layers; a scanned "
-                         "list is run in order, whole or a contiguous part of it.")
-      part = ScannedLayers(list(self._modules.values())[idx],
-                           self._scan_settings, self._scan_where,
-                           self._scan_hooks)
-      part._scan_box = self._scan_box
-      part._scan_store = self._scan_store
-      part._scan_rows = (rows.start, rows.stop) if len(rows) else (0, 0)
-      return part
-    return super().__getitem__(idx)
-
-  def stored(self) -> Dict[str, torch.Tensor]:
-    """Each parameter name's stored stack as (layers, ...) for these layers (empty: per-step stacking)."""
-    if not self._scan_store:
-      return {}
-    start, stop = self._scan_rows
-    return {name: stacked_view(p)[start:stop]
-            for name, p in self._scan_store[0].named_parameters()}
-
-  def __iter__(self):
-    layers = list(self._modules.values())
-    if self._scan_settings is None or len(layers) < 2:
-      return iter(layers)
-    run = _ScanRun(self, layers)
-    return iter([_Turn(run, i) for i in range(len(layers))])
-
-  def template(self) -> nn.Module:
-    if not self._scan_box:
-      self._scan_box.append(_template(next(iter(self._modules.values()))))
-    return self._scan_box[0]
-
-
-class _Turn:
-  """Stands in for layer `index` in the model's loop."""
-
-  def __init__(self, run: "_ScanRun", index: int):
-    self._run = run
-    self._index = index
-
-  def __getattr__(self, name: str) -> Any:  # attributes the loop reads
-    return getattr(self._run.layers[self._index], name)
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    if self._index == 0:
-      return self._run.start(args, kwargs)
-    return self._run.follow(self._index, args)
-
-
-class _ScanRun:
-  """One pass of the model's loop over a ScannedLayers."""
-
-  def __init__(self, owner: ScannedLayers, layers: List[nn.Module]):
-    self.owner = owner
-    self.layers = layers
-    self.output: Any = None
-
-  def _hidden(self, output: Any) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else output[0]
-
-  def follow(self, index: int, args: Tuple) -> Any:
-    if self.output is None:
-      raise RuntimeError(
-          f"scan_layers: layer {index} of {self.owner._scan_where} was called "
-          "before layer 0; a scanned ModuleList must be run in order.")
-    if not args or args[0] is not self._hidden(self.output):
-      raise RuntimeError(
-          f"scan_layers: layer {index} of {self.owner._scan_where} did not get "
-          "the previous layer's output unchanged; the model works on the hidden "
-          "state between its layers, which a scanned loop cannot do. Turn "
-          "scan_layers off for this model.")
-    return self.output
-
-  def start(self, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    if not args or not isinstance(args[0], torch.Tensor):
-      raise TypeError(
-          f"scan_layers: the layers of {self.owner._scan_where} must take the "
-          "hidden state as their first positional argument.")
-    self._refuse_per_layer_hooks()
-    if _carries_cache(args[1:], kwargs):
-      # generation: each layer writes its cache; run them as written
-      out = args[0]
-      stored = self.owner.stored()
-      for i, layer in enumerate(self.layers):
-        if stored:  # the layer holds no parameters: its slice of each stack
-          tensors = {n: t[i] for n, t in stored.items()}
-          dtype = self.owner._scan_settings.compute_dtype
-          if dtype is not None:
-            tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-          # the real layer (its own index for the cache), the slices set for the call
-          result = torch.func.functional_call(layer, tensors, (out,) + tuple(args[1:]), kwargs)
-        else:
-          result = layer(out, *args[1:], **kwargs)
-        out = self._hidden(result)
-      self.output = result
-      return result
-    loop = self.owner._scan_settings.loop
-    self.output = loop(self, args, kwargs) if loop is not None else self._scan(args, kwargs)
-    return self.output
-
-  def _refuse_per_layer_hooks(self) -> None:
-    try:
-      from transformers.utils.output_capturing import _active_collector
-      collecting = _active_collector.get()
-    except ImportError:
-      collecting = None
-    if collecting:
-      raise RuntimeError(
-          f"scan_layers: the model was asked for per-layer outputs "
-          f"({', '.join(k for k in collecting if not k.startswith('_'))}); a "
-          "scanned loop has no per-layer calls. Call it without "
-          "output_hidden_states/output_attentions, or turn scan_layers off.")
-    now = _hook_keys(self.layers)
-    for key, hooks in now.items():
-      before = self.owner._scan_hooks.get(key, (frozenset(),) * 3)
-      added = [h for h, b in zip(hooks, before) if h - b]
-      if added and not _transformers_capture_only(self.layers, key, hooks, before):
-        raise RuntimeError(
-            f"scan_layers: a hook was registered on a layer of "
-            f"{self.owner._scan_where} after it was wrapped; a scanned loop "
-            "cannot call per-layer hooks. Register it on the model instead, or "
-            "turn scan_layers off.")
-
-  def _scan(self, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    from torch_xla.experimental.scan import scan
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-    from functorch.compile import default_partition
-
-    from xla_fsdp.spmd_engine.scan_glue import recompute_partition, use_shard_like
-    from xla_fsdp.spmd_engine.scan_random import KeyedRandom, layer_keys
-
-    use_shard_like()
-    settings = self.owner._scan_settings
-    others, tree = tree_flatten((args[1:], kwargs))
-    grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
-    if grads:
-      raise RuntimeError(
-          f"scan_layers: an argument of the layers of {self.owner._scan_where} "
-          f"other than the hidden state requires grad (shape "
-          f"{tuple(grads[0].shape)}); only the hidden state is carried through "
-          "the loop. Turn scan_layers off for this model.")
-    template = self.owner.template()
-    names = [n for n, _ in template.named_parameters()]
-    buffer_names = [n for n, _ in self.layers[0].named_buffers()]
-    stacked: Dict[str, torch.Tensor] = {}
-    stored = self.owner.stored()
-    for name in names:
-      if stored:
-        stack = stored[name]  # [Note: parameters stored stacked]
-      else:
-        stack = torch.stack([layer.get_parameter(name) for layer in self.layers])
-      if settings.compute_dtype is not None and stack.is_floating_point():
-        stack = stack.to(settings.compute_dtype)  # [Note: casting sharded parameters]
-      if stack.dim() > 1:
-        spec = (None, "fsdp") + (None,) * (stack.dim() - 2)
-        xs.mark_sharding(stack, settings.mesh, spec)
-      stacked[name] = stack
-    for name in buffer_names:
-      stacked[name] = torch.stack([layer.get_buffer(name) for layer in self.layers])
-    # The other arguments' tensors (mask, positions, rotary tables) enter the loop as
-    # per-trip inputs, the same for every trip: AOTAutograd traces the layer with fake
-    # tensors and refuses real ones captured from outside.
-    layers = len(self.layers)
-    where = [i for i, t in enumerate(others) if isinstance(t, torch.Tensor)]
-    repeated = [others[i].unsqueeze(0).expand(layers, *others[i].shape) for i in where]
-    shape_out: List[Any] = []
-
-    # one key per layer and sequence for the dropout masks ([Note: dropout under scan])
-    keys = layer_keys(layers, args[0])
-    entry = settings.batch_entry(args[0]) if settings.batch_entry is not None else None
-    if entry is not None:
-      xs.mark_sharding(keys, settings.mesh, (None, entry))
-
-    def one_layer(hidden: torch.Tensor, x):
-      tensors, extra, key = x
-      leaves = list(others)
-      for i, t in zip(where, extra):
-        leaves[i] = t
-      rest, named = tree_unflatten(leaves, tree)
-      with KeyedRandom(key, self.owner._scan_where):
-        out = torch.func.functional_call(
-            template, tensors, (hidden,) + tuple(rest), named, strict=True)
-      if not shape_out:
-        shape_out.append(out)
-      return self._hidden(out), None
-
-    hidden = settings.annotate(args[0])
-    recompute = settings.recompute or (self.owner.training and hf_checkpointed(self.layers[0]))
-    partition = recompute_partition if recompute else default_partition
-    final, _ = scan(one_layer, hidden, (stacked, repeated, keys), partition_fn=partition)
-    final = settings.annotate(final)
-    traced = shape_out[0]
-    if isinstance(traced, torch.Tensor):
-      return final
-    if isinstance(traced, tuple) and all(t is None for t in traced[1:]):
-      return (final,) + tuple(traced[1:])
+  use_shard_like()
+  settings = run.owner._scan_settings
+  others, tree = tree_flatten((args[1:], kwargs))
+  grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
+  if grads:
     raise RuntimeError(
-        f"scan_layers: the layers of {self.owner._scan_where} return "
-        f"{type(traced).__name__} with more than the hidden state; a scanned "
-        "loop carries only the hidden state. Turn scan_layers off.")
+        f"scan_layers: an argument of the layers of {run.owner._scan_where} "
+        f"other than the hidden state requires grad (shape "
+        f"{tuple(grads[0].shape)}); only the hidden state is carried through "
+        "the loop. Turn scan_layers off for this model.")
+  template = run.owner.template()
+  names = [n for n, _ in template.named_parameters()]
+  buffer_names = [n for n, _ in run.layers[0].named_buffers()]
+  stacked: Dict[str, torch.Tensor] = {}
+  stored = run.owner.stored()
+  for name in names:
+    if stored:
+      stack = stored[name]  # [Note: parameters stored stacked]
+    else:
+      stack = torch.stack([layer.get_parameter(name) for layer in run.layers])
+    if settings.compute_dtype is not None and stack.is_floating_point():
+      stack = stack.to(settings.compute_dtype)  # [Note: casting sharded parameters]
+    if stack.dim() > 1:
+      spec = (None, "fsdp") + (None,) * (stack.dim() - 2)
+      xs.mark_sharding(stack, settings.mesh, spec)
+    stacked[name] = stack
+  for name in buffer_names:
+    stacked[name] = torch.stack([layer.get_buffer(name) for layer in run.layers])
+  # The other arguments' tensors (mask, positions, rotary tables) enter the loop as
+  # per-trip inputs, the same for every trip: AOTAutograd traces the layer with fake
+  # tensors and refuses real ones captured from outside.
+  layers = len(run.layers)
+  where = [i for i, t in enumerate(others) if isinstance(t, torch.Tensor)]
+  repeated = [others[i].unsqueeze(0).expand(layers, *others[i].shape) for i in where]
+  shape_out: List[Any] = []
 
+  # one key per layer and sequence for the dropout masks ([Note: dropout under scan])
+  keys = layer_keys(layers, args[0])
+  entry = settings.batch_entry(args[0]) if settings.batch_entry is not None else None
+  if entry is not None:
+    xs.mark_sharding(keys, settings.mesh, (None, entry))
 
-def _carries_cache(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
-  values = list(args) + list(kwargs.values())
-  for value in values:
-    kind = type(value).__name__
-    if value is not None and kind.endswith("Cache"):
-      return True
-  return bool(kwargs.get("use_cache")) and any(
-      v is not None for k, v in kwargs.items() if "past" in k)
+  def one_layer(hidden: torch.Tensor, x):
+    tensors, extra, key = x
+    leaves = list(others)
+    for i, t in zip(where, extra):
+      leaves[i] = t
+    rest, named = tree_unflatten(leaves, tree)
+    with KeyedRandom(key, run.owner._scan_where):
+      out = torch.func.functional_call(
+          template, tensors, (hidden,) + tuple(rest), named, strict=True)
+    if not shape_out:
+      shape_out.append(out)
+    return run._hidden(out), None
 
-
-def _transformers_capture_only(layers, key, hooks, before) -> bool:
-  """Hooks transformers installs to capture per-layer outputs; inactive
-  unless a collector is set, which `_refuse_per_layer_hooks` checks."""
-  module = next(m for layer in layers for m in layer.modules() if id(m) == key)
-  for table, now, was in zip(
-      (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks),
-      hooks, before):
-    for handle in now - was:
-      fn = table[handle]
-      if getattr(fn, "__module__", "") != "transformers.utils.output_capturing":
-        return False
-  return True
+  hidden = settings.annotate(args[0])
+  recompute = settings.recompute or (run.owner.training and hf_checkpointed(run.layers[0]))
+  partition = recompute_partition if recompute else default_partition
+  final, _ = scan(one_layer, hidden, (stacked, repeated, keys), partition_fn=partition)
+  final = settings.annotate(final)
+  traced = shape_out[0]
+  if isinstance(traced, torch.Tensor):
+    return final
+  if isinstance(traced, tuple) and all(t is None for t in traced[1:]):
+    return (final,) + tuple(traced[1:])
+  raise RuntimeError(
+      f"scan_layers: the layers of {run.owner._scan_where} return "
+      f"{type(traced).__name__} with more than the hidden state; a scanned "
+      "loop carries only the hidden state. Turn scan_layers off.")
 
 
 def install_scans(root: nn.Module, found: Found, settings: ScanSettings) -> None:

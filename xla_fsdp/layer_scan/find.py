@@ -2,20 +2,19 @@
 
 A list qualifies when every child is a wrapped unit and the children are
 identical (class, parameter and buffer names, shapes, dtypes, no instance
-forward); with parameters stored stacked, also stackable (stacked.py). The
-loop body runs a template: a copy of layer 0 with meta tensors and no hooks
-([Note: scanning the layers of a ModuleList] in scan.py).
+forward), and passes the engine's own check (the SPMD engine's stored stacks:
+spmd_engine/stacked.py). The loop body runs a template: a copy of layer 0 with
+meta tensors and no hooks ([Note: scanning the layers of a ModuleList] in
+scanned_list.py).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-
-from xla_fsdp.spmd_engine.stacked import check_stackable
 
 
 def check_identical(layers: Sequence[nn.Module], where: str) -> None:
@@ -105,7 +104,7 @@ Found = List[Tuple[nn.Module, str, List[nn.Module], str]]
 
 
 def find_layer_lists(root: nn.Module, units: Sequence[nn.Module],
-                     stored: bool = True) -> Found:
+                     check: Optional[Callable[[nn.Module, List[nn.Module], str], None]] = None) -> Found:
   """Every ModuleList of `root` whose children are all (non-root) units, as
   (owner, attribute, layers, dotted name), checked to be identical.
 
@@ -123,8 +122,8 @@ def find_layer_lists(root: nn.Module, units: Sequence[nn.Module],
         continue
       where = f"{owner_name}.{name}" if owner_name else name
       check_identical(layers, where)
-      if stored:
-        check_stackable(root, layers, where)
+      if check is not None:  # the engine's own conditions (the SPMD engine's stored stacks)
+        check(root, layers, where)
       found.append((owner, name, layers, where))
   if not found:
     raise ValueError(
