@@ -12,56 +12,41 @@ from xla_fsdp import FSDP
 
 torch_xla = pytest.importorskip("torch_xla")
 
-from parity_cases import batch, build_model, loss_fn  # noqa: E402
+from parity_cases import batch, loss_fn  # noqa: E402
 
 POLICY = xla_fsdp.wrap.transformer_policy(["GPT2Block"])
 
 
-def _train(scan: bool, steps: int = 3, layers: int = 3, fixed: bool = False):
-    from transformers import GPT2LMHeadModel
+def _checkpointed(m, **kw):
+    return FSDP(xla_fsdp.checkpoint_module(m), **kw)
 
-    from parity_cases import gpt2_config
 
-    torch.manual_seed(0)
-    config = gpt2_config()
-    config.n_layer = layers
-    config.resid_pdrop = 0.1  # dropout inside the loop: each layer its own mask
-    model = GPT2LMHeadModel(config)
-    device = torch_xla.device()
-    model = FSDP(model.to(device), auto_wrap_policy=POLICY,
-                 auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw),
-                 scan_layers=scan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+def _steps(model, loss_of, count: int, opt=None):
+    """`count` optimizer steps of `loss_of(model, step)`; the losses."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     losses = []
-    for step in range(steps):
-        x, y = batch("gpt2", 0 if fixed else step)
-        x, y = x.to(device), y.to(device)
-        loss = loss_fn("gpt2", model, x, y)
+    for step in range(count):
+        loss = loss_of(model, step)
         loss.backward()
         opt.step()
         opt.zero_grad()
         torch_xla.sync()
         losses.append(float(loss.detach()))
-    return model, losses
+    return losses
 
 
-def test_scanned_blocks_train_like_the_unscanned_model_without_dropout():
-    from xla_fsdp.layer_scan.scanned_list import ScannedLayers
-
-    torch.manual_seed(0)
-    ref, ref_losses = _train_no_dropout(scan=False)
-    got, losses = _train_no_dropout(scan=True)
-    assert isinstance(got.transformer.h, ScannedLayers)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    want = {n: p.detach().cpu() for n, p in ref.named_parameters()}
-    for name, p in got.named_parameters():
-        rel = float((p.detach().cpu() - want[name]).norm() / want[name].norm().clamp_min(1e-12))
-        assert rel < 1e-5, (name, rel)
-    # the same state dict keys as the unscanned model (checkpoints load either way)
-    assert list(got.state_dict()) == list(ref.state_dict())
+def _params(model):
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
-def _train_no_dropout(scan: bool):
+def _same(a, b, rtol: float) -> None:
+    (losses, params), (ref_losses, ref) = a, b
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=rtol / 10)
+    for name, want in ref.items():
+        torch.testing.assert_close(params[name], want, rtol=rtol, atol=rtol / 10)
+
+
+def _gpt2(scan: bool, steps: int, dropout: float = 0.0, fixed: bool = False):
     from transformers import GPT2LMHeadModel
 
     from parity_cases import gpt2_config
@@ -69,29 +54,34 @@ def _train_no_dropout(scan: bool):
     torch.manual_seed(0)
     config = gpt2_config()
     config.n_layer = 3
-    model = GPT2LMHeadModel(config)
+    config.resid_pdrop = dropout
     device = torch_xla.device()
-    model = FSDP(model.to(device), auto_wrap_policy=POLICY,
-                 auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw),
-                 scan_layers=scan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    losses = []
-    for step in range(4):
-        x, y = batch("gpt2", step)
-        loss = loss_fn("gpt2", model, x.to(device), y.to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        torch_xla.sync()
-        losses.append(float(loss.detach()))
-    return model, losses
+    model = FSDP(GPT2LMHeadModel(config).to(device), auto_wrap_policy=POLICY,
+                 auto_wrapper_callable=_checkpointed, scan_layers=scan)
+
+    def loss_of(m, step):
+        x, y = batch("gpt2", 0 if fixed else step)
+        return loss_fn("gpt2", m, x.to(device), y.to(device))
+
+    return model, _steps(model, loss_of, steps)
+
+
+def test_scanned_blocks_train_like_the_unscanned_model_without_dropout():
+    from xla_fsdp.layer_scan.scanned_list import ScannedLayers
+
+    ref, ref_losses = _gpt2(scan=False, steps=4)
+    got, losses = _gpt2(scan=True, steps=4)
+    assert isinstance(got.transformer.h, ScannedLayers)
+    _same((losses, _params(got)), (ref_losses, _params(ref)), 1e-5)
+    # the same state dict keys as the unscanned model (checkpoints load either way)
+    assert list(got.state_dict()) == list(ref.state_dict())
 
 
 def test_dropout_in_the_loop_learns_a_fixed_batch():
     """With dropout the loop draws keyed masks ([Note: dropout under scan]; the masks themselves are
     checked exactly on the SPMD engine, tests/test_scan_layers.py). A recomputation that drew another
     mask than its forward would make the gradients wrong; on one batch the loss must still fall."""
-    _, losses = _train(scan=True, steps=6, fixed=True)
+    _, losses = _gpt2(scan=True, steps=6, dropout=0.1, fixed=True)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.9 * losses[0], losses
 
@@ -123,7 +113,7 @@ BLOCKS = xla_fsdp.wrap.transformer_policy([_Block])
 
 def _wrap(model, **kw):
     kw.setdefault("auto_wrap_policy", BLOCKS)
-    kw.setdefault("auto_wrapper_callable", lambda m, **k: FSDP(xla_fsdp.checkpoint_module(m), **k))
+    kw.setdefault("auto_wrapper_callable", _checkpointed)
     return FSDP(model.to(torch_xla.device()), scan_layers=True, **kw)
 
 
@@ -150,28 +140,17 @@ def test_per_step_and_layers_that_keep_activations_are_refused():
 def test_scan_trains_the_small_stack_like_unscanned():
     def run(scan):
         torch.manual_seed(1)
-        model = _Stack([16, 16, 16, 16])
-        kw = dict(auto_wrap_policy=BLOCKS,
-                  auto_wrapper_callable=lambda m, **k: FSDP(xla_fsdp.checkpoint_module(m), **k))
-        model = FSDP(model.to(torch_xla.device()), scan_layers=scan, **kw)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        for step in range(3):
-            gen = torch.Generator().manual_seed(step)
-            x = torch.randn(4, 8, generator=gen).to(torch_xla.device())
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            torch_xla.sync()
-            out.append(float(loss.detach()))
-        return out, {n: p.detach().cpu() for n, p in model.named_parameters()}
+        model = FSDP(_Stack([16, 16, 16, 16]).to(torch_xla.device()), scan_layers=scan,
+                     auto_wrap_policy=BLOCKS, auto_wrapper_callable=_checkpointed)
 
-    ref_losses, ref = run(False)
-    losses, got = run(True)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
-    for name, want in ref.items():
-        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-7)
+        def loss_of(m, step):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(torch_xla.device())
+            return m(x).pow(2).mean()
+
+        losses = _steps(model, loss_of, 3, torch.optim.SGD(model.parameters(), lr=0.1))
+        return losses, _params(model)
+
+    _same(run(True), run(False), 1e-6)
 
 
 def test_llama_layers_with_rotary_arguments_scan_like_unscanned():
@@ -186,23 +165,12 @@ def test_llama_layers_with_rotary_arguments_scan_like_unscanned():
         device = torch_xla.device()
         model = FSDP(LlamaForCausalLM(cfg).to(device),
                      auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["LlamaDecoderLayer"]),
-                     auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw),
-                     scan_layers=scan)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(3):
-            gen = torch.Generator().manual_seed(step)
-            ids = torch.randint(0, 128, (4, 16), generator=gen).to(device)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            torch_xla.sync()
-            losses.append(float(loss.detach()))
-        return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
+                     auto_wrapper_callable=_checkpointed, scan_layers=scan)
 
-    ref_losses, ref = run(False)
-    losses, got = run(True)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
-    for name, want in ref.items():
-        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-7)
+        def loss_of(m, step):
+            ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step)).to(device)
+            return m(input_ids=ids, labels=ids).loss
+
+        return _steps(model, loss_of, 3), _params(model)
+
+    _same(run(True), run(False), 1e-6)

@@ -258,7 +258,7 @@ class _ScannedUnits(torch.autograd.Function):
 def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     """The model's call of its first scanned layer: every layer, as two loops. `scan_run` is the
     pass of a ScannedLayers (layer_scan/scanned_list.py: ScanRun)."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten
+    from torch.utils._pytree import tree_unflatten
 
     from ..layer_scan.keyed_random import KeyedRandom, layer_keys
 
@@ -270,13 +270,7 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     mp = states[0].options.mixed_precision
     if mp.enabled:  # [Note: every unit casts its own inputs]
         args, kwargs = cast_inputs(mp, args, kwargs)
-    others, tree = tree_flatten((args[1:], kwargs))
-    grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
-    if grads:
-        raise RuntimeError(
-            f"scan_layers: an argument of the layers of {where} other than the hidden state requires "
-            f"grad (shape {tuple(grads[0].shape)}); only the hidden state is carried through the loop. "
-            "Turn scan_layers off for this model.")
+    others, tree = scan_run.other_arguments(args, kwargs)
     slots = [i for i, t in enumerate(others) if isinstance(t, torch.Tensor)]
     template = owner.template()
     shape_out: List[Any] = []
@@ -303,14 +297,7 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     shards = [s for st in states for s in st.group.local_shards(grad=True)]
     keys = layer_keys(len(layers), hidden)
     final = _ScannedUnits.apply(plan, len(slots), hidden, keys, buffers, *[others[i] for i in slots], *shards)
-    traced = shape_out[0]
-    if isinstance(traced, torch.Tensor):
-        return final
-    if isinstance(traced, tuple) and all(t is None for t in traced[1:]):
-        return (final,) + tuple(traced[1:])
-    raise RuntimeError(
-        f"scan_layers: the layers of {where} return {type(traced).__name__} with more than the hidden "
-        "state; a scanned loop carries only the hidden state. Turn scan_layers off.")
+    return scan_run.shaped(final, shape_out[0])
 
 
 def _stand_in(out: Any) -> Any:

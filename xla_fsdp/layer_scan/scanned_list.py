@@ -131,6 +131,33 @@ class ScanRun:
   def _hidden(self, output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
+  def other_arguments(self, args: Tuple, kwargs: Dict[str, Any]):
+    """The layer's arguments after the hidden state, flattened: (leaves, their tree spec).
+    None of them may need a gradient: only the hidden state is carried through the loop."""
+    from torch.utils._pytree import tree_flatten
+
+    others, tree = tree_flatten((args[1:], kwargs))
+    grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
+    if grads:
+      raise RuntimeError(
+          f"scan_layers: an argument of the layers of {self.owner._scan_where} "
+          f"other than the hidden state requires grad (shape "
+          f"{tuple(grads[0].shape)}); only the hidden state is carried through "
+          "the loop. Turn scan_layers off for this model.")
+    return others, tree
+
+  def shaped(self, final: torch.Tensor, traced: Any) -> Any:
+    """The loop's last hidden state as the layer returns its output (`traced`: what the traced
+    layer returned, a tensor or a tuple whose other items are None)."""
+    if isinstance(traced, torch.Tensor):
+      return final
+    if isinstance(traced, tuple) and all(t is None for t in traced[1:]):
+      return (final,) + tuple(traced[1:])
+    raise RuntimeError(
+        f"scan_layers: the layers of {self.owner._scan_where} return "
+        f"{type(traced).__name__} with more than the hidden state; a scanned "
+        "loop carries only the hidden state. Turn scan_layers off.")
+
   def follow(self, index: int, args: Tuple) -> Any:
     if self.output is None:
       raise RuntimeError(

@@ -46,7 +46,7 @@ class ScanSettings(_Shared):
 def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
   """The layers of `run` as torch_xla's `scan` (the first layer's call)."""
   from torch_xla.experimental.scan import scan
-  from torch.utils._pytree import tree_flatten, tree_unflatten
+  from torch.utils._pytree import tree_unflatten
   from functorch.compile import default_partition
 
   from xla_fsdp.spmd_engine.scan_glue import recompute_partition, use_shard_like
@@ -54,14 +54,7 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
 
   use_shard_like()
   settings = run.owner._scan_settings
-  others, tree = tree_flatten((args[1:], kwargs))
-  grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
-  if grads:
-    raise RuntimeError(
-        f"scan_layers: an argument of the layers of {run.owner._scan_where} "
-        f"other than the hidden state requires grad (shape "
-        f"{tuple(grads[0].shape)}); only the hidden state is carried through "
-        "the loop. Turn scan_layers off for this model.")
+  others, tree = run.other_arguments(args, kwargs)
   template = run.owner.template()
   names = [n for n, _ in template.named_parameters()]
   buffer_names = [n for n, _ in run.layers[0].named_buffers()]
@@ -111,16 +104,7 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
   recompute = settings.recompute or (run.owner.training and hf_checkpointed(run.layers[0]))
   partition = recompute_partition if recompute else default_partition
   final, _ = scan(one_layer, hidden, (stacked, repeated, keys), partition_fn=partition)
-  final = settings.annotate(final)
-  traced = shape_out[0]
-  if isinstance(traced, torch.Tensor):
-    return final
-  if isinstance(traced, tuple) and all(t is None for t in traced[1:]):
-    return (final,) + tuple(traced[1:])
-  raise RuntimeError(
-      f"scan_layers: the layers of {run.owner._scan_where} return "
-      f"{type(traced).__name__} with more than the hidden state; a scanned "
-      "loop carries only the hidden state. Turn scan_layers off.")
+  return run.shaped(settings.annotate(final), shape_out[0])
 
 
 def install_scans(root: nn.Module, found: Found, settings: ScanSettings) -> None:
