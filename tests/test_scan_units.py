@@ -174,3 +174,25 @@ def test_llama_layers_with_rotary_arguments_scan_like_unscanned():
         return _steps(model, loss_of, 3), _params(model)
 
     _same(run(True), run(False), 1e-6)
+
+
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_the_loop_runs_the_layer_as_it_is_at_the_first_call():
+    """What is mixed into the layers after wrapping (run_clm gives GPT-2's attention its head-major
+    forward then) runs inside the loop too: the body's copy of layer 0 is made at the first call."""
+    def run(scan):
+        torch.manual_seed(1)
+        model = FSDP(_Stack([16, 16, 16]).to(torch_xla.device()), scan_layers=scan,
+                     auto_wrap_policy=BLOCKS, auto_wrapper_callable=_checkpointed)
+        for layer in model.layers:
+            layer.out.__class__ = _Doubled
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).to(torch_xla.device())
+        out = model(x)
+        torch_xla.sync()
+        return out.detach().cpu()
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-6, atol=1e-7)

@@ -326,11 +326,12 @@ def install(root: nn.Module, found) -> None:
     """Swap each found ModuleList for a ScannedLayers run by this engine's loop."""
     from ..layer_scan.scanned_list import ScannedLayers, ScanSettings
 
-    settings = ScanSettings(run_loop)
+    # the template is made at the first call, from layer 0 as it is then: what was mixed into its
+    # modules after wrapping (run_clm's head-major GPT-2 attention, [Note: head-major projections])
+    # runs in the loop too
+    settings = ScanSettings(run_loop, make_template=unit_template)
     for owner, name, layers, where in found:
-        scanned = ScannedLayers(layers, settings, where)
-        scanned._scan_box.append(unit_template(layers[0]))
-        setattr(owner, name, scanned)
+        setattr(owner, name, ScannedLayers(layers, settings, where))
     config = getattr(root, "config", None)
     if getattr(config, "use_cache", False):  # a call with a KV cache runs the layers one by one
         config.use_cache = False

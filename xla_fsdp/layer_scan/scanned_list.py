@@ -46,10 +46,12 @@ class ScanSettings:
   stored stacks, and how a stored stack is viewed as (layers, ...) (engines that store none: None)."""
 
   def __init__(self, loop: Loop, compute_dtype: Optional[torch.dtype] = None,
-               stacked_view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+               stacked_view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+               make_template: Callable[[nn.Module], nn.Module] = _template):
     self.loop = loop
     self.compute_dtype = compute_dtype
     self.stacked_view = stacked_view
+    self.make_template = make_template  # layer 0 -> the module the loop body runs
 
 
 class ScannedLayers(nn.ModuleList):
@@ -100,7 +102,7 @@ class ScannedLayers(nn.ModuleList):
 
   def template(self) -> nn.Module:
     if not self._scan_box:
-      self._scan_box.append(_template(next(iter(self._modules.values()))))
+      self._scan_box.append(self._scan_settings.make_template(next(iter(self._modules.values()))))
     return self._scan_box[0]
 
 
