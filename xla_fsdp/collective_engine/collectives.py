@@ -165,9 +165,18 @@ class XlaCollectives(Collectives):
         return []
 
     @contextlib.contextmanager
-    def constants_from(self, values: Sequence[torch.Tensor]):
-        """While tracing a loop body: read the constants from `values` (`loop_constants`'s order)."""
-        yield
+    def loop_body(self, constants: Sequence[torch.Tensor]):
+        """While a loop body is traced: its collectives start from a fresh token, and the token
+        outside is put back after (a token made in the body must not be what the program after
+        the loop reads); the per-device constants are read from `constants` (`loop_constants`'s
+        order)."""
+        device = str(self.device)
+        saved = self._xlac._get_all_reduce_token(device)
+        self._xlac._set_all_reduce_token(device, None)
+        try:
+            yield
+        finally:
+            self._xlac._set_all_reduce_token(device, saved)
 
     @property
     def is_xla(self) -> bool:

@@ -31,8 +31,8 @@ backward do.
   recomputed layer draws the mask its forward drew.
 - torch_xla threads a token through its collectives; a collective traced in
   the body must not leave a body value as the token the program after the
-  loop reads, so each body starts from a fresh token and the token is put
-  back after tracing it.
+  loop reads: `Collectives.loop_body` starts each body from a fresh token and
+  puts the one outside back.
 """
 from __future__ import annotations
 
@@ -58,7 +58,6 @@ class _Plan:
     site_names: List[List[str]]  # per parameter of the group, the names it has in the layer
     layers: int
     compute_dtype: Optional[torch.dtype]
-    device: torch.device
     mesh: Any  # the single controller's (None with one process per device)
 
 
@@ -130,23 +129,6 @@ def _check_run(states, where: str) -> None:
                              "set one for every scanned layer alike.")
 
 
-class _Token:
-    """Each traced body starts from a fresh collective token; the one outside is put back."""
-
-    def __init__(self, device: torch.device):
-        import torch_xla
-
-        self._xlac = torch_xla._XLAC
-        self._device = str(device)
-
-    def __enter__(self):
-        self._saved = self._xlac._get_all_reduce_token(self._device)
-        self._xlac._set_all_reduce_token(self._device, None)
-
-    def __exit__(self, *exc):
-        self._xlac._set_all_reduce_token(self._device, self._saved)
-
-
 def _stack(plan: _Plan, shards: Sequence[torch.Tensor], order: Sequence[int]) -> List[torch.Tensor]:
     """Per parameter, (layers, *shard) of the layers in `order`, in the compute dtype."""
     count = len(plan.group.params)
@@ -201,7 +183,7 @@ class _ScannedUnits(torch.autograd.Function):
         def trip(carry, x):
             h, full, kept, consts = carry
             key, following, bufs = x
-            with _Token(plan.device), comm.constants_from(consts):
+            with comm.loop_body(consts):
                 out = plan.call(_named(plan, full), bufs, h, key, kept)
                 nxt = _gather(plan, following)
             return (out, nxt, kept, consts), h
@@ -238,7 +220,7 @@ class _ScannedUnits(torch.autograd.Function):
             full_grads: List[Optional[torch.Tensor]] = [None] * count
             for j, d in zip(trained, grads[1:]):
                 full_grads[j] = d
-            with _Token(plan.device), comm.constants_from(consts):
+            with comm.loop_body(consts):
                 reduced = plan.group.reduce_grads(full_grads)
                 nxt = _gather(plan, previous)
             return (grad_in.to(g.dtype), nxt, kept, consts), [reduced[j] for j in trained]
@@ -292,7 +274,6 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     hidden = args[0]
     plan = _Plan(call=call, group=group, site_names=[[s.fqn for s in p.sites] for p in group.params],
                  layers=len(layers), compute_dtype=mp.compute_dtype if mp.enabled else None,
-                 device=hidden.device,
                  mesh=group.comm.placement.mesh if group.comm.is_single_controller else None)
     shards = [s for st in states for s in st.group.local_shards(grad=True)]
     keys = layer_keys(len(layers), hidden)

@@ -134,7 +134,7 @@ class SpmdCollectives(XlaCollectives):
         xs.mark_sharding(data, self.placement.mesh, spec)
         return data
 
-    _given: Optional[Sequence[torch.Tensor]] = None  # constants_from's, while a loop body is traced
+    _given: Optional[Sequence[torch.Tensor]] = None  # loop_body's, while a loop body is traced
 
     def _rank_index(self):
         if self._given is not None:
@@ -152,10 +152,11 @@ class SpmdCollectives(XlaCollectives):
         return [self._rank_index()] + ([self._my_ring_orders()] if self._rings is not None else [])
 
     @contextlib.contextmanager
-    def constants_from(self, values):
-        self._given = list(values)
+    def loop_body(self, constants):
+        self._given = list(constants)
         try:
-            yield
+            with super().loop_body(constants):
+                yield
         finally:
             self._given = None
 
