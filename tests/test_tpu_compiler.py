@@ -269,3 +269,72 @@ def test_missing_library_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setenv(pjrt.LIBRARY_ENV, str(tmp_path / "no-libtpu.so"))
     with pytest.raises(pjrt.LibtpuMissing, match=r'pip install "libtpu==0\.0\.21"'):
         pjrt.library_path()
+
+
+def _looping_module(n: int) -> str:
+    """Four passes of a (n, n) f32 matmul in a While loop; values made before it live across it."""
+    return f"""HloModule looping
+cond {{
+  c = (s32[], f32[{n},{n}]{{1,0}}, f32[{n},{n}]{{1,0}}) parameter(0)
+  i = s32[] get-tuple-element(c), index=0
+  four = s32[] constant(4)
+  ROOT lt = pred[] compare(i, four), direction=LT
+}}
+body {{
+  c = (s32[], f32[{n},{n}]{{1,0}}, f32[{n},{n}]{{1,0}}) parameter(0)
+  i = s32[] get-tuple-element(c), index=0
+  x = f32[{n},{n}]{{1,0}} get-tuple-element(c), index=1
+  w = f32[{n},{n}]{{1,0}} get-tuple-element(c), index=2
+  y = f32[{n},{n}]{{1,0}} dot(x, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  z = f32[{n},{n}]{{1,0}} tanh(y)
+  one = s32[] constant(1)
+  j = s32[] add(i, one)
+  ROOT t = (s32[], f32[{n},{n}]{{1,0}}, f32[{n},{n}]{{1,0}}) tuple(j, z, w)
+}}
+ENTRY main {{
+  p = f32[{n},{n}]{{1,0}} parameter(0)
+  q = f32[{n},{n}]{{1,0}} dot(p, p), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  r = f32[{n},{n}]{{1,0}} exponential(p)
+  zero = s32[] constant(0)
+  init = (s32[], f32[{n},{n}]{{1,0}}, f32[{n},{n}]{{1,0}}) tuple(zero, q, r)
+  loop = (s32[], f32[{n},{n}]{{1,0}}, f32[{n},{n}]{{1,0}}) while(init), condition=cond, body=body
+  h = f32[{n},{n}]{{1,0}} get-tuple-element(loop), index=1
+  s = f32[{n},{n}]{{1,0}} add(h, q)
+  ROOT out = f32[{n},{n}]{{1,0}} multiply(s, r)
+}}
+"""
+
+
+def test_libtpu_states_the_hbm_a_program_needs_and_pjrt_counts_its_fragmentation_twice(compiler):
+    """[Note: the HBM a TPU program needs]: libtpu's compile log gives the program, arguments and
+    outputs per chip; the check sets that against the usable HBM it prints, and PJRT's temporaries
+    are libtpu's plus the heap's fragmentation again."""
+    from dataclasses import replace
+
+    from xla_fsdp.aot import report
+    from xla_fsdp.tpu import compile_log
+
+    n = 8192  # 256 MiB a matrix: past the chip's 128 MiB of CMEM, where small buffers go
+    spec = topology.parse_accelerator_type("v4-8")
+    _, slice_ = _open(compiler, "v4-8")
+    with slice_:
+        program = compiler.compile(slice_, co.hlo_text_to_proto(_looping_module(n)),
+                                   co.per_process_options(slice_.device_ids))
+    own = program.hbm
+    assert own is not None, f"no libtpu log read from {compile_log.log_file()}"
+    matrix = n * n * F32
+    assert (own.arguments, own.outputs, own.shared) == (matrix, matrix, 0)
+    assert own.usable == int(30.75 * 2 ** 30)  # a v4 chip's 32 GiB less libtpu's reserve
+    assert own.total == own.program + 2 * matrix
+    assert 0 < own.temporaries <= own.program
+    # PJRT's temporaries = libtpu's (which hold the fragmentation) + the fragmentation again; the
+    # log's sizes carry 3-4 digits
+    assert abs(program.memory.temp_size - (own.temporaries + own.fragmentation)) <= 0.01 * program.memory.temp_size
+    memory = report.hbm_account(program, spec.hbm_bytes_per_chip)
+    assert (memory["source"], memory["peak"], memory["usable"]) == ("libtpu", own.total, own.usable)
+    assert memory["pjrt_peak"] == program.memory.total
+    # without a log to read, PJRT's count and the chip's HBM, and it says so
+    fallback = report.hbm_account(replace(program, hbm=None), spec.hbm_bytes_per_chip)
+    assert (fallback["source"], fallback["peak"], fallback["usable"]) == ("pjrt", program.memory.total,
+                                                                           spec.hbm_bytes_per_chip)
+    assert compile_log.program_hbm("no compile here") is None

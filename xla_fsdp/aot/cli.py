@@ -137,6 +137,14 @@ def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
     return out
 
 
+def _drop_logs(logs: Optional[str]) -> None:
+    """Remove this run's libtpu log directory and its name from the environment."""
+    if logs:
+        shutil.rmtree(logs, ignore_errors=True)
+        if os.environ.get("TPU_LOG_DIR") == logs:
+            del os.environ["TPU_LOG_DIR"]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, command = split_command(argv)
@@ -165,10 +173,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
                         ("TF_CPP_MIN_LOG_LEVEL", "2")):
         os.environ.setdefault(name, value)
+    # libtpu's log, where it states the HBM the program needs ([Note: the HBM a TPU program
+    # needs]): in a directory of this run's, unless the user named one
+    logs = None if "TPU_LOG_DIR" in os.environ else tempfile.mkdtemp(prefix="xla_fsdp_aot_tpu_logs_")
+    if logs:
+        os.environ["TPU_LOG_DIR"] = logs
     try:
         compiler = _load_compiler()
     except ImportError as e:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
+        _drop_logs(logs)
         return EXIT_NO_LIBTPU
     workdir = tempfile.mkdtemp(prefix="xla_fsdp_aot_")
     keep = False
@@ -209,3 +223,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
+        _drop_logs(logs)

@@ -1,8 +1,9 @@
 """Compiling the traced step for the slice, and the report: compiles, HBM per chip, collectives.
 
-Memory per chip is the compiler's own: arguments + outputs - aliased
-(donated buffers counted once) + temporaries + generated code, set against
-the chip's HBM. The collectives come from the TPU-optimized program
+Memory per chip is libtpu's own account of the program (its compile log:
+program + arguments + outputs not in donated arguments, against the HBM it
+lets programs use; [Note: the HBM a TPU program needs]), PJRT's statistics
+beside it. The collectives come from the TPU-optimized program
 (`xla_fsdp.tpu.optimized_hlo`), never from the program XLA:CPU would run.
 """
 from __future__ import annotations
@@ -59,6 +60,23 @@ def _diagnose(message: str, text: str, calls=()) -> str:
     return ""
 
 
+def hbm_account(compiled, hbm_per_chip: int) -> dict:
+    """HBM per chip of a compiled program: libtpu's own account when its log has one ([Note: the
+    HBM a TPU program needs] in xla_fsdp/tpu/compile_log.py), PJRT's statistics beside it. "peak" is
+    what the chip needs, "usable" what it has for programs; "source" says whose they are."""
+    m = compiled.memory
+    out = {"arguments": m.argument_size, "outputs": m.output_size, "aliased": m.alias_size,
+           "temporaries": m.temp_size, "generated_code": m.generated_code_size, "pjrt_peak": m.total,
+           "compiler_peak": m.peak_memory}
+    own = getattr(compiled, "hbm", None)
+    if own is None:  # no libtpu log to read: PJRT's count, which overstates looping programs
+        out.update(peak=m.total, usable=hbm_per_chip, source="pjrt")
+    else:
+        out.update(peak=own.total, usable=own.usable, source="libtpu", libtpu_program=own.program,
+                   libtpu_temporaries=own.temporaries, libtpu_fragmentation=own.fragmentation)
+    return out
+
+
 def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print, calls=()) -> dict:
     """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict.
     `calls`: the job's own collective calls the trace recorded (see `program.layout_mix`)."""
@@ -89,13 +107,8 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
                                       "arguments": None if spmd else per_replica_argument_bytes(text)}
         return result
     result["compile_seconds"] = round(time.time() - started, 1)
-    m = compiled.memory
-    peak = m.total
-    result.update(compiles=True, memory={"arguments": m.argument_size, "outputs": m.output_size,
-                                         "aliased": m.alias_size, "temporaries": m.temp_size,
-                                         "generated_code": m.generated_code_size, "peak": peak,
-                                         "compiler_peak": m.peak_memory},
-                  fits=peak <= spec.hbm_bytes_per_chip, cost=compiled.cost)
+    memory = hbm_account(compiled, spec.hbm_bytes_per_chip)
+    result.update(compiles=True, memory=memory, fits=memory["peak"] <= memory["usable"], cost=compiled.cost)
     found = optimized_hlo.all_collectives(compiled.optimized_hlo)  # While bodies once per trip
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
     result["while_loops"] = optimized_hlo.while_loops(compiled.optimized_hlo)
@@ -132,10 +145,10 @@ def render_without_rings(o: dict, hbm: int) -> str:
     if not o["compiles"]:
         first = (o.get("error") or "").strip().splitlines()[:1]
         return f"{head} does not compile" + (f": {first[0]}" if first else ".")
-    peak = o["memory"]["peak"]
+    peak, hbm = o["memory"]["peak"], o["memory"].get("usable", hbm)
     if not o["fits"]:
-        return f"{head} does not fit either: {_gib(peak)} needed, {_gib(hbm)} per chip."
-    line = f"{head} FITS, peak {_gib(peak)} of {_gib(hbm)} per chip"
+        return f"{head} does not fit either: {_gib(peak)} needed, {_gib(hbm)} usable per chip."
+    line = f"{head} FITS, peak {_gib(peak)} of {_gib(hbm)} usable per chip"
     p = o.get("projection")
     if p:
         line += (f"; PROJECTED step {p['projected_seconds']:.3f} s ({p['calibrated_seconds']:.3f} s "
@@ -164,14 +177,24 @@ def _render_one(r: dict) -> str:
             lines.append("Cause: " + r["cause"])
         return "\n".join(lines)
     m = r["memory"]
+    usable = m.get("usable", r["hbm_per_chip"])
     lines.append(f"compiles (libtpu, {r['compile_seconds']:.1f} s)")
-    lines.append("HBM per chip (from the compiler):")
-    for key in ("arguments", "outputs", "aliased", "temporaries", "generated_code"):
-        lines.append(f"  {key:<15}{_gib(m[key]):>12}")
-    lines.append(f"  {'peak':<15}{_gib(m['peak']):>12}   of {_gib(r['hbm_per_chip'])} per chip "
-                 f"({100 * m['peak'] / r['hbm_per_chip']:.0f}%)")
+    if m.get("source") == "libtpu":
+        lines.append("HBM per chip (libtpu's own account, from its compile log):")
+        lines.append(f"  {'program':<15}{_gib(m['libtpu_program']):>12}   temporaries and code; of the temporaries "
+                     f"{_gib(m['libtpu_fragmentation'])} are the buffer heap's fragmentation")
+        lines.append(f"  {'arguments':<15}{_gib(m['arguments']):>12}")
+        lines.append(f"  {'outputs':<15}{_gib(m['outputs']):>12}   ({_gib(m['aliased'])} of them in donated arguments)")
+        lines.append(f"  PJRT's statistics count the fragmentation twice: {_gib(m['pjrt_peak'])}")
+    else:
+        lines.append("HBM per chip (PJRT's compiled-memory statistics; libtpu wrote no log to read, so "
+                     "looping programs may be overstated):")
+        for key in ("arguments", "outputs", "aliased", "temporaries", "generated_code"):
+            lines.append(f"  {key:<15}{_gib(m[key]):>12}")
+    lines.append(f"  {'needs':<15}{_gib(m['peak']):>12}   of {_gib(usable)} usable per chip "
+                 f"({100 * m['peak'] / usable:.0f}%)")
     if not r["fits"]:
-        lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(r['hbm_per_chip'])} per chip")
+        lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(usable)} usable per chip")
     c = r["collectives"]
     async_share = _share(c["async_bytes_fraction"] * c["bytes"], c["bytes"])
     lines.append(f"collectives of the TPU-optimized program: {c['count']} ({c['sync']} synchronous, "

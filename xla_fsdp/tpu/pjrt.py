@@ -29,6 +29,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from xla_fsdp.tpu import compile_log
+from xla_fsdp.tpu.compile_log import ProgramHbm
+
 from xla_fsdp.tpu.pjrt_abi import (  # noqa: F401  (re-exported: callers name them from here)
     INSTALL_HINT, LIBRARY_ENV, HEADER_VERSION, _SLOTS, _VERSION_OFFSET, _FIRST_SLOT_OFFSET, _ERROR_CODES, OptionValue, LibtpuMissing, TpuCompileError, _NamedValue, _ErrorDestroy, _ErrorMessage, _ErrorGetCode, _PluginInitialize, _TopologyCreate, _TopologyDestroy, _TopologyVersion, _TopologyDevices, _DeviceInt, _DeviceKind, _DeviceAttributes, _Program, _Compile, _ExecutableDestroy, _NumOutputs, _CostAnalysis, _OptimizedProgram, _MEMORY_FIELDS, _MemoryStats, _named_values, _read_named_values, _STRING, _INT64, _INT64_LIST, _FLOAT, _BOOL)
 
@@ -79,6 +82,9 @@ class CompiledProgram:
     cost: Dict[str, float]         # libtpu's cost analysis ("flops", "bytes accessed", ...)
     num_outputs: int
     compile_seconds: float
+    # what libtpu's own log says the program needs per chip ([Note: the HBM a TPU program needs]);
+    # None when libtpu wrote no log this process can read
+    hbm: Optional[ProgramHbm] = None
 
 
 class Topology:
@@ -259,13 +265,14 @@ class TpuCompiler:
         program = _Program(C.sizeof(_Program), None, C.addressof(code), len(hlo_module_proto), C.addressof(fmt), 3)
         args = _Compile(0, None, topology.handle, C.addressof(program), C.addressof(options), len(compile_options),
                         None, None)
+        logged = compile_log.mark()
         start = time.perf_counter()
         self._call("PJRT_Compile", args)
         seconds = time.perf_counter() - start
         try:
             return CompiledProgram(memory=self._memory(args.executable), optimized_hlo=self._optimized(args.executable),
                                    cost=self._cost(args.executable), num_outputs=self._num_outputs(args.executable),
-                                   compile_seconds=seconds)
+                                   compile_seconds=seconds, hbm=compile_log.program_hbm(compile_log.since(logged)))
         finally:
             self._call("PJRT_Executable_Destroy", _ExecutableDestroy(0, None, args.executable))
 
@@ -330,5 +337,6 @@ def get_compiler() -> TpuCompiler:
         if _COMPILER is None:
             if importlib.util.find_spec("jaxlib") is None:
                 raise LibtpuMissing(f"jaxlib is not installed (it writes the protos libtpu reads): {INSTALL_HINT}")
+            compile_log.libtpu_loading()
             _COMPILER = TpuCompiler()
         return _COMPILER

@@ -1,0 +1,127 @@
+"""libtpu's own account of a program's HBM, read from the log it writes while compiling.
+
+[Note: the HBM a TPU program needs]
+libtpu sizes what a program needs on the chip when it compiles it, and refuses a program that
+does not fit ("Ran out of memory in memory space hbm. Used ... of 30.75G hbm"). The number it
+sets against the chip is in its INFO log, written to `TPU_LOG_DIR` (default /tmp/tpu_logs) as
+the compile finishes:
+
+    Total hbm usage >= 18.59G:
+        reserved          1.25G        (the runtime's own, outside the usable 30.75G of a v4 chip)
+        program          11.20G        (the program's temporaries + its code overlays)
+        arguments         6.14G
+    Output size 6.14G; shares 6.14G with arguments.
+    XLA::TPU program HBM usage: 11.20G / 30.75G
+    Program hbm requirement 11.20G:
+        HLO temp         11.12G (... Unpadded (6.57G) ..., 40.9% fragmentation (4.55G))
+        overlays         76.03M
+
+So a chip needs program + arguments + the outputs that do not reuse an argument, out of the
+usable HBM libtpu prints. PJRT's compiled-memory statistics, which the check used before, add
+the buffer heap's fragmentation a second time: their temporaries are libtpu's "HLO temp" (which
+already holds the fragmentation) plus the fragmentation again (2B GPT-2 on v4-8, libtpu 0.0.21:
+scanned 15.67 GiB = 11.12 + 4.55; a 2-layer one 7.985 = 7.41 + 0.586; unscanned 11.33 =
+11.20 + 0.13). A While loop's buffers fragment the heap most, so the scanned programs looked
+4.5 GiB larger than they are (21.88 against libtpu's 17.34 GiB), and a program libtpu compiled
+could be reported as not fitting. The check now reports libtpu's figure and keeps PJRT's beside
+it; without the log (a libtpu that does not write it, `TPU_LOG_DIR` unwritable) it falls back to
+PJRT's and says so.
+
+Sizes in the log carry three or four significant digits ("11.20G" is GiB): within 0.01 GiB.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+DEFAULT_DIR = "/tmp/tpu_logs"
+_UNITS = {"B": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+_SIZE = r"([\d.]+)([BKMGT])"
+_USAGE = re.compile(r"XLA::TPU program HBM usage: " + _SIZE + " / " + _SIZE)
+_TOTAL = re.compile(r"Total hbm usage >= " + _SIZE + r":\n(?P<rows>(?:.*\]\s+\w+\s+\S+\s*\n)+)")
+_ROW = re.compile(r"\]\s+(reserved|program|arguments)\s+" + _SIZE)
+_OUTPUT = re.compile(r"Output size " + _SIZE + "; shares " + _SIZE + " with arguments")
+_REQUIREMENT = re.compile(r"Program hbm requirement " + _SIZE + r":\n(?P<rows>(?:.*\]\s{2,}\w.*\n)+)")
+_TEMP = re.compile(r"\]\s+HLO temp\s+" + _SIZE + r" .*fragmentation \(" + _SIZE + r"\)")
+
+
+def _bytes(value: str, unit: str) -> int:
+    return int(round(float(value) * _UNITS[unit]))
+
+
+@dataclass(frozen=True)
+class ProgramHbm:
+    """What libtpu says one compiled program needs on each chip, in bytes."""
+    program: int  # temporaries (with their fragmentation) + code overlays
+    arguments: int
+    outputs: int
+    shared: int  # output bytes that reuse argument buffers
+    usable: int  # the chip's HBM libtpu lets programs use
+    reserved: int
+    temporaries: int  # libtpu's "HLO temp"
+    fragmentation: int
+
+    @property
+    def total(self) -> int:
+        """program + arguments + the outputs that do not reuse an argument."""
+        return self.program + self.arguments + max(0, self.outputs - self.shared)
+
+
+_LOADED_WITH: Optional[str] = None  # TPU_LOG_DIR when libtpu loaded in this process (it reads it once)
+
+
+def libtpu_loading() -> None:
+    """Called as libtpu loads: its log directory is fixed from then on."""
+    global _LOADED_WITH
+    _LOADED_WITH = os.environ.get("TPU_LOG_DIR", DEFAULT_DIR)
+
+
+def log_file() -> Optional[str]:
+    """This process's libtpu INFO log (the newest), if libtpu writes one."""
+    where = _LOADED_WITH or os.environ.get("TPU_LOG_DIR", DEFAULT_DIR)
+    found = glob.glob(os.path.join(where, f"*.log.INFO.*.{os.getpid()}"))
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def mark() -> tuple:
+    """Where this process's log ends now: read what a compile adds with `since(mark)`."""
+    path = log_file()
+    return (path, os.path.getsize(path) if path else 0)
+
+
+def since(where: tuple) -> str:
+    """The log text written after `mark()` returned `where` ("" without a log)."""
+    path, offset = where
+    now = log_file()
+    if now is None:
+        return ""
+    if now != path:  # a new file (libtpu rolled it, or none existed before)
+        offset = 0
+    with open(now, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
+def program_hbm(text: str) -> Optional[ProgramHbm]:
+    """libtpu's HBM account of the last program compiled in `text` (its log), or None."""
+    totals = list(_TOTAL.finditer(text))
+    usage = list(_USAGE.finditer(text))
+    outputs = list(_OUTPUT.finditer(text))
+    if not (totals and usage and outputs):
+        return None
+    rows = {m.group(1): _bytes(m.group(2), m.group(3)) for m in _ROW.finditer(totals[-1].group("rows"))}
+    if "program" not in rows or "arguments" not in rows:
+        return None
+    # the HBM block comes first after "Total hbm usage" (host and cmem follow): its Output line
+    out = next((m for m in outputs if m.start() > totals[-1].start()), outputs[-1])
+    u = usage[-1]
+    needs = [m for m in _REQUIREMENT.finditer(text) if m.start() > totals[-1].start()]
+    temp = _TEMP.search(needs[0].group("rows")) if needs else None  # none when the program has no temporaries
+    return ProgramHbm(program=rows["program"], arguments=rows["arguments"],
+                      outputs=_bytes(out.group(1), out.group(2)), shared=_bytes(out.group(3), out.group(4)),
+                      usable=_bytes(u.group(3), u.group(4)), reserved=rows.get("reserved", 0),
+                      temporaries=_bytes(temp.group(1), temp.group(2)) if temp else 0,
+                      fragmentation=_bytes(temp.group(3), temp.group(4)) if temp else 0)
