@@ -13,13 +13,12 @@ import time
 from typing import Callable
 
 from xla_fsdp.aot import program as prog
-from xla_fsdp.tpu import optimized_hlo, step_time
+from xla_fsdp.tpu import compile_log, optimized_hlo, step_time
 
 GIB = 1024 ** 3
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 # libtpu's out-of-memory refusal: "Ran out of memory in memory space hbm. Used 67.64G of 30.75G hbm."
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
-_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
 def out_of_memory(message: str):
@@ -27,7 +26,7 @@ def out_of_memory(message: str):
     m = _OOM.search(message)
     if not m:
         return None
-    return int(float(m.group(1)) * _UNITS[m.group(2)]), int(float(m.group(3)) * _UNITS[m.group(4)])
+    return compile_log.size_bytes(m.group(1), m.group(2)), compile_log.size_bytes(m.group(3), m.group(4))
 
 
 def is_spmd(text: str) -> bool:

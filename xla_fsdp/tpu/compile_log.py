@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 DEFAULT_DIR = "/tmp/tpu_logs"
-_UNITS = {"B": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+_UNITS = {"": 1, "B": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 _SIZE = r"([\d.]+)([BKMGT])"
 _USAGE = re.compile(r"XLA::TPU program HBM usage: " + _SIZE + " / " + _SIZE)
 _TOTAL = re.compile(r"Total hbm usage >= " + _SIZE + r":\n(?P<rows>(?:.*\]\s+\w+\s+\S+\s*\n)+)")
@@ -48,7 +48,8 @@ _REQUIREMENT = re.compile(r"Program hbm requirement " + _SIZE + r":\n(?P<rows>(?
 _TEMP = re.compile(r"\]\s+HLO temp\s+" + _SIZE + r" .*fragmentation \(" + _SIZE + r"\)")
 
 
-def _bytes(value: str, unit: str) -> int:
+def size_bytes(value: str, unit: str) -> int:
+    """libtpu's printed size ("11.20", "G") in bytes; its "G" is GiB."""
     return int(round(float(value) * _UNITS[unit]))
 
 
@@ -112,7 +113,7 @@ def program_hbm(text: str) -> Optional[ProgramHbm]:
     outputs = list(_OUTPUT.finditer(text))
     if not (totals and usage and outputs):
         return None
-    rows = {m.group(1): _bytes(m.group(2), m.group(3)) for m in _ROW.finditer(totals[-1].group("rows"))}
+    rows = {m.group(1): size_bytes(m.group(2), m.group(3)) for m in _ROW.finditer(totals[-1].group("rows"))}
     if "program" not in rows or "arguments" not in rows:
         return None
     # the HBM block comes first after "Total hbm usage" (host and cmem follow): its Output line
@@ -121,7 +122,7 @@ def program_hbm(text: str) -> Optional[ProgramHbm]:
     needs = [m for m in _REQUIREMENT.finditer(text) if m.start() > totals[-1].start()]
     temp = _TEMP.search(needs[0].group("rows")) if needs else None  # none when the program has no temporaries
     return ProgramHbm(program=rows["program"], arguments=rows["arguments"],
-                      outputs=_bytes(out.group(1), out.group(2)), shared=_bytes(out.group(3), out.group(4)),
-                      usable=_bytes(u.group(3), u.group(4)), reserved=rows.get("reserved", 0),
-                      temporaries=_bytes(temp.group(1), temp.group(2)) if temp else 0,
-                      fragmentation=_bytes(temp.group(3), temp.group(4)) if temp else 0)
+                      outputs=size_bytes(out.group(1), out.group(2)), shared=size_bytes(out.group(3), out.group(4)),
+                      usable=size_bytes(u.group(3), u.group(4)), reserved=rows.get("reserved", 0),
+                      temporaries=size_bytes(temp.group(1), temp.group(2)) if temp else 0,
+                      fragmentation=size_bytes(temp.group(3), temp.group(4)) if temp else 0)
