@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from xla_fsdp.tpu import kernel_cost
+from xla_fsdp.tpu.fusion_bytes import fusion_bytes
 from xla_fsdp.tpu.optimized_hlo import operand_names
 from xla_fsdp.tpu import optimized_hlo as oh
 
@@ -67,7 +68,6 @@ F32_PASSES = {"default": 1, "high": 3, "highest": 6}
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
          "slice-start", "slice-done",
          "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency", "iota")
-_SLICING = ("slice", "dynamic-slice", "gather")
 _DIMS = re.compile(r"\[([0-9,]*)\]")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->")
@@ -198,78 +198,6 @@ def _computation_flops(name: str, comps, depth: int = 0) -> float:
     return total
 
 
-def _parameters(body: List[oh.Instruction]) -> Dict[int, str]:
-    """A fused computation's parameters by number."""
-    params: Dict[int, str] = {}
-    for i in body:
-        if i.opcode == "parameter":
-            m = re.match(r"(\d+)\)", i.rest)
-            if m:
-                params[int(m.group(1))] = i.name
-    return params
-
-
-def _sliced_bytes(param: str, body: List[oh.Instruction], comps, depth: int = 0) -> Optional[float]:
-    """Bytes fused computation `body` reads of its parameter `param` when it only takes slices of it,
-    directly or through the fusions nested in it (a loop body's layer input: a dynamic-slice of
-    the saved stack of every layer's, inside the fusion that consumes it); None when some use
-    reads the whole parameter."""
-    uses = [i for i in body if param in operand_names(i.rest)]
-    if not uses:
-        return None
-    total = 0.0
-    for u in uses:
-        if u.opcode in _SLICING:
-            total += sum(oh.shape_bytes(u.shape))
-            continue
-        called = oh._CALLS.search(u.rest) if u.opcode == "fusion" and depth < 3 else None
-        inner = comps.get(called.group(1), []) if called else []
-        if not inner:
-            return None
-        params = _parameters(inner)
-        for pos, o in enumerate(operand_names(u.rest)):
-            if o == param:
-                read = _sliced_bytes(params.get(pos, ""), inner, comps, depth + 1)
-                if read is None:
-                    return None
-                total += read
-    return total
-
-
-def _fusion_bytes(ins: oh.Instruction, entry_shapes: Dict[str, str], comps) -> float:
-    """HBM bytes a fusion moves: each operand read once (or only the slices it takes, also inside
-    fusions nested in it), its result written once (or only the update, for an in-place
-    dynamic-update-slice)."""
-    ops = operand_names(ins.rest)
-    called = oh._CALLS.search(ins.rest)
-    body = comps.get(called.group(1), []) if called else []
-    params = _parameters(body)
-    users: Dict[str, List[oh.Instruction]] = {}
-    for i in body:
-        for o in operand_names(i.rest):
-            users.setdefault(o, []).append(i)
-    total = 0.0
-    for idx, name in enumerate(ops):
-        full = sum(oh.shape_bytes(entry_shapes.get(name, "")))
-        inner = users.get(params.get(idx, ""), [])
-        sliced = _sliced_bytes(params[idx], body, comps) if inner else None
-        if sliced is not None:
-            total += min(full, sliced)
-        elif inner and all(u.opcode == "dynamic-update-slice" and operand_names(u.rest)[:1] == [params[idx]]
-                           for u in inner):
-            continue  # the buffer updated in place: only the update is written (counted below)
-        else:
-            total += full
-    root = body[-1] if body else None
-    if root is not None and root.opcode == "dynamic-update-slice":
-        update = operand_names(root.rest)[1:2]
-        shapes = {i.name: i.shape for i in body}
-        total += sum(oh.shape_bytes(shapes.get(update[0], ""))) if update else 0
-    else:
-        total += sum(oh.shape_bytes(ins.shape))
-    return total
-
-
 def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0,
                   mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE, kernels: Optional[list] = None
                   ) -> Tuple[float, float, float]:
@@ -300,7 +228,7 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
     if op in ("fusion", "call", "custom-call"):
         called = oh._CALLS.search(ins.rest)
         flops = _computation_flops(called.group(1), comps) if called else 0.0
-        moved = _fusion_bytes(ins, entry_shapes, comps)
+        moved = fusion_bytes(ins, entry_shapes, comps)
     elif op in ("dot", "convolution"):
         flops = _matmul_flops(ins, entry_shapes)
         moved = sum(sum(oh.shape_bytes(entry_shapes.get(o, ""))) for o in operand_names(ins.rest)) + \
