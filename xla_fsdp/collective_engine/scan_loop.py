@@ -305,7 +305,7 @@ def find(root: nn.Module, comm):
 
 def install(root: nn.Module, found) -> None:
     """Swap each found ModuleList for a ScannedLayers run by this engine's loop."""
-    from ..layer_scan.scanned_list import ScannedLayers, ScanSettings
+    from ..layer_scan.scanned_list import ScannedLayers, ScanSettings, no_cache_by_default
 
     # the template is made at the first call, from layer 0 as it is then: what was mixed into its
     # modules after wrapping (run_clm's head-major GPT-2 attention, [Note: head-major projections])
@@ -313,9 +313,7 @@ def install(root: nn.Module, found) -> None:
     settings = ScanSettings(run_loop, make_template=unit_template)
     for owner, name, layers, where in found:
         setattr(owner, name, ScannedLayers(layers, settings, where))
-    config = getattr(root, "config", None)
-    if getattr(config, "use_cache", False):  # a call with a KV cache runs the layers one by one
-        config.use_cache = False
+    no_cache_by_default(root)
     if type(root).__module__.startswith("transformers."):
         # without a cache transformers' mask code reads tensor values on the host, which the
         # single controller's region cannot; steered as enable() steers it for the Trainer

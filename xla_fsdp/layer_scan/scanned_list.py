@@ -30,12 +30,15 @@ loop body cannot call them per layer.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from .find import _hook_keys, _template
+
+logger = logging.getLogger(__name__)
 
 # (the pass, the first layer's positional and keyword arguments) -> the last layer's output
 Loop = Callable[["ScanRun", Tuple, Dict[str, Any]], Any]
@@ -245,3 +248,15 @@ def _transformers_capture_only(layers, key, hooks, before) -> bool:
       if getattr(fn, "__module__", "") != "transformers.utils.output_capturing":
         return False
   return True
+
+
+def no_cache_by_default(root: nn.Module) -> None:
+  """A transformers model whose config asks for a KV cache by default (GPT-2's `use_cache`)
+  would pass one to its layers in training too, and a call with a cache runs the layers one by
+  one; as transformers does for gradient checkpointing, the default is turned off (generation
+  can still pass `use_cache=True`)."""
+  config = getattr(root, "config", None)
+  if getattr(config, "use_cache", False):
+    logger.info("scan_layers: setting %s.config.use_cache = False (a KV cache "
+                "runs the layers unscanned)", type(root).__name__)
+    config.use_cache = False

@@ -12,7 +12,6 @@ chip holds one layer's full parameters at a time, as without scan.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -20,11 +19,10 @@ import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 
 from xla_fsdp.layer_scan.find import Found, _template, hf_checkpointed
-from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanRun
+from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanRun, no_cache_by_default
 from xla_fsdp.layer_scan.scanned_list import ScanSettings as _Shared
 from xla_fsdp.spmd_engine.stacked import SUFFIX, stacked_view, store_stacked
 
-logger = logging.getLogger(__name__)
 
 ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
 
@@ -109,13 +107,8 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
 
 def install_scans(root: nn.Module, found: Found, settings: ScanSettings) -> None:
   """Swaps each found ModuleList for a ScannedLayers (after the engine's own
-  hooks are in place: those are the ones a scanned layer may carry).
-
-  A transformers model whose config asks for a KV cache by default (GPT-2's
-  `use_cache`) would pass one to its layers in training too, and a call with
-  a cache runs unscanned; as transformers does for gradient checkpointing,
-  the default is turned off (generation can still pass `use_cache=True`).
-  """
+  hooks are in place: those are the ones a scanned layer may carry); no KV
+  cache by default (`no_cache_by_default`)."""
   for owner, name, layers, where in found:
     scanned = ScannedLayers(layers, settings, where)
     scanned.template()  # from a layer that still holds its parameters
@@ -123,8 +116,4 @@ def install_scans(root: nn.Module, found: Found, settings: ScanSettings) -> None
     if settings.stored:
       store_stacked(owner, name, layers, _template(layers[0]), settings.mesh)
       scanned._scan_store.append(getattr(owner, name + SUFFIX))
-  config = getattr(root, "config", None)
-  if getattr(config, "use_cache", False):
-    logger.info("scan_layers: setting %s.config.use_cache = False (a KV cache "
-                "runs the layers unscanned)", type(root).__name__)
-    config.use_cache = False
+  no_cache_by_default(root)
