@@ -24,7 +24,7 @@ def _staged(data: np.ndarray, stages) -> np.ndarray:
     return np.stack([bufs[d] for d in range(len(data))])
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 4), (2, 2, 1), (4, 4, 4), (2, 4), (1, 2, 2)])
+@pytest.mark.parametrize("shape", [(2, 2, 4), (2, 2, 1), (4, 4, 4), (2, 4), (1, 2, 2), (16, 16)])
 def test_stages_give_each_device_the_flat_reduce_scatters_chunk(shape):
     n = int(np.prod(shape))
     stages = torus.stages(list(range(n)), shape)
@@ -59,6 +59,22 @@ def test_shape_from_device_coordinates():
     assert torus.from_coordinates([(0, 0, 0), (0, 0, 0)]) is None  # two cores per chip
     assert torus.from_coordinates([(0, 1, 0), (0, 0, 0)]) is None  # another numbering
     assert torus.from_coordinates([]) is None
+
+
+def test_a_plane_slice_reduces_along_its_two_axes_and_never_rings_its_reduce_scatters(monkeypatch):
+    """[Note: staged on 2-D slices]: v6e-256 (16 x 16) reduce-scatters one 16-chip line at a
+    time; the reduce-scatter rings stay on 3-D slices, where they were measured."""
+    from xla_fsdp.collective_engine import auto, spmd_collectives
+
+    monkeypatch.setenv(torus.ENV, "16x16")
+    assert torus.slice_shape() == (16, 16) and not torus.three_axes((16, 16))
+    stages = torus.stages(list(range(256)), torus.slice_shape())
+    assert [count for _, count in stages] == [16, 16]
+    assert stages[0][0][0] == list(range(0, 256, 16)) and stages[1][0][0] == list(range(16))
+    assert not auto.scatter_rings_apply([list(range(32))], 32, spmd_collectives._torus_known())
+    monkeypatch.setenv(torus.ENV, "4x4x2")  # v4-64
+    assert torus.three_axes(torus.slice_shape())
+    assert auto.scatter_rings_apply([list(range(32))], 32, spmd_collectives._torus_known())
 
 
 @pytest.mark.parametrize("text", ["2x", "axb", "0x2x2", ""])

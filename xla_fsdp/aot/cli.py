@@ -159,8 +159,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         spec = topology.parse_accelerator_type(opts.tpu)
         job = trace.job_from_command(command, opts.runtime, spec.chips)
-        if spec.chip.megacore:  # 3-D ICI (v4, v5p): [Note: one reduce-scatter per torus axis]
-            job.torus = "x".join(map(str, spec.shape))
+        # [Note: one reduce-scatter per torus axis], 3-D (v4, v5p) and 2-D (v5e, v6e)
+        job.torus = "x".join(map(str, spec.shape))
         if opts.dump:  # a URL whose file system or bucket is missing: now, not after the trace
             from xla_fsdp.checkpoint import storage
 

@@ -39,8 +39,9 @@ SPMD_CHANNEL_ID = 1
 
 
 def _torus_known() -> bool:
+    """The slice's torus is known and 3-D (v4, v5p): where the reduce-scatters may ring."""
     try:
-        return torus.slice_shape() is not None
+        return torus.three_axes(torus.slice_shape())
     except ValueError:  # a malformed XLA_FSDP_TORUS: the rings' own check says so
         return True
 
@@ -81,7 +82,10 @@ class SpmdCollectives(XlaCollectives):
                     f"{' and '.join(asked)} needs one shard group holding every device in id order, "
                     f"not {[list(g) for g in placement.shard_groups]}; use 'auto' or 'flat' stages and "
                     f"the 'all_gather' gather with sharding groups")
-            self._rings = ring.TorusRings(torus.slice_shape() or (len(every),))
+            # one ring per axis on 3-D slices; one ring through every device on 2-D ones, as
+            # measured ([Note: staged on 2-D slices] in torus.py)
+            shape = torus.slice_shape()
+            self._rings = ring.TorusRings(shape if torus.three_axes(shape) else (len(every),))
             if self._rings.devices != len(every):
                 raise ValueError(f"{torus.ENV} names a slice of {self._rings.devices} devices; "
                                  f"this job has {len(every)}")

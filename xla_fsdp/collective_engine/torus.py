@@ -15,14 +15,23 @@ each chip sends: 3/4 + 1/8 + 1/16 = 15/16 of the buffer, the ring reduce-scatter
 
 Applied by `reduce_scatter_stages="axes"` (and by "auto" where rings do not apply: [Note: rings
 by default on a TPU] in auto.py) only where it is known to be right and to pay: the single
-controller, one shard group that is every device of the slice in device-id order, a slice of
-chips with 3-D ICI (v4, v5p) spanning at least two axes (compiled and measured on v4 only; v5p
-by the same ICI shape, not compiled). v5e and v6e (2-D) keep their flat reduce-scatters, which
-libtpu keeps. `reduce_scatter_stages="flat"` turns it off.
+controller, one shard group that is every device of the slice in device-id order, a slice
+spanning at least two ICI axes. `reduce_scatter_stages="flat"` turns it off.
 
-The slice's shape comes from `XLA_FSDP_TORUS` ("2x2x4", x first: the ahead-of-time check sets
-it when it compiles for a v4 or v5p slice) or, on a v4/v5p TPU, from the runtime's device
-coordinates.
+[Note: staged on 2-D slices]
+On 2-D slices (v5e, v6e) too. v6e-8 keeps its flat 2-D reduce-scatters ([Note: 2-D
+reduce-scatter] in collectives.py; the default rings them there in any case), but on v6e-256 (16 x 16) libtpu 0.0.21 compiles every flat one over the 256 chips as an
+all-reduce plus a slice, synchronous: Llama 3 8B at 4 x 8192 per chip, 2-layer copy, 25 of its
+33 synchronous collectives (2.97 GB). Staged, one reduce-scatter over each 16-chip line, they
+stay reduce-scatters: PROJECTED step 0.3676 s against 0.3814 (-3.6%), libtpu compile 52 s
+against 78 s (deviceless, 2026-11-29; the 32-layer program in docs/performance.md). The
+reduce-scatter rings of 3-D pods ([Note: reduce-scatter rings on pods] in auto.py) stay off
+2-D slices: there they were measured slower to compile (195 s for the 2-layer copy) for less.
+v5e/v6e slices of 16 to 128 chips were not compiled staged.
+
+The slice's shape comes from `XLA_FSDP_TORUS` ("2x2x4", x first; two numbers, "16x16", for a
+2-D slice: the ahead-of-time check sets it for the slice it compiles for) or, on a TPU, from
+the runtime's device coordinates.
 """
 from __future__ import annotations
 
@@ -78,12 +87,21 @@ def slice_shape() -> Optional[Tuple[int, ...]]:
         if xr.device_type() != "TPU":
             return None
         kind = xm.xla_device_kind().lower()
-        if "v4" not in kind and not ("v5" in kind and "lite" not in kind and "v5e" not in kind):
-            return None  # 2-D ICI (v5e, v6e): flat reduce-scatters stay reduce-scatters
+        plane = not ("v4" in kind or ("v5" in kind and "lite" not in kind and "v5e" not in kind))
         attributes = xr.global_runtime_device_attributes()
     except Exception:  # no runtime, or a torch_xla without these: reduce-scatter flat
         return None
-    return from_coordinates([a.get("coords", ()) for a in attributes])
+    coords = [tuple(a.get("coords", ())) for a in attributes]
+    if plane:  # 2-D ICI (v5e, v6e): x and y; a third coordinate, if given, is 0 on every chip
+        if any(len(c) < 2 or any(c[2:]) for c in coords):
+            return None
+        coords = [c[:2] for c in coords]
+    return from_coordinates(coords)
+
+
+def three_axes(shape: Optional[Tuple[int, ...]]) -> bool:
+    """A slice of 3-D ICI (v4, v5p: three numbers, "2x2x4"), where reduce-scatter rings were measured."""
+    return shape is not None and len(shape) == 3
 
 
 def stages(group: Sequence[int], shape: Optional[Tuple[int, ...]], mode: str = "auto") -> List[Stage]:
