@@ -49,6 +49,12 @@ def test_the_single_controller_gets_its_own_budget_even_when_declared_after_an_i
     assert lf.set_defaults(pod) == lf.DEFAULT_INIT_ARGS  # no rings on a pod: the gathers' budget
     one_host = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "8"}
     assert lf.set_defaults(one_host) == lf.SINGLE_CONTROLLER_INIT_ARGS
+    large = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "128"}
+    assert lf.set_defaults(large) == lf.POD_INIT_ARGS  # [Note: asynchronous staged reduce-scatters]
+    assert "--xla_enable_async_reduce_scatter_fusion=true" in lf.POD_INIT_ARGS.split()
+    assert set(lf.DEFAULT_INIT_ARGS.split()) < set(lf.POD_INIT_ARGS.split())
+    assert lf.for_runtime("multi_process", 128) == lf.DEFAULT_INIT_ARGS  # pinned: nothing to fuse
+    assert lf.for_runtime("single_controller", 64) == lf.DEFAULT_INIT_ARGS  # rings the reduce-scatters there
     users = {"PJRT_DEVICE": "TPU", lf.ENV: lf.DEFAULT_INIT_ARGS, "XLA_FSDP_RUNTIME": "single_controller"}
     assert lf.set_defaults(users) is None and users[lf.ENV] == lf.DEFAULT_INIT_ARGS  # exported by the user
 

@@ -131,3 +131,14 @@ def test_the_default_on_a_pod_rings_the_reduce_scatters_beside_compute(traced_de
     scattered = staged["by_kind"]["reduce-scatter"]["sent"]
     assert 0.9 * scattered < permutes["sent"] < 1.2 * scattered, (permutes, staged["by_kind"])
     assert auto["async_bytes_fraction"] > staged["async_bytes_fraction"] + 0.2, (auto, staged)
+
+
+def test_staged_reduce_scatters_run_beside_compute_with_the_large_pods_flags(traced_default):
+    """[Note: asynchronous staged reduce-scatters]: with libtpu's async reduce-scatter fusion
+    some of the staged reduce-scatters become asynchronous and the step projects shorter; the
+    flags xla_fsdp sets for a single controller on slices of more than 64 chips."""
+    plain = _compile(traced_default, lf.ASYNC_COLLECTIVES)
+    pods = _compile(traced_default, {**lf.ASYNC_COLLECTIVES, **lf.ASYNC_REDUCE_SCATTERS})
+    before, after = (r["collectives"]["by_kind"]["reduce-scatter"] for r in (plain, pods))
+    assert before["async"] == 0 and after["async"] >= 1 and after["async_with_matmul"] >= 1, (before, after)
+    assert pods["projection"]["projected_seconds"] < plain["projection"]["projected_seconds"]

@@ -84,7 +84,7 @@ def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool
 
 # the largest slice whose reduce-scatter rings were compiled and measured ([Note: reduce-scatter
 # rings on pods]): v4-128's 64 chips; on v4-256 the 64B step's compile ran out of this host's 24 GB
-SCATTER_RING_MAX_CHIPS = 64
+SCATTER_RING_MAX_CHIPS = libtpu_flags.STAGED_ABOVE_CHIPS
 
 
 def scatter_rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int, torus_known: bool) -> bool:

@@ -37,6 +37,9 @@ Each flag was checked with libtpu's compiler (tests/test_libtpu_flags.py):
 - `xla_tpu_spmd_rng_bit_generator_unsafe`: without it the SPMD partitioner
   draws every random-bit generator at its global shape on every chip and
   slices its part ([Note: random bits per chip]).
+- on slices of more than 64 chips, the single controller's only: libtpu's asynchronous
+  reduce-scatter fusion for the staged reduce-scatters there ([Note: asynchronous staged
+  reduce-scatters] below; tests/test_tpu_large_slice.py).
 Flags measured to change nothing in our programs are not set
 (`xla_tpu_enable_async_collective_fusion`, `..._multiple_steps`,
 `xla_tpu_overlap_compute_collective_tc`, `xla_enable_async_all_reduce`:
@@ -89,6 +92,31 @@ SINGLE_CONTROLLER_COLLECTIVES: Mapping[str, str] = dict(
 # A flag of the partitioner: it changes nothing for one process per chip.
 PARTITIONED_RANDOM_BITS: Mapping[str, str] = {"xla_tpu_spmd_rng_bit_generator_unsafe": "true"}
 
+# [Note: asynchronous staged reduce-scatters]
+# On 3-D slices of more than 64 chips the single controller reduce-scatters in stages, one per
+# torus axis ([Note: one reduce-scatter per torus axis]; the reduce-scatter rings of smaller pods
+# did not compile there in this host's 24 GB), and libtpu 0.0.21 keeps every stage synchronous
+# by default. With libtpu's async reduce-scatter fusion (`..._fuse_reduce_scatter` and
+# `xla_enable_async_reduce_scatter_fusion`, as MaxText enables it) it runs part of them beside
+# compute; without `xla_tpu_async_collective_fusion_with_start_done_only` it also fuses a
+# weight-gradient matmul into the collective and runs out of v4's 16 MiB of VMEM (the 64B
+# GPT-2 on v4-256: 16.42 of 16.00 MiB). Compiled for v4-256 (the blog's 64B, 8 x 1024 per chip,
+# kernel, shipped config; libtpu 0.0.21 deviceless, 2026-11-29): asynchronous bytes 0.45 -> 0.65,
+# PROJECTED step 17.623 -> 17.049 s (-3.3%), peak HBM 23.79 -> 23.77 GiB, but libtpu's compile
+# 231 -> 319 s. Either alone, or with start/done only and no reduce-scatter fusion, changes
+# nothing. On v6e-256 (Llama 3 8B, staged too: [Note: staged on 2-D slices]) it changes nothing
+# at full depth (3.493 s against 3.491). So: the single controller, slices of more than 64 chips.
+ASYNC_REDUCE_SCATTERS: Mapping[str, str] = {
+    "xla_tpu_enable_async_collective_fusion": "true",
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
+    "xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter": "true",
+    "xla_enable_async_reduce_scatter_fusion": "true",
+    "xla_tpu_async_collective_fusion_with_start_done_only": "true",
+}
+# slices above this many chips keep staged reduce-scatters (collective_engine/auto.py's
+# SCATTER_RING_MAX_CHIPS, which imports this module)
+STAGED_ABOVE_CHIPS = 64
+
 MARK = "XLA_FSDP_LIBTPU_INIT_ARGS"  # what xla_fsdp itself put in LIBTPU_INIT_ARGS
 RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 CHIPS_ENV = "XLA_FSDP_SLICE_CHIPS"  # chips of the whole slice, when the launcher knows them
@@ -106,6 +134,7 @@ def init_args(flags: Mapping[str, str] = ASYNC_COLLECTIVES) -> str:
 
 
 DEFAULT_INIT_ARGS = init_args({**ASYNC_COLLECTIVES, **PARTITIONED_RANDOM_BITS})  # one process per chip, and a runtime not yet known
+POD_INIT_ARGS = init_args({**ASYNC_COLLECTIVES, **PARTITIONED_RANDOM_BITS, **ASYNC_REDUCE_SCATTERS})
 SINGLE_CONTROLLER_INIT_ARGS = init_args({**SINGLE_CONTROLLER_COLLECTIVES, **PARTITIONED_RANDOM_BITS})
 
 
@@ -141,7 +170,11 @@ def for_runtime(runtime: Optional[str], chips: Optional[int] = None,
     ([Note: rings by default on a TPU]), the gathers' elsewhere and under XLA_FSDP_RINGS=0."""
     rings = (runtime == SINGLE_CONTROLLER and (chips is None or chips <= RING_MAX_CHIPS)
              and rings_enabled(environ))
-    return SINGLE_CONTROLLER_INIT_ARGS if rings else DEFAULT_INIT_ARGS
+    if rings:
+        return SINGLE_CONTROLLER_INIT_ARGS
+    if runtime == SINGLE_CONTROLLER and chips is not None and chips > STAGED_ABOVE_CHIPS:
+        return POD_INIT_ARGS  # [Note: asynchronous staged reduce-scatters]
+    return DEFAULT_INIT_ARGS
 
 
 def users_own(environ: Mapping[str, str] = os.environ) -> str:
