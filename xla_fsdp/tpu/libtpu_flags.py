@@ -105,7 +105,8 @@ PARTITIONED_RANDOM_BITS: Mapping[str, str] = {"xla_tpu_spmd_rng_bit_generator_un
 # PROJECTED step 17.623 -> 17.049 s (-3.3%), peak HBM 23.79 -> 23.77 GiB, but libtpu's compile
 # 231 -> 319 s. Either alone, or with start/done only and no reduce-scatter fusion, changes
 # nothing. On v6e-256 (Llama 3 8B, staged too: [Note: staged on 2-D slices]) it changes nothing
-# at full depth (3.493 s against 3.491). So: the single controller, slices of more than 64 chips.
+# at full depth (3.493 s against 3.491). So: the single controller, slices of more than 64 chips,
+# 3-D or 2-D alike (the flags are chosen by the slice's chip count; its shape is not known here).
 ASYNC_REDUCE_SCATTERS: Mapping[str, str] = {
     "xla_tpu_enable_async_collective_fusion": "true",
     "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
