@@ -48,8 +48,9 @@ docs/performance.md (the blog's table, compiled). On v4-256 (128 chips) libtpu's
 the 64B step with the rings outgrew this host's 24 GB (killed at 23.9 GB after 1,076 s; with
 the staged reduce-scatters it compiled in 298 s), so nothing above 64 chips was measured and
 slices of more than SCATTER_RING_MAX_CHIPS keep the staged reduce-scatters (an explicit
-reduce_scatter_stages="ring" still rings them). Their staged reduce-scatters get libtpu's asynchronous reduce-scatter
-fusion instead ([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py). Applied where the slice's torus shape is known (torus.slice_shape(): the
+reduce_scatter_stages="ring" still rings them). Their staged reduce-scatters get libtpu's
+asynchronous reduce-scatter fusion instead ([Note: asynchronous staged reduce-scatters] in
+tpu/libtpu_flags.py). Applied where the slice's torus shape is known (torus.slice_shape(): the
 check sets it; on a TPU the runtime's coordinates), with one shard group of every device in id
 order, on the single controller on a TPU, unless XLA_FSDP_RINGS=0.
 """

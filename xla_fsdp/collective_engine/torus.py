@@ -20,8 +20,9 @@ spanning at least two ICI axes. `reduce_scatter_stages="flat"` turns it off.
 
 [Note: staged on 2-D slices]
 On 2-D slices (v5e, v6e) too. v6e-8 keeps its flat 2-D reduce-scatters ([Note: 2-D
-reduce-scatter] in collectives.py; the default rings them there in any case), but on v6e-256 (16 x 16) libtpu 0.0.21 compiles every flat one over the 256 chips as an
-all-reduce plus a slice, synchronous: Llama 3 8B at 4 x 8192 per chip, 2-layer copy, 25 of its
+reduce-scatter] in collectives.py; the default rings them there in any case), but on v6e-256
+(16 x 16) libtpu 0.0.21 compiles every flat one over the 256 chips as an all-reduce plus a
+slice, synchronous: Llama 3 8B at 4 x 8192 per chip, 2-layer copy, 25 of its
 33 synchronous collectives (2.97 GB). Staged, one reduce-scatter over each 16-chip line, they
 stay reduce-scatters: PROJECTED step 0.3676 s against 0.3814 (-3.6%), libtpu compile 52 s
 against 78 s (deviceless, 2026-11-29; the 32-layer program in docs/performance.md). The
