@@ -365,3 +365,26 @@ def test_a_trainer_script_is_checked_in_the_runtime_it_gets_on_a_tpu(tmp_path):
     assert got["rc"] == 0 and report["compiles"], got["output"]
     assert report["runtime"] == "single_controller" and report["chips"] == 4, report
     assert not (tmp_path / "out" / "checkpoint-2").exists()  # traced, never run
+
+
+def test_keep_what_fits_is_checked_as_the_slice_runs_it(tmp_path):
+    """checkpoint_all_but_last="fit" ([Note: keep what fits] in xla_fsdp/memory/fit.py): the traced job
+    finds no device memory figures here, so the check compiles the step with every block
+    recomputed, hands its HBM figures to a second trace, and reports that step, the one the
+    slice runs: the tiny GPT-2's last block keeps its activations (all but one fit in v4's HBM),
+    so backward recomputes less and the step has fewer FLOPs. Two traces, two compiles."""
+    import dataclasses
+
+    case = ac.BY_NAME["sc-full_shard"]
+    case = dataclasses.replace(case, top={**case.top, "xla_fsdp_grad_ckpt": True},
+                               settings={**case.settings, "checkpoint_all_but_last": "fit"})
+    cmd = ac.command(case, 4, str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
+    got = ac.check("v4-8", cmd)
+    report = got["report"]
+    assert got["rc"] == 0 and report is not None, got["output"][-3000:]
+    fit = report["fit"]
+    assert (fit["count"], fit["units"]) == (1, 2), fit
+    assert len(fit["saved_per_unit"]) == 2 and min(fit["saved_per_unit"]) > 0, fit
+    first = fit["every_unit_recomputed"]
+    assert report["projection"]["flops"] < first["projection"]["flops"], (report["projection"], first)
+    assert report["memory"]["peak"] > 0 and first["memory"]["peak"] > 0

@@ -37,6 +37,7 @@ adds its activations to the peak.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -45,6 +46,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .class_swap import mix_into, unmix
+from .memory.fit import FitPlan, is_fit, saved_bytes
 from .recompute_context import ForwardState
 from .unit_state import state_of
 
@@ -101,6 +103,7 @@ class _Checkpoint(torch.autograd.Function):
         leaves = [None if i in set(tensor_pos) else x for i, x in enumerate(leaves)]
         ctx.run, ctx.spec, ctx.leaves, ctx.tensor_pos = run, spec, leaves, tensor_pos
         ctx.num_params = len(tensors) - num_inputs
+        ctx.unit = module
         ctx.on_xla = any(t.device.type == "xla" for t in tensors)
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
@@ -122,12 +125,15 @@ class _Checkpoint(torch.autograd.Function):
             inputs = _optimization_barrier([*inputs, *live])[: len(inputs)]
         inputs = [x.requires_grad_(t.requires_grad) for x, t in zip(inputs, saved)]
         _local.depth = getattr(_local, "depth", 0) + 1
+        plan = getattr(state_of(ctx.unit), "fit_plan", None)  # [Note: keep what fits] measures here
         try:
-            with ctx.seen.replayed(), torch.enable_grad():
+            with ctx.seen.replayed(), torch.enable_grad(), _measured(plan, ctx.unit) as saved:
                 args, kwargs = _rebuild(ctx.spec, ctx.leaves, ctx.tensor_pos, inputs)
                 out = ctx.run(*args, **kwargs)
         finally:
             _local.depth -= 1
+        if plan is not None:
+            plan.record(ctx.unit, saved["bytes"])
         out_leaves, _ = tree_flatten(out)
         outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
@@ -136,6 +142,12 @@ class _Checkpoint(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(x.grad if x.requires_grad else None for x in inputs)
         return (None,) * 7 + input_grads + (None,) * ctx.num_params
+
+
+def _measured(plan, unit):
+    if plan is None or plan.count is not None:
+        return contextlib.nullcontext({"bytes": 0})
+    return saved_bytes(unit)
 
 
 def _optimization_barrier(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -192,14 +204,22 @@ def checkpointed_call(run: Callable, args, kwargs, module: nn.Module) -> Any:
     return tree_unflatten(out_leaves, holder["spec"])
 
 
-def checkpoint_all_but_last(root: nn.Module, units, count: int) -> None:
+def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
     """[Note: checkpoint all but the last]: of the checkpointed units among `units` (the root's
-    units in module order), the last `count` keep their activations and the others recompute.
-    Called by the root before each forward, after foreign checkpoints are converted."""
+    units in module order), the last `count` keep their activations and the others recompute;
+    `count` "fit": as many as the device's memory holds ([Note: keep what fits] in memory/fit.py;
+    `agree(n)`: the smallest n of every process). Called by the root before each forward, after
+    foreign checkpoints are converted."""
     others = [u for u in units if u is not root]
+    if is_fit(count):
+        count = _fitted(root, [u for u in others if state_of(u).checkpointed], agree)
+        if not count:
+            for u in others:
+                state_of(u).keeps_activations = False
+            return
     for u in others:
         mine = state_of(u).options.checkpoint_all_but_last
-        if mine not in (0, count):
+        if mine not in (0, count) and not is_fit(mine):
             raise ValueError(
                 f"{type(u).__name__} was wrapped with checkpoint_all_but_last={mine} and its root with "
                 f"{count}: which units recompute is the root's choice; give it to the root only")
@@ -214,3 +234,19 @@ def checkpoint_all_but_last(root: nn.Module, units, count: int) -> None:
                          "activation checkpointing off")
     for i, u in enumerate(checkpointed):
         state_of(u).keeps_activations = i >= len(checkpointed) - count
+
+
+def _fitted(root: nn.Module, checkpointed, agree) -> int:
+    """The count "fit" gives for this forward; the units are measured until it is known."""
+    if not checkpointed:
+        raise ValueError("checkpoint_all_but_last=\"fit\", but no unit is checkpointed: turn on "
+                         "activation_checkpointing=True (xla_fsdp_grad_ckpt in a Hugging Face fsdp_config), "
+                         "or drop checkpoint_all_but_last")
+    state = state_of(root)
+    plan = getattr(state, "fit_plan", None)
+    if plan is None:
+        plan = state.fit_plan = FitPlan(agree)
+    count = plan.resolve(checkpointed)
+    for u in checkpointed:
+        state_of(u).fit_plan = plan if plan.count is None else None
+    return count

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -238,11 +238,15 @@ class FSDPOptions:
     is_batched_input: Optional[Callable[[str, torch.Tensor], bool]] = None
     prefetch: PrefetchPolicy = PrefetchPolicy()
     # the root's: the last this many checkpointed units (module order) keep their activations
-    # instead of recomputing them ([Note: checkpoint all but the last] in activation_checkpoint.py)
-    checkpoint_all_but_last: int = 0
+    # instead of recomputing them ([Note: checkpoint all but the last] in activation_checkpoint.py);
+    # "fit": as many as the device's memory holds ([Note: keep what fits] in memory/fit.py)
+    checkpoint_all_but_last: Union[int, str] = 0
 
     def __post_init__(self):
         n = self.checkpoint_all_but_last
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if isinstance(n, str) and n.lower() == "fit":
+            object.__setattr__(self, "checkpoint_all_but_last", "fit")
+        elif isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"checkpoint_all_but_last={n!r} is not valid: give how many of the last "
-                             "checkpointed units keep their activations, an int >= 0 (0: recompute all)")
+                             "checkpointed units keep their activations, an int >= 0 (0: recompute all), "
+                             "or \"fit\" (as many as the device's memory holds)")

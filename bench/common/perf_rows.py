@@ -33,7 +33,7 @@ ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 # unit / reduce-scatters alone as rings ([Note: ring reduce-scatter]) / gathers and reduce-scatters
 # as rings / the same under a 50% scheduler budget (named before it became the default's)
 # the default with its last N checkpointed layers keeping their activations ([Note: checkpoint all but the last])
-KEEP = {f"keep{n}": n for n in (1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)}
+KEEP = {f"keep{n}": n for n in range(1, 70)}  # up to the 128B pair's 70 blocks, less one
 # the default without our per-layer checkpointing: what to recompute is left to libtpu's own
 # rematerialization, which recomputes to fit HBM ([Note: the compiler's recompute])
 EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "no_ckpt") + tuple(KEEP)

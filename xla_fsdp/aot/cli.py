@@ -137,6 +137,46 @@ def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
     return out
 
 
+def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts, say, calls) -> Optional[tuple]:
+    """[Note: keep what fits] (xla_fsdp/memory/fit.py): a job with checkpoint_all_but_last="fit"
+    measured its units while it traced, and found no device figures here. Its step is traced and
+    compiled again, given the figures of the program just compiled (every unit recomputed): the
+    report is then that of the step the job runs on the slice; what the first program needed
+    is kept beside it. (its program, its report, its folder); None when the job does not use "fit"
+    or its first program did not fit."""
+    from xla_fsdp.aot import report as rep
+    from xla_fsdp.aot import trace
+    from xla_fsdp.memory import fit
+
+    path = os.path.join(workdir, "fit.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        plan = json.load(f)
+    if plan.get("figures") is not None or not result.get("compiles") or not result.get("fits"):
+        return None
+    figures = {"peak": int(result["memory"]["peak"]), "limit": int(result["memory"]["usable"])}
+    say(f"xla_fsdp.aot: checkpoint_all_but_last=\"fit\": {plan['units']} checkpointed units, every one "
+        f"recomputed needs {figures['peak'] / 2 ** 30:.2f} GiB of {figures['limit'] / 2 ** 30:.2f}; tracing "
+        "the step again with the units that fit keeping their activations")
+    again = os.path.join(workdir, "fit")
+    os.makedirs(again, exist_ok=True)
+    env = {fit.MEMORY_ENV: json.dumps(figures), fit.REPORT_ENV: os.path.join(again, "fit.json")}
+    started = time.time()
+    text = trace.run_trace(dataclasses.replace(job, env=dict(job.env, **env)), again, steps=opts.steps,
+                           timeout=opts.timeout)
+    traced_s = time.time() - started
+    with open(env[fit.REPORT_ENV]) as f:
+        chosen = json.load(f)
+    second = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)
+    second["trace_seconds"] = round(traced_s, 1)
+    keep = ("memory", "projection", "compile_seconds", "trace_seconds")
+    second["fit"] = {"count": chosen["count"], "units": chosen["units"], "saved_per_unit": chosen["saved"],
+                     "saved_to_kept": chosen["saved_to_kept"], "headroom": chosen["headroom"],
+                     "every_unit_recomputed": {k: result[k] for k in keep if k in result}}
+    return text, second, again
+
+
 def _drop_logs(logs: Optional[str]) -> None:
     """Remove this run's libtpu log directory and its name from the environment."""
     if logs:
@@ -190,6 +230,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         say(f"xla_fsdp.aot: tracing {job.script} for {spec.name} ({spec.chips} chips, {spec.hosts} host(s)), "
             f"{job.runtime.replace('_', ' ')} runtime, on this host's CPU (nothing runs)")
         started = time.time()
+        from xla_fsdp.memory import fit
+
+        job.env.setdefault(fit.REPORT_ENV, os.path.join(workdir, "fit.json"))  # [Note: keep what fits]
         try:
             text = trace.run_trace(job, workdir, steps=opts.steps, timeout=opts.timeout,
                                    echo=None if (opts.quiet or opts.json) else (lambda l: print("  | " + l)))
@@ -204,12 +247,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
         result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)
         result["trace_seconds"] = round(traced_s, 1)
+        try:
+            fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
+        except trace.TraceError as e:
+            print(f"xla_fsdp.aot: {e}", file=sys.stderr)
+            keep = True
+            return EXIT_TRACE
+        traced_in = workdir
+        if fitted is not None:
+            text, result, traced_in = fitted
         result["runtime"] = job.runtime
         result["script"] = job.script
         if _rings_to_retry(result, text, job, spec, opts):
             result["without_rings"] = _without_rings(job, spec, compiler, workdir, opts, say)
         if opts.dump:
-            write_dump(opts.dump, workdir, result.get("optimized_hlo"))
+            write_dump(opts.dump, traced_in, result.get("optimized_hlo"))
         result.pop("optimized_hlo", None)
         if opts.json:
             print(json.dumps(result, indent=2))

@@ -194,6 +194,13 @@ def _render_one(r: dict) -> str:
                  f"({100 * m['peak'] / usable:.0f}%)")
     if not r["fits"]:
         lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(usable)} usable per chip")
+    f = r.get("fit")
+    if f:  # [Note: keep what fits] in xla_fsdp/memory/fit.py
+        first = f["every_unit_recomputed"]
+        was = first.get("projection", {}).get("projected_seconds")
+        lines.append(f"checkpoint_all_but_last=\"fit\": the last {f['count']} of {f['units']} checkpointed units keep "
+                     f"their activations on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
+                     + (f", PROJECTED {was:.3f} s" if was else "") + ")")
     c = r["collectives"]
     async_share = _share(c["async_bytes_fraction"] * c["bytes"], c["bytes"])
     lines.append(f"collectives of the TPU-optimized program: {c['count']} ({c['sync']} synchronous, "

@@ -95,6 +95,10 @@ class Collectives(abc.ABC):
         """Whether `ok` holds on every process of the job (host side, for files)."""
         return ok
 
+    def smallest(self, n: int) -> int:
+        """The smallest `n` of every process of the job (host side: one choice for one program)."""
+        return n
+
     @property
     def is_xla(self) -> bool:
         return False
@@ -255,3 +259,10 @@ class XlaCollectives(Collectives):
         import torch_xla.core.xla_model as xm
 
         return bool(xm.mesh_reduce("xla_fsdp.all_ok", int(bool(ok)), min))
+
+    def smallest(self, n):
+        if self.layout.world_size == 1:
+            return n
+        import torch_xla.core.xla_model as xm
+
+        return int(xm.mesh_reduce("xla_fsdp.smallest", int(n), min))

@@ -84,3 +84,8 @@ class DistCollectives(Collectives):
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         self._dist.all_reduce(flag, op=self._dist.ReduceOp.MIN)
         return bool(flag.item())
+
+    def smallest(self, n):
+        value = torch.tensor([int(n)], dtype=torch.int64)
+        self._dist.all_reduce(value, op=self._dist.ReduceOp.MIN)
+        return int(value.item())

@@ -118,6 +118,13 @@ class SpmdCollectives(XlaCollectives):
     def all_ok(self, ok):
         return ok
 
+    def smallest(self, n):
+        """One process per host: the hosts' smallest ([Note: the hosts' group] in runtime/hosts.py)."""
+        from ..runtime.hosts import host_group, host_view
+
+        view = host_view()
+        return n if view.count == 1 else min(host_group(view).all_gather(int(n)))
+
     def local_view(self, tensor, kind="param", grad=True):
         spec = self.placement.spec(kind, tensor.dim())
         if grad and tensor.requires_grad and torch.is_grad_enabled():

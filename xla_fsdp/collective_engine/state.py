@@ -99,6 +99,7 @@ class FSDPState:
         # what the front doors keep per unit ([Note: one engine state per unit])
         self.checkpointed = False  # recompute the unit's whole forward, gather included, in backward
         self.keeps_activations = False  # checkpoint_all_but_last: among the last checkpointed units
+        self.fit_plan = None  # checkpoint_all_but_last="fit": the root's plan, while it measures
         self.inner_forward: Optional[Callable] = None  # another library's forward, adopted at wrap time
         self.device_mesh = None  # what the unit's `device_mesh` reports
         self.mp_policy = None  # FSDP2's MixedPrecisionPolicy (its output_dtype applies at the root)
@@ -172,7 +173,8 @@ class FSDPState:
             if "forward" in unit.__dict__:
                 convert_checkpoint_after_wrapping(unit)
         convert_checkpoint_wrappers_around_units(self._module())
-        checkpoint_all_but_last(self._module(), self._units, self.options.checkpoint_all_but_last)
+        checkpoint_all_but_last(self._module(), self._units, self.options.checkpoint_all_but_last,
+                                self.group.comm.smallest)
 
     def _check_runtime_unchanged(self) -> None:
         comm = self.group.comm

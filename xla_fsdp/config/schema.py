@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -250,9 +250,10 @@ class XlaFSDPSettings:
     exchanges, which libtpu runs asynchronously)."""
     sharding_strategy: Optional[str] = None
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (case-insensitive; stored upper case)."""
-    checkpoint_all_but_last: Optional[int] = None
+    checkpoint_all_but_last: Optional[Union[int, str]] = None
     """With xla_fsdp_grad_ckpt: the last this many checkpointed layers keep their activations
-    instead of recomputing them (faster, more HBM); 0 recomputes every one."""
+    instead of recomputing them (faster, more HBM); 0 recomputes every one; "fit" keeps as many
+    as the chip's HBM holds, measured in the first step."""
 
     def __post_init__(self) -> None:
         where = "xla_fsdp_settings."
@@ -282,7 +283,12 @@ class XlaFSDPSettings:
             )
         if self.reduce_scatter_bucket_size_mb is not None:
             _check_int(where + "reduce_scatter_bucket_size_mb", self.reduce_scatter_bucket_size_mb, 0)
-        if self.checkpoint_all_but_last is not None:
+        if isinstance(self.checkpoint_all_but_last, str):
+            if self.checkpoint_all_but_last.lower() != "fit":
+                raise FSDPConfigError(f"{where}checkpoint_all_but_last: unknown value "
+                                      f"{self.checkpoint_all_but_last!r}; give an int >= 0 or \"fit\"")
+            object.__setattr__(self, "checkpoint_all_but_last", "fit")
+        elif self.checkpoint_all_but_last is not None:
             _check_int(where + "checkpoint_all_but_last", self.checkpoint_all_but_last, 0)
         self._check_sharding_groups(where)
         self._check_strategy_against_reshard(where)

@@ -1,0 +1,116 @@
+"""checkpoint_all_but_last="fit" ([Note: keep what fits] in xla_fsdp/memory/fit.py): the first
+step recomputes every block and measures what each would keep; the next keeps as many of the
+last blocks as the device's memory figures leave room for, with unchanged gradients."""
+import json
+import logging
+
+import pytest
+import torch
+
+import xla_fsdp
+from xla_fsdp import FSDP
+from xla_fsdp.memory import fit
+from xla_fsdp.unit_state import state_of
+from parity_cases import batch, build_model, gpt2_config, loss_fn
+
+torch_xla = pytest.importorskip("torch_xla")
+GIB = 2 ** 30
+
+
+def test_keep_count_takes_the_last_units_that_fit_and_never_all():
+    # room 0.95 * 100 - 50 = 45 bytes; a unit costs its measured bytes times SAVED_TO_KEPT
+    cost = lambda n: [n / fit.SAVED_TO_KEPT] * 4  # noqa: E731
+    assert fit.keep_count(cost(20), peak=50, limit=100) == 2
+    assert fit.keep_count(cost(20), peak=50, limit=10 ** 9) == 3  # the first always recomputes
+    assert fit.keep_count(cost(20), peak=95, limit=100) == 0
+    assert fit.keep_count([x / fit.SAVED_TO_KEPT for x in (10, 10, 100, 10)], peak=0, limit=40) == 1  # stops at the first that does not fit
+
+
+def test_bad_memory_figures_are_refused(monkeypatch):
+    monkeypatch.setenv(fit.MEMORY_ENV, "30GiB")
+    with pytest.raises(ValueError, match=r"XLA_FSDP_FIT_MEMORY='30GiB': give the device's memory as JSON"):
+        fit.device_figures()
+    monkeypatch.setenv(fit.MEMORY_ENV, json.dumps({"peak": 1, "limit": 0}))
+    with pytest.raises(ValueError, match=r"need limit > 0"):
+        fit.device_figures()
+
+
+def _model(depth: int = 4):
+    from transformers import GPT2LMHeadModel
+
+    config = gpt2_config()
+    config.n_layer = depth
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def _step(model, step: int):
+    dev = torch_xla.device()
+    x, y = batch("gpt2", step)
+    for p in model.parameters():
+        p.grad = None
+    loss = loss_fn("gpt2", model, x.to(dev), y.to(dev))
+    loss.backward()
+    torch_xla.sync()
+    return {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+def _kept(model):
+    return [state_of(b).keeps_activations for b in model.transformer.h]
+
+
+def test_fit_measures_then_keeps_the_last_blocks_that_fit(monkeypatch, tmp_path):
+    ref_model = FSDP(_model(), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]))
+    ref = [_step(ref_model, s) for s in range(3)]  # nothing recomputed
+    reference_block = _model().transformer.h[0].to(torch_xla.device())
+    ids, _ = batch("gpt2", 0)
+    x = torch.randn(*ids.shape, ref_model.config.n_embd, device=torch_xla.device())
+    with fit.saved_bytes(reference_block) as plain:  # what one block keeps without checkpointing
+        reference_block(x)
+
+    model = FSDP(_model(), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
+                 activation_checkpointing=True, checkpoint_all_but_last="fit")
+    report = tmp_path / "fit.json"
+    monkeypatch.setenv(fit.REPORT_ENV, str(report))
+    got = [_step(model, 0)]
+    assert _kept(model) == [False] * 4  # the first step recomputes every block and measures them
+    plan = state_of(model).fit_plan
+    saved = [plan.saved[id(b)] for b in model.transformer.h]
+    # each recomputation saved what the plain block saves (its weights left out), and beside it
+    # no more than the first layer norm's input and statistics (the plain block's input needs no grad)
+    x_bytes = x.numel() * x.element_size()
+    assert len(set(saved)) == 1 and plain["bytes"] <= saved[0] <= plain["bytes"] + 1.1 * x_bytes, (saved, plain)
+    # room for two and a half blocks at the assumed kept share: the last two keep theirs
+    peak = 10 * GIB
+    limit = int((peak + 2.5 * fit.SAVED_TO_KEPT * saved[0]) / fit.HEADROOM)
+    monkeypatch.setenv(fit.MEMORY_ENV, json.dumps({"peak": peak, "limit": limit}))
+    got += [_step(model, 1), _step(model, 2)]
+    assert _kept(model) == [False, False, True, True]
+    assert json.loads(report.read_text())["count"] == 2
+    for want, have in zip(ref, got):
+        for name in want:
+            torch.testing.assert_close(have[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    monkeypatch.setenv(fit.MEMORY_ENV, json.dumps({"peak": peak, "limit": 10 * limit}))
+    _step(model, 3)
+    assert _kept(model) == [False, False, True, True]  # decided once: one program from then on
+
+
+def test_fit_without_memory_figures_recomputes_every_block_and_says_so(monkeypatch, caplog):
+    monkeypatch.delenv(fit.MEMORY_ENV, raising=False)
+    model = FSDP(_model(2), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
+                 activation_checkpointing=True, checkpoint_all_but_last="fit")
+    with caplog.at_level(logging.WARNING, logger="xla_fsdp"):
+        _step(model, 0)
+        _step(model, 1)
+    assert _kept(model) == [False, False]
+    assert "the device reports no memory figures" in caplog.text
+
+
+def test_fit_needs_checkpointed_blocks_and_the_word():
+    model = FSDP(_model(2), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
+                 checkpoint_all_but_last="fit")
+    x, _ = batch("gpt2", 0)
+    with pytest.raises(ValueError, match=r"checkpoint_all_but_last=\"fit\", but no unit is checkpointed"):
+        model(x.to(torch_xla.device()))
+    with pytest.raises(ValueError, match=r"or \"fit\""):
+        FSDP(build_model("gpt2"), checkpoint_all_but_last="most")
