@@ -163,6 +163,12 @@ def run(engine: str, model: str, tpu: str, params: int, dump: str = "", batch: i
                    async_compute_fraction=c.get("sent_async_with_compute_fraction"),
                    projected_s=p["projected_seconds"], compute_s=p["compute_seconds"],
                    flops=p["flops"], chip=p["chip"])
+        if r.get("fit"):  # checkpoint_all_but_last="fit": the count chosen, the step with every unit recomputed
+            f, first = r["fit"], r["fit"]["every_unit_recomputed"]
+            row["fit"] = {"count": f["count"], "units": f["units"], "saved_per_unit_gib": max(f["saved_per_unit"]) / 2 ** 30,
+                          "recomputed_peak_gib": first["memory"]["peak"] / 2 ** 30,
+                          "recomputed_projected_s": first["projection"]["projected_seconds"],
+                          "recomputed_compute_s": first["projection"]["compute_seconds"]}
         if p.get("kernel_calls"):  # Pallas kernels, charged at 50% of MXU peak; the step at 100% beside
             row.update(kernel_calls=p["kernel_calls"], kernel_flops=p["kernel_flops"],
                        kernel_mxu_share=p["kernel_mxu_share"],
