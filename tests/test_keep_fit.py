@@ -9,7 +9,7 @@ import torch
 
 import xla_fsdp
 from xla_fsdp import FSDP
-from xla_fsdp.memory import fit
+from xla_fsdp.memory import device_figures, fit, kept_bytes
 from xla_fsdp.unit_state import state_of
 from parity_cases import batch, build_model, gpt2_config, loss_fn
 
@@ -27,12 +27,12 @@ def test_keep_count_takes_the_last_units_that_fit_and_never_all():
 
 
 def test_bad_memory_figures_are_refused(monkeypatch):
-    monkeypatch.setenv(fit.MEMORY_ENV, "30GiB")
+    monkeypatch.setenv(device_figures.MEMORY_ENV, "30GiB")
     with pytest.raises(ValueError, match=r"XLA_FSDP_FIT_MEMORY='30GiB': give the device's memory as JSON"):
-        fit.device_figures()
-    monkeypatch.setenv(fit.MEMORY_ENV, json.dumps({"peak": 1, "limit": 0}))
+        device_figures.figures(device_figures.Before())
+    monkeypatch.setenv(device_figures.MEMORY_ENV, json.dumps({"peak": 1, "limit": 0}))
     with pytest.raises(ValueError, match=r"need limit > 0"):
-        fit.device_figures()
+        device_figures.figures(device_figures.Before())
 
 
 def _model(depth: int = 4):
@@ -65,7 +65,7 @@ def test_fit_measures_then_keeps_the_last_blocks_that_fit(monkeypatch, tmp_path)
     reference_block = _model().transformer.h[0].to(torch_xla.device())
     ids, _ = batch("gpt2", 0)
     x = torch.randn(*ids.shape, ref_model.config.n_embd, device=torch_xla.device())
-    with fit.saved_bytes(reference_block) as plain:  # what one block keeps without checkpointing
+    with kept_bytes.saved_bytes(reference_block) as plain:  # what one block keeps without checkpointing
         reference_block(x)
 
     model = FSDP(_model(), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
@@ -83,27 +83,27 @@ def test_fit_measures_then_keeps_the_last_blocks_that_fit(monkeypatch, tmp_path)
     # room for two and a half blocks at the assumed kept share: the last two keep theirs
     peak = 10 * GIB
     limit = int((peak + 2.5 * fit.SAVED_TO_KEPT * saved[0]) / fit.HEADROOM)
-    monkeypatch.setenv(fit.MEMORY_ENV, json.dumps({"peak": peak, "limit": limit}))
+    monkeypatch.setenv(device_figures.MEMORY_ENV, json.dumps({"peak": peak, "limit": limit}))
     got += [_step(model, 1), _step(model, 2)]
     assert _kept(model) == [False, False, True, True]
     assert json.loads(report.read_text())["count"] == 2
     for want, have in zip(ref, got):
         for name in want:
             torch.testing.assert_close(have[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
-    monkeypatch.setenv(fit.MEMORY_ENV, json.dumps({"peak": peak, "limit": 10 * limit}))
+    monkeypatch.setenv(device_figures.MEMORY_ENV, json.dumps({"peak": peak, "limit": 10 * limit}))
     _step(model, 3)
     assert _kept(model) == [False, False, True, True]  # decided once: one program from then on
 
 
 def test_fit_without_memory_figures_recomputes_every_block_and_says_so(monkeypatch, caplog):
-    monkeypatch.delenv(fit.MEMORY_ENV, raising=False)
+    monkeypatch.delenv(device_figures.MEMORY_ENV, raising=False)
     model = FSDP(_model(2), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
                  activation_checkpointing=True, checkpoint_all_but_last="fit")
     with caplog.at_level(logging.WARNING, logger="xla_fsdp"):
         _step(model, 0)
         _step(model, 1)
     assert _kept(model) == [False, False]
-    assert "the device reports no memory figures" in caplog.text
+    assert "no memory figures for this device" in caplog.text
 
 
 def test_fit_needs_checkpointed_blocks_and_the_word():
@@ -114,3 +114,28 @@ def test_fit_needs_checkpointed_blocks_and_the_word():
         model(x.to(torch_xla.device()))
     with pytest.raises(ValueError, match=r"or \"fit\""):
         FSDP(build_model("gpt2"), checkpoint_all_but_last="most")
+
+
+def test_a_restarted_job_keeps_the_count_its_first_run_chose(monkeypatch, tmp_path):
+    """A restart's first step loads from the persistent compilation cache and compiles nothing,
+    so libtpu logs no figures for it: the count the first run chose from the device's own
+    figures is kept beside the cache and used again (same units, same bytes, same devices)."""
+    monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path))
+    monkeypatch.delenv(device_figures.MEMORY_ENV, raising=False)
+    plan = fit.FitPlan()
+    units = [object(), object(), object()]
+    plan.resolve(units, read=lambda: {"peak_bytes_used": 10, "bytes_limit": 1000, "bytes_used": 5})
+    for u in units:
+        plan.record(u, 100)
+    # the first step ran: peak 300 of 1000, nothing more held; room 0.95 * 1000 - 300 = 650
+    assert plan.resolve(units, read=lambda: {"peak_bytes_used": 300, "bytes_limit": 1000, "bytes_used": 5}) == 2
+    again = fit.FitPlan()
+    again.resolve(units)
+    for u in units:
+        again.record(u, 100)
+    assert again.resolve(units) == 2  # no figures on XLA:CPU: the stored count
+    other = fit.FitPlan()
+    other.resolve(units)
+    for u in units:
+        other.record(u, 101)  # another batch or model: not this job's count
+    assert other.resolve(units) == 0

@@ -338,3 +338,35 @@ def test_libtpu_states_the_hbm_a_program_needs_and_pjrt_counts_its_fragmentation
     assert (fallback["source"], fallback["peak"], fallback["usable"]) == ("pjrt", program.memory.total,
                                                                            spec.hbm_bytes_per_chip)
     assert compile_log.program_hbm("no compile here") is None
+
+
+def test_the_largest_program_of_a_log_is_found_among_several(compiler):
+    """[Note: keep what fits] reads libtpu's log of a training job, where the step is one program
+    among several: of the programs compiled since a mark, the one needing the most HBM."""
+    from xla_fsdp.tpu import compile_log
+
+    _, slice_ = _open(compiler, "v4-8")
+    start = compile_log.mark()
+    with slice_:
+        big = compiler.compile(slice_, co.hlo_text_to_proto(_looping_module(8192)),
+                               co.per_process_options(slice_.device_ids)).hbm
+        small = compiler.compile(slice_, co.hlo_text_to_proto(_looping_module(1024)),
+                                 co.per_process_options(slice_.device_ids)).hbm
+    text = compile_log.since(start)
+    assert big.total > small.total
+    # under the single controller torch_xla gives no device figures; "fit" reads them here
+    from xla_fsdp.memory import device_figures
+
+    def spmd():
+        raise RuntimeError("MemoryInfo not supported for SPMD virtual device")
+
+    got = device_figures.figures(device_figures.Before(spmd), spmd)
+    assert got is None  # nothing compiled since
+    before = device_figures.Before(spmd)
+    before.log = start
+    got = device_figures.figures(before, spmd)
+    assert got == {"peak": big.total + device_figures.optimizer_state_bytes(), "limit": big.usable,
+                   "source": "libtpu log"}, got
+    assert compile_log.program_hbm(text) == small  # the last one
+    assert compile_log.largest_program_hbm(text) == big
+    assert compile_log.largest_program_hbm("no compile here") is None

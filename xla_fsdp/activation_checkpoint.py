@@ -46,7 +46,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .class_swap import mix_into, unmix
-from .memory.fit import FitPlan, is_fit, saved_bytes
+from .memory.fit import FitPlan, is_fit
+from .memory.kept_bytes import saved_bytes
 from .recompute_context import ForwardState
 from .unit_state import state_of
 

@@ -147,6 +147,7 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     from xla_fsdp.aot import report as rep
     from xla_fsdp.aot import trace
     from xla_fsdp.memory import fit
+    from xla_fsdp.memory.device_figures import MEMORY_ENV
 
     path = os.path.join(workdir, "fit.json")
     if not os.path.exists(path):
@@ -161,7 +162,7 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
         "the step again with the units that fit keeping their activations")
     again = os.path.join(workdir, "fit")
     os.makedirs(again, exist_ok=True)
-    env = {fit.MEMORY_ENV: json.dumps(figures), fit.REPORT_ENV: os.path.join(again, "fit.json")}
+    env = {MEMORY_ENV: json.dumps(figures), fit.REPORT_ENV: os.path.join(again, "fit.json")}
     started = time.time()
     text = trace.run_trace(dataclasses.replace(job, env=dict(job.env, **env)), again, steps=opts.steps,
                            timeout=opts.timeout)

@@ -126,3 +126,11 @@ def program_hbm(text: str) -> Optional[ProgramHbm]:
                       usable=size_bytes(u.group(3), u.group(4)), reserved=rows.get("reserved", 0),
                       temporaries=size_bytes(temp.group(1), temp.group(2)) if temp else 0,
                       fragmentation=size_bytes(temp.group(3), temp.group(4)) if temp else 0)
+
+
+def largest_program_hbm(text: str) -> Optional[ProgramHbm]:
+    """libtpu's HBM account of the program needing the most HBM of all those compiled in `text`."""
+    starts = [m.start() for m in _TOTAL.finditer(text)] + [len(text)]
+    found = [program_hbm(text[:end]) for end in starts[1:]]
+    found = [h for h in found if h is not None]
+    return max(found, key=lambda h: h.total) if found else None
