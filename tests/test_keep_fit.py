@@ -45,14 +45,17 @@ def _model(depth: int = 4):
 
 
 def _step(model, step: int):
+    """One SGD step; the gradients it applied."""
     dev = torch_xla.device()
     x, y = batch("gpt2", step)
-    for p in model.parameters():
-        p.grad = None
+    opt = model.__dict__.setdefault("_test_opt", torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.zero_grad(set_to_none=True)
     loss = loss_fn("gpt2", model, x.to(dev), y.to(dev))
     loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
     torch_xla.sync()
-    return {n: p.grad.cpu() for n, p in model.named_parameters()}
+    return {n: g.cpu() for n, g in grads.items()}
 
 
 def _kept(model):
@@ -122,20 +125,23 @@ def test_a_restarted_job_keeps_the_count_its_first_run_chose(monkeypatch, tmp_pa
     figures is kept beside the cache and used again (same units, same bytes, same devices)."""
     monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path))
     monkeypatch.delenv(device_figures.MEMORY_ENV, raising=False)
-    plan = fit.FitPlan()
     units = [object(), object(), object()]
-    plan.resolve(units, read=lambda: {"peak_bytes_used": 10, "bytes_limit": 1000, "bytes_used": 5})
-    for u in units:
-        plan.record(u, 100)
+    step = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    def first_step(plan, size, read=None):
+        plan.resolve(units, read=read)
+        for u in units:
+            plan.record(u, size)
+        assert plan.resolve(units, read=read) == 0  # a micro-batch: no optimizer step yet
+        step.step()
+
+    plan = fit.FitPlan()
+    first_step(plan, 100, read=lambda: {"peak_bytes_used": 10, "bytes_limit": 1000, "bytes_used": 5})
     # the first step ran: peak 300 of 1000, nothing more held; room 0.95 * 1000 - 300 = 650
     assert plan.resolve(units, read=lambda: {"peak_bytes_used": 300, "bytes_limit": 1000, "bytes_used": 5}) == 2
     again = fit.FitPlan()
-    again.resolve(units)
-    for u in units:
-        again.record(u, 100)
+    first_step(again, 100)
     assert again.resolve(units) == 2  # no figures on XLA:CPU: the stored count
     other = fit.FitPlan()
-    other.resolve(units)
-    for u in units:
-        other.record(u, 101)  # another batch or model: not this job's count
+    first_step(other, 101)  # another batch or model: not this job's count
     assert other.resolve(units) == 0

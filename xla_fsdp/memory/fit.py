@@ -70,22 +70,26 @@ class FitPlan:
         self.figures: Optional[Dict] = None
         self._agree = agree
         self._before: Optional[Before] = None
+        self._steps = 0
 
     def record(self, unit, size: int) -> None:
         if self.count is None:
             self.saved[id(unit)] = max(size, self.saved.get(id(unit), 0))
 
     def resolve(self, units: List, read: Optional[Callable[[], Dict[str, int]]] = None) -> int:
-        """The count for this forward: 0 until every unit was measured and the figures exist."""
+        """The count for this forward: 0 until every unit was measured in a step that ended (an
+        optimizer stepped since the first forward: not a micro-batch of it) and the figures exist."""
         if self.count is not None:
             return self.count
-        if not units or any(id(u) not in self.saved for u in units):
-            if self._before is None:  # before the first step: what the device holds without it
-                self._before = Before(read)
+        if self._before is None:  # before the first step: what the device holds without it
+            _count_optimizer_steps()
+            self._before, self._steps = Before(read), _STEPS[0]
+            return 0
+        if not units or any(id(u) not in self.saved for u in units) or _STEPS[0] == self._steps:
             return 0  # the first step: every unit recomputes and is measured
         saved = [self.saved[id(u)] for u in units]
         stored = _stored(saved)
-        found = device_figures(self._before or Before(read), read) if stored is None else None
+        found = device_figures(self._before, read) if stored is None else None
         if found is not None and found.get("pending"):
             return 0
         if stored is not None:
@@ -107,6 +111,20 @@ class FitPlan:
                          max(saved) / 2 ** 30)
         _report(self, saved)
         return count
+
+
+_STEPS = [0]  # optimizer steps taken in this process, once counted
+_HOOKED: List = []
+
+
+def _count_optimizer_steps() -> None:
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def count(optimizer, args, kwargs):
+            _STEPS[0] += 1
+
+        _HOOKED.append(register_optimizer_step_post_hook(count))
 
 
 def _stored_path() -> Optional[str]:
