@@ -3,23 +3,21 @@
 [Note: where the memory figures come from] In order:
 - `XLA_FSDP_FIT_MEMORY` ({"peak": bytes, "limit": bytes}): handed in (the ahead-of-time check,
   from the program it compiled; tests);
-- PJRT's own figures for the device (`xm.get_memory_info`: the peak bytes in use and the limit),
-  with one process per chip. The peak is the first step's; the optimizer state that step
-  created after its backward's peak is added (what the device holds now and did not before);
+- PJRT's own figures for the device (`xm.get_memory_info`: the peak bytes in use and the
+  limit), with one process per chip;
 - libtpu's compile log, under the single controller: torch_xla 2.9 gives no memory figures for
   the SPMD virtual device ("MemoryInfo not supported for SPMD virtual device"), but libtpu states
   every program's HBM as it compiles it ([Note: the HBM a TPU program needs] in
-  tpu/compile_log.py). The largest program compiled since the first forward is the first step;
-  the optimizer state it created (every optimizer's state tensors, per device) is added;
+  tpu/compile_log.py): the largest program compiled since the first forward is the first step;
 - none (XLA:CPU has no allocator statistics and writes no libtpu log).
+Either figure of the first step stands for the later steps': that program's outputs include the
+optimizer state it creates (not aliased to any argument, so counted), which the later steps
+hold as arguments instead.
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
-import re
-import warnings
 from typing import Callable, Dict, Optional
 
 MEMORY_ENV = "XLA_FSDP_FIT_MEMORY"
@@ -41,12 +39,11 @@ def figures(before: Before, read: Optional[Callable[[], Dict[str, int]]] = None)
     pjrt = _pjrt(read)
     if pjrt is not None:
         if pjrt["peak"] <= before.pjrt.get("peak", 0):
-            return {"pending": True}  # no step has run since (a loop accumulating gradients)
-        held = max(0, pjrt["used"] - before.pjrt.get("used", 0))
-        return {"peak": pjrt["peak"] + held, "limit": pjrt["limit"], "source": "pjrt"}
+            return {"pending": True}  # the step has not run on the device yet
+        return {"peak": pjrt["peak"], "limit": pjrt["limit"], "source": "pjrt"}
     hbm = _libtpu(before.log)
     if hbm is not None:
-        return {"peak": hbm.total + optimizer_state_bytes(), "limit": hbm.usable, "source": "libtpu log"}
+        return {"peak": hbm.total, "limit": hbm.usable, "source": "libtpu log"}
     return None
 
 
@@ -91,42 +88,3 @@ def _libtpu(mark):
     from ..tpu import compile_log
 
     return compile_log.largest_program_hbm(compile_log.since(mark))
-
-
-def optimizer_state_bytes() -> int:
-    """Bytes of every optimizer's state tensors on one device (each XLA tensor's shard)."""
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
-    total = 0
-    for opt in optimizers:
-        for state in opt.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.device.type == "xla":
-                    total += value.numel() * value.element_size() // _shards(value)
-    return total
-
-
-_TILES = re.compile(r"devices=\[([\d,]+)\]")
-
-
-def _shards(tensor) -> int:
-    """Into how many pieces an XLA tensor's sharding cuts it (1: replicated or unsharded)."""
-    import torch_xla
-
-    try:
-        spec = torch_xla._XLAC._get_xla_sharding_spec(tensor)
-    except RuntimeError:
-        return 1
-    m = _TILES.search(spec or "")
-    if not m:
-        return 1
-    tiles = [int(x) for x in m.group(1).split(",")]
-    if "last_tile_dim_replicate" in spec:
-        tiles = tiles[:-1]
-    count = 1
-    for t in tiles:
-        count *= t
-    return max(count, 1)

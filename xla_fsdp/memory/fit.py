@@ -9,7 +9,7 @@ costs 0.7 to 1.4 GiB). "fit" measures instead of guessing:
   unit would hold from forward to backward if it kept its activations (`kept_bytes.saved_bytes`:
   the saved matmul and kernel outputs and its input; not its gathered weights, which the engine
   re-gathers, nor elementwise results, which libtpu recomputes inside its fusions);
-- at the next forward of the root, the later steps' peak and the device's limit
+- at the next forward of the root, the first step's peak and the device's limit
   (device_figures.py, [Note: where the memory figures come from]) give the room: `HEADROOM` of
   the limit less that peak. The last units whose measured bytes (times `SAVED_TO_KEPT`) fit in
   it keep their activations from then on (at most all but one, as with a count);
