@@ -2,10 +2,11 @@
 
 Autograd saves far more than a TPU program keeps: a GPT-2 block with transformers' `gelu_new`
 saves 30 bf16 values per token and hidden unit, nearly all of them elementwise intermediates
-that libtpu recomputes inside the fusions that read them; the TPU-compiled blocks held 7.3-8.1
-(docs/performance.md). So only saved tensors made by work that is not cheap to redo count:
-matmul and kernel outputs and the unit's input (9.2 values for the same block with the Pallas
-kernel), found by the autograd node that made each ([Note: keep what fits] in fit.py).
+that libtpu recomputes inside the fusions that read them; the TPU-compiled blocks held 6.4 (20B,
+v4-128) to 7.3 (2B, v4-8) (docs/performance.md). So only saved tensors made by work that is not
+cheap to redo count: matmul and kernel outputs and the unit's input, found by the autograd node
+that made each: 9.2 values for the tiny GPT-2 with the Pallas kernel, 11.0 for the 20B's block
+([Note: keep what fits] in fit.py scales them by SAVED_TO_KEPT).
 """
 from __future__ import annotations
 
