@@ -160,6 +160,15 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     say(f"xla_fsdp.aot: checkpoint_all_but_last=\"fit\": {plan['units']} checkpointed units, every one "
         f"recomputed needs {figures['peak'] / 2 ** 30:.2f} GiB of {figures['limit'] / 2 ** 30:.2f}; tracing "
         "the step again with the units that fit keeping their activations")
+    # the first program's optimized HLO and what libtpu freed compiling it go before the second
+    # trace: a 128B step's compile held 16.6 GB of this host's 24, and the trace needs its own
+    import gc
+
+    from xla_fsdp.memory.host import release_freed_host_memory
+
+    result.pop("optimized_hlo", None)
+    gc.collect()
+    release_freed_host_memory()
     again = os.path.join(workdir, "fit")
     os.makedirs(again, exist_ok=True)
     env = {MEMORY_ENV: json.dumps(figures), fit.REPORT_ENV: os.path.join(again, "fit.json")}
