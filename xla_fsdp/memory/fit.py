@@ -19,7 +19,7 @@ costs 0.7 to 1.4 GiB). "fit" measures instead of guessing:
   HBM figures), chooses the same count and finds its later steps' program in the cache too.
 The step programs stay two, as without "fit": the first step's (which creates the optimizer
 state) and every later step's. The estimate leans high on purpose (`SAVED_TO_KEPT`): libtpu held
-0.6-0.82 of it a kept block on the blog's pods, and where the kept blocks outgrow HBM libtpu does
+0.16-1.03 of it a kept block on the blog's pods, and where the kept blocks outgrow HBM libtpu does
 not always rematerialize to fit (the 128B on v4-512 with 16 kept: refused, 31.91 GiB of 30.75), so
 a count too high stops the job when its second step compiles; `python -m xla_fsdp.aot` compiles
 that step before a slice is rented.
@@ -39,10 +39,10 @@ from .kept_bytes import saved_bytes  # noqa: F401  (the recomputation measures w
 
 FIT = "fit"
 HEADROOM = 0.95  # of the device's limit: allocator slack, the input pipeline's buffers
-# a kept unit's HBM by libtpu's account over what `saved_bytes` measures for it: 0.60-0.67 for the
-# 20B GPT-2's blocks on v4-128 (14 and 21 kept), 0.82 for the 128B's on v4-512 (16 kept did not fit:
-# libtpu refused, it did not rematerialize); docs/performance.md. Kept at 1: a count too high stops
-# the job at its second step's compile, one too low costs a little speed
+# a kept unit's HBM by libtpu's account over what `saved_bytes` measures for it, on the blog's pods:
+# 0.16 (16B, 4 kept), 0.32 (32B, 7), 0.58-0.65 (20B, 14 and 21), 1.03 (128B, 10; with 16 kept it did
+# not fit and libtpu refused it rather than rematerialize); docs/performance.md. Kept at 1: a count
+# too high stops the job at its second step's compile, one too low costs a little speed
 SAVED_TO_KEPT = 1.0
 REPORT_ENV = "XLA_FSDP_FIT_REPORT"  # a file the plan is written to once resolved: the check reads it
 STORED = "xla_fsdp_fit.json"  # beside the persistent compilation cache
