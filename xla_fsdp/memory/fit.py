@@ -35,7 +35,6 @@ import os
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .device_figures import MEMORY_ENV, Before, figures as device_figures
-from .kept_bytes import saved_bytes  # noqa: F401  (the recomputation measures with it)
 
 FIT = "fit"
 HEADROOM = 0.95  # of the device's limit: allocator slack, the input pipeline's buffers
