@@ -21,11 +21,11 @@ import torch.nn as nn
 from .class_swap import mix_into, original_class, unmix
 from .keywords import DEFAULTS, SPMD_KEYWORDS, build_options, resolve
 from .options import ShardingLayout, TrainingState
+from .deferred.tied_embeddings import retie
 from .unit_state import is_unit, register, state_of, units, unregister
 
 
-# torch_xla's names for our training states (assert_state)
-ALIASES = {TrainingState.PRE_BACKWARD.name: {"BACKWARD_PRE", "BACKWARD_POST"}}
+ALIASES = {TrainingState.PRE_BACKWARD.name: {"BACKWARD_PRE", "BACKWARD_POST"}}  # torch_xla's, for assert_state
 
 
 class UnitMethods(nn.Module):
@@ -85,8 +85,7 @@ class UnitMethods(nn.Module):
 class UnshardHandle:
     """What `unshard(async_op=True)` returns. `wait()` returns at once: the gather is an
     operation of the traced program, which XLA orders by its data dependencies."""
-
-    def wait(self) -> None:
+    def wait(self) -> None:  # noqa: D102
         return None
 
 
@@ -119,6 +118,7 @@ class XlaFullyShardedDataParallel(UnitMethods):
                 f"{type(module).__name__} has no forward(), so it can never gather its parameters; "
                 "wrap its children (e.g. each layer of a ModuleList) or the module that calls them"
             )
+        retie(module)  # [Note: ties lost on the way to the device]
         if kwargs.get("engine", "collectives") == "spmd":
             return _apply_spmd(module, kwargs)
         make_unit(module, kwargs, cls)

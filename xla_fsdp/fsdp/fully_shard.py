@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Union
 
 import torch.nn as nn
 
+from ..deferred.tied_embeddings import retie
 from .module import FSDPModule
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 
@@ -36,6 +37,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     for m in modules:
         _check_module(m)
     _check_disjoint(modules)
+    for m in modules:
+        retie(m)  # [Note: ties lost on the way to the device]
     from ..collective_engine.sharded_param import ShardedParameter
 
     ignored = _ignored(modules, ignored_params)
