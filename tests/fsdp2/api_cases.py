@@ -10,6 +10,7 @@ runtime starts); writes what it observed as JSON:
   api_cases.py doors OUT     what each front door makes of a module (isinstance, units, policies)
   api_cases.py ignored OUT   ignored_params: left out of the unit, loss and gradients as unsharded
   api_cases.py grouped OUT   fully_shard([emb, head]): one unit of two modules, trained as unsharded
+  api_cases.py tied OUT      a GPT-2 moved to the device before fully_shard: re-tied, trained as tied
   api_cases.py cuts OUT      graph cuts and compiles per step of a loop with no torch_xla.sync()
                              and of one that syncs after each step ([Note: the step cut])
 """
@@ -357,6 +358,47 @@ def doors(out):
     _write(out, {"fully_shard": kinds(sharded_net()), "v1": kinds(v1), "mixed": _error(lambda: fully_shard(mixed))})
 
 
+def tied(out):
+    """A Hugging Face GPT-2 moved to the device before fully_shard (torch_xla's .to() unties its
+    embeddings, [Note: ties lost on the way to the device]): re-tied with a warning; 3 AdamW steps
+    against the tied model unsharded on the CPU."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    dev = torch_xla.device()
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(config)
+    net = GPT2LMHeadModel(config)
+    net.load_state_dict(ref.state_dict())
+    net.to(dev)
+    untied = net.transformer.wte.weight is not net.lm_head.weight
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for block in net.transformer.h:
+            fully_shard(block)
+        fully_shard(net)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, net)]
+    gen = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (8, 8), generator=gen)
+        pair = []
+        for model, opt, where in ((ref, opts[0], "cpu"), (net, opts[1], dev)):
+            loss = model(input_ids=tokens.to(where), labels=tokens.to(where)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    got = net.state_dict()
+    _write(out, {"untied_by_to": untied, "tied_after": net.transformer.wte.weight is net.lm_head.weight,
+                 "warnings": [str(w.message) for w in caught], "losses": losses,
+                 "max_param_diff": max(float((got[k].cpu() - v).abs().max()) for k, v in ref.state_dict().items())})
+
+
 def _loop(steps, sync_each_step):
     """Train a fresh sharded net `steps` steps as a GPU loop would (forward, backward, clipping,
     AdamW, zero_grad, the loss read), optionally with torch_xla.sync() after each step; per step:
@@ -394,4 +436,4 @@ if __name__ == "__main__":
     torch_xla.device()
     xr.global_runtime_device_count()
     {"errors": errors, "methods": methods, "cuts": cuts, "doors": doors, "ignored": ignored,
-     "grouped": grouped}[sys.argv[1]](sys.argv[2])
+     "grouped": grouped, "tied": tied}[sys.argv[1]](sys.argv[2])
