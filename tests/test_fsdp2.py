@@ -157,6 +157,7 @@ def test_embeddings_untied_by_to_are_tied_again_by_fully_shard(tmp_path):
     for ref, got in r["losses"]:
         assert abs(ref - got) <= 1e-5 * abs(ref), r["losses"]
     assert r["max_param_diff"] < 1e-4, r["max_param_diff"]  # AdamW at lr 1e-2; untied: off by ~lr
+    assert r["v2_tied_after"] and any("untied by Module.to()" in w for w in r["v2_warnings"]), r  # FSDPv2's name
 
 
 def test_methods_and_parameters(tmp_path):

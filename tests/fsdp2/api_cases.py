@@ -394,7 +394,20 @@ def tied(out):
             pair.append(loss.item())
         losses.append(pair)
     got = net.state_dict()
-    _write(out, {"untied_by_to": untied, "tied_after": net.transformer.wte.weight is net.lm_head.weight,
+    # torch_xla's FSDPv2 name (the GSPMD engine) re-ties the same way
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    from xla_fsdp import SpmdFullyShardedDataParallel
+
+    v2 = GPT2LMHeadModel(config).to(dev)
+    with warnings.catch_warnings(record=True) as caught_v2:
+        warnings.simplefilter("always")
+        n = xr.global_runtime_device_count()
+        SpmdFullyShardedDataParallel(v2, xs.Mesh(np.arange(n), (n,), ("fsdp",)))
+    _write(out, {"v2_tied_after": v2.transformer.wte.weight is v2.lm_head.weight,
+                 "v2_warnings": [str(w.message) for w in caught_v2],
+                 "untied_by_to": untied, "tied_after": net.transformer.wte.weight is net.lm_head.weight,
                  "warnings": [str(w.message) for w in caught], "losses": losses,
                  "max_param_diff": max(float((got[k].cpu() - v).abs().max()) for k, v in ref.state_dict().items())})
 

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from ..api import GspmdFullyShardedDataParallel, XlaFullyShardedDataParallel
 from ..class_swap import mix_into, original_class
+from ..deferred.tied_embeddings import retie
 from ..forward_overrides import restore, take_torch_xla_checkpoint
 from ..keywords import DEFAULTS
 from ..options import FSDP_AXIS
@@ -64,6 +65,8 @@ class SpmdFullyShardedDataParallel(GspmdFullyShardedDataParallel):
         root = getattr(_building, "root", None)
         if root is not None:  # called by the root's auto_wrapper_callable
             return root.inner_call(module, mesh, shard_output, auto_wrap_policy, extra_data_axis)
+        if isinstance(module, nn.Module):
+            retie(module)  # [Note: ties lost on the way to the device]
         return _Root(module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable,
                      extra_data_axis).apply(cls)
 
