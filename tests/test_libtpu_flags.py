@@ -33,7 +33,7 @@ def test_set_on_a_tpu_only_and_never_over_the_users_own():
 
 def test_the_single_controller_gets_its_own_budget_even_when_declared_after_an_import():
     """Rings under a 50% scheduler budget for the single controller ([Note: rings by default on
-    a TPU]); 70% otherwise. Flags xla_fsdp set before the runtime was known are re-decided
+    a TPU]), 90% on larger slices; 70% otherwise. Flags xla_fsdp set before the runtime was known are re-decided
     (the launcher imports xla_fsdp before it chooses); the user's never are."""
     assert "--xla_tpu_scheduler_percent_shared_memory_limit=50" in lf.SINGLE_CONTROLLER_INIT_ARGS.split()
     assert "--xla_tpu_scheduler_percent_shared_memory_limit=70" in lf.DEFAULT_INIT_ARGS.split()
@@ -46,15 +46,16 @@ def test_the_single_controller_gets_its_own_budget_even_when_declared_after_an_i
     per_chip = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "multi_process"}
     assert lf.set_defaults(per_chip) == lf.DEFAULT_INIT_ARGS
     pod = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "32"}
-    assert lf.set_defaults(pod) == lf.DEFAULT_INIT_ARGS  # no rings on a pod: the gathers' budget
+    assert lf.set_defaults(pod) == lf.POD_GATHERS_INIT_ARGS  # no rings on a pod: [Note: the scheduler's budget on pods]
+    assert "--xla_tpu_scheduler_percent_shared_memory_limit=90" in lf.POD_GATHERS_INIT_ARGS.split()
     one_host = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "8"}
     assert lf.set_defaults(one_host) == lf.SINGLE_CONTROLLER_INIT_ARGS
     large = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "128"}
     assert lf.set_defaults(large) == lf.POD_INIT_ARGS  # [Note: asynchronous staged reduce-scatters]
     assert "--xla_enable_async_reduce_scatter_fusion=true" in lf.POD_INIT_ARGS.split()
-    assert set(lf.DEFAULT_INIT_ARGS.split()) < set(lf.POD_INIT_ARGS.split())
+    assert set(lf.POD_GATHERS_INIT_ARGS.split()) < set(lf.POD_INIT_ARGS.split())
     assert lf.for_runtime("multi_process", 128) == lf.DEFAULT_INIT_ARGS  # pinned: nothing to fuse
-    assert lf.for_runtime("single_controller", 64) == lf.DEFAULT_INIT_ARGS  # rings the reduce-scatters there
+    assert lf.for_runtime("single_controller", 64) == lf.POD_GATHERS_INIT_ARGS  # rings the reduce-scatters there
     users = {"PJRT_DEVICE": "TPU", lf.ENV: lf.DEFAULT_INIT_ARGS, "XLA_FSDP_RUNTIME": "single_controller"}
     assert lf.set_defaults(users) is None and users[lf.ENV] == lf.DEFAULT_INIT_ARGS  # exported by the user
 

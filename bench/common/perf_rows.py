@@ -36,7 +36,7 @@ ENGINES = ("default", "per_chip", "gspmd", "fsdpv1", "fsdpv2")
 KEEP = {f"keep{n}": n for n in range(1, 70)}  # up to the 128B pair's 70 blocks, less one
 # the default without our per-layer checkpointing: what to recompute is left to libtpu's own
 # rematerialization, which recomputes to fit HBM ([Note: the compiler's recompute])
-EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "no_ckpt") + tuple(KEEP)
+EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "no_ckpt", "recompute_all") + tuple(KEEP)
 TOP = {"no_ckpt": {"xla_fsdp_grad_ckpt": False}}  # top-level fsdp_config keys an engine changes
 # xla_fsdp_settings each engine adds to the shipped config (or to its aot case)
 SETTINGS = {
@@ -47,6 +47,7 @@ SETTINGS = {
     "rings": {"all_gather_impl": "ring", "reduce_scatter_stages": "ring"},
     "rings_budget50": {"all_gather_impl": "ring", "reduce_scatter_stages": "ring"},
     **{engine: {"checkpoint_all_but_last": n} for engine, n in KEEP.items()},
+    "recompute_all": {"checkpoint_all_but_last": None},  # the shipped config before "fit"
 }
 # libtpu flags where they are not the ones xla_fsdp sets for the engine's runtime (each row records
 # its flags): the single controller's previous collectives under the 70% budget they were measured
@@ -114,7 +115,8 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0, attn: s
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"] + (["--attn", attn] if attn else [])
                 + (["--fused_loss"] if loss == "fused" else []), "auto")
-    if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50", "no_ckpt") + tuple(KEEP):
+    if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50", "no_ckpt",
+                  "recompute_all") + tuple(KEEP):
         config = SHIPPED  # the shipped TPU config, as the README's TPU command runs it
         if engine in SETTINGS or engine in TOP:
             with open(SHIPPED) as f:

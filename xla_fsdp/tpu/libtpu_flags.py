@@ -14,7 +14,8 @@ Each flag was checked with libtpu's compiler (tests/test_libtpu_flags.py):
 - `xla_tpu_scheduler_percent_shared_memory_limit`: the scheduler's memory
   budget, 50 for the single controller on a slice of at most 8 chips (whose
   gathers and reduce-scatters are rings by default: [Note: rings by default
-  on a TPU]) and 70 otherwise (the launcher tells the slice's size in
+  on a TPU]), 90 for it on larger slices ([Note: the scheduler's budget on
+  pods]) and 70 otherwise (the launcher tells the slice's size in
   XLA_FSDP_SLICE_CHIPS; not told, 50 for the single controller). The
   2B step of the single controller with rings on v4-8, compiled: 28.57 GiB
   at 70, 21.79 GiB at 50 with the same overlap (0.96 of the bytes
@@ -78,6 +79,22 @@ ASYNC_COLLECTIVES: Mapping[str, str] = {
 SINGLE_CONTROLLER_COLLECTIVES: Mapping[str, str] = dict(
     ASYNC_COLLECTIVES, xla_tpu_scheduler_percent_shared_memory_limit="50")
 
+# [Note: the scheduler's budget on pods]
+# libtpu's scheduler overlaps a collective with compute only while the program's live memory stays
+# under its budget (`xla_tpu_scheduler_percent_shared_memory_limit`). On pods the single controller
+# keeps some blocks' activations (checkpoint_all_but_last "fit", [Note: keep what fits]), which
+# lifts the live memory of the backward above a 70% budget, and the scheduler then runs
+# collectives with nothing beside them. Compiled for the blog's pairs (libtpu 0.0.21 deviceless,
+# kernel, 2026-11-29; share of collective bytes with compute beside them, PROJECTED step, peak
+# HBM; budget 70 -> 90): 20B v4-128 with 14 of 43 blocks kept 0.86 -> 0.92, 5.275 -> 5.255 s,
+# 23.09 -> 27.07 GiB; 32B v4-128 with 7 of 39 kept 0.92 -> 0.97, 8.349 -> 8.301 s, 22.26 -> 28.00
+# GiB; 128B v4-512 with 10 of 70 kept 0.82 -> 0.86, 17.993 -> 17.869 s, 28.91 -> 29.43 GiB. Every
+# block recomputed: 16B v4-64 0.92 -> 0.96, 8.423 -> 8.378 s, 21.84 -> 23.24 GiB; 20B 0.99 either
+# way, 5.480 -> 5.471 s. Llama 3 8B on v6e-256 (every layer recomputed): 3.491 -> 3.488 s, 25.57 ->
+# 26.19 GiB. So 90 for the single controller on slices of more than 8 chips (the rings of smaller
+# ones keep 50, one process per chip keeps 70).
+POD_COLLECTIVES: Mapping[str, str] = dict(ASYNC_COLLECTIVES, xla_tpu_scheduler_percent_shared_memory_limit="90")
+
 # [Note: random bits per chip]
 # libtpu's SPMD partitioner replicates a random-bit generator (dropout's `bernoulli`) whatever
 # its output's sharding: every chip draws the bits of the whole global batch and keeps its
@@ -135,7 +152,8 @@ def init_args(flags: Mapping[str, str] = ASYNC_COLLECTIVES) -> str:
 
 
 DEFAULT_INIT_ARGS = init_args({**ASYNC_COLLECTIVES, **PARTITIONED_RANDOM_BITS})  # one process per chip, and a runtime not yet known
-POD_INIT_ARGS = init_args({**ASYNC_COLLECTIVES, **PARTITIONED_RANDOM_BITS, **ASYNC_REDUCE_SCATTERS})
+POD_GATHERS_INIT_ARGS = init_args({**POD_COLLECTIVES, **PARTITIONED_RANDOM_BITS})  # the single controller, 9-64 chips
+POD_INIT_ARGS = init_args({**POD_COLLECTIVES, **PARTITIONED_RANDOM_BITS, **ASYNC_REDUCE_SCATTERS})
 SINGLE_CONTROLLER_INIT_ARGS = init_args({**SINGLE_CONTROLLER_COLLECTIVES, **PARTITIONED_RANDOM_BITS})
 
 
@@ -168,13 +186,16 @@ def for_runtime(runtime: Optional[str], chips: Optional[int] = None,
                 environ: Mapping[str, str] = os.environ) -> str:
     """xla_fsdp's LIBTPU_INIT_ARGS for `runtime` ("single_controller", "multi_process", None) on a
     slice of `chips` (None: not known): the rings' budget where the single controller makes rings
-    ([Note: rings by default on a TPU]), the gathers' elsewhere and under XLA_FSDP_RINGS=0."""
+    ([Note: rings by default on a TPU]), the pods' on larger slices ([Note: the scheduler's budget on
+    pods]), the gathers' elsewhere and under XLA_FSDP_RINGS=0."""
     rings = (runtime == SINGLE_CONTROLLER and (chips is None or chips <= RING_MAX_CHIPS)
              and rings_enabled(environ))
     if rings:
         return SINGLE_CONTROLLER_INIT_ARGS
     if runtime == SINGLE_CONTROLLER and chips is not None and chips > STAGED_ABOVE_CHIPS:
         return POD_INIT_ARGS  # [Note: asynchronous staged reduce-scatters]
+    if runtime == SINGLE_CONTROLLER and chips is not None and chips > RING_MAX_CHIPS:
+        return POD_GATHERS_INIT_ARGS  # [Note: the scheduler's budget on pods]
     return DEFAULT_INIT_ARGS
 
 
