@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 
 from .class_swap import mix_into, original_class, unmix
+from .deferred.tied_embeddings import retie
 from .keywords import DEFAULTS, SPMD_KEYWORDS, build_options, resolve
 from .options import ShardingLayout, TrainingState
-from .deferred.tied_embeddings import retie
 from .unit_state import is_unit, register, state_of, units, unregister
 
 
@@ -85,7 +85,7 @@ class UnitMethods(nn.Module):
 class UnshardHandle:
     """What `unshard(async_op=True)` returns. `wait()` returns at once: the gather is an
     operation of the traced program, which XLA orders by its data dependencies."""
-    def wait(self) -> None:  # noqa: D102
+    def wait(self) -> None:
         return None
 
 
