@@ -37,6 +37,9 @@ KEEP = {f"keep{n}": n for n in range(1, 70)}  # up to the 128B pair's 70 blocks,
 # the default without our per-layer checkpointing: what to recompute is left to libtpu's own
 # rematerialization, which recomputes to fit HBM ([Note: the compiler's recompute])
 EXTRA = ("gathers", "prefetch", "flat", "ring", "rings", "rings_budget50", "no_ckpt", "recompute_all") + tuple(KEEP)
+# engines that compile the shipped config as run_clm runs it, with SETTINGS / TOP applied
+SHIPPED_VARIANTS = ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50", "no_ckpt",
+                    "recompute_all") + tuple(KEEP)
 TOP = {"no_ckpt": {"xla_fsdp_grad_ckpt": False}}  # top-level fsdp_config keys an engine changes
 # xla_fsdp_settings each engine adds to the shipped config (or to its aot case)
 SETTINGS = {
@@ -115,8 +118,7 @@ def command(engine: str, model: str, tpu: str, tmp: str, batch: int = 0, attn: s
         return ([LAUNCHER, flag, ANCHOR, "--engine", engine, "--config", MODELS[model], "--batch", str(batch),
                  "--seq", str(SEQ), "--grad_ckpt"] + (["--attn", attn] if attn else [])
                 + (["--fused_loss"] if loss == "fused" else []), "auto")
-    if engine in ("default", "per_chip", "gathers", "ring", "rings", "rings_budget50", "no_ckpt",
-                  "recompute_all") + tuple(KEEP):
+    if engine in SHIPPED_VARIANTS:
         config = SHIPPED  # the shipped TPU config, as the README's TPU command runs it
         if engine in SETTINGS or engine in TOP:
             with open(SHIPPED) as f:
