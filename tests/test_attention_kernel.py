@@ -134,3 +134,23 @@ def test_block_sizes_are_torch_xlas():
     theirs = {k: v for k, v in FlashAttention.DEFAULT_BLOCK_SIZES.items() if k != "block_b"}
     assert theirs == rules.SEQUENCE_BLOCKS
     assert FlashAttention.MIN_BLOCK_SIZE == rules.MIN_SEQUENCE
+
+
+def test_llama_head_major_projections_with_the_kernel_match_eager_attention():
+    # [Note: head-major Llama projections]: grouped-query attention, biases on, two layers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from xla_fsdp.attention.llama_heads import HeadMajorLlamaAttention, use_head_major
+
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         attention_dropout=0.0, attention_bias=True)
+    eager, kernel = _pair(LlamaForCausalLM, config)
+    with torch.no_grad():  # biases away from zero, so a bias read in the wrong layout shows
+        for name, p in kernel.named_parameters():
+            if name.endswith("proj.bias"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    eager.load_state_dict(kernel.state_dict())
+    assert use_head_major(kernel) == 2 and use_head_major(kernel) == 0  # once per attention module
+    assert isinstance(kernel.model.layers[1].self_attn, HeadMajorLlamaAttention)
+    assert list(kernel.state_dict()) == list(eager.state_dict())
+    _assert_parity(eager, kernel, config.vocab_size)

@@ -249,6 +249,20 @@ def test_bad_choices():
     assert "'rings'" in msg and "all_gather" in msg and "all_reduce" in msg
     msg = _error({"xla": True, "xla_fsdp_settings": {"sharding_strategy": "zero3"}})
     assert "FULL_SHARD" in msg and "HYBRID_SHARD" in msg
+    msg = _error({"xla": True, "xla_fsdp_settings": {"token_chain": "none"}})  # [Note: collectives off the chain]
+    assert "token_chain" in msg and "'none'" in msg and "gathers" in msg and "off" in msg
+
+
+def test_token_chain_reaches_the_engine_and_bad_values_are_refused():
+    from xla_fsdp.keywords import build_options, resolve
+    from xla_fsdp.options import CollectiveOptions
+
+    kw = load_fsdp_config(os.path.join(ROOT, "configs", "fsdp", "llama_xla_fsdp.json")).engine_kwargs()
+    assert kw["token_chain"] == "off"
+    assert build_options(resolve(kw)).collectives.token_chain == "off"
+    assert build_options(resolve({})).collectives.token_chain == "all"
+    with pytest.raises(ValueError, match="token_chain='sometimes' is not valid"):
+        CollectiveOptions(token_chain="sometimes")
 
 
 def test_checkpoint_all_but_last_needs_grad_ckpt_and_an_int():

@@ -33,7 +33,9 @@ def graphs(tmp_path_factory):
                {"name": "replicated", "model": "gpt2_small",
                 "kwargs": dict(FLAT_ALL_RESHARDED, root_sharding_strategy="NO_SHARD")},
                {"name": "ckpt", "model": "gpt2_small",
-                "kwargs": {"flatten_parameters": True, "activation_checkpointing": True}}]
+                "kwargs": {"flatten_parameters": True, "activation_checkpointing": True}},
+               {"name": "gathers", "model": "gpt2_small", "kwargs": dict(FLAT_ALL_RESHARDED, token_chain="gathers")},
+               {"name": "chain_off", "model": "gpt2_small", "kwargs": dict(FLAT_ALL_RESHARDED, token_chain="off")}]
     trace(configs, out, world=WORLD)
     return {c["name"]: HloGraph(read(out, c["name"], WORLD)[0]) for c in configs}
 
@@ -130,3 +132,40 @@ def test_replicated_embeddings_overlap_nine_tenths(graphs):
     overlappable = sum(g.comm_bytes(c, WORLD) for c in big if g.independent_flops(c.name) > 0)
     assert overlappable / total >= 0.9, overlappable / total
     assert sum(g.hoistable(c.name) for c in g.collectives(("all-gather",))) == 2
+
+
+def _token_added(g, c) -> bool:
+    """A collective whose input is its data plus the chain's token: an add whose smaller operand
+    (the broadcast token) comes from another collective's result. A fresh token is a constant zero,
+    which XLA folds away."""
+    kinds = ("all-gather", "reduce-scatter", "all-reduce")
+    for o in c.operands:
+        if g.instrs[o].opcode == "add":
+            token = min(g.instrs[o].operands, key=lambda x: len(g.ancestors(x)))
+            if any(g.instrs[a].opcode in kinds for a in g.ancestors(token)):
+                return True
+    return False
+
+
+def _waits(g):
+    """Per backward re-gather: whether it waits for some reduce-scatter."""
+    return [any(s.name in g.ancestors(c.name) for s in g.collectives(("reduce-scatter",)))
+            for c in _phases(g, ON_FORWARD)[1]]
+
+
+def test_reduce_scatters_off_the_chain_take_the_gradient_itself(graphs):
+    """[Note: collectives off the chain]: with token_chain="gathers" no reduce-scatter's input is
+    gradient + token (with the chain every one is, but the last: [Note: the last reduce-scatter]);
+    each still publishes a token, so the backward re-gathers wait for reduce-scatters as with the
+    chain. With "off" no gather's input carries a token either and no re-gather waits for one."""
+    on, gathers, off = graphs["on"], graphs["gathers"], graphs["chain_off"]
+    chained = [_token_added(on, c) for c in on.collectives(("reduce-scatter",))]
+    assert len(chained) == 5 and sum(chained) == 4, chained  # the test can tell the difference
+    assert sum(_token_added(on, c) for c in on.collectives(("all-gather",))) >= 4
+    for g in (gathers, off):
+        scatters = g.collectives(("reduce-scatter",))
+        assert len(scatters) == 5 and not any(_token_added(g, c) for c in scatters)
+        assert len(g.collectives(("all-gather",))) == len(on.collectives(("all-gather",)))
+    assert _waits(gathers) == _waits(on) and any(_waits(on)), (_waits(gathers), _waits(on))
+    assert not any(_token_added(off, c) for c in off.collectives(("all-gather",)))
+    assert not any(_waits(off)), _waits(off)

@@ -103,7 +103,8 @@ def _start(tmp: Path, cases_by_devices):
 
 # at 8 devices, whose parity run stands for a 2x2x2 slice (the small GPT-2: buckets of 8 rows of 128 or
 # more per device, which stage; each case counts its own reduce-scatters, tests/single_controller/run.py)
-TORUS_CASES = ["gpt2_small_sgd"]
+# "+off": token_chain="off", as the shipped Llama config ([Note: collectives off the chain])
+TORUS_CASES = ["gpt2_small_sgd", "gpt2_small_sgd+off"]
 RING_CASES = ["gpt2_adamw@ring:ring"]  # the same, reduce_scatter_stages and all_gather_impl "ring"
 # a pod's default: reduce-scatters as rings, gathers as all-gathers ([Note: reduce-scatter rings on pods])
 POD_CASES = ["gpt2_adamw@ring:all_gather"]

@@ -84,6 +84,7 @@ class MixedPrecision:
 ALL_GATHER_IMPLS = ("auto", "all_gather", "all_reduce", "ring")
 # "axes": [Note: one reduce-scatter per torus axis]; "ring": [Note: ring reduce-scatter]
 REDUCE_SCATTER_STAGES = ("auto", "axes", "flat", "ring")
+TOKEN_CHAINS = ("all", "gathers", "off")  # CollectiveOptions.token_chain
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,11 @@ class CollectiveOptions:
     # "flat" never ([Note: one reduce-scatter per torus axis]); "ring": rings of neighbour
     # exchanges, one per torus axis ([Note: ring reduce-scatter] in collective_engine/ring.py)
     reduce_scatter_stages: str = "auto"
+    # which of the unit's collectives wait for the one before through torch_xla's token chain
+    # ([Note: collectives off the chain] in collective_engine/collectives.py): "all" (torch_xla's
+    # order), "gathers" (reduce-scatters start from a fresh token: their input is the gradient
+    # itself; they still publish one, so what follows waits for them), "off" (none waits)
+    token_chain: str = "all"
 
     def __post_init__(self):
         if self.reduce_scatter_stages not in REDUCE_SCATTER_STAGES:
@@ -122,6 +128,8 @@ class CollectiveOptions:
             raise ValueError(
                 f"all_gather_impl={self.all_gather_impl!r} is not valid; use one of {ALL_GATHER_IMPLS}"
             )
+        if self.token_chain not in TOKEN_CHAINS:
+            raise ValueError(f"token_chain={self.token_chain!r} is not valid; use one of {TOKEN_CHAINS}")
         if self.reduce_scatter_bucket_size_mb < 0:
             raise ValueError("reduce_scatter_bucket_size_mb must be >= 0 (0 means one bucket per unit)")
 

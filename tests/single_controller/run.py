@@ -90,12 +90,15 @@ def parity(names):
                          "padded_shapes": {n: list(t.shape) for n, t in got["shards"].items()}}
             continue
         name, _, impl = spec.partition(":")
+        name, _, chain = name.partition("+")  # case+CHAIN: that token_chain
         name, _, stages = name.partition("@")  # case@stages: that reduce_scatter_stages
         case = case_for_world(by_name[name])
         if impl:
             case = dataclasses.replace(case, fsdp=case.fsdp + (("all_gather_impl", impl),))
         if stages:
             case = dataclasses.replace(case, fsdp=case.fsdp + (("reduce_scatter_stages", stages),))
+        if chain:
+            case = dataclasses.replace(case, fsdp=case.fsdp + (("token_chain", chain),))
         ref = pc.train_reference(case)
         got = pc.train_single_controller(case)
         full = {n: pc.unpad(got["padded"][n], p) for n, p in ref["params"].items()}

@@ -59,7 +59,7 @@ def _layout_key(kw: Dict[str, Any], options: FSDPOptions) -> tuple:
     groups = kw["sharding_groups"]
     groups = None if groups is None else tuple(tuple(int(r) for r in g) for g in groups)
     return (options.strategy, options.collectives.pin_layout, options.collectives.all_gather_impl,
-            options.collectives.reduce_scatter_stages, groups,
+            options.collectives.reduce_scatter_stages, options.collectives.token_chain, groups,
             kw["sharding_rank"], kw["sharding_world_size"], id(kw["mesh"]) if kw["mesh"] is not None else None)
 
 

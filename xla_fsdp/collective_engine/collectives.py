@@ -28,6 +28,29 @@ starts that all-reduce from a fresh token the same way. Measured on the
 traced program (tests/test_overlap.py). Dropping the chain for every
 reduce-scatter also overlaps, but leaves their placement, and so gradient
 memory, to the compiler, and cost 7% step time on XLA:CPU.
+
+[Note: collectives off the chain] Reading the token costs an elementwise
+pass: torch_xla adds it to the collective's input, so every reduce-scatter's
+input is a fresh copy of the whole gradient (gradient + 0), and libtpu keeps
+most reduce-scatters fed by such a pass, or a relayout of one, synchronous.
+`token_chain="gathers"` starts every reduce-scatter from a fresh token (a
+constant zero XLA folds away): its input is the gradient itself, and it still
+publishes its token, so the collectives after it wait for it as before.
+`token_chain="off"` starts the gathers from a fresh token too: no collective
+of the engine waits for another, and libtpu orders them. On the single
+controller every device runs the one program, so every device runs its
+collectives in the order libtpu picks; with one process per chip each
+compiles the same program the same way. tests/test_overlap.py checks both on
+the traced program; the 8-device parity run trains with "off". Compiled by
+libtpu 0.0.21 for Llama 3 8B on v6e-256 (4 x 8192 per chip, the kernel,
+head-major projections; deviceless, 2026-11-29; docs/performance.md, "Llama 3
+8B at sequence 8192"): "all" 3.403 s, "gathers" 3.350 s, "off" see there;
+peak 26.42 GiB at most. Not the default: a 3-block copy of GPT-2 128B for
+v4-512 peaks at 12.98 GiB instead of 8.86 with either (the scheduler, freed of
+the order, starts reductions and gathers earlier), and the full 128B with
+torch_xla's token off altogether (DISABLE_NUMERIC_CC_TOKEN=1, the same program
+on that copy), every block recomputed, needs 31.79 GiB of the 30.75 libtpu can
+use instead of 18.33. The shipped Llama config sets "off".
 """
 from __future__ import annotations
 
@@ -198,6 +221,8 @@ class XlaCollectives(Collectives):
         groups, count = self._group("shard")
         if count == 1:
             return flat_shard
+        if self.options.token_chain == "off":  # [Note: collectives off the chain]
+            self._xlac._set_all_reduce_token(str(self.device), None)
         if self.options.all_gather_impl == "all_gather":
             return self._xlac._xla_all_gather(flat_shard, 0, count, groups, self._pin_layout,
                                               *self._channel)
@@ -209,7 +234,9 @@ class XlaCollectives(Collectives):
     def reduce_scatter(self, flat, follow_chain=True):
         groups, count = self._group("shard")
         device = str(self.device)
-        if not follow_chain:  # [Note: the last reduce-scatter]; with NO_SHARD, for the all-reduce after it
+        # [Note: the last reduce-scatter] (with NO_SHARD, for the all-reduce after it); every one
+        # off the chain: [Note: collectives off the chain]
+        if not follow_chain or self.options.token_chain != "all":
             self._xlac._set_all_reduce_token(device, None)
         if count == 1:
             return flat

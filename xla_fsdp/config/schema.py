@@ -38,6 +38,7 @@ ENGINE_KEYWORDS: tuple[str, ...] = (
     "reduce_scatter_bucket_size_mb",
     "all_gather_impl",
     "reduce_scatter_stages",
+    "token_chain",
     "sharding_strategy",
     "checkpoint_all_but_last",
 )
@@ -187,16 +188,9 @@ def _canonical_choice(key: str, value: Any, choices: tuple[str, ...], upper: boo
 
 
 _BOOL_SETTINGS = (
-    "reshard_after_forward",
-    "flatten_parameters",
-    "execute_sharding_on_init",
-    "optimization_barrier_in_forward",
-    "optimization_barrier_in_backward",
-    "sync_on_finalization",
-    "disable_reshard_on_root",
-    "fp32_reduce_scatter",
-    "shard_param_on_dim_0",
-    "pin_layout_in_collective_ops",
+    "reshard_after_forward", "flatten_parameters", "execute_sharding_on_init",
+    "optimization_barrier_in_forward", "optimization_barrier_in_backward", "sync_on_finalization",
+    "disable_reshard_on_root", "fp32_reduce_scatter", "shard_param_on_dim_0", "pin_layout_in_collective_ops",
 )
 
 
@@ -248,6 +242,8 @@ class XlaFSDPSettings:
     """Single controller: "auto" (rings with the gathers' rings, else "axes"), "axes" (one
     reduce-scatter per torus axis on v4/v5p slices), "flat", or "ring" (rings of neighbour
     exchanges, which libtpu runs asynchronously)."""
+    token_chain: Optional[str] = None
+    """"all", "gathers" or "off": which collectives wait on torch_xla's token ([Note: collectives off the chain])."""
     sharding_strategy: Optional[str] = None
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (case-insensitive; stored upper case)."""
     checkpoint_all_but_last: Optional[Union[int, str]] = None
@@ -267,13 +263,15 @@ class XlaFSDPSettings:
                 object.__setattr__(self, name, _canonical_dtype(where + name, value))
         # the choice lists live with the typed options; imported here so that
         # loading a config stays free of package imports (tests/test_layout.py)
-        from ..options import ALL_GATHER_IMPLS, REDUCE_SCATTER_STAGES
+        from ..options import ALL_GATHER_IMPLS, REDUCE_SCATTER_STAGES, TOKEN_CHAINS
 
         if self.all_gather_impl is not None:
             _canonical_choice(where + "all_gather_impl", self.all_gather_impl, ALL_GATHER_IMPLS, upper=False)
         if self.reduce_scatter_stages is not None:
             _canonical_choice(where + "reduce_scatter_stages", self.reduce_scatter_stages,
                               REDUCE_SCATTER_STAGES, upper=False)
+        if self.token_chain is not None:
+            _canonical_choice(where + "token_chain", self.token_chain, TOKEN_CHAINS, upper=False)
         if self.sharding_strategy is not None:
             object.__setattr__(
                 self,

@@ -146,8 +146,9 @@ def run(argv=None) -> dict:
         if not global_tensors:
             # [Note: head-major projections]; under the GSPMD partitioner (global tensors) libtpu's
             # check of the kernel's operand shardings fails on them, so transformers' own run there
-            from xla_fsdp.attention.gpt2_heads import use_head_major
-            use_head_major(wrapped.model)
+            from xla_fsdp.attention import gpt2_heads, llama_heads
+            gpt2_heads.use_head_major(wrapped.model)
+            llama_heads.use_head_major(wrapped.model)  # [Note: head-major Llama projections]
     hosts = _host_batches(spmd, wrapped.mesh)  # several SPMD hosts: each reads only its rows
     if hosts is not None:
         from xla_fsdp.runtime.hosts import host_group
