@@ -73,3 +73,23 @@ def test_tiny_gpt2_step_with_the_kernel_compiles_for_v5e_8_and_its_attention_is_
     # sees per-device tensors, transformers' own under the GSPMD partitioner
     traced = (tmp_path / "dump" / "traced_step.hlo.txt").read_text()
     assert ("gpt2_heads.py" in traced) == (case != "gspmd")
+
+
+@NEEDS_AOT
+def test_tiny_llama_with_the_shipped_config_compiles_with_head_major_projections(tmp_path):
+    """The shipped Llama config (per-layer checkpointing, token_chain "off") on the tiny Llama for
+    v5e-8 with the kernel: it compiles, the kernel runs per layer in the forward, its recompute and
+    the backward's two, on grouped-query attention expanded to the 4 query heads, and the
+    projections around it are ours ([Note: head-major Llama projections])."""
+    cmd = [ac.RUN_CLM, "--config_name", os.path.join(ROOT, "configs", "models", "llama-tiny.json"), "--fsdp",
+           "full_shard", "--fsdp_config", os.path.join(ROOT, "configs", "fsdp", "llama_xla_fsdp.json"),
+           "--output_dir", str(tmp_path / "out"), "--do_train", "--per_device_train_batch_size", "2",
+           "--block_size", "128", "--attn_implementation", "pallas"]
+    got = ac.check("v5e-8", cmd, extra=["--dump", str(tmp_path / "dump")], timeout=300)
+    assert got["rc"] == 0 and got["report"]["compiles"], got["output"]
+    optimized = (tmp_path / "dump" / "tpu_optimized.hlo.txt").read_text()
+    found = re.findall(r"= \(?(bf16\[[0-9,]+\])[^=]*custom-call\([^)]*\), custom_call_target=\"tpu_custom_call\"",
+                       optimized)
+    assert len(found) == 8 and all(k.startswith("bf16[2,4,128,32]") for k in found), found
+    traced = (tmp_path / "dump" / "traced_step.hlo.txt").read_text()
+    assert "llama_heads.py" in traced and "modeling_llama.py" in traced
