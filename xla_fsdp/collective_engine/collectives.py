@@ -44,7 +44,7 @@ compiles the same program the same way. tests/test_overlap.py checks both on
 the traced program; the 8-device parity run trains with "off". Compiled by
 libtpu 0.0.21 for Llama 3 8B on v6e-256 (4 x 8192 per chip, the kernel,
 head-major projections; deviceless, 2026-11-29; docs/performance.md, "Llama 3
-8B at sequence 8192"): "all" 3.403 s, "gathers" 3.350 s, "off" see there;
+8B at sequence 8192"): "all" 3.387 s, "gathers" 3.350 s, "off" 3.326 s;
 peak 26.42 GiB at most. Not the default: a 3-block copy of GPT-2 128B for
 v4-512 peaks at 12.98 GiB instead of 8.86 with either (the scheduler, freed of
 the order, starts reductions and gathers earlier), and the full 128B with
