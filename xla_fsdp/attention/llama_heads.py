@@ -7,7 +7,7 @@ q, k and v as [batch, seq, heads x head_dim] matmuls, views and transposes them 
 4 x 8192 tokens per chip every one of those transposes is a copy of an activation as large as a
 layer's input or larger, in the forward, the recompute and the backward: in libtpu's program of
 the 8B step on v6e-256, the permutes around the kernel were 5.4% of the step's compute
-(docs/performance.md, "The token and the pods"). Here q_proj, k_proj and v_proj's weights are
+(docs/performance.md, "Llama 3 8B at sequence 8192 on v6e-256"). Here q_proj, k_proj and v_proj's weights are
 read as [heads, head_dim, hidden] and o_proj's as [hidden, heads, head_dim], and the projections
 are einsums that write and read the kernel's layout directly. Same parameters, same state dict,
 same arithmetic (tests/test_attention_kernel.py checks it against eager attention in interpret

@@ -39,8 +39,8 @@ publishes its token, so the collectives after it wait for it as before.
 `token_chain="off"` starts the gathers from a fresh token too: no collective
 of the engine waits for another, and libtpu orders them. On the single
 controller every device runs the one program, so every device runs its
-collectives in the order libtpu picks; with one process per chip each
-compiles the same program the same way. tests/test_overlap.py checks both on
+collectives in the order libtpu picks (with one process per chip each
+compiles the same program; not measured there). tests/test_overlap.py checks both on
 the traced program; the 8-device parity run trains with "off". Compiled by
 libtpu 0.0.21 for Llama 3 8B on v6e-256 (4 x 8192 per chip, the kernel,
 head-major projections; deviceless, 2026-11-29; docs/performance.md, "Llama 3
