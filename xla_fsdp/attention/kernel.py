@@ -88,14 +88,21 @@ def pallas_attention(module, query, key, value, attention_mask, scaling=None, dr
     """transformers' attention-function contract: (output [b, s, h, d], no attention weights)."""
     refuse_unsupported(dropout, attention_mask)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: the kernel wants one key/value head per query head
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    key, value = per_query_head(query, key, value)
     check_shapes(tuple(query.shape), tuple(key.shape))
     scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
     out = head_major_attention(query, key, value, causal, scale)
     return out.transpose(1, 2).contiguous(), None
+
+
+def per_query_head(query, key, value):
+    """Grouped-query attention's keys and values, each head repeated for its group of query heads:
+    the kernel wants one key/value head per query head ([batch, heads, seq, head_dim])."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    return key, value
 
 
 def head_major_attention(query, key, value, causal: bool, scale: float) -> torch.Tensor:

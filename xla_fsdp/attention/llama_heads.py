@@ -12,7 +12,8 @@ read as [heads, head_dim, hidden] and o_proj's as [hidden, heads, head_dim], and
 are einsums that write and read the kernel's layout directly. Same parameters, same state dict,
 same arithmetic (tests/test_attention_kernel.py checks it against eager attention in interpret
 mode). Rotary embeddings apply to [batch, heads, seq, head_dim] as in transformers. Grouped-query
-attention repeats each key/value head for its queries, as `kernel.pallas_attention` does. A cache
+attention repeats each key/value head for its queries (`kernel.per_query_head`, as
+`kernel.pallas_attention` does). A cache
 is updated as transformers does (the kernel then refuses what it cannot take: a query shorter than
 the keys); another attention implementation runs transformers' own forward.
 """
@@ -43,10 +44,7 @@ class HeadMajorLlamaAttention:
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if past_key_values is not None:  # as transformers' forward: the cache sees [b, h, s, d] keys/values
             key, value = past_key_values.update(key, value, self.layer_idx)
-        groups = heads // kv_heads
-        if groups > 1:  # grouped-query attention: one key/value head per query head for the kernel
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
+        key, value = kernel.per_query_head(query, key, value)
         check_shapes(tuple(query.shape), tuple(key.shape))
         out = kernel.head_major_attention(query, key, value, causal=True, scale=float(self.scaling))
         weight = self.o_proj.weight.view(self.o_proj.weight.shape[0], heads, self.head_dim)  # Linear: [out, in]
