@@ -169,3 +169,19 @@ def test_reduce_scatters_off_the_chain_take_the_gradient_itself(graphs):
     assert _waits(gathers) == _waits(on) and any(_waits(on)), (_waits(gathers), _waits(on))
     assert not any(_token_added(off, c) for c in off.collectives(("all-gather",)))
     assert not any(_waits(off)), _waits(off)
+
+
+def test_large_parameters_travel_in_their_own_shape(graphs):
+    """[Note: gathering rows]: with the default buckets each block weight has a collective of its
+    own, gathered along dim 0 as [rows, cols] (no flat buffer to relayout on a TPU); one flat
+    gather per unit stays one 1-D collective."""
+    g = graphs["default"]
+    weights = [c for c in g.collectives(("all-gather",)) if len(c.shape) == 2 and c.shape[1] >= D]
+    # 4 blocks x (qkv, attention projection, MLP up, MLP down), forward and backward re-gathers
+    assert len(weights) >= 16, [c.shape for c in g.collectives(("all-gather",))]
+    for c in weights:
+        assert g.instrs[c.operands[0]].shape == [c.shape[0] // WORLD, c.shape[1]], (c.name, c.shape)
+    # gradients keep their flat reduce-scatters, as [rows, 128] where they split into whole rows
+    # ([Note: 2-D reduce-scatter]): in the weight's own shape libtpu kept them synchronous on v4-512
+    assert all(len(c.shape) == 1 or c.shape[1] == 128 for c in g.collectives(("reduce-scatter",)))
+    assert all(len(c.shape) == 1 for c in graphs["on"].collectives(("all-gather",)))

@@ -86,6 +86,11 @@ class Collectives(abc.ABC):
     def all_gather(self, flat_shard: torch.Tensor) -> torch.Tensor:
         """1-D shard -> 1-D concatenation of every shard-group member's shard, in group order."""
 
+    def all_gather_rows(self, shard: torch.Tensor) -> torch.Tensor:
+        """A shard of rows ([rows, ...]) -> every shard-group member's rows, stacked in group order
+        ([Note: gathering rows])."""
+        return self.all_gather(shard.reshape(-1)).view(-1, *shard.shape[1:])
+
     @abc.abstractmethod
     def reduce_scatter(self, flat: torch.Tensor, follow_chain: bool = True) -> torch.Tensor:
         """1-D tensor of N equal chunks -> this rank's chunk summed over the shard group.
@@ -230,6 +235,11 @@ class XlaCollectives(Collectives):
         buf = torch.zeros(count, flat_shard.numel(), dtype=flat_shard.dtype, device=flat_shard.device)
         buf = buf.index_copy(0, self._rank_index(), flat_shard.unsqueeze(0))
         return self.all_reduce(buf.reshape(-1), "shard")
+
+    def all_gather_rows(self, shard):
+        if self.options.all_gather_impl != "all_gather":
+            return super().all_gather_rows(shard)
+        return self.all_gather(shard)  # [Note: gathering rows]: along dim 0, in the rows' own shape
 
     def reduce_scatter(self, flat, follow_chain=True):
         groups, count = self._group("shard")
