@@ -96,10 +96,11 @@ def gather_together(first: "FSDPParamGroup", second: "FSDPParamGroup",
 # own (a large one: [Note: buckets]) is gathered in its shard's own shape, [rows/N, cols] along
 # dim 0, so the gathered rows are the weight as the matmul reads it: the same rows in the same
 # order, without the copy (rings keep their flat chunks: ring.py). Its gradient is scaled in its
-# own shape and reduce-scattered flat: reduce-scattered as [rows, cols] too, libtpu 0.0.21 kept
-# the first torus stage of each weight synchronous on v4-512 (a 3-block copy of the blog's 128B:
-# async bytes 0.91 -> 0.69), where the flat [rows, 128] buffers it fuses into its asynchronous
-# reduce-scatters. Compiled for v4-512 / v4-128 (libtpu 0.0.21 deviceless, PROJECTED,
+# own shape, reduce-scattered flat and its shard taken as rows again before the barrier that
+# materializes it ([Note: materialize the scattered shard]). Reduce-scattered as [rows, cols] too,
+# libtpu 0.0.21 kept the first torus stage of each weight synchronous on v4-512 (a 3-block copy
+# of the blog's 128B: async bytes 0.91 -> 0.69); the flat [rows, 128] buffers it fuses into its
+# asynchronous reduce-scatters. Compiled for v4-512 / v4-128 (libtpu 0.0.21 deviceless, PROJECTED,
 # 2026-11-29): 128B 3-block copy 0.871 -> 0.846 s (compute 0.806 -> 0.780), 20B 4-block copy
 # 0.577 -> 0.566 s, peak 5.47 -> 5.26 GiB; the full 20B with 13 blocks kept 5.264 -> 5.148 s.
 
@@ -238,16 +239,21 @@ class FSDPParamGroup:
                     continue
                 for i in live:
                     self.pending.pop(i, None)
-                if len(live) == 1 and self.params[live[0]].row_shape:  # [Note: gathering rows]
-                    p = self.params[live[0]]  # scaled in its own shape, then flattened
-                    flat = (chunks[0].view(p.padded_rows, *p.row_shape) * scale).reshape(-1)
+                alone = self.params[live[0]] if len(live) == 1 and self.params[live[0]].row_shape else None
+                if alone is not None:  # [Note: gathering rows]: scaled in its own shape, its rows after
+                    flat = (chunks[0].view(alone.padded_rows, *alone.row_shape) * scale).reshape(-1)
                 else:
                     flat = torch.cat(chunks, dim=1).reshape(-1) * scale  # pre-divide: keeps bf16 sums in range
                 shard = self.comm.reduce_scatter(flat, follow_chain=not self.ends_backward)
+                if alone is not None:
+                    shard = shard.view(alone.shard_shape)
                 if self.across_replicas:
                     shard = self.comm.all_reduce(shard, "replicate")
                 if self.comm.is_xla:  # [Note: materialize the scattered shard]
                     shard = self.comm.optimization_barrier([shard])[0]
+                if alone is not None:
+                    out[live[0]] = shard.to(alone.orig_dtype)
+                    continue
                 offset = 0
                 for i in live:
                     p = self.params[i]
