@@ -46,8 +46,9 @@ class _GatherParams(torch.autograd.Function):
 
 
 def _gather_flat(comm: Collectives, pieces, dtype, barrier_with) -> List[torch.Tensor]:
-    """One all-gather of the concatenated shards of `pieces` ((FSDPParam, local shard) pairs):
-    each parameter whole, in `dtype` (None: its shard's). No autograd."""
+    """One all-gather of the concatenated shards of `pieces` ((FSDPParam, local shard) pairs), or
+    of a lone parameter's rows in their own shape ([Note: gathering rows]): each parameter whole,
+    in `dtype` (None: its shard's). No autograd."""
     if len(pieces) == 1 and pieces[0][0].row_shape:  # [Note: gathering rows]
         p, shard = pieces[0]
         rows = shard.to(dtype or shard.dtype).reshape(p.shard_shape)
