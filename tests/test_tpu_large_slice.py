@@ -30,6 +30,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from common import aot_cases as ac  # noqa: E402
 
+from common.hlo_graph import HloGraph  # noqa: E402
+
 from xla_fsdp.tpu import libtpu_flags as lf  # noqa: E402
 from xla_fsdp.tpu import optimized_hlo as oh  # noqa: E402
 
@@ -142,3 +144,31 @@ def test_staged_reduce_scatters_run_beside_compute_with_the_large_pods_flags(tra
     before, after = (r["collectives"]["by_kind"]["reduce-scatter"] for r in (plain, pods))
     assert before["async"] == 0 and after["async"] >= 1 and after["async_with_matmul"] >= 1, (before, after)
     assert pods["projection"]["projected_seconds"] < plain["projection"]["projected_seconds"]
+
+
+def _source(g: HloGraph, name: str):
+    """What `name` holds, looking through reshapes, conversions and tuple reads."""
+    while g.instrs[name].opcode in ("reshape", "bitcast", "convert", "get-tuple-element"):
+        name = g.instrs[name].operands[0]
+    return g.instrs[name]
+
+
+def test_staged_gradients_meet_the_token_after_a_barrier(traced_default):
+    """[Note: the gradient apart from the chain]: each gradient whose reduce-scatter runs in torus
+    stages reaches the token's add through an optimization barrier, so libtpu cannot fuse the add
+    into the matmul that makes the gradient (that matmul would wait for the previous reduce-scatter);
+    the later stages take the earlier stage's result, and the chain's order stays (every stage reads
+    the token of the reduce-scatter before it)."""
+    g = HloGraph(traced_default)
+    first, later = [], []
+    for c in g.collectives(("reduce-scatter",)):
+        add = g.instrs[c.operands[0]]
+        if add.opcode != "add" or len(c.shape) != 2:
+            continue  # the last reduce-scatter (a fresh token: [Note: the last reduce-scatter]), flat buckets
+        data = [o for o in add.operands if g.instrs[o].opcode != "broadcast"]  # the token is broadcast
+        if len(data) != 1:
+            continue
+        data = _source(g, data[0])
+        (later if data.opcode == "reduce-scatter" else first).append((c.name, data.opcode))
+    assert first and later, (first, later)  # staged: first stages and the stages after them
+    assert all(opcode == "opt-barrier" for _, opcode in first), first

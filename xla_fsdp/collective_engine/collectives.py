@@ -51,6 +51,26 @@ the order, starts reductions and gathers earlier), and the full 128B with
 torch_xla's token off altogether (DISABLE_NUMERIC_CC_TOKEN=1, the same program
 on that copy), every block recomputed, needs 31.79 GiB of the 30.75 libtpu can
 use instead of 18.33. The shipped Llama config sets "off".
+
+[Note: the gradient apart from the chain] torch_xla adds the token to the
+reduce-scatter's input, and libtpu fuses that add into the matmul that makes
+the gradient: the next weight's gradient matmul then waits for the previous
+reduce-scatter, and in a backward with no recomputed forward beside it (the
+blocks that keep their activations) libtpu keeps the first torus stage of
+each reduce-scatter synchronous (GPT-2 128B on v4-512 with 10 blocks kept:
+the QKV and an MLP weight's of every kept block, 0.9 and 1.2 GB). Where the reduce-scatter is staged
+(more than one torus stage: slices of more than 64 chips) the gradient goes
+through an optimization barrier first, so the add is an elementwise pass of
+its own that libtpu fuses into the asynchronous reduce-scatter
+([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py) and the
+matmul waits for nothing. The order and the memory bound of the chain stay.
+Compiled (libtpu 0.0.21 deviceless, PROJECTED, 2026-11-29; docs/performance.md,
+"The gradient apart from the chain"): the full 128B on v4-512 with 10 kept,
+bytes beside compute 0.88 -> 0.95, synchronous collective time 0.88 -> 0.32 s,
+compute 16.21 -> 16.63 s (the add's own pass), step 17.280 -> 17.157 s, peak
+28.90 -> 29.59 GiB; with the shipped "fit" (3 kept now) 0.99 and 17.168 s. It
+costs the 64B on v4-256, whose reduce-scatters were already beside compute,
+the pass: 15.971 -> 16.107 s.
 """
 from __future__ import annotations
 
@@ -251,8 +271,11 @@ class XlaCollectives(Collectives):
         if count == 1:
             return flat
         token = self._xlac._get_all_reduce_token(device)
+        stages = self._scatter_stages(flat, groups, count)
+        if token is not None and len(stages) > 1:  # [Note: the gradient apart from the chain]
+            flat = self.optimization_barrier([flat])[0]
         out = flat
-        for stage_groups, stage_count in self._scatter_stages(flat, groups, count):
+        for stage_groups, stage_count in stages:
             # every stage waits for the same token (a later stage waits for the earlier one's data
             # anyway); only the last publishes: a token read from an intermediate result keeps
             # libtpu from fusing that stage into its reduce-scatter emitter (torus.py)
