@@ -30,7 +30,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from common import aot_cases as ac  # noqa: E402
 
-from common.hlo_graph import HloGraph  # noqa: E402
+from common.hlo_graph import COLLECTIVES, HloGraph  # noqa: E402
 
 from xla_fsdp.tpu import libtpu_flags as lf  # noqa: E402
 from xla_fsdp.tpu import optimized_hlo as oh  # noqa: E402
@@ -42,13 +42,13 @@ TPU = "v4-128"
 MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "gpt2-512.json")
 
 
-def _trace(tmp, stages: str) -> str:
+def _trace(tmp, stages: str, **settings) -> str:
     """The single-controller step traced at v4-128's 64 devices (the check's --dump); `stages`
     "auto": the engine's own choice there ([Note: reduce-scatter rings on pods])."""
     case = ac.BY_NAME["sc-full_shard"]
     if stages != "auto":  # all-gathers and these stages
         case = dataclasses.replace(case, settings={**case.settings, "reduce_scatter_stages": stages,
-                                                   "all_gather_impl": "all_gather"})
+                                                   "all_gather_impl": "all_gather", **settings})
     cmd = ac.command(case, 64, str(tmp / "fsdp.json"), str(tmp / "out"), model=MODEL, batch=1, block=128)
     got = ac.check(TPU, cmd, runtime=case.runtime, extra=["--dump", str(tmp / "dump"), "--libtpu-flags", ""])
     assert got["report"] and got["report"]["compiles"], got["output"]
@@ -64,6 +64,11 @@ def traced_step(tmp_path_factory):
 @pytest.fixture(scope="module")
 def traced_default(tmp_path_factory):
     return _trace(tmp_path_factory.mktemp("v4_128"), "axes")
+
+
+@pytest.fixture(scope="module")
+def traced_off_chain(tmp_path_factory):
+    return _trace(tmp_path_factory.mktemp("v4_128_off"), "axes", token_chain="off")
 
 
 @pytest.fixture(scope="module")
@@ -153,22 +158,47 @@ def _source(g: HloGraph, name: str):
     return g.instrs[name]
 
 
-def test_staged_gradients_meet_the_token_after_a_barrier(traced_default):
+def _scatter_inputs(text: str):
+    """(first stages, later stages) of the staged reduce-scatters: what each one's data comes from."""
+    g = HloGraph(text)
+    first, later = [], []
+    for c in g.collectives(("reduce-scatter",)):
+        add = g.instrs[c.operands[0]]
+        if add.opcode != "add" or len(c.shape) != 2:
+            continue  # flat buckets; off the chain the zero token's add is folded away
+        data = [o for o in add.operands if g.instrs[o].opcode != "broadcast"]  # the token is broadcast
+        token = [o for o in add.operands if g.instrs[o].opcode == "broadcast"]
+        if len(data) != 1 or not any(g.instrs[a].opcode in COLLECTIVES for t in token for a in g.ancestors(t)):
+            continue  # a fresh token, a constant zero ([Note: the last reduce-scatter]): nothing to wait for
+        data = _source(g, data[0])
+        (later if data.opcode == "reduce-scatter" else first).append((c.name, data.opcode))
+    return first, later, g
+
+
+def test_staged_gradients_meet_the_token_after_a_barrier(traced_default, traced_off_chain):
     """[Note: the gradient apart from the chain]: each gradient whose reduce-scatter runs in torus
     stages reaches the token's add through an optimization barrier, so libtpu cannot fuse the add
     into the matmul that makes the gradient (that matmul would wait for the previous reduce-scatter);
     the later stages take the earlier stage's result, and the chain's order stays (every stage reads
     the token of the reduce-scatter before it)."""
-    g = HloGraph(traced_default)
-    first, later = [], []
-    for c in g.collectives(("reduce-scatter",)):
-        add = g.instrs[c.operands[0]]
-        if add.opcode != "add" or len(c.shape) != 2:
-            continue  # the last reduce-scatter (a fresh token: [Note: the last reduce-scatter]), flat buckets
-        data = [o for o in add.operands if g.instrs[o].opcode != "broadcast"]  # the token is broadcast
-        if len(data) != 1:
-            continue
-        data = _source(g, data[0])
-        (later if data.opcode == "reduce-scatter" else first).append((c.name, data.opcode))
+    first, later, _ = _scatter_inputs(traced_default)
     assert first and later, (first, later)  # staged: first stages and the stages after them
-    assert all(opcode == "opt-barrier" for _, opcode in first), first
+    assert all(opcode == "opt-barrier" for _, opcode in first), [f for f in first if f[1] != "opt-barrier"]
+    # off the chain (token_chain="off", the Llama config) nothing waits for a token, and no
+    # gradient pays the barrier's pass: every staged reduce-scatter takes it as it is
+    g = HloGraph(traced_off_chain)
+    scatters = [c for c in g.collectives(("reduce-scatter",)) if len(c.shape) == 2]
+    assert scatters, "no staged reduce-scatter traced off the chain"
+    assert not any(g.instrs[a].opcode == "opt-barrier" for c in scatters for a in _near(g, c.operands[0])), scatters
+
+
+def _near(g: HloGraph, name: str):
+    """`name` and what it comes from through reshapes, conversions, tuple reads and the token's add."""
+    out = [name]
+    while g.instrs[name].opcode in ("reshape", "bitcast", "convert", "get-tuple-element", "add"):
+        ops = [o for o in g.instrs[name].operands if g.instrs[o].opcode != "broadcast"]
+        if len(ops) != 1:
+            break
+        name = ops[0]
+        out.append(name)
+    return out

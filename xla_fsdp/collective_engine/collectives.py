@@ -64,6 +64,10 @@ through an optimization barrier first, so the add is an elementwise pass of
 its own that libtpu fuses into the asynchronous reduce-scatter
 ([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py) and the
 matmul waits for nothing. The order and the memory bound of the chain stay.
+Only a reduce-scatter that follows the chain gets it: off the chain its token
+is a constant zero that XLA folds away, and the barrier would only cost the
+pass (Llama 3 8B on v6e-256 with token_chain "off": 3.301 -> 3.339 s when it
+was applied there too).
 Compiled (libtpu 0.0.21 deviceless, PROJECTED, 2026-11-29; docs/performance.md,
 "The gradient apart from the chain"): the full 128B on v4-512 with 10 kept,
 bytes beside compute 0.88 -> 0.95, synchronous collective time 0.88 -> 0.32 s,
@@ -270,9 +274,10 @@ class XlaCollectives(Collectives):
             self._xlac._set_all_reduce_token(device, None)
         if count == 1:
             return flat
-        token = self._xlac._get_all_reduce_token(device)
+        token = self._xlac._get_all_reduce_token(device)  # a constant zero when none was published
         stages = self._scatter_stages(flat, groups, count)
-        if token is not None and len(stages) > 1:  # [Note: the gradient apart from the chain]
+        chained = follow_chain and self.options.token_chain == "all"
+        if chained and len(stages) > 1:  # [Note: the gradient apart from the chain]
             flat = self.optimization_barrier([flat])[0]
         out = flat
         for stage_groups, stage_count in stages:
