@@ -172,7 +172,7 @@ def _scatter_inputs(text: str):
             continue  # a fresh token, a constant zero ([Note: the last reduce-scatter]): nothing to wait for
         data = _source(g, data[0])
         (later if data.opcode == "reduce-scatter" else first).append((c.name, data.opcode))
-    return first, later, g
+    return first, later
 
 
 def test_staged_gradients_meet_the_token_after_a_barrier(traced_default, traced_off_chain):
@@ -181,7 +181,7 @@ def test_staged_gradients_meet_the_token_after_a_barrier(traced_default, traced_
     into the matmul that makes the gradient (that matmul would wait for the previous reduce-scatter);
     the later stages take the earlier stage's result, and the chain's order stays (every stage reads
     the token of the reduce-scatter before it)."""
-    first, later, _ = _scatter_inputs(traced_default)
+    first, later = _scatter_inputs(traced_default)
     assert first and later, (first, later)  # staged: first stages and the stages after them
     assert all(opcode == "opt-barrier" for _, opcode in first), [f for f in first if f[1] != "opt-barrier"]
     # off the chain (token_chain="off", the Llama config) nothing waits for a token, and no
