@@ -72,7 +72,7 @@ Compiled (libtpu 0.0.21 deviceless, PROJECTED, 2026-11-29; docs/performance.md,
 "The gradient apart from the chain"): the full 128B on v4-512 with 10 kept,
 bytes beside compute 0.88 -> 0.95, synchronous collective time 0.88 -> 0.32 s,
 compute 16.21 -> 16.63 s (the add's own pass), step 17.280 -> 17.157 s, peak
-28.90 -> 29.59 GiB; with the shipped "fit" (3 kept now) 0.99 and 17.168 s. It
+28.90 -> 29.59 GiB; with the shipped "fit" (3 kept now) 0.99 and 17.166 s. It
 costs the 64B on v4-256, whose reduce-scatters were already beside compute,
 the pass: 15.971 -> 16.107 s.
 """
