@@ -59,7 +59,7 @@ reduce-scatter, and in a backward with no recomputed forward beside it (the
 blocks that keep their activations) libtpu keeps the first torus stage of
 each reduce-scatter synchronous (GPT-2 128B on v4-512 with 10 blocks kept:
 the QKV and an MLP weight's of every kept block, 0.9 and 1.2 GB). Where the reduce-scatter is staged
-(more than one torus stage: slices of more than 64 chips) the gradient goes
+(more than one torus stage: by default slices of more than 64 chips) the gradient goes
 through an optimization barrier first, so the add is an elementwise pass of
 its own that libtpu fuses into the asynchronous reduce-scatter
 ([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py) and the
