@@ -6,9 +6,10 @@ runtime starts) and reads what it saves:
 
   full_shapes.py OUT
 
-The model has dim 0 sizes that the device count does not divide (10, 3, 5
-and a 0-dim scale at 4 devices), a nested unit, and a unit that is torch's
-CheckpointWrapper (whose own hook renames its keys).
+The model has dim 0 sizes that the device count does not divide (10, 3, 5,
+521 and a 0-dim scale at 4 devices; 521 rows are stored as 4 x 144, whole
+16-row tiles: [Note: shards in whole tiles]), a nested unit, and a unit that
+is torch's CheckpointWrapper (whose own hook renames its keys).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Scale(nn.Module):
 
 def build(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 10), nn.ReLU(), Scale(), nn.Linear(10, 3), nn.Linear(3, 5))
+    return nn.Sequential(nn.Linear(16, 10), nn.ReLU(), Scale(), nn.Linear(10, 3), nn.Linear(3, 5), nn.Linear(5, 521))
 
 
 def wrap(model: nn.Module) -> nn.Module:

@@ -6,6 +6,25 @@ rank r keeps rows [r*rows_per_rank, (r+1)*rows_per_rank). Every rank holds the
 same shard shape, so one flat all-gather of the concatenated shards of a unit
 rebuilds every parameter. Padding rows carry zero gradients, so optimizers
 leave them at zero and norms are unaffected.
+
+[Note: shards in whole tiles]
+A TPU lays a bf16 matrix out in tiles of 16 rows (8 sublanes, two rows
+packed in each) by 128 lanes. A shard whose row count is not a multiple of 16
+cannot be viewed as the flat [n, 128] buffer the collectives move without a
+relayout, and libtpu generates that relayout as one huge kernel: GPT-2's
+50,257-row embedding over 4 chips is 12,565 rows a chip, and in the 2-layer
+copy of the scanned 2B GPT-2 for v4-8 the two reshapes of its shard took
+2.85 s of register allocation each, the whole compile 78.4 s (rounded to
+12,568 rows, a multiple of 8 only: 75.1 s). So on XLA a matrix (2-D or more)
+whose rows per shard are not a multiple of 16 gets zero rows appended up to
+one, when that adds at most 1/8 of its rows: 12,576 rows a chip, the same
+compile 48.7 s, the projected step unchanged (libtpu 0.0.21 deviceless,
+2026-11-29, docs/scan.md). Only the stored shards grow; the gathered
+parameter, state dicts and checkpoints are the real rows. Per-rank files saved
+by `state_dict()` under one process per chip (torch_xla's flow) hold the
+shards as stored, so one written before this rule (12,565 rows) does not load
+into a model sharded with it; `consolidate_sharded_model_checkpoints` reads
+either.
 """
 from __future__ import annotations
 
@@ -42,6 +61,8 @@ class FSDPParam:
         self.row_numel = math.prod(self.row_shape)
         self.world = comm.layout.shard_world_size
         self.rows_per_rank = max(1, -(-self.rows // self.world))
+        if comm.is_xla and full.dim() >= 2 and full.is_floating_point():
+            self.rows_per_rank = _whole_tiles(self.rows_per_rank)  # [Note: shards in whole tiles]
         self.padded_rows = self.rows_per_rank * self.world
         self.shard_shape = (self.rows_per_rank, *self.row_shape)
         self.shard_numel = self.rows_per_rank * self.row_numel
@@ -146,6 +167,17 @@ class FSDPParam:
         """Put `tensor` at every site (bypasses nn.Module's Parameter-only check on purpose)."""
         for site in self.sites:
             site.module._parameters[site.name] = tensor
+
+
+ROW_TILE = 16  # bf16 rows of a TPU tile: 8 sublanes, two rows packed in each
+MAX_EXTRA = 8  # a shard grows by at most 1/8 of its rows
+
+
+def _whole_tiles(rows_per_rank: int) -> int:
+    """`rows_per_rank` rounded up to whole tiles when that adds at most 1/MAX_EXTRA of them
+    ([Note: shards in whole tiles])."""
+    extra = -rows_per_rank % ROW_TILE
+    return rows_per_rank + extra if extra * MAX_EXTRA <= rows_per_rank else rows_per_rank
 
 
 # [Note: XLA:CPU shards without a transfer] On XLA:CPU "device" memory is host
