@@ -15,7 +15,7 @@ relayout, and libtpu generates that relayout as one huge kernel: GPT-2's
 50,257-row embedding over 4 chips is 12,565 rows a chip, and in the 2-layer
 copy of the scanned 2B GPT-2 for v4-8 the two reshapes of its shard took
 2.85 s of register allocation each, the whole compile 78.4 s (rounded to
-12,568 rows, a multiple of 8 only: 75.1 s). So on XLA a matrix (2-D or more)
+12,568 rows, a multiple of 8 only: 73.5 s). So on XLA a matrix (2-D or more)
 whose rows per shard are not a multiple of 16 gets zero rows appended up to
 one, when that adds at most 1/8 of its rows: 12,576 rows a chip, the same
 compile 48.7 s, the projected step unchanged (libtpu 0.0.21 deviceless,
