@@ -7,10 +7,10 @@ runtime starts) and reads what it saves:
   full_shapes.py OUT
 
 The model has dim 0 sizes that the device count does not divide (10, 3, 5,
-2001 and a 0-dim scale at 4 devices; 2001 rows are stored as 4 x 512, whole
-16-row tiles: [Note: shards in whole tiles]; 2000 rows divide and stay), a
-nested unit, and a unit that
-is torch's CheckpointWrapper (whose own hook renames its keys).
+2001 and a 0-dim scale at 4 devices), weights stored in whole 16-row tiles
+([Note: shards in whole tiles]: 2001 rows as 4 x 512; 288 rows, 72 a
+device, stay), a nested unit, and a unit that is torch's CheckpointWrapper
+(whose own hook renames its keys).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Scale(nn.Module):
 def build(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 10), nn.ReLU(), Scale(), nn.Linear(10, 3), nn.Linear(3, 5), nn.Linear(5, 2001),
-                         nn.Linear(2001, 2000))
+                         nn.Linear(2001, 288))
 
 
 def wrap(model: nn.Module) -> nn.Module:

@@ -5,7 +5,7 @@ CPU_NUM_DEVICES set and reads what it saves:
 
   optimizer_state.py OUT
 
-The model is full_shapes.py's (dim 0 sizes 10, 3, 5, 2001 and a 0-dim scale: padded at 4 devices),
+The model is full_shapes.py's (dim 0 sizes 10, 3, 5, 2001, 288 and a 0-dim scale: padded at 4 devices),
 trained with AdamW. Its state dicts (model and optimizer) go into the unwrapped model and a plain
 AdamW, and into a fresh wrapped model and optimizer before their first step (a resume); both go
 on training beside the original.
@@ -26,7 +26,7 @@ BEFORE, AFTER = 2, 3  # steps before the state dicts are taken, and after
 
 def batch(step: int):
     gen = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, 16, generator=gen), torch.randn(8, 2000, generator=gen)
+    return torch.randn(8, 16, generator=gen), torch.randn(8, 288, generator=gen)
 
 
 def train(model, opt, steps, device=None):

@@ -16,16 +16,14 @@ relayout, and libtpu generates that relayout as one huge kernel: GPT-2's
 copy of the scanned 2B GPT-2 for v4-8 the two reshapes of its shard took
 2.85 s of register allocation each, the whole compile 78.4 s (rounded to
 12,568 rows, a multiple of 8 only: 73.5 s). So on XLA a matrix (2-D or more)
-already padded (its rows do not divide by the shard count) whose rows per
-shard are not a multiple of 16 gets zero rows up to one, when that adds at
-most 1/32 of its rows: 12,576 rows a chip, the same compile 48.7 s, the
-projected step unchanged (libtpu 0.0.21 deviceless, 2026-11-29,
-docs/scan.md). A matrix whose rows divide evenly is left alone: its gathered
-rows are the parameter, and padding would add a copy of it on every gather
-(cutting the rows off) and the rows' bytes to every collective; applied to
-them too (with a 1/8 bound) the blog's 64B on v4-256, whose 9,216-row
-weights are 72 rows a chip, sent 7.5% more bytes and projected 16.581 s
-against 16.107. Only the stored shards grow; the gathered
+whose rows per shard are not a multiple of 16 gets zero rows up to one,
+when that adds at most 1/32 of its rows: 12,576 rows a chip, the same
+compile 48.7 s, the projected step unchanged (libtpu 0.0.21 deviceless,
+2026-11-29, docs/scan.md). The bound keeps the bytes: padding also costs
+every collective the rows' bytes and, where the rows divided evenly, a copy
+of the gathered parameter to cut them off; with a 1/8 bound the blog's 64B on
+v4-256, whose 9,216-row weights are 72 rows a chip (80 with the padding),
+sent 7.5% more bytes and projected 16.581 s against 16.107. Only the stored shards grow; the gathered
 parameter, state dicts and checkpoints are the real rows. Per-rank files saved
 by `state_dict()` under one process per chip (torch_xla's flow) hold the
 shards as stored, so one written before this rule (12,565 rows) does not load
@@ -67,7 +65,7 @@ class FSDPParam:
         self.row_numel = math.prod(self.row_shape)
         self.world = comm.layout.shard_world_size
         self.rows_per_rank = max(1, -(-self.rows // self.world))
-        if comm.is_xla and full.dim() >= 2 and full.is_floating_point() and self.rows % self.world:
+        if comm.is_xla and full.dim() >= 2 and full.is_floating_point():
             self.rows_per_rank = _whole_tiles(self.rows_per_rank)  # [Note: shards in whole tiles]
         self.padded_rows = self.rows_per_rank * self.world
         self.shard_shape = (self.rows_per_rank, *self.row_shape)
