@@ -26,9 +26,9 @@ v4-256, whose 9,216-row weights are 72 rows a chip (80 with the padding),
 sent 7.5% more bytes and projected 16.581 s against 16.107. Only the stored shards grow; the gathered
 parameter, state dicts and checkpoints are the real rows. Per-rank files saved
 by `state_dict()` under one process per chip (torch_xla's flow) hold the
-shards as stored, so one written before this rule (12,565 rows) does not load
-into a model sharded with it; `consolidate_sharded_model_checkpoints` reads
-either.
+shards as stored, so one written before this rule holds fewer rows of a
+padded table than the model now shards (loading one was not tried);
+`consolidate_sharded_model_checkpoints` reads either.
 """
 from __future__ import annotations
 
