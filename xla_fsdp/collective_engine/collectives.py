@@ -58,23 +58,23 @@ the gradient: the next weight's gradient matmul then waits for the previous
 reduce-scatter, and in a backward with no recomputed forward beside it (the
 blocks that keep their activations) libtpu keeps the first torus stage of
 each reduce-scatter synchronous (GPT-2 128B on v4-512 with 10 blocks kept:
-the QKV and an MLP weight's of every kept block, 0.9 and 1.2 GB). Where the reduce-scatter is staged
-(more than one torus stage: by default slices of more than 64 chips) the gradient goes
-through an optimization barrier first, so the add is an elementwise pass of
-its own that libtpu fuses into the asynchronous reduce-scatter
-([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py) and the
-matmul waits for nothing. The order and the memory bound of the chain stay.
-Only a reduce-scatter that follows the chain gets it: off the chain its token
-is a constant zero that XLA folds away, and the barrier would only cost the
-pass (Llama 3 8B on v6e-256 with token_chain "off": 3.301 -> 3.339 s when it
-was applied there too).
-Compiled (libtpu 0.0.21 deviceless, PROJECTED, 2026-11-29; docs/performance.md,
-"The gradient apart from the chain"): the full 128B on v4-512 with 10 kept,
-bytes beside compute 0.88 -> 0.95, synchronous collective time 0.88 -> 0.32 s,
-compute 16.21 -> 16.63 s (the add's own pass), step 17.280 -> 17.157 s, peak
-28.90 -> 29.59 GiB; with the shipped "fit" (3 kept now) 0.99 and 17.166 s. It
-costs the 64B on v4-256, whose reduce-scatters were already beside compute,
-the pass: 15.971 -> 16.107 s.
+the QKV and an MLP weight's of every kept block, 0.9 and 1.2 GB). Where the
+reduce-scatter is staged (more than one torus stage: by default slices of
+more than 64 chips) the gradient goes through an optimization barrier first,
+so the add is an elementwise pass of its own that libtpu fuses into the
+asynchronous reduce-scatter ([Note: asynchronous staged reduce-scatters] in
+tpu/libtpu_flags.py) and the matmul waits for nothing. The order and the
+memory bound of the chain stay. Only a reduce-scatter that follows the chain
+gets it: off the chain its token is a constant zero that XLA folds away, and
+the barrier would only cost the pass (Llama 3 8B on v6e-256 with token_chain
+"off": 3.301 -> 3.339 s when it was applied there too).
+Compiled (libtpu 0.0.21 deviceless, PROJECTED, 2026-11-29;
+docs/performance.md, "The gradient apart from the chain"): the full 128B on
+v4-512 with 10 kept, bytes beside compute 0.88 -> 0.95, synchronous
+collective time 0.88 -> 0.32 s, compute 16.21 -> 16.63 s (the add's own
+pass), step 17.280 -> 17.157 s, peak 28.90 -> 29.59 GiB; with the shipped
+"fit" (3 kept now) 0.99 and 17.166 s. It costs the 64B on v4-256, whose
+reduce-scatters were already beside compute, the pass: 15.971 -> 16.107 s.
 """
 from __future__ import annotations
 

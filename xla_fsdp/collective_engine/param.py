@@ -9,26 +9,26 @@ leave them at zero and norms are unaffected.
 
 [Note: shards in whole tiles]
 A TPU lays a bf16 matrix out in tiles of 16 rows (8 sublanes, two rows
-packed in each) by 128 lanes. A shard whose row count is not a multiple of 16
-cannot be viewed as the flat [n, 128] buffer the collectives move without a
-relayout, and libtpu generates that relayout as one huge kernel: GPT-2's
+packed in each) by 128 lanes. A shard whose row count is not a multiple of
+16 cannot be viewed as the flat [n, 128] buffer the collectives move without
+a relayout, and libtpu generates that relayout as one huge kernel: GPT-2's
 50,257-row embedding over 4 chips is 12,565 rows a chip, and in the 2-layer
 copy of the scanned 2B GPT-2 for v4-8 the two reshapes of its shard took
 2.85 s of register allocation each, the whole compile 78.4 s (rounded to
 12,568 rows, a multiple of 8 only: 73.5 s). So on XLA a matrix (2-D or more)
-whose rows per shard are not a multiple of 16 gets zero rows up to one,
-when that adds at most 1/32 of its rows: 12,576 rows a chip, the same
-compile 48.7 s, the projected step unchanged (libtpu 0.0.21 deviceless,
-2026-11-29, docs/scan.md). The bound keeps the bytes: padding also costs
-every collective the rows' bytes and, where the rows divided evenly, a copy
-of the gathered parameter to cut them off; with a 1/8 bound the blog's 64B on
+whose rows per shard are not a multiple of 16 gets zero rows up to one, when
+that adds at most 1/32 of its rows: 12,576 rows a chip, the same compile
+48.7 s, the projected step unchanged (libtpu 0.0.21 deviceless, 2026-11-29,
+docs/scan.md). The bound keeps the bytes: padding also costs every
+collective the rows' bytes and, where the rows divided evenly, a copy of the
+gathered parameter to cut them off; with a 1/8 bound the blog's 64B on
 v4-256, whose 9,216-row weights are 72 rows a chip (80 with the padding),
-sent 7.5% more bytes and projected 16.581 s against 16.107. Only the stored shards grow; the gathered
-parameter, state dicts and checkpoints are the real rows. Per-rank files saved
-by `state_dict()` under one process per chip (torch_xla's flow) hold the
-shards as stored, so one written before this rule holds fewer rows of a
-padded table than the model now shards (loading one was not tried);
-`consolidate_sharded_model_checkpoints` reads either.
+sent 7.5% more bytes and projected 16.581 s against 16.107. Only the stored
+shards grow; the gathered parameter, state dicts and checkpoints are the
+real rows. Per-rank files saved by `state_dict()` under one process per chip
+(torch_xla's flow) hold the shards as stored, so one written before this
+rule holds fewer rows of a padded table than the model now shards (loading
+one was not tried); `consolidate_sharded_model_checkpoints` reads either.
 """
 from __future__ import annotations
 
