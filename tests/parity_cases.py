@@ -238,8 +238,16 @@ def train_single_controller(case: Case, steps: int = STEPS) -> Dict:
         opt.zero_grad()
         torch_xla.sync()
         losses.append(loss.detach())
-    padded = {_plain_name(n): p.detach().cpu() for n, p in model.named_parameters()}
-    return {"losses": [float(l.cpu()) for l in losses], "padded": padded,
+    from xla_fsdp.runtime.stored_keys import stack_table
+
+    stacks = stack_table(model)  # scan_layers' stored stacks: each layer's column, by its unscanned name
+    padded = {}
+    for n, p in model.named_parameters():
+        for i, layer_name in enumerate(stacks.get(n, [])):
+            padded[_plain_name(layer_name)] = p.detach().cpu().select(1, i)
+        if n not in stacks:
+            padded[_plain_name(n)] = p.detach().cpu()
+    return {"losses": [float(l.cpu()) for l in losses], "padded": padded, "stacked": sorted(stacks),
             "groups": [list(g) for g in model.sharding_layout.shard_groups]}
 
 

@@ -100,11 +100,8 @@ def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if not (isinstance(kw["scan_layers"], bool) or kw["scan_layers"] == "per_step"):
         raise TypeError(f"scan_layers={kw['scan_layers']!r} is not valid; pass True (parameters stored "
                         "stacked), \"per_step\" (per-layer parameters, stacked every step) or False")
-    if kw["scan_layers"] == "per_step" and kw["engine"] != "spmd":
-        raise ValueError("scan_layers=\"per_step\" is the SPMD engine's; the collectives engine keeps its "
-                         "parameters per layer anyway: pass scan_layers=True")
     if kw["scan_layers"] and kw["engine"] != "spmd" and kw["auto_wrap_policy"] is None:
-        raise ValueError("scan_layers=True scans the repeated layer the auto_wrap_policy wraps; pass an "
+        raise ValueError(f"scan_layers={kw['scan_layers']!r} scans the repeated layer the auto_wrap_policy wraps; pass an "
                          "auto_wrap_policy that wraps it (e.g. transformer_auto_wrap_policy of your layer class)")
     if kw["coalesce_all_gather_ops"]:
         # torch_xla: one coalesced all-gather for a unit's parameters; here, one flat bucket

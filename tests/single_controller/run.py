@@ -105,6 +105,7 @@ def parity(names):
         shapes = {n: list(t.shape) for n, t in got["padded"].items()}
         out[spec] = {"losses": got["losses"], "ref_losses": ref["losses"], "params": full,
                      "ref_params": ref["params"], "padded_shapes": shapes, "groups": got["groups"],
+                     "stacked": got["stacked"],
                      "scatter_sizes": sorted({s for s in scatter_sizes if s[0] != "all-gather"}),
                      "gathers": sum(1 for s in scatter_sizes if s[0] == "all-gather"),
                      "scatter_calls": sum(1 for s in scatter_sizes if s[0] != "all-gather")}

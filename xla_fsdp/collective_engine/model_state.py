@@ -181,7 +181,7 @@ class _PaddedParams:
         """(name, record) for each parameter registered padded right now (not unsharded)."""
         for name, ref in self._records.items():
             rec = ref()
-            if rec is not None and module._parameters.get(name) is rec.sharded:
+            if rec is not None and rec.sharded is not None and module._parameters.get(name) is rec.sharded:
                 yield name, rec
 
 

@@ -81,6 +81,25 @@ class FSDPParam:
         self.param_cls = param_cls
         self.sharded = param_cls(data, requires_grad=self.requires_grad)
 
+    @classmethod
+    def stack_of(cls, per_layer: List["FSDPParam"], sites: List[ParamSite], data: torch.Tensor) -> "FSDPParam":
+        """The record of `per_layer` (one parameter of each scanned layer) stored as one stack
+        `data`: (d0, L, *rest), the layers on dim 1, sharded on dim 0 with each layer's own rows per
+        shard ([Note: the collectives engine's stored stacks] in stacked_units.py)."""
+        first = per_layer[0]
+        rec = cls.__new__(cls)
+        rec.sites, rec.requires_grad, rec.orig_dtype = sites, first.requires_grad, first.orig_dtype
+        rec.rows, rec.world, rec.rows_per_rank = first.rows, first.world, first.rows_per_rank
+        rec.row_shape = (len(per_layer), *first.row_shape)
+        rec.orig_shape = torch.Size((first.rows, *rec.row_shape))
+        rec.row_numel = math.prod(rec.row_shape)
+        rec.padded_rows = first.padded_rows
+        rec.shard_shape = (rec.rows_per_rank, *rec.row_shape)
+        rec.shard_numel = rec.rows_per_rank * rec.row_numel
+        rec.param_cls = first.param_cls
+        rec.sharded = first.param_cls(data, requires_grad=rec.requires_grad)
+        return rec
+
     @property
     def fqn(self) -> str:
         return self.sites[0].fqn

@@ -59,6 +59,7 @@ class _Plan:
     layers: int
     compute_dtype: Optional[torch.dtype]
     mesh: Any  # the single controller's (None with one process per device)
+    stored: bool  # the shards are one stored stack per parameter ([Note: the collectives engine's stored stacks])
 
 
 def unit_template(layer: nn.Module) -> nn.Module:
@@ -142,6 +143,19 @@ def _stack(plan: _Plan, shards: Sequence[torch.Tensor], order: Sequence[int]) ->
     return out
 
 
+def _layer_views(plan: _Plan, stacks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Per stored stack (this device's (rows, L, *rest)), its layers as (L, rows, *rest) in the
+    compute dtype."""
+    out = []
+    with torch.no_grad():
+        for s in stacks:
+            view = s.detach().movedim(1, 0)
+            if plan.compute_dtype is not None and view.is_floating_point():
+                view = view.to(plan.compute_dtype)
+            out.append(view)
+    return out
+
+
 def _gather(plan: _Plan, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return plan.group.gather(shards=list(shards))
 
@@ -188,8 +202,13 @@ class _ScannedUnits(torch.autograd.Function):
                 nxt = _gather(plan, following)
             return (out, nxt, kept, consts), h
 
-        first = _gather(plan, [s.detach() for s in shards[:count]])
-        ahead = _stack(plan, shards, [(i + 1) % layers for i in range(layers)])
+        if plan.stored:
+            views = _layer_views(plan, shards)
+            first = _gather(plan, [v[0] for v in views])
+            ahead = [torch.roll(v, -1, 0) for v in views]  # trip i gathers layer i + 1
+        else:
+            first = _gather(plan, [s.detach() for s in shards[:count]])
+            ahead = _stack(plan, shards, [(i + 1) % layers for i in range(layers)])
         (out, _, _, _), inputs = _loop(trip, (hidden.detach(), first, rest, comm.loop_constants()),
                                        (keys, ahead, buffers), plan.mesh)
         ctx.plan, ctx.count_rest, ctx.buffers = plan, count_rest, buffers
@@ -225,12 +244,20 @@ class _ScannedUnits(torch.autograd.Function):
                 nxt = _gather(plan, previous)
             return (grad_in.to(g.dtype), nxt, kept, consts), [reduced[j] for j in trained]
 
-        last = _gather(plan, [s.detach() for s in shards[(layers - 1) * count:]])
-        behind = _stack(plan, shards, [(i - 1) % layers for i in range(layers)])
+        if plan.stored:
+            views = _layer_views(plan, shards)
+            last = _gather(plan, [v[-1] for v in views])
+            behind = [torch.roll(v, 1, 0) for v in views]  # trip i gathers layer i - 1
+        else:
+            last = _gather(plan, [s.detach() for s in shards[(layers - 1) * count:]])
+            behind = _stack(plan, shards, [(i - 1) % layers for i in range(layers)])
         (grad_in, _, _, _), reduced = _loop(trip, (grad_out.detach(), last, rest, comm.loop_constants()),
                                          (inputs, keys, behind, ctx.buffers), plan.mesh, reverse=True)
-        shard_grads: List[Optional[torch.Tensor]] = [None] * (count * layers)
+        shard_grads: List[Optional[torch.Tensor]] = [None] * (count if plan.stored else count * layers)
         for k, j in enumerate(trained):
+            if plan.stored:  # (L, rows, *rest) -> the stored stack's (rows, L, *rest)
+                shard_grads[j] = reduced[k].movedim(0, 1)
+                continue
             for layer, g in enumerate(reduced[k].unbind(0)):
                 shard_grads[layer * count + j] = g
         ctx.plan = ctx.buffers = None  # the layer's call holds the model's other arguments
@@ -249,6 +276,10 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     states = [state_of(layer) for layer in layers]
     _check_run(states, where)
     group = states[0].group
+    stack = _stack_state(scan_run.owner, len(layers))
+    if stack is not None:  # [Note: the collectives engine's stored stacks]
+        group = stack.loop_group
+        group.grad_factor = stack.group.grad_factor
     mp = states[0].options.mixed_precision
     if mp.enabled:  # [Note: every unit casts its own inputs]
         args, kwargs = cast_inputs(mp, args, kwargs)
@@ -274,11 +305,30 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     hidden = args[0]
     plan = _Plan(call=call, group=group, site_names=[[s.fqn for s in p.sites] for p in group.params],
                  layers=len(layers), compute_dtype=mp.compute_dtype if mp.enabled else None,
-                 mesh=group.comm.placement.mesh if group.comm.is_single_controller else None)
-    shards = [s for st in states for s in st.group.local_shards(grad=True)]
+                 mesh=group.comm.placement.mesh if group.comm.is_single_controller else None,
+                 stored=stack is not None)
+    if stack is not None:
+        shards = stack.group.local_shards(grad=True)
+    else:
+        shards = [s for st in states for s in st.group.local_shards(grad=True)]
     keys = layer_keys(len(layers), hidden)
     final = _ScannedUnits.apply(plan, len(slots), hidden, keys, buffers, *[others[i] for i in slots], *shards)
     return scan_run.shaped(final, shape_out[0])
+
+
+def _stack_state(owner, layers: int):
+    """The unit state of the stored stacks this ScannedLayers reads, None without stored stacks."""
+    if not owner._scan_store:
+        return None
+    state = state_of(owner._scan_store[0])
+    if owner._scan_rows != (0, layers) or state.group.params[0].row_shape[0] != layers:
+        raise ValueError(f"scan_layers: the model runs layers {owner._scan_rows[0]} to {owner._scan_rows[1]} of "
+                         f"{owner._scan_where}, a part of the stored stacks; the collectives engine's loop runs "
+                         "them whole. Use scan_layers=\"per_step\".")
+    if state.unsharded is not None:
+        raise RuntimeError(f"scan_layers: the stored stacks of {owner._scan_where} are unsharded (unshard() or "
+                           "summon_full_params()); call reshard() first.")
+    return state
 
 
 def _stand_in(out: Any) -> Any:
@@ -287,10 +337,13 @@ def _stand_in(out: Any) -> Any:
     return tree_map(lambda t: torch.empty(0) if isinstance(t, torch.Tensor) else t, out)
 
 
-def find(root: nn.Module, comm):
-    """The ModuleLists of `root` whose children are identical units, checked (before `install`)."""
+def find(root: nn.Module, comm, stored: bool = False):
+    """The ModuleLists of `root` whose children are identical units, checked (before `install`);
+    `stored`: their shards will be stored stacked, checked too."""
     from ..layer_scan.find import find_layer_lists
+    from ..layer_scan.stored_stacks import check_shared
     from ..unit_state import units
+    from .stacked_units import refuse_unstackable
 
     if not comm.is_xla:
         raise ValueError("scan_layers runs the layers as an XLA loop; this model's collectives are not "
@@ -300,19 +353,33 @@ def find(root: nn.Module, comm):
     found = find_layer_lists(root, children + [root])
     for _, _, layers, where in found:
         check_layers(layers, where)
+        if stored:
+            check_shared(root, layers, where)
+            refuse_unstackable(layers, where)
     return found
 
 
-def install(root: nn.Module, found) -> None:
-    """Swap each found ModuleList for a ScannedLayers run by this engine's loop."""
+def install(root: nn.Module, found, stored: bool = False) -> None:
+    """Swap each found ModuleList for a ScannedLayers run by this engine's loop; with `stored`, its
+    shards become stored stacks ([Note: the collectives engine's stored stacks])."""
     from ..layer_scan.scanned_list import ScannedLayers, ScanSettings, no_cache_by_default
+    from .stacked_units import stacked_rows, store, template_with
 
-    # the template is made at the first call, from layer 0 as it is then: what was mixed into its
-    # modules after wrapping (run_clm's head-major GPT-2 attention, [Note: head-major projections])
-    # runs in the loop too
-    settings = ScanSettings(run_loop, make_template=unit_template)
     for owner, name, layers, where in found:
-        setattr(owner, name, ScannedLayers(layers, settings, where))
+        # the template is made at the first call, from layer 0 as it is then: what was mixed into its
+        # modules after wrapping (run_clm's head-major GPT-2 attention, [Note: head-major projections])
+        # runs in the loop too
+        settings = ScanSettings(run_loop, make_template=unit_template)
+        container = None
+        if stored:
+            container = unit_template(layers[0])
+            state = store(owner, name, layers, container)
+            settings = ScanSettings(run_loop, stacked_view=stacked_rows,
+                                    make_template=template_with(unit_template, state.loop_group.params))
+        scanned = ScannedLayers(layers, settings, where)
+        setattr(owner, name, scanned)
+        if container is not None:
+            scanned._scan_store.append(container)
     no_cache_by_default(root)
     if type(root).__module__.startswith("transformers."):
         # without a cache transformers' mask code reads tensor values on the host, which the

@@ -105,6 +105,7 @@ class FSDPState:
         self.mp_policy = None  # FSDP2's MixedPrecisionPolicy (its output_dtype applies at the root)
         self.offload = None  # FSDP2's CPUOffloadPolicy at work (fsdp/offload.py's HostOffload)
         self.given_storage = False  # FSDP2: to_empty() gave the meta parameters storage
+        self.loop_group = None  # scan_layers' stored stacks: layer 0's records, the loop's sizes
         self.region = None
         if group.comm.is_single_controller:
             self.region = ManualRegion(group.comm.placement, group.comm, options.is_batched_input)

@@ -63,9 +63,9 @@ class FSDPConfig:
     xla_fsdp_v2: bool = False
     """HF key `xla_fsdp_v2`: use the SPMD engine (`engine="spmd"`)."""
     scan_layers: Union[bool, str] = False
-    """Key `scan_layers` (ours): run the wrapped repeated layers as one XLA loop. With xla_fsdp_v2,
-    true stores their parameters stacked and "per_step" stacks per-layer parameters every step; on
-    the collectives engine (true only, with xla_fsdp_grad_ckpt) each layer keeps its own parameters."""
+    """Key `scan_layers` (ours): run the wrapped repeated layers as one XLA loop. true stores their
+    parameters stacked (the collectives engine: on the single controller, with xla_fsdp_grad_ckpt),
+    "per_step" keeps per-layer parameters and stacks them every step."""
     forward_prefetch: Optional[bool] = None
     """HF key `forward_prefetch`: gather the next unit while this one computes; None = engine default (on)."""
     backward_prefetch: Optional[str] = None
@@ -124,10 +124,6 @@ class FSDPConfig:
                 "activations, and xla_fsdp_grad_ckpt is off, so none is checkpointed; set "
                 "\"xla_fsdp_grad_ckpt\": true or drop checkpoint_all_but_last"
             )
-        if self.scan_layers == "per_step" and not self.xla_fsdp_v2:
-            raise FSDPConfigError(
-                "scan_layers \"per_step\" is the SPMD engine's (xla_fsdp_v2); the collectives engine keeps "
-                "its parameters per layer anyway: use \"scan_layers\": true")
         if self.scan_layers and not self.xla_fsdp_v2 and not self.xla_fsdp_grad_ckpt:
             raise FSDPConfigError(
                 "scan_layers on the collectives engine recomputes every layer in backward; set "

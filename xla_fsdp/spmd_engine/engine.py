@@ -41,7 +41,7 @@ from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters
 from xla_fsdp.layer_scan.find import find_layer_lists
 from xla_fsdp.spmd_engine.scan import (ScanSettings,
                                        install_scans)
-from xla_fsdp.spmd_engine.stacked import check_stackable
+from xla_fsdp.layer_scan.stored_stacks import check_shared as check_stackable
 from xla_fsdp.spmd_engine.units import (ParamInitFn, Placed, WrapPolicy,
                                         find_units, materialize_unit,
                                         place_and_shard, unit_tensors)
