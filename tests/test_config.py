@@ -544,11 +544,13 @@ def test_scan_layers_key_reaches_both_engines_and_is_refused_where_it_cannot_run
     assert kwargs["engine"] == "spmd" and kwargs["scan_layers"] is True
     assert load_fsdp_config(cfg.to_dict()) == cfg
     assert "scan_layers" not in load_fsdp_config({**layers, "xla_fsdp_v2": True}).engine_kwargs()
-    # the collectives engine: with every layer recomputed, and not "per_step"
+    # the collectives engine: with every layer recomputed; "per_step" keeps per-layer parameters there too
     collectives = load_fsdp_config({**layers, "xla_fsdp_grad_ckpt": True, "scan_layers": True}).engine_kwargs()
     assert collectives["scan_layers"] is True and "engine" not in collectives
     assert '"xla_fsdp_grad_ckpt": true' in _error({**layers, "scan_layers": True})
-    assert 'use "scan_layers": true' in _error({**layers, "xla_fsdp_grad_ckpt": True, "scan_layers": "per_step"})
+    assert '"xla_fsdp_grad_ckpt": true' in _error({**layers, "scan_layers": "per_step"})
+    per_layer = load_fsdp_config({**layers, "xla_fsdp_grad_ckpt": True, "scan_layers": "per_step"}).engine_kwargs()
+    assert per_layer["scan_layers"] == "per_step" and "engine" not in per_layer
     assert "fsdp_transformer_layer_cls_to_wrap" in _error({"xla": True, "xla_fsdp_v2": True, "scan_layers": True})
     assert '"per_step"' in _error({**layers, "xla_fsdp_v2": True, "scan_layers": "yes"})
     per_step = load_fsdp_config({**layers, "xla_fsdp_v2": True, "scan_layers": "per_step"})

@@ -129,9 +129,7 @@ def test_a_policy_that_does_not_wrap_the_repeated_layer_is_refused():
         FSDP(_Stack([16, 16]).to(torch_xla.device()), scan_layers=True)
 
 
-def test_per_step_and_layers_that_keep_activations_are_refused():
-    with pytest.raises(ValueError, match='pass scan_layers=True'):
-        FSDP(_Stack([16, 16]), auto_wrap_policy=BLOCKS, scan_layers="per_step")
+def test_layers_that_keep_activations_are_refused():
     model = _wrap(_Stack([16, 16]), auto_wrapper_callable=None)  # not checkpointed
     with pytest.raises(ValueError, match="recomputes every layer. Turn on activation checkpointing"):
         model(torch.randn(4, 8, device=torch_xla.device()))
@@ -150,7 +148,9 @@ def test_scan_trains_the_small_stack_like_unscanned():
         losses = _steps(model, loss_of, 3, torch.optim.SGD(model.parameters(), lr=0.1))
         return losses, _params(model)
 
-    _same(run(True), run(False), 1e-6)
+    unscanned = run(False)
+    _same(run(True), unscanned, 1e-6)
+    _same(run("per_step"), unscanned, 1e-6)  # one process per device: both keep per-layer parameters
 
 
 def test_llama_layers_with_rotary_arguments_scan_like_unscanned():

@@ -289,8 +289,7 @@ def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: ty
     if kw["scan_layers"]:  # [Note: scanning units of the collectives engine]
         from .collective_engine import scan_loop
 
-        stored = kw["scan_layers"] is True and comm.is_single_controller  # else stacked every step
-        scanned = scan_loop.find(module, comm, stored)
+        scanned = scan_loop.find(module, comm, kw["scan_layers"])
     for m in modules:
         inside = checkpointed_inside(m, is_unit)
         if inside:
@@ -313,7 +312,7 @@ def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: ty
         m.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
         build.cast_buffers(m, options, comm.device, cast=not keeps_meta)  # FSDP2 leaves buffers alone
     if scanned:
-        scan_loop.install(module, scanned, stored)
+        scan_loop.install(module, scanned, kw["scan_layers"])
     if options.execute_sharding_on_init and not any(p.is_meta for p in group.shards):
         comm.sync(group.shards)
     return state

@@ -246,6 +246,9 @@ def shard_metadata(root: nn.Module) -> Dict[str, Any]:
                               "tied_to": keys[0] if name != keys[0] else None, "shard_group": group}
     held = buffers(root)
     check_against_state_dict(root, list(info) + list(held), "get_shard_metadata()")
+    stacks = stored_keys.stack_table(root)  # scan_layers' stored stacks: state_dict() names each layer
+    info = {layer: {**v, "shape": v["shape"][:1] + v["shape"][2:]} if k in stacks else v
+            for k, v in info.items() for layer in stacks.get(k, [k])}
     return {
         "format": SHARD_METADATA_FORMAT,
         "world_size": 1 if single else layout.world_size,

@@ -204,7 +204,7 @@ class _ScannedUnits(torch.autograd.Function):
 
         if plan.stored:
             views = _layer_views(plan, shards)
-            first = _gather(plan, [v[0] for v in views])
+            first = _gather(plan, [s.detach().select(1, 0) for s in shards])  # not through the transpose
             ahead = [torch.roll(v, -1, 0) for v in views]  # trip i gathers layer i + 1
         else:
             first = _gather(plan, [s.detach() for s in shards[:count]])
@@ -246,7 +246,7 @@ class _ScannedUnits(torch.autograd.Function):
 
         if plan.stored:
             views = _layer_views(plan, shards)
-            last = _gather(plan, [v[-1] for v in views])
+            last = _gather(plan, [s.detach().select(1, layers - 1) for s in shards])
             behind = [torch.roll(v, 1, 0) for v in views]  # trip i gathers layer i - 1
         else:
             last = _gather(plan, [s.detach() for s in shards[(layers - 1) * count:]])
@@ -337,9 +337,15 @@ def _stand_in(out: Any) -> Any:
     return tree_map(lambda t: torch.empty(0) if isinstance(t, torch.Tensor) else t, out)
 
 
-def find(root: nn.Module, comm, stored: bool = False):
-    """The ModuleLists of `root` whose children are identical units, checked (before `install`);
-    `stored`: their shards will be stored stacked, checked too."""
+def stores(mode, comm) -> bool:
+    """Whether scan_layers=`mode` stores the shards stacked: True on the single controller; one
+    process per device and "per_step" stack them every step."""
+    return mode is True and comm.is_single_controller
+
+
+def find(root: nn.Module, comm, mode=True):
+    """The ModuleLists of `root` whose children are identical units, checked (before `install`),
+    for stored stacks too where `mode` stores them."""
     from ..layer_scan.find import find_layer_lists
     from ..layer_scan.stored_stacks import check_shared
     from ..unit_state import units
@@ -353,15 +359,15 @@ def find(root: nn.Module, comm, stored: bool = False):
     found = find_layer_lists(root, children + [root])
     for _, _, layers, where in found:
         check_layers(layers, where)
-        if stored:
+        if stores(mode, comm):
             check_shared(root, layers, where)
             refuse_unstackable(layers, where)
     return found
 
 
-def install(root: nn.Module, found, stored: bool = False) -> None:
-    """Swap each found ModuleList for a ScannedLayers run by this engine's loop; with `stored`, its
-    shards become stored stacks ([Note: the collectives engine's stored stacks])."""
+def install(root: nn.Module, found, mode=True) -> None:
+    """Swap each found ModuleList for a ScannedLayers run by this engine's loop; where `mode`
+    stores them, its shards become stored stacks ([Note: the collectives engine's stored stacks])."""
     from ..layer_scan.scanned_list import ScannedLayers, ScanSettings, no_cache_by_default
     from .stacked_units import stacked_rows, store, template_with
 
@@ -371,7 +377,7 @@ def install(root: nn.Module, found, stored: bool = False) -> None:
         # runs in the loop too
         settings = ScanSettings(run_loop, make_template=unit_template)
         container = None
-        if stored:
+        if stores(mode, state_of(layers[0]).group.comm):
             container = unit_template(layers[0])
             state = store(owner, name, layers, container)
             settings = ScanSettings(run_loop, stacked_view=stacked_rows,

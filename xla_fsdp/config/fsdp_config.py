@@ -220,7 +220,7 @@ class FSDPConfig:
             if self.xla_fsdp_grad_ckpt:
                 kwargs["auto_wrapper_callable"] = checkpointed_wrapper
             if self.scan_layers:  # [Note: scanning units of the collectives engine]
-                kwargs["scan_layers"] = True
+                kwargs["scan_layers"] = self.scan_layers
         if self.forward_prefetch is not None:
             kwargs["forward_prefetch"] = self.forward_prefetch
         if self.backward_prefetch is not None:

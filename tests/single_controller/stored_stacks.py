@@ -1,0 +1,161 @@
+"""scan_layers' stored stacks on the collectives engine, in one process with N XLA:CPU devices
+([Note: the collectives engine's stored stacks]).
+
+tests/test_stored_stacks.py runs this file in a fresh process with CPU_NUM_DEVICES set and reads
+what it saves:
+
+  stored_stacks.py OUT
+
+A stack of three blocks whose rows 4 devices do not divide (10-row weights and biases: 3 a
+device, padded to 12), a buffer per layer, trained with AdamW and clipping: scanned with stored
+stacks, with "per_step" and unscanned, from the same initial weights.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.nn as nn
+import torch_xla
+import torch_xla.runtime as xr
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 10)
+        self.norm = nn.LayerNorm(10)
+        self.down = nn.Linear(10, 16)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, h):
+        return h + self.down(torch.tanh(self.norm(self.up(h)))) * self.gain
+
+
+class Net(nn.Module):
+    def __init__(self, layers: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+def build(scan, seed: int = 0) -> nn.Module:
+    import xla_fsdp
+    from xla_fsdp import FSDP
+
+    torch.manual_seed(seed)
+    model = Net().to(torch_xla.device())
+    return FSDP(model, auto_wrap_policy=xla_fsdp.wrap.transformer_policy([Block]), scan_layers=scan,
+                auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw))
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 8, generator=g).to(torch_xla.device()), torch.randn(8, 4, generator=g).to(torch_xla.device())
+
+
+def train(model, opt, steps, start=0):
+    losses, norms = [], []
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        norms.append(model.clip_grad_norm_(0.5))
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.detach())
+    return [float(l.cpu()) for l in losses], [float(n.cpu()) for n in norms]
+
+
+def host(state) -> dict:
+    return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def on_host(obj):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t, obj)
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def main(out: str) -> None:
+    xr.use_spmd()
+    res = {}
+    runs = {}
+    for scan in (True, "per_step", False):
+        model = build(scan)
+        opt = adamw(model)
+        losses, norms = train(model, opt, 3)
+        runs[scan] = (model, opt)
+        res[str(scan)] = {"losses": losses, "norms": norms, "state": host(model.state_dict()),
+                          "params": {n: list(p.shape) for n, p in model.named_parameters()}}
+    stored, opt = runs[True]
+    res["metadata"] = {k: (v["shape"], v["rows"]) for k, v in stored.get_shard_metadata()["shard_info"].items()}
+    res["optim_shapes"] = sorted(tuple(t.shape) for s in opt.state_dict()["state"].values()
+                                 for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
+
+    # the unscanned model's state dict into a scanned one (other initial weights), and the reverse;
+    # each goes on training like the model it was loaded from
+    plain, plain_opt = runs[False]
+    into_stored = build(True, seed=7)
+    into_stored.load_state_dict(plain.state_dict())
+    res["loaded_into_stored"] = host(into_stored.state_dict())
+    into_plain = build(False, seed=7)
+    into_plain.load_state_dict(stored.state_dict())
+    res["loaded_into_plain"] = host(into_plain.state_dict())
+    res["after_load"] = {"stored": train(into_stored, adamw(into_stored), 2, start=3)[0],
+                         "plain": train(into_plain, adamw(into_plain), 2, start=3)[0]}
+
+    # resume: model and optimizer state dicts into a fresh scanned model, two more steps each
+    resumed = build(True, seed=7)
+    resumed.load_state_dict(stored.state_dict())
+    resumed_opt = adamw(resumed)
+    train(resumed, resumed_opt, 1, start=50)  # creates AdamW's state, then overwritten
+    resumed.load_state_dict(stored.state_dict())
+    resumed_opt.load_state_dict(on_host(opt.state_dict()))  # as read from a file: no tensor shared
+    res["resume"] = {"original": train(stored, opt, 2, start=3)[0], "resumed": train(resumed, resumed_opt, 2, start=3)[0]}
+
+    # xla_fsdp.checkpoint: saved from the scanned model, loaded into another, consolidated per layer
+    from xla_fsdp.checkpoint import consolidate, load_checkpoint, save_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_checkpoint(os.path.join(tmp, "ckpt"), stored, opt, step=5)
+        other = build(True, seed=9)
+        other_opt = adamw(other)
+        load_checkpoint(path, other, other_opt)
+        res["checkpoint"] = {"saved": host(stored.state_dict()), "loaded": host(other.state_dict()),
+                             "after": [train(stored, opt, 1, start=5)[0], train(other, other_opt, 1, start=5)[0]]}
+        from safetensors.torch import load_file
+
+        res["consolidated"] = host(load_file(consolidate(path, os.path.join(tmp, "full"))))
+
+    # an optimizer with per-tensor statistics is refused at its first step
+    model = build(True)
+    from transformers.optimization import Adafactor
+
+    bad = Adafactor(model.parameters(), lr=1e-3, relative_step=False)
+    x, y = batch(0)
+    (model(x) - y).pow(2).mean().backward()
+    try:
+        bad.step()
+        res["adafactor"] = None
+    except TypeError as e:
+        res["adafactor"] = str(e)
+    torch.save(res, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
