@@ -333,3 +333,25 @@ def test_scan_layers_through_the_launcher_logs_the_unscanned_losses(tiny_config,
             "--block_size", "32", "--logging_steps", "2", "--learning_rate", "3e-3"], launcher_cores=2)
         runs.append([loss for _, loss in report["losses"]])
     assert runs[1] == pytest.approx(runs[0], rel=1e-5), runs
+
+
+def test_collectives_scan_through_the_launcher_saves_per_layer_and_resumes(tiny_config, tmp_path):
+    """The collectives engine's `"scan_layers": true` as a user runs it (single controller, stored
+    stacks: [Note: the collectives engine's stored stacks]): the model it writes has the unscanned
+    model's per-layer keys, and a run resumed from its step-3 checkpoint logs the same losses."""
+    from safetensors.torch import load_file
+
+    config = tmp_path / "tiny_cpu_scan.json"
+    config.write_text(json.dumps({**json.load(open(TINY_FSDP_CONFIG)), "xla_fsdp_grad_ckpt": True,
+                                  "scan_layers": True}))
+    common = ["--config_name", tiny_config, "--fsdp", "full_shard", "--fsdp_config", str(config), "--do_train",
+              "--max_steps", "6", "--per_device_train_batch_size", "4", "--block_size", "32",
+              "--logging_steps", "2", "--learning_rate", "3e-3"]
+    (tmp_path / "a").mkdir()
+    first, _ = _train(tmp_path / "a", common + ["--save_strategy", "steps", "--save_steps", "3"], launcher_cores=2)
+    saved = load_file(str(tmp_path / "a" / "out" / "model.safetensors"))
+    assert "transformer.h.1.attn.c_attn.weight" in saved and not any("_scan" in k for k in saved), sorted(saved)
+    (tmp_path / "b").mkdir()
+    resumed, _ = _train(tmp_path / "b", common + ["--resume_from_checkpoint",
+                                                  str(tmp_path / "a" / "out" / "checkpoint-3")], launcher_cores=2)
+    assert resumed["losses"] == [step for step in first["losses"] if step[0] > 3], (first["losses"], resumed["losses"])

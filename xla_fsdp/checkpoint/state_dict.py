@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..collective_engine import model_state as keys
 from ..collective_engine.model_state import check_load, records as _records, unit_states
 from ..collective_engine.sharded_param import stored_shape
+from ..runtime import stored_keys
 from ..unit_state import state_of
 
 SHARDED_FORMAT = "xla_fsdp.sharded/1"
@@ -40,7 +41,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torc
     keep = not rank0_only or layout.shard_rank == 0
     # every key checked on every rank before the first gather (all raise, or none)
     names_of = {id(rec): names for names, rec, _ in _records(model)}
-    order = list(model.state_dict().keys())
+    with stored_keys.stored_keys():  # scan_layers' stored stacks under their own names, split at the end
+        order = list(model.state_dict().keys())
     out: Dict[str, torch.Tensor] = {}
     for unit_state in unit_states(model):
         group = unit_state.group
@@ -53,12 +55,13 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torc
                     out[name] = cpu
     if keep:
         out.update(_buffers(model))
-        return {k: out[k] for k in order}
+        return stored_keys.per_layer(model, {k: out[k] for k in order})
     return {}
 
 
 def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
     """Load a full (unwrapped-model) state dict into the shards of this rank."""
+    state = stored_keys.stacked(model, state)  # per-layer keys into scan_layers' stored stacks
     records = _records(model)
     expected = {name: [rec.orig_shape] for names, rec, _ in records for name in names}
     buffers = _buffer_tensors(model)

@@ -1,7 +1,8 @@
 """Which names a model's `state_dict()` gives to parameters stored stacked (scan_layers).
 
 A model whose repeated layers are scanned stores each of their parameters once, stacked
-([Note: parameters stored stacked] in spmd_engine/stacked.py). Its `state_dict()` names
+([Note: parameters stored stacked] in spmd_engine/stacked.py; the collectives engine's in
+collective_engine/stacked_units.py). Its `state_dict()` names
 every layer's slice as the unscanned model does (`h.3.attn.c_attn.weight`), which is what
 Hugging Face, torch and a plain model load. The sharded checkpoints (xla_fsdp.checkpoint)
 store what the model holds instead: the stacked tensors, under their own names, sharded
@@ -49,7 +50,7 @@ def stack_layers(tensors) -> torch.Tensor:
 
 def split(records, state: Dict[str, torch.Tensor], prefix: str) -> None:
   """Rewrites `state` (keys under `prefix`, the owner's) in place: each stored stack of `records`
-  (spmd_engine.stacked.StackRecord) becomes its layers' keys, placed where the layers' own keys
+  (layer_scan.stored_stacks.StackRecord) becomes its layers' keys, placed where the layers' own keys
   (their buffers) or the stack were, in the unscanned model's order."""
   for record in records:
     listed, stored = f"{prefix}{record.attr}.", f"{prefix}{record.store}."
@@ -80,6 +81,17 @@ def per_layer(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, tor
     records = module.__dict__.get("_xla_fsdp_stacks")
     if records:
       split(records, out, f"{name}." if name else "")
+  return out
+
+
+def stacked(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+  """The inverse of `per_layer`: a state dict keyed per layer -> keyed as the model holds it (each
+  stored stack from its layers' tensors, stacked as `stack_layers` does); keys of a layer set that is
+  not complete are left as they are (the caller's key check names them)."""
+  out = dict(state)
+  for stored, layers in stack_table(model).items():
+    if all(k in out for k in layers):
+      out[stored] = stack_layers([out.pop(k) for k in layers])
   return out
 
 
