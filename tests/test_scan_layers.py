@@ -83,7 +83,7 @@ def test_scan_misuse_fails_loudly(at_4):
   r = at_4["errors"]
   assert "layer 1 of blocks" in r["not_identical"] and "must be identical" in r["not_identical"]
   assert "fsdp_transformer_layer_cls_to_wrap" in r["not_wrapped"]
-  assert "pass scan_layers=True" in r["collectives_engine"]
+  assert "scan_layers='stacked' is not valid" in r["collectives_engine"]
   assert r["use_cache_after_wrap"] is False
   assert "output_hidden_states" in r["hidden_states"]
   assert "after it was wrapped" in r["hook_after_wrap"]

@@ -144,9 +144,15 @@ def test_scanned_blocks_train_as_the_unscanned_run(runs, devices, scanned, unsca
     the unsharded reference's, test_parity)."""
     got = runs[("parity", devices)].result()
     a, b = got[scanned], got[unscanned]
-    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-6)
+    assert "transformer.h_scan.attn.c_attn.weight" in a["stacked"], a["stacked"]  # stored stacks
+    # fp32: within 1e-5. bf16: the stored stacks' optimizer update and clipping norm round their
+    # fp32 sums in another order, and bf16 compute turns last-bit differences of a parameter into
+    # bf16 rounding flips (measured 2026-11-29: losses within 2.9e-5, parameters within 1.1e-3,
+    # where the bf16 runs are 1.8e-2 from the fp32 reference, test_parity)
+    loss_rel, param_rel = (1e-4, 5e-3) if "bf16" in scanned else (1e-5, 1e-5)
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=loss_rel, atol=1e-6)
     for name, want in b["params"].items():
-        assert_rel_close(a["params"][name], want, 1e-5, f"{scanned} {name}")
+        assert_rel_close(a["params"][name], want, param_rel, f"{scanned} {name}")
     if "ring" not in scanned:  # the two blocks' reduce-scatter is traced once a step: the loop's body
         assert a["scatter_calls"] * 3 == b["scatter_calls"] * 2, (a["scatter_calls"], b["scatter_calls"])
 

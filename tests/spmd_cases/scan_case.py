@@ -142,9 +142,9 @@ def errors(args) -> dict:
       scan_layers=True))
   out["not_wrapped"] = caught(lambda: xla_fsdp.XlaFullyShardedDataParallel(
       gpt2(2), engine="spmd", scan_layers=True))
-  # the collectives engine scans too (tests/test_scan_units.py), with per-layer parameters
+  # the collectives engine scans too (tests/test_scan_units.py, tests/test_stored_stacks.py)
   out["collectives_engine"] = caught(lambda: xla_fsdp.XlaFullyShardedDataParallel(
-      gpt2(2), auto_wrap_policy=models.gpt2_policy(), scan_layers="per_step"))
+      gpt2(2), auto_wrap_policy=models.gpt2_policy(), scan_layers="stacked"))
   ids = torch.randint(0, 128, (8, 16)).to(device)
   model = shard(gpt2(2), True, None, False)
   out["use_cache_after_wrap"] = model.config.use_cache
