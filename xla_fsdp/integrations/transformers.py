@@ -120,6 +120,8 @@ def wrap_model(model, args, is_fsdp_xla_v2_enabled: bool):
     if grad_ckpt and getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False  # as transformers does: a recomputation would append to the cache twice
     prefetch = _prefetch_kwargs(config)
+    if config.get("scan_layers", False) is not False:  # ours; the engine checks the value and what it needs
+        kwargs["scan_layers"] = config["scan_layers"]
     if is_fsdp_xla_v2_enabled:
         if prefetch:
             raise ValueError(f"fsdp_config {sorted(prefetch)[0]} has no effect with xla_fsdp_v2 (the SPMD "

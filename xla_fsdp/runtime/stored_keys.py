@@ -68,7 +68,10 @@ def split(records, state: Dict[str, torch.Tensor], prefix: str) -> None:
         for local in record.order:
           name = f"{listed}{i}.{local}"
           if local in record.names:
-            state[name] = layer_slice(old[stored + local], i)
+            value = layer_slice(old[stored + local], i)
+            # host tensors as tensors of their own: save_pretrained views each as flat (a strided
+            # column of the stack cannot be); device tensors stay views (no copy on the device)
+            state[name] = value.contiguous() if value.device.type == "cpu" else value
           elif name in old:
             state[name] = old[name]
 
