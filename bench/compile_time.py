@@ -14,7 +14,8 @@ program: AdamW's state appears after step 1; step 3 runs compiled):
 - scan_per_step: the same with `scan_layers="per_step"` (per-layer parameters, stacked every step);
 - spmd: the same without scan_layers;
 - fsdpv2: torch_xla 2.9's `SpmdFullyShardedDataParallel`, GPT2Block units;
-- collectives_scan: the collectives engine (the single controller) with scan_layers, every block
+- collectives_scan: the collectives engine (the single controller) with scan_layers (parameters
+  stored stacked), every block
   checkpointed ([Note: scanning units of the collectives engine]);
 - collectives: the same without scan_layers.
 Columns: trace seconds of steps 1 and 2 (forward, backward and optimizer step

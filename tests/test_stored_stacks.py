@@ -80,3 +80,12 @@ def test_checkpoints_round_trip_and_consolidate_per_layer(got):
 
 def test_an_optimizer_with_per_tensor_statistics_is_refused(got):
     assert got["adafactor"] is not None and 'scan_layers="per_step"' in got["adafactor"]
+
+
+def test_generation_with_a_kv_cache_gathers_layer_by_layer(got):
+    """A call with a cache runs the layers one by one ([Note: scanning the layers of a ModuleList]):
+    the same logits and greedy tokens as unscanned, sharded and under summon_full_params."""
+    g = got["generate"]
+    torch.testing.assert_close(g["logits_True"], g["logits_False"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g["summoned_True"], g["logits_False"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(g["tokens_True"], g["tokens_False"])

@@ -91,6 +91,32 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
+def generate() -> dict:
+    """A call with a KV cache runs the layers one by one: each gathers its column of the stacks
+    (and under summon_full_params reads the whole stacks'); greedy tokens and logits."""
+    import xla_fsdp
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from xla_fsdp import FSDP
+    from xla_fsdp.collective_engine.manual_region import steer_is_tracing
+
+    steer_is_tracing()
+    ids = (torch.arange(32).reshape(4, 8) % 64).to(torch_xla.device())
+    out = {}
+    for scan in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                           bos_token_id=0, eos_token_id=0))
+        model = FSDP(model.to(torch_xla.device()), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
+                     auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw),
+                     scan_layers=scan).eval()
+        with torch.no_grad():
+            out[f"logits_{scan}"] = model(input_ids=ids, use_cache=True).logits.cpu()
+            out[f"tokens_{scan}"] = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0).cpu()
+            with model.summon_full_params():
+                out[f"summoned_{scan}"] = model(input_ids=ids, use_cache=True).logits.cpu()
+    return out
+
+
 def main(out: str) -> None:
     xr.use_spmd()
     res = {}
@@ -141,6 +167,8 @@ def main(out: str) -> None:
         from safetensors.torch import load_file
 
         res["consolidated"] = host(load_file(consolidate(path, os.path.join(tmp, "full"))))
+
+    res["generate"] = generate()
 
     # an optimizer with per-tensor statistics is refused at its first step
     model = build(True)

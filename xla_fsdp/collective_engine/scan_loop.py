@@ -19,10 +19,13 @@ backward do.
 - A chip holds two layers' full parameters at a time, as with prefetch. The
   trip after the last (before the first) gathers a layer it does not use:
   one layer's gather bytes per pass more than unscanned.
-- The loop reads its layers' shards from one stack per parameter, made in
-  the compute dtype when the loop starts (forward and backward each make
-  their own; it lives for that loop only). The parameters stay per layer:
-  the optimizer, the state dict and checkpoints see the unscanned model.
+- The loop reads its layers' shards from one stack per parameter in the
+  compute dtype, made when the loop starts (forward and backward each make
+  their own; it lives for that loop only): on the single controller a view
+  of the stored stack ([Note: the collectives engine's stored stacks] in
+  stacked_units.py), whose gradient leaves the backward loop as one stack;
+  with one process per device or "per_step" the layers' own parameters,
+  stacked (and their gradients sliced back) every step.
 - Each layer is recomputed in backward: scan needs activation checkpointing
   on the scanned units (`activation_checkpointing=True`, fsdp_config
   `xla_fsdp_grad_ckpt`), and refuses without it.
@@ -369,7 +372,7 @@ def install(root: nn.Module, found, mode=True) -> None:
     """Swap each found ModuleList for a ScannedLayers run by this engine's loop; where `mode`
     stores them, its shards become stored stacks ([Note: the collectives engine's stored stacks])."""
     from ..layer_scan.scanned_list import ScannedLayers, ScanSettings, no_cache_by_default
-    from .stacked_units import stacked_rows, store, template_with
+    from .stacked_units import layer_params, stacked_rows, store, template_with
 
     for owner, name, layers, where in found:
         # the template is made at the first call, from layer 0 as it is then: what was mixed into its
@@ -380,7 +383,7 @@ def install(root: nn.Module, found, mode=True) -> None:
         if stores(mode, state_of(layers[0]).group.comm):
             container = unit_template(layers[0])
             state = store(owner, name, layers, container)
-            settings = ScanSettings(run_loop, stacked_view=stacked_rows,
+            settings = ScanSettings(run_loop, stacked_view=stacked_rows, layer_params=layer_params,
                                     make_template=template_with(unit_template, state.loop_group.params))
         scanned = ScannedLayers(layers, settings, where)
         setattr(owner, name, scanned)

@@ -10,6 +10,10 @@ top-level operations (668 slices, 220 norms, 147 AdamW updates, 144 casts),
 and on XLA:CPU trace + compile at 48 layers was 4.84x that at 2. So on the
 single controller `scan_layers=True` stores each parameter of the scanned
 layers once, as the SPMD engine does ([Note: parameters stored stacked]):
+the 2B's step then holds 493 such operations and compiles for v4-8 in 6.7 +
+48.1 s instead of 7.8 + 66.3 (libtpu 0.0.21 deviceless, PROJECTED step
+2.435 s against 2.470), and XLA:CPU's 48 layers take 1.13x the 2 layers'
+time (docs/scan.md, 2026-11-29).
 
 - Layout: layer i's parameter (d0, *rest) is column i of the stored
   (d0, L, *rest), sharded on dim 0 with the layer's own rows per shard
@@ -130,6 +134,19 @@ def template_with(make, records: Sequence[FSDPParam]):
 
 
 def stacked_rows(stored: torch.Tensor) -> torch.Tensor:
-    """A stored stack (padded_rows, L, *rest) as (L, rows, *rest): its layers' real rows (what a
-    call with a KV cache, which runs the layers one by one, gives each layer)."""
-    return stored.movedim(1, 0)[:, : stored._xla_fsdp_rows]
+    """A stored stack (padded_rows, L, *rest), or the whole (rows, L, *rest) while unsharded, as
+    (L, rows, *rest): its layers' real rows."""
+    return stored.movedim(1, 0)[:, : getattr(stored, "_xla_fsdp_rows", stored.shape[0])]
+
+
+def layer_params(scanned, index: int):
+    """Layer `index`'s parameters by name, for a call with a KV cache (generation), which runs the
+    layers one by one: gathered from its column of the stored stacks in the compute dtype, as
+    its own unit would gather them; the whole stacks' column while they are unsharded
+    (summon_full_params)."""
+    state = state_of(scanned._scan_store[0])
+    loop = state.loop_group
+    if state.unsharded is not None:
+        return {rec.fqn: t.select(1, index) for rec, t in zip(loop.params, state.unsharded)}
+    shards = [s.select(1, index) for s in state.group.local_shards()]
+    return {rec.fqn: t for rec, t in zip(loop.params, loop.gather(shards=shards))}

@@ -50,11 +50,15 @@ class ScanSettings:
 
   def __init__(self, loop: Loop, compute_dtype: Optional[torch.dtype] = None,
                stacked_view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-               make_template: Callable[[nn.Module], nn.Module] = _template):
+               make_template: Callable[[nn.Module], nn.Module] = _template,
+               layer_params: Optional[Callable[["ScannedLayers", int], Dict[str, torch.Tensor]]] = None):
     self.loop = loop
     self.compute_dtype = compute_dtype
     self.stacked_view = stacked_view
     self.make_template = make_template  # layer 0 -> the module the loop body runs
+    # (the list, layer i) -> layer i's parameters for a call with a KV cache, where the engine
+    # gathers them itself (None: slices of the stored stacks in the compute dtype)
+    self.layer_params = layer_params
 
 
 class ScannedLayers(nn.ModuleList):
@@ -187,11 +191,15 @@ class ScanRun:
       out = args[0]
       stored = self.owner.stored()
       for i, layer in enumerate(self.layers):
-        if stored:  # the layer holds no parameters: its slice of each stack
+        settings, tensors = self.owner._scan_settings, None
+        if settings.layer_params is not None:
+          tensors = settings.layer_params(self.owner, i)
+        elif stored:  # the layer holds no parameters: its slice of each stack
           tensors = {n: t[i] for n, t in stored.items()}
-          dtype = self.owner._scan_settings.compute_dtype
+          dtype = settings.compute_dtype
           if dtype is not None:
             tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        if tensors is not None:
           # the real layer (its own index for the cache), the slices set for the call
           result = torch.func.functional_call(layer, tensors, (out,) + tuple(args[1:]), kwargs)
         else:
