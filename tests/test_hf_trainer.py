@@ -117,6 +117,23 @@ def test_trainer_fsdp_config_prefetch_keys(hf, forward, backward):
         wrap_model(torch.nn.Linear(4, 4), args(backward_prefetch="later"), False)
 
 
+def test_trainer_fsdp_config_keys_reach_the_engine_or_are_refused():
+    """`scan_layers` reaches the engine (it was dropped: Trainer jobs ran unscanned); with xla_fsdp_v2,
+    xla_fsdp_settings other than the dtypes are refused instead of dropped."""
+    from types import SimpleNamespace
+
+    from xla_fsdp.integrations.transformers import wrap_model
+
+    def args(settings=None, **extra):
+        return SimpleNamespace(fsdp_config={"xla": True, "min_num_params": 0, **extra}, xla_fsdp_config=settings or {})
+
+    # scan_layers without checkpointed layers: the collectives engine's own refusal proves the key arrived
+    with pytest.raises(ValueError, match="scan_layers=True scans the repeated layer"):
+        wrap_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), args(scan_layers=True, min_num_params=-1), False)
+    with pytest.raises(ValueError, match=r"\['flatten_parameters'\] have no effect with xla_fsdp_v2"):
+        wrap_model(torch.nn.Linear(4, 4), args({"compute_dtype": torch.float32, "flatten_parameters": True}), True)
+
+
 # -- run_clm-style script at 4 devices under xla_spawn --------------------------------
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,11 @@ def wrap_model(model, args, is_fsdp_xla_v2_enabled: bool):
         if prefetch:
             raise ValueError(f"fsdp_config {sorted(prefetch)[0]} has no effect with xla_fsdp_v2 (the SPMD "
                              "partitioner places the gathers itself); remove it or set xla_fsdp_v2 to false")
-        settings = {k: v for k, v in args.xla_fsdp_config.items() if k in ("compute_dtype", "buffer_dtype")}
+        settings = dict(args.xla_fsdp_config)
+        extra = sorted(set(settings) - {"compute_dtype", "buffer_dtype"})
+        if extra:  # the SPMD engine takes these two only; the others were dropped silently until 2026-11-29
+            raise ValueError(f"fsdp_config xla_fsdp_settings {extra} have no effect with xla_fsdp_v2 (the SPMD "
+                             "partitioner places the collectives); remove them or set xla_fsdp_v2 to false")
         return FSDP(model, engine="spmd", activation_checkpointing=grad_ckpt, **settings, **kwargs)
     if grad_ckpt:
         kwargs["auto_wrapper_callable"] = lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)
