@@ -91,6 +91,9 @@ MATRIX = [
                                                   ("fp32_reduce_scatter", True))),
     Case("gpt2_hybrid", "gpt2", "adamw", worlds=(4,),
          fsdp=(("sharding_strategy", "HYBRID_SHARD"), ("sharding_groups", [[0, 1], [2, 3]]))),
+    # stored stacks sharded within each half, replicated across the halves
+    Case("gpt2_ckpt_scan_hybrid", "gpt2", "adamw", checkpoint=True, worlds=(),
+         fsdp=(("scan_layers", True), ("sharding_strategy", "HYBRID_SHARD"))),
 ]
 
 # Nested units that shard differently from their root ([Note: units with different layouts] in

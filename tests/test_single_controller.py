@@ -50,7 +50,7 @@ CROSS_RUNTIME_TENSOR_REL = 2e-6
 DEFAULT = {
     4: ["mlp_sgd", "gpt2_ckpt_no_prefetch", "mlp_bf16", "mlp_clip_sgd:all_reduce", "acc/no_sync/mlp_nested_adamw",
         "gpt2_ckpt_scan", "gpt2_ckpt_scan_bf16", "gpt2_ckpt_bf16"],
-    8: ["gpt2_hybrid", "meta", "gpt2_ckpt_scan@ring:ring"],
+    8: ["gpt2_hybrid", "meta", "gpt2_ckpt_scan@ring:ring", "gpt2_ckpt_scan_hybrid"],
 }  # gpt2_ckpt_scan*: scan_layers, the blocks as one XLA loop holding the engine's collectives  # gpt2_ckpt_no_prefetch is the 2B v4 job's config (per-layer checkpointing, no prefetch: gpt2_checkpoint and
 # gpt2_no_prefetch in one run). mlp_mixed_sizes, mlp_shard_grad_op and gpt2_no_shard (all three in the
 # gloo suite's default run), gpt2_txla_ckpt_after (also at XLA world 1), gpt2_adamw (GPT-2 with AdamW
