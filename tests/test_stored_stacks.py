@@ -89,3 +89,13 @@ def test_generation_with_a_kv_cache_gathers_layer_by_layer(got):
     torch.testing.assert_close(g["logits_True"], g["logits_False"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g["summoned_True"], g["logits_False"], rtol=1e-5, atol=1e-5)
     assert torch.equal(g["tokens_True"], g["tokens_False"])
+
+
+def test_what_stacks_cannot_hold_is_refused_at_wrap_time(got):
+    """A 0-dim parameter and a weight tied inside the layer: refused naming the way out, which
+    wraps them ("per_step" keeps per-layer parameters)."""
+    r = got["refusals"]
+    assert "layers.0.scale is a 0-dim parameter" in r[("scalar", True)] and '"per_step"' in r[("scalar", True)]
+    assert "layers.0.back.weight is the same tensor as layers.0.down.weight" in r[("tied", True)]
+    assert '"per_step"' in r[("tied", True)]
+    assert r[("scalar", "per_step")] is None and r[("tied", "per_step")] is None

@@ -117,6 +117,45 @@ def generate() -> dict:
     return out
 
 
+class ScaledBlock(Block):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, h):
+        return super().forward(h) * self.scale
+
+
+class TiedBlock(Block):
+    def __init__(self):
+        super().__init__()
+        self.back = nn.Linear(10, 16)
+        self.back.weight = self.down.weight
+
+
+def refusals() -> dict:
+    """What stored stacks cannot hold is refused at wrap time, naming "per_step"; "per_step" takes it."""
+    import xla_fsdp
+    from xla_fsdp import FSDP
+
+    out = {}
+    for name, block in (("scalar", ScaledBlock), ("tied", TiedBlock)):
+        for scan in (True, "per_step"):
+            model = Net()
+            model.layers = nn.ModuleList(block() for _ in range(3))
+            model = model.to(torch_xla.device())
+            for layer in model.layers:  # Module.to() unties (each module gets its own copy): tie again
+                if hasattr(layer, "back"):
+                    layer.back.weight = layer.down.weight
+            try:
+                FSDP(model, auto_wrap_policy=xla_fsdp.wrap.transformer_policy([block]),
+                     auto_wrapper_callable=lambda m, **kw: FSDP(xla_fsdp.checkpoint_module(m), **kw), scan_layers=scan)
+                out[(name, scan)] = None
+            except ValueError as e:
+                out[(name, scan)] = str(e)
+    return out
+
+
 def main(out: str) -> None:
     xr.use_spmd()
     res = {}
@@ -169,6 +208,7 @@ def main(out: str) -> None:
         res["consolidated"] = host(load_file(consolidate(path, os.path.join(tmp, "full"))))
 
     res["generate"] = generate()
+    res["refusals"] = refusals()
 
     # an optimizer with per-tensor statistics is refused at its first step
     model = build(True)

@@ -50,15 +50,12 @@ from .param_group import FSDPParamGroup
 
 
 def refuse_unstackable(layers: Sequence[nn.Module], where: str) -> None:
-    """What stored stacks cannot hold, refused at wrap time with the way out."""
+    """What stored stacks cannot hold, refused at wrap time with the way out (weights shared inside or
+    across layers: layer_scan.stored_stacks.check_shared)."""
     for rec in state_of(layers[0]).group.params:
         if not rec.orig_shape:
             raise ValueError(f"scan_layers: {where}.0.{rec.fqn} is a 0-dim parameter; stored stacks keep "
                              "dim 0 as the parameter's rows. Use scan_layers=\"per_step\".")
-        if len(rec.sites) > 1:
-            raise ValueError(f"scan_layers: {where}.0.{rec.fqn} is tied inside the layer "
-                             f"({', '.join(s.fqn for s in rec.sites)}); shared weights cannot be stored "
-                             "stacked. Use scan_layers=\"per_step\".")
 
 
 def _stacked_data(per_layer: List[FSDPParam], comm) -> torch.Tensor:
