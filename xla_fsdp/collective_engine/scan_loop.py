@@ -372,7 +372,7 @@ def install(root: nn.Module, found, mode=True) -> None:
     """Swap each found ModuleList for a ScannedLayers run by this engine's loop; where `mode`
     stores them, its shards become stored stacks ([Note: the collectives engine's stored stacks])."""
     from ..layer_scan.scanned_list import ScannedLayers, ScanSettings, no_cache_by_default
-    from .stacked_units import layer_params, stacked_rows, store, template_with
+    from .stacked_units import layer_params, store, template_with
 
     for owner, name, layers, where in found:
         # the template is made at the first call, from layer 0 as it is then: what was mixed into its
@@ -383,7 +383,7 @@ def install(root: nn.Module, found, mode=True) -> None:
         if stores(mode, state_of(layers[0]).group.comm):
             container = unit_template(layers[0])
             state = store(owner, name, layers, container)
-            settings = ScanSettings(run_loop, stacked_view=stacked_rows, layer_params=layer_params,
+            settings = ScanSettings(run_loop, layer_params=layer_params,
                                     make_template=template_with(unit_template, state.loop_group.params))
         scanned = ScannedLayers(layers, settings, where)
         setattr(owner, name, scanned)

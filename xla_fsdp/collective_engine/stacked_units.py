@@ -93,7 +93,6 @@ def store(owner: nn.Module, attr: str, layers: Sequence[nn.Module], container: n
         site = ParamSite(container.get_submodule(owner_name) if owner_name else container, local, rec.fqn)
         stacked = FSDPParam.stack_of(per_layer, [site], _stacked_data(per_layer, comm))
         stacked.sharded._xla_fsdp_stacked = True
-        stacked.sharded._xla_fsdp_rows = rec.rows
         stacked.register(stacked.sharded)
         records.append(stacked)
     comm.sync([r.sharded for r in records])
@@ -128,12 +127,6 @@ def template_with(make, records: Sequence[FSDPParam]):
                 torch.empty(rec.orig_shape, dtype=rec.orig_dtype, device="meta"), rec.requires_grad)
         return template
     return made
-
-
-def stacked_rows(stored: torch.Tensor) -> torch.Tensor:
-    """A stored stack (padded_rows, L, *rest), or the whole (rows, L, *rest) while unsharded, as
-    (L, rows, *rest): its layers' real rows."""
-    return stored.movedim(1, 0)[:, : getattr(stored, "_xla_fsdp_rows", stored.shape[0])]
 
 
 def layer_params(scanned, index: int):

@@ -189,9 +189,10 @@ class ScanRun:
     if _carries_cache(args[1:], kwargs):
       # generation: each layer writes its cache; run them as written
       out = args[0]
-      stored = self.owner.stored()
+      settings = self.owner._scan_settings
+      stored = self.owner.stored() if settings.layer_params is None else {}
       for i, layer in enumerate(self.layers):
-        settings, tensors = self.owner._scan_settings, None
+        tensors = None
         if settings.layer_params is not None:
           tensors = settings.layer_params(self.owner, i)
         elif stored:  # the layer holds no parameters: its slice of each stack
