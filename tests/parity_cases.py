@@ -28,7 +28,7 @@ STEPS = 5
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    model: str  # "mlp" | "mlp_nested" | "mlp_mixed" | "gpt2"
+    model: str  # "mlp" | "mlp_nested" | "mlp_mixed" | "mlp_tiles" | "gpt2"
     optim: str = "adamw"  # "sgd" | "adamw"
     fsdp: tuple = ()  # engine keyword arguments as (key, value) pairs
     clip: Optional[float] = None
@@ -63,6 +63,7 @@ MATRIX = [
     Case("mlp_clip_sgd", "mlp_nested", "sgd", clip=0.1),
     Case("mlp_unflat_buckets", "mlp_nested", "adamw", fsdp=(("flatten_parameters", False),)),
     Case("mlp_mixed_sizes", "mlp_mixed", "adamw"),  # default buckets: small ones together, large alone
+    Case("mlp_tiles", "mlp_tiles", "adamw", worlds=()),  # 8 devices, rings: [Note: ring gathers in the shard's shape]
     Case("gpt2_flat", "gpt2", "sgd", fsdp=(("flatten_parameters", True),)),
     Case("gpt2_txla_ckpt", "gpt2", "adamw", foreign="txla_ckpt"),
     Case("gpt2_torch_ckpt_wrapper", "gpt2", "adamw", foreign="torch_ckpt_wrapper"),

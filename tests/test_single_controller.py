@@ -105,7 +105,8 @@ def _start(tmp: Path, cases_by_devices):
 # more per device, which stage; each case counts its own reduce-scatters, tests/single_controller/run.py)
 # "+off": token_chain="off", as the shipped Llama config ([Note: collectives off the chain])
 TORUS_CASES = ["gpt2_small_sgd", "gpt2_small_sgd+off"]
-RING_CASES = ["gpt2_adamw@ring:ring"]  # the same, reduce_scatter_stages and all_gather_impl "ring"
+RING_CASES = ["gpt2_adamw@ring:ring",  # the same, reduce_scatter_stages and all_gather_impl "ring"
+              "mlp_tiles@ring:ring"]  # its large shards whole fp32 tiles: gathered in their own shape
 # a pod's default: reduce-scatters as rings, gathers as all-gathers ([Note: reduce-scatter rings on pods])
 POD_CASES = ["gpt2_adamw@ring:all_gather"]
 
@@ -194,6 +195,16 @@ def test_reduce_scatter_as_rings_of_neighbour_exchanges(runs, spec):
     assert got["gathers"] == 0  # all_gather_impl="ring": the gathers are rings too
     assert runs[("parity", 8)].result()["gpt2_small_sgd"]["gathers"] > 0  # what counts them sees the others
     _check_parity(spec, got)
+
+
+def test_ring_gathers_whole_tiles_in_the_shards_own_shape(runs):
+    """[Note: ring gathers in the shard's shape]: the weights whose shards are whole (8, 128) fp32
+    tiles ([256, 128] -> [32, 128] per device, [128, 256] -> [16, 256]) travel the rings in that
+    shape, the rest flat as [rows, 128]; parameters match the unsharded run (checked above)."""
+    got = runs[("parity", 8)].result()
+    assert (16, 256) in got["mlp_tiles@ring:ring"]["ring_gathers"], got["mlp_tiles@ring:ring"]["ring_gathers"]
+    # the tiny GPT-2's shards are not whole tiles (or share buckets): all flat
+    assert {shape[1] for shape in got["gpt2_adamw@ring:ring"]["ring_gathers"]} == {128}
 
 
 @pytest.mark.parametrize("spec", POD_CASES)

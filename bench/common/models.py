@@ -2,7 +2,7 @@
 bench/common/hlo_trace_worker.py), with their batches and losses.
 
 "mlp", "mlp_nested" and "mlp_mixed" are MLPs whose row counts leave padding on every rank at
-worlds 2 and 4; "gpt2" is a tiny GPT-2 (d 64, 2 layers, vocab 128), "gpt2_small" a small one
+worlds 2 and 4 ("mlp_tiles" one whose large shards at 8 devices are whole TPU tiles); "gpt2" is a tiny GPT-2 (d 64, 2 layers, vocab 128), "gpt2_small" a small one
 (d 256, 4 layers, vocab 8192). Every model is built from a seed, every batch from its step.
 """
 from __future__ import annotations
@@ -27,6 +27,11 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         # two weights above the small-parameter bucket's 16384 elements (521 rows: padding too)
         return nn.Sequential(nn.Linear(32, 521), nn.GELU(), nn.Sequential(nn.Linear(521, 67), nn.Tanh()),
                              nn.Linear(67, 5))
+    if kind == "mlp_tiles":
+        # two weights above the bucket's 16384 elements whose shards at 8 devices are whole (8, 128)
+        # tiles of fp32 ([32, 128] and [16, 256]): gathered in their own shape by rings
+        return nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 128),
+                             nn.GELU(), nn.Linear(128, 5))
     if kind in ("mlp", "mlp_nested"):
         # 67 rows do not divide by 2 or 4: every rank holds padding somewhere
         return nn.Sequential(nn.Linear(32, 67), nn.GELU(), nn.Sequential(nn.Linear(67, 67), nn.Tanh()),

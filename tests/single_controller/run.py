@@ -47,8 +47,9 @@ def case_for_world(case: pc.Case) -> pc.Case:
 
 
 def _count_reduce_scatters(sizes: list) -> None:
-    """Record (group size, elements) of every reduce-scatter the engine issues, and ("all-gather",
-    elements) of every all-gather (the real ops still run)."""
+    """Record (group size, elements) of every reduce-scatter the engine issues, ("all-gather",
+    elements) of every all-gather and ("ring gather", shape) of every ring gather (the real ops
+    still run)."""
     issue = torch_xla._XLAC._xla_reduce_scatter
 
     def counted(*args):
@@ -63,6 +64,15 @@ def _count_reduce_scatters(sizes: list) -> None:
         return gather(*args)
 
     torch_xla._XLAC._xla_all_gather = counted_gather
+    from xla_fsdp.collective_engine.ring import TorusRings
+
+    rows = TorusRings.all_gather_rows
+
+    def counted_rows(self, shard, order):  # the ring gathers' buffers, in the shape they travel
+        sizes.append(("ring gather", tuple(shard.shape)))
+        return rows(self, shard, order)
+
+    TorusRings.all_gather_rows = counted_rows
 
 
 def parity(names):
@@ -106,9 +116,10 @@ def parity(names):
         out[spec] = {"losses": got["losses"], "ref_losses": ref["losses"], "params": full,
                      "ref_params": ref["params"], "padded_shapes": shapes, "groups": got["groups"],
                      "stacked": got["stacked"],
-                     "scatter_sizes": sorted({s for s in scatter_sizes if s[0] != "all-gather"}),
+                     "scatter_sizes": sorted({s for s in scatter_sizes if not str(s[0]).endswith("gather")}),
                      "gathers": sum(1 for s in scatter_sizes if s[0] == "all-gather"),
-                     "scatter_calls": sum(1 for s in scatter_sizes if s[0] != "all-gather")}
+                     "ring_gathers": sorted({s[1] for s in scatter_sizes if s[0] == "ring gather"}),
+                     "scatter_calls": sum(1 for s in scatter_sizes if not str(s[0]).endswith("gather"))}
         scatter_sizes.clear()
     return out
 

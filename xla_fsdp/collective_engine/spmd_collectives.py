@@ -176,6 +176,12 @@ class SpmdCollectives(XlaCollectives):
             return super().all_gather(flat_shard)
         return self._rings.all_gather(flat_shard, self._my_ring_orders())
 
+    def all_gather_rows(self, shard):
+        if self._rings is None or self.options.all_gather_impl != "ring" or \
+                not ring.whole_tiles(shard.shape, shard.element_size()):
+            return super().all_gather_rows(shard)
+        return self._rings.all_gather_rows(shard, self._my_ring_orders())
+
     def reduce_scatter(self, flat, follow_chain=True):
         if self._rings is None or self.options.reduce_scatter_stages != "ring":
             return super().reduce_scatter(flat, follow_chain)
