@@ -35,13 +35,15 @@ COMMON = ["--config_name", TINY, "--do_train", "--max_steps", "4", "--block_size
           "--learning_rate", "3e-3", "--seed", "3"]
 
 
-def _train(out, args, devices=1):
+def _train(out, args, devices=1, dump=None):
     """run_clm as a user runs it (under xla_spawn at several devices); returns (metrics.json, weights)."""
     from safetensors.torch import load_file
 
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=ROOT)
     for name in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "CPU_NUM_DEVICES", "XLA_USE_SPMD"):
         env.pop(name, None)
+    if dump is not None:  # the step programs as XLA compiles them
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_module_re=SyncTensorsGraph"
     launcher = [SPAWN, "--num_cores", str(devices)] if devices > 1 else []
     cmd = [sys.executable, *launcher, SCRIPT, "--output_dir", str(out), *COMMON, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -57,13 +59,20 @@ def unsharded(tmp_path_factory):
 @pytest.mark.parametrize("engine,flags", [
     ("collectives", ["--fsdp", "full_shard", "--fsdp_config", os.path.join(FSDP, "tiny_cpu_llama.json"),
                      "--gradient_checkpointing"]),
+    # the shipped llama_xla_fsdp_scan.json's engine settings in fp32: scanned, collectives off the chain
+    ("collectives", ["--fsdp", "full_shard", "--fsdp_config", os.path.join(FSDP, "tiny_cpu_llama_scan.json")]),
     pytest.param("spmd", ["--fsdp", "full_shard", "--fsdp_config", os.path.join(FSDP, "tiny_cpu_llama_v2.json")],
                  marks=pytest.mark.slow),
     pytest.param("collectives", ["--fsdp", "full_shard auto_wrap"], marks=pytest.mark.slow),
-], ids=["collectives", "gspmd", "bare_auto_wrap"])
+], ids=["collectives", "collectives_scan", "gspmd", "bare_auto_wrap"])
 def test_sharded_llama_matches_the_unsharded_run(tmp_path, unsharded, engine, flags):
     reference, ref_weights = unsharded
-    report, weights = _train(tmp_path / "out", ["--per_device_train_batch_size", "4", *flags], devices=4)
+    scanned = "tiny_cpu_llama_scan.json" in " ".join(flags)
+    report, weights = _train(tmp_path / "out", ["--per_device_train_batch_size", "4", *flags], devices=4,
+                             dump=tmp_path / "dump" if scanned else None)
+    if scanned:  # the decoder layers ran as While loops (forward and backward)
+        programs = [f.read_text() for f in (tmp_path / "dump").glob("*before_optimizations.txt")]
+        assert any(text.count(" while(") >= 2 for text in programs), len(programs)
     assert report["engine"] == engine and report["devices"] == 4 and report["runtime"] == "single_controller"
     assert report["global_batch"] == reference["global_batch"] == 16
     steps = [s for s, _ in report["losses"]]
