@@ -2,8 +2,9 @@
 bench/common/hlo_trace_worker.py), with their batches and losses.
 
 "mlp", "mlp_nested" and "mlp_mixed" are MLPs whose row counts leave padding on every rank at
-worlds 2 and 4 ("mlp_tiles" one whose large shards at 8 devices are whole TPU tiles); "gpt2" is a tiny GPT-2 (d 64, 2 layers, vocab 128), "gpt2_small" a small one
-(d 256, 4 layers, vocab 8192). Every model is built from a seed, every batch from its step.
+worlds 2 and 4 ("mlp_tiles" one whose large shards at 8 devices are whole TPU tiles); "gpt2"
+is a tiny GPT-2 (d 64, 2 layers, vocab 128), "gpt2_small" a small one (d 256, 4 layers, vocab
+8192). Every model is built from a seed, every batch from its step.
 """
 from __future__ import annotations
 

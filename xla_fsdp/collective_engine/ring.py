@@ -35,7 +35,7 @@ gather, each a kernel libtpu compiles. When the shard is whole tiles (its last d
 concatenates the received shards along dim 0, where whole tiles line up: no copy. Compiled by
 libtpu 0.0.21 (deviceless, 2026-11-30) for the 2B GPT-2 on v4-8, kernel, 32 x 1024 per chip:
 the scanned step's libtpu compile 45.5 -> 40.7 s (host CPU 90 -> 82 s), PROJECTED 2.435 ->
-2.410 s; the unscanned step 104 -> 82 s, 2.426 -> 2.401 s, peak HBM 19.05 -> 17.43 GiB; every
+2.410 s; the unscanned step 104 -> 82 s (single runs), 2.426 -> 2.401 s, 19.05 -> 17.43 GiB; every
 collective byte still asynchronous. The reduce-scatter rings were tried the same way and kept
 flat: 2.447 s against 2.410 and no faster to compile.
 """
