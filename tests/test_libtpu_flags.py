@@ -211,3 +211,17 @@ def test_random_bits_are_drawn_per_chip_and_equal_on_replicas():
         shape, offsets = generated(_random_bits_program(halves, flags))
         assert shape == "u32[32,128]", shape
         assert offsets[0] == offsets[1] and offsets[2] == offsets[3] and offsets[0] != offsets[2], offsets
+
+
+@needs_libtpu
+def test_a_start_up_flag_given_per_compile_is_named_with_the_way_out(traced_step):
+    """libtpu reads some flags only when it starts (xla_jf_internal_num_threads): given to the
+    check as compile flags, libtpu refuses them; the report says where they go instead."""
+    from xla_fsdp.aot import report
+    from xla_fsdp.aot.cli import _load_compiler
+    from xla_fsdp.tpu import topology
+
+    r = report.check_program(traced_step, topology.parse_accelerator_type("v4-8"), _load_compiler(),
+                             "--xla_jf_internal_num_threads=2", say=lambda *a: None)
+    assert not r["compiles"] and "xla_jf_internal_num_threads" in r["error"]
+    assert "LIBTPU_INIT_ARGS" in r["cause"] and "--libtpu-flags" in r["cause"], r["cause"]

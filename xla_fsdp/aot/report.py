@@ -53,6 +53,10 @@ def _diagnose(message: str, text: str, calls=()) -> str:
         mix = prog.layout_mix(text, calls)
         if mix:
             return mix
+    start_up = re.search(r"No such compile option: '([\w.]+)'", message)
+    if start_up:  # libtpu reads some flags only when it starts (xla_jf_internal_num_threads, dumps)
+        return (f"{start_up.group(1)} is read when libtpu starts, not per compile: put it in LIBTPU_INIT_ARGS and "
+                "give the compile flags with --libtpu-flags (the check compiles with those)")
     if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message:
         return ("the step's buffers do not fit in the chip's HBM; shard more (FULL_SHARD), checkpoint "
                 "activations (xla_fsdp_grad_ckpt), lower the per-device batch, or pick a larger slice")
