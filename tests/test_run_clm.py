@@ -338,7 +338,8 @@ def test_scan_layers_through_the_launcher_logs_the_unscanned_losses(tiny_config,
 def test_collectives_scan_through_the_launcher_saves_per_layer_and_resumes(tiny_config, tmp_path):
     """The collectives engine's `"scan_layers": true` as a user runs it (single controller, stored
     stacks: [Note: the collectives engine's stored stacks]): the model it writes has the unscanned
-    model's per-layer keys, and a run resumed from its step-3 checkpoint logs the same losses."""
+    model's per-layer keys, and a run resumed from its step-3 checkpoint logs the same losses, with
+    scan and without."""
     from safetensors.torch import load_file
 
     config = tmp_path / "tiny_cpu_scan.json"
@@ -355,3 +356,12 @@ def test_collectives_scan_through_the_launcher_saves_per_layer_and_resumes(tiny_
     resumed, _ = _train(tmp_path / "b", common + ["--resume_from_checkpoint",
                                                   str(tmp_path / "a" / "out" / "checkpoint-3")], launcher_cores=2)
     assert resumed["losses"] == [step for step in first["losses"] if step[0] > 3], (first["losses"], resumed["losses"])
+    # the same checkpoint resumed without scan ([Note: loading across stored stacks]): per-layer
+    # parameters and AdamW state from the stacks, the same losses
+    plain = tmp_path / "tiny_cpu_plain.json"
+    plain.write_text(json.dumps({**json.load(open(TINY_FSDP_CONFIG)), "xla_fsdp_grad_ckpt": True}))
+    (tmp_path / "c").mkdir()
+    unscanned, _ = _train(tmp_path / "c", [*common[:5], str(plain), *common[6:], "--resume_from_checkpoint",
+                                           str(tmp_path / "a" / "out" / "checkpoint-3")], launcher_cores=2)
+    assert [s for s, _ in unscanned["losses"]] == [s for s, _ in resumed["losses"]]
+    assert [l for _, l in unscanned["losses"]] == pytest.approx([l for _, l in resumed["losses"]], rel=1e-5)

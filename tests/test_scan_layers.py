@@ -93,15 +93,18 @@ def test_scan_misuse_fails_loudly(at_4):
 
 def test_stored_stacks_checkpoint_and_refuse_per_tensor_optimizers(at_4):
   """[Note: parameters stored stacked]: each layer parameter is one (d0, L, *rest) tensor sharded
-  on dim 0; the sharded checkpoint resumes exactly, consolidates and save_pretrained's per
-  layer, and an optimizer whose statistics span a tensor is refused unless "per_step"."""
+  on dim 0; the sharded checkpoint resumes exactly (also in the model without scan, and an
+  unscanned run's in the scanned model), consolidates and save_pretrained's per layer, and an optimizer whose statistics span a tensor is refused unless "per_step"."""
   r = at_4["stored"]
   assert r["stored_shape"] == [64, 3, 192] and r["layer_has_param"] is False
   assert r["decay_same"] is True  # transformers' weight-decay groups as without scan
   assert r["resumed"] == r["continued"]
   assert r["consolidated_diff"] == 0.0 and r["save_pretrained_diff"] == 0.0
   assert r["load_state_dict_diff"] == 0.0
-  assert "scan_layers=True" in r["into_unscanned"] and "Nothing was loaded" in r["into_unscanned"]
+  # [Note: loading across stored stacks]: scanned -> unscanned and the reverse resume exactly
+  assert r["into_unscanned"] == pytest.approx(r["continued"], rel=1e-5)
+  assert r["into_scanned"] == pytest.approx(r["unscanned_continued"], rel=1e-5)
+  assert "another depth" in r["into_other_depth"] and "Nothing was loaded" in r["into_other_depth"]
   assert "Adafactor" in r["adafactor"] and '"per_step"' in r["adafactor"]
   assert len(r["adafactor_per_step"]) == 1 and r["adafactor_per_step"][0] > 0
   assert "shared weights" in r["shared"] and "per_step" in r["shared"]

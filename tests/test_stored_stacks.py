@@ -73,6 +73,11 @@ def test_checkpoints_round_trip_and_consolidate_per_layer(got):
     ck = got["checkpoint"]
     _same_state(ck["loaded"], ck["saved"], 0.0)
     assert ck["after"][0] == ck["after"][1]
+    # [Note: loading across stored stacks]: the stacked checkpoint resumes in the model without
+    # scan, and an unscanned run's in the scanned model, AdamW's moments and steps included
+    torch.testing.assert_close(torch.tensor(ck["into_plain"]), torch.tensor(ck["after"][0]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(ck["into_stored"][1]), torch.tensor(ck["into_stored"][0]),
+                               rtol=1e-6, atol=1e-6)
     full = got["consolidated"]
     for k, v in ck["saved"].items():
         torch.testing.assert_close(full[k], v, rtol=0, atol=0, msg=k)

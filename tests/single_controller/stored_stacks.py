@@ -201,8 +201,20 @@ def main(out: str) -> None:
         other = build(True, seed=9)
         other_opt = adamw(other)
         load_checkpoint(path, other, other_opt)
+        # [Note: loading across stored stacks]: into the model without scan (AdamW's state too)
+        into_plain = build(False, seed=11)
+        into_plain_opt = adamw(into_plain)
+        load_checkpoint(path, into_plain, into_plain_opt)
         res["checkpoint"] = {"saved": host(stored.state_dict()), "loaded": host(other.state_dict()),
-                             "after": [train(stored, opt, 1, start=5)[0], train(other, other_opt, 1, start=5)[0]]}
+                             "after": [train(stored, opt, 2, start=5)[0], train(other, other_opt, 2, start=5)[0]],
+                             "into_plain": train(into_plain, into_plain_opt, 2, start=5)[0]}
+        # and an unscanned run's checkpoint into the scanned model
+        plain_path = save_checkpoint(os.path.join(tmp, "plain_ckpt"), plain, plain_opt, step=3)
+        into_stored = build(True, seed=13)
+        into_stored_opt = adamw(into_stored)
+        load_checkpoint(plain_path, into_stored, into_stored_opt)
+        res["checkpoint"]["into_stored"] = [train(plain, plain_opt, 2, start=3)[0],
+                                            train(into_stored, into_stored_opt, 2, start=3)[0]]
         from safetensors.torch import load_file
 
         res["consolidated"] = host(load_file(consolidate(path, os.path.join(tmp, "full"))))

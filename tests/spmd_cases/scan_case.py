@@ -218,9 +218,25 @@ def stored(args) -> dict:
   plain = GPT2LMHeadModel.from_pretrained(f"{work}/pretrained")
   now = {k: v.cpu() for k, v in again.state_dict().items()}
   out["save_pretrained_diff"] = max(float((plain.state_dict()[k] - now[k]).abs().max()) for k in now)
-  # into a model without scan: the checkpoint holds the stacks, and says so
-  out["into_unscanned"] = caught(lambda: load_checkpoint(
-      f"{work}/ckpt", shard(gpt2(3), False, None, False)))
+  # [Note: loading across stored stacks]: the stacked checkpoint (with SGD's momentum) into the
+  # model without scan goes on as the scanned run; an unscanned run's checkpoint into the scanned
+  # model goes on as the unscanned run
+  into_plain = shard(gpt2(3, seed=3), False, None, False)
+  plain_opt = _sgd(into_plain)
+  load_checkpoint(f"{work}/ckpt", into_plain, plain_opt)
+  out["into_unscanned"] = _steps(into_plain, plain_opt, batches[2:])
+  unscanned = shard(gpt2(3), False, None, False)
+  unscanned_opt = _sgd(unscanned)
+  _steps(unscanned, unscanned_opt, batches[:2])
+  save_checkpoint(f"{work}/plain_ckpt", unscanned, unscanned_opt, step=2)
+  out["unscanned_continued"] = _steps(unscanned, unscanned_opt, batches[2:])
+  into_scanned = shard(gpt2(3, seed=4), True, None, False)
+  scanned_opt = _sgd(into_scanned)
+  load_checkpoint(f"{work}/plain_ckpt", into_scanned, scanned_opt)
+  out["into_scanned"] = _steps(into_scanned, scanned_opt, batches[2:])
+  # another depth is another model, and says why
+  out["into_other_depth"] = caught(lambda: load_checkpoint(
+      f"{work}/ckpt", shard(gpt2(2), False, None, False)))
   # a per-layer state dict loads into the stored stacks
   fresh = shard(gpt2(3, seed=2), True, None, False)
   fresh.load_state_dict(at_save)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import format as fmt
+from . import restack as rs
 from . import storage
 from ..collective_engine import model_state as keys
 from .format import CheckpointError
@@ -53,12 +54,20 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         raise ValueError(f"per_rank_state={per_rank_state!r}: use 'error' or 'average'")
     info = process_info(model)
     held = holdings(model)
+    # saved with scan_layers' stored stacks and loaded without, or the reverse: [Note: loading
+    # across stored stacks] (restack.py) names the checkpoint the model's way
+    restack = rs.plan(meta, [h.name for h in held], model)
+    if restack is not None:
+        meta = restack.meta
     _check_params(path, meta, held)
     buffers = keys.buffers(model, persistent_only=False)  # by state-dict key, as saved
     _check_buffers(path, meta, buffers)
     index = fmt.RowIndex(path, range(meta["world_size"]))
+    if restack is not None:
+        index = restack.index(index)
     same_layout = meta["layout"] == layout_record(model)
-    plan = _optimizer_plan(path, meta, optimizer, held, index, same_layout, info.rank, per_rank_state)
+    plan = _optimizer_plan(path, meta, optimizer, held, index, same_layout, info.rank, per_rank_state,
+                           restack.same_group if restack is not None else list.__eq__)
     extra_path = st.join(path, fmt.extra_file(info.rank if info.rank < meta["world_size"] else 0))
     extra = _read_extra(extra_path)
 
@@ -96,8 +105,9 @@ def _check_params(path: str, meta: Dict[str, Any], held: List[Holding]) -> None:
         hint = ""
         if meta.get("stacked") or any(getattr(h.param, "_xla_fsdp_stacked", False) for h in held):
             hint = (" One side was wrapped with scan_layers=True, which stores the scanned layers' parameters "
-                    "stacked ([Note: parameters stored stacked]): wrap both the same way, or consolidate the "
-                    "checkpoint (python -m xla_fsdp.checkpoint consolidate) and load its per-layer model.")
+                    "stacked ([Note: parameters stored stacked]); a stack loads into the same model without scan "
+                    "and the reverse ([Note: loading across stored stacks]), but these names differ beyond that "
+                    "(another depth or another model).")
         raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(parts)}. Nothing was "
                               f"loaded.{hint}")
     for name, h in mine.items():
@@ -117,7 +127,7 @@ def _check_buffers(path: str, meta: Dict[str, Any], buffers: Dict[str, torch.Ten
                                   f"{tuple(saved[name]['shape'])} there and {tuple(b.shape)} here. Nothing was loaded.")
 
 
-def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_rank_state):
+def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_rank_state, same_group):
     """Check the optimizer against the checkpoint now; return a function that builds its state dict."""
     if optimizer is None:
         return None
@@ -133,7 +143,8 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
     current = held_state_dict(optimizer)
     groups = current["param_groups"]
     if len(groups) != len(saved["param_groups"]) or any(
-            [named[i].name for i in g["params"]] != s["params"] for g, s in zip(groups, saved["param_groups"])):
+            not same_group([named[i].name for i in g["params"]], s["params"])
+            for g, s in zip(groups, saved["param_groups"])):
         raise CheckpointError(f"checkpoint {path}: the optimizer's parameter groups differ from the saved ones "
                               "(same parameters, same order, same grouping needed)")
     named_by = {named[i].name: named[i] for i in named}
