@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from xla_fsdp.layer_scan import fences
+
 _MASK32 = (1 << 32) - 1
 
 
@@ -96,6 +98,7 @@ def keyed_dropout(x: torch.Tensor, p: float, key: torch.Tensor, salt: int) -> to
     return x
   if p >= 1.0:
     return x * 0.0
+  x = fences.fence(x)  # [Note: fusion fences in the scanned body]
   keep = uniform_from_key(key, salt, x) >= p
   return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
@@ -151,6 +154,14 @@ class KeyedRandom(TorchFunctionMode):
     self._key = key
     self._where = where
     self._calls = 0
+
+  def __enter__(self):
+    fences.enter()
+    return super().__enter__()
+
+  def __exit__(self, *exc):
+    fences.leave()
+    return super().__exit__(*exc)
 
   def _drop(self, x: torch.Tensor, p: float) -> torch.Tensor:
     salt = self._calls

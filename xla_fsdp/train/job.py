@@ -133,6 +133,9 @@ def run(argv=None) -> dict:
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     model = build_model(config, deferred)
+    from xla_fsdp.train.positions import use_sliced_positions
+
+    use_sliced_positions(model)  # [Note: position embeddings as a slice]: GPT-2's, where it has them
     if args.fused_loss:
         from xla_fsdp.loss import use_fused_loss
         use_fused_loss(model)  # [Note: fused output loss]: the logits are never built whole

@@ -1,0 +1,51 @@
+"""Fusion fences in a scanned layer's body: what libtpu compiles fastest for the same arithmetic.
+
+[Note: fusion fences in the scanned body]
+The scanned step is compiled for its time to the first step, and most of that time is libtpu
+lowering the loop bodies' kernels, two at a time on a 2-core host (docs/scan.md, "Where the
+rest of the 2B's compile goes"). libtpu fuses element-wise work into the matmuls it feeds or
+follows, and such a kernel takes far longer to compile than the matmul alone: in the scanned
+2B GPT-2's step for v4-8 each of the head-major q, k and v projections carried the layer norm
+recomputed from the saved input (4 s of compile per kernel against about 2 s), and the output
+projections carried dropout's per-element hash (libtpu's kernel dumps, 2026-11-30).
+
+`fence(t)` gives XLA an optimization barrier around a copy of `t`: the value is written once
+where it is made and read where it is used, so neither side fuses into the other. Inside a
+scanned layer's body (both engines; nowhere else) the attention's input and output (head-major
+GPT-2 and Llama, attention/gpt2_heads.py, llama_heads.py) and every dropout's input
+(keyed_random.py) are fenced. Same values, same gradients (the barrier is an identity to
+autograd, which sees only the copy). The cost is memory traffic: the 2B's PROJECTED step
+2.410 -> 2.442 s (1.013x); its compile 42.7-47.4 s -> about 33 s, with the position lookup as a
+slice (train/positions.py): measured with `python -m xla_fsdp.aot --tpu v4-8`, docs/scan.md.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_state = threading.local()
+
+
+def enter() -> None:
+    """A scanned layer's body is being traced (keyed_random.KeyedRandom enters)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+
+
+def leave() -> None:
+    _state.depth = getattr(_state, "depth", 1) - 1
+
+
+def in_scanned_layer() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+def fence(t: torch.Tensor) -> torch.Tensor:
+    """`t`, kept out of the fusions around it when traced for a scanned layer on XLA; else `t`."""
+    if not in_scanned_layer() or t.device.type != "xla":
+        return t
+    import torch_xla
+
+    out = t.clone()  # the barrier replaces its operand's value in place; the caller's tensor stays
+    torch_xla._XLAC._xla_optimization_barrier_([out])
+    return out
