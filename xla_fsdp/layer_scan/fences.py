@@ -15,8 +15,8 @@ scanned layer's body (both engines; nowhere else) the attention's input and outp
 GPT-2 and Llama, attention/gpt2_heads.py, llama_heads.py) and every dropout's input
 (keyed_random.py) are fenced. Same values, same gradients (the barrier is an identity to
 autograd, which sees only the copy). The cost is memory traffic: the 2B's PROJECTED step
-2.410 -> 2.442 s (1.013x); its compile 42.7-47.4 s -> about 33 s, with the position lookup as a
-slice (train/positions.py): measured with `python -m xla_fsdp.aot --tpu v4-8`, docs/scan.md.
+2.410 -> 2.442 s; its libtpu compile, with the position lookup as a slice (train/positions.py),
+0.77x by the medians of interleaved runs (`python -m xla_fsdp.aot --tpu v4-8`, docs/scan.md).
 """
 from __future__ import annotations
 
