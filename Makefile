@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NUM_CORES ?= 4
 
-.PHONY: install train test bench clean
+.PHONY: install bytecode train test bench clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt setup.py
 	python3 -m venv $(VENV)
@@ -15,12 +15,18 @@ $(VENV)/.installed: requirements.txt requirements-test.txt setup.py
 
 install: $(VENV)/.installed
 
-train: install
+# Bytecode for the repository's own modules: pip compiles installed packages', but this
+# checkout's are imported in place, and where PYTHONDONTWRITEBYTECODE is set every process
+# (each test's subprocesses, the check's traced child) would compile them again.
+bytecode: install
+	$(PY) -m compileall -q xla_fsdp launch bench tests > /dev/null
+
+train: bytecode
 	PJRT_DEVICE=CPU $(PY) launch/xla_spawn.py --num_cores $(NUM_CORES) launch/run_clm.py \
 	  --config_name configs/models/gpt2-tiny.json --fsdp full_shard \
 	  --fsdp_config configs/fsdp/tiny_cpu.json --output_dir out/tiny-cpu --overwrite_output_dir
 
-test: install
+test: bytecode
 	PJRT_DEVICE=CPU $(PY) -m pytest -q --durations=25 tests
 
 clean:

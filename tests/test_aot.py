@@ -88,6 +88,13 @@ def test_the_single_controller_is_traced_in_spmd_as_the_launcher_runs_it():
     report = got["report"]
     assert got["rc"] == 0 and report["compiles"], got["output"]
     assert report["runtime"] == "single_controller" and report["program"] == "spmd", report
+    # [Note: libtpu's compile and the host's malloc]: the check started with the host's faster
+    # allocator, when it has one, and says which
+    from xla_fsdp.runtime import allocator
+
+    chosen = allocator.choose({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.MARK)})
+    if not os.environ.get("LD_PRELOAD") and not os.environ.get(allocator.ENV):
+        assert report["allocator"] == (os.path.basename(chosen) if chosen else "glibc"), report["allocator"]
 
 
 def test_a_traced_job_that_dies_on_a_signal_says_where():

@@ -50,3 +50,21 @@ def test_dropout_in_a_scanned_layer_fences_its_input_from_the_mask():
     plain = keyed_dropout(x, 0.5, key, 0)  # outside a body: the same mask, no barrier
     assert "opt-barrier" in _hlo(fenced) and "opt-barrier" not in _hlo(plain)
     assert torch.equal(fenced.cpu(), plain.cpu())
+
+
+def test_apart_fences_the_slice_and_its_gradient():
+    """[Note: one kernel for q, k and v]: the slice is a barrier's output in the forward and its
+    gradient goes through one before it joins the whole weight's; outside a body it is the slice."""
+    device = torch_xla.device()
+    w = torch.randn(6, 3, 5, device=device, requires_grad=True)
+    x = torch.randn(4, 6, device=device)
+    assert fences.apart(w[:, 1]).grad_fn is not None and "opt-barrier" not in _hlo(fences.apart(w[:, 1]))
+    with KeyedRandom(torch.zeros(4, dtype=torch.int32, device=device), "test"):
+        pieces = [fences.apart(w[:, i]) for i in range(3)]
+    assert all("opt-barrier" in _hlo(p) for p in pieces)
+    out = sum(torch.einsum("bi,ij->bj", x, p) * (i + 1) for i, p in enumerate(pieces))
+    out.sum().backward()
+    assert "opt-barrier" in _hlo(w.grad)
+    want = torch.stack([x.cpu().sum(0)[:, None].expand(6, 5) * (i + 1) for i in range(3)], dim=1)
+    torch.testing.assert_close(w.grad.cpu(), want)
+    torch.testing.assert_close(pieces[2].detach().cpu(), w[:, 2].detach().cpu())

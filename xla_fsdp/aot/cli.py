@@ -204,6 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from xla_fsdp.aot import trace
     from xla_fsdp.tpu import topology
     from xla_fsdp.tpu import libtpu_flags
+    from xla_fsdp.runtime import allocator
 
     say = (lambda *a: None) if opts.json else (lambda *a: print(*a, flush=True))
     try:
@@ -257,6 +258,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
         result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)
         result["trace_seconds"] = round(traced_s, 1)
+        result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
         try:
             fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
         except trace.TraceError as e:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from xla_fsdp.attention.rules import check_shapes
-from xla_fsdp.layer_scan.fences import fence
+from xla_fsdp.layer_scan.fences import apart, fence
 
 
 class HeadMajorGPT2Attention:
@@ -50,7 +50,8 @@ class HeadMajorGPT2Attention:
         bias = self.c_attn.bias.view(3, heads, 1, head_dim)
         # a bias in another dtype than the matmul (FSDPv1 keeps them f32 beside bf16 weights) joins in
         # the matmul's dtype, as Conv1D's addmm does on XLA
-        query, key, value = (_plus(torch.einsum("bsi,ihd->bhsd", hidden_states, weight[:, i]), bias[i])
+        # [Note: one kernel for q, k and v]
+        query, key, value = (_plus(torch.einsum("bsi,ihd->bhsd", hidden_states, apart(weight[:, i])), bias[i])
                              for i in range(3))
         if past_key_values is not None:  # as transformers' forward: the cache sees [b, h, s, d] keys/values
             cache = getattr(past_key_values, "self_attention_cache", past_key_values)

@@ -1,0 +1,92 @@
+"""The host's memory allocator for processes that compile with libtpu.
+
+[Note: libtpu's compile and the host's malloc]
+libtpu's compiler allocates and frees small objects at a great rate from two or more threads.
+Under glibc's malloc about 14% of the compile's CPU samples were in the allocator
+(`_int_malloc`, `malloc_consolidate`, `_int_free`; `perf record` of the scanned 2B's compile
+for v4-8, 2026-11-30) and the two compile threads kept each other waiting: 1.5 cores busy of
+two. With jemalloc or tcmalloc preloaded the same program (the same optimized HLO) compiled in
+about 0.75x the time (docs/scan.md, "The host's allocator"; mimalloc and glibc's own tunables
+did not help). TPU VM users commonly preload tcmalloc for the same reason.
+
+`preload_environment` says what to add to a process's environment so that it starts with a
+faster allocator: the first of jemalloc and tcmalloc this host has (the system's packages,
+`apt install libjemalloc2` or `libtcmalloc-minimal4`), unless the process already preloads
+something or `XLA_FSDP_MALLOC` says otherwise: `system` keeps glibc's, a path names the
+library. `python -m xla_fsdp.aot` starts so (its traced child inherits it). A process can only change its allocator by starting again, so `restart_with` execs
+the same command with the library preloaded; the mark in the environment keeps it from
+doing so twice. Nothing changes what the program computes: the allocator only hands out
+memory.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import os
+import sys
+from typing import Dict, List, Mapping, Optional
+
+ENV = "XLA_FSDP_MALLOC"  # unset or "auto": the first of CANDIDATES found; "system": glibc's; else a path
+MARK = "XLA_FSDP_MALLOC_STARTED"  # set by restart_with: this process already chose
+CANDIDATES = ("jemalloc", "tcmalloc_minimal", "tcmalloc")  # names as ctypes.util.find_library takes them
+_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+class AllocatorError(ValueError):
+    """XLA_FSDP_MALLOC names something that is not a loadable library."""
+
+
+def find_library(name: str) -> Optional[str]:
+    """The path of lib<name>.so.* on this host, or None."""
+    found = ctypes.util.find_library(name)  # a soname such as libtcmalloc_minimal.so.4, or None
+    for folder in _DIRS:
+        for candidate in ([found] if found else []) + [f"lib{name}.so"]:
+            path = os.path.join(folder, candidate)
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def choose(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The library to preload, or None: glibc's malloc stays (asked for, nothing found, or the
+    process preloads something already)."""
+    wanted = environ.get(ENV, "auto").strip() or "auto"
+    if wanted == "system" or environ.get(MARK):
+        return None
+    if wanted != "auto":
+        if not os.path.isfile(wanted):
+            raise AllocatorError(f"{ENV}={wanted}: no such file. Name a malloc library (e.g. "
+                                 "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2), or set it to "
+                                 "'auto' (the first of jemalloc and tcmalloc found) or 'system' (glibc's malloc)")
+        return wanted
+    if environ.get("LD_PRELOAD", "").strip():
+        return None  # the user's own preload: theirs to choose
+    for name in CANDIDATES:
+        path = find_library(name)
+        if path:
+            return path
+    return None
+
+
+def preload_environment(environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
+    """The variables to add to a process's environment for the allocator `choose` picks ({} for none)."""
+    path = choose(environ)
+    if path is None:
+        return {}
+    preload = " ".join(p for p in (environ.get("LD_PRELOAD", "").strip(), path) if p)
+    return {"LD_PRELOAD": preload, MARK: os.path.basename(path)}
+
+
+def in_use(environ: Mapping[str, str] = os.environ) -> str:
+    """What this process allocates with, as reports say it: the library's file name or "glibc"."""
+    return environ.get(MARK) or os.path.basename(environ.get("LD_PRELOAD", "").split(" ")[-1]) or "glibc"
+
+
+def restart_with(argv: List[str], environ: Mapping[str, str] = os.environ) -> None:
+    """Exec `argv` (a command for this Python: [sys.executable, ...]) again with a faster allocator
+    when one is to be had; returns only when there is none (or it was chosen already)."""
+    extra = preload_environment(environ)
+    if not extra:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, {**environ, **extra})
