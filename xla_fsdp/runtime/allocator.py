@@ -13,10 +13,10 @@ did not help). TPU VM users commonly preload tcmalloc for the same reason.
 faster allocator: the first of jemalloc and tcmalloc this host has (the system's packages,
 `apt install libjemalloc2` or `libtcmalloc-minimal4`), unless the process already preloads
 something or `XLA_FSDP_MALLOC` says otherwise: `system` keeps glibc's, a path names the
-library. `python -m xla_fsdp.aot` starts so (its traced child inherits it). A process can only change its allocator by starting again, so `restart_with` execs
-the same command with the library preloaded; the mark in the environment keeps it from
-doing so twice. Nothing changes what the program computes: the allocator only hands out
-memory.
+library. A process can only change its allocator by starting again, so `restart_with` execs
+the same command with the library preloaded; the mark in the environment keeps it from doing
+so twice. `python -m xla_fsdp.aot` starts so (its traced child inherits the preload). Nothing
+changes what the program computes: the allocator only hands out memory.
 """
 from __future__ import annotations
 
