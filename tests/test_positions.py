@@ -72,3 +72,16 @@ def test_explicit_positions_and_a_cache_run_the_lookup():
         assert count.calls == 2
         want = plain(input_ids=ids).logits[:, 4:]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_that_raises_leaves_the_table_looking_up_positions():
+    """The slice is only for the call in flight: a GPT2Model forward that fails part-way (here a
+    sequence longer than the table) leaves the embedding back on transformers' lookup."""
+    _, sliced = _models()
+    with pytest.raises(Exception):
+        sliced(torch.zeros(1, 40, dtype=torch.long))
+    wpe = sliced.transformer.wpe
+    assert not getattr(wpe, "_xla_fsdp_positions_in_order")
+    with CountEmbeddings() as count:
+        wpe(torch.arange(4)[None])
+    assert count.calls == 1  # the gather, not the slice

@@ -49,11 +49,14 @@ def _barrier(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _active(t: torch.Tensor) -> bool:
+    """Whether `t` is being traced for a scanned layer on XLA, where fences apply."""
+    return in_scanned_layer() and t.device.type == "xla"
+
+
 def fence(t: torch.Tensor) -> torch.Tensor:
     """`t`, kept out of the fusions around it when traced for a scanned layer on XLA; else `t`."""
-    if not in_scanned_layer() or t.device.type != "xla":
-        return t
-    return _barrier(t)
+    return _barrier(t) if _active(t) else t
 
 
 class _Apart(torch.autograd.Function):
@@ -80,6 +83,4 @@ def apart(t: torch.Tensor) -> torch.Tensor:
     is the same computation on operands of the same shapes and layouts; with the slices apart
     the three are the same kernel in each of the three places. The cost is a copy of each slice
     and of each slice's gradient (a [3072, 24, 128] bf16 tensor for the 2B)."""
-    if not in_scanned_layer() or t.device.type != "xla":
-        return t
-    return _Apart.apply(t)
+    return _Apart.apply(t) if _active(t) else t

@@ -68,6 +68,6 @@ def use_sliced_positions(model: nn.Module) -> int:
                 and not isinstance(module.wpe, SlicedPositions):
             mix_into(module.wpe, SlicedPositions, "Sliced")
             module.register_forward_pre_hook(_before, with_kwargs=True)
-            module.register_forward_hook(_after, with_kwargs=True)
+            module.register_forward_hook(_after, with_kwargs=True, always_call=True)  # also when forward raises
             count += 1
     return count
