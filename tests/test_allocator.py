@@ -68,3 +68,26 @@ def test_the_checks_report_says_how_to_get_the_faster_compile():
 
     assert "apt install libjemalloc2" in report._allocator("glibc")
     assert report._allocator("libjemalloc.so.2") == "; libjemalloc.so.2" and report._allocator(None) == ""
+
+
+@pytest.mark.skipif(PROBE_LIB is None, reason="no libBrokenLocale.so.1 where glibc's hosts keep it")
+def test_the_launcher_starts_a_tpu_job_again_with_the_allocator_and_a_cpu_job_as_it_is(tmp_path):
+    """On a TPU the job's first step is a libtpu compile: `launch/xla_spawn.py` starts again with
+    the allocator (its log line comes from the restarted process, which alone has the mark). This
+    host has no TPU, so the restarted launcher then stops where it reads the chips, with a usage
+    error (exit 2); on CPU it never restarts."""
+    script = tmp_path / "train.py"
+    script.write_text("def _mp_fn(index):\n    print('ran', index)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.MARK)}
+    env.update({allocator.ENV: PROBE_LIB, "PJRT_DEVICE": "TPU", "TPU_SKIP_MDS_QUERY": "1"})
+    spawn = os.path.join(os.path.dirname(__file__), "..", "launch", "xla_spawn.py")
+    out = subprocess.run([sys.executable, spawn, "--num_cores", "1", str(script)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert "allocator: libBrokenLocale.so.1 preloaded" in out.stderr, out.stderr
+    assert out.returncode == 2 and "TPU could not be read" in out.stderr, out.stderr  # a usage error, no traceback
+    assert "Traceback" not in out.stderr
+    env["PJRT_DEVICE"] = "CPU"
+    out = subprocess.run([sys.executable, spawn, "--num_cores", "1", str(script)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ran 0" in out.stdout, out.stderr
+    assert "allocator:" not in out.stderr

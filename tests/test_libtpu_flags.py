@@ -225,3 +225,20 @@ def test_a_start_up_flag_given_per_compile_is_named_with_the_way_out(traced_step
                              "--xla_jf_internal_num_threads=2", say=lambda *a: None)
     assert not r["compiles"] and "xla_jf_internal_num_threads" in r["error"]
     assert "LIBTPU_INIT_ARGS" in r["cause"] and "--libtpu-flags" in r["cause"], r["cause"]
+
+
+@needs_libtpu
+def test_start_up_flags_from_libtpu_init_args_apply_and_the_step_still_compiles(traced_step):
+    """A user who sets LIBTPU_INIT_ARGS for libtpu's dumps gets them (libtpu read them when it
+    started) and the check still compiles with the rest: the start-up flag is left out of the
+    compile's flags and named; given explicitly (--libtpu-flags) it still fails as above."""
+    from xla_fsdp.aot import report
+    from xla_fsdp.aot.cli import _load_compiler
+    from xla_fsdp.tpu import topology
+
+    r = report.check_program(traced_step, topology.parse_accelerator_type("v4-8"), _load_compiler(),
+                             "--xla_jf_internal_num_threads=2 --xla_enable_async_all_gather=true",
+                             say=lambda *a: None, started_with=True)
+    assert r["compiles"], r["error"][:2000]
+    assert r["start_up_flags"] == ["xla_jf_internal_num_threads"], r.get("start_up_flags")
+    assert "xla_jf_internal_num_threads" in report.render(r)

@@ -52,10 +52,11 @@ else
   )
 fi
 
-# Ubuntu's python3 cannot create a venv until python3-venv is installed.
+# Ubuntu's python3 cannot create a venv until python3-venv is installed; libjemalloc2: the
+# launcher starts the job with it for libtpu's compile ([Note: libtpu's compile and the host's malloc]).
 remote="$(remote_script \
   "$(quote_command sudo apt-get update -q)" \
-  "$(quote_command sudo apt-get install -y -q python3-venv)" \
+  "$(quote_command sudo apt-get install -y -q python3-venv libjemalloc2)" \
   "${get_code[@]}" \
   "$(quote_command cd "$dir")" \
   "$(quote_command "$OPT_PYTHON" -m venv .venv)" \

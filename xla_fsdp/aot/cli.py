@@ -178,7 +178,8 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     traced_s = time.time() - started
     with open(env[fit.REPORT_ENV]) as f:
         chosen = json.load(f)
-    second = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)
+    second = rep.check_program(text, spec, compiler, flags, say=say, calls=calls,
+                               started_with=bool(result.get("start_up_flags")))
     second["trace_seconds"] = round(traced_s, 1)
     keep = ("memory", "projection", "compile_seconds", "trace_seconds")
     second["fit"] = {"count": chosen["count"], "units": chosen["units"], "saved_per_unit": chosen["saved"],
@@ -252,11 +253,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             keep = True  # the log it names
             return EXIT_TRACE
         traced_s = time.time() - started
+        own = opts.libtpu_flags is None and libtpu_flags.users_own()  # what libtpu read when it started
         flags = opts.libtpu_flags if opts.libtpu_flags is not None else \
-            (libtpu_flags.users_own() or libtpu_flags.for_runtime(job.runtime, spec.chips))
+            (own or libtpu_flags.for_runtime(job.runtime, spec.chips))
         sites_path = os.path.join(workdir, "collective_sites.json")
         calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
-        result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls)
+        result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own))
         result["trace_seconds"] = round(traced_s, 1)
         result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from xla_fsdp.aot import program as prog
 from xla_fsdp.tpu import compile_log, optimized_hlo, step_time
@@ -53,14 +53,21 @@ def _diagnose(message: str, text: str, calls=()) -> str:
         mix = prog.layout_mix(text, calls)
         if mix:
             return mix
-    start_up = re.search(r"No such compile option: '([\w.]+)'", message)
-    if start_up:  # libtpu reads some flags only when it starts (xla_jf_internal_num_threads, dumps)
-        return (f"{start_up.group(1)} is read when libtpu starts, not per compile: put it in LIBTPU_INIT_ARGS and "
+    start_up = _start_up_only(message)
+    if start_up:
+        return (f"{start_up} is read when libtpu starts, not per compile: put it in LIBTPU_INIT_ARGS and "
                 "give the compile flags with --libtpu-flags (the check compiles with those)")
     if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message:
         return ("the step's buffers do not fit in the chip's HBM; shard more (FULL_SHARD), checkpoint "
                 "activations (xla_fsdp_grad_ckpt), lower the per-device batch, or pick a larger slice")
     return ""
+
+
+def _start_up_only(message: str) -> Optional[str]:
+    """The flag a compile refused because libtpu reads it only when it starts (its dumps,
+    xla_jf_internal_num_threads), or None."""
+    m = re.search(r"No such compile option: '([\w.]+)'", message)
+    return m.group(1) if m else None
 
 
 def hbm_account(compiled, hbm_per_chip: int) -> dict:
@@ -80,9 +87,13 @@ def hbm_account(compiled, hbm_per_chip: int) -> dict:
     return out
 
 
-def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print, calls=()) -> dict:
+def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print, calls=(),
+                  started_with: bool = False) -> dict:
     """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict.
-    `calls`: the job's own collective calls the trace recorded (see `program.layout_mix`)."""
+    `calls`: the job's own collective calls the trace recorded (see `program.layout_mix`).
+    `started_with`: `libtpu_flags` is the LIBTPU_INIT_ARGS libtpu read when it started, so a flag
+    it takes only then (its dumps, its thread count) applies already and is left out of the
+    compile's own flags (listed under "start_up_flags") instead of failing it."""
     from xla_fsdp.tpu import compile_options as co
 
     spmd = is_spmd(text)
@@ -95,13 +106,23 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     say(f"xla_fsdp.aot: compiling the step for {spec.name} with libtpu ({'one SPMD program over' if spmd else 'one program per chip,'} "
         f"{spec.chips} chips)")
     started = time.time()
-    try:
-        with compiler.topology(spec.topology_name, spec.options) as topology:
-            flags = co.parse_libtpu_init_args(libtpu_flags)
-            options = (co.spmd_options if spmd else co.per_process_options)(topology.device_ids, flags)
-            compiled = compiler.compile(topology, co.hlo_text_to_proto(text), options)
-    except Exception as e:  # the compiler's own error text is the report
-        message = getattr(e, "compiler_message", None) or str(e)
+    flags, start_up, compiled, message = co.parse_libtpu_init_args(libtpu_flags), [], None, ""
+    while compiled is None:
+        try:
+            with compiler.topology(spec.topology_name, spec.options) as topology:
+                options = (co.spmd_options if spmd else co.per_process_options)(topology.device_ids, flags)
+                compiled = compiler.compile(topology, co.hlo_text_to_proto(text), options)
+        except Exception as e:  # the compiler's own error text is the report
+            message = getattr(e, "compiler_message", None) or str(e)
+            name = _start_up_only(message) if started_with else None
+            if name and any(n == name for n, _ in flags):
+                start_up.append(name)
+                flags = [(n, v) for n, v in flags if n != name]
+                continue
+            break
+    if start_up:
+        result["start_up_flags"] = start_up
+    if compiled is None:
         result.update(error=message.strip(), cause=_diagnose(message, text, calls) or (mix or ""),
                       compile_seconds=round(time.time() - started, 1))
         oom = out_of_memory(message)
@@ -193,6 +214,9 @@ def _render_one(r: dict) -> str:
     m = r["memory"]
     usable = m.get("usable", r["hbm_per_chip"])
     lines.append(f"compiles (libtpu, {r['compile_seconds']:.1f} s{_allocator(r.get('allocator'))})")
+    if r.get("start_up_flags"):
+        lines.append("  read by libtpu when it started (LIBTPU_INIT_ARGS), not compile flags: "
+                     + ", ".join(r["start_up_flags"]))
     if m.get("source") == "libtpu":
         lines.append("HBM per chip (libtpu's own account, from its compile log):")
         lines.append(f"  {'program':<15}{_gib(m['libtpu_program']):>12}   temporaries and code; of the temporaries "

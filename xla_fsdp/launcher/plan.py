@@ -66,7 +66,12 @@ def tpu_local_device_count() -> int:
     """
     from torch_xla._internal import tpu  # TPU-only path; slow import.
 
-    return tpu.num_local_processes() * tpu.num_logical_cores_per_chip()
+    try:
+        return tpu.num_local_processes() * tpu.num_logical_cores_per_chip()
+    except Exception as e:  # no TPU here: torch_xla asks the metadata server, or parses what is not there
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise UsageError(f"PJRT_DEVICE=TPU but this host's TPU could not be read ({type(e).__name__}: {first}); "
+                         "run on a TPU VM, or set PJRT_DEVICE=CPU") from None
 
 
 @dataclasses.dataclass(frozen=True)

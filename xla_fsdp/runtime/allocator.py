@@ -15,7 +15,8 @@ faster allocator: the first of jemalloc and tcmalloc this host has (the system's
 something or `XLA_FSDP_MALLOC` says otherwise: `system` keeps glibc's, a path names the
 library. A process can only change its allocator by starting again, so `restart_with` execs
 the same command with the library preloaded; the mark in the environment keeps it from doing
-so twice. `python -m xla_fsdp.aot` starts so (its traced child inherits the preload). Nothing
+so twice. `python -m xla_fsdp.aot` starts so (its traced child inherits the preload), and so
+does the launcher on a TPU (`launch/xla_spawn.py`; the replicas inherit it). Nothing
 changes what the program computes: the allocator only hands out memory.
 """
 from __future__ import annotations
