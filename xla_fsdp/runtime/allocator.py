@@ -91,3 +91,10 @@ def restart_with(argv: List[str], environ: Mapping[str, str] = os.environ) -> No
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(argv[0], argv, {**environ, **extra})
+
+
+if __name__ == "__main__":  # `python xla_fsdp/runtime/allocator.py`: the variables as `env` takes them (Makefile)
+    try:
+        print(" ".join(f"{name}={value}" for name, value in preload_environment().items()))
+    except AllocatorError as e:
+        sys.exit(f"error: {e}")
