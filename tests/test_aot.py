@@ -49,10 +49,22 @@ def test_report_names_memory_and_collectives_and_dumps_the_programs(tmp_path):
 
 
 def test_own_loop_through_check(tmp_path):
-    """A user's loop that hands its step to xla_fsdp.aot.check()."""
-    got = ac.check("v5e-8", [OWN_LOOP, "--mark"], runtime="multi_process")
-    assert got["rc"] == 0 and got["report"]["compiles"], got["output"]
-    assert got["report"]["chips"] == 8
+    """A user's loop that hands its step to xla_fsdp.aot.check(). The check's own process (it
+    traces in a child, compiles with libtpu and reports) never imports torch ([Note: a package
+    root that loads on first use] in xla_fsdp/__init__.py): seen in `python -X importtime`, with
+    glibc's malloc so that the process printing the lines is the one that checks."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "XLA_USE_SPMD",
+                                                           "CPU_NUM_DEVICES", "LIBTPU_INIT_ARGS", "LD_PRELOAD")}
+    env["XLA_FSDP_MALLOC"] = "system"
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "xla_fsdp.aot", "--tpu", "v5e-8", "--runtime",
+                           "multi_process", "--json", "--", OWN_LOOP, "--mark"], capture_output=True, text=True,
+                          timeout=1200, cwd=ac.ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(proc.stdout)
+    assert report["compiles"] and report["chips"] == 8
+    imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert {"xla_fsdp.aot.cli", "xla_fsdp.aot.report", "xla_fsdp.tpu.pjrt"} <= set(imported), proc.stderr[-3000:]
+    assert "torch" not in imported, [m for m in imported if m.startswith(("torch", "xla_fsdp"))]
 
 
 def test_collectives_users_add_unpinned_are_named_with_the_fix(tmp_path):

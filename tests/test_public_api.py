@@ -113,11 +113,33 @@ def test_moved_modules_keep_their_import_paths(old, new):
     _prints_ok_in_a_fresh_interpreter(code)
 
 
-def _prints_ok_in_a_fresh_interpreter(code: str) -> None:
+def _prints_ok_in_a_fresh_interpreter(code: str, flags=()) -> None:
     env = {**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_package_root_loads_torch_only_when_a_public_name_is_read():
+    """[Note: a package root that loads on first use]: `import xla_fsdp` leaves torch unloaded
+    (the check's and the launcher's own processes start without it), reading `FSDP` loads it, and
+    `import xla_fsdp.deferred_init` keeps the attribute the function."""
+    code = "\n".join([
+        "import sys, types",
+        "import xla_fsdp",
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]",
+        "import xla_fsdp.launcher.main, xla_fsdp.aot.cli, xla_fsdp.runtime.allocator",
+        "assert 'torch' not in sys.modules",
+        "import xla_fsdp.deferred_init",
+        "assert isinstance(sys.modules['xla_fsdp.deferred_init'], types.ModuleType)",
+        "assert callable(xla_fsdp.deferred_init) and not isinstance(xla_fsdp.deferred_init, types.ModuleType)",
+        "from xla_fsdp import FSDP",
+        "assert 'torch' in sys.modules and FSDP is xla_fsdp.XlaFullyShardedDataParallel",
+        "assert 'FSDP' in dir(xla_fsdp) and not hasattr(xla_fsdp, 'no_such_name')",
+        "print('ok')",
+    ])
+    # -X: a real interpreter, not the suite's warm one that holds torch already ([Note: warm interpreters])
+    _prints_ok_in_a_fresh_interpreter(code, flags=("-X", "importtime"))
 
 
 def test_deferred_init_function_carries_the_module_names():

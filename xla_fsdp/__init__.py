@@ -12,15 +12,44 @@ from .tpu import libtpu_flags as _libtpu_flags
 # On a TPU, before libtpu starts: its async-collective flags, unless the user set LIBTPU_INIT_ARGS
 _libtpu_flags.set_defaults()
 
-from .activation_checkpoint import checkpoint_module  # noqa: E402
-from .api import FSDP, XlaFullyShardedDataParallel
-from .checkpoint import consolidate_sharded_model_checkpoints
-from .options import MixedPrecision, ShardingStrategy
-from .spmd_fsdp import SpmdFullyShardedDataParallel
-from .wrap import (always_wrap_policy, lambda_auto_wrap_policy, size_based_auto_wrap_policy,
-                   transformer_auto_wrap_policy)
+# [Note: a package root that loads on first use]
+# `import xla_fsdp` sets libtpu's flags and the moved modules' finder, nothing else: the public names
+# below load the module that defines them when first read (`from xla_fsdp import FSDP` reads it at
+# once). So the tools that need no torch (`python -m xla_fsdp.aot`'s own process, the launcher)
+# start in a fraction of a second instead of importing torch first (about 3 s on a 2-core host, twice
+# when they start again with a faster malloc). Submodules read as attributes (`xla_fsdp.wrap`)
+# load the same way.
+_PUBLIC = {
+    "checkpoint_module": ".activation_checkpoint",
+    "FSDP": ".api", "XlaFullyShardedDataParallel": ".api",
+    "consolidate_sharded_model_checkpoints": ".checkpoint",
+    "MixedPrecision": ".options", "ShardingStrategy": ".options",
+    "SpmdFullyShardedDataParallel": ".spmd_fsdp",
+    "always_wrap_policy": ".wrap", "lambda_auto_wrap_policy": ".wrap", "size_based_auto_wrap_policy": ".wrap",
+    "transformer_auto_wrap_policy": ".wrap",
+    "deferred_init": ".deferred.compat", "is_deferred": ".deferred.compat",
+    "materialize_module": ".deferred.compat",
+}
 
-from .deferred.compat import deferred_init, is_deferred, materialize_module  # noqa: E402
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
 
 
 class _MovedModules:
@@ -28,13 +57,15 @@ class _MovedModules:
     Modules users import by name stay importable where they were before the package's root was
     tidied into folders (tests/test_public_api.py imports each): `import xla_fsdp.hosts` gives
     `xla_fsdp.runtime.hosts` itself, not a copy, loaded on first import (importing xla_fsdp does
-    not start torch_xla's mesh code). The two already loaded here are entered in sys.modules at
-    once (`xla_fsdp.deferred_init` must stay the *function* above, torchdistx's call shape, and an
-    entry in sys.modules keeps the import system from setting the attribute to the module). This
-    finder is one of the import-time effects docs/DESIGN.md lists."""
+    not start torch_xla's mesh code, nor torch). `xla_fsdp.deferred_init` stays the *function*
+    (torchdistx's call shape) after `import xla_fsdp.deferred_init` loads the module of that name:
+    the import system then sets the parent's attribute to the module, which `_Package` refuses for
+    the names whose attribute is not the module. This finder is one of the import-time effects
+    docs/DESIGN.md lists."""
 
     MOVED = {__name__ + ".hosts": ".runtime.hosts", __name__ + ".mesh": ".runtime.mesh",
-             __name__ + ".runtime_choice": ".runtime.choice"}
+             __name__ + ".runtime_choice": ".runtime.choice", __name__ + ".state_dict": ".checkpoint.state_dict",
+             __name__ + ".deferred_init": ".deferred.compat"}
 
     def find_spec(self, fullname, path=None, target=None):
         import importlib.util
@@ -52,13 +83,15 @@ class _MovedModules:
 
 def _keep_old_module_paths() -> None:
     import sys
+    import types
 
-    from .checkpoint import state_dict as _state_dict
-    from .deferred import compat as _compat
+    class _Package(types.ModuleType):
+        def __setattr__(self, name, value):
+            if isinstance(value, types.ModuleType) and _PUBLIC.get(name) == ".deferred.compat":
+                return  # the import of xla_fsdp.deferred_init: the attribute stays the function
+            super().__setattr__(name, value)
 
-    sys.modules[__name__ + ".state_dict"] = _state_dict
-    globals()["state_dict"] = _state_dict  # as a submodule's import would have set it
-    sys.modules[__name__ + ".deferred_init"] = _compat
+    sys.modules[__name__].__class__ = _Package
     sys.meta_path.append(_MovedModules())
 
 

@@ -18,8 +18,10 @@ not run under the trace; `active()` tells it.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads where a tensor is made: `python -m xla_fsdp.aot` reads TRACE_ENV without it
+    import torch
 
 TRACE_ENV = "XLA_FSDP_AOT_TRACE"
 
@@ -45,6 +47,8 @@ def placeholder(shape, dtype: torch.dtype, sharding=None) -> torch.Tensor:
 def to_device(tensor: torch.Tensor, device, sharding=None) -> torch.Tensor:
     """`tensor` on the XLA `device`; under the trace, a meta tensor becomes a placeholder."""
     if active() and tensor.is_meta:
+        import torch
+
         return placeholder(torch.Tensor.size(tensor), tensor.dtype, sharding)  # stored shape
     return tensor.to(device)
 

@@ -135,20 +135,27 @@ def _recorded(fn, kind: str):
     return wrapper
 
 
-def _objects_of(cls) -> list:
-    """Every live object of `cls`. isinstance() on torch.distributed's deprecated `reduce_op`
-    object warns (a FutureWarning per walk); the job's user would see that, not ours."""
+def _objects_of(*classes) -> list:
+    """Every live object of each of `classes`, one list per class, from one walk of the heap (a
+    walk costs about half a second in a traced 2B job). isinstance() on torch.distributed's
+    deprecated `reduce_op` object warns (a FutureWarning per walk); the job's user would see that,
+    not ours."""
     import warnings
 
+    found = [[] for _ in classes]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.*", category=FutureWarning)
-        return [o for o in gc.get_objects() if isinstance(o, cls)]
+        for o in gc.get_objects():
+            for i, cls in enumerate(classes):
+                if isinstance(o, cls):
+                    found[i].append(o)
+    return found
 
 
-def _live_xla_tensors():
-    """Live tensors backed by XLA data. Tensors that only claim the device (the fake and
+def _live_xla_tensors(tensors):
+    """Of `tensors`, those backed by XLA data. Tensors that only claim the device (the fake and
     functional tensors AOTAutograd keeps when scan_layers traces a layer) are skipped."""
-    return [o for o in _objects_of(torch.Tensor) if o.device.type == "xla" and _is_xla_data(o)]
+    return [o for o in tensors if o.device.type == "xla" and _is_xla_data(o)]
 
 
 def _is_xla_data(tensor: torch.Tensor) -> bool:
@@ -181,12 +188,12 @@ def cut(force: bool = False) -> None:
     _compile_and_exit()
 
 
-def _optimizer_shardings():
+def _optimizer_shardings(optimizers):
     """id(state tensor) -> its parameter's sharding, for state shaped like its parameter."""
     import torch_xla
 
     out = {}
-    for obj in _objects_of(torch.optim.Optimizer):
+    for obj in optimizers:
         for group in obj.param_groups:
             for p in group["params"]:
                 if p.device.type != "xla" or not torch_xla._XLAC._get_xla_sharding_spec(p):
@@ -205,9 +212,10 @@ def _as_if_run() -> None:
 
     from xla_fsdp import abstract
 
-    inherited = _optimizer_shardings()
+    optimizers, tensors = _objects_of(torch.optim.Optimizer, torch.Tensor)
+    inherited = _optimizer_shardings(optimizers)
     devices = set()
-    for t in _live_xla_tensors():
+    for t in _live_xla_tensors(tensors):
         if t.is_leaf or isinstance(t, torch.nn.Parameter) or t._base is None:
             op = None
             if torch_xla._XLAC._get_xla_sharding_spec(t):

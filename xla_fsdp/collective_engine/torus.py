@@ -40,7 +40,6 @@ import math
 import os
 from typing import List, Optional, Sequence, Tuple
 
-from ..options import REDUCE_SCATTER_STAGES
 
 ENV = "XLA_FSDP_TORUS"
 
@@ -108,6 +107,8 @@ def three_axes(shape: Optional[Tuple[int, ...]]) -> bool:
 def stages(group: Sequence[int], shape: Optional[Tuple[int, ...]], mode: str = "auto") -> List[Stage]:
     """The reduce-scatter stages for one shard group holding every device, or [] for one flat
     reduce-scatter. Each stage lists its replica groups (device ids in rank order)."""
+    from ..options import REDUCE_SCATTER_STAGES  # options loads torch; the check's own process reads ENV only
+
     if mode not in REDUCE_SCATTER_STAGES:
         raise ValueError(f"reduce_scatter_stages={mode!r}: use one of {REDUCE_SCATTER_STAGES}")
     if mode not in ("auto", "axes") or shape is None or sum(size > 1 for size in shape) < 2:
