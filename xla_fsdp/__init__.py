@@ -98,9 +98,4 @@ def _keep_old_module_paths() -> None:
 _keep_old_module_paths()
 
 
-__all__ = [
-    "XlaFullyShardedDataParallel", "FSDP", "SpmdFullyShardedDataParallel", "checkpoint_module", "MixedPrecision", "ShardingStrategy",
-    "always_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
-    "transformer_auto_wrap_policy", "deferred_init", "materialize_module", "is_deferred",
-    "consolidate_sharded_model_checkpoints",
-]
+__all__ = list(_PUBLIC)
