@@ -19,13 +19,13 @@ pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -
 OWN_LOOP = os.path.join(ac.ROOT, "tests", "fixtures", "aot_own_loop.py")
 
 
-def _cli(args, env_extra=None, timeout=600):
+def _cli(args, env_extra=None, timeout=600, python_flags=()):
     env = dict(os.environ)
     for name in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "XLA_USE_SPMD", "CPU_NUM_DEVICES", "LIBTPU_INIT_ARGS"):
         env.pop(name, None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "xla_fsdp.aot", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ac.ROOT, env=env)
+    return subprocess.run([sys.executable, *python_flags, "-m", "xla_fsdp.aot", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ac.ROOT, env=env)
 
 
 def test_report_names_memory_and_collectives_and_dumps_the_programs(tmp_path):
@@ -53,12 +53,9 @@ def test_own_loop_through_check(tmp_path):
     traces in a child, compiles with libtpu and reports) never imports torch ([Note: a package
     root that loads on first use] in xla_fsdp/__init__.py): seen in `python -X importtime`, with
     glibc's malloc so that the process printing the lines is the one that checks."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "XLA_USE_SPMD",
-                                                           "CPU_NUM_DEVICES", "LIBTPU_INIT_ARGS", "LD_PRELOAD")}
-    env["XLA_FSDP_MALLOC"] = "system"
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "xla_fsdp.aot", "--tpu", "v5e-8", "--runtime",
-                           "multi_process", "--json", "--", OWN_LOOP, "--mark"], capture_output=True, text=True,
-                          timeout=1200, cwd=ac.ROOT, env=env)
+    proc = _cli(["--tpu", "v5e-8", "--runtime", "multi_process", "--json", "--", OWN_LOOP, "--mark"],
+                env_extra={"XLA_FSDP_MALLOC": "system", "LD_PRELOAD": ""}, timeout=1200,
+                python_flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(proc.stdout)
     assert report["compiles"] and report["chips"] == 8

@@ -59,8 +59,7 @@ class _MovedModules:
     `xla_fsdp.runtime.hosts` itself, not a copy, loaded on first import (importing xla_fsdp does
     not start torch_xla's mesh code, nor torch). `xla_fsdp.deferred_init` stays the *function*
     (torchdistx's call shape) after `import xla_fsdp.deferred_init` loads the module of that name:
-    the import system then sets the parent's attribute to the module, which `_Package` refuses for
-    the names whose attribute is not the module. This finder is one of the import-time effects
+    the import system then sets the parent's attribute to the module, which `_Package` refuses. This finder is one of the import-time effects
     docs/DESIGN.md lists."""
 
     MOVED = {__name__ + ".hosts": ".runtime.hosts", __name__ + ".mesh": ".runtime.mesh",
@@ -87,7 +86,7 @@ def _keep_old_module_paths() -> None:
 
     class _Package(types.ModuleType):
         def __setattr__(self, name, value):
-            if isinstance(value, types.ModuleType) and _PUBLIC.get(name) == ".deferred.compat":
+            if name == "deferred_init" and isinstance(value, types.ModuleType):
                 return  # the import of xla_fsdp.deferred_init: the attribute stays the function
             super().__setattr__(name, value)
 
