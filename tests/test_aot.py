@@ -49,19 +49,30 @@ def test_report_names_memory_and_collectives_and_dumps_the_programs(tmp_path):
 
 
 def test_own_loop_through_check(tmp_path):
-    """A user's loop that hands its step to xla_fsdp.aot.check(). The check's own process (it
-    traces in a child, compiles with libtpu and reports) never imports torch ([Note: a package
-    root that loads on first use] in xla_fsdp/__init__.py): seen in `python -X importtime`, with
-    glibc's malloc so that the process printing the lines is the one that checks."""
-    proc = _cli(["--tpu", "v5e-8", "--runtime", "multi_process", "--json", "--", OWN_LOOP, "--mark"],
-                env_extra={"XLA_FSDP_MALLOC": "system", "LD_PRELOAD": ""}, timeout=1200,
-                python_flags=("-X", "importtime"))
+    """A user's loop that hands its step to xla_fsdp.aot.check(), checked as a user runs it.
+    - The check's own process (it traces in a child, compiles with libtpu and reports) never
+      imports torch ([Note: a package root that loads on first use] in xla_fsdp/__init__.py):
+      seen in `python -X importtime`, with glibc's malloc so that the process printing the
+      lines is the one that checks.
+    - The check walks every live object; torch's FutureWarning about its deprecated `reduce_op`
+      must not reach the user's screen (the job's own output is echoed).
+    - XLA:CPU runs a small step on the placeholders as soon as it compiled it, which crashes the
+      traced process; with the process's poll held back (XLA_FSDP_AOT_POLL_S) that always
+      happens before it looks at the dump. The module is whole there all the same, and the check
+      takes it from the dump ([Note: the module is taken from the dump, whoever gets there
+      first]); the single controller's turn is in
+      test_the_single_controller_is_traced_in_spmd_as_the_launcher_runs_it."""
+    proc = _cli(["--tpu", "v5e-8", "--runtime", "multi_process", "--", OWN_LOOP, "--mark"],
+                env_extra={"XLA_FSDP_MALLOC": "system", "LD_PRELOAD": "", "XLA_FSDP_AOT_POLL_S": "600"},
+                timeout=1200, python_flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    report = json.loads(proc.stdout)
-    assert report["compiles"] and report["chips"] == 8
+    out = proc.stdout
+    assert "on v5e-8 (8 chips, 1 host(s))" in out and "compiles (libtpu" in out, out[-3000:]
+    assert "  | " in out, out[-3000:]  # the job's output was shown, so a warning in it would be too
     imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     assert {"xla_fsdp.aot.cli", "xla_fsdp.aot.report", "xla_fsdp.tpu.pjrt"} <= set(imported), proc.stderr[-3000:]
     assert "torch" not in imported, [m for m in imported if m.startswith(("torch", "xla_fsdp"))]
+    assert "FutureWarning" not in out + proc.stderr, [l for l in (out + proc.stderr).splitlines() if "Warning" in l]
 
 
 def test_collectives_users_add_unpinned_are_named_with_the_fix(tmp_path):
@@ -78,24 +89,15 @@ def test_collectives_users_add_unpinned_are_named_with_the_fix(tmp_path):
     assert "pin_layout_in_collective_ops=False" in cause and "pin_layout=True" in cause, cause
 
 
-@pytest.mark.parametrize("runtime", ["multi_process", "single_controller"])
-def test_the_module_is_taken_when_the_traced_process_dies_first(runtime):
-    """XLA:CPU runs a small step on the placeholders as soon as it compiled it, which crashes the
-    traced process; with the process's poll held back that always happens before it looks at
-    the dump. The module is whole there all the same, and the check takes it from the dump
-    ([Note: the module is taken from the dump, whoever gets there first])."""
-    got = ac.check("v5e-8", [OWN_LOOP, "--mark"], runtime=runtime, timeout=300,
-                   env_extra={"XLA_FSDP_AOT_POLL_S": "600"})
-    assert got["rc"] == 0 and got["report"]["compiles"] and got["report"]["chips"] == 8, got["output"]
-
-
 def test_the_single_controller_is_traced_in_spmd_as_the_launcher_runs_it():
     """A loop that never calls xr.use_spmd() itself: xla_spawn turns SPMD on for the single
     controller before the script runs, so the check must too, or it compiles one program per chip
-    while reporting the single controller."""
-    got = ac.check("v5e-8", [OWN_LOOP, "--mark"], runtime="single_controller", timeout=300)
+    while reporting the single controller. Its poll held back as in
+    test_own_loop_through_check: the single controller's module is taken from the dump too."""
+    got = ac.check("v5e-8", [OWN_LOOP, "--mark"], runtime="single_controller", timeout=300,
+                   env_extra={"XLA_FSDP_AOT_POLL_S": "600"})
     report = got["report"]
-    assert got["rc"] == 0 and report["compiles"], got["output"]
+    assert got["rc"] == 0 and report["compiles"] and report["chips"] == 8, got["output"]
     assert report["runtime"] == "single_controller" and report["program"] == "spmd", report
     # [Note: libtpu's compile and the host's malloc]: the check started with the host's faster
     # allocator, when it has one, and says which
@@ -117,15 +119,6 @@ def test_a_traced_job_that_dies_on_a_signal_says_where():
     err = proc.stderr
     assert "before its second training step" in err, err
     assert "Segmentation fault" in err and "aot_dies.py\", line 28 in crash_in_native_code" in err, err
-
-
-def test_the_check_shows_no_warnings_of_its_own_walks():
-    """The check walks every live object; torch's FutureWarning about its deprecated
-    `reduce_op` must not reach the user's screen."""
-    proc = _cli(["--tpu", "v5e-8", "--runtime", "multi_process", "--", OWN_LOOP, "--mark"], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compiles (libtpu" in proc.stdout, proc.stdout
-    assert "FutureWarning" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 def test_whole_module_reads_the_closing_brace_of_entry():
@@ -313,7 +306,8 @@ def test_per_chip_jobs_past_127_chips_trace_on_one_device(tmp_path, monkeypatch)
 
 def test_single_controller_step_compiles_for_a_multi_host_slice(tmp_path):
     """v5e-16: 16 chips over 4 hosts, the single controller (run_clm's default on a pod) with
-    HYBRID_SHARD; about 45 s here."""
+    HYBRID_SHARD (a replica axis: gathers and reduce-scatters, no rings; the compile matrix's
+    representative of it, tests/test_tpu_compile_matrix.py); about 30 s here."""
     case = ac.BY_NAME["sc-hybrid"]
     cmd = ac.command(case, 16, str(tmp_path / "fsdp.json"), str(tmp_path / "out"))
     got = ac.check("v5e-16", cmd)
@@ -321,6 +315,9 @@ def test_single_controller_step_compiles_for_a_multi_host_slice(tmp_path):
     assert report is not None, got["output"]
     assert report["chips"] == 16 and report["hosts"] == 4 and report["runtime"] == "single_controller"
     assert report["compiles"], report.get("error")
+    assert report["program"] == "spmd" and report["fits"] and got["rc"] == 0, (report["program"], report["memory"])
+    kinds = report["collectives"]["by_kind"]
+    assert "all-gather" in kinds and "reduce-scatter" in kinds, kinds
 
 
 @pytest.mark.slow

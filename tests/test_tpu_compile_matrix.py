@@ -23,10 +23,10 @@ pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -
 CHIPS = {"v4-8": 4, "v5e-8": 8}
 # one process per chip (mp-full_shard on v4-8) is compiled by tests/test_aot.py's report test; the
 # single controller on v4-8 by tests/test_libtpu_flags.py and the make-train test, on v5e-8 (with
-# per-layer checkpointing: the shipped config) by the default-configuration test; every case on
-# both slices, one process per chip with checkpointing among them, under -m slow
+# per-layer checkpointing: the shipped config) by the default-configuration test, with a replica axis
+# (sc-hybrid: gathers and reduce-scatters, no rings) on v5e-16 by tests/test_aot.py's multi-host
+# test; every case on both slices, one process per chip with checkpointing among them, under -m slow
 DEFAULT = [
-    ("sc-hybrid", "v5e-8"),           # a replica axis (no rings: gathers and reduce-scatters)
     ("gspmd", "v5e-8"),               # the GSPMD engine
 ]
 FULL = [(c.name, tpu) for c in ac.MATRIX for tpu in CHIPS]
