@@ -77,7 +77,7 @@ def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, tim
            "attn": attn or "transformers' default", "fused_loss": False, "compiles": bool(r.get("compiles")),
            "fits": bool(r.get("fits")), "seconds": round(time.time() - started, 1),
            "fsdp_config": os.path.basename(fsdp_config), "trace_s": r.get("trace_seconds"),
-           "compile_s": r.get("compile_seconds"),
+           "compile_s": r.get("compile_seconds"), "compile_stages": r.get("compile_stages"),
            "libtpu_flags": r.get("libtpu_flags"), "error": ""}
     if r.get("compiles"):
         p, c = r["projection"], r["collectives"]

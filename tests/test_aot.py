@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,8 @@ def test_report_names_memory_and_collectives_and_dumps_the_programs(tmp_path):
     out = proc.stdout
     # libtpu's own account, read from the log it wrote in the check's own directory, which is gone
     assert "compiles (libtpu" in out and "HBM per chip (libtpu's own account" in out, out
+    # where the compile's time went, by libtpu's own log ([Note: where libtpu's compile time goes])
+    assert re.search(r"compiles \(libtpu, [\d.]+ s: HLO passes [\d.]+ s, back end [\d.]+ s, code generation", out), out
     assert "of 30.75 GiB usable per chip" in out, out
     assert not [p for p in os.listdir(scratch) if p.startswith("xla_fsdp_aot")], os.listdir(scratch)
     assert "all-gather" in out and "reduce-scatter" in out or "all-reduce" in out, out

@@ -340,6 +340,32 @@ def test_libtpu_states_the_hbm_a_program_needs_and_pjrt_counts_its_fragmentation
     assert compile_log.program_hbm("no compile here") is None
 
 
+def test_the_compile_s_stages_are_read_from_libtpus_log_and_named_in_the_report(compiler):
+    """[Note: where libtpu's compile time goes]: a real compile's HLO passes, back end and code
+    generation, each within the compile's own wall time; durations as libtpu prints them; the
+    check's report line names them."""
+    from xla_fsdp.aot import report
+    from xla_fsdp.tpu import compile_log
+
+    _, slice_ = _open(compiler, "v4-8")
+    with slice_:
+        program = compiler.compile(slice_, co.hlo_text_to_proto(_looping_module(1024)),
+                                   co.per_process_options(slice_.device_ids))
+    stages = program.stages
+    assert {"hlo_passes", "back_end", "code_generation"} <= set(stages), stages
+    assert all(0 < stages[k] for k in ("hlo_passes", "back_end")), stages
+    assert sum(stages[k] for k in ("hlo_passes", "back_end", "code_generation")) <= program.compile_seconds, \
+        (stages, program.compile_seconds)
+    assert compile_log.duration_seconds("1m7.34833860575s") == pytest.approx(67.34833860575)
+    assert compile_log.duration_seconds("862.71086675ms") == pytest.approx(0.86271086675)
+    assert compile_log.duration_seconds("1h2m3.5s") == pytest.approx(3723.5)
+    with pytest.raises(ValueError, match="not a libtpu duration"):
+        compile_log.duration_seconds("7 parsecs")
+    assert compile_log.stage_seconds("no compile here") == {}
+    line = report._stages({"hlo_passes": 6.21, "back_end": 67.3, "code_generation": 4.4, "end_to_end": 78.8})
+    assert line == ": HLO passes 6.2 s, back end 67.3 s, code generation 4.4 s", line
+
+
 def test_the_largest_program_of_a_log_is_found_among_several(compiler):
     """[Note: keep what fits] reads libtpu's log of a training job, where the step is one program
     among several: of the programs compiled since a mark, the one needing the most HBM."""

@@ -28,6 +28,20 @@ it; without the log (a libtpu that does not write it, `TPU_LOG_DIR` unwritable) 
 PJRT's and says so.
 
 Sizes in the log carry three or four significant digits ("11.20G" is GiB): within 0.01 GiB.
+
+[Note: where libtpu's compile time goes]
+The same log times the compile's stages, each as it ends:
+
+    HLO_PASSES stage duration: 6.21289378425s
+    BACKEND_PASSES stage duration: 1m7.34833860575s
+    CODE_GENERATION stage duration: 4.40564704325s
+    END_TO_END stage duration: 1m18.807875987s
+
+(the scanned 2B GPT-2 for v4-8, 2026-11-30). The HLO passes are the whole-program work
+(partitioning, fusion, layout, scheduling); the back end lowers each kernel to the chip's
+instructions, a few kernels at a time, one per compile thread, and is where a step with many or
+large kernels spends its compile; code generation packs the program. The check prints them
+beside its compile time, so a user whose compile is slow sees which part grows.
 """
 from __future__ import annotations
 
@@ -35,7 +49,7 @@ import glob
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 DEFAULT_DIR = "/tmp/tpu_logs"
 _UNITS = {"": 1, "B": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
@@ -104,6 +118,30 @@ def since(where: tuple) -> str:
     with open(now, errors="replace") as f:
         f.seek(offset)
         return f.read()
+
+
+_STAGE = re.compile(r"\b(HLO_PASSES|BACKEND_PASSES|CODE_GENERATION|END_TO_END) stage duration: ([0-9hmsu.]+)")
+STAGES = {"HLO_PASSES": "hlo_passes", "BACKEND_PASSES": "back_end", "CODE_GENERATION": "code_generation",
+          "END_TO_END": "end_to_end"}  # libtpu's names -> ours
+_PART = re.compile(r"([0-9.]+)(h|ms|us|m|s)")
+_PART_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def duration_seconds(value: str) -> float:
+    """libtpu's printed duration ("1m7.348s", "862.7ms", "3.62s") in seconds."""
+    parts = _PART.findall(value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        raise ValueError(f"not a libtpu duration: {value!r}")
+    return sum(float(n) * _PART_SECONDS[u] for n, u in parts)
+
+
+def stage_seconds(text: str) -> Dict[str, float]:
+    """The compile's stages by our names ([Note: where libtpu's compile time goes]), seconds each,
+    from the last compile in `text` (its log); {} without them."""
+    found: Dict[str, float] = {}
+    for m in _STAGE.finditer(text):
+        found[STAGES[m.group(1)]] = duration_seconds(m.group(2))
+    return found
 
 
 def program_hbm(text: str) -> Optional[ProgramHbm]:

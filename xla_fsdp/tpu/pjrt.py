@@ -85,6 +85,8 @@ class CompiledProgram:
     # what libtpu's own log says the program needs per chip ([Note: the HBM a TPU program needs]);
     # None when libtpu wrote no log this process can read
     hbm: Optional[ProgramHbm] = None
+    # the compile's stages in seconds, from the same log ([Note: where libtpu's compile time goes])
+    stages: Dict[str, float] = field(default_factory=dict)
 
 
 class Topology:
@@ -269,10 +271,12 @@ class TpuCompiler:
         start = time.perf_counter()
         self._call("PJRT_Compile", args)
         seconds = time.perf_counter() - start
+        log = compile_log.since(logged)
         try:
             return CompiledProgram(memory=self._memory(args.executable), optimized_hlo=self._optimized(args.executable),
                                    cost=self._cost(args.executable), num_outputs=self._num_outputs(args.executable),
-                                   compile_seconds=seconds, hbm=compile_log.program_hbm(compile_log.since(logged)))
+                                   compile_seconds=seconds, hbm=compile_log.program_hbm(log),
+                                   stages=compile_log.stage_seconds(log))
         finally:
             self._call("PJRT_Executable_Destroy", _ExecutableDestroy(0, None, args.executable))
 
