@@ -271,11 +271,11 @@ class TpuCompiler:
         start = time.perf_counter()
         self._call("PJRT_Compile", args)
         seconds = time.perf_counter() - start
-        log = compile_log.since(logged)
         try:
-            return CompiledProgram(memory=self._memory(args.executable), optimized_hlo=self._optimized(args.executable),
-                                   cost=self._cost(args.executable), num_outputs=self._num_outputs(args.executable),
-                                   compile_seconds=seconds, hbm=compile_log.program_hbm(log),
+            done = dict(memory=self._memory(args.executable), optimized_hlo=self._optimized(args.executable),
+                        cost=self._cost(args.executable), num_outputs=self._num_outputs(args.executable))
+            log = compile_log.since(logged)
+            return CompiledProgram(**done, compile_seconds=seconds, hbm=compile_log.program_hbm(log),
                                    stages=compile_log.stage_seconds(log))
         finally:
             self._call("PJRT_Executable_Destroy", _ExecutableDestroy(0, None, args.executable))
@@ -342,5 +342,6 @@ def get_compiler() -> TpuCompiler:
             if importlib.util.find_spec("jaxlib") is None:
                 raise LibtpuMissing(f"jaxlib is not installed (it writes the protos libtpu reads): {INSTALL_HINT}")
             compile_log.libtpu_loading()
-            _COMPILER = TpuCompiler()
+            with compile_log.unbuffered_log():
+                _COMPILER = TpuCompiler()
         return _COMPILER
