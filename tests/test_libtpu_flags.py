@@ -22,9 +22,13 @@ from xla_fsdp.tpu import libtpu_flags as lf  # noqa: E402
 
 def test_set_on_a_tpu_only_and_never_over_the_users_own():
     env = {"PJRT_DEVICE": "TPU"}
-    assert lf.set_defaults(env) == lf.DEFAULT_INIT_ARGS and env[lf.ENV] == lf.DEFAULT_INIT_ARGS
+    assert lf.set_defaults(env) == lf.at_start(lf.DEFAULT_INIT_ARGS) and env[lf.ENV] == lf.at_start(lf.DEFAULT_INIT_ARGS)
     for flag, value in lf.ASYNC_COLLECTIVES.items():
         assert f"--{flag}={value}" in env[lf.ENV].split()
+    # libtpu's log unbuffered, a start-up flag: in LIBTPU_INIT_ARGS, never in a compile's flags
+    assert "--logbuflevel=-1" in env[lf.ENV].split()
+    assert not any("logbuflevel" in lf.for_runtime(r, c) for r in ("single_controller", "multi_process", None)
+                   for c in (None, 8, 64, 256))
     mine = {"PJRT_DEVICE": "TPU", lf.ENV: "--xla_tpu_enable_async_collective_fusion=false"}
     assert lf.set_defaults(mine) is None and mine[lf.ENV] == "--xla_tpu_enable_async_collective_fusion=false"
     cpu = {"PJRT_DEVICE": "CPU"}
@@ -38,20 +42,20 @@ def test_the_single_controller_gets_its_own_budget_even_when_declared_after_an_i
     assert "--xla_tpu_scheduler_percent_shared_memory_limit=50" in lf.SINGLE_CONTROLLER_INIT_ARGS.split()
     assert "--xla_tpu_scheduler_percent_shared_memory_limit=70" in lf.DEFAULT_INIT_ARGS.split()
     env = {"PJRT_DEVICE": "TPU"}
-    assert lf.set_defaults(env) == lf.DEFAULT_INIT_ARGS  # the runtime not known yet
+    assert lf.set_defaults(env) == lf.at_start(lf.DEFAULT_INIT_ARGS)  # the runtime not known yet
     env["XLA_FSDP_RUNTIME"] = "single_controller"
-    assert lf.set_defaults(env) == lf.SINGLE_CONTROLLER_INIT_ARGS and env[lf.ENV] == lf.SINGLE_CONTROLLER_INIT_ARGS
+    assert lf.set_defaults(env) == lf.at_start(lf.SINGLE_CONTROLLER_INIT_ARGS) and env[lf.ENV] == lf.at_start(lf.SINGLE_CONTROLLER_INIT_ARGS)
     spmd = {"PJRT_DEVICE": "TPU", "XLA_USE_SPMD": "1"}
-    assert lf.set_defaults(spmd) == lf.SINGLE_CONTROLLER_INIT_ARGS
+    assert lf.set_defaults(spmd) == lf.at_start(lf.SINGLE_CONTROLLER_INIT_ARGS)
     per_chip = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "multi_process"}
-    assert lf.set_defaults(per_chip) == lf.DEFAULT_INIT_ARGS
+    assert lf.set_defaults(per_chip) == lf.at_start(lf.DEFAULT_INIT_ARGS)
     pod = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "32"}
-    assert lf.set_defaults(pod) == lf.POD_GATHERS_INIT_ARGS  # no rings on a pod: [Note: the scheduler's budget on pods]
+    assert lf.set_defaults(pod) == lf.at_start(lf.POD_GATHERS_INIT_ARGS)  # no rings on a pod: [Note: the scheduler's budget on pods]
     assert "--xla_tpu_scheduler_percent_shared_memory_limit=90" in lf.POD_GATHERS_INIT_ARGS.split()
     one_host = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "8"}
-    assert lf.set_defaults(one_host) == lf.SINGLE_CONTROLLER_INIT_ARGS
+    assert lf.set_defaults(one_host) == lf.at_start(lf.SINGLE_CONTROLLER_INIT_ARGS)
     large = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "128"}
-    assert lf.set_defaults(large) == lf.POD_INIT_ARGS  # [Note: asynchronous staged reduce-scatters]
+    assert lf.set_defaults(large) == lf.at_start(lf.POD_INIT_ARGS)  # [Note: asynchronous staged reduce-scatters]
     assert "--xla_enable_async_reduce_scatter_fusion=true" in lf.POD_INIT_ARGS.split()
     assert set(lf.POD_GATHERS_INIT_ARGS.split()) < set(lf.POD_INIT_ARGS.split())
     assert lf.for_runtime("multi_process", 128) == lf.DEFAULT_INIT_ARGS  # pinned: nothing to fuse
@@ -70,16 +74,16 @@ def _env_after(code: str, **extra) -> str:
 
 
 def test_importing_xla_fsdp_and_the_launcher_set_them_on_a_tpu():
-    assert _env_after("import xla_fsdp", PJRT_DEVICE="TPU") == lf.DEFAULT_INIT_ARGS
+    assert _env_after("import xla_fsdp", PJRT_DEVICE="TPU") == lf.at_start(lf.DEFAULT_INIT_ARGS)
     assert _env_after("import xla_fsdp", PJRT_DEVICE="CPU") == ""
     assert _env_after("import xla_fsdp", PJRT_DEVICE="TPU", LIBTPU_INIT_ARGS="--mine=1") == "--mine=1"
     launcher = ("import sys; sys.path.insert(0, 'launch'); import xla_spawn, os; "
                 "os.environ['PJRT_DEVICE'] = 'TPU'; import xla_fsdp; xla_spawn.async_collective_flags()")
-    assert _env_after(launcher) == lf.DEFAULT_INIT_ARGS
+    assert _env_after(launcher) == lf.at_start(lf.DEFAULT_INIT_ARGS)
     # as xla_spawn runs run_clm: xla_fsdp imported first, the runtime declared after
     assert _env_after(launcher.replace("import xla_fsdp;", "import xla_fsdp; "
                                        "os.environ['XLA_FSDP_RUNTIME'] = 'single_controller';")) \
-        == lf.SINGLE_CONTROLLER_INIT_ARGS
+        == lf.at_start(lf.SINGLE_CONTROLLER_INIT_ARGS)
 
 
 def test_the_launcher_counts_the_slices_chips_for_the_budget():

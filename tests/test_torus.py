@@ -191,7 +191,7 @@ def test_rings_off_keeps_the_gathers_and_their_budget():
     assert lf.for_runtime("single_controller", 8, {}) == lf.SINGLE_CONTROLLER_INIT_ARGS
     assert lf.for_runtime("single_controller", 8, off) == lf.DEFAULT_INIT_ARGS
     env = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "4", **off}
-    assert lf.set_defaults(env) == lf.DEFAULT_INIT_ARGS
+    assert lf.set_defaults(env) == lf.at_start(lf.DEFAULT_INIT_ARGS)
     with pytest.raises(ValueError, match="XLA_FSDP_RINGS='maybe'.*expected 0"):
         lf.rings_enabled({lf.RINGS_ENV: "maybe"})
 
@@ -243,9 +243,13 @@ def test_rings_under_the_per_chip_budget_say_how_to_get_theirs():
     from xla_fsdp.collective_engine import auto
     from xla_fsdp.tpu import libtpu_flags as lf
 
-    with pytest.warns(UserWarning, match="XLA_FSDP_RUNTIME=single_controller"):
-        assert auto.warn_if_budget_is_not_the_rings({lf.ENV: lf.DEFAULT_INIT_ARGS})
+    per_chip = {"PJRT_DEVICE": "TPU"}  # what xla_fsdp sets before the runtime is known
+    lf.set_defaults(per_chip)
+    for started_with in (per_chip[lf.ENV], lf.DEFAULT_INIT_ARGS):  # set by xla_fsdp, or exported as printed
+        with pytest.warns(UserWarning, match="XLA_FSDP_RUNTIME=single_controller"):
+            assert auto.warn_if_budget_is_not_the_rings({lf.ENV: started_with})
     assert not auto.warn_if_budget_is_not_the_rings({lf.ENV: lf.SINGLE_CONTROLLER_INIT_ARGS})
+    assert not auto.warn_if_budget_is_not_the_rings({lf.ENV: lf.at_start(lf.SINGLE_CONTROLLER_INIT_ARGS)})
     assert not auto.warn_if_budget_is_not_the_rings({lf.ENV: "--mine=1"})  # the user's own: theirs
 
 

@@ -121,7 +121,8 @@ def warn_if_budget_is_not_the_rings(environ: Mapping[str, str] = os.environ) -> 
     """Rings chosen on a TPU whose libtpu started with xla_fsdp's flags for one process per chip
     (70% budget: a script that calls `torch_xla.runtime.use_spmd()` itself, without the launcher
     or XLA_FSDP_RUNTIME): say how to get the single controller's. True when it warned."""
-    if environ.get(TRACE_ENV) or environ.get(libtpu_flags.ENV, "").strip() != libtpu_flags.DEFAULT_INIT_ARGS:
+    per_chip = (libtpu_flags.DEFAULT_INIT_ARGS, libtpu_flags.at_start(libtpu_flags.DEFAULT_INIT_ARGS))
+    if environ.get(TRACE_ENV) or environ.get(libtpu_flags.ENV, "").strip() not in per_chip:
         return False
     warnings.warn(f"xla_fsdp: the single controller gathers and reduce-scatters by rings on this TPU, but "
                   f"libtpu started with the one-process-per-chip flags (scheduler budget 70%), under which "

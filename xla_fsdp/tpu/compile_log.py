@@ -34,7 +34,8 @@ last flush (`logbufsecs`), so the last lines of a long compile (the HBM block, t
 could still be in the buffer when the compile returned: the Llama 3 8B step for v6e-256 was
 once reported from PJRT's count (34.42 GiB, "does not fit") instead of libtpu's 25.41 GiB.
 `get_compiler` loads libtpu with `--logbuflevel=-1` (every line written as it is logged), in
-LIBTPU_INIT_ARGS for the load only, unless the user set a `logbuflevel` there.
+LIBTPU_INIT_ARGS for the load only, unless the user set a `logbuflevel` there; on a TPU
+xla_fsdp's own LIBTPU_INIT_ARGS carry it too (libtpu_flags.at_start).
 
 [Note: where libtpu's compile time goes]
 The same log times the compile's stages, each as it ends:
@@ -97,9 +98,11 @@ class ProgramHbm:
 def unbuffered_log():
     """LIBTPU_INIT_ARGS with `--logbuflevel=-1` while libtpu loads (it reads them then), restored
     after, so nothing else (the user's own flags, libtpu_flags.users_own) sees it."""
+    from xla_fsdp.tpu.libtpu_flags import UNBUFFERED_LOG
+
     before = os.environ.get("LIBTPU_INIT_ARGS")
     if "logbuflevel" not in (before or ""):
-        os.environ["LIBTPU_INIT_ARGS"] = " ".join(a for a in ((before or "").strip(), "--logbuflevel=-1") if a)
+        os.environ["LIBTPU_INIT_ARGS"] = " ".join(a for a in ((before or "").strip(), UNBUFFERED_LOG) if a)
     try:
         yield
     finally:

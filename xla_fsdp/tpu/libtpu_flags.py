@@ -55,6 +55,13 @@ spawns) put them in `LIBTPU_INIT_ARGS` before libtpu starts, on a TPU only, and 
 re-decided when the runtime becomes known later, the user's never. `python -m
 xla_fsdp.aot` compiles with the flags of the runtime it checks unless `--libtpu-flags` or
 `LIBTPU_INIT_ARGS` says otherwise.
+
+With them goes one flag libtpu reads only when it starts, never a compile option:
+`--logbuflevel=-1` (`at_start`), so libtpu writes its log's lines as it logs them instead of
+holding them in glog's buffer for up to 30 s. Keeping what fits under the single controller
+reads the step's HBM from that log right after the first step ([Note: where the memory figures
+come from] in xla_fsdp/memory/device_figures.py), and a long compile's last lines could still be
+in the buffer then (seen in the check, [Note: the HBM a TPU program needs] in compile_log.py).
 """
 from __future__ import annotations
 
@@ -154,6 +161,14 @@ RING_MAX_CHIPS = 8
 RINGS_ENV = "XLA_FSDP_RINGS"
 
 
+UNBUFFERED_LOG = "--logbuflevel=-1"  # a start-up flag (see above): never in a compile's flags
+
+
+def at_start(args: str) -> str:
+    """`args` as xla_fsdp puts them in LIBTPU_INIT_ARGS: with libtpu's log unbuffered."""
+    return f"{args} {UNBUFFERED_LOG}"
+
+
 def init_args(flags: Mapping[str, str] = ASYNC_COLLECTIVES) -> str:
     """`flags` spelled as LIBTPU_INIT_ARGS ("--name=value ...")."""
     return " ".join(f"--{k}={v}" for k, v in flags.items())
@@ -244,7 +259,7 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ) -> Optional[str
     ours = bool(environ.get(ENV, "").strip()) and not users_own(environ)
     if not on_tpu(environ) or users_own(environ):
         return None
-    wanted = for_runtime(runtime_of(environ), chips_of(environ), environ)
+    wanted = at_start(for_runtime(runtime_of(environ), chips_of(environ), environ))
     if environ is os.environ and _runtime_started():
         if not ours:
             warnings.warn(f"xla_fsdp: the XLA runtime started before xla_fsdp was imported, so libtpu runs "
