@@ -31,8 +31,9 @@ Sizes in the log carry three or four significant digits ("11.20G" is GiB): withi
 
 libtpu logs as glog does: INFO lines wait in a buffer until a later line finds 30 s gone since the
 last flush (`logbufsecs`), so the last lines of a long compile (the HBM block, the last stages)
-could still be in the buffer when the compile returned: the Llama 3 8B step for v6e-256 was
-once reported from PJRT's count (34.42 GiB, "does not fit") instead of libtpu's 25.41 GiB.
+could still be in the buffer when the compile returned: read as soon as it returned, the log
+of the Llama 3 8B step for v6e-256 lacked them, and the check reported PJRT's count (34.42 GiB,
+"does not fit") instead of libtpu's 25.41 GiB (2026-11-30).
 `get_compiler` loads libtpu with `--logbuflevel=-1` (every line written as it is logged), in
 LIBTPU_INIT_ARGS for the load only, unless the user set a `logbuflevel` there; on a TPU
 xla_fsdp's own LIBTPU_INIT_ARGS carry it too (libtpu_flags.at_start).
