@@ -126,33 +126,11 @@ def traced_step(tmp_path_factory):
     case = dataclasses.replace(case, settings={**case.settings, "all_gather_impl": "all_gather",
                                                "reduce_scatter_stages": "axes"})
     cmd = ac.command(case, 4, str(tmp / "fsdp.json"), str(tmp / "out"))
-    got = ac.check("v4-8", cmd, runtime=case.runtime, extra=["--dump", str(tmp / "dump"), "--libtpu-flags", ""])
-    assert got["report"] and got["report"]["compiles"], got["output"]
-    text = open(tmp / "dump" / "traced_step.hlo.txt").read()
-    # the check's own compile, with no flags, is `_compile(text, {})`
-    _COMPILED[_key(text, {})] = dict(got["report"], optimized_hlo=open(tmp / "dump" / "tpu_optimized.hlo.txt").read())
-    return text
+    return COMPILES.trace(cmd, str(tmp / "dump"), {}, runtime=case.runtime)  # compiled with no flags
 
 
-_COMPILED: dict = {}  # each program compiled once per flag set
-
-
-def _key(text: str, flags: dict) -> tuple:
-    return hash(text), len(text), tuple(sorted(flags.items()))
-
-
-def _compile(text: str, flags: dict) -> dict:
-    from xla_fsdp.aot import report
-    from xla_fsdp.aot.cli import _load_compiler
-    from xla_fsdp.tpu import topology
-
-    key = _key(text, flags)
-    if key not in _COMPILED:
-        r = report.check_program(text, topology.parse_accelerator_type("v4-8"), _load_compiler(),
-                                 lf.init_args(flags), say=lambda *a: None)
-        assert r["compiles"], r["error"][:2000]
-        _COMPILED[key] = r
-    return _COMPILED[key]
+COMPILES = ac.Compiles("v4-8")  # each program compiled once per flag set, the check's own compile included
+_compile = COMPILES.compile
 
 
 def _program(r: dict) -> str:

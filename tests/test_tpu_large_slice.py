@@ -51,13 +51,7 @@ def _trace(tmp, stages: str, **settings) -> str:
         case = dataclasses.replace(case, settings={**case.settings, "reduce_scatter_stages": stages,
                                                    "all_gather_impl": "all_gather", **settings})
     cmd = ac.command(case, 64, str(tmp / "fsdp.json"), str(tmp / "out"), model=MODEL, batch=1, block=128)
-    got = ac.check(TPU, cmd, runtime=case.runtime,
-                   extra=["--dump", str(tmp / "dump"), "--libtpu-flags", lf.init_args(lf.ASYNC_COLLECTIVES)])
-    assert got["report"] and got["report"]["compiles"], got["output"]
-    text = open(tmp / "dump" / "traced_step.hlo.txt").read()
-    report = dict(got["report"], optimized_hlo=open(tmp / "dump" / "tpu_optimized.hlo.txt").read())
-    _COMPILED[_key(text, lf.ASYNC_COLLECTIVES)] = report
-    return text
+    return COMPILES.trace(cmd, str(tmp / "dump"), lf.ASYNC_COLLECTIVES, runtime=case.runtime)
 
 
 @pytest.fixture(scope="module")
@@ -81,26 +75,8 @@ def traced_auto(tmp_path_factory):
     return _trace(tmp_path_factory.mktemp("v4_128_auto"), "auto")
 
 
-# each program is compiled once per flag set: the checks above and the tests share the results
-_COMPILED: dict = {}
-
-
-def _key(text: str, flags) -> tuple:
-    return hash(text), len(text), tuple(sorted(flags.items()))
-
-
-def _compile(text: str, flags) -> dict:
-    from xla_fsdp.aot import report
-    from xla_fsdp.aot.cli import _load_compiler
-    from xla_fsdp.tpu import topology
-
-    key = _key(text, flags)
-    if key not in _COMPILED:
-        r = report.check_program(text, topology.parse_accelerator_type(TPU), _load_compiler(),
-                                 lf.init_args(flags), say=lambda *a: None)
-        assert r["compiles"], r["error"][:2000]
-        _COMPILED[key] = r
-    return _COMPILED[key]
+COMPILES = ac.Compiles(TPU)  # each program compiled once per flag set, the checks' own compiles included
+_compile = COMPILES.compile
 
 
 @pytest.fixture(scope="module")

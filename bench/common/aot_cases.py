@@ -85,3 +85,44 @@ def check(tpu: str, cmd: List[str], runtime: str = "auto", extra: Optional[List[
     if proc.stdout.strip().startswith("{"):
         report = json.loads(proc.stdout)
     return {"rc": proc.returncode, "report": report, "output": proc.stdout[-3000:] + proc.stderr[-5000:]}
+
+
+class Compiles:
+    """Traced modules compiled for one slice, each once per flag set: a check's own compile (its
+    report and --dump) is kept as the compile with the flags it was given, so a test that traces
+    through the check and compiles the module again with the same flags compiles nothing."""
+
+    def __init__(self, tpu: str):
+        self.tpu = tpu
+        self._done: Dict[tuple, dict] = {}
+
+    @staticmethod
+    def _key(text: str, flags: Dict[str, str]) -> tuple:
+        return hash(text), len(text), tuple(sorted(flags.items()))
+
+    def trace(self, cmd: List[str], dump: str, flags: Dict[str, str], runtime: str = "auto") -> str:
+        """`cmd` traced and compiled by the check with `flags`; the traced module's text."""
+        from xla_fsdp.tpu import libtpu_flags as lf
+
+        got = check(self.tpu, cmd, runtime=runtime, extra=["--dump", dump, "--libtpu-flags", lf.init_args(flags)])
+        assert got["report"] and got["report"]["compiles"], got["output"]
+        with open(os.path.join(dump, "traced_step.hlo.txt")) as f:
+            text = f.read()
+        with open(os.path.join(dump, "tpu_optimized.hlo.txt")) as f:
+            self._done[self._key(text, flags)] = dict(got["report"], optimized_hlo=f.read())
+        return text
+
+    def compile(self, text: str, flags: Dict[str, str]) -> dict:
+        """The check's report of `text` compiled with `flags` (with its "optimized_hlo")."""
+        key = self._key(text, flags)
+        if key not in self._done:
+            from xla_fsdp.aot import report
+            from xla_fsdp.aot.cli import _load_compiler
+            from xla_fsdp.tpu import libtpu_flags as lf
+            from xla_fsdp.tpu import topology
+
+            r = report.check_program(text, topology.parse_accelerator_type(self.tpu), _load_compiler(),
+                                     lf.init_args(flags), say=lambda *a: None)
+            assert r["compiles"], r["error"][:2000]
+            self._done[key] = r
+        return self._done[key]
