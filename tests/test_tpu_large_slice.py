@@ -44,8 +44,8 @@ MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "gpt2-512.json")
 
 def _trace(tmp, stages: str, **settings) -> str:
     """The single-controller step traced at v4-128's 64 devices (the check's --dump); `stages`
-    "auto": the engine's own choice there ([Note: reduce-scatter rings on pods]). The check's own
-    compile, with the flags xla_fsdp sets there, is what `_compile` gives for them."""
+    "auto": the engine's own choice there ([Note: reduce-scatter rings on pods]). The check compiles it
+    with lf.ASYNC_COLLECTIVES, and that compile is what `_compile` gives for those flags."""
     case = ac.BY_NAME["sc-full_shard"]
     if stages != "auto":  # all-gathers and these stages
         case = dataclasses.replace(case, settings={**case.settings, "reduce_scatter_stages": stages,

@@ -59,8 +59,8 @@ class _MovedModules:
     `xla_fsdp.runtime.hosts` itself, not a copy, loaded on first import (importing xla_fsdp does
     not start torch_xla's mesh code, nor torch). `xla_fsdp.deferred_init` stays the *function*
     (torchdistx's call shape) after `import xla_fsdp.deferred_init` loads the module of that name:
-    the import system then sets the parent's attribute to the module, which `_Package` refuses. This finder is one of the import-time effects
-    docs/DESIGN.md lists."""
+    the import system then sets the parent's attribute to the module, which `_Package` refuses.
+    This finder is one of the import-time effects docs/DESIGN.md lists."""
 
     MOVED = {__name__ + ".hosts": ".runtime.hosts", __name__ + ".mesh": ".runtime.mesh",
              __name__ + ".runtime_choice": ".runtime.choice", __name__ + ".state_dict": ".checkpoint.state_dict",
