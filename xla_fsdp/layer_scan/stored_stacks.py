@@ -16,6 +16,7 @@ from typing import List, Sequence
 
 import torch.nn as nn
 
+from xla_fsdp.layer_scan import stacked_adafactor
 from xla_fsdp.runtime import stored_keys
 
 SUFFIX = "_scan"
@@ -82,7 +83,7 @@ def attach(owner: nn.Module, attr: str, container: nn.Module, record: StackRecor
   if len(records) == 1:
     owner._register_state_dict_hook(_per_layer_keys)
     owner._register_load_state_dict_pre_hook(_stack_on_load, with_module=True)
-  _refuse_per_tensor_optimizers()
+  install_optimizer_hooks()
 
 
 def _per_layer_keys(owner: nn.Module, state, prefix: str, _meta) -> None:
@@ -107,6 +108,7 @@ def _stack_on_load(owner: nn.Module, state, prefix, _meta, _strict, _missing, _u
 
 # Optimizers that update every element from its own gradient and state only: on a stored
 # stack they compute exactly what they compute per layer ([Note: parameters stored stacked]).
+# Hugging Face's Adafactor is run per layer ([Note: Adafactor on stored stacks]); others are refused.
 ELEMENTWISE = {
     "torch.optim.sgd.SGD", "torch.optim.adam.Adam", "torch.optim.adamw.AdamW",
     "torch.optim.adamax.Adamax", "torch.optim.nadam.NAdam", "torch.optim.radam.RAdam",
@@ -115,28 +117,43 @@ ELEMENTWISE = {
     "torch_xla.amp.syncfree.sgd.SGD", "torch_xla.amp.syncfree.adam.Adam",
     "torch_xla.amp.syncfree.adamw.AdamW",
 }
-_checked: "weakref.WeakSet" = weakref.WeakSet()
+_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> runs stacks itself
+_hidden: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> [(stack, grad)]
 _hook = []
 
 
-def _refuse_per_tensor_optimizers() -> None:
+def install_optimizer_hooks() -> None:
+  """The optimizer-step hooks (once per process): refuse what cannot run on stored stacks, run
+  Adafactor per layer on them ([Note: Adafactor on stored stacks])."""
   if not _hook:
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     _hook.append(register_optimizer_step_pre_hook(_check_optimizer))
+    _hook.append(register_optimizer_step_post_hook(_restore_gradients))
 
 
-def _check_optimizer(optimizer, _args, _kwargs) -> None:
-  if optimizer in _checked:
-    return
-  kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-  stacked = any(getattr(p, "_xla_fsdp_stacked", False)
-                for group in optimizer.param_groups for p in group["params"])
-  if stacked and kind not in ELEMENTWISE:
-    raise TypeError(
-        f"scan_layers stores each parameter of the scanned layers stacked, and {kind} is not an "
-        "element-wise optimizer xla_fsdp knows: per-tensor statistics (Adafactor's factored moments "
-        "and update clipping, a trust ratio) would span every layer at once. Use "
-        "scan_layers=\"per_step\" (fsdp_config \"scan_layers\": \"per_step\"), which keeps per-layer "
-        "parameters, or an element-wise optimizer (SGD, Adam, AdamW, ...).")
-  _checked.add(optimizer)
+def _check_optimizer(optimizer, args, kwargs) -> None:
+  if optimizer not in _checked:
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    stacked = any(getattr(p, "_xla_fsdp_stacked", False)
+                  for group in optimizer.param_groups for p in group["params"])
+    if stacked and kind not in ELEMENTWISE and kind != stacked_adafactor.KIND:
+      raise TypeError(
+          f"scan_layers stores each parameter of the scanned layers stacked, and {kind} is not an "
+          "optimizer xla_fsdp can run on stacks: per-tensor statistics (a trust ratio, factored "
+          "moments) would span every layer at once. Use scan_layers=\"per_step\" (fsdp_config "
+          "\"scan_layers\": \"per_step\"), which keeps per-layer parameters, an element-wise optimizer "
+          "(SGD, Adam, AdamW, ...) or transformers.optimization.Adafactor, which xla_fsdp runs per layer.")
+    _checked[optimizer] = stacked and kind == stacked_adafactor.KIND
+  if _checked[optimizer]:
+    if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
+      raise TypeError("scan_layers: Adafactor's step on stored stacks takes no closure (the stacks are "
+                      "updated from their gradients before Adafactor's own step runs); call loss.backward() "
+                      "and then optimizer.step()")
+    _hidden[optimizer] = stacked_adafactor.step_stacks(optimizer)
+
+
+def _restore_gradients(optimizer, _args, _kwargs) -> None:
+  """The stacks' gradients, hidden from Adafactor's own step ([Note: Adafactor on stored stacks])."""
+  for p, grad in _hidden.pop(optimizer, ()):
+    p.grad = grad
