@@ -37,7 +37,7 @@ SPAWN = os.path.join(ROOT, "launch", "xla_spawn.py")
 CONFIGS = {"v1": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp.json"), 1, []),
            "v2": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_v2.json"), 4, ["--v2"]),
            "v2_scan": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_v2_scan.json"), 4, ["--v2"]),
-           "v1_scan": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_scan.json"), 4, ["--spmd"])}
+           "v1_scan": (os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_scan.json"), 4, ["--spmd", "--adafactor"])}
 
 
 def _job(out, flavour, *extra):
@@ -51,8 +51,9 @@ def _job(out, flavour, *extra):
 
 
 # v2 (the GSPMD engine, 4 devices) under `pytest -m slow`: keeps the default run short
-# v2_scan, v1_scan: scan_layers' stored stacks through the Trainer (its AdamW, checkpoints,
-# save_model) on the GSPMD engine and on the collectives engine's single controller (4 devices)
+# v2_scan, v1_scan: scan_layers' stored stacks through the Trainer (checkpoints, save_model) on the
+# GSPMD engine (AdamW) and on the collectives engine's single controller (4 devices) with the recipe's
+# --optim adafactor, which runs per layer on the stacks ([Note: Adafactor on stored stacks])
 @pytest.mark.parametrize("flavour", ["v1", pytest.param("v2", marks=pytest.mark.slow),
                                      pytest.param("v2_scan", marks=pytest.mark.slow),
                                      "v1_scan"])
@@ -63,6 +64,7 @@ def test_trainer_trains_resumes_and_saves_with_xla_fsdp(tmp_path, flavour):
     assert "XlaFullyShardedDataParallel" in whole["mro"], whole["mro"]  # our engine, not torch_xla's
     if flavour.endswith("_scan"):  # the layers' parameters stored stacked
         assert "transformer.h_scan.attn.c_attn.weight" in whole["params"], whole["params"]
+    assert whole["optimizer"] == ("Adafactor" if "--adafactor" in CONFIGS[flavour][2] else "AdamW")
     losses = {int(k): v for k, v in whole["losses"].items()}
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1] - 0.3, losses
     assert sorted(os.listdir(tmp_path / "whole")) == ["checkpoint-2", "checkpoint-4", "final", "log.json"]

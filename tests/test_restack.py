@@ -72,3 +72,38 @@ def test_layers_join_into_a_stack_and_refuse_what_one_stack_cannot_hold():
                      state={k: {"exp_avg_sq_col": {"kind": "per_rank", "dtype": "float32"}} for k in LAYERS})
     with pytest.raises(CheckpointError, match="load into a model wrapped as when saving"):
         restack._renamed(per_rank, r)
+
+
+def _adafactor(meta):
+    meta["optimizer"]["class"] = "transformers.optimization.Adafactor"
+    return meta
+
+
+def test_adafactors_per_layer_state_of_a_stack_moves_on_dim_0():
+    """[Note: Adafactor on stored stacks]: a stack's column factor (L, 16) and RMS (L,) are per
+    layer on dim 0; a layer takes row i, and the layers' (their RMS saved as numbers) stack."""
+    stack = {"exp_avg_sq_row": {"kind": "rows", "shape": [10, 3], "dtype": "float32"},
+             "exp_avg_sq_col": {"kind": "whole", "shape": [3, 16], "dtype": "float32"},
+             "RMS": {"kind": "whole", "shape": [3], "dtype": "float32"},
+             "step": {"kind": "scalar", "value": 4, "tensor": False}}
+    r = restack.Restack(split={k: ("layers_scan.up.weight", i) for i, k in enumerate(LAYERS)})
+    meta = _adafactor(_meta({"layers_scan.up.weight": [10, 3, 16]}, state={"layers_scan.up.weight": stack}))
+    layer = restack._renamed(meta, r)["optimizer"]["state"]["layers.2.up.weight"]
+    assert layer["exp_avg_sq_row"]["shape"] == [10] and layer["exp_avg_sq_col"]["shape"] == [16]
+    assert layer["RMS"] == {"kind": "whole", "shape": [], "dtype": "float32"} and layer["step"]["value"] == 4
+    assert r.layers_first["optim/layers.2.up.weight/exp_avg_sq_col"] == ("optim/layers_scan.up.weight/exp_avg_sq_col", 2)
+    # the same entries of another optimizer class have no per-layer meaning
+    with pytest.raises(CheckpointError, match="load into a model wrapped as when saving"):
+        restack._renamed(_meta({"layers_scan.up.weight": [10, 3, 16]}, state={"layers_scan.up.weight": stack}),
+                         restack.Restack(split=dict(r.split)))
+
+    per_layer = {k: {"exp_avg_sq_row": {"kind": "rows", "shape": [10], "dtype": "float32"},
+                     "exp_avg_sq_col": {"kind": "whole", "shape": [16], "dtype": "float32"},
+                     "RMS": {"kind": "scalar", "value": 0.5 + i, "tensor": True, "dtype": "float32"},
+                     "step": {"kind": "scalar", "value": 4, "tensor": False}} for i, k in enumerate(LAYERS)}
+    r = restack.Restack(join={"layers_scan.up.weight": LAYERS})
+    joined = restack._renamed(_adafactor(_meta({k: [10, 16] for k in LAYERS}, state=per_layer)), r)
+    state = joined["optimizer"]["state"]["layers_scan.up.weight"]
+    assert state["exp_avg_sq_row"]["shape"] == [10, 3] and state["exp_avg_sq_col"]["shape"] == [3, 16]
+    assert state["RMS"]["shape"] == [3] and r.values["optim/layers_scan.up.weight/RMS"].tolist() == [0.5, 1.5, 2.5]
+    assert r.joined["optim/layers_scan.up.weight/exp_avg_sq_col"][1] == ("optim/layers.1.up.weight/exp_avg_sq_col", 16)

@@ -178,8 +178,10 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
                         if entry.get("tensor") else value
                 elif entry["kind"] == "rows":
                     out[key] = h.read_state(index, f"optim/{h_name}/{key}", torch.Size(entry["shape"]))
-                elif entry["kind"] == "whole":
-                    out[key] = index.read_rows(f"optim/{h_name}/{key}", 0, entry["shape"][0]).to(h.param.device)
+                elif entry["kind"] == "whole":  # a 0-dim one: a layer's Adafactor RMS out of a stack's
+                    shape = entry["shape"]
+                    value = index.read_rows(f"optim/{h_name}/{key}", 0, shape[0] if shape else 1)
+                    out[key] = value.reshape(shape).to(h.param.device)
                 else:
                     ranks = index.ranks_with(f"optim_rank/{h_name}/{key}")
                     if same_layout and rank in ranks:

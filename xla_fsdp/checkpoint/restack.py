@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..layer_scan import stacked_adafactor
 from ..runtime import stored_keys
 from .format import CheckpointError
 
@@ -45,6 +46,10 @@ class Restack:
     split: Dict[str, Tuple[str, int]] = field(default_factory=dict)  # model's layer key -> (saved stack, layer)
     join: Dict[str, List[str]] = field(default_factory=dict)  # model's stack -> the saved layer keys
     meta: Dict[str, Any] = field(default_factory=dict)
+    # `optim/NAME/STATE` keys (the model's names) of Adafactor state kept per layer on dim 0 of a stack
+    layers_first: Dict[str, Tuple[str, int]] = field(default_factory=dict)  # layer's key -> (stack's key, layer)
+    joined: Dict[str, List[Tuple[str, int]]] = field(default_factory=dict)  # stack's key -> the layers' (key, rows)
+    values: Dict[str, torch.Tensor] = field(default_factory=dict)  # stack's key -> the layers' scalars
 
     def index(self, base) -> "RestackedIndex":
         return RestackedIndex(base, self)
@@ -88,7 +93,7 @@ def _renamed(meta: Dict[str, Any], r: Restack) -> Dict[str, Any]:
     out["stacked"] = {stack: layers for stack, layers in out.get("stacked", {}).items() if stack not in gone}
     optim = out.get("optimizer")
     if optim is not None:
-        optim["state"] = _renamed_state(optim["state"], r)
+        optim["state"] = _renamed_state(optim["state"], r, optim.get("class") == stacked_adafactor.KIND)
         for group in optim["param_groups"]:
             group["params"] = _renamed_group(group["params"], r)
     return out
@@ -119,11 +124,13 @@ def _renamed_group(saved: List[str], r: Restack) -> List[str]:
     return out
 
 
-def _renamed_state(state: Dict[str, Dict[str, Any]], r: Restack) -> Dict[str, Dict[str, Any]]:
+def _renamed_state(state: Dict[str, Dict[str, Any]], r: Restack, adafactor: bool) -> Dict[str, Dict[str, Any]]:
     out = dict(state)
-    for key, (stack, _) in r.split.items():
+    per_layer = stacked_adafactor.LAYERS_FIRST if adafactor else ()
+    for key, (stack, i) in r.split.items():
         if stack in state:
-            out[key] = {k: _entry_for_layer(stack, k, e) for k, e in state[stack].items()}
+            out[key] = {k: _layer_of_layers_first(r, key, stack, i, k, e) if k in per_layer else
+                        _entry_for_layer(stack, k, e) for k, e in state[stack].items()}
     for stack, layers in r.join.items():
         held = [layer for layer in layers if layer in state]
         if not held:
@@ -132,11 +139,40 @@ def _renamed_state(state: Dict[str, Dict[str, Any]], r: Restack) -> Dict[str, Di
             raise CheckpointError(f"the checkpoint holds optimizer state for {len(held)} of the {len(layers)} layers "
                                   f"stacked as {stack!r} (none for {sorted(set(layers) - set(held))[:3]}); a stack's "
                                   "state is one tensor. Load it without the optimizer, or into the unscanned model")
-        out[stack] = {k: _entry_for_stack(stack, k, [state[layer].get(k) for layer in layers], layers)
+        out[stack] = {k: _layers_first_of(r, stack, k, [state[layer].get(k) for layer in layers], layers)
+                      if k in per_layer else _entry_for_stack(stack, k, [state[layer].get(k) for layer in layers], layers)
                       for k in state[layers[0]]}
     for name in {stack for stack, _ in r.split.values()} | {k for layers in r.join.values() for k in layers}:
         out.pop(name, None)
     return out
+
+
+def _layer_of_layers_first(r: Restack, key: str, stack: str, i: int, state_key: str, entry: Dict[str, Any]):
+    """Layer i's entry of a stack's Adafactor state kept per layer on dim 0 ([Note: Adafactor on
+    stored stacks]): a global ("whole") (L, *rest) tensor, of which the layer takes [i]."""
+    if entry["kind"] != "whole":
+        _refuse_kind(stack, state_key, entry)
+        return dict(entry)
+    r.layers_first[f"optim/{key}/{state_key}"] = (f"optim/{stack}/{state_key}", i)
+    return {**entry, "shape": list(entry["shape"][1:])}
+
+
+def _layers_first_of(r: Restack, stack: str, state_key: str, entries, layers: List[str]) -> Dict[str, Any]:
+    """The layers' entries of Adafactor state a stack keeps per layer on dim 0: the layers' global
+    tensors, or their scalars (the RMS of each layer, saved as a number), stacked."""
+    for layer, entry in zip(layers, entries):
+        if entry is None:
+            raise CheckpointError(f"the checkpoint's optimizer state {state_key!r} is missing for {layer!r} but held "
+                                  f"for the other layers stacked as {stack!r}")
+        if entry["kind"] not in ("whole", "scalar"):
+            _refuse_kind(layer, state_key, entry)
+    first = entries[0]
+    key = f"optim/{stack}/{state_key}"
+    if first["kind"] == "scalar":
+        r.values[key] = torch.tensor([float(e["value"]) for e in entries], dtype=torch.float32)
+        return {"kind": "whole", "shape": [len(layers)], "dtype": "float32"}
+    r.joined[key] = [(f"optim/{layer}/{state_key}", e["shape"][0]) for layer, e in zip(layers, entries)]
+    return {**first, "shape": [len(layers), *first["shape"]]}
 
 
 def _refuse_kind(name: str, key: str, entry: Dict[str, Any]) -> None:
@@ -193,6 +229,12 @@ class RestackedIndex:
         return kind, rest, ""
 
     def has(self, key: str) -> bool:
+        if key in self.r.layers_first:
+            return self.base.has(self.r.layers_first[key][0])
+        if key in self.r.values:
+            return True
+        if key in self.r.joined:
+            return all(self.base.has(k) for k, _ in self.r.joined[key])
         kind, name, suffix = self._split(key)
         if name in self.r.split:
             return self.base.has(f"{kind}/{self.r.split[name][0]}{suffix}")
@@ -201,6 +243,12 @@ class RestackedIndex:
         return self.base.has(key)
 
     def dtype_of(self, key: str) -> torch.dtype:
+        if key in self.r.layers_first:
+            return self.base.dtype_of(self.r.layers_first[key][0])
+        if key in self.r.values:
+            return self.r.values[key].dtype
+        if key in self.r.joined:
+            return self.base.dtype_of(self.r.joined[key][0][0])
         kind, name, suffix = self._split(key)
         if name in self.r.split:
             return self.base.dtype_of(f"{kind}/{self.r.split[name][0]}{suffix}")
@@ -210,7 +258,15 @@ class RestackedIndex:
 
     def read_rows(self, key: str, start: int, stop: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         kind, name, suffix = self._split(key)
-        if name in self.r.split:
+        if key in self.r.layers_first:  # row `layer` of the stack's (L, *rest): the layer's whole tensor
+            stacked, layer = self.r.layers_first[key]
+            value = self.base.read_rows(stacked, layer, layer + 1)[0]
+            got = value[start:stop] if value.dim() else value.reshape(1)
+        elif key in self.r.values:
+            got = self.r.values[key][start:stop]
+        elif key in self.r.joined:  # the stack's rows [start, stop) are layers: each one's whole tensor
+            got = torch.stack([self.base.read_rows(k, 0, rows) for k, rows in self.r.joined[key][start:stop]])
+        elif name in self.r.split:
             stack, layer = self.r.split[name]
             stacked = f"{kind}/{stack}{suffix}"
             if len(self.r.meta["params"][name]["shape"]) == 0:  # a 0-dim layer parameter: row `layer` of (L,)

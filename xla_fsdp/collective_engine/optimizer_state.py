@@ -363,8 +363,9 @@ def _padded_value(key, value, p, rec, comm):
         if rows.is_floating_point() and p.is_floating_point():
             rows = rows.to(p.dtype)  # as torch's load_state_dict casts floating state
         return comm.place_global(rec.padded(rows))
-    if key in ROW_FACTORED and value.dim() == 1 and value.shape[0] == rec.rows and len(rec.orig_shape) > 1:
-        rows = value.detach().cpu()
+    if (key in ROW_FACTORED and value.dim() == len(stored_shape(p)) - 1 and value.dim() >= 1
+            and value.shape[0] == rec.rows and len(rec.orig_shape) > 1):
+        rows = value.detach().cpu()  # (rows,) or, of a stored stack or a 3-dim parameter, (rows, ...)
         pad = rec.padded_rows - rec.rows
-        return torch.cat([rows, rows.new_zeros(pad)]).to(p.device)  # replicated, as the optimizer makes it
+        return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]).to(p.device)  # replicated, as made
     return value

@@ -37,6 +37,7 @@ from typing import List, Tuple
 import torch
 
 KIND = "transformers.optimization.Adafactor"
+LAYERS_FIRST = ("exp_avg_sq_col", "RMS")  # state a stack keeps per layer on dim 0 (the others: dim 1)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
