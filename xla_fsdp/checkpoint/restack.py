@@ -23,8 +23,11 @@ way is a renaming of what is read, not another layout of the files:
   layers.
 
 Optimizer state that is not the parameter's rows (state a rank computed over its own shard,
-or an SPMD run's whole tensors of such state) has no per-layer meaning; scan_layers refuses
-the optimizers that keep it, and so does this, by name.
+or an SPMD run's whole tensors of such state) has no per-layer meaning in general, and is refused
+by name. The exception is Hugging Face's Adafactor, which xla_fsdp runs per layer on a stack
+([Note: Adafactor on stored stacks]): its column factor and RMS hold the layers on dim 0 of an
+SPMD run's whole tensor, so layer i takes row i of the stack's, and the layers' (each RMS a
+number in the metadata) stack into one (`Restack.layers_first`, `joined`, `values`).
 """
 from __future__ import annotations
 

@@ -30,8 +30,9 @@ time (docs/scan.md, 2026-11-29).
   0's records, without storage, give the loop its sizes and buckets.
 - `state_dict()` names each layer's rows as the unscanned model does and
   `load_state_dict()` stacks such keys (layer_scan/stored_stacks.py); the
-  optimizer holds one tensor per name, so only element-wise optimizers are
-  accepted ("per_step" keeps per-layer parameters for the others).
+  optimizer holds one tensor per name, so only element-wise optimizers and
+  Hugging Face's Adafactor (run per layer: [Note: Adafactor on stored stacks])
+  are accepted ("per_step" keeps per-layer parameters for the others).
 - One process per device keeps per-layer parameters (stacked every step):
   its per-rank state dicts and shard metadata are per layer.
 """

@@ -1,5 +1,5 @@
 """Scanned layers' parameters stored stacked: the record on the list's owner, its state-dict
-hooks and the optimizer check both engines share ([Note: parameters stored stacked] in
+hooks and the optimizer-step hooks both engines share ([Note: parameters stored stacked] in
 spmd_engine/stacked.py; the collectives engine's layout in collective_engine/stacked_units.py).
 
 The owner of a scanned ModuleList `<attr>` holds a module `<attr>_scan` shaped like one layer,

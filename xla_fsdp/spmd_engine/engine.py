@@ -92,7 +92,8 @@ def apply_spmd_fsdp(
       stores each parameter of the scanned layers once, stacked ([Note:
       parameters stored stacked] in stacked.py); "per_step" keeps per-layer
       parameters and stacks them every step (for optimizers with per-tensor
-      statistics, such as Adafactor).
+      statistics other than Hugging Face's Adafactor, which runs per layer on
+      stored stacks).
   """
   if not xr.is_spmd():
     raise RuntimeError(

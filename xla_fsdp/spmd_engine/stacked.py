@@ -33,9 +33,11 @@ What does not change:
 
 What does: an optimizer with per-tensor statistics (Adafactor's factored
 moments and update clipping, LAMB's trust ratio) would see one tensor for
-all layers. Those are refused at their first step, naming
-`scan_layers="per_step"` (stack every step, per-layer parameters), which
-keeps their exact per-layer behaviour.
+all layers. Hugging Face's Adafactor, the recipe's, is run per layer on
+each stack instead ([Note: Adafactor on stored stacks] in
+layer_scan/stacked_adafactor.py); the others are refused at their first
+step, naming `scan_layers="per_step"` (stack every step, per-layer
+parameters), which keeps their exact per-layer behaviour.
 """
 
 from __future__ import annotations
