@@ -339,7 +339,8 @@ def test_collectives_scan_through_the_launcher_saves_per_layer_and_resumes(tiny_
     """The collectives engine's `"scan_layers": true` as a user runs it (single controller, stored
     stacks: [Note: the collectives engine's stored stacks]): the model it writes has the unscanned
     model's per-layer keys, and a run resumed from its step-3 checkpoint logs the same losses, with
-    scan and without."""
+    scan and without. With the recipe's `--optim adafactor`, which runs per layer on the stacks
+    ([Note: Adafactor on stored stacks])."""
     from safetensors.torch import load_file
 
     config = tmp_path / "tiny_cpu_scan.json"
@@ -347,7 +348,7 @@ def test_collectives_scan_through_the_launcher_saves_per_layer_and_resumes(tiny_
                                   "scan_layers": True}))
     common = ["--config_name", tiny_config, "--fsdp", "full_shard", "--fsdp_config", str(config), "--do_train",
               "--max_steps", "6", "--per_device_train_batch_size", "4", "--block_size", "32",
-              "--logging_steps", "2", "--learning_rate", "3e-3"]
+              "--logging_steps", "2", "--learning_rate", "3e-3", "--optim", "adafactor", "--adafactor", "true"]
     (tmp_path / "a").mkdir()
     first, _ = _train(tmp_path / "a", common + ["--save_strategy", "steps", "--save_steps", "3"], launcher_cores=2)
     saved = load_file(str(tmp_path / "a" / "out" / "model.safetensors"))
@@ -357,7 +358,7 @@ def test_collectives_scan_through_the_launcher_saves_per_layer_and_resumes(tiny_
                                                   str(tmp_path / "a" / "out" / "checkpoint-3")], launcher_cores=2)
     assert resumed["losses"] == [step for step in first["losses"] if step[0] > 3], (first["losses"], resumed["losses"])
     # the same checkpoint resumed without scan ([Note: loading across stored stacks]): per-layer
-    # parameters and AdamW state from the stacks, the same losses
+    # parameters and Adafactor's state from the stacks (the column factor and RMS per layer), the same losses
     plain = tmp_path / "tiny_cpu_plain.json"
     plain.write_text(json.dumps({**json.load(open(TINY_FSDP_CONFIG)), "xla_fsdp_grad_ckpt": True}))
     (tmp_path / "c").mkdir()
