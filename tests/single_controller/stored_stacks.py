@@ -156,6 +156,28 @@ def refusals() -> dict:
     return out
 
 
+def resumed(stored, opt, make_opt):
+    """A fresh scanned model and optimizer given `stored`'s and `opt`'s state dicts, the optimizer's as
+    read from a file (no tensor shared)."""
+    model = build(True, seed=7)
+    model.load_state_dict(stored.state_dict())
+    model_opt = make_opt(model)
+    train(model, model_opt, 1, start=50)  # creates the optimizer's state, then overwritten
+    model.load_state_dict(stored.state_dict())
+    model_opt.load_state_dict(on_host(opt.state_dict()))
+    return model, model_opt
+
+
+def loaded(path, scan, seed, make_opt):
+    """A model (scanned or not) and optimizer loaded from xla_fsdp.checkpoint `path`."""
+    from xla_fsdp.checkpoint import load_checkpoint
+
+    model = build(scan, seed=seed)
+    model_opt = make_opt(model)
+    load_checkpoint(path, model, model_opt)
+    return model, model_opt
+
+
 def adafactor(model):
     from transformers.optimization import Adafactor
 
@@ -166,7 +188,7 @@ def adafactor_runs() -> dict:
     """[Note: Adafactor on stored stacks]: HF Trainer's Adafactor on the stored stacks against the
     unscanned model; its state resumes through optimizer.state_dict() (the row factor's padding cut
     and put back) and through xla_fsdp.checkpoint, and loads across the two layouts."""
-    from xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
+    from xla_fsdp.checkpoint import save_checkpoint
 
     out, runs = {}, {}
     for scan in (True, False):
@@ -179,28 +201,18 @@ def adafactor_runs() -> dict:
     stored, opt = runs[True]
     out["optim_shapes"] = {k: tuple(v.shape) for k, v in opt.state_dict()["state"][2].items()
                            if isinstance(v, torch.Tensor)}  # layers_scan.up.weight
-    resumed = build(True, seed=7)
-    resumed_opt = adafactor(resumed)
-    train(resumed, resumed_opt, 1, start=50)  # creates the state, then overwritten
-    resumed.load_state_dict(stored.state_dict())
-    resumed_opt.load_state_dict(on_host(opt.state_dict()))
-    out["resume"] = [train(stored, opt, 2, start=3)[0], train(resumed, resumed_opt, 2, start=3)[0]]
+    again, again_opt = resumed(stored, opt, adafactor)
+    out["resume"] = [train(stored, opt, 2, start=3)[0], train(again, again_opt, 2, start=3)[0]]
     with tempfile.TemporaryDirectory() as tmp:
         path = save_checkpoint(os.path.join(tmp, "ckpt"), stored, opt, step=5)
-        other = build(True, seed=9)
-        other_opt = adafactor(other)
-        load_checkpoint(path, other, other_opt)
-        into_plain = build(False, seed=11)
-        into_plain_opt = adafactor(into_plain)
-        load_checkpoint(path, into_plain, into_plain_opt)
+        other, other_opt = loaded(path, True, 9, adafactor)
+        into_plain, into_plain_opt = loaded(path, False, 11, adafactor)
         out["checkpoint"] = [train(stored, opt, 2, start=5)[0], train(other, other_opt, 2, start=5)[0],
                              train(into_plain, into_plain_opt, 2, start=5)[0]]
         # an unscanned run's checkpoint (each layer's RMS a number) into the stored stacks
         plain, plain_opt = runs[False]
         plain_path = save_checkpoint(os.path.join(tmp, "plain"), plain, plain_opt, step=3)
-        into_stored = build(True, seed=13)
-        into_stored_opt = adafactor(into_stored)
-        load_checkpoint(plain_path, into_stored, into_stored_opt)
+        into_stored, into_stored_opt = loaded(plain_path, True, 13, adafactor)
         out["into_stored"] = [train(plain, plain_opt, 2, start=3)[0], train(into_stored, into_stored_opt, 2, start=3)[0]]
     return out
 
@@ -234,34 +246,23 @@ def main(out: str) -> None:
                          "plain": train(into_plain, adamw(into_plain), 2, start=3)[0]}
 
     # resume: model and optimizer state dicts into a fresh scanned model, two more steps each
-    resumed = build(True, seed=7)
-    resumed.load_state_dict(stored.state_dict())
-    resumed_opt = adamw(resumed)
-    train(resumed, resumed_opt, 1, start=50)  # creates AdamW's state, then overwritten
-    resumed.load_state_dict(stored.state_dict())
-    resumed_opt.load_state_dict(on_host(opt.state_dict()))  # as read from a file: no tensor shared
-    res["resume"] = {"original": train(stored, opt, 2, start=3)[0], "resumed": train(resumed, resumed_opt, 2, start=3)[0]}
+    again, again_opt = resumed(stored, opt, adamw)
+    res["resume"] = {"original": train(stored, opt, 2, start=3)[0], "resumed": train(again, again_opt, 2, start=3)[0]}
 
     # xla_fsdp.checkpoint: saved from the scanned model, loaded into another, consolidated per layer
-    from xla_fsdp.checkpoint import consolidate, load_checkpoint, save_checkpoint
+    from xla_fsdp.checkpoint import consolidate, save_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         path = save_checkpoint(os.path.join(tmp, "ckpt"), stored, opt, step=5)
-        other = build(True, seed=9)
-        other_opt = adamw(other)
-        load_checkpoint(path, other, other_opt)
+        other, other_opt = loaded(path, True, 9, adamw)
         # [Note: loading across stored stacks]: into the model without scan (AdamW's state too)
-        into_plain = build(False, seed=11)
-        into_plain_opt = adamw(into_plain)
-        load_checkpoint(path, into_plain, into_plain_opt)
+        into_plain, into_plain_opt = loaded(path, False, 11, adamw)
         res["checkpoint"] = {"saved": host(stored.state_dict()), "loaded": host(other.state_dict()),
                              "after": [train(stored, opt, 2, start=5)[0], train(other, other_opt, 2, start=5)[0]],
                              "into_plain": train(into_plain, into_plain_opt, 2, start=5)[0]}
         # and an unscanned run's checkpoint into the scanned model
         plain_path = save_checkpoint(os.path.join(tmp, "plain_ckpt"), plain, plain_opt, step=3)
-        into_stored = build(True, seed=13)
-        into_stored_opt = adamw(into_stored)
-        load_checkpoint(plain_path, into_stored, into_stored_opt)
+        into_stored, into_stored_opt = loaded(plain_path, True, 13, adamw)
         res["checkpoint"]["into_stored"] = [train(plain, plain_opt, 2, start=3)[0],
                                             train(into_stored, into_stored_opt, 2, start=3)[0]]
         from safetensors.torch import load_file
