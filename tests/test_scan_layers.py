@@ -133,3 +133,14 @@ def test_dropout_differs_per_layer_and_step_and_matches_in_backward(at_4):
   for a, b in zip(r["attention_plain"], r["attention_keyed"]):
     assert abs(a - b) <= 1e-5 * abs(a)
   assert all(0 < x < 10 for x in r["dropout_losses"])
+
+
+@pytest.mark.slow
+def test_adafactor_checkpoints_load_across_stored_stacks_on_the_gspmd_engine():
+  """[Note: Adafactor on stored stacks] and [Note: loading across stored stacks] on the GSPMD
+  engine: a scanned run's checkpoint with Adafactor's state goes on in the unscanned model as the
+  scanned run does, and the reverse (the single controller's case is in test_stored_stacks.py)."""
+  r = run_case(4, "stored_adafactor")
+  for scan in ("True", "False"):
+    assert len(r[f"continued_{scan}"]) == 2
+    assert r[f"across_{scan}"] == pytest.approx(r[f"continued_{scan}"], rel=1e-5), r

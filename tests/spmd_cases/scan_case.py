@@ -273,6 +273,33 @@ def stored(args) -> dict:
   return out
 
 
+def stored_adafactor(args) -> dict:
+  """[Note: Adafactor on stored stacks] on the GSPMD engine, with its checkpoints: a scanned run's
+  (the column factor and RMS per layer on dim 0) goes on in the unscanned model, and the reverse."""
+  import tempfile
+
+  from transformers.optimization import Adafactor
+  from xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
+
+  def adafactor(m):
+    return Adafactor(m.parameters(), lr=1e-3, scale_parameter=False, relative_step=False, weight_decay=0.01)
+
+  batches = models.gpt2_batches(4)
+  work = tempfile.mkdtemp()
+  out = {}
+  for scan in (True, False):
+    model = shard(gpt2(3), scan, None, False)
+    opt = adafactor(model)
+    _steps(model, opt, batches[:2])
+    save_checkpoint(f"{work}/{scan}", model, opt, step=2)
+    out[f"continued_{scan}"] = _steps(model, opt, batches[2:])
+    other = shard(gpt2(3, seed=5), not scan, None, False)
+    other_opt = adafactor(other)
+    load_checkpoint(f"{work}/{scan}", other, other_opt)
+    out[f"across_{scan}"] = _steps(other, other_opt, batches[2:])
+  return out
+
+
 class NoiseLayer(nn.Module):
   """h + dropout(1) * w: the output encodes every layer's keep mask (w_l = 4**l)."""
 
@@ -363,7 +390,7 @@ def random(args) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("case", choices=["parity", "errors", "stored", "random", "both"])
+  parser.add_argument("case", choices=["parity", "errors", "stored", "stored_adafactor", "random", "both"])
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
   parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -375,7 +402,8 @@ def main() -> None:
     result = {"parity": parity(args), "errors": errors(args), "stored": stored(args),
               "random": random(args)}
   else:
-    result = {"parity": parity, "errors": errors, "stored": stored, "random": random}[args.case](args)
+    result = {"parity": parity, "errors": errors, "stored": stored, "stored_adafactor": stored_adafactor,
+              "random": random}[args.case](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 
