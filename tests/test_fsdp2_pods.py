@@ -6,10 +6,10 @@ tests/fsdp2/pods_worker.py trains tests/fsdp2/dcp_worker.py's small Llama (fully
 root; vocab 67: padding rows at 8 devices) 2 steps at 2 hosts x 4 devices and DCP-saves model and
 AdamW state; then host 1 is SIGKILLed in a second save over that complete checkpoint, after its
 data and before DCP's metadata. Default run: the files (each host wrote the rows of its own devices,
-every row once), the killed save (nothing loads from it; the step-2 checkpoint still does), loads at
-2 hosts and at 1 host of 8 devices (state exact, every tensor sharded as before, the next step's loss
-the uninterrupted run's, each host reading only its devices' rows) and into plain CPU tensors through
-DCP alone. `-m slow`: 1 host of 4 devices, an HSDP mesh with the replica dim across the hosts, a
+every row once), the killed save (nothing loads from it; the step-2 checkpoint still does), a load at
+2 hosts (state exact, every tensor sharded as before, the next step's loss the uninterrupted run's,
+each host reading only its devices' rows) and into plain CPU tensors through DCP alone. `-m slow`: 1
+host of 8 devices, 1 host of 4 devices, an HSDP mesh with the replica dim across the hosts, a
 checkpoint of 1 host loaded at 2.
 """
 from __future__ import annotations
@@ -213,6 +213,10 @@ def test_loads_at_2_hosts(saved, tmp_path):
     _check_loaded(saved, _load(tmp_path, saved, hosts=2), DEVICES)
 
 
+# -m slow: a load at 2 hosts (each host reading only its devices' rows) stays in the default run; a DCP
+# checkpoint at another layout: tests/test_fsdp2_dcp.py (4 devices loaded at 1); at another host count:
+# tests/test_pod_checkpoints.py (xla_fsdp's checkpoints, 2 hosts loaded at 4)
+@pytest.mark.slow
 def test_loads_at_1_host_of_8_devices(saved, tmp_path):
     _check_loaded(saved, _load(tmp_path, saved, hosts=1), DEVICES)
 

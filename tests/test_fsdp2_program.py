@@ -5,9 +5,9 @@ holding the embedding, the final norm and the head) at 8 devices:
 - on XLA:CPU, read from XLA's dump right after SPMD partitioning: native all-gathers of
   the shards and reduce-scatters of the gradients (all_gather_impl="auto" is the native
   gather off a TPU: [Note: rings by default on a TPU]), no all-reduce of anything but scalars;
-- through the TPU check (`python -m xla_fsdp.aot --tpu v5e-8`): libtpu compiles the step,
-  and "auto" there means rings, so the gathers and reduce-scatters are rings of
-  asynchronous collective-permutes.
+- through the TPU check (`python -m xla_fsdp.aot --tpu v5e-8`, `pytest -m slow`): libtpu
+  compiles the step, and "auto" there means rings, so the gathers and reduce-scatters are rings
+  of asynchronous collective-permutes.
 """
 from __future__ import annotations
 
@@ -87,6 +87,11 @@ def test_the_step_gathers_and_reduce_scatters_the_shards_natively_on_cpu(partiti
     assert scattered == PADDED_ELEMENTS  # every parameter's gradient, once
 
 
+# -m slow: in the default run an FSDP2 script's step compiles for TPU under the check in
+# tests/test_fsdp2_port.py (v4-8, the single controller), and "auto" making every gather and
+# reduce-scatter a ring of asynchronous collective-permutes on v5e-8 is compiled by
+# tests/test_tpu_compile_matrix.py::test_default_configuration_runs_its_collectives_asynchronously_beside_compute
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="the TPU compiler comes with `pip install -e .[tpu-aot]` (make test installs it)")
 def test_the_tiny_example_compiles_for_v5e_8_with_rings_of_async_permutes():

@@ -8,7 +8,8 @@ from checkpoint-2 and must log the same losses for steps 3 and 4; the final
 `save_model` directory loads with `GPT2LMHeadModel.from_pretrained` and
 computes the trained model's logits. The same with `"xla_fsdp_v2": true` on
 the GSPMD engine and 4 devices. One process (Trainer's world size is 1 here:
-multi-process XLA does not run on CPU).
+multi-process XLA does not run on CPU). Default run: the collectives engine's single controller
+with scan_layers (4 devices); the blog's config at one device and the GSPMD engine under `-m slow`.
 
 At 4 devices under launch/xla_spawn.py (one process, XLA_FSDP_RUNTIME=single_controller):
 tests/fixtures/hf_clm_job.py, a script in the style of Hugging Face's run_clm.py with
@@ -54,7 +55,11 @@ def _job(out, flavour, *extra):
 # v2_scan, v1_scan: scan_layers' stored stacks through the Trainer (checkpoints, save_model) on the
 # GSPMD engine (AdamW) and on the collectives engine's single controller (4 devices) with the recipe's
 # --optim adafactor, which runs per layer on the stacks ([Note: Adafactor on stored stacks])
-@pytest.mark.parametrize("flavour", ["v1", pytest.param("v2", marks=pytest.mark.slow),
+# v1 (the blog's config at one device) under `pytest -m slow` too: the Trainer trains, resumes and saves on
+# the collectives engine in the default run with v1_scan (4 devices, the single controller, bf16 compute
+# and checkpointed GPT2Blocks, scanned) and test_clm_script_at_4_devices_under_xla_spawn
+@pytest.mark.parametrize("flavour", [pytest.param("v1", marks=pytest.mark.slow),
+                                     pytest.param("v2", marks=pytest.mark.slow),
                                      pytest.param("v2_scan", marks=pytest.mark.slow),
                                      "v1_scan"])
 def test_trainer_trains_resumes_and_saves_with_xla_fsdp(tmp_path, flavour):

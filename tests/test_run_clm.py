@@ -99,7 +99,10 @@ def test_trains_at_world_size_1_and_writes_metrics(tiny_config, tmp_path):
     assert report["xla_compiles"] <= 8
 
 
-@pytest.mark.parametrize("config,engine", [(TINY_FSDP_CONFIG, "collectives"),
+# collectives under -m slow: the launcher's single controller is the gspmd case's; run_clm on the collectives
+# engine through the launcher runs in the default run in tests/test_run_clm_llama.py (collectives_scan, 4
+# devices, the unsharded run's losses) and tests/test_fused_loss.py
+@pytest.mark.parametrize("config,engine", [pytest.param(TINY_FSDP_CONFIG, "collectives", marks=pytest.mark.slow),
                                            (TINY_FSDP_CONFIG.replace("tiny_cpu", "tiny_cpu_v2"), "spmd")],
                          ids=["collectives", "gspmd"])
 def test_both_engines_through_the_launcher(tiny_config, tmp_path, config, engine):
@@ -335,6 +338,11 @@ def test_scan_layers_through_the_launcher_logs_the_unscanned_losses(tiny_config,
     assert runs[1] == pytest.approx(runs[0], rel=1e-5), runs
 
 
+# -m slow: stored stacks' checkpoints (per-layer consolidation, loads across stacks both ways, AdamW and
+# Adafactor state) in the default run: tests/test_stored_stacks.py; a scanned training job that saves
+# per layer and resumes with the same losses, with --optim adafactor: tests/test_hf_trainer.py (v1_scan);
+# the scanned collectives engine under the launcher against the unsharded run: tests/test_run_clm_llama.py
+@pytest.mark.slow
 def test_collectives_scan_through_the_launcher_saves_per_layer_and_resumes(tiny_config, tmp_path):
     """The collectives engine's `"scan_layers": true` as a user runs it (single controller, stored
     stacks: [Note: the collectives engine's stored stacks]): the model it writes has the unscanned

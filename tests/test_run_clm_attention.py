@@ -1,6 +1,7 @@
 """run_clm with `--attn_implementation pallas`: what it refuses (attention dropout, sequence lengths
 the kernel cannot take, a CPU outside the ahead-of-time check), and the check compiling a tiny
-GPT-2 step with the kernel for v5e-8, its attention a `tpu_custom_call` of per-device shape."""
+GPT-2 step with the kernel for v5e-8, its attention a `tpu_custom_call` of per-device shape (every
+GPT-2 variant under `-m slow`; the default run compiles the tiny Llama with the shipped config)."""
 from __future__ import annotations
 
 import importlib.util
@@ -49,8 +50,10 @@ def test_the_kernel_on_cpu_outside_the_check_is_refused_naming_eager_and_the_che
 @NEEDS_AOT
 @pytest.mark.parametrize("case, runtime, kernels", [
     # checkpointed blocks: the kernel runs again, per device, in backward (2 layers x forward, its
-    # recompute, dq, dkv)
-    ("sc-grad_ckpt", "auto", 8),
+    # recompute, dq, dkv). -m slow: the default run compiles the same for the tiny Llama with the
+    # shipped config (checkpointed layers, 8 kernels of per-device shape, our head-major projections),
+    # test_tiny_llama_with_the_shipped_config_compiles_with_head_major_projections below
+    pytest.param("sc-grad_ckpt", "auto", 8, marks=pytest.mark.slow),
     # global tensors: the kernel gets the batch's partition spec (2 layers x forward, dq, dkv)
     pytest.param("gspmd", "auto", 6, marks=pytest.mark.slow),
     pytest.param("mp-grad_ckpt", "multi_process", 8, marks=pytest.mark.slow),

@@ -3,14 +3,18 @@
 - Parity on XLA:CPU: the tiny Llama (GQA 4 query / 2 key-value heads, SwiGLU, untied head)
   sharded over 4 virtual devices under launch/xla_spawn.py (one process, the single
   controller) logs the unsharded run's losses and ends with its parameters, step for step.
-  Default run: the collective engine with the shipped tiny_cpu_llama.json (one unit per
-  LlamaDecoderLayer) and --gradient_checkpointing; under `pytest -m slow` the GSPMD engine
-  (tiny_cpu_llama_v2.json) and a bare `--fsdp "full_shard auto_wrap"`.
+  Default run: the collective engine with tiny_cpu_llama_scan.json (the shipped
+  llama_xla_fsdp_scan.json's engine settings in fp32: one unit per LlamaDecoderLayer, checkpointed
+  and scanned, collectives off the chain); under `pytest -m slow` the same engine with the shipped
+  tiny_cpu_llama.json and --gradient_checkpointing, the GSPMD engine (tiny_cpu_llama_v2.json) and a
+  bare `--fsdp "full_shard auto_wrap"`.
 - The layer class: a bare auto_wrap and --gradient_checkpointing take the model's decoder
   layer (transformers' _no_split_modules); an fsdp_config naming GPT2Block for a Llama is an
   error naming LlamaDecoderLayer.
 - FLOPs: Llama 3 8B at sequence 8192 counts MaxText's FLOPs per token.
-- The tiny Llama's step compiles for v5e-8 with libtpu (the ahead-of-time check).
+- The tiny Llama's step compiles for v5e-8 with libtpu (the ahead-of-time check; `-m slow`: the
+  default run compiles the same config for v5e-8 with the attention kernel,
+  tests/test_run_clm_attention.py).
 """
 import importlib.util
 import json
@@ -57,8 +61,11 @@ def unsharded(tmp_path_factory):
 
 
 @pytest.mark.parametrize("engine,flags", [
-    ("collectives", ["--fsdp", "full_shard", "--fsdp_config", os.path.join(FSDP, "tiny_cpu_llama.json"),
-                     "--gradient_checkpointing"]),
+    # -m slow: the Llama on the collectives engine through the launcher is the scanned case below (its
+    # layers checkpointed, collectives off the chain); --gradient_checkpointing's layer choice:
+    # test_bare_auto_wrap_and_checkpointing_take_the_decoder_layer
+    pytest.param("collectives", ["--fsdp", "full_shard", "--fsdp_config", os.path.join(FSDP, "tiny_cpu_llama.json"),
+                                 "--gradient_checkpointing"], marks=pytest.mark.slow),
     # the shipped llama_xla_fsdp_scan.json's engine settings in fp32: scanned, collectives off the chain
     ("collectives", ["--fsdp", "full_shard", "--fsdp_config", os.path.join(FSDP, "tiny_cpu_llama_scan.json")]),
     pytest.param("spmd", ["--fsdp", "full_shard", "--fsdp_config", os.path.join(FSDP, "tiny_cpu_llama_v2.json")],
@@ -132,6 +139,9 @@ def test_llama3_8b_flops_per_token_are_maxtexts():
     assert per_token == pytest.approx(417.397e12 * 4.546 / (4 * 8192), rel=2e-3)
 
 
+# -m slow: the same shipped config on the same slice compiles in the default run with the attention kernel,
+# tests/test_run_clm_attention.py::test_tiny_llama_with_the_shipped_config_compiles_with_head_major_projections
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the TPU compiler comes with `pip install -e .[tpu-aot]`")
 def test_tiny_llama_step_compiles_for_v5e_8(tmp_path):
     cmd = [SCRIPT, "--config_name", TINY, "--fsdp", "full_shard", "--fsdp_config",

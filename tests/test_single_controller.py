@@ -16,7 +16,8 @@ the unsharded eager model trained on the same batch: fp32 losses within 1e-5
 relative and parameters within 1e-5 tensor-relative; bf16 compute within 3e-2
 (losses) and 2e-2 (parameters), as in the gloo suite. The default run covers
 the shipped TPU configuration's variants, HYBRID and deferred init once (the other
-strategies run in the gloo suite's default run); `pytest -m slow` runs the whole matrix at both device
+strategies run in the gloo suite's default run; combinations of the variants, such as bf16 with
+scan, under `-m slow`); `pytest -m slow` runs the whole matrix at both device
 counts with both gather implementations.
 """
 from __future__ import annotations
@@ -49,14 +50,20 @@ CROSS_RUNTIME_TENSOR_REL = 2e-6
 # (reshard off: SHARD_GRAD_OP; HYBRID at 8 only)
 DEFAULT = {
     4: ["mlp_sgd", "gpt2_ckpt_no_prefetch", "mlp_bf16", "mlp_clip_sgd:all_reduce", "acc/no_sync/mlp_nested_adamw",
-        "gpt2_ckpt_scan", "gpt2_ckpt_scan_bf16", "gpt2_ckpt_bf16"],
-    8: ["gpt2_hybrid", "meta", "gpt2_ckpt_scan@ring:ring", "gpt2_ckpt_scan_hybrid"],
+        "gpt2_ckpt_scan", "gpt2_ckpt_scan_bf16"],
+    8: ["gpt2_hybrid", "meta", "gpt2_ckpt_scan@ring:ring"],
 }  # gpt2_ckpt_scan*: scan_layers, the blocks as one XLA loop holding the engine's collectives  # gpt2_ckpt_no_prefetch is the 2B v4 job's config (per-layer checkpointing, no prefetch: gpt2_checkpoint and
 # gpt2_no_prefetch in one run). mlp_mixed_sizes, mlp_shard_grad_op and gpt2_no_shard (all three in the
 # gloo suite's default run), gpt2_txla_ckpt_after (also at XLA world 1), gpt2_adamw (GPT-2 with AdamW
 # stays: gpt2_ckpt_no_prefetch, and with rings at 8 devices), gpt2_checkpoint, gpt2_no_prefetch and accumulation
 # on GPT-2 run in the sweep (-m slow), as every case does
 # the rest runs with `pytest -m slow`: every case, both gather implementations, every accumulation mode
+# the combinations of variants above, behind -m slow: the unscanned twin of the shipped bf16 scan config
+# (gpt2_ckpt_scan_bf16 is checked against the unsharded run by default), scan with HYBRID
+# (gpt2_hybrid), torus stages off the token chain (stages: gpt2_small_sgd; token_chain="off" against the
+# unsharded run: tests/test_run_clm_llama.py's collectives_scan, SLOW_TORUS_CASES below). One more worker
+# per device count, started when a test first asks for one of them.
+SLOW = {4: ["gpt2_ckpt_bf16"], 8: ["gpt2_ckpt_scan_hybrid"]}
 SWEEP = {n: [f"{c.name}:{impl}" for c in MATRIX for impl in ("all_gather", "all_reduce")]
          + [f"acc/{mode}/{case}" for mode in ("no_sync", "requires_sync", "shards") for case in ("gpt2_adamw", "gpt2_hybrid")]
          for n in (4, 8)}
@@ -87,7 +94,7 @@ def _start(tmp: Path, cases_by_devices):
         extra = [c.name for c in MIXED_LAYOUTS] if devices == 4 else TORUS_CASES + RING_CASES + POD_CASES
         # at 8: the devices stand for a 2x2x2 v4 slice ([Note: one reduce-scatter per torus axis])
         runs[("parity", devices)] = Run(devices, "parity", tmp / f"parity{devices}.pt", cases + extra,
-                                        env={"XLA_FSDP_TORUS": "2x2x2"} if devices == 8 else None)
+                                        env=TORUS_ENV if devices == 8 else None)
     dump = tmp / "dump"
     runs["program"] = Run(8, "program", tmp / "program.pt", env={
         "DUMP_DIR": str(dump),
@@ -104,16 +111,43 @@ def _start(tmp: Path, cases_by_devices):
 # at 8 devices, whose parity run stands for a 2x2x2 slice (the small GPT-2: buckets of 8 rows of 128 or
 # more per device, which stage; each case counts its own reduce-scatters, tests/single_controller/run.py)
 # "+off": token_chain="off", as the shipped Llama config ([Note: collectives off the chain])
-TORUS_CASES = ["gpt2_small_sgd", "gpt2_small_sgd+off"]
+TORUS_CASES = ["gpt2_small_sgd"]
+SLOW_TORUS_CASES = ["gpt2_small_sgd+off"]  # -m slow
+TORUS_ENV = {"XLA_FSDP_TORUS": "2x2x2"}
 RING_CASES = ["gpt2_adamw@ring:ring",  # the same, reduce_scatter_stages and all_gather_impl "ring"
               "mlp_tiles@ring:ring"]  # its large shards whole fp32 tiles: gathered in their own shape
 # a pod's default: reduce-scatters as rings, gathers as all-gathers ([Note: reduce-scatter rings on pods])
 POD_CASES = ["gpt2_adamw@ring:all_gather"]
 
 
+class Runs(dict):
+    """The default run's workers, started together; the SLOW cases' worker at a device count is
+    started when a test first asks for it."""
+
+    def __init__(self, tmp: Path):
+        super().__init__(_start(tmp, DEFAULT))
+        self.tmp = tmp
+
+    @staticmethod
+    def slow_specs(devices: int) -> list:
+        return SLOW[devices] + (SLOW_TORUS_CASES if devices == 8 else [])
+
+    def __missing__(self, key):
+        kind, devices = key
+        assert kind == "parity_slow", key
+        self[key] = Run(devices, "parity", self.tmp / f"parity{devices}_slow.pt", self.slow_specs(devices),
+                        env=TORUS_ENV if devices == 8 else None)
+        return self[key]
+
+    def parity(self, devices: int, spec: str) -> dict:
+        """The parity worker's result for `spec` at `devices`."""
+        kind = "parity_slow" if spec in self.slow_specs(devices) else "parity"
+        return self[(kind, devices)].result()[spec]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _start(tmp_path_factory.mktemp("single_controller"), DEFAULT)
+    return Runs(tmp_path_factory.mktemp("single_controller"))
 
 
 def _check_parity(spec: str, got: dict) -> None:
@@ -129,22 +163,23 @@ def _check_parity(spec: str, got: dict) -> None:
         assert got["padded_shapes"][name][0] == -(-rows // size) * size, name
 
 
-@pytest.mark.parametrize("devices,spec", [(n, c) for n, cs in DEFAULT.items() for c in cs if c != "meta"],
+@pytest.mark.parametrize("devices,spec", [(n, c) for n, cs in DEFAULT.items() for c in cs if c != "meta"]
+                         + [pytest.param(n, c, marks=pytest.mark.slow) for n, cs in SLOW.items() for c in cs],
                          ids=lambda x: str(x))
 def test_parity(runs, devices, spec):
-    _check_parity(spec, runs[("parity", devices)].result()[spec])
+    _check_parity(spec, runs.parity(devices, spec))
 
 
 @pytest.mark.parametrize("devices,scanned,unscanned", [
-    (4, "gpt2_ckpt_scan", "gpt2_ckpt_no_prefetch"), (4, "gpt2_ckpt_scan_bf16", "gpt2_ckpt_bf16"),
+    (4, "gpt2_ckpt_scan", "gpt2_ckpt_no_prefetch"),
+    pytest.param(4, "gpt2_ckpt_scan_bf16", "gpt2_ckpt_bf16", marks=pytest.mark.slow),
     (8, "gpt2_ckpt_scan@ring:ring", "gpt2_adamw@ring:ring")], ids=lambda x: str(x))
 def test_scanned_blocks_train_as_the_unscanned_run(runs, devices, scanned, unscanned):
     """scan_layers on the collectives engine ([Note: scanning units of the collectives engine]):
     the blocks run as one XLA loop whose body gathers and reduce-scatters with the engine's own
     collectives; losses and parameters after 5 steps equal the unscanned run's within 1e-5 (and
     the unsharded reference's, test_parity)."""
-    got = runs[("parity", devices)].result()
-    a, b = got[scanned], got[unscanned]
+    a, b = runs.parity(devices, scanned), runs.parity(devices, unscanned)
     assert "transformer.h_scan.attn.c_attn.weight" in a["stacked"], a["stacked"]  # stored stacks
     # fp32: within 1e-5. bf16: the stored stacks' optimizer update and clipping norm round their
     # fp32 sums in another order, and bf16 compute turns last-bit differences of a parameter into
@@ -167,12 +202,12 @@ def test_nested_units_with_different_layouts(runs, name):
         assert_rel_close(got["params"][param], want, FP32_PARAM_REL, f"{name} {param}")
 
 
-@pytest.mark.parametrize("spec", TORUS_CASES)
+@pytest.mark.parametrize("spec", TORUS_CASES + [pytest.param(c, marks=pytest.mark.slow) for c in SLOW_TORUS_CASES])
 def test_reduce_scatter_in_stages_along_the_torus_axes(runs, spec):
     """On a slice whose devices span three axes the engine reduce-scatters one axis at a time
     (three reduce-scatters over pairs on 2x2x2); parameters still match the unsharded run."""
     at8 = runs[("parity", 8)].result()
-    got = at8[spec]
+    got = runs.parity(8, spec)
     sizes = {count for count, _ in got["scatter_sizes"]}
     assert 2 in sizes and sizes <= {2, 8}, got["scatter_sizes"]
     # flat only for buckets that do not split into 8 or more whole rows of 128 per device

@@ -22,8 +22,8 @@ pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -
 
 CHIPS = {"v4-8": 4, "v5e-8": 8}
 # one process per chip (mp-full_shard on v4-8) is compiled by tests/test_aot.py's report test; the
-# single controller on v4-8 by tests/test_libtpu_flags.py and the make-train test, on v5e-8 (with
-# per-layer checkpointing: the shipped config) by the default-configuration test, with a replica axis
+# single controller on v4-8 by tests/test_libtpu_flags.py (and the make-train test under -m slow), on
+# v5e-8 (with per-layer checkpointing: the shipped config) by the default-configuration test, with a replica axis
 # (sc-hybrid: gathers and reduce-scatters, no rings) on v5e-16 by tests/test_aot.py's multi-host
 # test; every case on both slices, one process per chip with checkpointing among them, under -m slow
 DEFAULT = [
@@ -104,6 +104,10 @@ def test_default_configuration_runs_its_collectives_asynchronously_beside_comput
     assert p["projected_seconds"] < p["compute_seconds"] + p["sync_collective_seconds"] + p["async_collective_seconds"]
 
 
+# -m slow: gathers asynchronous beside matmuls under xla_fsdp's flags are compiled in the default run by
+# tests/test_libtpu_flags.py::test_the_flags_make_v4_run_our_gathers_asynchronously_beside_matmuls (v4-8,
+# all_gather_impl="all_gather"), staged 2-D reduce-scatters kept as reduce-scatters by tests/test_tpu_large_slice.py
+@pytest.mark.slow
 def test_gathers_run_asynchronously_beside_compute(tmp_path):
     """The collectives where rings do not apply (all_gather_impl="all_gather"; also sharding
     groups and HYBRID_SHARD), tiny GPT-2 on v5e-8: the all-gathers asynchronous with matmuls
@@ -119,7 +123,7 @@ def test_gathers_run_asynchronously_beside_compute(tmp_path):
     assert c["by_kind"].get("reduce-scatter", {}).get("sync", 0) >= 5, c  # 7
 
 
-@pytest.mark.slow  # the default run compiles the same rings on v4-8 in the make-train test below
+@pytest.mark.slow  # the default run compiles the same rings on v5e-8 in the default-configuration test above
 def test_rings_run_asynchronously_beside_compute(tmp_path):
     """reduce_scatter_stages="ring" and all_gather_impl="ring" ([Note: ring reduce-scatter]), what
     "auto" chooses on a TPU, named explicitly, tiny GPT-2 on v4-8 (2x2: a ring per torus axis): gradients and parameters travel as collective-permutes that libtpu runs
@@ -135,6 +139,7 @@ def test_rings_run_asynchronously_beside_compute(tmp_path):
     assert not permutes.get("sync"), c
 
 
+@pytest.mark.slow  # the same rings, asynchronous beside matmuls: the default-configuration test above (v5e-8)
 def test_make_train_job_compiles_for_tpu(tmp_path):
     """`make train`'s command, as it runs here (the single controller over 4 devices), for v4-8:
     "auto" makes rings there too (fp32, 2x2 chips: a ring per torus axis), and libtpu runs them

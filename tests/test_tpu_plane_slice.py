@@ -6,6 +6,7 @@ chips, 16 x 16), where the compiler rewrites the flat reduce-scatters it keeps o
 two torus axes, which the engine's default does there, they stay reduce-scatters. Checked on a
 2-layer GPT-2 of width 512 (tests/fixtures/gpt2-512.json) traced at 256 devices by the check
 (which sets the slice's shape, 16x16) and compiled with the flags xla_fsdp sets; nothing mocked.
+Runs under `pytest -m slow` (two 256-device traces and compiles, about 50 s here).
 """
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def _collectives(tmp, stages: str) -> dict:
     return got["report"]["collectives"]["by_kind"]
 
 
+# -m slow: the same libtpu property (flat reduce-scatters become all-reduces at scale, staged ones stay
+# reduce-scatters) is compiled in the default run on v4-128's three axes,
+# tests/test_tpu_large_slice.py::test_gradients_reduce_scatter_along_each_torus_axis_and_stay_reduce_scatters,
+# and the engine's choice of the two axes here by tests/test_torus.py (a plane slice)
+@pytest.mark.slow
 def test_a_plane_pods_gradients_reduce_scatter_along_its_two_axes_and_stay_reduce_scatters(tmp_path):
     flat = _collectives(tmp_path / "flat", "flat")
     default = _collectives(tmp_path / "auto", "auto")
