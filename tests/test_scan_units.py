@@ -2,7 +2,8 @@
 process on XLA:CPU at world size 1: the loop against the same model unscanned, and bad input.
 
 The single controller's parity at 4 and 8 devices (collectives inside the loop, rings, bf16) runs in
-tests/test_single_controller.py (cases gpt2_ckpt_scan*)."""
+tests/test_single_controller.py (cases gpt2_ckpt_scan*). GPT-2 and the Llama scanned here run under
+`pytest -m slow`; the default run keeps the small stack, dropout in the loop and the refusals."""
 import pytest
 import torch
 import torch.nn as nn
@@ -66,6 +67,10 @@ def _gpt2(scan: bool, steps: int, dropout: float = 0.0, fixed: bool = False):
     return model, _steps(model, loss_of, steps)
 
 
+# -m slow: scan against unscanned at world size 1 stays in the default run with the small stack
+# (test_scan_trains_the_small_stack_like_unscanned); GPT-2's checkpointed blocks scanned against unscanned,
+# collectives inside the loop, in tests/test_single_controller.py (gpt2_ckpt_scan at 4 devices, with rings at 8)
+@pytest.mark.slow
 def test_scanned_blocks_train_like_the_unscanned_model_without_dropout():
     from xla_fsdp.layer_scan.scanned_list import ScannedLayers
 
@@ -153,6 +158,9 @@ def test_scan_trains_the_small_stack_like_unscanned():
     _same(run("per_step"), unscanned, 1e-6)  # one process per device: both keep per-layer parameters
 
 
+# -m slow: the scanned Llama (rotary tables and mask carried into the loop) trains on the collectives engine
+# in the default run through run_clm, tests/test_run_clm_llama.py (collectives_scan: the unsharded run's losses)
+@pytest.mark.slow
 def test_llama_layers_with_rotary_arguments_scan_like_unscanned():
     """Llama's layers take the rotary tables and the mask as arguments: they enter the loop as
     carried tensors; the slice `self.layers[:n]` its forward takes is scanned too."""
@@ -196,3 +204,26 @@ def test_the_loop_runs_the_layer_as_it_is_at_the_first_call():
         return out.detach().cpu()
 
     torch.testing.assert_close(run(True), run(False), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_loop_reads_a_shifted_slice_in_place(reverse):
+    """`region_loop.while_loop` with `shifts`: trip i reads slice (i + k) mod trips of that input,
+    as the scanned layers read the next (forward) or previous (backward) layer without a rolled copy."""
+    from xla_fsdp.collective_engine.region_loop import while_loop
+
+    device = torch_xla.device()
+    xs = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
+    other = torch.arange(5, dtype=torch.float32) * 10
+
+    def body(carry, x):
+        ahead, behind, own = x
+        return [carry[0] + own], [ahead, behind]
+
+    final, (got_ahead, got_behind) = while_loop(
+        body, [torch.zeros((), device=device)], [xs.to(device), xs.to(device), other.to(device)],
+        reverse=reverse, shifts=[1, -1, 0])
+    torch_xla.sync()
+    assert torch.equal(got_ahead.cpu(), torch.roll(xs, -1, 0))
+    assert torch.equal(got_behind.cpu(), torch.roll(xs, 1, 0))
+    assert float(final[0].cpu()) == float(other.sum())

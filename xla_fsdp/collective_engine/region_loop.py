@@ -20,7 +20,7 @@ in it (a scanned layer draws from keys, layer_scan/keyed_random.py).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,15 +54,18 @@ def _manual(t: torch.Tensor, mesh, data: bool = False) -> torch.Tensor:
 
 
 def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], mesh=None,
-               reverse: bool = False) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+               reverse: bool = False, shifts: Optional[Sequence[int]] = None,
+               ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Runs `body(carry, x)` for each slice x of `xs` along dim 0 (last first with `reverse`);
-    returns the final carry and the bodies' second outputs stacked on a new dim 0. `mesh`: the
-    single controller's (None with one process per device)."""
+    returns the final carry and the bodies' second outputs stacked on a new dim 0. `shifts`: per
+    x, k: trip i reads its slice (i + k) mod trips, in place (a rolled copy would cost a copy of
+    the whole x). `mesh`: the single controller's (None with one process per device)."""
     import torch_xla
     import torch_xla.core.xla_builder as xb
     from torch_xla.experimental.scan import Builder, dynamic_slice, dynamic_update_slice
 
     trips = xs[0].shape[0]
+    shifts = [k % trips for k in shifts] if shifts is not None else [0] * len(xs)
     fake_carry = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in carry]
     fake_x = [xb.create_placeholder_tensor(t.shape[1:], t.dtype) for t in xs]
     out_carry, out_y = body(list(fake_carry), list(fake_x))
@@ -109,8 +112,12 @@ def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Ten
         if reverse:
             index = xb.Op.scalar(counter.builder(), trips - 1, dtype=xb.Type.S64) - counter
         inputs = list(params)
-        for k, v in enumerate(slices):
-            inputs[1 + n_carry + k] = dynamic_slice(v, index)
+        for k, (v, shift) in enumerate(zip(slices, shifts)):
+            at = index
+            if shift:
+                at = (index + xb.Op.scalar(counter.builder(), shift, dtype=xb.Type.S64)) % \
+                    xb.Op.scalar(counter.builder(), trips, dtype=xb.Type.S64)
+            inputs[1 + n_carry + k] = dynamic_slice(v, at)
         result = xb.Op.call(computation, [inputs[to_while[pid]] for pid in range(len(to_while))])
         state = [result.get_tuple_element(k) for k in range(n_carry)]
         outs = [dynamic_update_slice(o, result.get_tuple_element(n_carry + k), index) for k, o in enumerate(outs)]
