@@ -227,3 +227,28 @@ def test_the_loop_reads_a_shifted_slice_in_place(reverse):
     assert torch.equal(got_ahead.cpu(), torch.roll(xs, -1, 0))
     assert torch.equal(got_behind.cpu(), torch.roll(xs, 1, 0))
     assert float(final[0].cpu()) == float(other.sum())
+
+
+def test_traced_for_a_tpu_the_loops_outputs_start_unwritten(monkeypatch):
+    """[Note: the loop's output buffers]: for a TPU (here: traced by the ahead-of-time check) the
+    buffer of the trips' outputs is libtpu's AllocateBuffer, not a write of zeros; on XLA:CPU it is
+    zeros (the parity tests run that)."""
+    from xla_fsdp.abstract import TRACE_ENV
+    from xla_fsdp.collective_engine.region_loop import while_loop
+
+    device = torch_xla.device()
+    xs = torch.ones(6, 8, 128, device=device)
+
+    def body(carry, x):
+        return [carry[0] + x[0]], [x[0] * 2]
+
+    hlo = {}
+    for env in ("1", None):
+        if env:
+            monkeypatch.setenv(TRACE_ENV, env)
+        else:
+            monkeypatch.delenv(TRACE_ENV)
+        _, (ys,) = while_loop(body, [torch.zeros(8, 128, device=device)], [xs])
+        hlo[env] = torch_xla._XLAC._get_xla_tensors_hlo([ys])
+    assert 'custom_call_target="AllocateBuffer"' in hlo["1"] and "f32[6,8,128]" in hlo["1"]
+    assert "AllocateBuffer" not in hlo[None]

@@ -299,3 +299,15 @@ def test_a_slice_taken_inside_a_nested_fusion_reads_only_the_slice():
     whole = whole.replace("%inner (", "%add (x: f32[], y: f32[]) -> f32[] {\n  %x = f32[] parameter(0)\n"
                           "  %y = f32[] parameter(1)\n  ROOT %xy = f32[] add(%x, %y)\n}\n\n%inner (", 1)
     assert st.estimate(whole, CHIP).hbm_bytes == pytest.approx(18 * layer + weight + index + out)
+
+
+def test_an_unwritten_buffer_costs_nothing_and_zeros_cost_their_write():
+    """[Note: the loop's output buffers]: libtpu's AllocateBuffer writes nothing; a broadcast of
+    zeros of the same shape is charged its bytes."""
+    shape = "bf16[18,32,1024,64]{3,2,1,0}"
+    allocate = oh.Instruction("buf", shape, "custom-call", '%seed), custom_call_target="AllocateBuffer"')
+    zeros = oh.Instruction("buf", shape, "broadcast", "%zero), dimensions={}")
+    shapes = {"seed": "bf16[]", "zero": "bf16[]"}
+    assert st._compute_cost(allocate, shapes, {}, CHIP) == (0.0, 0.0, 0.0)
+    seconds, _, moved = st._compute_cost(zeros, shapes, {}, CHIP)
+    assert moved >= 18 * 32 * 1024 * 64 * 2 and seconds > 0

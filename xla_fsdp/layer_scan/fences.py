@@ -11,13 +11,16 @@ projections carried dropout's per-element hash (libtpu's kernel dumps, 2026-11-3
 
 `fence(t)` gives XLA an optimization barrier around a copy of `t`: the value is written once
 where it is made and read where it is used, so neither side fuses into the other. Inside a
-scanned layer's body (both engines; nowhere else) the head-major attention's input (GPT-2's and
-Llama's, attention/gpt2_heads.py, llama_heads.py), GPT-2's attention output and every dropout's
-input (keyed_random.py) are fenced. (Llama's attention output and MLP input, fenced, bought
-little compile for 0.75-0.9% of PROJECTED step: left alone.) Same values, same gradients (the barrier is an identity to
-autograd, which sees only the copy). The cost is memory traffic: the 2B's PROJECTED step
-2.410 -> 2.442 s; its libtpu compile, with the position lookup as a slice (train/positions.py),
-0.77x by the medians of interleaved runs (`python -m xla_fsdp.aot --tpu v4-8`, docs/scan.md).
+scanned layer's body (both engines; nowhere else) Llama's head-major attention input
+(attention/llama_heads.py), GPT-2's attention output and every dropout's input (keyed_random.py)
+are fenced. (Llama's attention output and MLP input, fenced, bought little compile for
+0.75-0.9% of PROJECTED step: left alone.) Same values, same gradients (the barrier is an
+identity to autograd, which sees only the copy). The cost is memory traffic. GPT-2's attention
+input was fenced too until 2026-12-01: since its q, k and v are one kernel ([Note: one kernel
+for q, k and v]) the fence no longer bought compile time the host could measure (2B GPT-2 for
+v4-8, four interleaved pairs, libtpu compile within this host's drift either way), and it cost
+the step 12 ms (PROJECTED 2.440 -> 2.428 s with AdamW, 2.436 -> 2.425 s with Adafactor:
+docs/scan.md).
 """
 from __future__ import annotations
 

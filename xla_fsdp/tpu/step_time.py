@@ -20,6 +20,7 @@ walks that order on two clocks, the TensorCore's and the ICI's:
   its operand, all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it;
   on a slice whose axes wrap around (a torus), a collective over every chip
   sends on 2 links per wrapped axis ([Note: links per collective]);
+- libtpu's `AllocateBuffer` writes nothing and costs nothing;
 - a Pallas kernel (`tpu_custom_call`) is charged its FLOPs and HBM bytes at a stated
   share of MXU peak (`kernel_mxu_share`, default 0.5): [Note: charging Pallas kernels] in
   kernel_cost.py. It is never free.
@@ -68,6 +69,9 @@ F32_PASSES = {"default": 1, "high": 3, "highest": 6}
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
          "slice-start", "slice-done",
          "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency", "iota")
+# libtpu's uninitialized buffer (a loop's output stack: [Note: the loop's output buffers] in
+# collective_engine/region_loop.py) is an allocation: nothing is written, no cycles estimated
+ALLOCATE = 'custom_call_target="AllocateBuffer"'
 _DIMS = re.compile(r"\[([0-9,]*)\]")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->")
@@ -204,7 +208,7 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
     """(seconds, FLOPs, HBM bytes) of one compute instruction of the entry computation; Pallas
     kernels met on the way are appended to `kernels` as (KernelCost, times it runs)."""
     op = ins.opcode
-    if op in _FREE:
+    if op in _FREE or (op == "custom-call" and ALLOCATE in ins.rest):
         return 0.0, 0.0, 0.0
     if kernel_cost.is_pallas(ins):
         k = kernel_cost.cost(ins, entry_shapes)
