@@ -140,7 +140,6 @@ def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Ten
     return list(outputs[1:1 + n_carry]), list(outputs[1 + n_carry + n_x:1 + n_carry + n_x + n_y])
 
 
-
 def _output_buffer(shape, dtype, first: torch.Tensor, mesh) -> torch.Tensor:
     """The buffer a loop writes its stacked outputs into ([Note: the loop's output buffers])."""
     import torch_xla
