@@ -164,3 +164,22 @@ def test_hugging_face_trainer_step_compiles_for_tpu(tmp_path):
     # the Trainer reads the loss back after every step: check its first step's program
     got = ac.check("v4-8", [script, str(tmp_path), config, "3"], runtime="multi_process", extra=["--steps", "1"])
     _assert_compiles(got, "the HF Trainer step")
+
+
+def test_the_shipped_scan_config_compiles_its_loops_reading_in_place_into_unwritten_buffers(tmp_path):
+    """configs/fsdp/gpt2_xla_fsdp_scan.json (the collectives engine's scanned layers, stored stacks)
+    on the tiny GPT-2 for v4-8: it compiles and fits; each loop reads the next (previous) layer's
+    shards in place, not from a rolled copy of the stacks, and its output buffers are libtpu's
+    unwritten AllocateBuffer in the program libtpu optimized ([Note: the loop's output buffers])."""
+    config = os.path.join(ac.ROOT, "configs", "fsdp", "gpt2_xla_fsdp_scan.json")
+    cmd = [ac.RUN_CLM, "--config_name", ac.TINY, "--fsdp", "full_shard", "--fsdp_config", config,
+           "--output_dir", str(tmp_path / "out"), "--do_train", "--per_device_train_batch_size", "2",
+           "--block_size", "64"]
+    got = ac.check("v4-8", cmd, extra=["--dump", str(tmp_path / "dump")], timeout=600)
+    _assert_compiles(got, "the scanned tiny GPT-2")
+    traced = (tmp_path / "dump" / "traced_step.hlo.txt").read_text()
+    optimized = (tmp_path / "dump" / "tpu_optimized.hlo.txt").read_text()
+    assert "xla__scan_in_region" in traced and "aten__roll" not in traced
+    buffers = [line for line in optimized.splitlines()
+               if 'custom_call_target="AllocateBuffer"' in line and "region_loop.py" in line]
+    assert len(buffers) >= 2, "the loops' output buffers were not left unwritten"
