@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -170,7 +171,9 @@ def test_the_shipped_scan_config_compiles_its_loops_reading_in_place_into_unwrit
     """configs/fsdp/gpt2_xla_fsdp_scan.json (the collectives engine's scanned layers, stored stacks)
     on the tiny GPT-2 for v4-8: it compiles and fits; each loop reads the next (previous) layer's
     shards in place, not from a rolled copy of the stacks, and its output buffers are libtpu's
-    unwritten AllocateBuffer in the program libtpu optimized ([Note: the loop's output buffers])."""
+    unwritten AllocateBuffer in the program libtpu optimized ([Note: the loop's output buffers]).
+    In that program the loop bodies hold no emulated 64-bit index arithmetic ([Note: the loop's
+    32-bit indices]) and compute each trip's slice of a stack once ([Note: a trip's slice, held])."""
     config = os.path.join(ac.ROOT, "configs", "fsdp", "gpt2_xla_fsdp_scan.json")
     cmd = [ac.RUN_CLM, "--config_name", ac.TINY, "--fsdp", "full_shard", "--fsdp_config", config,
            "--output_dir", str(tmp_path / "out"), "--do_train", "--per_device_train_batch_size", "2",
@@ -183,3 +186,33 @@ def test_the_shipped_scan_config_compiles_its_loops_reading_in_place_into_unwrit
     buffers = [line for line in optimized.splitlines()
                if 'custom_call_target="AllocateBuffer"' in line and "region_loop.py" in line]
     assert len(buffers) >= 2, "the loops' output buffers were not left unwritten"
+    for name, lines in _loop_bodies(optimized).items():
+        wide = [x for x in lines if re.search(r"= (s64|u64|u32)\[\](\{[^}]*\})? (?!parameter|get-tuple-element|constant)", x)]
+        assert not wide, f"loop body {name}: 64-bit index arithmetic emulated on the TPU's 32-bit scalar unit " \
+                         f"({len(wide)} ops, e.g. {wide[0].strip()[:200]})"
+        slices = [_sliced_stack(x, optimized) for x in lines]
+        slices = [k for k in slices if k is not None]
+        assert slices, f"loop body {name}: no slice of a stack found (the check no longer sees them)"
+        twice = sorted({k for k in slices if slices.count(k) > 1})
+        assert not twice, f"loop body {name}: a trip's slice of a stack is computed more than once: {twice}"
+
+
+def _loop_bodies(hlo: str) -> dict:
+    """The While bodies of an HLO module's text: name -> its instruction lines."""
+    out = {}
+    for body in re.findall(r"while\(.*?condition=%?[\w.\-]+, body=%?([\w.\-]+)", hlo):
+        found = re.search(r"\n%?" + re.escape(body) + r" [^\n]*\{\n(.*?)\n\}", hlo, re.S)
+        out[body] = found.group(1).splitlines()
+    return out
+
+
+def _sliced_stack(line: str, hlo: str):
+    """(stack, index) for a fusion that only takes a dynamic slice of its first operand; else None."""
+    call = re.search(r"= \S+ fusion\(%([\w.\-]+), %([\w.\-]+)\).*?calls=%?([\w.\-]+)", line)
+    if not call:
+        return None
+    body = re.search(r"\n%?" + re.escape(call.group(3)) + r" [^\n]*\{\n(.*?)\n\}", hlo, re.S).group(1)
+    ops = re.findall(r"= \S+ ([\w\-]+)\(", body)
+    if "dynamic-slice" not in ops or set(ops) - {"parameter", "constant", "dynamic-slice", "bitcast"}:
+        return None
+    return call.group(1), call.group(2)

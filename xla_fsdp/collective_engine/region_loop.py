@@ -28,6 +28,15 @@ saved layer inputs and 2 GB of stacked gradients per chip; libtpu's own
 estimate for the first is 15.8 M cycles). It is made from the loop's first
 carry, so that it is allocated when the loop starts: made from a constant,
 libtpu allocated it early and the 2B's peak HBM grew by 1.8 GB.
+
+[Note: the loop's 32-bit indices]
+The trip counter and every index the loop computes are s32. A TPU has no
+64-bit integer unit: libtpu emulates each s64 scalar op with pairs of u32
+ops, and an s64 remainder (the shifted reads' (i + k) mod L) with a long
+division, about 140 scalar ops each. With s64 indices the 2B GPT-2's loop
+bodies each held about 1,700 such ops at their top level (libtpu's
+optimized program, 2026-12-01), compiled and scheduled with the body. The
+shifted index is one add, one compare and one select instead.
 """
 from __future__ import annotations
 
@@ -66,11 +75,12 @@ def _manual(t: torch.Tensor, mesh, data: bool = False) -> torch.Tensor:
 
 def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], mesh=None,
                reverse: bool = False, shifts: Optional[Sequence[int]] = None,
-               ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+               held: Optional[Sequence[bool]] = None) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Runs `body(carry, x)` for each slice x of `xs` along dim 0 (last first with `reverse`);
     returns the final carry and the bodies' second outputs stacked on a new dim 0. `shifts`: per
     x, k: trip i reads its slice (i + k) mod trips, in place (a rolled copy would cost a copy of
-    the whole x). `mesh`: the single controller's (None with one process per device)."""
+    the whole x). `held`: per x, whether the body sees its slice written once ([Note: a trip's
+    slice, held]). `mesh`: the single controller's (None with one process per device)."""
     import torch_xla
     import torch_xla.core.xla_builder as xb
     from torch_xla.experimental.scan import Builder, dynamic_slice, dynamic_update_slice
@@ -79,7 +89,8 @@ def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Ten
     shifts = [k % trips for k in shifts] if shifts is not None else [0] * len(xs)
     fake_carry = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in carry]
     fake_x = [xb.create_placeholder_tensor(t.shape[1:], t.dtype) for t in xs]
-    out_carry, out_y = body(list(fake_carry), list(fake_x))
+    seen = [_held(x) if h else x for x, h in zip(fake_x, held or [False] * len(xs))]
+    out_carry, out_y = body(list(fake_carry), seen)
     for before, after in zip(carry, out_carry):
         if before.shape != after.shape or before.dtype != after.dtype:
             raise RuntimeError(f"a loop body changed its carry from {tuple(before.shape)} {before.dtype} to "
@@ -94,7 +105,8 @@ def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Ten
 
     builder = Builder("scan_in_region")
     to_while = {}  # the body computation's parameter id -> the While's
-    builder.add_param(_manual(torch.tensor(0, dtype=torch.int64, device=carry[0].device), mesh, data=True))
+    # [Note: the loop's 32-bit indices]
+    builder.add_param(_manual(torch.tensor(0, dtype=torch.int32, device=carry[0].device), mesh, data=True))
     for real, fake in ((carry, fake_carry), (xs, fake_x)):
         for value, placeholder in zip(real, fake):
             index = builder.add_param(_manual(value, mesh))
@@ -111,33 +123,47 @@ def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Ten
         to_while[pid] = builder.add_param(_manual(tensor, mesh, data=True))
     n_carry, n_x, n_y = len(carry), len(xs), len(ys)
 
+    def const(counter, value):
+        return xb.Op.scalar(counter.builder(), value, dtype=xb.Type.S32)
+
     def cond(counter, *rest):
-        return counter < xb.Op.scalar(counter.builder(), trips, dtype=xb.Type.S64)
+        return counter < const(counter, trips)
 
     def step(*params):
         counter = params[0]
         state = list(params[1:1 + n_carry])
         slices = params[1 + n_carry:1 + n_carry + n_x]
         outs = list(params[1 + n_carry + n_x:1 + n_carry + n_x + n_y])
-        index = counter
-        if reverse:
-            index = xb.Op.scalar(counter.builder(), trips - 1, dtype=xb.Type.S64) - counter
+        index = const(counter, trips - 1) - counter if reverse else counter
         inputs = list(params)
         for k, (v, shift) in enumerate(zip(slices, shifts)):
             at = index
-            if shift:
-                at = (index + xb.Op.scalar(counter.builder(), shift, dtype=xb.Type.S64)) % \
-                    xb.Op.scalar(counter.builder(), trips, dtype=xb.Type.S64)
+            if shift:  # (index + shift) mod trips, both in [0, trips): one compare, no division
+                at = index + const(counter, shift)
+                at = (at >= const(counter, trips)).select(at - const(counter, trips), at)
             inputs[1 + n_carry + k] = dynamic_slice(v, at)
         result = xb.Op.call(computation, [inputs[to_while[pid]] for pid in range(len(to_while))])
         state = [result.get_tuple_element(k) for k in range(n_carry)]
         outs = [dynamic_update_slice(o, result.get_tuple_element(n_carry + k), index) for k, o in enumerate(outs)]
-        one = xb.Op.scalar(counter.builder(), 1, dtype=xb.Type.S64)
-        return (counter + one, *state, *slices, *outs, *params[1 + n_carry + n_x + n_y:])
+        return (counter + const(counter, 1), *state, *slices, *outs, *params[1 + n_carry + n_x + n_y:])
 
     loop = xb.Op.mkwhile(builder.params(), cond, step).build("scan_in_region")
     outputs = torch_xla._XLAC._xla_user_computation("xla::scan_in_region", builder.param_tensors(), loop)
     return list(outputs[1:1 + n_carry]), list(outputs[1 + n_carry + n_x:1 + n_carry + n_x + n_y])
+
+
+def _held(x: torch.Tensor) -> torch.Tensor:
+    """[Note: a trip's slice, held]
+    A trip's slice of a stack that the body reads twice, the ring's first send of this device's
+    shard and the shard's own rows in the gathered weight (ring.py), is a fusion of its own that
+    libtpu may compute once for each reader: with the loop's indices in s32 it did, for every
+    weight of the 2B GPT-2's layer in both loops (4 GB more of HBM traffic a step, PROJECTED 6 ms
+    on v4, 2026-12-01). Behind an optimization barrier it is written once and both read it."""
+    import torch_xla
+
+    out = x.clone()  # the barrier replaces its operand's value in place; the placeholder stays
+    torch_xla._XLAC._xla_optimization_barrier_([out])
+    return out
 
 
 def _output_buffer(shape, dtype, first: torch.Tensor, mesh) -> torch.Tensor:

@@ -169,15 +169,15 @@ def _named(plan: _Plan, full: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]
 
 def _loop(trip, carry, xs: tuple, mesh, reverse: bool = False, shift=(0, 0)):
     """`region_loop.while_loop` on pytrees: (final carry, stacked ys). `shift`: (position in `xs`,
-    k): trip i reads slice i + k (mod the trips) of that entry's tensors in place, not from a rolled
-    copy (rolled copies made the 2B GPT-2's projected v4 step with Adafactor 8 ms longer)."""
+    k): trip i reads slice i + k (mod the trips) of that entry's tensors (the shards), held."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     from .region_loop import while_loop
 
     flat_carry, carry_tree = tree_flatten(carry)
     flat_xs, xs_tree = tree_flatten(xs)
-    shifts = [shift[1] if i == shift[0] else 0 for i, x in enumerate(xs) for _ in tree_flatten(x)[0]]
+    shards = [i == shift[0] for i, x in enumerate(xs) for _ in tree_flatten(x)[0]]
+    shifts = [shift[1] if s else 0 for s in shards]
     ys_tree = []
 
     def body(c, x):
@@ -186,7 +186,7 @@ def _loop(trip, carry, xs: tuple, mesh, reverse: bool = False, shift=(0, 0)):
         ys_tree.append(tree)
         return tree_flatten(out_carry)[0], flat_y
 
-    final, ys = while_loop(body, flat_carry, flat_xs, mesh, reverse, shifts)
+    final, ys = while_loop(body, flat_carry, flat_xs, mesh, reverse, shifts, held=shards)
     return tree_unflatten(final, carry_tree), tree_unflatten(ys, ys_tree[0])
 
 
