@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import aot_cases as ac  # noqa: E402
+from xla_fsdp.tpu import optimized_hlo as oh  # noqa: E402
 
 pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -e .[tpu-aot]` (make test installs it)")
 
@@ -186,33 +187,26 @@ def test_the_shipped_scan_config_compiles_its_loops_reading_in_place_into_unwrit
     buffers = [line for line in optimized.splitlines()
                if 'custom_call_target="AllocateBuffer"' in line and "region_loop.py" in line]
     assert len(buffers) >= 2, "the loops' output buffers were not left unwritten"
-    for name, lines in _loop_bodies(optimized).items():
-        wide = [x for x in lines if re.search(r"= (s64|u64|u32)\[\](\{[^}]*\})? (?!parameter|get-tuple-element|constant)", x)]
+    comps = oh.computations(optimized)
+    for loop in oh.while_loops(optimized):
+        name, body = loop["body"], comps[loop["body"]]
+        wide = [x for x in body if re.match(r"(s64|u64|u32)\[\]", x.shape)
+                and x.opcode not in ("parameter", "get-tuple-element", "constant")]
         assert not wide, f"loop body {name}: 64-bit index arithmetic emulated on the TPU's 32-bit scalar unit " \
-                         f"({len(wide)} ops, e.g. {wide[0].strip()[:200]})"
-        slices = [_sliced_stack(x, optimized) for x in lines]
-        slices = [k for k in slices if k is not None]
+                         f"({len(wide)} ops, e.g. {wide[0]})"
+        slices = [k for k in (_sliced_stack(x, comps) for x in body) if k is not None]
         assert slices, f"loop body {name}: no slice of a stack found (the check no longer sees them)"
         twice = sorted({k for k in slices if slices.count(k) > 1})
         assert not twice, f"loop body {name}: a trip's slice of a stack is computed more than once: {twice}"
 
 
-def _loop_bodies(hlo: str) -> dict:
-    """The While bodies of an HLO module's text: name -> its instruction lines."""
-    out = {}
-    for body in re.findall(r"while\(.*?condition=%?[\w.\-]+, body=%?([\w.\-]+)", hlo):
-        found = re.search(r"\n%?" + re.escape(body) + r" [^\n]*\{\n(.*?)\n\}", hlo, re.S)
-        out[body] = found.group(1).splitlines()
-    return out
-
-
-def _sliced_stack(line: str, hlo: str):
+def _sliced_stack(ins, comps):
     """(stack, index) for a fusion that only takes a dynamic slice of its first operand; else None."""
-    call = re.search(r"= \S+ fusion\(%([\w.\-]+), %([\w.\-]+)\).*?calls=%?([\w.\-]+)", line)
-    if not call:
+    callee = re.search(r"calls=%?([\w.\-]+)", ins.rest)
+    operands = oh.operand_names(ins.rest)
+    if ins.opcode != "fusion" or not callee or len(operands) != 2:
         return None
-    body = re.search(r"\n%?" + re.escape(call.group(3)) + r" [^\n]*\{\n(.*?)\n\}", hlo, re.S).group(1)
-    ops = re.findall(r"= \S+ ([\w\-]+)\(", body)
-    if "dynamic-slice" not in ops or set(ops) - {"parameter", "constant", "dynamic-slice", "bitcast"}:
+    ops = {x.opcode for x in comps.get(callee.group(1), [])}
+    if "dynamic-slice" not in ops or ops - {"parameter", "constant", "dynamic-slice", "bitcast"}:
         return None
-    return call.group(1), call.group(2)
+    return tuple(operands)

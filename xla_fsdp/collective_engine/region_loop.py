@@ -75,12 +75,11 @@ def _manual(t: torch.Tensor, mesh, data: bool = False) -> torch.Tensor:
 
 def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], mesh=None,
                reverse: bool = False, shifts: Optional[Sequence[int]] = None,
-               held: Optional[Sequence[bool]] = None) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+               ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Runs `body(carry, x)` for each slice x of `xs` along dim 0 (last first with `reverse`);
     returns the final carry and the bodies' second outputs stacked on a new dim 0. `shifts`: per
     x, k: trip i reads its slice (i + k) mod trips, in place (a rolled copy would cost a copy of
-    the whole x). `held`: per x, whether the body sees its slice written once ([Note: a trip's
-    slice, held]). `mesh`: the single controller's (None with one process per device)."""
+    the whole x). `mesh`: the single controller's (None with one process per device)."""
     import torch_xla
     import torch_xla.core.xla_builder as xb
     from torch_xla.experimental.scan import Builder, dynamic_slice, dynamic_update_slice
@@ -89,8 +88,7 @@ def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Ten
     shifts = [k % trips for k in shifts] if shifts is not None else [0] * len(xs)
     fake_carry = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in carry]
     fake_x = [xb.create_placeholder_tensor(t.shape[1:], t.dtype) for t in xs]
-    seen = [_held(x) if h else x for x, h in zip(fake_x, held or [False] * len(xs))]
-    out_carry, out_y = body(list(fake_carry), seen)
+    out_carry, out_y = body(list(fake_carry), list(fake_x))
     for before, after in zip(carry, out_carry):
         if before.shape != after.shape or before.dtype != after.dtype:
             raise RuntimeError(f"a loop body changed its carry from {tuple(before.shape)} {before.dtype} to "
@@ -150,20 +148,6 @@ def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Ten
     loop = xb.Op.mkwhile(builder.params(), cond, step).build("scan_in_region")
     outputs = torch_xla._XLAC._xla_user_computation("xla::scan_in_region", builder.param_tensors(), loop)
     return list(outputs[1:1 + n_carry]), list(outputs[1 + n_carry + n_x:1 + n_carry + n_x + n_y])
-
-
-def _held(x: torch.Tensor) -> torch.Tensor:
-    """[Note: a trip's slice, held]
-    A trip's slice of a stack that the body reads twice, the ring's first send of this device's
-    shard and the shard's own rows in the gathered weight (ring.py), is a fusion of its own that
-    libtpu may compute once for each reader: with the loop's indices in s32 it did, for every
-    weight of the 2B GPT-2's layer in both loops (4 GB more of HBM traffic a step, PROJECTED 6 ms
-    on v4, 2026-12-01). Behind an optimization barrier it is written once and both read it."""
-    import torch_xla
-
-    out = x.clone()  # the barrier replaces its operand's value in place; the placeholder stays
-    torch_xla._XLAC._xla_optimization_barrier_([out])
-    return out
 
 
 def _output_buffer(shape, dtype, first: torch.Tensor, mesh) -> torch.Tensor:

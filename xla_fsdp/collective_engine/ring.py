@@ -25,6 +25,15 @@ The all-gather (`all_gather_impl="ring"`) is the same rings run backwards, faste
 each step passes on what a device received last, and one-index gathers concatenate the received
 chunks in device order.
 
+[Note: a trip's slice, held]
+A scanned loop's trip gathers the next layer from its slice of the stored stacks, and the ring
+reads that slice twice: its first send, and this device's own rows of the gathered weight. libtpu
+may then compute the slice once for each reader: with the loop's indices in s32 ([Note: the
+loop's 32-bit indices] in region_loop.py) it did, for every weight of the 2B GPT-2's layer in
+both loops (4 GB more of HBM traffic a step, PROJECTED 6 ms on v4, 2026-12-01). So the trips
+(scan_loop.py) pass the slices through the engine's optimization barrier: written once, read by
+both.
+
 [Note: ring gathers in the shard's shape]
 A parameter gathered alone ([Note: gathering rows]) used to travel flat: its [rows, cols] shard
 copied into a 1-D buffer viewed as [n, 128], the gathered buffer copied back into [rows * N,

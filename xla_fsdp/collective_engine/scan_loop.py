@@ -169,15 +169,14 @@ def _named(plan: _Plan, full: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]
 
 def _loop(trip, carry, xs: tuple, mesh, reverse: bool = False, shift=(0, 0)):
     """`region_loop.while_loop` on pytrees: (final carry, stacked ys). `shift`: (position in `xs`,
-    k): trip i reads slice i + k (mod the trips) of that entry's tensors (the shards), held."""
+    k): trip i reads slice i + k (mod the trips) of that entry's tensors in place."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     from .region_loop import while_loop
 
     flat_carry, carry_tree = tree_flatten(carry)
     flat_xs, xs_tree = tree_flatten(xs)
-    shards = [i == shift[0] for i, x in enumerate(xs) for _ in tree_flatten(x)[0]]
-    shifts = [shift[1] if s else 0 for s in shards]
+    shifts = [shift[1] if i == shift[0] else 0 for i, x in enumerate(xs) for _ in tree_flatten(x)[0]]
     ys_tree = []
 
     def body(c, x):
@@ -186,7 +185,7 @@ def _loop(trip, carry, xs: tuple, mesh, reverse: bool = False, shift=(0, 0)):
         ys_tree.append(tree)
         return tree_flatten(out_carry)[0], flat_y
 
-    final, ys = while_loop(body, flat_carry, flat_xs, mesh, reverse, shifts, held=shards)
+    final, ys = while_loop(body, flat_carry, flat_xs, mesh, reverse, shifts)
     return tree_unflatten(final, carry_tree), tree_unflatten(ys, ys_tree[0])
 
 
@@ -205,7 +204,7 @@ class _ScannedUnits(torch.autograd.Function):
             key, following, bufs = x
             with comm.loop_body(consts):
                 out = plan.call(_named(plan, full), bufs, h, key, kept)
-                nxt = _gather(plan, following)
+                nxt = _gather(plan, comm.optimization_barrier(following))  # [Note: a trip's slice, held]
             return (out, nxt, kept, consts), h
 
         if plan.stored:  # trip i gathers layer i + 1
@@ -246,7 +245,7 @@ class _ScannedUnits(torch.autograd.Function):
                 full_grads[j] = d
             with comm.loop_body(consts):
                 reduced = plan.group.reduce_grads(full_grads)
-                nxt = _gather(plan, previous)
+                nxt = _gather(plan, comm.optimization_barrier(previous))
             return (grad_in.to(g.dtype), nxt, kept, consts), [reduced[j] for j in trained]
 
         if plan.stored:  # trip i gathers layer i - 1
