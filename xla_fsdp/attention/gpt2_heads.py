@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from xla_fsdp.attention.rules import check_shapes
-from xla_fsdp.layer_scan.fences import apart, fence
+from xla_fsdp.layer_scan.fences import apart
 
 
 class HeadMajorGPT2Attention:
@@ -43,7 +43,6 @@ class HeadMajorGPT2Attention:
                                    encoder_attention_mask=encoder_attention_mask,
                                    output_attentions=output_attentions, **kwargs)
         kernel.refuse_unsupported(self.attn_dropout.p if self.training else 0.0, attention_mask)
-        # not fenced: [Note: fusion fences in the scanned body] says why
         heads, head_dim = self.num_heads, self.head_dim
         hidden = self.c_attn.weight.shape[0]
         weight = self.c_attn.weight.view(hidden, 3, heads, head_dim)  # Conv1D: [in, out]
@@ -59,7 +58,7 @@ class HeadMajorGPT2Attention:
         check_shapes(tuple(query.shape), tuple(key.shape))
         out = kernel.head_major_attention(query, key, value, causal=True, scale=float(self.scaling))
         proj = self.c_proj.weight.view(heads, head_dim, self.c_proj.weight.shape[1])
-        attn_output = fence(_plus(torch.einsum("bhsd,hde->bse", out, proj), self.c_proj.bias))
+        attn_output = _plus(torch.einsum("bhsd,hde->bse", out, proj), self.c_proj.bias)
         return self.resid_dropout(attn_output), None
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from xla_fsdp.attention.rules import check_shapes
-from xla_fsdp.layer_scan.fences import fence
 
 
 class HeadMajorLlamaAttention:
@@ -37,7 +36,6 @@ class HeadMajorLlamaAttention:
             return super().forward(hidden_states, position_embeddings=position_embeddings,
                                    attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
         kernel.refuse_unsupported(self.attention_dropout if self.training else 0.0, attention_mask)
-        hidden_states = fence(hidden_states)  # [Note: fusion fences in the scanned body]
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         query = _heads(hidden_states, self.q_proj, heads, self.head_dim)
         key = _heads(hidden_states, self.k_proj, kv_heads, self.head_dim)

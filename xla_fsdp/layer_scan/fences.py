@@ -1,26 +1,27 @@
-"""Fusion fences in a scanned layer's body: what libtpu compiles fastest for the same arithmetic.
+"""What a scanned layer's body is traced with: the scanned-layer flag, and weight slices kept apart.
 
 [Note: fusion fences in the scanned body]
 The scanned step is compiled for its time to the first step, and most of that time is libtpu
 lowering the loop bodies' kernels, two at a time on a 2-core host (docs/scan.md, "Where the
-rest of the 2B's compile goes"). libtpu fuses element-wise work into the matmuls it feeds or
-follows, and such a kernel takes far longer to compile than the matmul alone: in the scanned
-2B GPT-2's step for v4-8 each of the head-major q, k and v projections carried the layer norm
-recomputed from the saved input (4 s of compile per kernel against about 2 s), and the output
-projections carried dropout's per-element hash (libtpu's kernel dumps, 2026-11-30).
+rest of the 2B's compile goes"). Fences (an XLA optimization barrier around a copy, so a value
+is written where it is made and read where it is used and neither side fuses into the other)
+were put on 2026-11-30 on Llama's attention input, GPT-2's attention input and output and every
+dropout's input in the scanned body: libtpu fuses element-wise work (the recomputed layer norm,
+dropout's per-element hash) into the matmuls around it, and such kernels took longer to compile.
+None is left. With q, k and v kept apart ([Note: one kernel for q, k and v], below) and the loop's
+later changes, the fences' compile time no longer showed, and their memory traffic cost every
+step (libtpu 0.0.21 deviceless, PROJECTED, 2026-12-01, the host in its fast phase, interleaved
+one job at a time; bench/results/scan_compile_2026-12-01.json):
+- 2B GPT-2 for v4-8 (the scan config, resid and embedding dropout 0.1): without the dropout and
+  attention-output fences AdamW 2.428 -> 2.411 s, Adafactor 2.425 -> 2.407 s, libtpu compile
+  17.9 -> 18.2 s and 18.8 -> 19.2 s. Either kind alone gained nothing (2.428 and 2.431 s): the
+  output projection, its bias, the residual's dropout and the residual add fuse only when
+  neither is fenced.
+- Llama 3 8B for v6e-256 without the attention-input fence: 3.439 -> 3.430 s, compile 27.6 ->
+  27.8 s.
+- The 64B for v4-256: 17.709 -> 17.688 s. The GSPMD engine's scanned 2B: the same program.
 
-`fence(t)` gives XLA an optimization barrier around a copy of `t`: the value is written once
-where it is made and read where it is used, so neither side fuses into the other. Inside a
-scanned layer's body (both engines; nowhere else) Llama's head-major attention input
-(attention/llama_heads.py), GPT-2's attention output and every dropout's input (keyed_random.py)
-are fenced. (Llama's attention output and MLP input, fenced, bought little compile for
-0.75-0.9% of PROJECTED step: left alone.) Same values, same gradients (the barrier is an
-identity to autograd, which sees only the copy). The cost is memory traffic. GPT-2's attention
-input was fenced too until 2026-12-01: since its q, k and v are one kernel ([Note: one kernel
-for q, k and v]) the fence no longer bought compile time the host could measure (2B GPT-2 for
-v4-8, four interleaved pairs, libtpu compile within this host's drift either way), and it cost
-the step 12 ms (PROJECTED 2.440 -> 2.428 s with AdamW, 2.436 -> 2.425 s with Adafactor:
-docs/scan.md).
+Anywhere but a scanned layer's body traced on XLA, `apart` is nothing (`_active`).
 """
 from __future__ import annotations
 
@@ -53,17 +54,12 @@ def _barrier(t: torch.Tensor) -> torch.Tensor:
 
 
 def _active(t: torch.Tensor) -> bool:
-    """Whether `t` is being traced for a scanned layer on XLA, where fences apply."""
+    """Whether `t` is being traced for a scanned layer on XLA, where `apart` applies."""
     return in_scanned_layer() and t.device.type == "xla"
 
 
-def fence(t: torch.Tensor) -> torch.Tensor:
-    """`t`, kept out of the fusions around it when traced for a scanned layer on XLA; else `t`."""
-    return _barrier(t) if _active(t) else t
-
-
 class _Apart(torch.autograd.Function):
-    """A fence in the forward and around the gradient in the backward."""
+    """A barrier in the forward and around the gradient in the backward."""
 
     @staticmethod
     def forward(ctx, t):
@@ -85,5 +81,8 @@ def apart(t: torch.Tensor) -> torch.Tensor:
     gradient and for the weight's. libtpu compiles a kernel once when another in the program
     is the same computation on operands of the same shapes and layouts; with the slices apart
     the three are the same kernel in each of the three places. The cost is a copy of each slice
-    and of each slice's gradient (a [3072, 24, 128] bf16 tensor for the 2B)."""
+    and of each slice's gradient (a [3072, 24, 128] bf16 tensor for the 2B). Measured 2026-12-01
+    (PROJECTED, interleaved): without it the 2B for v4-8 compiles in 20.9 s instead of 17.2 s for
+    2 ms less step; the 64B for v4-256, whose slices are far larger beside its 8 x 1024 tokens a
+    chip, pays 0.167 s of a 17.7 s step for it (docs/scan.md, "The blog's 64B on v4-256")."""
     return _Apart.apply(t) if _active(t) else t

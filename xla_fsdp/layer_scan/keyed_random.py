@@ -98,7 +98,6 @@ def keyed_dropout(x: torch.Tensor, p: float, key: torch.Tensor, salt: int) -> to
     return x
   if p >= 1.0:
     return x * 0.0
-  x = fences.fence(x)  # [Note: fusion fences in the scanned body]
   keep = uniform_from_key(key, salt, x) >= p
   return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
