@@ -399,3 +399,38 @@ def test_the_largest_program_of_a_log_is_found_among_several(compiler):
     assert compile_log.program_hbm(text) == small  # the last one
     assert compile_log.largest_program_hbm(text) == big
     assert compile_log.largest_program_hbm("no compile here") is None
+
+
+def test_a_compile_s_last_stage_line_written_late_is_still_read(monkeypatch, tmp_path):
+    """compile_log.compile_since: the stages are in the log but END_TO_END is not yet; it is
+    written 0.2 s later (by another thread here), and the read waits for it. Without stage lines
+    at all (no log, a libtpu that does not time its stages) it does not wait."""
+    import threading
+    import time
+
+    from xla_fsdp.tpu import compile_log
+
+    log = tmp_path / "tpu_driver.log.INFO.x"
+    log.write_text("I1201 earlier line\n")
+    monkeypatch.setattr(compile_log, "log_file", lambda: str(log))
+    where = compile_log.mark()
+    with open(log, "a") as f:
+        f.write("I1201 HLO_PASSES stage duration: 7.3ms\nI1201 BACKEND_PASSES stage duration: 169ms\n")
+
+    def late():
+        time.sleep(0.2)
+        with open(log, "a") as f:
+            f.write("I1201 CODE_GENERATION stage duration: 25ms\nI1201 END_TO_END stage duration: 286.3ms\n")
+
+    writer = threading.Thread(target=late)
+    writer.start()
+    stages = compile_log.stage_seconds(compile_log.compile_since(where))
+    writer.join()
+    assert stages == {"hlo_passes": 0.0073, "back_end": 0.169, "code_generation": 0.025, "end_to_end": 0.2863}, stages
+
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text("I1201 nothing about stages\n")
+    monkeypatch.setattr(compile_log, "log_file", lambda: str(quiet))
+    start = time.monotonic()
+    assert compile_log.compile_since((str(quiet), 0)) == "I1201 nothing about stages\n"
+    assert time.monotonic() - start < 0.5

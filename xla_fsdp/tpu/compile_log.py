@@ -58,6 +58,7 @@ import contextlib
 import glob
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -146,6 +147,21 @@ def since(where: tuple) -> str:
     with open(now, errors="replace") as f:
         f.seek(offset)
         return f.read()
+
+
+def compile_since(where: tuple, wait_s: float = 2.0) -> str:
+    """`since(where)` for a compile that just returned: when its stage lines are there but not
+    the last one (END_TO_END), read again for up to `wait_s` seconds. Once, in a full run of the
+    suite on this 2-core host (2026-12-01), a read right after a 0.2 s compile returned lacked
+    END_TO_END, though the log holds it, stamped 3.5 ms after CODE_GENERATION, with the log
+    unbuffered (`--logbuflevel=-1` among libtpu's arguments): libtpu's lines reach the file
+    some time after they are logged. In isolation the read never missed it."""
+    text = since(where)
+    deadline = time.monotonic() + wait_s
+    while "stage duration" in text and "END_TO_END stage duration" not in text and time.monotonic() < deadline:
+        time.sleep(0.02)
+        text = since(where)
+    return text
 
 
 _STAGE = re.compile(r"\b(HLO_PASSES|BACKEND_PASSES|CODE_GENERATION|END_TO_END) stage duration: ([0-9hmsu.]+)")

@@ -274,7 +274,7 @@ class TpuCompiler:
         try:
             done = dict(memory=self._memory(args.executable), optimized_hlo=self._optimized(args.executable),
                         cost=self._cost(args.executable), num_outputs=self._num_outputs(args.executable))
-            log = compile_log.since(logged)
+            log = compile_log.compile_since(logged)
             return CompiledProgram(**done, compile_seconds=seconds, hbm=compile_log.program_hbm(log),
                                    stages=compile_log.stage_seconds(log))
         finally:
