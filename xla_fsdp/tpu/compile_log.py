@@ -158,10 +158,15 @@ def compile_since(where: tuple, wait_s: float = 2.0) -> str:
     some time after they are logged. In isolation the read never missed it."""
     text = since(where)
     deadline = time.monotonic() + wait_s
-    while "stage duration" in text and "END_TO_END stage duration" not in text and time.monotonic() < deadline:
+    while _waiting_for_the_last_stage(text) and time.monotonic() < deadline:
         time.sleep(0.02)
         text = since(where)
     return text
+
+
+def _waiting_for_the_last_stage(text: str) -> bool:
+    stages = stage_seconds(text)
+    return bool(stages) and "end_to_end" not in stages
 
 
 _STAGE = re.compile(r"\b(HLO_PASSES|BACKEND_PASSES|CODE_GENERATION|END_TO_END) stage duration: ([0-9hmsu.]+)")
