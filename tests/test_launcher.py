@@ -214,6 +214,25 @@ def test_spawn_path_failure_breaks_the_pool_and_reports_the_traceback():
     assert "The other replicas were stopped" in result.stderr
 
 
+@pytest.mark.parametrize("flags", [["--num_cores", "1"], ["--spmd", "--num_cores", "4"], ["--per_chip", "--num_cores", "1"]])
+def test_a_replicas_exit_message_is_printed_once(flags):
+    result = launch(*flags, FIXTURES / "spawn_refuse.py")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("--batch_size 0: must be at least 1") == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_spawn_path_prints_a_replicas_exit_message_once_naming_the_replica():
+    # the TPU route (xmp.spawn) on CPU's one replica process: what it said comes back through the pool
+    result = subprocess.run(
+        [sys.executable, str(FIXTURES / "spawn_pool_driver.py"), str(FIXTURES / "spawn_refuse.py")],
+        cwd=ROOT, env=launcher_env(CPU_NUM_DEVICES="1"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("--batch_size 0: must be at least 1 (said by replica 0)") == 1, result.stderr
+    assert "replica 0 exited with the message above" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 # ---------------------------------------------------------------- pure parts
 
 

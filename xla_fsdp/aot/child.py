@@ -16,6 +16,7 @@ dump variables). The script runs as `xla_spawn.py` would run it: its
 """
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
@@ -100,7 +101,14 @@ def _traced(script: str, args) -> None:
         _run_script(script, args)
     except SystemExit as e:
         if e.code not in (None, 0):
-            print(f"xla_fsdp.aot: {script} exited with {e.code} before its second step", file=sys.stderr)
+            from xla_fsdp.aot.dump import REFUSED
+
+            # the script ended itself (a mistake in its flags or files, as a rule): the check says
+            # why in one line (xla_fsdp.aot.trace), from its message or, for an exit status, from
+            # the last line it printed (argparse's "error: ...")
+            message = None if isinstance(e.code, int) else str(e.code)
+            with open(os.path.join(capture._spec()["out"], REFUSED), "w") as f:
+                json.dump({"code": e.code if isinstance(e.code, int) else 1, "message": message}, f)
             os._exit(e.code if isinstance(e.code, int) else 1)
     except BaseException:
         traceback.print_exc()

@@ -29,6 +29,7 @@ from typing import Optional
 MARKER = "capturing.json"  # written by the traced process just before the step's compile
 PROGRAM = "program.txt"
 CRASH = "crash.txt"  # faulthandler's report of a traced process that died on a signal
+REFUSED = "refused.txt"  # the message of a traced script that ended with sys.exit("...") (a user's mistake)
 SUFFIX = ".before_optimizations.txt"
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from xla_fsdp.abstract import TRACE_ENV
-from xla_fsdp.aot.dump import MARKER, PROGRAM, crash_report, take_program
+from xla_fsdp.aot.dump import MARKER, PROGRAM, REFUSED, crash_report, take_program
 from xla_fsdp.aot.child import MAX_DEVICE_INDEX, WORLD_ENV
 
 SINGLE_CONTROLLER = "single_controller"
@@ -194,7 +194,14 @@ def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] =
             with open(program, "w") as f:  # what --dump keeps
                 f.write(text)
         return text
-    tail = "".join(open(log_path).readlines()[-25:])
+    lines = open(log_path).readlines()
+    refused = os.path.join(workdir, REFUSED)
+    if os.path.exists(refused):  # the script ended itself (sys.exit): its message is the whole story
+        with open(refused) as f:
+            ended = json.load(f)
+        said = ended["message"] or next((l.strip() for l in reversed(lines) if l.strip()), "")
+        raise TraceError(f"{job.script} failed before its second training step (exit status {ended['code']}): {said}")
+    tail = "".join(lines[-25:])
     where = ("in its second training step's compile" if os.path.exists(os.path.join(workdir, MARKER))
              else "before its second training step")
     crash = crash_report(workdir)

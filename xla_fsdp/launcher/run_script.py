@@ -63,11 +63,8 @@ class ScriptEntry:
         return fn
 
     def __call__(self, index: int) -> None:
-        """Replica body in the spawn path: any failure ends this process now, which breaks the
-        parent's process pool (xla_fsdp.runtime.self_starting.ReplicaCall)."""
-        from xla_fsdp.runtime.self_starting import ReplicaCall
-
-        ReplicaCall(lambda i: self.load()(i), ())(index)
+        """Replica body in the spawn path (run_spawned wraps it in ReplicaCall)."""
+        self.load()(index)
 
 
 def defines_entry_point(script: str) -> bool:
@@ -123,16 +120,25 @@ def run_in_process(fn: Callable[[int], object]) -> int:
 
 
 def exit_code(exc: SystemExit) -> int:
-    """The process exit status `sys.exit(exc.code)` would give."""
-    if exc.code is None:
-        return 0
-    return exc.code if isinstance(exc.code, int) else EXIT_FAILED
+    """The process exit status `sys.exit(exc.code)` would give; its message (a code that is
+    not an int: `sys.exit("--block_size ...")`, a user's mistake the job named) is printed to
+    stderr as Python prints it, so the launcher never swallows what the job said."""
+    from xla_fsdp.runtime.self_starting import exit_status
+
+    if exc.code is not None and not isinstance(exc.code, int):
+        print(exc.code, file=sys.stderr, flush=True)
+    return exit_status(exc)
 
 
-def run_spawned(entry: Callable[[int], None], spawn: Optional[Callable] = None,
+def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = None,
                 start_method: str = "spawn") -> int:
     """One process per chip through torch_xla's spawn (`spawn`: its original, when a
-    self-starting script's calls are routed); `entry(index)` is each replica's body."""
+    self-starting script's calls are routed); `entry(index, *args)` is each replica's body
+    (picklable). A message the replicas exit with is printed once, naming the replicas."""
+    import tempfile
+
+    from xla_fsdp.runtime.self_starting import ReplicaCall, replica_messages
+
     if spawn is None:
         import torch_xla.distributed.xla_multiprocessing as xmp
 
@@ -147,14 +153,21 @@ def run_spawned(entry: Callable[[int], None], spawn: Optional[Callable] = None,
 
     signal.signal(signal.SIGINT, stop_replicas)
     signal.signal(signal.SIGTERM, stop_replicas)
-    try:
-        spawn(entry, args=(), nprocs=None, start_method=start_method)
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # BrokenProcessPool and anything re-raised by the pool
-        log(f"a replica failed ({type(exc).__name__}); its message is above. "
-            "The other replicas were stopped.")
-        return EXIT_FAILED
+    with tempfile.TemporaryDirectory(prefix="xla_spawn-") as messages:
+        try:
+            spawn(ReplicaCall(entry, args, messages), args=(), nprocs=None, start_method=start_method)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # BrokenProcessPool and anything re-raised by the pool
+            said = replica_messages(messages)
+            for message, replicas in said.items():
+                print(message, file=sys.stderr, flush=True)
+                log(f"replica{'s' if len(replicas) > 1 else ''} {', '.join(map(str, replicas))} exited with "
+                    "the message above; the other replicas were stopped")
+            if not said:
+                log(f"a replica failed ({type(exc).__name__}); its message is above. "
+                    "The other replicas were stopped.")
+            return EXIT_FAILED
     return 0
 
 
@@ -174,7 +187,7 @@ def run_self_starting(script: str, args: tuple[str, ...], plan: LaunchPlan) -> i
         if plan.spawn:
             log(f"{caller}: spawning {plan.num_cores} replicas of {self_starting.describe(fn)} "
                 "(one process per chip)")
-            code = run_spawned(self_starting.ReplicaCall(fn, fn_args), spawn=original[0],
+            code = run_spawned(fn, fn_args, spawn=original[0],
                                start_method=start_method)
             if code:
                 raise SystemExit(code)

@@ -137,10 +137,15 @@ class ReplicaCall:
     spawn can send it to each replica. Exiting with os._exit breaks the parent's
     process pool, which then terminates the other replicas instead of leaving them
     blocked in a collective this replica will never join.
+
+    A `sys.exit("message")` (a user's mistake the script named) is written to
+    `messages/replica-<index>` when the launcher gave a folder, so that the launcher
+    prints each message once for all replicas (`replica_messages`); else to stderr,
+    as Python prints it.
     """
 
-    def __init__(self, fn: Callable, args: tuple):
-        self.fn, self.args = fn, tuple(args)
+    def __init__(self, fn: Callable, args: tuple, messages: Optional[str] = None):
+        self.fn, self.args, self.messages = fn, tuple(args), messages
 
     def __call__(self, index: int) -> None:
         try:
@@ -149,15 +154,45 @@ class ReplicaCall:
             from_environment(f"rank-{index}")  # each replica its own folder of the compile cache
             self.fn(index, *self.args)
         except SystemExit as exc:
-            code = 0 if exc.code is None else (exc.code if isinstance(exc.code, int) else EXIT_FAILED)
+            code = exit_status(exc)
             if code != 0:
-                print(f"xla_spawn: replica {index} exited with {exc.code}", file=sys.stderr, flush=True)
+                if isinstance(exc.code, int):
+                    print(f"xla_spawn: replica {index} exited with {exc.code}", file=sys.stderr, flush=True)
+                else:
+                    self._say(index, str(exc.code))
                 os._exit(code)
         except KeyboardInterrupt:
             os._exit(EXIT_INTERRUPTED)
         except BaseException:
             print(f"xla_spawn: replica {index} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             os._exit(EXIT_FAILED)
+
+    def _say(self, index: int, message: str) -> None:
+        if self.messages is None:
+            print(message, file=sys.stderr, flush=True)
+            return
+        path = os.path.join(self.messages, f"replica-{index}")
+        with open(path + ".part", "w", encoding="utf-8") as f:
+            f.write(message)
+        os.replace(path + ".part", path)  # whole or absent: the pool may stop this process next
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The status `sys.exit(exc.code)` ends a process with: the int, 0 for None, else 1
+    (Python then prints the code, the script's message, to stderr)."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else EXIT_FAILED
+
+
+def replica_messages(folder: str) -> Dict[str, list]:
+    """What the replicas' `sys.exit("message")` said ([ReplicaCall]): message -> replica indices."""
+    said: Dict[str, list] = {}
+    for name in sorted(os.listdir(folder), key=lambda n: (len(n), n)):
+        if name.startswith("replica-") and not name.endswith(".part"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                said.setdefault(f.read(), []).append(int(name[len("replica-"):]))
+    return said
 
 
 # start(caller, fn, args, nprocs, start_method) runs the replicas as the launcher decided

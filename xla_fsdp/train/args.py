@@ -7,6 +7,7 @@ error naming the flag, so a typo never silently trains with a default.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 
@@ -42,10 +43,44 @@ def _bool_flag(parser, name: str, help: str, default: bool = False) -> None:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
+        """One line, `run_clm.py: error: ...`, exit 2: argparse's own message without the usage
+        block, which for run_clm's flags fills a screen above the line that matters."""
         # argparse says "unrecognized arguments: --foo"; keep that, add the fix.
         if "unrecognized arguments" in message:
             message += " (not a run_clm flag; see --help for the accepted flags)"
-        super().error(message)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# [Note: run_clm's ranges] Each numeric flag's valid range, checked once in parse_args before any
+# file is read or the XLA runtime starts: flag -> (test, what the flag needs). None (not given)
+# always passes. A value outside it used to end the job late, as a ZeroDivisionError in the
+# batching or torch's optimizer complaining about "lr", or never (a negative weight decay trains).
+RANGES = {
+    "per_device_train_batch_size": (lambda v: v >= 1, "at least 1 (sequences per device per step)"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, "at least 1 (sequences per device per eval step)"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
+    "block_size": (lambda v: v >= 1, "at least 1 (tokens per sequence)"),
+    "max_train_samples": (lambda v: v >= 1, "at least 1 (training blocks)"),
+    "num_train_epochs": (lambda v: math.isfinite(v) and v > 0, "a positive number of epochs"),
+    "max_steps": (lambda v: v == -1 or v >= 1, "a positive step count, or -1 to train --num_train_epochs"),
+    "learning_rate": (lambda v: math.isfinite(v) and v >= 0, "a finite number, 0 or more (e.g. 5e-5)"),
+    "weight_decay": (lambda v: math.isfinite(v) and v >= 0, "a finite number, 0 or more"),
+    "warmup_steps": (lambda v: v >= 0, "0 or more"),
+    "max_grad_norm": (lambda v: math.isfinite(v) and v >= 0, "a finite number, 0 or more (0 disables clipping)"),
+    "logging_steps": (lambda v: v >= 1, "positive"),
+    "save_steps": (lambda v: v >= 1, "positive"),
+    "save_total_limit": (lambda v: v >= 1, "at least 1"),
+    "peak_tflops": (lambda v: math.isfinite(v) and v > 0, "a positive number of TFLOPS per chip"),
+}
+
+
+def range_problem(args: argparse.Namespace):
+    """The first flag outside its range ([Note: run_clm's ranges]), as an error line; None if none."""
+    for flag, (ok, needs) in RANGES.items():
+        value = getattr(args, flag)
+        if value is not None and not ok(value):
+            return f"--{flag} {value:g}: must be {needs}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,14 +211,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"(e.g. configs/models/gpt2-tiny.json, configs/models/llama-tiny.json)")
     if args.fsdp_config and not os.path.isfile(args.fsdp_config):
         parser.error(f"--fsdp_config {args.fsdp_config}: no such file")
-    if args.logging_steps <= 0:
-        parser.error(f"--logging_steps must be positive, got {args.logging_steps}")
-    if args.gradient_accumulation_steps < 1:
-        parser.error(f"--gradient_accumulation_steps must be at least 1, got {args.gradient_accumulation_steps}")
-    if args.save_steps <= 0:
-        parser.error(f"--save_steps must be positive, got {args.save_steps}")
-    if args.save_total_limit is not None and args.save_total_limit < 1:
-        parser.error(f"--save_total_limit must be at least 1, got {args.save_total_limit}")
+    problem = range_problem(args)
+    if problem:
+        parser.error(problem)
+    if args.train_file and not _URL.match(args.train_file) and not os.path.isfile(args.train_file):
+        parser.error(f"--train_file {args.train_file}: no such file; give a local plain-text file (or a "
+                     "gs:// URL), or omit it to train on the embedded corpus")
     if args.resume_from_checkpoint not in (None, "auto"):
         problem = _resume_problem(args.resume_from_checkpoint)
         if problem:

@@ -32,7 +32,13 @@ def model_type_of(path: str) -> str:
     """The `model_type` a config file declares; a file without one is GPT-2, as
     `GPT2Config.from_json_file` has always read it here."""
     with open(path) as f:
-        return json.load(f).get("model_type", "gpt2")
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a JSON file ({e}); give a transformers config JSON") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"holds a JSON {type(config).__name__}, not an object of config keys")
+    return config.get("model_type", "gpt2")
 
 
 def family(model_type: str) -> Family:

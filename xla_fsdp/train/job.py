@@ -6,11 +6,15 @@ the engine returns (local shards), never from the unwrapped model.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -30,6 +34,18 @@ def check_output_dir(args) -> None:
     st = output_storage(d)
     if st.exists(d) and not st.isdir(d):
         raise SystemExit(f"--output_dir {d} exists and is a file; give a directory path")
+    from xla_fsdp.checkpoint.filesystems import is_url
+
+    if not is_url(d):  # found now, not when the first checkpoint or metrics.json is written
+        above = os.path.abspath(d)
+        while not os.path.exists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            raise SystemExit(f"--output_dir {d}: {above} is a file, so the directory cannot be made; "
+                             "give a path under a directory")
+        if not os.access(above, os.W_OK | os.X_OK):
+            raise SystemExit(f"--output_dir {d}: {above} is not writable by this user; give a directory "
+                             "you can write to")
     if args.do_train and st.listdir(d) and not args.overwrite_output_dir:
         from xla_fsdp.checkpoint import latest_checkpoint
 
@@ -89,6 +105,55 @@ def device_facts(spmd: bool) -> dict:
 def run(argv=None) -> dict:
     """Train and/or evaluate as the flags say; returns the metrics written to metrics.json."""
     args = parse_args(argv)
+    with written_only_on_success(args.output_dir):
+        job = _start(args)
+    return _run(job)
+
+
+@contextlib.contextmanager
+def written_only_on_success(output_dir: str):
+    """[Note: a start that fails writes nothing] A job that ends before its first step (a
+    mistake in its flags or files found after the runtime started: an engine keyword the model
+    cannot take, a batch the text cannot fill) leaves --output_dir as it found it: the folder, or
+    the compile_cache/ folder in it, removed when this run made them. Local paths only (the
+    compile cache lives only under a local --output_dir); a bucket is never touched."""
+    from xla_fsdp.checkpoint.filesystems import is_url
+
+    made = []
+    if not is_url(output_dir) and not abstract.active():
+        top = os.path.abspath(output_dir)
+        while not os.path.exists(top) and os.path.dirname(top) != top:
+            made = [top]  # the outermost folder this run would create
+            top = os.path.dirname(top)
+        cache = os.path.join(output_dir, "compile_cache")
+        if not made and not os.path.exists(cache):
+            made = [cache]
+    try:
+        yield
+    except BaseException:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+@dataclass
+class StartedJob:
+    """What `_start` hands to the steps: the wrapped model and how to feed, meter and report it."""
+    args: object                    # run_clm's parsed flags
+    model: torch.nn.Module          # the engine's wrapped model
+    ctx: loop.StepContext
+    meter: metrics.ThroughputMeter
+    facts: dict                     # device_facts()
+    log: Callable
+    report: dict                    # metrics.json so far
+    cache: Optional[str]            # the compile cache's folder, or None
+    batches: Optional[data.BlockBatches]       # None without --do_train
+    eval_batches: Optional[data.BlockBatches]  # None without --do_eval
+
+
+def _start(args) -> StartedJob:
+    """Everything before the first step: the flags' files, the runtime, the model and its
+    engine, the batches; a mistake in any of them ends the job here, before anything trains."""
     # XLA's C++ warnings (one GSPMD deprecation notice per compile) are not the user's to act
     # on; errors still print, and a TF_CPP_MIN_LOG_LEVEL the user set wins. Before torch_xla loads.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -110,7 +175,10 @@ def run(argv=None) -> dict:
     # Data and configs before the XLA runtime starts: their errors come in
     # seconds, not after device setup.
     # traced for the ahead-of-time check: token values never matter, so nothing is downloaded
-    corpus = None if abstract.active() else data.build_corpus(args, config.vocab_size)
+    try:
+        corpus = None if abstract.active() else data.build_corpus(args, config.vocab_size)
+    except ValueError as e:  # the text itself: a --train_file that cannot be read, or too short for a block
+        raise SystemExit(str(e)) from None
     fsdp_config = load_fsdp_config(args.fsdp_config)
     engine = selected_engine(fsdp_config)
     spmd = single_controller(engine)  # one process drives every device of the host
@@ -185,17 +253,25 @@ def run(argv=None) -> dict:
     log(f"run_clm: data {corpus.source}: {corpus.train.shape[0]} train / {corpus.eval.shape[0]} eval blocks")
     log(f"run_clm: peak {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {meter.chips} "
         f"({meter.peak.source})")
-
-    started = time.perf_counter()
+    batches = eval_batches = None
     if args.do_train:
         batches = data.BlockBatches(corpus.train, micro_batch, facts["rank"], facts["world"], args.seed,
                                     rows=hosts.rows(micro_batch) if hosts else None)
-        report.update(_train(wrapped.model, batches, ctx, meter, args, facts, log))
     if args.do_eval:
         eval_global = args.per_device_eval_batch_size * facts["data_parallel"]
         eval_batches = data.BlockBatches(corpus.eval, eval_global, facts["rank"], facts["world"], shuffle=False,
                                          rows=hosts.rows(eval_global) if hosts else None)
-        ev = loop.evaluate(wrapped.model, eval_batches, ctx)
+    return StartedJob(args, wrapped.model, ctx, meter, facts, log, report, cache, batches, eval_batches)
+
+
+def _run(job: StartedJob) -> dict:
+    """The steps, the evaluation and the report of a started job."""
+    args, ctx, facts, log, report, cache = job.args, job.ctx, job.facts, job.log, job.report, job.cache
+    started = time.perf_counter()
+    if job.batches is not None:
+        report.update(_train(job.model, job.batches, ctx, job.meter, args, facts, log))
+    if job.eval_batches is not None:
+        ev = loop.evaluate(job.model, job.eval_batches, ctx)
         report.update(ev)
         log(f"run_clm: eval loss {ev['eval_loss']:.4f}, perplexity {ev['perplexity']:.2f} "
             f"({ev['eval_batches']} batches)")

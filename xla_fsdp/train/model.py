@@ -107,7 +107,8 @@ def load_fsdp_config(path: str | None):
     try:
         return load(path)
     except ValueError as e:
-        raise SystemExit(f"--fsdp_config {path}: {e}") from None
+        message = str(e)  # the loader names the file first: say it once
+        raise SystemExit(f"--fsdp_config {path}: {message.removeprefix(f'{path}: ')}") from None
 
 
 @dataclass
@@ -151,7 +152,10 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, engine: str, s
         for layer in families.decoder_layers(model):
             checkpoint_module(layer)
     if fsdp_config is not None:
-        fsdp_config.check_model(model)
+        try:
+            fsdp_config.check_model(model)
+        except ValueError as e:  # a key that does not fit this model (FSDPConfigError)
+            raise SystemExit(f"--fsdp_config {args.fsdp_config}: {e}") from None
     mesh = None
     if spmd:
         from xla_fsdp.runtime.mesh import build_fsdp_mesh
