@@ -34,7 +34,11 @@ def run_case(devices: int, *argv: str) -> dict:
 
 def check_parity(r: dict, layers: int) -> None:
   assert r["layers_type"] == "ScannedLayers"
-  assert r["same_keys"] and r["reload_diff"] == 0.0
+  assert r["same_keys"]
+  # the scanned model's state dict, loaded into the plain CPU model, computes its loss (bf16: the
+  # scanned model computes in bf16, the CPU model in float32)
+  tol = 2e-2 if r["bf16"] else 1e-5
+  assert abs(r["reload_loss"] - r["scan_loss_now"]) <= tol * abs(r["scan_loss_now"]), r
   for a, b in zip(r["plain_losses"], r["scan_losses"]):
     assert abs(a - b) <= 1e-5 * abs(a), (r["plain_losses"], r["scan_losses"])
   worst = max(r["param_max_abs_diff"].items(), key=lambda kv: kv[1])

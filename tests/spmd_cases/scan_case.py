@@ -93,17 +93,23 @@ def parity(args) -> dict:
   plain_sd = {k: v.cpu() for k, v in plain.state_dict().items()}
   scan_sd = {k: v.cpu() for k, v in scanned.state_dict().items()}
   diffs = {k: float((plain_sd[k] - scan_sd[k]).abs().max()) for k in plain_sd}
-  # a checkpoint of the scanned model loads into the plain model unchanged
+  # a checkpoint of the scanned model loads into the plain (unwrapped, CPU) model and computes
+  # what the scanned model computes: each stacked layer's rows under that layer's own keys
   fresh = build(args.layers)
   fresh.load_state_dict(scan_sd)
-  reload = max(float((fresh.state_dict()[k] - scan_sd[k]).abs().max())
-               for k in scan_sd)
+  ids, labels = batches[0]
+  with torch.no_grad():
+    reload_loss = float(fresh(input_ids=ids, labels=labels).loss)
+    scan_loss_now = float(scanned(input_ids=ids.to(torch_xla.device()),
+                                  labels=labels.to(torch_xla.device())).loss)
   return {
       "plain_losses": plain_losses,
       "scan_losses": scan_losses,
       "param_max_abs_diff": diffs,
       "same_keys": list(plain_sd) == list(scan_sd),
-      "reload_diff": reload,
+      "reload_loss": reload_loss,
+      "scan_loss_now": scan_loss_now,
+      "bf16": dtype is not None,
       "while_plain": hlo_plain.count(" while("),
       "while_scan": hlo_scan.count(" while("),
       "dots_plain": hlo_plain.count(" dot("),
