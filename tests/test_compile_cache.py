@@ -61,3 +61,31 @@ def test_a_cache_folder_that_cannot_be_written_is_refused(tmp_path):
                            "--compile_cache", str(blocker / "c"), "--max_steps", "1"], env=env, cwd=str(tmp_path),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "cannot be written" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+def test_run_clm_keeps_its_programs_under_output_dir_one_folder_per_replica_with_per_chip(tmp_path):
+    """README's "compile_cache/ under a local --output_dir": host-<i> under the single controller
+    (tests/test_run_clm.py::test_both_engines_through_the_launcher checks a real run's folder),
+    rank-<i> for each replica of one process per chip (a TPU's --per_chip; chosen here in a fresh
+    process as a replica of 4 would choose it)."""
+    code = ("import argparse, sys; from xla_fsdp.train.job import _compile_cache; "
+            "args = argparse.Namespace(compile_cache=None, output_dir=sys.argv[1]); "
+            "print(_compile_cache(args, False, {'world': 4, 'rank': 2}, print))")
+    env = _env("")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(tmp_path / "out" / "compile_cache" / "rank-2")
+    assert os.path.isdir(tmp_path / "out" / "compile_cache" / "rank-2")
+
+
+def test_a_replica_spawned_per_chip_keeps_its_programs_in_its_own_folder(tmp_path):
+    """XLA_FSDP_COMPILE_CACHE for any script under the launcher: each replica of the spawn path (a TPU's
+    one process per chip; here CPU's one replica process through the real process pool) uses rank-<i>."""
+    cache = tmp_path / "cache"
+    env = dict(_env(cache), CPU_NUM_DEVICES="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "spawn_pool_driver.py"),
+                           str(ROOT / "tests" / "fixtures" / "spawn_record.py"), "--record", str(tmp_path / "record.json")],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert os.listdir(cache) == ["rank-0"]

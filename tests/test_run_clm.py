@@ -120,6 +120,10 @@ def test_both_engines_through_the_launcher(tiny_config, tmp_path, config, engine
     assert report["runtime"] == "single_controller"
     assert report["global_batch"] == 2 * 4 and report["tokens_per_step"] == 8 * 32
     assert losses[-1] < losses[0] - 1.0, losses
+    # every program it compiled is kept in compile_cache/host-0 under the local --output_dir
+    cache = tmp_path / "out" / "compile_cache" / "host-0"
+    assert report["compile_cache"]["path"] == str(cache)
+    assert report["compile_cache"]["PersistentCacheMiss"] == len(os.listdir(cache)) > 0, report["compile_cache"]
 
 
 XLA_GSPMD_WARNING = "GSPMD sharding propagation is going to be deprecated"
