@@ -15,8 +15,9 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 # run_clm world-1 test 38.8 s -> 25.2 s; the whole suite 1187 s -> 835 s). Level 0 is
 # LLVM's level for XLA:CPU's machine code; the HLO assertions and the parity tests'
 # tolerances pass unchanged with it. libtpu reads XLA_FLAGS too, but its TPU program is
-# byte-identical with the flag (after_optimizations and after_codegen compared for the
-# v5e-8 async test's step), so the TPU assertions judge the same program.
+# the same text with the flag (tests/test_tpu_compiler.py::
+# test_the_suites_xla_cpu_optimization_level_leaves_the_tpu_program_unchanged, with a control
+# flag that does change it), so the TPU assertions judge the same program.
 # Children inherit it through the environment; XLA_FSDP_TEST_OPT=1 turns it off.
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 if os.environ.get("XLA_FSDP_TEST_OPT", "") != "1" and FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):

@@ -434,3 +434,31 @@ def test_a_compile_s_last_stage_line_written_late_is_still_read(monkeypatch, tmp
     start = time.monotonic()
     assert compile_log.compile_since((str(quiet), 0)) == "I1201 nothing about stages\n"
     assert time.monotonic() - start < 0.5
+
+
+def test_the_suites_xla_cpu_optimization_level_leaves_the_tpu_program_unchanged(tmp_path):
+    """[Note: the suite compiles XLA:CPU at optimization level 0] (tests/conftest.py): libtpu reads
+    XLA_FLAGS too, and with --xla_backend_optimization_level=0 its program is the same text. Each
+    compile runs in its own process (libtpu reads the flags when it loads); a flag that does change
+    the TPU program (one pass disabled) shows that the comparison sees XLA_FLAGS."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); "
+            "from test_tpu_compiler import collectives_module, _open; "
+            "from xla_fsdp.tpu import compile_options as co, pjrt; "
+            "c = pjrt.get_compiler(); spec, s = _open(c, 'v5e-8')\n"
+            "with s:\n"
+            "    p = c.compile(s, co.hlo_text_to_proto(collectives_module(len(s.devices))), co.spmd_options(s.device_ids))\n"
+            "open(sys.argv[1], 'w').write(p.optimized_hlo)")
+    programs = {}
+    for name, flags in (("none", ""), ("level 0", "--xla_backend_optimization_level=0"),
+                        ("control", "--xla_disable_hlo_passes=reduce-scatter-decomposer")):
+        out = tmp_path / f"{len(programs)}.hlo"
+        env = dict(os.environ, XLA_FLAGS=flags, PJRT_DEVICE="CPU")
+        proc = subprocess.run([sys.executable, "-c", code, str(out), os.path.dirname(__file__)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        programs[name] = out.read_text()
+    assert programs["level 0"] == programs["none"]
+    assert programs["control"] != programs["none"] and "reduce-scatter(" in programs["control"]
