@@ -136,7 +136,10 @@ def test_dropout_differs_per_layer_and_step_and_matches_in_backward(at_4):
   # attention dropout (p 1e-9) through the written-out attention: as without dropout
   for a, b in zip(r["attention_plain"], r["attention_keyed"]):
     assert abs(a - b) <= 1e-5 * abs(a)
-  assert all(0 < x < 10 for x in r["dropout_losses"])
+  # GPT-2's own dropouts (0.1) under scan: no reference draws the same masks, so the first step's loss
+  # (from the same weights and batch) is held within 5% of the run without dropout, and must differ from it
+  first, undropped = r["dropout_losses"][0], r["attention_plain"][0]
+  assert abs(first - undropped) <= 0.05 * undropped and r["dropout_losses"] != r["attention_plain"], r
 
 
 @pytest.mark.slow
