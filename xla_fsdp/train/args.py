@@ -7,6 +7,7 @@ error naming the flag, so a typo never silently trains with a default.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -214,6 +215,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     problem = range_problem(args)
     if problem:
         parser.error(problem)
+    if args.dataset_name and not _installed("datasets"):
+        parser.error(f"--dataset_name {args.dataset_name} needs the `datasets` package, not installed here: "
+                     "pip install datasets (requirements.txt pins it; tpu_scripts/install.sh installs it); or omit "
+                     "it to train on the embedded corpus (or use --train_file)")
     if args.train_file and not _URL.match(args.train_file) and not os.path.isfile(args.train_file):
         parser.error(f"--train_file {args.train_file}: no such file; give a local plain-text file (or a "
                      "gs:// URL), or omit it to train on the embedded corpus")
@@ -223,6 +228,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {problem}")
     args.sharding_strategy, args.auto_wrap = parse_fsdp(args.fsdp)
     return args
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` can be imported, found without importing it (datasets loads pyarrow)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
+        return False
 
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")  # as xla_fsdp/checkpoint/filesystems.py spells a URL

@@ -60,7 +60,13 @@ def hf_dataset_documents(name: str, config_name: str | None, cache_dir: str | No
     except ImportError:
         raise SystemExit("--dataset_name needs the `datasets` package: pip install datasets; "
                          "or omit it to train on the embedded corpus (or use --train_file)") from None
-    ds = datasets.load_dataset(name, config_name, cache_dir=cache_dir)
+    try:
+        ds = datasets.load_dataset(name, config_name, cache_dir=cache_dir)
+    except Exception as e:  # no network, an unknown name or config: datasets' own words, on one line
+        said = " ".join(str(e).split())
+        raise SystemExit(f"--dataset_name {name}" + (f" --dataset_config_name {config_name}" if config_name else "")
+                         + f": could not be loaded ({type(e).__name__}: {said}); check the name and that the "
+                         "Hugging Face hub is reachable (or its files are in --cache_dir), or use --train_file")
     column = "text" if "text" in ds["train"].column_names else ds["train"].column_names[0]
     train = [t for t in ds["train"][column] if t.strip()]
     val = None
@@ -79,8 +85,10 @@ def load_tokenizer(name: str | None, cache_dir: str | None):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(name, cache_dir=cache_dir)
     except Exception as e:  # no network, unknown name, missing files
-        raise SystemExit(f"--tokenizer_name {name!r} could not be loaded ({e}); give a local "
-                         f"tokenizer directory, or omit it to use the byte tokenizer") from None
+        said = " ".join(str(e).split())  # one line
+        raise SystemExit(f"--tokenizer_name {name!r} could not be loaded ({type(e).__name__}: {said}); check "
+                         "that the Hugging Face hub is reachable, or give a local tokenizer directory, or omit it "
+                         "to use the byte tokenizer") from None
 
 
 def tokenize_stream(docs: list[str], tokenizer) -> torch.Tensor:
