@@ -32,17 +32,30 @@ def always_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, 
     return True
 
 
-def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, *,
+# The policies take their settings positionally or by keyword, as torch_xla's do
+# (torch_xla.distributed.fsdp.wrap): `functools.partial(transformer_auto_wrap_policy, {GPT2Block})`
+# binds transformer_layer_cls as torch_xla's own scripts may write it.
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
                                 min_num_params: int = int(1e8),
-                                force_leaf_modules: Iterable[type] = (nn.MultiheadAttention,),
-                                exclude_wrap_modules: Iterable[type] = (nn.ModuleList, nn.ModuleDict)) -> bool:
-    """Wrap a module once its not-yet-wrapped parameters reach `min_num_params`."""
+                                force_leaf_modules: Optional[Iterable[type]] = None,
+                                exclude_wrap_modules: Optional[Iterable[type]] = None) -> bool:
+    """Wrap a module once its not-yet-wrapped parameters reach `min_num_params`; never recurse into
+    `force_leaf_modules` nor wrap `exclude_wrap_modules` (None: the defaults below, as torch_xla)."""
+    if force_leaf_modules is None:
+        force_leaf_modules = size_based_auto_wrap_policy.FORCE_LEAF_MODULES
+    if exclude_wrap_modules is None:
+        exclude_wrap_modules = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
+    # recursing into a module below the threshold could wrap nothing: its children hold fewer parameters
     if recurse:
-        return not isinstance(module, tuple(force_leaf_modules))
+        return unwrapped_params >= min_num_params and not isinstance(module, tuple(force_leaf_modules))
     return unwrapped_params >= min_num_params and not isinstance(module, tuple(exclude_wrap_modules))
 
 
-def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, *,
+size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}
+size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}
+
+
+def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
                                  transformer_layer_cls: Iterable[Union[Type[nn.Module], str]]) -> bool:
     """Wrap every instance of the given layer classes (classes or class names, e.g. ["GPT2Block"])."""
     if recurse:
@@ -52,7 +65,7 @@ def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_par
     return _class_matches(module, set(transformer_layer_cls))
 
 
-def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, *,
+def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
                             lambda_fn: Callable[[nn.Module], bool]) -> bool:
     """Wrap the modules for which `lambda_fn(module)` is true."""
     if recurse:
