@@ -74,7 +74,7 @@ def test_run_clm_at_4_devices_writes_every_file_to_the_bucket(gcs_emulator, gcs_
 
 def test_a_bucket_that_does_not_exist_is_named_before_training(gcs_emulator, tmp_path):
     from xla_fsdp.train.args import parse_args
-    from xla_fsdp.train.job import check_output_dir
+    from xla_fsdp.train.output_dir import check_output_dir
 
     args = parse_args(FLAGS + ["--output_dir", "gs://no-such-bucket-xla-fsdp/run"])
     with pytest.raises(SystemExit, match=r"bucket gs://no-such-bucket-xla-fsdp does not exist .*gcloud storage "

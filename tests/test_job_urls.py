@@ -137,7 +137,7 @@ def test_a_train_file_at_a_url_is_read_through_fsspec(url_root):
 def test_a_scheme_without_its_file_system_names_the_package(capsys):
     import importlib.util
 
-    from xla_fsdp.train.job import check_output_dir
+    from xla_fsdp.train.output_dir import check_output_dir
 
     if importlib.util.find_spec("s3fs") is not None:
         pytest.skip("s3fs is installed")
@@ -153,7 +153,7 @@ def test_gs_without_gcsfs_names_gcsfs_even_where_it_is_installed(tmp_path):
     """gcsfs is a test dependency, so its absence is simulated in a child process."""
     script = tmp_path / "no_gcsfs.py"
     script.write_text("import sys\nsys.modules['gcsfs'] = None  # import gcsfs now fails\n"
-                      "from xla_fsdp.train.args import parse_args\nfrom xla_fsdp.train.job import check_output_dir\n"
+                      "from xla_fsdp.train.args import parse_args\nfrom xla_fsdp.train.output_dir import check_output_dir\n"
                       f"check_output_dir(parse_args(['--config_name', {TINY!r}, '--output_dir', 'gs://b/run']))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("STORAGE_EMULATOR_HOST", None)
