@@ -3,11 +3,15 @@
 The fixture tests/fixtures/fsdp2_gpu_port.py is a GPU FSDP2 script in the style of PyTorch's
 FSDP2 example (meta init, per-layer fully_shard then the root, mixed precision, explicit prefetch,
 DTensor-API and DCP-API checkpoints, no torch_xla.sync() in its loop) whose only changed lines
-are the README's. It runs under the launcher as the README says, at 1, 4 and 8 XLA:CPU devices
-(the launcher reads its import of xla_fsdp.fsdp as the single controller): the 4-device run
-matches the 1-device run (losses and weights within 1e-5 relative), and the DCP checkpoint it wrote
-right after its loop (full state dict + dcp.save, seed 003's pattern; it also writes its
-DTensor-API full state dict, timed) loads exactly at 8 devices, which train on in bf16.
+are the README's. It runs under the launcher as the README says, at 4 and 8 XLA:CPU devices (the
+launcher reads its import of xla_fsdp.fsdp as the single controller). The reference is the GPU
+script itself: the fixture with its `# was:` lines restored, run by PyTorch alone (its own
+`fully_shard` over gloo, on the CPU; tests/fsdp2/torch_reference.py), one rank, as one process
+draws the global batch. Both sides start from the same weights (`--load_full`, made on the CPU).
+The 4-device run matches it (float32 losses and weights within LOSS_REL / PARAM_REL); the DCP
+checkpoint the 4-device run wrote right after its loop (full state dict + dcp.save, seed 003's
+pattern; it also writes its DTensor-API full state dict, timed) loads exactly at 8 devices and in
+PyTorch's script (DCP's own reader), and both train on in bf16 to the same losses (BF16_LOSS_REL).
 """
 from __future__ import annotations
 
@@ -25,7 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PORT = ROOT / "tests" / "fixtures" / "fsdp2_gpu_port.py"
 SPAWN = ROOT / "launch" / "xla_spawn.py"
 CASES = ROOT / "tests" / "fsdp2" / "api_cases.py"
+REFERENCE = ROOT / "tests" / "fsdp2" / "torch_reference.py"
 STEPS = 5
+# float32 against PyTorch's own FSDP2 on the CPU: measured 1.0e-7 (losses) and 2.7e-7 (weights), the
+# sums run in another order on XLA:CPU than in eager PyTorch
+LOSS_REL = 2e-6
+PARAM_REL = 5e-6
+# bf16: XLA:CPU rounds to bfloat16 at other points than eager PyTorch (it fuses elementwise work and
+# keeps intermediates in float32); measured 9.3e-5 here
+BF16_LOSS_REL = 5e-4
+# the saves right after the loop: measured 0.14 s (DCP) and 0.52 s (full state dict) on this machine
+SAVE_SECONDS = 5
 
 
 def _env(extra=None) -> dict:
@@ -56,20 +70,44 @@ def _result(proc: subprocess.Popen) -> dict:
     return result
 
 
+def _reference(tmp: Path, name: str, *flags: str) -> subprocess.Popen:
+    """The GPU script (the `# was:` lines restored) under PyTorch's own FSDP2, one gloo rank on the CPU."""
+    out = tmp / name
+    cmd = [sys.executable, str(REFERENCE), "port", str(out), "--world", "1", "--", "--steps", str(STEPS),
+           "--metrics_out", str(out / "metrics.json"), *flags]
+    log = open(tmp / f"{name}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp))
+    proc.out = out
+    proc.log = tmp / f"{name}.log"
+    return proc
+
+
+def _reference_result(proc: subprocess.Popen) -> dict:
+    rc = proc.wait(timeout=600)
+    assert rc == 0, f"PyTorch's reference exited {rc}:\n{proc.log.read_text()[-4000:]}"
+    return json.loads((proc.out / "metrics.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("port")
-    ref = _launch(tmp, "one", 1)
-    four = _launch(tmp, "four", 4, "--explicit-prefetching", "--save_full", str(tmp / "full.pt"),
-                   "--save_dcp", str(tmp / "dcp"))
-    out = {"one": _result(ref), "four": _result(four)}
-    out["eight"] = _result(_launch(tmp, "eight", 8, "--mixed-precision", "--dcp-api", "--load_dcp", str(tmp / "dcp")))
+    init = tmp / "init.pt"
+    subprocess.run([sys.executable, str(REFERENCE), "port-init", str(init)], check=True, capture_output=True)
+    four = _launch(tmp, "four", 4, "--load_full", str(init), "--explicit-prefetching", "--save_full",
+                   str(tmp / "full.pt"), "--save_dcp", str(tmp / "dcp"))
+    torch_ref = _reference(tmp, "torch", "--load_full", str(init), "--explicit-prefetching")
+    out = {"torch": _reference_result(torch_ref), "four": _result(four)}
+    bf16 = ("--mixed-precision", "--dcp-api", "--load_dcp", str(tmp / "dcp"))
+    torch_bf16 = _reference(tmp, "torch_bf16", *bf16)
+    out["eight"] = _result(_launch(tmp, "eight", 8, *bf16))
+    out["torch_bf16"] = _reference_result(torch_bf16)
     return out
 
 
-def _close(a, b, rel=1e-5):
-    a, b = torch.tensor(a), torch.tensor(b)
-    return float((a - b).norm() / b.norm().clamp_min(1e-12)) <= rel
+def _rel(a, b) -> float:
+    """|a - b| / |b| for numbers or nested lists (tensor-relative)."""
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def test_the_readme_lines_are_the_only_changes():
@@ -101,25 +139,36 @@ def test_the_port_runs_under_the_launcher_as_the_single_controller(runs):
         assert "imports xla_fsdp.fsdp" in log and f"one process drives the {devices} CPU devices" in log, log[-2000:]
 
 
-def test_four_devices_match_one(runs):
-    one, four = runs["one"], runs["four"]
-    assert len(four["losses"]) == STEPS
-    for i, (a, b) in enumerate(zip(one["losses"], four["losses"])):
-        assert abs(a - b) <= 1e-5 * abs(a), f"step {i}: 4 devices {b}, one device {a}"
-    for name in one["weights"]:
-        assert _close(four["weights"][name], one["weights"][name]), name
+def test_four_devices_match_pytorchs_fsdp2_running_the_gpu_script(runs):
+    ref, four = runs["torch"], runs["four"]
+    assert len(four["losses"]) == len(ref["losses"]) == STEPS
+    for i, (a, b) in enumerate(zip(ref["losses"], four["losses"])):
+        assert _rel(b, a) <= LOSS_REL, f"step {i}: 4 devices {b}, PyTorch's FSDP2 {a} ({_rel(b, a):.1e} relative)"
+    assert set(four["weights"]) == set(ref["weights"]) == {"out.weight", "layers.0.qkv.weight"}
+    for name in ref["weights"]:
+        assert _rel(four["weights"][name], ref["weights"][name]) <= PARAM_REL, name
+    print(f"4 devices against PyTorch's FSDP2: losses within {max(map(_rel, four['losses'], ref['losses'])):.1e}, "
+          f"weights within {max(_rel(four['weights'][k], ref['weights'][k]) for k in ref['weights']):.1e}")
 
 
 def test_the_dcp_save_right_after_a_loop_without_sync_is_quick_and_the_bf16_run_resumes_it_at_8(runs):
     """Seed 003's pattern: get_state_dict(full_state_dict=True) + dcp.save right after a loop without
-    a sync, in seconds; dcp.load + set_state_dict at 8 devices gives the same weights exactly, and
-    the run trains on in bf16."""
-    eight, four = runs["eight"], runs["four"]
-    assert four["dcp_seconds"] < 20 and four["full_seconds"] < 20, four
+    a sync, in seconds; dcp.load + set_state_dict at 8 devices gives the same weights exactly, as
+    PyTorch's script loading the same checkpoint through DCP's own reader does, and the two train
+    on in bf16 to the same losses."""
+    eight, four, ref = runs["eight"], runs["four"], runs["torch_bf16"]
+    assert four["dcp_seconds"] < SAVE_SECONDS and four["full_seconds"] < SAVE_SECONDS, four
     for name in four["weights"]:
-        assert _close(eight["loaded"][name], four["weights"][name], rel=0), name
-    assert len(eight["losses"]) == STEPS and all(torch.isfinite(torch.tensor(eight["losses"])))
+        assert _rel(eight["loaded"][name], four["weights"][name]) == 0, name
+        assert _rel(ref["loaded"][name], four["weights"][name]) == 0, name
+    assert len(eight["losses"]) == len(ref["losses"]) == STEPS
+    for i, (a, b) in enumerate(zip(ref["losses"], eight["losses"])):
+        assert _rel(b, a) <= BF16_LOSS_REL, f"bf16 step {i}: 8 devices {b}, PyTorch's FSDP2 {a} ({_rel(b, a):.1e})"
+    # Not asserted here: that the run is a bf16 run. At this script's lr and 5 steps, PyTorch's float32
+    # resume parts from its bf16 resume by about as much as two bf16 runs part (summed 3.8e-4 against
+    # 2.9e-4, measured), so losses cannot tell them apart; test_fsdp2.py's bf16 case does (10 steps).
     assert eight["weights"] != eight["loaded"]
+    print(f"bf16 at 8 devices against PyTorch's FSDP2: losses within {max(map(_rel, eight['losses'], ref['losses'])):.1e}")
 
 
 def test_the_loop_is_cut_once_per_step_and_a_syncing_loop_is_not_cut_again(tmp_path):
