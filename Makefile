@@ -31,7 +31,7 @@ train: bytecode
 	  --fsdp_config configs/fsdp/tiny_cpu.json --output_dir out/tiny-cpu --overwrite_output_dir
 
 test: bytecode
-	$(MALLOC) PJRT_DEVICE=CPU $(PY) -m pytest -q --durations=25 tests
+	$(MALLOC) PJRT_DEVICE=CPU $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 clean:
 	rm -rf $(VENV) out

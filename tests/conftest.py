@@ -24,7 +24,17 @@ if os.environ.get("XLA_FSDP_TEST_OPT", "") != "1" and FAST_COMPILE_FLAG not in o
     os.environ["XLA_FLAGS"] = (FAST_COMPILE_FLAG + " " + os.environ.get("XLA_FLAGS", "")).strip()
 
 
+def _xdist_controller(config) -> bool:
+    """Whether this process is pytest-xdist's controller (`make test` runs the suite as `-n 2`): it
+    runs no test, and its workers must start from the real interpreter. Were its children forked
+    from its zygotes, the two workers' own zygotes would take turns on the controller's two, and
+    a worker's two could share one string-hash seed."""
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
+    if _xdist_controller(session.config):
+        return
     # child processes fork from a warm interpreter ([Note: warm interpreters] in tests/warm)
     import tempfile
 
