@@ -124,9 +124,9 @@ def _traced(script: str, args) -> None:
 def main() -> None:
     script, args = sys.argv[1], sys.argv[2:]
     _record_crashes()
-    if os.environ.get("XLA_FSDP_RUNTIME") == "single_controller":
-        from xla_fsdp.runtime.choice import enter_single_controller
+    from xla_fsdp.runtime.choice import RUNTIME_ENV, SINGLE_CONTROLLER, enter_single_controller
 
+    if os.environ.get(RUNTIME_ENV) == SINGLE_CONTROLLER:
         enter_single_controller()  # as launch/xla_spawn.py does before the script runs
         _traced(script, args)
         return

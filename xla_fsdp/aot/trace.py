@@ -18,9 +18,8 @@ from typing import Dict, List, Optional
 from xla_fsdp.abstract import TRACE_ENV
 from xla_fsdp.aot.dump import MARKER, PROGRAM, REFUSED, crash_report, take_program
 from xla_fsdp.aot.child import MAX_DEVICE_INDEX, WORLD_ENV
+from xla_fsdp.runtime.choice import MULTI_PROCESS, RUNTIME_ENV, SINGLE_CONTROLLER
 
-SINGLE_CONTROLLER = "single_controller"
-MULTI_PROCESS = "multi_process"
 RUNTIMES = (SINGLE_CONTROLLER, MULTI_PROCESS)
 LAUNCHER = "xla_spawn.py"
 RANK_0_ALONE_ENV = "XLA_FSDP_AOT_RANK_0_ALONE"  # "1": trace one process per chip on one device at any size
@@ -84,7 +83,7 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
         return requested
     if spmd_flag or per_chip:
         return SINGLE_CONTROLLER if spmd_flag else MULTI_PROCESS
-    env = os.environ.get("XLA_FSDP_RUNTIME", "").strip().lower()
+    env = os.environ.get(RUNTIME_ENV, "").strip().lower()
     if env in RUNTIMES:
         return env
     if os.environ.get("XLA_USE_SPMD") == "1":
@@ -129,7 +128,7 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
     env.update({
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": "1" if alone else str(job.devices),
-        "XLA_FSDP_RUNTIME": job.runtime,
+        RUNTIME_ENV: job.runtime,
         TRACE_ENV: "1",
         "XLA_FSDP_AOT_CAPTURE": json.dumps({"out": workdir, "steps": steps}),
         "XLA_FSDP_AOT_DUMP": dump,

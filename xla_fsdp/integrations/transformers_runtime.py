@@ -24,8 +24,7 @@ import logging
 import os
 from typing import Callable
 
-RUNTIME_ENV = "XLA_FSDP_RUNTIME"
-SINGLE_CONTROLLER = "single_controller"
+from ..runtime.choice import RUNTIME_ENV, SINGLE_CONTROLLER
 
 logger = logging.getLogger("xla_fsdp.integrations.transformers")
 

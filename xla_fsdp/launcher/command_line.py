@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Optional
 
+from xla_fsdp.runtime.choice import RUNTIME_ENV, SINGLE_CONTROLLER  # noqa: F401  (the launcher's modules import them from here)
+
 PROG = "xla_spawn"
 # CPU devices are virtual, so any count works; the cap only catches typos
 # (e.g. 400 for 4) before they build hundreds of device threads.
@@ -14,10 +16,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 ENTRY_POINT = "_mp_fn"
-# read by the training job (xla_fsdp.train.model.single_controller)
-RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 QUIET_XLA_LOG_LEVEL = "2"  # TensorFlow's convention: 2 hides INFO and WARNING, keeps ERROR
-SINGLE_CONTROLLER = "single_controller"
 RUNTIME_MARKER = "XLA_FSDP_TPU_RUNTIME"  # a script's declared TPU runtime (xla_fsdp.runtime.choice)
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",

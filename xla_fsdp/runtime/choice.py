@@ -33,6 +33,9 @@ import ast
 from typing import Optional, Tuple
 
 MARKER = "XLA_FSDP_TPU_RUNTIME"
+# the environment variable that chooses the runtime of this process ("single_controller" or
+# "multi_process"; the launcher sets it): named here only, every reader imports it
+RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 SINGLE_CONTROLLER = "single_controller"
 MULTI_PROCESS = "multi_process"
 

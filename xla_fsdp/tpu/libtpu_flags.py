@@ -70,7 +70,7 @@ import sys
 import warnings
 from typing import Mapping, MutableMapping, Optional
 
-from ..runtime.choice import SINGLE_CONTROLLER
+from ..runtime.choice import RUNTIME_ENV, SINGLE_CONTROLLER
 
 ENV = "LIBTPU_INIT_ARGS"
 
@@ -151,7 +151,6 @@ ASYNC_REDUCE_SCATTERS: Mapping[str, str] = {
 STAGED_ABOVE_CHIPS = 64
 
 MARK = "XLA_FSDP_LIBTPU_INIT_ARGS"  # what xla_fsdp itself put in LIBTPU_INIT_ARGS
-RUNTIME_ENV = "XLA_FSDP_RUNTIME"
 CHIPS_ENV = "XLA_FSDP_SLICE_CHIPS"  # chips of the whole slice, when the launcher knows them
 # the largest slice on which the single controller's "auto" makes rings (collective_engine/auto.py,
 # [Note: rings by default on a TPU]); larger slices keep the gathers and their budget

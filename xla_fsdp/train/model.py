@@ -18,7 +18,7 @@ from xla_fsdp.train.args import DEFERRED_INIT_PARAMS
 
 ENGINE_ENV = "XLA_FSDP_ENGINE"
 # set by launch/xla_spawn.py for --spmd and for several CPU devices: one process drives every device
-RUNTIME_ENV = "XLA_FSDP_RUNTIME"
+from xla_fsdp.runtime.choice import RUNTIME_ENV
 
 
 # [Note: eager attention on XLA]
