@@ -29,13 +29,13 @@ device        --num_cores     behaviour
 ============  ==============  ================================================
 any           1               one replica in this process, world 1
 CPU           2..64           only the single controller (below), and only when
-                              chosen: ``--spmd``, ``XLA_FSDP_RUNTIME=single_controller``
-                              or the script's ``XLA_FSDP_TPU_RUNTIME =
-                              "single_controller"``; anything else is refused,
+                              chosen: ``--spmd``, the runtime variable or the
+                              script's runtime line (both: docs/environment.md)
+                              saying ``single_controller``; anything else is refused,
                               exit 2 (one process per CPU device would hang)
 TPU           every local     ``xmp.spawn``: one process per chip, world N,
-              device          unless the script declares ``XLA_FSDP_TPU_RUNTIME =
-                              "single_controller"`` (``launch/run_clm.py`` does):
+              device          unless the script's runtime line declares
+                              ``single_controller`` (``launch/run_clm.py``'s does):
                               then one process per host (below)
 any + --spmd  (see --help)    single controller: one process per host drives every
                               local device (torch_xla's SPMD mode, turned on here
@@ -45,16 +45,15 @@ any + --spmd  (see --help)    single controller: one process per host drives eve
 TPU + --per_chip              one process per chip whatever the script declares
 ============  ==============  ================================================
 
-``XLA_FSDP_RUNTIME=single_controller`` / ``multi_process`` in the environment
-chooses as ``--spmd`` / ``--per_chip`` do; so does torch_xla's ``XLA_USE_SPMD=1``
-for the single controller. The launcher prints its choice and the
+The runtime variable (docs/environment.md) set to ``single_controller`` /
+``multi_process`` chooses as ``--spmd`` / ``--per_chip`` do; so does torch_xla's
+SPMD variable for the single controller. The launcher prints its choice and the
 world the script will see in one line. On a TPU the launcher also sets
 libtpu's async-collective flags in ``LIBTPU_INIT_ARGS`` unless you set it
 (``xla_fsdp.tpu.libtpu_flags``).
 
-The engine is the script's choice (``xla_fsdp_v2`` in the fsdp config, or
-``XLA_FSDP_ENGINE=spmd``, selects the GSPMD engine; the collective engine runs
-in either runtime). Why CPU never spawns several replicas: explicit XLA
+The engine is the script's choice (``xla_fsdp_v2`` in the fsdp config selects
+the GSPMD engine; the collective engine runs in either runtime). Why CPU never spawns several replicas: explicit XLA
 collectives between processes (device threads, on CPU) race their compiles and
 hang (pytorch/xla issues 5005 and 9089), while one process driving N virtual
 devices runs the same collectives inside one SPMD program. A script written

@@ -2,6 +2,7 @@
 compiling process starts with, and that the restart really loads it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,11 +29,11 @@ def test_a_named_library_is_taken_and_a_missing_one_refused(tmp_path):
     lib.write_bytes(b"")
     env = {allocator.ENV: str(lib), "LD_PRELOAD": "/opt/other.so"}
     assert allocator.preload_environment(env) == {"LD_PRELOAD": f"/opt/other.so {lib}",
-                                                  allocator.MARK: "libmymalloc.so"}
+                                                  allocator.MARK: json.dumps({"malloc": "libmymalloc.so"})}
     with pytest.raises(allocator.AllocatorError, match="no such file.*'system'"):
         allocator.choose({allocator.ENV: str(tmp_path / "missing.so")})
     # once chosen (the mark set by the restart), never again: no exec loop
-    assert allocator.choose({allocator.ENV: str(lib), allocator.MARK: "libmymalloc.so"}) is None
+    assert allocator.choose({allocator.ENV: str(lib), allocator.MARK: json.dumps({"malloc": "libmymalloc.so"})}) is None
 
 
 def test_auto_takes_the_first_library_this_host_has():
@@ -50,7 +51,7 @@ def test_restart_loads_the_library_into_the_new_process(tmp_path):
     probe = ("import os, sys\nfrom xla_fsdp.runtime import allocator\n"
              "allocator.restart_with([sys.executable, *sys.argv])\n"
              "maps = open('/proc/self/maps').read()\n"
-             "print(os.environ.get(allocator.MARK), os.path.realpath(sys.argv[1]) in maps)\n")
+             "print(allocator.started_with() or None, os.path.realpath(sys.argv[1]) in maps)\n")
     script = tmp_path / "probe.py"
     script.write_text(probe)
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.MARK)}

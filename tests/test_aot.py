@@ -60,13 +60,13 @@ def test_own_loop_through_check(tmp_path):
     - The check walks every live object; torch's FutureWarning about its deprecated `reduce_op`
       must not reach the user's screen (the job's own output is echoed).
     - XLA:CPU runs a small step on the placeholders as soon as it compiled it, which crashes the
-      traced process; with the process's poll held back (XLA_FSDP_AOT_POLL_S) that always
+      traced process; with the process's poll held back (the check's settings' poll_s) that always
       happens before it looks at the dump. The module is whole there all the same, and the check
       takes it from the dump ([Note: the module is taken from the dump, whoever gets there
       first]); the single controller's turn is in
       test_the_single_controller_is_traced_in_spmd_as_the_launcher_runs_it."""
     proc = _cli(["--tpu", "v5e-8", "--runtime", "multi_process", "--", OWN_LOOP, "--mark"],
-                env_extra={"XLA_FSDP_MALLOC": "system", "LD_PRELOAD": "", "XLA_FSDP_AOT_POLL_S": "600"},
+                env_extra={"XLA_FSDP_MALLOC": "system", "LD_PRELOAD": "", "XLA_FSDP_AOT": '{"poll_s": 600}'},
                 timeout=1200, python_flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = proc.stdout
@@ -98,7 +98,7 @@ def test_the_single_controller_is_traced_in_spmd_as_the_launcher_runs_it():
     while reporting the single controller. Its poll held back as in
     test_own_loop_through_check: the single controller's module is taken from the dump too."""
     got = ac.check("v5e-8", [OWN_LOOP, "--mark"], runtime="single_controller", timeout=300,
-                   env_extra={"XLA_FSDP_AOT_POLL_S": "600"})
+                   env_extra={"XLA_FSDP_AOT": '{"poll_s": 600}'})
     report = got["report"]
     assert got["rc"] == 0 and report["compiles"] and report["chips"] == 8, got["output"]
     assert report["runtime"] == "single_controller" and report["program"] == "spmd", report
@@ -107,8 +107,8 @@ def test_the_single_controller_is_traced_in_spmd_as_the_launcher_runs_it():
     from xla_fsdp.runtime import allocator
 
     chosen = allocator.choose({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.MARK)})
-    if os.environ.get(allocator.MARK):  # the suite started with it (`make test`): the check keeps it
-        assert report["allocator"] == os.environ[allocator.MARK], report["allocator"]
+    if allocator.started_with():  # the suite started with it (`make test`): the check keeps it
+        assert report["allocator"] == allocator.started_with(), report["allocator"]
     elif not os.environ.get("LD_PRELOAD") and not os.environ.get(allocator.ENV):
         assert report["allocator"] == (os.path.basename(chosen) if chosen else "glibc"), report["allocator"]
 
@@ -249,7 +249,7 @@ def _trace_both_ways(cmd, devices, tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     got = {}
     for alone in ("0", "1"):
-        monkeypatch.setenv(trace.RANK_0_ALONE_ENV, alone)
+        monkeypatch.setenv(trace.AOT_ENV, json.dumps({"rank_0_alone": alone == "1"}))
         job = trace.job_from_command(cmd, trace.MULTI_PROCESS, devices)
         assert trace.child_env(job, str(tmp_path / f"env{alone}"), 2)["CPU_NUM_DEVICES"] == (
             "1" if alone == "1" else str(devices))
@@ -296,15 +296,15 @@ def test_per_chip_step_compiles_for_a_slice_of_256_chips(tmp_path):
 def test_per_chip_jobs_past_127_chips_trace_on_one_device(tmp_path, monkeypatch):
     from xla_fsdp.aot import trace
 
-    monkeypatch.delenv(trace.RANK_0_ALONE_ENV, raising=False)
+    monkeypatch.delenv(trace.AOT_ENV, raising=False)
 
     per_chip = trace.Job("train.py", [], trace.MULTI_PROCESS, 256)
     env = trace.child_env(per_chip, str(tmp_path), 2)
-    assert (env["CPU_NUM_DEVICES"], env["XLA_FSDP_AOT_WORLD"]) == ("1", "256")
+    assert (env["CPU_NUM_DEVICES"], json.loads(env["XLA_FSDP_AOT"])["world"]) == ("1", 256)
     env = trace.child_env(trace.Job("train.py", [], trace.MULTI_PROCESS, 127), str(tmp_path), 2)
-    assert env["CPU_NUM_DEVICES"] == "127" and "XLA_FSDP_AOT_WORLD" not in env
+    assert env["CPU_NUM_DEVICES"] == "127" and "world" not in json.loads(env["XLA_FSDP_AOT"])
     env = trace.child_env(trace.Job("train.py", [], trace.SINGLE_CONTROLLER, 256), str(tmp_path), 2)
-    assert env["CPU_NUM_DEVICES"] == "256" and "XLA_FSDP_AOT_WORLD" not in env
+    assert env["CPU_NUM_DEVICES"] == "256" and "world" not in json.loads(env["XLA_FSDP_AOT"])
 
 
 def test_single_controller_step_compiles_for_a_multi_host_slice(tmp_path):

@@ -32,7 +32,7 @@ def listed() -> set:
 
 def _env(device: str) -> dict:
     env = dict(os.environ, PJRT_DEVICE=device, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for name in ("LIBTPU_INIT_ARGS", "XLA_FSDP_LIBTPU_INIT_ARGS"):
+    for name in ("LIBTPU_INIT_ARGS", "XLA_FSDP_INTERNAL"):
         env.pop(name, None)
     return env
 

@@ -74,7 +74,7 @@ def test_fit_measures_then_keeps_the_last_blocks_that_fit(monkeypatch, tmp_path)
     model = FSDP(_model(), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
                  activation_checkpointing=True, checkpoint_all_but_last="fit")
     report = tmp_path / "fit.json"
-    monkeypatch.setenv(fit.REPORT_ENV, str(report))
+    monkeypatch.setenv(fit.REPORT_ENV, json.dumps({"fit_report": str(report)}))
     got = [_step(model, 0)]
     assert _kept(model) == [False] * 4  # the first step recomputes every block and measures them
     plan = state_of(model).fit_plan

@@ -7,6 +7,7 @@ the traced module with libtpu 0.0.21 under different LIBTPU_INIT_ARGS; nothing i
 from __future__ import annotations
 
 import dataclasses
+import json
 import importlib.util
 import os
 import subprocess
@@ -49,12 +50,12 @@ def test_the_single_controller_gets_its_own_budget_even_when_declared_after_an_i
     assert lf.set_defaults(spmd) == lf.at_start(lf.SINGLE_CONTROLLER_INIT_ARGS)
     per_chip = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "multi_process"}
     assert lf.set_defaults(per_chip) == lf.at_start(lf.DEFAULT_INIT_ARGS)
-    pod = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "32"}
+    pod = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: json.dumps({"chips": 32})}
     assert lf.set_defaults(pod) == lf.at_start(lf.POD_GATHERS_INIT_ARGS)  # no rings on a pod: [Note: the scheduler's budget on pods]
     assert "--xla_tpu_scheduler_percent_shared_memory_limit=90" in lf.POD_GATHERS_INIT_ARGS.split()
-    one_host = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "8"}
+    one_host = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: json.dumps({"chips": 8})}
     assert lf.set_defaults(one_host) == lf.at_start(lf.SINGLE_CONTROLLER_INIT_ARGS)
-    large = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "128"}
+    large = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: json.dumps({"chips": 128})}
     assert lf.set_defaults(large) == lf.at_start(lf.POD_INIT_ARGS)  # [Note: asynchronous staged reduce-scatters]
     assert "--xla_enable_async_reduce_scatter_fusion=true" in lf.POD_INIT_ARGS.split()
     assert set(lf.POD_GATHERS_INIT_ARGS.split()) < set(lf.POD_INIT_ARGS.split())

@@ -193,11 +193,10 @@ def test_engine_selection(monkeypatch):
     v2 = load_fsdp_config({"xla": True, "xla_fsdp_v2": True})
     assert selected_engine(None) == "collectives" and selected_engine(v1) == "collectives"
     assert selected_engine(v2) == "spmd"
-    monkeypatch.setenv("XLA_FSDP_ENGINE", "spmd")          # what the launcher exports
-    assert selected_engine(v1) == "spmd"
-    monkeypatch.setenv("XLA_FSDP_ENGINE", "smpd")
-    with pytest.raises(SystemExit, match="XLA_FSDP_ENGINE"):
-        selected_engine(None)
+    # the variable that once chose the engine is refused by name, with the fsdp_config key instead
+    monkeypatch.setenv("XLA_FSDP_ENGINE", "spmd")
+    with pytest.raises(SystemExit, match="XLA_FSDP_ENGINE is no longer read.*xla_fsdp_v2"):
+        selected_engine(v1)
 
 
 def test_runtime_selection(monkeypatch):

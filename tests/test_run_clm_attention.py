@@ -39,7 +39,7 @@ def test_a_block_size_the_kernel_cannot_take_is_refused_before_the_runtime_start
 
 
 def test_the_kernel_on_cpu_outside_the_check_is_refused_naming_eager_and_the_check(tmp_path, monkeypatch):
-    for name in ("XLA_FSDP_RUNTIME", "XLA_USE_SPMD", "XLA_FSDP_AOT_TRACE"):
+    for name in ("XLA_FSDP_RUNTIME", "XLA_USE_SPMD", "XLA_FSDP_AOT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     with pytest.raises(SystemExit, match=r"needs a TPU; this runs on CPU.*attn_implementation eager.*xla_fsdp.aot"):

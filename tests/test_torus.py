@@ -4,6 +4,8 @@ distinct). The engine runs them in tests/test_single_controller.py (parity at 2x
 libtpu compiles them in tests/test_tpu_large_slice.py."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -190,7 +192,7 @@ def test_rings_off_keeps_the_gathers_and_their_budget():
     assert (asked.all_gather_impl, asked.reduce_scatter_stages) == ("ring", "ring")
     assert lf.for_runtime("single_controller", 8, {}) == lf.SINGLE_CONTROLLER_INIT_ARGS
     assert lf.for_runtime("single_controller", 8, off) == lf.DEFAULT_INIT_ARGS
-    env = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: "4", **off}
+    env = {"PJRT_DEVICE": "TPU", "XLA_FSDP_RUNTIME": "single_controller", lf.CHIPS_ENV: json.dumps({"chips": 4}), **off}
     assert lf.set_defaults(env) == lf.at_start(lf.DEFAULT_INIT_ARGS)
     with pytest.raises(ValueError, match="XLA_FSDP_RINGS='maybe'.*expected 0"):
         lf.rings_enabled({lf.RINGS_ENV: "maybe"})

@@ -4,7 +4,7 @@
 traces one training step of a job at a TPU slice's device count on this
 host and hands the program to libtpu's compiler. Nothing runs, so no value
 matters, and a 20B model must not need 80 GB of host memory to be checked.
-While `XLA_FSDP_AOT_TRACE` is set (by the check, in the process it traces):
+While the check's settings (`environment.AOT`) say `trace` (in the process it traces):
 - units built on the meta device or with `deferred_init` are not
   materialized (no constructor replay, no `reset_parameters()`);
 - every tensor an engine would move to the device from the meta device
@@ -17,18 +17,19 @@ not run under the trace; `active()` tells it.
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
+
+from xla_fsdp.runtime import environment
 
 if TYPE_CHECKING:  # torch loads where a tensor is made: `python -m xla_fsdp.aot` reads TRACE_ENV without it
     import torch
 
-TRACE_ENV = "XLA_FSDP_AOT_TRACE"
+TRACE_ENV = environment.AOT  # "1", or the check's JSON settings with "trace": true
 
 
 def active() -> bool:
     """Whether this process traces for the ahead-of-time check (see the note above)."""
-    return os.environ.get(TRACE_ENV, "").strip() not in ("", "0")
+    return bool(environment.aot().get("trace"))
 
 
 def placeholder(shape, dtype: torch.dtype, sharding=None) -> torch.Tensor:

@@ -8,11 +8,11 @@ definition makes our numbers comparable with the published ones.
 """
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass
 
+from xla_fsdp.runtime import environment
 from xla_fsdp.tpu.chips import CHIPS
 
 # Dense bf16 TFLOPS per chip by generation: the chip table (xla_fsdp.tpu.chips, each figure
@@ -207,7 +207,7 @@ def detect_peak(device_type: str, device_kind: str = "", override_tflops: float 
     if override_tflops is not None:
         return Peak(override_tflops * 1e12, "--peak_tflops")
     if device_type.upper() == "TPU":
-        for kind in (device_kind, os.environ.get("TPU_ACCELERATOR_TYPE", "")):
+        for kind in (device_kind, environment.get(environment.TPU_ACCELERATOR_TYPE)):
             gen = tpu_generation(kind) if kind else None
             if gen:
                 return Peak(TPU_PEAK_TFLOPS[gen] * 1e12, f"table: TPU {gen} bf16 dense")

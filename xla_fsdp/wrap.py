@@ -13,7 +13,7 @@ common parent. Wrapping by hand in a way that splits them raises an error.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Iterable, Set, Type, Union
+from typing import Callable, Dict, Iterable, Optional, Set, Type, Union
 
 import torch.nn as nn
 

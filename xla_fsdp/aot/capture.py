@@ -37,12 +37,13 @@ import time
 import torch
 
 from xla_fsdp.aot.dump import MARKER, take_program
+from xla_fsdp.runtime import environment
 
-CAPTURE_ENV = "XLA_FSDP_AOT_CAPTURE"  # JSON: {"out": dir, "steps": 2}
-DUMP_ENV = "XLA_FSDP_AOT_DUMP"  # XLA's dump folder
-# seconds between looks at the dump; tests set it past XLA:CPU's compile to make the
-# traced process die first ([Note: the module is taken from the dump, whoever gets there first])
-POLL_ENV = "XLA_FSDP_AOT_POLL_S"
+# the check's settings (environment.AOT), JSON: "out" (the capture's folder), "steps" (2), "dump"
+# (XLA's dump folder), "poll_s": seconds between looks at the dump (tests set it past XLA:CPU's compile
+# to make the traced process die first: [Note: the module is taken from the dump, whoever gets there
+# first])
+CAPTURE_ENV = environment.AOT
 
 
 class _State:
@@ -54,7 +55,7 @@ class _State:
 
 
 def _spec() -> dict:
-    return json.loads(os.environ[CAPTURE_ENV])
+    return environment.aot()
 
 
 def install() -> None:
@@ -237,7 +238,7 @@ def _compile_and_exit() -> None:
 
     import torch_xla.runtime as xr
 
-    dump = os.environ[DUMP_ENV]
+    dump = _spec()["dump"]
     before = set(os.listdir(dump)) if os.path.isdir(dump) else set()
     with open(os.path.join(_State.out, MARKER), "w") as f:
         json.dump({"ordinal": xr.global_ordinal(), "dumped_before": sorted(before)}, f)
@@ -246,7 +247,7 @@ def _compile_and_exit() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     threading.Thread(target=_State.original_sync, daemon=True).start()
-    deadline, poll = time.time() + 3600, float(os.environ.get(POLL_ENV, "0.05"))
+    deadline, poll = time.time() + 3600, float(_spec().get("poll_s", 0.05))
     while time.time() < deadline:
         time.sleep(poll)
         if take_program(_State.out, dump):

@@ -3,7 +3,7 @@
     python -m xla_fsdp.aot.child SCRIPT [SCRIPT_ARGS...]
 
 Started by `python -m xla_fsdp.aot` with the environment it needs
-(`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES`, `XLA_FSDP_RUNTIME`, the trace and
+(`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES`, `environment.RUNTIME`, the trace and
 dump variables). The script runs as `xla_spawn.py` would run it: its
 `_mp_fn(index)` if it has one, else as `__main__`.
 - single controller: one process drives every device, as on a TPU host;
@@ -25,7 +25,6 @@ import traceback
 
 EXIT_NO_SECOND_STEP = 3
 MAX_DEVICE_INDEX = 127  # c10::DeviceIndex is int8
-WORLD_ENV = "XLA_FSDP_AOT_WORLD"  # set: one device traces rank 0 of a world this size
 
 
 def _run_script(script: str, args) -> None:
@@ -65,7 +64,9 @@ def _serial_backward_beyond_device_index() -> None:
     On a real pod each host's process drives only its own chips."""
     import torch
 
-    if int(os.environ.get("CPU_NUM_DEVICES", "0") or 0) > MAX_DEVICE_INDEX:
+    from xla_fsdp.runtime import environment
+
+    if int(environment.get(environment.CPU_NUM_DEVICES) or 0) > MAX_DEVICE_INDEX:
         torch.autograd.set_multithreading_enabled(False)  # sets it now, for this thread
 
 
@@ -124,9 +125,10 @@ def _traced(script: str, args) -> None:
 def main() -> None:
     script, args = sys.argv[1], sys.argv[2:]
     _record_crashes()
-    from xla_fsdp.runtime.choice import RUNTIME_ENV, SINGLE_CONTROLLER, enter_single_controller
+    from xla_fsdp.runtime import environment
+    from xla_fsdp.runtime.choice import enter_single_controller
 
-    if os.environ.get(RUNTIME_ENV) == SINGLE_CONTROLLER:
+    if environment.runtime() == environment.SINGLE_CONTROLLER:
         enter_single_controller()  # as launch/xla_spawn.py does before the script runs
         _traced(script, args)
         return
@@ -142,7 +144,7 @@ def main() -> None:
         # failed after printing why), or XLA:CPU crashes it running the step on placeholders
         # once the module is dumped ([Note: the module is taken from the dump, whoever gets
         # there first] in dump.py). Only the dump tells which.
-        if take_program(capture._spec()["out"], os.environ[capture.DUMP_ENV]):
+        if take_program(capture._spec()["out"], capture._spec()["dump"]):
             os._exit(0)
         print(f"xla_fsdp.aot: the traced process of one process per chip ended before the step's "
               f"module was whole ({type(e).__name__}: {e})", file=sys.stderr)
@@ -152,7 +154,9 @@ def main() -> None:
 
 def _replica(index: int, script: str, args) -> None:
     _record_crashes()  # this runs in torch_xla's pool worker, a process of its own
-    world = os.environ.get(WORLD_ENV)
+    from xla_fsdp.aot import capture
+
+    world = capture._spec().get("world")  # set: one device traces rank 0 of a world this size
     if world:
         _stand_in_for_rank_0(int(world))
     if index == 0:

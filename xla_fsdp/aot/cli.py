@@ -4,7 +4,7 @@
         launch/run_clm.py <the job's flags>
 
 When the single controller's default rings do not fit, the check traces and compiles the step
-again with XLA_FSDP_RINGS=0 and reports whether that fits ([Note: rings off for the last GiB]).
+again with the rings variable at 0 (`environment.RINGS`) and reports whether that fits ([Note: rings off for the last GiB]).
 
 Exit codes: 0 compiles and fits; 1 does not fit in HBM (as given); 2 bad input; 3 the
 job failed to trace; 4 the TPU compiler refused the step; 5 libtpu missing.
@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import List, Optional
 
+from xla_fsdp.runtime import environment
+
 EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_TRACE, EXIT_COMPILE, EXIT_NO_LIBTPU = 0, 1, 2, 3, 4, 5
 
 
@@ -34,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tpu", required=True, help="accelerator type as Cloud TPU names it: v4-8, v4-32, v5e-8 "
                    "(v5litepod-8), v5p-8, v6e-8, ...")
     p.add_argument("--runtime", default="auto", help="auto (what the command uses on a TPU, as xla_spawn "
-                   "chooses: --spmd / --per_chip, else $XLA_FSDP_RUNTIME, else what the script declares "
-                   "(XLA_FSDP_TPU_RUNTIME; run_clm: the single controller), else one process per chip), "
+                   f"chooses: --spmd / --per_chip, else ${environment.RUNTIME}, else what the script declares "
+                   f"({environment.SCRIPT_MARKER}; run_clm: the single controller), else one process per chip), "
                    "single_controller or multi_process")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--dump", metavar="DIR", help="keep the traced module and the TPU-optimized HLO in DIR")
@@ -82,7 +84,7 @@ def _load_compiler():
 
 def _rings_to_retry(result: dict, text: str, job, spec, opts) -> bool:
     """The step does not fit, and it is the single controller's default rings under xla_fsdp's
-    own flags: the configuration XLA_FSDP_RINGS=0 switches to may fit ([Note: rings off for the
+    own flags: the configuration the rings variable at 0 switches to may fit ([Note: rings off for the
     last GiB])."""
     from xla_fsdp.aot import program as prog
     from xla_fsdp.aot import trace
@@ -110,7 +112,7 @@ def write_dump(dump: str, workdir: str, optimized_hlo: Optional[str]) -> None:
 
 
 def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
-    """Trace and compile the step again with XLA_FSDP_RINGS=0; the summary of that report."""
+    """Trace and compile the step again with the rings variable at 0; the summary of that report."""
     from xla_fsdp.aot import program as prog
     from xla_fsdp.aot import report as rep
     from xla_fsdp.aot import trace
@@ -171,12 +173,13 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     release_freed_host_memory()
     again = os.path.join(workdir, "fit")
     os.makedirs(again, exist_ok=True)
-    env = {MEMORY_ENV: json.dumps(figures), fit.REPORT_ENV: os.path.join(again, "fit.json")}
+    report = os.path.join(again, "fit.json")
+    env = {MEMORY_ENV: json.dumps(figures), fit.REPORT_ENV: environment.with_aot(job.env, fit_report=report)}
     started = time.time()
     text = trace.run_trace(dataclasses.replace(job, env=dict(job.env, **env)), again, steps=opts.steps,
                            timeout=opts.timeout)
     traced_s = time.time() - started
-    with open(env[fit.REPORT_ENV]) as f:
+    with open(report) as f:
         chosen = json.load(f)
     second = rep.check_program(text, spec, compiler, flags, say=say, calls=calls,
                                started_with=bool(result.get("start_up_flags")))
@@ -192,8 +195,8 @@ def _drop_logs(logs: Optional[str]) -> None:
     """Remove this run's libtpu log directory and its name from the environment."""
     if logs:
         shutil.rmtree(logs, ignore_errors=True)
-        if os.environ.get("TPU_LOG_DIR") == logs:
-            del os.environ["TPU_LOG_DIR"]
+        if environment.raw(environment.TPU_LOG_DIR) == logs:
+            del os.environ[environment.TPU_LOG_DIR]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -227,9 +230,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.environ.setdefault(name, value)
     # libtpu's log, where it states the HBM the program needs ([Note: the HBM a TPU program
     # needs]): in a directory of this run's, unless the user named one
-    logs = None if "TPU_LOG_DIR" in os.environ else tempfile.mkdtemp(prefix="xla_fsdp_aot_tpu_logs_")
+    logs = None if environment.raw(environment.TPU_LOG_DIR) is not None else tempfile.mkdtemp(
+        prefix="xla_fsdp_aot_tpu_logs_")
     if logs:
-        os.environ["TPU_LOG_DIR"] = logs
+        os.environ[environment.TPU_LOG_DIR] = logs
     try:
         compiler = _load_compiler()
     except ImportError as e:
@@ -244,7 +248,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         started = time.time()
         from xla_fsdp.memory import fit
 
-        job.env.setdefault(fit.REPORT_ENV, os.path.join(workdir, "fit.json"))  # [Note: keep what fits]
+        if "fit_report" not in environment.aot(job.env):  # [Note: keep what fits]
+            job.env[fit.REPORT_ENV] = environment.with_aot(job.env, fit_report=os.path.join(workdir, "fit.json"))
         try:
             text = trace.run_trace(job, workdir, steps=opts.steps, timeout=opts.timeout,
                                    echo=None if (opts.quiet or opts.json) else (lambda l: print("  | " + l)))

@@ -181,7 +181,7 @@ def render(r: dict) -> str:
 
 
 def render_without_rings(o: dict, hbm: int) -> str:
-    """What the step needs with XLA_FSDP_RINGS=0 ([Note: rings off for the last GiB])."""
+    """What the step needs with the rings variable 0 ([Note: rings off for the last GiB])."""
     (name, value), = o["switch"].items()
     head = f"With {name}={value} (all-gathers and staged reduce-scatters, libtpu's 70% budget), checked again:"
     if o.get("does_not_fit"):

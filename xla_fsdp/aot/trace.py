@@ -15,14 +15,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from xla_fsdp.abstract import TRACE_ENV
 from xla_fsdp.aot.dump import MARKER, PROGRAM, REFUSED, crash_report, take_program
-from xla_fsdp.aot.child import MAX_DEVICE_INDEX, WORLD_ENV
-from xla_fsdp.runtime.choice import MULTI_PROCESS, RUNTIME_ENV, SINGLE_CONTROLLER
+from xla_fsdp.aot.child import MAX_DEVICE_INDEX
+from xla_fsdp.runtime import environment
+from xla_fsdp.runtime.environment import MULTI_PROCESS, RUNTIME, RUNTIMES, SINGLE_CONTROLLER
 
-RUNTIMES = (SINGLE_CONTROLLER, MULTI_PROCESS)
 LAUNCHER = "xla_spawn.py"
-RANK_0_ALONE_ENV = "XLA_FSDP_AOT_RANK_0_ALONE"  # "1": trace one process per chip on one device at any size
+# the check's settings (environment.AOT) as a user gives them to the check itself: "rank_0_alone"
+# (true: trace one process per chip on one device at any size), "poll_s" (its traced process's look
+# at XLA's dump); the check adds what its traced process needs (`child_env`)
+AOT_ENV = environment.AOT
 
 
 class TraceError(RuntimeError):
@@ -73,7 +75,7 @@ def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
 
 def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "") -> str:
     """The runtime the job uses on a TPU, as xla_spawn chooses it: `--spmd` / `--per_chip`;
-    else XLA_FSDP_RUNTIME (or XLA_USE_SPMD) in the environment; else what the script declares
+    else the environment (`environment.runtime`); else what the script declares
     (`xla_fsdp.runtime.choice`; launch/run_clm.py: the single controller), on one host or a
     pod; else one process per chip. The GSPMD engine (`xla_fsdp_v2`) is always
     single-controller; the job decides that."""
@@ -83,11 +85,12 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
         return requested
     if spmd_flag or per_chip:
         return SINGLE_CONTROLLER if spmd_flag else MULTI_PROCESS
-    env = os.environ.get(RUNTIME_ENV, "").strip().lower()
-    if env in RUNTIMES:
+    try:
+        env = environment.runtime()
+    except ValueError as e:
+        raise TraceError(str(e)) from None
+    if env:
         return env
-    if os.environ.get("XLA_USE_SPMD") == "1":
-        return SINGLE_CONTROLLER
     from xla_fsdp.runtime import choice as runtime_choice
 
     if not script:
@@ -100,7 +103,7 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
 
 def rank_0_alone(job: Job) -> bool:
     """Whether one device traces rank 0 of a per-chip job ([Note: rank 0 alone past 127 chips])."""
-    return job.runtime == MULTI_PROCESS and (job.devices > MAX_DEVICE_INDEX or os.environ.get(RANK_0_ALONE_ENV) == "1")
+    return job.runtime == MULTI_PROCESS and (job.devices > MAX_DEVICE_INDEX or bool(environment.aot().get("rank_0_alone")))
 
 
 def _with_replica_count(text: str, replicas: int) -> str:
@@ -118,20 +121,16 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
     dump = os.path.join(workdir, "dump")
     os.makedirs(dump, exist_ok=True)
     env = dict(os.environ)
-    for name in ("TPU_ACCELERATOR_TYPE", "TPU_PROCESS_BOUNDS", "TPU_VISIBLE_CHIPS", "XLA_USE_SPMD"):
+    for name in ("TPU_ACCELERATOR_TYPE", "TPU_PROCESS_BOUNDS", "TPU_VISIBLE_CHIPS", environment.TORCH_XLA_SPMD):
         env.pop(name, None)  # this host's devices are the slice's stand-ins
     alone = rank_0_alone(job)
-    if alone:  # [Note: rank 0 alone past 127 chips]
-        env[WORLD_ENV] = str(job.devices)
-    else:
-        env.pop(WORLD_ENV, None)
+    settings = {**environment.aot(env), **environment.aot(job.env)}  # the user's, then the job's (fit_report)
+    settings.update(trace=True, out=workdir, steps=steps, dump=dump,
+                    world=job.devices if alone else None)  # [Note: rank 0 alone past 127 chips]
     env.update({
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": "1" if alone else str(job.devices),
-        RUNTIME_ENV: job.runtime,
-        TRACE_ENV: "1",
-        "XLA_FSDP_AOT_CAPTURE": json.dumps({"out": workdir, "steps": steps}),
-        "XLA_FSDP_AOT_DUMP": dump,
+        RUNTIME: job.runtime,
         "XLA_HLO_DEBUG": env.get("XLA_HLO_DEBUG", "1"),  # source lines in op metadata, for messages
         "XLA_FLAGS": (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
                       " --xla_dump_hlo_pass_re=^$").strip(),
@@ -145,10 +144,9 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
         # 12355 (a training run, a second check) must not fail the check.
         env["MASTER_PORT"] = str(_free_port())
     if job.torus:  # the slice the step is checked for, not this host's stand-in devices
-        from xla_fsdp.collective_engine.torus import ENV as TORUS_ENV
-
-        env[TORUS_ENV] = job.torus
+        env[environment.TORUS] = job.torus
     env.update(job.env)
+    env[AOT_ENV] = environment.with_aot({}, **settings)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+from xla_fsdp.runtime import environment
+
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _EXTRAS = {"gs": "xla_fsdp[gcs]", "gcs": "xla_fsdp[gcs]"}  # the extras of setup.py that install a file system
 _NO_BUCKETS = {"file", "local", "memory"}  # fsspec file systems whose first path component is no bucket
@@ -67,7 +69,7 @@ def filesystem_for(protocol: str):
     from fsspec.registry import known_implementations
 
     try:
-        if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        if protocol in ("gs", "gcs") and environment.get(environment.STORAGE_EMULATOR_HOST):
             return _gcs_for_an_emulator()
         return fsspec.filesystem(protocol)
     except ImportError as e:

@@ -27,7 +27,7 @@ projected step. So "auto" means rings where they apply:
 - both "auto" (or the other one "ring"): a ring only for the reduce-scatters was measured to
   cost more HBM than it hides at 2B (30.07 GiB), so an explicit `all_gather_impl="all_gather"`
   keeps the staged reduce-scatters too.
-- XLA_FSDP_RINGS not "0" (the switch for models at the edge of HBM, where the gathers at 70% fit
+- the rings variable (`environment.RINGS`) not "0" (the switch for models at the edge of HBM, where the gathers at 70% fit
   and the rings at 50% do not: [Note: rings off for the last GiB], xla_fsdp.tpu.libtpu_flags).
 On slices of 9 to 64 chips "auto" rings the reduce-scatters only ([Note: reduce-scatter rings on
 pods]). Everywhere else "auto" is the native all-gather and, for the reduce-scatter, "axes": one
@@ -52,7 +52,7 @@ reduce_scatter_stages="ring" still rings them). Their staged reduce-scatters get
 asynchronous reduce-scatter fusion instead ([Note: asynchronous staged reduce-scatters] in
 tpu/libtpu_flags.py). Applied where the slice's torus shape is known (torus.slice_shape(): the
 check sets it; on a TPU the runtime's coordinates), with one shard group of every device in id
-order, on the single controller on a TPU, unless XLA_FSDP_RINGS=0.
+order, on the single controller on a TPU, unless the rings variable is 0.
 """
 from __future__ import annotations
 
@@ -61,14 +61,15 @@ import os
 import warnings
 from typing import Mapping, Sequence
 
-from ..abstract import TRACE_ENV
+from .. import abstract
+from ..runtime import environment
 from ..options import CollectiveOptions
 from ..tpu import libtpu_flags
 
 
 def tpu_target() -> bool:
     """True on a TPU, or when the ahead-of-time check traces the step for one."""
-    if os.environ.get(TRACE_ENV):
+    if abstract.active():
         return True
     try:
         import torch_xla.runtime as xr
@@ -100,7 +101,7 @@ def resolve(options: CollectiveOptions, single_controller: bool, rings_possible:
             on_tpu: bool = False, rings_enabled: bool = True,
             scatter_rings_possible: bool = False) -> CollectiveOptions:
     """`options` with "auto" replaced by what runs ([Note: rings by default on a TPU]);
-    `rings_enabled` False (XLA_FSDP_RINGS=0: [Note: rings off for the last GiB]) keeps the gathers;
+    `rings_enabled` False (the rings variable 0: [Note: rings off for the last GiB]) keeps the gathers;
     `scatter_rings_possible`: a pod where the reduce-scatters ring ([Note: reduce-scatter rings on
     pods])."""
     gather, scatter = options.all_gather_impl, options.reduce_scatter_stages
@@ -120,13 +121,13 @@ def resolve(options: CollectiveOptions, single_controller: bool, rings_possible:
 def warn_if_budget_is_not_the_rings(environ: Mapping[str, str] = os.environ) -> bool:
     """Rings chosen on a TPU whose libtpu started with xla_fsdp's flags for one process per chip
     (70% budget: a script that calls `torch_xla.runtime.use_spmd()` itself, without the launcher
-    or XLA_FSDP_RUNTIME): say how to get the single controller's. True when it warned."""
+    or the runtime variable): say how to get the single controller's. True when it warned."""
     per_chip = (libtpu_flags.DEFAULT_INIT_ARGS, libtpu_flags.at_start(libtpu_flags.DEFAULT_INIT_ARGS))
-    if environ.get(TRACE_ENV) or environ.get(libtpu_flags.ENV, "").strip() not in per_chip:
+    if environment.aot(environ).get("trace") or environment.get(libtpu_flags.ENV, environ) not in per_chip:
         return False
     warnings.warn(f"xla_fsdp: the single controller gathers and reduce-scatters by rings on this TPU, but "
                   f"libtpu started with the one-process-per-chip flags (scheduler budget 70%), under which "
                   f"the rings need more HBM (2B GPT-2 on v4-8: 28.57 GiB per chip instead of 21.79). Export "
-                  f"{libtpu_flags.RUNTIME_ENV}={libtpu_flags.SINGLE_CONTROLLER} before importing xla_fsdp, or "
+                  f"{environment.RUNTIME}={libtpu_flags.SINGLE_CONTROLLER} before importing xla_fsdp, or "
                   f"launch with launch/xla_spawn.py", stacklevel=4)
     return True

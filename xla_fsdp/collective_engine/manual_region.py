@@ -297,7 +297,7 @@ def _per_replica_buffers_path() -> str:
 
     if xr.device_type() == "TPU":
         return ("one process per chip, torch_xla's per-replica statistics (launch/xla_spawn.py --per_chip, "
-                "without --spmd or XLA_FSDP_RUNTIME=single_controller)")
+                "without --spmd or the runtime variable set to single_controller: docs/environment.md)")
     return (f"on {xr.device_type()} one process per device cannot run (its explicit collectives hang), so: "
             "one device, one process (launch/xla_spawn.py --num_cores 1), where the statistics update "
             "as in torch_xla; per-replica statistics over several devices need a TPU (xla_spawn --per_chip)")

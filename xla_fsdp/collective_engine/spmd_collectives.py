@@ -42,7 +42,7 @@ def _torus_known() -> bool:
     """The slice's torus is known and 3-D (v4, v5p): where the reduce-scatters may ring."""
     try:
         return torus.three_axes(torus.slice_shape())
-    except ValueError:  # a malformed XLA_FSDP_TORUS: the rings' own check says so
+    except ValueError:  # a malformed torus variable: the rings' own check says so
         return True
 
 

@@ -30,18 +30,19 @@ reduce-scatter rings of 3-D pods ([Note: reduce-scatter rings on pods] in auto.p
 2-D slices: there they were measured slower to compile (195 s for the 2-layer copy) for less.
 v5e/v6e slices of 16 to 128 chips were not compiled staged.
 
-The slice's shape comes from `XLA_FSDP_TORUS` ("2x2x4", x first; two numbers, "16x16", for a
+The slice's shape comes from the torus variable (`environment.TORUS`: "2x2x4", x first; two numbers, "16x16", for a
 2-D slice: the ahead-of-time check sets it for the slice it compiles for) or, on a TPU, from
 the runtime's device coordinates.
 """
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional, Sequence, Tuple
 
+from ..runtime import environment
 
-ENV = "XLA_FSDP_TORUS"
+
+ENV = environment.TORUS
 
 Stage = Tuple[List[List[int]], int]  # (replica groups as device ids, devices per group)
 
@@ -77,7 +78,7 @@ def from_coordinates(coords: Sequence[Sequence[int]]) -> Optional[Tuple[int, ...
 
 def slice_shape() -> Optional[Tuple[int, ...]]:
     """The shape of the slice this process drives, if it is known."""
-    given = os.environ.get(ENV, "").strip()
+    given = environment.get(ENV)
     if given:
         return parse(given)
     try:

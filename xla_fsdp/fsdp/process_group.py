@@ -10,7 +10,7 @@ controller (torch_xla's SPMD mode) and then runs torch_xla's own handler,
 which under SPMD numbers one member per host (process index and count):
 `dist.get_rank()` / `get_world_size()` count processes, as FSDP2 scripts
 assume. On one host the store is an in-process one (no port to collide on);
-virtual hosts (`XLA_FSDP_VIRTUAL_HOSTS`, tests) meet over MASTER_ADDR/MASTER_PORT
+virtual hosts (`environment.VIRTUAL_HOSTS`, tests) meet over MASTER_ADDR/MASTER_PORT
 as their hosts' group does, one member per virtual host.
 Nothing happens at import; only that rendezvous changes (and, on a machine
 without CUDA, the devices gloo groups serve: `_gloo_on_the_host_only`).

@@ -33,7 +33,7 @@ narrowest point that serves (transformers 5.23; other versions are refused):
   model sees it; `Trainer.get_optimizer_cls_and_kwargs`: no fused AdamW on
   XLA; and transformers' `is_tracing` (true inside the collective engine's
   per-device region). `enable()` also turns on the SPMD runtime under
-  `XLA_FSDP_RUNTIME=single_controller`. Why: transformers_runtime.py.
+  the single controller (`environment.runtime`). Why: transformers_runtime.py.
 
 Gradient accumulation goes through Accelerate's `no_sync(model)`, which calls
 the model's `no_sync()`.

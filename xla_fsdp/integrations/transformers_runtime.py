@@ -1,6 +1,6 @@
 """What `xla_fsdp.integrations.transformers.enable()` sets up beyond the four replaced functions.
 
-- The single controller's runtime: under `XLA_FSDP_RUNTIME=single_controller`
+- The single controller's runtime: under the single controller (`environment.runtime`)
   (launch/xla_spawn.py sets it, e.g. `--num_cores 4` on CPU) torch_xla's SPMD
   runtime is turned on (`xr.use_spmd()`) before any device use, so an
   unchanged Trainer script sees one process and the engine shards over the
@@ -21,10 +21,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
-from ..runtime.choice import RUNTIME_ENV, SINGLE_CONTROLLER
+from ..runtime import environment
+from ..runtime.environment import RUNTIME as RUNTIME_ENV
+from ..runtime.environment import SINGLE_CONTROLLER
 
 logger = logging.getLogger("xla_fsdp.integrations.transformers")
 
@@ -34,7 +35,7 @@ from ..collective_engine.manual_region import steer_is_tracing, unsteer_is_traci
 
 def set_up_runtime() -> None:
     """Turn on torch_xla's SPMD runtime when the launcher chose the single controller."""
-    if os.environ.get(RUNTIME_ENV, "").strip().lower() != SINGLE_CONTROLLER:
+    if environment.runtime() != SINGLE_CONTROLLER:
         return
     import torch_xla
     import torch_xla.runtime as xr

@@ -6,7 +6,10 @@ import argparse
 import sys
 from typing import Optional
 
-from xla_fsdp.runtime.choice import RUNTIME_ENV, SINGLE_CONTROLLER  # noqa: F401  (the launcher's modules import them from here)
+from xla_fsdp.runtime import environment
+from xla_fsdp.runtime.environment import RUNTIME as RUNTIME_ENV  # noqa: F401 (the launcher's modules import it here)
+from xla_fsdp.runtime.environment import SCRIPT_MARKER as RUNTIME_MARKER
+from xla_fsdp.runtime.environment import SINGLE_CONTROLLER
 
 PROG = "xla_spawn"
 # CPU devices are virtual, so any count works; the cap only catches typos
@@ -17,11 +20,10 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 ENTRY_POINT = "_mp_fn"
 QUIET_XLA_LOG_LEVEL = "2"  # TensorFlow's convention: 2 hides INFO and WARNING, keeps ERROR
-RUNTIME_MARKER = "XLA_FSDP_TPU_RUNTIME"  # a script's declared TPU runtime (xla_fsdp.runtime.choice)
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
                  "TPU_PROCESS_BOUNDS", "TPU_SKIP_MDS_QUERY")
-TORCH_XLA_SPMD_ENV = "XLA_USE_SPMD"
+TORCH_XLA_SPMD_ENV = environment.TORCH_XLA_SPMD
 
 
 class UsageError(Exception):
@@ -78,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one process per host driving every local device (torch_xla's SPMD "
              "runtime, turned on before the script runs; the single-controller runtime "
              "of the collective engine, or the GSPMD engine): sets "
-             "XLA_FSDP_RUNTIME=single_controller and runs one replica, index 0, which "
+             f"{RUNTIME_ENV}={SINGLE_CONTROLLER} and runs one replica, index 0, which "
              "sees xr.world_size() == 1 and feeds the global batch")
     parser.add_argument(
         "--per_chip", action="store_true",

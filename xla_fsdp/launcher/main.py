@@ -14,6 +14,8 @@ from xla_fsdp.launcher.plan import (async_collective_flags, detect_device, devic
                                     parse_num_cores, quiet_xla_logs, slice_chips)
 from xla_fsdp.launcher.run_script import (ScriptEntry, defines_entry_point, describe_start, exit_code, run_as_main,
                                           run_in_process, run_self_starting, run_spawned)
+from xla_fsdp.runtime import environment
+from xla_fsdp.tpu import libtpu_flags
 from xla_fsdp.launcher.single_controller import (choose_spmd, cpu_replicas, declares_single_controller,
                                                  per_chip_asked, refuse_single_controller_only)
 
@@ -53,8 +55,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if device == "TPU":
             if spmd:  # the libtpu budget depends on it ([Note: rings by default on a TPU])
                 chips = slice_chips(counts.default)
-                if chips:
-                    os.environ.setdefault("XLA_FSDP_SLICE_CHIPS", str(chips))
+                if chips and not libtpu_flags.chips_of(os.environ):
+                    os.environ[libtpu_flags.CHIPS_ENV] = environment.with_internal(os.environ, chips=chips)
             async_collective_flags()
         if not plan.spawn:  # one process per host: its folder of the compile cache (replicas: their own)
             from xla_fsdp.runtime import compile_cache
@@ -108,13 +110,13 @@ def _start_with_faster_allocator() -> None:
     """[Note: libtpu's compile and the host's malloc] (xla_fsdp/runtime/allocator.py): on a TPU the
     job's first step is a libtpu compile, which runs about 0.75x the time with jemalloc or tcmalloc.
     Start this command again with one preloaded when the host has one (the replicas inherit it);
-    returns when there is none, it is chosen already, or XLA_FSDP_MALLOC=system."""
+    returns when there is none, it is chosen already, or the malloc variable says `system`."""
     from xla_fsdp.runtime import allocator
 
     try:
         allocator.restart_with([sys.executable, *sys.argv])
     except allocator.AllocatorError as e:
         raise UsageError(str(e)) from None
-    if os.environ.get(allocator.MARK):
+    if allocator.started_with():
         log(f"allocator: {allocator.in_use()} preloaded for libtpu's compile "
             f"({allocator.ENV}=system keeps glibc's malloc)")

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from xla_fsdp.runtime import environment
 from xla_fsdp.launcher.command_line import (CPU_MAX_DEVICES, QUIET_XLA_LOG_LEVEL, RUNTIME_ENV, SINGLE_CONTROLLER,
                                             TPU_ENV_HINTS, UsageError, log)
 
@@ -47,14 +48,14 @@ def slice_chips(local_chips: int, workers: Optional[Callable[[], int]] = None) -
 
 def detect_device(environ: Mapping[str, str], dev_root: str = "/dev") -> tuple[str, str]:
     """Return (PJRT device, where it came from) without initializing XLA."""
-    if environ.get("PJRT_DEVICE"):
-        return environ["PJRT_DEVICE"].upper(), "from environment"
+    if environment.get(environment.PJRT_DEVICE, environ):
+        return environment.get(environment.PJRT_DEVICE, environ).upper(), "from environment"
     dev = Path(dev_root)
     # TPU v4 exposes /dev/accel<n>; v5e/v6e expose /dev/vfio/<n> (plus the
     # /dev/vfio/vfio control node, which any VFIO host has).
     has_tpu_files = any(dev.glob("accel*")) or any(
         p.name.isdigit() for p in dev.glob("vfio/*"))
-    has_tpu_env = any(environ.get(name) for name in TPU_ENV_HINTS)
+    has_tpu_env = any(environment.get(name, environ) for name in TPU_ENV_HINTS)
     return ("TPU" if has_tpu_files or has_tpu_env else "CPU"), "detected"
 
 
@@ -91,7 +92,7 @@ class DeviceCounts:
 def device_counts(device: str, spmd: bool, environ: Mapping[str, str],
                   local_devices: Callable[[], int] = tpu_local_device_count) -> DeviceCounts:
     if device == "CPU":
-        default = environ.get("CPU_NUM_DEVICES", "1")
+        default = environment.get(environment.CPU_NUM_DEVICES, environ) or "1"
         default_n = int(default) if default.isdigit() and 1 <= int(default) <= CPU_MAX_DEVICES else 1
         return DeviceCounts("CPU", tuple(range(1, CPU_MAX_DEVICES + 1)), default_n)
     if device == "TPU":

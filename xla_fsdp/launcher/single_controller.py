@@ -7,20 +7,30 @@ from typing import Mapping
 
 from xla_fsdp.launcher.command_line import (RUNTIME_ENV, RUNTIME_MARKER, SINGLE_CONTROLLER, TORCH_XLA_SPMD_ENV,
                                             UsageError)
+from xla_fsdp.runtime import environment
+
+
+def asked_runtime(environ: Mapping[str, str]):
+    """The runtime the environment asks for (`environment.runtime`), a bad value as a UsageError."""
+    try:
+        return environment.runtime(environ)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
     """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip
-    win; then XLA_FSDP_RUNTIME; then torch_xla's own XLA_USE_SPMD=1; then, on a TPU slice (one
+    win; then the environment (`environment.runtime`: ours, then torch_xla's SPMD variable); then, on a TPU slice (one
     host or several), what the script declares (xla_fsdp.runtime.choice). On CPU, several
     devices and no choice here: cpu_replicas()."""
     if options.spmd and options.per_chip:
         raise UsageError("--spmd and --per_chip contradict each other; pass one")
     if options.spmd or options.per_chip:
         return options.spmd, ""
-    if environ.get(RUNTIME_ENV, "").strip():
-        return environ[RUNTIME_ENV].strip().lower() == SINGLE_CONTROLLER, ""
-    if environ.get(TORCH_XLA_SPMD_ENV, "").strip().lower() in ("1", "true", "yes"):
+    asked = asked_runtime(environ)
+    if asked and environment.get(RUNTIME_ENV, environ):
+        return asked == SINGLE_CONTROLLER, ""
+    if asked:
         # torch_xla's is_spmd() reads it: the script runs in SPMD mode whatever the launcher plans
         return True, f"{TORCH_XLA_SPMD_ENV}=1 in the environment: torch_xla's SPMD mode, the single controller"
     if device != "TPU":
@@ -45,12 +55,12 @@ def declares_single_controller(script: str) -> bool:
 
 
 def per_chip_asked(options, environ: Mapping[str, str]) -> bool:
-    """Whether the command asked for one process per device (--per_chip, XLA_FSDP_RUNTIME)."""
-    return bool(options.per_chip) or environ.get(RUNTIME_ENV, "").strip().lower() == "multi_process"
+    """Whether the command asked for one process per device (--per_chip, the runtime variable)."""
+    return bool(options.per_chip) or asked_runtime(environ) == environment.MULTI_PROCESS
 
 
 def refuse_single_controller_only(script: str, device: str) -> None:
-    """One process per device was asked for (--per_chip, XLA_FSDP_RUNTIME) a script that runs only
+    """One process per device was asked for (--per_chip, the runtime variable) a script that runs only
     on the single controller: FSDP2's `fully_shard` (xla_fsdp.fsdp) refuses one process per chip,
     so say so before starting any replica."""
     from xla_fsdp.runtime import choice as runtime_choice
@@ -63,13 +73,13 @@ def refuse_single_controller_only(script: str, device: str) -> None:
         raise UsageError(
             f"{script} imports {runtime_choice.FSDP2_API}, whose fully_shard runs only on the single controller "
             f"(one process per host drives every {device} device, FSDP2's one rank per host), but one process "
-            "per device was asked for (--per_chip or XLA_FSDP_RUNTIME=multi_process). Drop --per_chip (the "
+            f"per device was asked for (--per_chip or {RUNTIME_ENV}={environment.MULTI_PROCESS}). Drop --per_chip (the "
             "script then runs as the single controller), or use xla_fsdp.XlaFullyShardedDataParallel, which "
             "runs one process per chip")
 
 
 def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str]) -> tuple[bool, str]:
-    """Several CPU devices and no --spmd / XLA_FSDP_RUNTIME=single_controller: (True, why) when the
+    """Several CPU devices and no --spmd / runtime variable asking for the single controller: (True, why) when the
     script declares the single controller; otherwise a UsageError that says why not and what works.
 
     [Note: no silent world on CPU] One process per CPU device (torch_xla's xmp.spawn, threads on
@@ -82,8 +92,8 @@ def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str
     """
     if options.per_chip:
         asked = "--per_chip asks for one process per device"
-    elif environ.get(RUNTIME_ENV, "").strip():
-        asked = f"{RUNTIME_ENV}={environ[RUNTIME_ENV].strip()} asks for one process per device"
+    elif environment.get(RUNTIME_ENV, environ):
+        asked = f"{RUNTIME_ENV}={environment.get(RUNTIME_ENV, environ)} asks for one process per device"
     else:
         from xla_fsdp.runtime import choice as runtime_choice
 

@@ -1,7 +1,7 @@
 """The HBM a training step needs on its device and what the device has, as the job can read them.
 
 [Note: where the memory figures come from] In order:
-- `XLA_FSDP_FIT_MEMORY` ({"peak": bytes, "limit": bytes}): handed in (the ahead-of-time check,
+- the fit variable (`environment.FIT_MEMORY`, {"peak": bytes, "limit": bytes}): handed in (the ahead-of-time check,
   from the program it compiled; tests);
 - PJRT's own figures for the device (`xm.get_memory_info`: the peak bytes in use and the
   limit), with one process per chip;
@@ -17,10 +17,11 @@ hold as arguments instead.
 from __future__ import annotations
 
 import json
-import os
 from typing import Callable, Dict, Optional
 
-MEMORY_ENV = "XLA_FSDP_FIT_MEMORY"
+from xla_fsdp.runtime import environment
+
+MEMORY_ENV = environment.FIT_MEMORY
 
 
 class Before:
@@ -33,7 +34,7 @@ class Before:
 
 def figures(before: Before, read: Optional[Callable[[], Dict[str, int]]] = None) -> Optional[Dict]:
     """{"peak", "limit", "source"} in bytes for the later steps, or None: not known (yet)."""
-    given = os.environ.get(MEMORY_ENV)
+    given = environment.get(MEMORY_ENV)
     if given:
         return _given(given)
     pjrt = _pjrt(read)

@@ -26,8 +26,8 @@ that step before a slice is rented.
 Kept activations fill libtpu's scheduler budget for the whole backward; on pods xla_fsdp sets it to
 90% ([Note: the scheduler's budget on pods] in tpu/libtpu_flags.py), or the collectives lose the
 compute beside them (20B on v4-128, 14 kept: 0.86 of the bytes beside compute at 70%, 0.92 at 90%).
-Where no figures exist (XLA:CPU) every unit keeps recomputing, said once; `XLA_FSDP_FIT_MEMORY`
-hands them in (`{"peak": bytes, "limit": bytes}`): the ahead-of-time check does, from its first
+Where no figures exist (XLA:CPU) every unit keeps recomputing, said once; the fit variable
+(`environment.FIT_MEMORY`) hands them in (`{"peak": bytes, "limit": bytes}`): the ahead-of-time check does, from its first
 compile of the job (docs/aot.md), and so do the tests.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ import logging
 import os
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ..runtime import environment
 from .device_figures import MEMORY_ENV, Before, figures as device_figures
 
 FIT = "fit"
@@ -46,7 +47,9 @@ HEADROOM = 0.95  # of the device's limit: allocator slack, the input pipeline's 
 # not fit and libtpu refused it rather than rematerialize); docs/performance.md. Kept at 1: a count
 # too high stops the job at its second step's compile, one too low costs a little speed
 SAVED_TO_KEPT = 1.0
-REPORT_ENV = "XLA_FSDP_FIT_REPORT"  # a file the plan is written to once resolved: the check reads it
+# the check's settings (environment.AOT): their "fit_report" names a file the plan is written to once
+# resolved, which the check reads
+REPORT_ENV = environment.AOT
 STORED = "xla_fsdp_fit.json"  # beside the persistent compilation cache
 
 _log = logging.getLogger("xla_fsdp")
@@ -137,7 +140,7 @@ def _count_optimizer_steps() -> None:
 
 
 def _stored_path() -> Optional[str]:
-    cache = os.environ.get("XLA_PERSISTENT_CACHE_PATH")
+    cache = environment.get(environment.TORCH_XLA_CACHE)
     return os.path.join(cache, STORED) if cache else None
 
 
@@ -176,7 +179,7 @@ def _store(saved: List[int], count: int, found: Dict) -> None:
 
 
 def _report(plan: FitPlan, saved: List[int]) -> None:
-    path = os.environ.get(REPORT_ENV)
+    path = environment.aot().get("fit_report")
     if not path:
         return
     with open(path, "w") as f:

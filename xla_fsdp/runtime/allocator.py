@@ -12,7 +12,7 @@ did not help). TPU VM users commonly preload tcmalloc for the same reason.
 `preload_environment` says what to add to a process's environment so that it starts with a
 faster allocator: the first of jemalloc and tcmalloc this host has (the system's packages,
 `apt install libjemalloc2` or `libtcmalloc-minimal4`), unless the process already preloads
-something or `XLA_FSDP_MALLOC` says otherwise: `system` keeps glibc's, a path names the
+something or the malloc variable (`environment.MALLOC`) says otherwise: `system` keeps glibc's, a path names the
 library. A process can only change its allocator by starting again, so `restart_with` execs
 the same command with the library preloaded; the mark in the environment keeps it from doing
 so twice. `python -m xla_fsdp.aot` starts so (its traced child inherits the preload), and so
@@ -26,14 +26,16 @@ import os
 import sys
 from typing import Dict, List, Mapping, Optional
 
-ENV = "XLA_FSDP_MALLOC"  # unset or "auto": the first of CANDIDATES found; "system": glibc's; else a path
-MARK = "XLA_FSDP_MALLOC_STARTED"  # set by restart_with: this process already chose
+from xla_fsdp.runtime import environment
+
+ENV = environment.MALLOC  # unset or "auto": the first of CANDIDATES found; "system": glibc's; else a path
+MARK = environment.INTERNAL  # its "malloc", set by restart_with: this process already chose
 CANDIDATES = ("jemalloc", "tcmalloc_minimal", "tcmalloc")  # names as ctypes.util.find_library takes them
 _DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
 class AllocatorError(ValueError):
-    """XLA_FSDP_MALLOC names something that is not a loadable library."""
+    """The malloc variable names something that is not a loadable library."""
 
 
 def find_library(name: str) -> Optional[str]:
@@ -50,8 +52,8 @@ def find_library(name: str) -> Optional[str]:
 def choose(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """The library to preload, or None: glibc's malloc stays (asked for, nothing found, or the
     process preloads something already)."""
-    wanted = environ.get(ENV, "auto").strip() or "auto"
-    if wanted == "system" or environ.get(MARK):
+    wanted = environment.get(ENV, environ) or "auto"
+    if wanted == "system" or started_with(environ):
         return None
     if wanted != "auto":
         if not os.path.isfile(wanted):
@@ -59,7 +61,7 @@ def choose(environ: Mapping[str, str] = os.environ) -> Optional[str]:
                                  "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2), or set it to "
                                  "'auto' (the first of jemalloc and tcmalloc found) or 'system' (glibc's malloc)")
         return wanted
-    if environ.get("LD_PRELOAD", "").strip():
+    if environment.get(environment.LD_PRELOAD, environ):
         return None  # the user's own preload: theirs to choose
     for name in CANDIDATES:
         path = find_library(name)
@@ -73,13 +75,19 @@ def preload_environment(environ: Mapping[str, str] = os.environ) -> Dict[str, st
     path = choose(environ)
     if path is None:
         return {}
-    preload = " ".join(p for p in (environ.get("LD_PRELOAD", "").strip(), path) if p)
-    return {"LD_PRELOAD": preload, MARK: os.path.basename(path)}
+    preload = " ".join(p for p in (environment.get(environment.LD_PRELOAD, environ), path) if p)
+    return {environment.LD_PRELOAD: preload, MARK: environment.with_internal(environ, malloc=os.path.basename(path))}
+
+
+def started_with(environ: Mapping[str, str] = os.environ) -> str:
+    """The malloc library the launcher restarted this process with ("" when it did not)."""
+    return environment.internal(environ).get("malloc", "")
 
 
 def in_use(environ: Mapping[str, str] = os.environ) -> str:
     """What this process allocates with, as reports say it: the library's file name or "glibc"."""
-    return environ.get(MARK) or os.path.basename(environ.get("LD_PRELOAD", "").split(" ")[-1]) or "glibc"
+    return (started_with(environ) or os.path.basename(environment.get(environment.LD_PRELOAD, environ).split(" ")[-1])
+            or "glibc")
 
 
 def restart_with(argv: List[str], environ: Mapping[str, str] = os.environ) -> None:

@@ -1,8 +1,9 @@
 """Which runtime a script runs in on a TPU when its command does not say.
 
-A script declares the runtime it is built for with one module-level line,
+A script declares the runtime it is built for with one module-level line (<SCRIPT_MARKER>:
+`environment.SCRIPT_MARKER`, spelled out in docs/environment.md),
 
-    XLA_FSDP_TPU_RUNTIME = "single_controller"    # or "multi_process"
+    <SCRIPT_MARKER> = "single_controller"    # or "multi_process"
 
 read here from the file's syntax tree (the script is not imported). Three
 kinds of script declare the single controller without the line, because
@@ -12,7 +13,7 @@ they cannot run any other way: one that imports the Trainer integration
 FSDP2 port does (`init_process_group("gloo", init_method="xla://")`). The
 launcher (`launch/xla_spawn.py`) and the ahead-of-time check
 (`python -m xla_fsdp.aot`) use it when neither `--spmd` / `--per_chip` nor
-`XLA_FSDP_RUNTIME` chose, on one host or a pod slice (the single controller
+the runtime variable (`environment.RUNTIME`) chose, on one host or a pod slice (the single controller
 checkpoints and reads data per host: xla_fsdp/checkpoint/host_shards.py,
 xla_fsdp/runtime/hosts.py); a script that declares nothing runs one process
 per chip, the contract of torch_xla's `xmp.spawn` that scripts written for
@@ -32,20 +33,17 @@ from __future__ import annotations
 import ast
 from typing import Optional, Tuple
 
-MARKER = "XLA_FSDP_TPU_RUNTIME"
-# the environment variable that chooses the runtime of this process ("single_controller" or
-# "multi_process"; the launcher sets it): named here only, every reader imports it
-RUNTIME_ENV = "XLA_FSDP_RUNTIME"
-SINGLE_CONTROLLER = "single_controller"
-MULTI_PROCESS = "multi_process"
+from .environment import MULTI_PROCESS, SINGLE_CONTROLLER, TORCH_XLA_SPMD
+from .environment import RUNTIME as RUNTIME_ENV  # noqa: F401 (the launcher and the check import it here)
+from .environment import SCRIPT_MARKER as MARKER
 
 
 TRAINER_INTEGRATION = "xla_fsdp.integrations.transformers"
 FSDP2_API = "xla_fsdp.fsdp"
 XLA_INIT_METHOD = "xla://"
-# torch_xla warns when use_spmd() finds XLA_USE_SPMD set: enter_single_controller's use_spmd() set
+# torch_xla warns when use_spmd() finds its SPMD variable set: enter_single_controller's use_spmd() set
 # it, so a script (or run_clm) that turns SPMD on itself would print a deprecation it cannot act on
-SPMD_ENV_DEPRECATION = "XLA_USE_SPMD is being deprecated"
+SPMD_ENV_DEPRECATION = f"{TORCH_XLA_SPMD} is being deprecated"
 
 
 def enter_single_controller() -> None:
@@ -69,7 +67,7 @@ def enter_single_controller() -> None:
 
 
 def declared_runtime(script: str) -> Optional[str]:
-    """The runtime `script` declares with `XLA_FSDP_TPU_RUNTIME = "..."`, else the single
+    """The runtime `script` declares with `<SCRIPT_MARKER> = "..."`, else the single
     controller for a script that can run no other way (`_single_controller_reason`), else None."""
     try:
         tree = parse_script(script)

@@ -7,7 +7,7 @@ loads it instead of compiling (`torch_xla.runtime.initialize_cache`). The
 path is read once, when the first program is compiled, so it is chosen
 before that: by `run_clm --compile_cache DIR` (default: `compile_cache/`
 under a local `--output_dir`), or for any script under the launcher by
-`XLA_FSDP_COMPILE_CACHE=DIR`. Each process gets a folder of its own: one per
+the compile-cache variable (`environment.COMPILE_CACHE`) set to a folder. Each process gets a folder of its own: one per
 host under the single controller (`host-<i>`, as on a shared mount hosts
 must not write the same files), one per replica with one process per chip
 (`rank-<i>`). torch_xla counts what happened (`PersistentCacheHit`,
@@ -25,8 +25,10 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional
 
-ENV = "XLA_FSDP_COMPILE_CACHE"
-TORCH_XLA_ENV = "XLA_PERSISTENT_CACHE_PATH"
+from xla_fsdp.runtime import environment
+
+ENV = environment.COMPILE_CACHE
+TORCH_XLA_ENV = environment.TORCH_XLA_CACHE
 OFF = ("off", "none", "no", "false", "0")
 COUNTERS = ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure")
 
@@ -37,11 +39,7 @@ class CompileCacheError(ValueError):
 
 def host_index() -> int:
     """This host's index before the XLA runtime starts (a pod's TPU_WORKER_ID, a virtual host's index)."""
-    for name in ("XLA_FSDP_VIRTUAL_HOST_INDEX", "TPU_WORKER_ID", "CLOUD_TPU_TASK_ID"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 0
+    return environment.host_index_before_start()
 
 
 def too_late(path: str) -> bool:
@@ -50,7 +48,7 @@ def too_late(path: str) -> bool:
     import torch_xla
 
     return bool(torch_xla._XLAC._xla_computation_cache_is_initialized()) and \
-        os.environ.get(TORCH_XLA_ENV) != os.path.abspath(path)
+        environment.get(TORCH_XLA_ENV) != os.path.abspath(path)
 
 
 def enable(base: str, part: str) -> str:
@@ -61,7 +59,7 @@ def enable(base: str, part: str) -> str:
     import torch_xla.runtime as xr
 
     path = os.path.join(os.path.abspath(os.path.expanduser(base)), part)
-    current = os.environ.get(TORCH_XLA_ENV)
+    current = environment.get(TORCH_XLA_ENV) or None
     if torch_xla._XLAC._xla_computation_cache_is_initialized():
         if current == path:
             return path
@@ -82,8 +80,8 @@ def enable(base: str, part: str) -> str:
 
 
 def from_environment(part: str) -> Optional[str]:
-    """`enable(XLA_FSDP_COMPILE_CACHE, part)` when that variable names a folder, else None."""
-    base = os.environ.get(ENV, "").strip()
+    """`enable(<the compile-cache variable>, part)` when that variable names a folder, else None."""
+    base = environment.get(ENV)
     if not base or base.lower() in OFF:
         return None
     return enable(base, part)

@@ -1,5 +1,6 @@
 """Knowing that a host of the slice stopped answering: each host's heartbeat through the hosts'
-store, and agreements that wait for a silent host at most XLA_FSDP_HOST_TIMEOUT seconds.
+store, and agreements that wait for a silent host at most the host timeout
+(`environment.HOST_TIMEOUT`, seconds).
 
 [Note: a host that does not answer] The hosts agree through a gloo group ([Note: the hosts'
 group] in hosts.py). A host that dies between two agreements leaves the others in the next one:
@@ -9,7 +10,7 @@ by default. So every agreement first meets in the group's store (the TCPStore it
 started, served by host 0): each host marks its arrival, and waits for the others' marks while
 their heartbeats go on. A background thread on every host bumps a counter in the store every
 few seconds (over a connection of its own, so a waiting host never holds it up); a host whose
-counter has not moved for XLA_FSDP_HOST_TIMEOUT seconds (default 300) did not answer, and the
+counter has not moved for the host timeout (default 300 s) did not answer, and the
 waiting hosts raise `HostLostError` naming it. A host that is alive but late (host 0 writing a
 large `save_pretrained` file while the others wait) keeps beating and is waited for, up to
 gloo's own 30 minutes. Host 0 serving the store, its death shows as the store failing, and is
@@ -17,7 +18,7 @@ reported as host 0's.
 
 The arrival marks are what a dead host can be named by; the gloo operation that follows starts
 only when every host is there (a barrier too: host 0 must not leave, and perhaps exit with its
-store, before every host has seen the meeting complete). Its timeout is XLA_FSDP_HOST_TIMEOUT as
+store, before every host has seen the meeting complete). Its timeout is the host timeout as
 well, so a host that dies during one is reported within the bound too (named by its stopped
 heartbeat). A TCPStore client's calls have no timeout of their own: against a frozen host 0
 they would block forever, so this host makes them on a thread of their own and gives up after
@@ -29,21 +30,22 @@ have committed it, and only host 0 commits, after every host said its files are 
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-ENV_TIMEOUT = "XLA_FSDP_HOST_TIMEOUT"
+from xla_fsdp.runtime import environment
+
+ENV_TIMEOUT = environment.HOST_TIMEOUT
 DEFAULT_TIMEOUT = 300.0  # seconds a silent host is waited for
 LONGEST_WAIT = 1800.0  # a host alive but never arriving: gloo's own default timeout, as before
 _PREFIX = "xla_fsdp/hosts/"
 
 
 def host_timeout() -> float:
-    """XLA_FSDP_HOST_TIMEOUT in seconds (default 300)."""
-    raw = os.environ.get(ENV_TIMEOUT, "")
+    """The host timeout (ENV_TIMEOUT) in seconds (default 300)."""
+    raw = environment.get(ENV_TIMEOUT)
     if not raw.strip():
         return DEFAULT_TIMEOUT
     try:

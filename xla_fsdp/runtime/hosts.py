@@ -14,11 +14,11 @@ needs no extra configuration (torch_xla's own SPMD checkpointing uses the same g
 collectives are the wrong tool: they run inside the compiled program, on device tensors, and a
 "did every host write its file" would cost a compile and a device round trip, and could not run at
 all once a host's write failed. A host that stops answering is waited for at most
-XLA_FSDP_HOST_TIMEOUT seconds and named ([Note: a host that does not answer] in host_watch.py).
+the host timeout (`environment.HOST_TIMEOUT`) and named ([Note: a host that does not answer] in host_watch.py).
 
 [Note: virtual hosts] torch_xla 2.9 cannot run one SPMD program across processes on XLA:CPU (its
 CPU client has no cross-process collectives; process_count() is 1). To prove the per-host code on
-one machine, `XLA_FSDP_VIRTUAL_HOSTS=N` and `XLA_FSDP_VIRTUAL_HOST_INDEX=i` make N processes act as
+one machine, `environment.VIRTUAL_HOSTS`=N and `environment.VIRTUAL_HOST_INDEX`=i make N processes act as
 N hosts of one slice: each runs the same SPMD program on all of its (virtual CPU) devices, but the
 checkpoint and data layers treat only block i of the devices (in global order, N equal blocks) as
 this host's, and the hosts form their gloo group over MASTER_ADDR/MASTER_PORT (default
@@ -30,12 +30,13 @@ shard for every device the process addresses), it gets them from the other hosts
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-ENV_HOSTS = "XLA_FSDP_VIRTUAL_HOSTS"
-ENV_INDEX = "XLA_FSDP_VIRTUAL_HOST_INDEX"
+from xla_fsdp.runtime import environment
+
+ENV_HOSTS = environment.VIRTUAL_HOSTS
+ENV_INDEX = environment.VIRTUAL_HOST_INDEX
 DEFAULT_PORT = 29531
 
 
@@ -67,11 +68,11 @@ def device_ordinal(device: str) -> int:
 
 
 def virtual_hosts_requested() -> bool:
-    return bool(os.environ.get(ENV_HOSTS))
+    return bool(environment.get(ENV_HOSTS))
 
 
 def host_view() -> HostView:
-    """The hosts as this process sees them (virtual hosts when XLA_FSDP_VIRTUAL_HOSTS is set)."""
+    """The hosts as this process sees them (virtual hosts when ENV_HOSTS is set)."""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -94,11 +95,11 @@ def host_view() -> HostView:
 
 def _virtual_env() -> Tuple[int, int]:
     try:
-        count = int(os.environ[ENV_HOSTS])
-        index = int(os.environ.get(ENV_INDEX, ""))
+        count = int(environment.get(ENV_HOSTS))
+        index = int(environment.get(ENV_INDEX))
     except ValueError:
-        raise ValueError(f"{ENV_HOSTS}={os.environ.get(ENV_HOSTS)!r} and {ENV_INDEX}="
-                         f"{os.environ.get(ENV_INDEX)!r}: both must be integers (N hosts, this one's index "
+        raise ValueError(f"{ENV_HOSTS}={environment.get(ENV_HOSTS)!r} and {ENV_INDEX}="
+                         f"{environment.get(ENV_INDEX)!r}: both must be integers (N hosts, this one's index "
                          "0..N-1)") from None
     if count < 1 or not 0 <= index < count:
         raise ValueError(f"{ENV_HOSTS}={count}, {ENV_INDEX}={index}: need N >= 1 and 0 <= index < N")
@@ -108,15 +109,15 @@ def _virtual_env() -> Tuple[int, int]:
 def virtual_group_address() -> str:
     """Virtual hosts: where their gloo group meets (MASTER_ADDR/MASTER_PORT, default
     127.0.0.1:29531), as `tcp://addr:port` ([Note: virtual hosts])."""
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
+    addr = environment.get(environment.MASTER_ADDR) or "127.0.0.1"
+    port = int(environment.get(environment.MASTER_PORT) or DEFAULT_PORT)
     return f"tcp://{addr}:{port}"
 
 
 class HostGroup:
     """The hosts agreeing on host-side facts (files written, batches read): a gloo group, one
     member per host. One host: every call is local. Every agreement waits for a host that stopped
-    answering at most XLA_FSDP_HOST_TIMEOUT seconds, then raises `HostLostError` naming it
+    answering at most the host timeout (`environment.HOST_TIMEOUT`), then raises `HostLostError` naming it
     ([Note: a host that does not answer] in host_watch.py)."""
 
     def __init__(self, view: HostView, dist=None, watch=None):

@@ -98,7 +98,7 @@ def apply_spmd_fsdp(
   if not xr.is_spmd():
     raise RuntimeError(
         "the SPMD engine needs SPMD mode: call torch_xla.runtime.use_spmd() "
-        "(or set XLA_USE_SPMD=1) before any XLA tensor is created.")
+        "(or launch with --spmd) before any XLA tensor is created.")
   if module in _applied:
     raise ValueError(
         f"{type(module).__name__} is already sharded by the SPMD engine; "

@@ -21,7 +21,8 @@ import torch_xla.distributed.spmd as xs
 from xla_fsdp.layer_scan.find import Found, _template, hf_checkpointed
 from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanRun, no_cache_by_default
 from xla_fsdp.layer_scan.scanned_list import ScanSettings as _Shared
-from xla_fsdp.spmd_engine.stacked import SUFFIX, stacked_view, store_stacked
+from xla_fsdp.layer_scan.stored_stacks import SUFFIX
+from xla_fsdp.spmd_engine.stacked import stacked_view, store_stacked
 
 
 ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]

@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 
-from xla_fsdp.layer_scan.stored_stacks import SUFFIX, StackRecord, attach, check_store_name
+from xla_fsdp.layer_scan.stored_stacks import StackRecord, attach, check_store_name
 from xla_fsdp.runtime import stored_keys
 from xla_fsdp.runtime.mesh import FSDP_AXIS
 

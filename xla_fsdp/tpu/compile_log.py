@@ -62,6 +62,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from xla_fsdp.runtime import environment
+
 DEFAULT_DIR = "/tmp/tpu_logs"
 _UNITS = {"": 1, "B": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 _SIZE = r"([\d.]+)([BKMGT])"
@@ -102,16 +104,17 @@ def unbuffered_log():
     after, so nothing else (the user's own flags, libtpu_flags.users_own) sees it."""
     from xla_fsdp.tpu.libtpu_flags import UNBUFFERED_LOG
 
-    before = os.environ.get("LIBTPU_INIT_ARGS")
+    name = environment.LIBTPU_INIT_ARGS
+    before = environment.raw(name)
     if "logbuflevel" not in (before or ""):
-        os.environ["LIBTPU_INIT_ARGS"] = " ".join(a for a in ((before or "").strip(), UNBUFFERED_LOG) if a)
+        os.environ[name] = " ".join(a for a in ((before or "").strip(), UNBUFFERED_LOG) if a)
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("LIBTPU_INIT_ARGS", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["LIBTPU_INIT_ARGS"] = before
+            os.environ[name] = before
 
 
 _LOADED_WITH: Optional[str] = None  # TPU_LOG_DIR when libtpu loaded in this process (it reads it once)
@@ -120,12 +123,12 @@ _LOADED_WITH: Optional[str] = None  # TPU_LOG_DIR when libtpu loaded in this pro
 def libtpu_loading() -> None:
     """Called as libtpu loads: its log directory is fixed from then on."""
     global _LOADED_WITH
-    _LOADED_WITH = os.environ.get("TPU_LOG_DIR", DEFAULT_DIR)
+    _LOADED_WITH = environment.raw(environment.TPU_LOG_DIR) or DEFAULT_DIR
 
 
 def log_file() -> Optional[str]:
     """This process's libtpu INFO log (the newest), if libtpu writes one."""
-    where = _LOADED_WITH or os.environ.get("TPU_LOG_DIR", DEFAULT_DIR)
+    where = _LOADED_WITH or environment.raw(environment.TPU_LOG_DIR) or DEFAULT_DIR
     found = glob.glob(os.path.join(where, f"*.log.INFO.*.{os.getpid()}"))
     return max(found, key=os.path.getmtime) if found else None
 

@@ -16,7 +16,7 @@ Each flag was checked with libtpu's compiler (tests/test_libtpu_flags.py):
   gathers and reduce-scatters are rings by default: [Note: rings by default
   on a TPU]), 90 for it on larger slices ([Note: the scheduler's budget on
   pods]) and 70 otherwise (the launcher tells the slice's size in
-  XLA_FSDP_SLICE_CHIPS; not told, 50 for the single controller). The
+  `environment.INTERNAL`'s `chips`; not told, 50 for the single controller). The
   2B step of the single controller with rings on v4-8, compiled: 28.57 GiB
   at 70, 21.79 GiB at 50 with the same overlap (0.96 of the bytes
   asynchronous beside compute) and projected step (3.699 / 3.703 s). At 70,
@@ -50,8 +50,8 @@ libtpu 0.0.21's defaults already, or no all-reduce it could overlap).
 integration) and the launcher (`launch/xla_spawn.py`, for the processes it
 spawns) put them in `LIBTPU_INIT_ARGS` before libtpu starts, on a TPU only, and only when the user set no
 `LIBTPU_INIT_ARGS` of their own (theirs win, whole). The runtime is read from
-`XLA_FSDP_RUNTIME` (the launcher sets it before it sets the flags) or torch_xla's
-`XLA_USE_SPMD`; flags xla_fsdp set itself (marked in `XLA_FSDP_LIBTPU_INIT_ARGS`) are
+the environment (`environment.runtime`: the launcher sets it before it sets the flags, or
+torch_xla's SPMD variable); flags xla_fsdp set itself (marked in `environment.INTERNAL`) are
 re-decided when the runtime becomes known later, the user's never. `python -m
 xla_fsdp.aot` compiles with the flags of the runtime it checks unless `--libtpu-flags` or
 `LIBTPU_INIT_ARGS` says otherwise.
@@ -70,9 +70,10 @@ import sys
 import warnings
 from typing import Mapping, MutableMapping, Optional
 
-from ..runtime.choice import RUNTIME_ENV, SINGLE_CONTROLLER
+from ..runtime import environment
+from ..runtime.choice import SINGLE_CONTROLLER
 
-ENV = "LIBTPU_INIT_ARGS"
+ENV = environment.LIBTPU_INIT_ARGS
 
 ASYNC_COLLECTIVES: Mapping[str, str] = {
     "xla_enable_async_all_gather": "true",
@@ -150,14 +151,15 @@ ASYNC_REDUCE_SCATTERS: Mapping[str, str] = {
 # SCATTER_RING_MAX_CHIPS, which imports this module)
 STAGED_ABOVE_CHIPS = 64
 
-MARK = "XLA_FSDP_LIBTPU_INIT_ARGS"  # what xla_fsdp itself put in LIBTPU_INIT_ARGS
-CHIPS_ENV = "XLA_FSDP_SLICE_CHIPS"  # chips of the whole slice, when the launcher knows them
+# INTERNAL's "libtpu_set": what xla_fsdp itself put in LIBTPU_INIT_ARGS; its "chips": the whole
+# slice's, when the launcher knows them
+MARK = CHIPS_ENV = environment.INTERNAL
 # the largest slice on which the single controller's "auto" makes rings (collective_engine/auto.py,
 # [Note: rings by default on a TPU]); larger slices keep the gathers and their budget
 RING_MAX_CHIPS = 8
 # "0": the single controller keeps all-gathers and staged reduce-scatters where "auto" would make
 # rings, under their 70% budget ([Note: rings off for the last GiB])
-RINGS_ENV = "XLA_FSDP_RINGS"
+RINGS_ENV = environment.RINGS
 
 
 UNBUFFERED_LOG = "--logbuflevel=-1"  # a start-up flag (see above): never in a compile's flags
@@ -180,26 +182,26 @@ SINGLE_CONTROLLER_INIT_ARGS = init_args({**SINGLE_CONTROLLER_COLLECTIVES, **PART
 
 
 def rings_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """False when XLA_FSDP_RINGS turns the single controller's rings off.
+    """False when the rings variable (RINGS_ENV) turns the single controller's rings off.
 
     [Note: rings off for the last GiB]
     The rings under the 50% budget peak lower than the gathers at the blog's batches (2B v4-8:
     21.79 GiB against 23.05), but at the edge of HBM, where the sharded state fills the chip, they
     need a little more: GPT-2 16B on v4-8 at 1 x 1024 per chip, compiled by libtpu 0.0.21, needs
     30.82 GiB of the 30.75 libtpu can use with rings at 50% and fits with all-gathers at 70%
-    (31.04 by our count; libtpu compiled it). XLA_FSDP_RINGS=0 is that configuration in one switch:
+    (31.04 by our count; libtpu compiled it). RINGS_ENV=0 is that configuration in one switch:
     "auto" keeps the gathers and staged reduce-scatters, and the launcher, `import xla_fsdp` and
     `python -m xla_fsdp.aot` give libtpu the gathers' 70% budget. The check tries it by itself
     when the default does not fit (xla_fsdp/aot/cli.py). On pods it also keeps the staged
     reduce-scatters where "auto" would ring them ([Note: reduce-scatter rings on pods] in
     collective_engine/auto.py); on 16B v4-64 the rings peak at 24.06 GiB where the staged
     reduce-scatters (prefetch off) peaked at 17.51."""
-    value = environ.get(RINGS_ENV, "").strip().lower()
+    value = environment.get(RINGS_ENV, environ).lower()
     if value in ("", "1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{RINGS_ENV}={environ.get(RINGS_ENV)!r}: expected 0 (all-gathers and staged reduce-scatters "
+    raise ValueError(f"{RINGS_ENV}={environment.get(RINGS_ENV, environ)!r}: expected 0 (all-gathers and staged reduce-scatters "
                      f"under the 70% libtpu budget) or 1 (rings on slices of up to {RING_MAX_CHIPS} chips and reduce-scatter "
                      f"rings on v4/v5p slices of up to 64 chips, the default)")
 
@@ -209,7 +211,7 @@ def for_runtime(runtime: Optional[str], chips: Optional[int] = None,
     """xla_fsdp's LIBTPU_INIT_ARGS for `runtime` ("single_controller", "multi_process", None) on a
     slice of `chips` (None: not known): the rings' budget where the single controller makes rings
     ([Note: rings by default on a TPU]), the pods' on larger slices ([Note: the scheduler's budget on
-    pods]), the gathers' elsewhere and under XLA_FSDP_RINGS=0."""
+    pods]), the gathers' elsewhere and under RINGS_ENV=0."""
     rings = (runtime == SINGLE_CONTROLLER and (chips is None or chips <= RING_MAX_CHIPS)
              and rings_enabled(environ))
     if rings:
@@ -223,27 +225,26 @@ def for_runtime(runtime: Optional[str], chips: Optional[int] = None,
 
 def users_own(environ: Mapping[str, str] = os.environ) -> str:
     """The LIBTPU_INIT_ARGS the user set, or "" (none, or the flags xla_fsdp set itself)."""
-    current = environ.get(ENV, "").strip()
-    return "" if current == environ.get(MARK, "").strip() else current
+    current = environment.get(ENV, environ)
+    return "" if current == environment.internal(environ).get("libtpu_set", "").strip() else current
 
 
 def chips_of(environ: Mapping[str, str]) -> Optional[int]:
-    text = environ.get(CHIPS_ENV, "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    chips = environment.internal(environ).get("chips")
+    return chips if isinstance(chips, int) and chips > 0 else None
 
 
 def runtime_of(environ: Mapping[str, str]) -> Optional[str]:
-    """The runtime the environment declares: XLA_FSDP_RUNTIME, else torch_xla's XLA_USE_SPMD."""
-    declared = environ.get(RUNTIME_ENV, "").strip().lower()
-    if declared:
-        return declared
-    if environ.get("XLA_USE_SPMD", "").strip().lower() in ("1", "true", "yes"):
-        return SINGLE_CONTROLLER
-    return None
+    """The runtime the environment declares (`environment.runtime`); None for a value that is no
+    runtime (the launcher and the job refuse it by name, not this module's import)."""
+    try:
+        return environment.runtime(environ)
+    except ValueError:
+        return None
 
 
 def on_tpu(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get("PJRT_DEVICE", "").strip().upper() == "TPU"
+    return environment.get(environment.PJRT_DEVICE, environ).upper() == "TPU"
 
 
 def _runtime_started() -> bool:
@@ -255,7 +256,7 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ) -> Optional[str
     """On a TPU, set LIBTPU_INIT_ARGS to the async-collective flags unless the user set it;
     returns what it set (None when it left the environment alone). libtpu reads them once,
     when the XLA runtime starts: if it has started already, warn with the export to use."""
-    ours = bool(environ.get(ENV, "").strip()) and not users_own(environ)
+    ours = bool(environment.get(ENV, environ)) and not users_own(environ)
     if not on_tpu(environ) or users_own(environ):
         return None
     wanted = at_start(for_runtime(runtime_of(environ), chips_of(environ), environ))
@@ -266,5 +267,6 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ) -> Optional[str
                           f"xla_fsdp before touching an XLA device, or export {ENV}='{wanted}'",
                           stacklevel=3)
         return None
-    environ[ENV] = environ[MARK] = wanted
+    environ[ENV] = wanted
+    environ[MARK] = environment.with_internal(environ, libtpu_set=wanted)
     return wanted

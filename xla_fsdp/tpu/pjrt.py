@@ -27,8 +27,9 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple
 
+from xla_fsdp.runtime import environment
 from xla_fsdp.tpu import compile_log
 from xla_fsdp.tpu.compile_log import ProgramHbm
 
@@ -133,7 +134,7 @@ class Topology:
 def library_path() -> str:
     """libtpu.so: $TPU_LIBRARY_PATH when set, else the one in the `libtpu` package (found without
     importing it: its import sets TPU_LIBRARY_PATH as a side effect)."""
-    given = os.environ.get(LIBRARY_ENV)
+    given = environment.raw(LIBRARY_ENV)
     if given:
         if not os.path.isfile(given):
             raise LibtpuMissing(f"{LIBRARY_ENV}={given!r} is not a file: point it at libtpu.so, or unset it "
@@ -156,7 +157,7 @@ def _prepare_environment() -> None:
     config file during compile and aborts the process when it is missing."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    given = os.environ.pop("TPU_ACCELERATOR_TYPE", None)
+    given = os.environ.pop(environment.TPU_ACCELERATOR_TYPE, None)
     if given is not None:
         warnings.warn(f"unset TPU_ACCELERATOR_TYPE={given!r} in this process: libtpu's deviceless compile "
                       "aborts with it set; the slice comes from the topology instead", stacklevel=3)

@@ -12,6 +12,8 @@ import math
 import os
 import re
 
+from xla_fsdp.runtime import environment
+
 FSDP_TOKENS = {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "auto_wrap"}
 STRATEGY_OF_TOKEN = {
     "full_shard": "FULL_SHARD",
@@ -161,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(report, "--mfu_include_attention", "add 12·L·d·S FLOPs/token for attention to MFU")
     report.add_argument("--compile_cache", default=None, metavar="DIR",
                         help="keep compiled programs in DIR so a restarted or resumed job compiles nothing; "
-                             "default: compile_cache/ under a local --output_dir ($XLA_FSDP_COMPILE_CACHE when "
+                             f"default: compile_cache/ under a local --output_dir (${environment.COMPILE_CACHE} when "
                              "set); 'off' disables it (xla_fsdp/runtime/compile_cache.py)")
     report.add_argument("--peak_tflops", type=float, default=None,
                         help="override the per-chip peak (dense bf16 TFLOPS) used for MFU")

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from xla_fsdp import abstract, metrics
+from xla_fsdp.runtime import environment
 from xla_fsdp.train import data, families, loop
 from xla_fsdp.train.args import parse_args
 from xla_fsdp.train.output_dir import check_output_dir, write_metrics, written_only_on_success
@@ -206,7 +207,7 @@ def _run(job: StartedJob) -> dict:
 
 def _compile_cache(args, spmd: bool, facts: dict, log):
     """The persistent compilation cache's folder for this process, or None ([Note: the persistent
-    compilation cache]): --compile_cache, else $XLA_FSDP_COMPILE_CACHE, else compile_cache/ under a
+    compilation cache]): --compile_cache, else the compile-cache variable, else compile_cache/ under a
     local --output_dir; one folder per host under the single controller, per replica otherwise.
     The default is skipped, with a line saying why, in a process that compiled before the job
     started (run() called from a notebook or a test); one asked for by name ends the job then."""
@@ -215,14 +216,14 @@ def _compile_cache(args, spmd: bool, facts: dict, log):
 
     if abstract.active():  # the ahead-of-time check compiles with libtpu, not here
         return None
-    base = args.compile_cache or os.environ.get(compile_cache.ENV, "").strip() or (
+    base = args.compile_cache or environment.get(compile_cache.ENV) or (
         None if is_url(args.output_dir) else os.path.join(args.output_dir, "compile_cache"))
     if base is None or base.lower() in compile_cache.OFF:
         return None
     part = f"host-{compile_cache.host_index()}" if spmd or facts["world"] == 1 else f"rank-{facts['rank']}"
     if args.compile_cache is None and compile_cache.too_late(os.path.join(base, part)):
         log("run_clm: no compile cache: this process compiled before the job started (give --compile_cache "
-            "or XLA_FSDP_COMPILE_CACHE in a fresh process)")
+            f"or {compile_cache.ENV} in a fresh process)")
         return None
     try:
         return compile_cache.enable(base, part)

@@ -7,7 +7,6 @@ parameters) asks the object it returns.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -16,9 +15,7 @@ from xla_fsdp.metrics import num_params
 from xla_fsdp.train import families
 from xla_fsdp.train.args import DEFERRED_INIT_PARAMS
 
-ENGINE_ENV = "XLA_FSDP_ENGINE"
-# set by launch/xla_spawn.py for --spmd and for several CPU devices: one process drives every device
-from xla_fsdp.runtime.choice import RUNTIME_ENV
+from xla_fsdp.runtime import environment
 
 
 # [Note: eager attention on XLA]
@@ -76,13 +73,14 @@ def build_model(config, deferred: bool) -> torch.nn.Module:
 
 
 def selected_engine(fsdp_config) -> str:
-    """"spmd" (the GSPMD engine) when the fsdp config says xla_fsdp_v2 or
-    XLA_FSDP_ENGINE=spmd is set; else "collectives". The runtime is a separate
-    choice (`single_controller`)."""
-    env = os.environ.get(ENGINE_ENV, "").strip().lower()
-    if env not in ("", "spmd", "collectives"):
-        raise SystemExit(f"{ENGINE_ENV}={env!r}: expected 'spmd' or 'collectives' (or unset)")
-    if env == "spmd" or (fsdp_config is not None and fsdp_config.use_spmd):
+    """"spmd" (the GSPMD engine) when the fsdp config says xla_fsdp_v2; else "collectives". The
+    runtime is a separate choice (`single_controller`). A variable that once chose the engine is
+    refused by name (`environment.refuse_removed`)."""
+    try:
+        environment.refuse_removed()
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if fsdp_config is not None and fsdp_config.use_spmd:
         return "spmd"
     return "collectives"
 
@@ -90,13 +88,14 @@ def selected_engine(fsdp_config) -> str:
 def single_controller(engine: str) -> bool:
     """Whether this process drives every device of its host (torch_xla's SPMD runtime).
 
-    Always for the GSPMD engine; for the collective engine when the launcher
-    exported XLA_FSDP_RUNTIME=single_controller or torch_xla's XLA_USE_SPMD=1 is set.
+    Always for the GSPMD engine; for the collective engine when the environment asks for it
+    (`environment.runtime`: the launcher exports it, or torch_xla's SPMD variable is true).
     """
-    runtime = os.environ.get(RUNTIME_ENV, "").strip().lower()
-    if runtime not in ("", "single_controller", "multi_process"):
-        raise SystemExit(f"{RUNTIME_ENV}={runtime!r}: expected 'single_controller' or 'multi_process' (or unset)")
-    return engine == "spmd" or runtime == "single_controller" or os.environ.get("XLA_USE_SPMD", "") == "1"
+    try:
+        runtime = environment.runtime()
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return engine == "spmd" or runtime == environment.SINGLE_CONTROLLER
 
 
 def load_fsdp_config(path: str | None):
