@@ -15,6 +15,8 @@
   `export NAME=value`. A command nothing here can check fails too.
 - ```python blocks parse.
 - The README holds at most 400 lines, and its quick start is the two commands.
+- Each docs/*.md holds at most 400 lines: today's figures and how to reproduce them;
+  history stays in bench/results/ and in git.
 """
 import ast
 import contextlib
@@ -34,6 +36,7 @@ import bench_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 400
+DOCS_MAX_LINES = 400
 COMMAND_LANGS = {"bash", "sh", "shell"}
 FENCE = re.compile(r"^\s*```\s*([\w+-]*)")
 HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -284,6 +287,22 @@ def test_readme_is_short():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES, (f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): "
                                             "move a topic to docs/")
+
+
+DOCS_FILES = sorted((ROOT / "docs").glob("*.md"))
+
+
+def test_the_docs_folder_has_files():
+    assert DOCS_FILES, "docs/ holds no Markdown file"
+
+
+@pytest.mark.parametrize("path", DOCS_FILES, ids=[p.name for p in DOCS_FILES])
+def test_docs_file_is_short(path):
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= DOCS_MAX_LINES, (f"{path.relative_to(ROOT)} has {len(lines)} lines (at most "
+                                          f"{DOCS_MAX_LINES}): keep today's figures and how to reproduce "
+                                          "them, leave history to bench/results/ and git, or split the topic "
+                                          "into a second docs file linked from the first")
 
 
 def test_quick_start_is_two_commands():
