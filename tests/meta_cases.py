@@ -4,7 +4,7 @@ storage and its modules' reset_parameters() (FSDP's default). Shared by tests/te
 import torch
 import torch.nn as nn
 
-import parity_cases as pc
+import parity_cases as pc  # noqa: F401 (its import puts bench/ on sys.path for a worker that imports this file alone)
 
 
 class TiedNet(nn.Module):

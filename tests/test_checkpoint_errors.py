@@ -1,9 +1,7 @@
 """Checkpoints that cannot be loaded or saved fail by name, and change nothing (XLA world 1)."""
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap

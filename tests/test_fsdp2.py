@@ -152,7 +152,7 @@ def _rel(a, b) -> float:
 
 def _assert_parity(ref, got, name):
     """`got` (an XLA run) against PyTorch's FSDP2 (`ref`): every loss, every parameter."""
-    (ref_m, ref_p, _), (got_m, got_p, log) = ref, got
+    (ref_m, ref_p, _), (got_m, got_p, _) = ref, got
     assert ref_m["independent"] and ref_m["processes"] == REFERENCE_WORLD, ref_m
     assert got_m["devices"] > 1, got_m
     assert len(got_m["losses"]) == len(ref_m["losses"]) == STEPS

@@ -104,7 +104,7 @@ def test_moved_modules_keep_their_import_paths(old, new):
         "import importlib, sys",
         f"old = importlib.import_module({old!r}); new = importlib.import_module({new!r})",
         "assert old is new, (old, new)",
-        f"names = [n for n in dir(new) if not n.startswith('_') and callable(getattr(new, n))][:3]",
+        "names = [n for n in dir(new) if not n.startswith('_') and callable(getattr(new, n))][:3]",
         f"ns = {{}}; exec('from {old} import ' + ', '.join(names), ns)",
         "assert all(ns[n] is getattr(new, n) for n in names) and names",
         "import xla_fsdp; assert callable(xla_fsdp.deferred_init) and not isinstance(xla_fsdp.deferred_init, type(sys))",

@@ -202,38 +202,16 @@ def _drop_logs(logs: Optional[str]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, command = split_command(argv)
-    parser = build_parser()
-    opts = parser.parse_args(ours)
-    from xla_fsdp.aot import report as rep
+    opts = build_parser().parse_args(ours)
     from xla_fsdp.aot import trace
-    from xla_fsdp.tpu import topology
-    from xla_fsdp.tpu import libtpu_flags
-    from xla_fsdp.runtime import allocator
 
     say = (lambda *a: None) if opts.json else (lambda *a: print(*a, flush=True))
     try:
-        spec = topology.parse_accelerator_type(opts.tpu)
-        job = trace.job_from_command(command, opts.runtime, spec.chips)
-        # [Note: one reduce-scatter per torus axis], 3-D (v4, v5p) and 2-D (v5e, v6e)
-        job.torus = "x".join(map(str, spec.shape))
-        if opts.dump:  # a URL whose file system or bucket is missing: now, not after the trace
-            from xla_fsdp.checkpoint import storage
-
-            storage.storage_for(opts.dump)
-            storage.check_bucket(opts.dump)
+        spec, job = _job(opts, command)
     except (ValueError, ImportError, FileNotFoundError, trace.TraceError) as e:
         print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         return EXIT_USAGE
-    # libtpu's start-up looks for a TPU VM's environment; this host is not one
-    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
-                        ("TF_CPP_MIN_LOG_LEVEL", "2")):
-        os.environ.setdefault(name, value)
-    # libtpu's log, where it states the HBM the program needs ([Note: the HBM a TPU program
-    # needs]): in a directory of this run's, unless the user named one
-    logs = None if environment.raw(environment.TPU_LOG_DIR) is not None else tempfile.mkdtemp(
-        prefix="xla_fsdp_aot_tpu_logs_")
-    if logs:
-        os.environ[environment.TPU_LOG_DIR] = logs
+    logs = _libtpu_environment()
     try:
         compiler = _load_compiler()
     except ImportError as e:
@@ -243,55 +221,98 @@ def main(argv: Optional[List[str]] = None) -> int:
     workdir = tempfile.mkdtemp(prefix="xla_fsdp_aot_")
     keep = False
     try:
-        say(f"xla_fsdp.aot: tracing {job.script} for {spec.name} ({spec.chips} chips, {spec.hosts} host(s)), "
-            f"{job.runtime.replace('_', ' ')} runtime, on this host's CPU (nothing runs)")
-        started = time.time()
-        from xla_fsdp.memory import fit
-
-        if "fit_report" not in environment.aot(job.env):  # [Note: keep what fits]
-            job.env[fit.REPORT_ENV] = environment.with_aot(job.env, fit_report=os.path.join(workdir, "fit.json"))
-        try:
-            text = trace.run_trace(job, workdir, steps=opts.steps, timeout=opts.timeout,
-                                   echo=None if (opts.quiet or opts.json) else (lambda l: print("  | " + l)))
-        except trace.TraceError as e:
-            print(f"xla_fsdp.aot: {e}", file=sys.stderr)
-            keep = True  # the log it names
-            return EXIT_TRACE
-        traced_s = time.time() - started
-        own = opts.libtpu_flags is None and libtpu_flags.users_own()  # what libtpu read when it started
-        flags = opts.libtpu_flags if opts.libtpu_flags is not None else \
-            (own or libtpu_flags.for_runtime(job.runtime, spec.chips))
-        sites_path = os.path.join(workdir, "collective_sites.json")
-        calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
-        result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own))
-        result["trace_seconds"] = round(traced_s, 1)
-        result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
-        try:
-            fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
-        except trace.TraceError as e:
-            print(f"xla_fsdp.aot: {e}", file=sys.stderr)
-            keep = True
-            return EXIT_TRACE
-        traced_in = workdir
-        if fitted is not None:
-            text, result, traced_in = fitted
-        result["runtime"] = job.runtime
-        result["script"] = job.script
-        if _rings_to_retry(result, text, job, spec, opts):
-            result["without_rings"] = _without_rings(job, spec, compiler, workdir, opts, say)
-        if opts.dump:
-            write_dump(opts.dump, traced_in, result.get("optimized_hlo"))
-        result.pop("optimized_hlo", None)
-        if opts.json:
-            print(json.dumps(result, indent=2))
-        else:
-            print(rep.render(result))
-        if result.get("does_not_fit"):
-            return EXIT_NO_FIT
-        if not result["compiles"]:
-            return EXIT_COMPILE
-        return EXIT_OK if result["fits"] else EXIT_NO_FIT
+        return _report(_trace_and_compile(job, spec, compiler, workdir, opts, say), opts)
+    except trace.TraceError as e:
+        print(f"xla_fsdp.aot: {e}", file=sys.stderr)
+        keep = True  # the log it names
+        return EXIT_TRACE
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
         _drop_logs(logs)
+
+
+def _job(opts, command):
+    """The slice and the job to trace for it; a mistake in either raises before anything starts."""
+    from xla_fsdp.aot import trace
+    from xla_fsdp.tpu import topology
+
+    spec = topology.parse_accelerator_type(opts.tpu)
+    job = trace.job_from_command(command, opts.runtime, spec.chips)
+    # [Note: one reduce-scatter per torus axis], 3-D (v4, v5p) and 2-D (v5e, v6e)
+    job.torus = "x".join(map(str, spec.shape))
+    if opts.dump:  # a URL whose file system or bucket is missing: now, not after the trace
+        from xla_fsdp.checkpoint import storage
+
+        storage.storage_for(opts.dump)
+        storage.check_bucket(opts.dump)
+    return spec, job
+
+
+def _libtpu_environment() -> Optional[str]:
+    """What libtpu's start-up reads, set for this host (not a TPU VM); returns this run's log
+    directory, to drop at the end (None when the user named one)."""
+    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                        ("TF_CPP_MIN_LOG_LEVEL", "2")):
+        os.environ.setdefault(name, value)
+    # libtpu's log, where it states the HBM the program needs ([Note: the HBM a TPU program
+    # needs]): in a directory of this run's, unless the user named one
+    logs = None if environment.raw(environment.TPU_LOG_DIR) is not None else tempfile.mkdtemp(
+        prefix="xla_fsdp_aot_tpu_logs_")
+    if logs:
+        os.environ[environment.TPU_LOG_DIR] = logs
+    return logs
+
+
+def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
+    """Trace the step, compile it with libtpu, and check it again where "fit" or the rings' switch
+    asks; the report (a TraceError when the job cannot be traced)."""
+    from xla_fsdp.aot import report as rep
+    from xla_fsdp.aot import trace
+    from xla_fsdp.memory import fit
+    from xla_fsdp.runtime import allocator
+    from xla_fsdp.tpu import libtpu_flags
+
+    say(f"xla_fsdp.aot: tracing {job.script} for {spec.name} ({spec.chips} chips, {spec.hosts} host(s)), "
+        f"{job.runtime.replace('_', ' ')} runtime, on this host's CPU (nothing runs)")
+    started = time.time()
+    if "fit_report" not in environment.aot(job.env):  # [Note: keep what fits]
+        job.env[fit.REPORT_ENV] = environment.with_aot(job.env, fit_report=os.path.join(workdir, "fit.json"))
+    text = trace.run_trace(job, workdir, steps=opts.steps, timeout=opts.timeout,
+                           echo=None if (opts.quiet or opts.json) else (lambda l: print("  | " + l)))
+    traced_s = time.time() - started
+    own = opts.libtpu_flags is None and libtpu_flags.users_own()  # what libtpu read when it started
+    flags = opts.libtpu_flags if opts.libtpu_flags is not None else \
+        (own or libtpu_flags.for_runtime(job.runtime, spec.chips))
+    sites_path = os.path.join(workdir, "collective_sites.json")
+    calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
+    result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own))
+    result["trace_seconds"] = round(traced_s, 1)
+    result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
+    fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
+    traced_in = workdir
+    if fitted is not None:
+        text, result, traced_in = fitted
+    result["runtime"] = job.runtime
+    result["script"] = job.script
+    if _rings_to_retry(result, text, job, spec, opts):
+        result["without_rings"] = _without_rings(job, spec, compiler, workdir, opts, say)
+    if opts.dump:
+        write_dump(opts.dump, traced_in, result.get("optimized_hlo"))
+    result.pop("optimized_hlo", None)
+    return result
+
+
+def _report(result: dict, opts) -> int:
+    """Print the report (text or JSON); the exit status it gives."""
+    from xla_fsdp.aot import report as rep
+
+    if opts.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(rep.render(result))
+    if result.get("does_not_fit"):
+        return EXIT_NO_FIT
+    if not result["compiles"]:
+        return EXIT_COMPILE
+    return EXIT_OK if result["fits"] else EXIT_NO_FIT

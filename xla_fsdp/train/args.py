@@ -89,6 +89,12 @@ def range_problem(args: argparse.Namespace):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="run_clm.py", allow_abbrev=False,
                 description="Train a GPT-2 or Llama causal LM with xla_fsdp (HF run_clm.py flag names).")
+    for add_group in (_model_flags, _data_flags, _training_flags, _reporting_flags):
+        add_group(p)
+    return p
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
     model.add_argument("--config_name", required=True,
                        help="transformers config JSON: GPT-2 or Llama (model_type gpt2 / llama)")
@@ -110,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "or pallas: torch_xla's Pallas flash-attention kernel, TPU only, no attention "
                             "dropout (docs/attention.md)")
 
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("data")
     data.add_argument("--dataset_name", default=None, help="HF dataset (needs `datasets`)")
     data.add_argument("--dataset_config_name", default=None)
@@ -123,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help='space-separated: full_shard|shard_grad_op|no_shard|hybrid_shard [auto_wrap]')
     fsdp.add_argument("--fsdp_config", default=None, help="HF fsdp_config JSON file")
 
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
     train = p.add_argument_group("training")
     train.add_argument("--output_dir", required=True)
     _bool_flag(train, "--overwrite_output_dir", "allow a non-empty --output_dir")
@@ -146,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
     train.add_argument("--seed", type=int, default=42)
 
+
+def _reporting_flags(p: argparse.ArgumentParser) -> None:
     report = p.add_argument_group("reporting")
     report.add_argument("--logging_strategy", choices=("no", "steps", "epoch"), default="steps")
     report.add_argument("--logging_steps", type=int, default=10,
@@ -167,7 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "set); 'off' disables it (xla_fsdp/runtime/compile_cache.py)")
     report.add_argument("--peak_tflops", type=float, default=None,
                         help="override the per-chip peak (dense bf16 TFLOPS) used for MFU")
-    return p
 
 
 def parse_fsdp(text: str) -> tuple[str | None, bool]:

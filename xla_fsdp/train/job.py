@@ -68,12 +68,59 @@ class StartedJob:
     eval_batches: Optional[data.BlockBatches]  # None without --do_eval
 
 
+@dataclass
+class Runtime:
+    """Where the job runs, decided once before the first device tensor."""
+    engine: str        # "spmd" (GSPMD) or "collectives"
+    spmd: bool         # the single controller: one process drives every device of the host
+    device: object     # torch_xla's device
+    facts: dict        # device_facts()
+    log: Callable
+    cache: Optional[str]  # the compile cache's folder, or None
+
+
 def _start(args) -> StartedJob:
-    """Everything before the first step: the flags' files, the runtime, the model and its
-    engine, the batches; a mistake in any of them ends the job here, before anything trains."""
+    """Everything before the first step, one stage at a time: the flags' files, the runtime, the
+    model and its engine, the batches; a mistake in any of them ends the job here, before anything
+    trains."""
     # XLA's C++ warnings (one GSPMD deprecation notice per compile) are not the user's to act
     # on; errors still print, and a TF_CPP_MIN_LOG_LEVEL the user set wins. Before torch_xla loads.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    config, corpus, fsdp_config = _inputs(args)
+    rt = _runtime(args, fsdp_config)
+    torch.manual_seed(args.seed)
+    wrapped, deferred = _model(args, config, fsdp_config, rt)
+    hosts = _host_batches(rt.spmd, wrapped.mesh)  # several SPMD hosts: each reads only its rows
+    if hosts is not None:
+        from xla_fsdp.runtime.hosts import host_group
+
+        # the hosts' group from the start, not at the first save: a host lost in between is named
+        # at that save too ([Note: a host that does not answer])
+        host_group()
+    facts = rt.facts
+    ctx = loop.StepContext(rt.device, wrapped.mesh, bf16=args.bf16,
+                           allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
+                           replicas=facts["world"], host_batches=hosts)  # replicas 1 under SPMD: one graph
+    micro_batch = args.per_device_train_batch_size * facts["data_parallel"]  # one forward's batch
+    if corpus is None:
+        _trace_steps(wrapped.model, micro_batch, ctx, args, config, facts)  # never returns
+    meter = _meter(args, config, micro_batch * args.gradient_accumulation_steps, facts, rt.log)
+    report = _first_report(args, config, corpus, wrapped, rt, meter, micro_batch, deferred)
+    batches = eval_batches = None
+    if args.do_train:
+        batches = data.BlockBatches(corpus.train, micro_batch, facts["rank"], facts["world"], args.seed,
+                                    rows=hosts.rows(micro_batch) if hosts else None)
+    if args.do_eval:
+        eval_global = args.per_device_eval_batch_size * facts["data_parallel"]
+        eval_batches = data.BlockBatches(corpus.eval, eval_global, facts["rank"], facts["world"], shuffle=False,
+                                         rows=hosts.rows(eval_global) if hosts else None)
+    return StartedJob(args, wrapped.model, ctx, meter, facts, rt.log, report, rt.cache, batches, eval_batches)
+
+
+def _inputs(args):
+    """The model config, the corpus (None when traced for the check) and the fsdp_config, read
+    and checked before the XLA runtime starts: their errors come in seconds, not after device
+    setup."""
     if not abstract.active():  # the ahead-of-time check writes nothing
         check_output_dir(args)
     config = load_config(args.config_name, args.attn_implementation)
@@ -89,14 +136,17 @@ def _start(args) -> StartedJob:
         if problem:
             raise SystemExit(f"--block_size {args.block_size}: the Pallas attention kernel cannot take this "
                              f"sequence length ({problem}); pick e.g. 1024, or --attn_implementation eager")
-    # Data and configs before the XLA runtime starts: their errors come in
-    # seconds, not after device setup.
     # traced for the ahead-of-time check: token values never matter, so nothing is downloaded
     try:
         corpus = None if abstract.active() else data.build_corpus(args, config.vocab_size)
     except ValueError as e:  # the text itself: a --train_file that cannot be read, or too short for a block
         raise SystemExit(str(e)) from None
-    fsdp_config = load_fsdp_config(args.fsdp_config)
+    return config, corpus, load_fsdp_config(args.fsdp_config)
+
+
+def _runtime(args, fsdp_config) -> Runtime:
+    """The engine and the runtime (environment.runtime, via single_controller), the device, and the
+    compile cache before the first program is compiled."""
     engine = selected_engine(fsdp_config)
     spmd = single_controller(engine)  # one process drives every device of the host
 
@@ -112,9 +162,12 @@ def _start(args) -> StartedJob:
                          f"runs on {facts['device_type']}. Use --attn_implementation eager here (make train "
                          "does); check the TPU job without one: python -m xla_fsdp.aot --tpu v5e-8 -- "
                          "launch/run_clm.py <these flags>")
-    cache = _compile_cache(args, spmd, facts, log)  # before the first program is compiled
+    return Runtime(engine, spmd, device, facts, log, _compile_cache(args, spmd, facts, log))
 
-    torch.manual_seed(args.seed)
+
+def _model(args, config, fsdp_config, rt: Runtime):
+    """The model built (deferred where it is large or traced) and handed to its engine; the
+    attention kernel's layout where it runs. Returns (wrapped, deferred)."""
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     model = build_model(config, deferred)
@@ -124,12 +177,12 @@ def _start(args) -> StartedJob:
     if args.fused_loss:
         from xla_fsdp.loss import use_fused_loss
         use_fused_loss(model)  # [Note: fused output loss]: the logits are never built whole
-    wrapped = wrap_model(model, args, fsdp_config, device, engine, spmd)
+    wrapped = wrap_model(model, args, fsdp_config, rt.device, rt.engine, rt.spmd)
     if args.attn_implementation == "pallas":
         from xla_fsdp import attention
 
         # [Note: the kernel's sharding]: only a model that sees global tensors takes a partition spec
-        global_tensors = spmd and wrapped.engine != "collectives"
+        global_tensors = rt.spmd and wrapped.engine != "collectives"
         attention.use_mesh(wrapped.mesh if global_tensors else None)
         if not global_tensors:
             # [Note: head-major projections]; under the GSPMD partitioner (global tensors) libtpu's
@@ -137,22 +190,14 @@ def _start(args) -> StartedJob:
             from xla_fsdp.attention import gpt2_heads, llama_heads
             gpt2_heads.use_head_major(wrapped.model)
             llama_heads.use_head_major(wrapped.model)  # [Note: head-major Llama projections]
-    hosts = _host_batches(spmd, wrapped.mesh)  # several SPMD hosts: each reads only its rows
-    if hosts is not None:
-        from xla_fsdp.runtime.hosts import host_group
+    return wrapped, deferred
 
-        # the hosts' group from the start, not at the first save: a host lost in between is named
-        # at that save too ([Note: a host that does not answer])
-        host_group()
-    ctx = loop.StepContext(device, wrapped.mesh, bf16=args.bf16,
-                           allreduce_grads=not wrapped.reduces_grads and facts["world"] > 1,
-                           replicas=facts["world"], host_batches=hosts)  # replicas 1 under SPMD: one graph
-    micro_batch = args.per_device_train_batch_size * facts["data_parallel"]  # one forward's batch
-    if corpus is None:
-        _trace_steps(wrapped.model, micro_batch, ctx, args, config, facts)  # never returns
+
+def _first_report(args, config, corpus, wrapped, rt: Runtime, meter, micro_batch: int, deferred: bool) -> dict:
+    """metrics.json's facts known before the first step, also said in three lines."""
+    facts, log, spmd = rt.facts, rt.log, rt.spmd
     global_batch = micro_batch * args.gradient_accumulation_steps  # one optimizer step's
     num_params = metrics.num_params(config)
-    meter = _meter(args, config, global_batch, facts, log)
     report = {"params": num_params, "engine": wrapped.engine,
               "runtime": "single_controller" if spmd else "multi_process", "device": facts["device_kind"],
               "devices": facts["data_parallel"], "chips": facts["chips"],
@@ -170,15 +215,7 @@ def _start(args) -> StartedJob:
     log(f"run_clm: data {corpus.source}: {corpus.train.shape[0]} train / {corpus.eval.shape[0]} eval blocks")
     log(f"run_clm: peak {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {meter.chips} "
         f"({meter.peak.source})")
-    batches = eval_batches = None
-    if args.do_train:
-        batches = data.BlockBatches(corpus.train, micro_batch, facts["rank"], facts["world"], args.seed,
-                                    rows=hosts.rows(micro_batch) if hosts else None)
-    if args.do_eval:
-        eval_global = args.per_device_eval_batch_size * facts["data_parallel"]
-        eval_batches = data.BlockBatches(corpus.eval, eval_global, facts["rank"], facts["world"], shuffle=False,
-                                         rows=hosts.rows(eval_global) if hosts else None)
-    return StartedJob(args, wrapped.model, ctx, meter, facts, log, report, cache, batches, eval_batches)
+    return report
 
 
 def _run(job: StartedJob) -> dict:
