@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NUM_CORES ?= 4
 
-.PHONY: install bytecode train test bench clean
+.PHONY: install bytecode train test lint bench clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt setup.py
 	python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ train: bytecode
 
 test: bytecode
 	$(MALLOC) PJRT_DEVICE=CPU $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+
+# The linter on the whole tree (ruff.toml); the suite runs it too (tests/test_lint.py).
+lint: install
+	$(VENV)/bin/ruff check xla_fsdp launch tests bench examples
 
 clean:
 	rm -rf $(VENV) out

@@ -46,112 +46,112 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _rms(t: torch.Tensor, layer_dim: int) -> torch.Tensor:
-  """Adafactor's RMS of each layer of stored-layout `t`, broadcastable against it."""
-  dims = [d for d in range(t.dim()) if d != layer_dim]
-  if not dims:  # (L,): each layer's RMS is its value's magnitude
-    return t.abs()
-  return torch.linalg.vector_norm(t, 2, dim=dims, keepdim=True) / ((t.numel() // t.shape[layer_dim]) ** 0.5)
+    """Adafactor's RMS of each layer of stored-layout `t`, broadcastable against it."""
+    dims = [d for d in range(t.dim()) if d != layer_dim]
+    if not dims:  # (L,): each layer's RMS is its value's magnitude
+        return t.abs()
+    return torch.linalg.vector_norm(t, 2, dim=dims, keepdim=True) / ((t.numel() // t.shape[layer_dim]) ** 0.5)
 
 
 def _lr(group: dict, step: int, rms: torch.Tensor):
-  """Adafactor's step size (`Adafactor._get_lr`): a float, or per layer with `scale_parameter`."""
-  rel = group["lr"]
-  if group["relative_step"]:
-    least = 1e-6 * step if group["warmup_init"] else 1e-2
-    rel = min(least, 1.0 / math.sqrt(step))
-  if group["scale_parameter"]:
-    return torch.clamp(rms, min=group["eps"][1]) * rel
-  return rel
+    """Adafactor's step size (`Adafactor._get_lr`): a float, or per layer with `scale_parameter`."""
+    rel = group["lr"]
+    if group["relative_step"]:
+        least = 1e-6 * step if group["warmup_init"] else 1e-2
+        rel = min(least, 1.0 / math.sqrt(step))
+    if group["scale_parameter"]:
+        return torch.clamp(rms, min=group["eps"][1]) * rel
+    return rel
 
 
 def _stored_dim(k: int) -> int:
-  """A layer's dim k in the stored (d0, L, *rest)."""
-  return 0 if k == 0 else k + 1
+    """A layer's dim k in the stored (d0, L, *rest)."""
+    return 0 if k == 0 else k + 1
 
 
 def _col_stored(col: torch.Tensor, dims: int) -> torch.Tensor:
-  """The column factor (L, *col) in the stack's layout: the layers on dim 1 when it keeps rows."""
-  return col if dims == 2 else col.movedim(0, 1)
+    """The column factor (L, *col) in the stack's layout: the layers on dim 1 when it keeps rows."""
+    return col if dims == 2 else col.movedim(0, 1)
 
 
 def _col_kept(col: torch.Tensor, dims: int) -> torch.Tensor:
-  return col if dims == 2 else col.movedim(1, 0)
+    return col if dims == 2 else col.movedim(1, 0)
 
 
 def _init_state(state: dict, grad: torch.Tensor, dims: int, factored: bool, first_moment: bool) -> None:
-  if len(state) == 0:
-    state["step"] = 0
-    if first_moment:
-      state["exp_avg"] = torch.zeros_like(grad)
-    if factored:
-      state["exp_avg_sq_row"] = torch.zeros(grad.shape[:-1]).to(grad)
-      col = list(grad.shape)
-      del col[_stored_dim(dims - 2)]
-      state["exp_avg_sq_col"] = _col_kept(torch.zeros(col), dims).contiguous().to(grad)
-    else:
-      state["exp_avg_sq"] = torch.zeros_like(grad)
-    state["RMS"] = 0
-    return
-  for key in ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
-    if key in state:
-      state[key] = state[key].to(grad)
+    if len(state) == 0:
+        state["step"] = 0
+        if first_moment:
+            state["exp_avg"] = torch.zeros_like(grad)
+        if factored:
+            state["exp_avg_sq_row"] = torch.zeros(grad.shape[:-1]).to(grad)
+            col = list(grad.shape)
+            del col[_stored_dim(dims - 2)]
+            state["exp_avg_sq_col"] = _col_kept(torch.zeros(col), dims).contiguous().to(grad)
+        else:
+            state["exp_avg_sq"] = torch.zeros_like(grad)
+        state["RMS"] = 0
+        return
+    for key in ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
+        if key in state:
+            state[key] = state[key].to(grad)
 
 
 @torch.no_grad()
 def update_stack(optimizer, group: dict, p: torch.Tensor) -> None:
-  """Adafactor's step for stored stack `p` (its gradient set), per layer (see the note). It runs on
-  the stored layout: a layer's reductions are over every dim but the layers'."""
-  grad = p.grad
-  if grad.is_sparse:
-    raise RuntimeError("Adafactor does not support sparse gradients.")
-  if grad.dtype in LOW_PRECISION:
-    grad = grad.float()
-  dims = p.dim() - 1  # a layer's own dims; a stored (L,) holds 0-dim parameters
-  layer_dim = 1 if dims else 0
-  factored = dims >= 2
-  first_moment = group["beta1"] is not None
-  state = optimizer.state[p]
-  _init_state(state, grad, dims, factored, first_moment)
+    """Adafactor's step for stored stack `p` (its gradient set), per layer (see the note). It runs on
+    the stored layout: a layer's reductions are over every dim but the layers'."""
+    grad = p.grad
+    if grad.is_sparse:
+        raise RuntimeError("Adafactor does not support sparse gradients.")
+    if grad.dtype in LOW_PRECISION:
+        grad = grad.float()
+    dims = p.dim() - 1  # a layer's own dims; a stored (L,) holds 0-dim parameters
+    layer_dim = 1 if dims else 0
+    factored = dims >= 2
+    first_moment = group["beta1"] is not None
+    state = optimizer.state[p]
+    _init_state(state, grad, dims, factored, first_moment)
 
-  p32 = p.float() if p.dtype in LOW_PRECISION else p
-  state["step"] += 1
-  rms = _rms(p32, layer_dim)
-  state["RMS"] = rms.reshape(-1)
-  lr = _lr(group, state["step"], rms)
-  beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
+    p32 = p.float() if p.dtype in LOW_PRECISION else p
+    state["step"] += 1
+    rms = _rms(p32, layer_dim)
+    state["RMS"] = rms.reshape(-1)
+    lr = _lr(group, state["step"], rms)
+    beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
 
-  update = (grad ** 2) + group["eps"][0]
-  if factored:
-    across = _stored_dim(dims - 2)  # the dim a layer's column factor averages away
-    row = state["exp_avg_sq_row"].mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
-    col = _col_stored(state["exp_avg_sq_col"], dims).mul(beta2t).add_(update.mean(dim=across), alpha=1.0 - beta2t)
-    state["exp_avg_sq_col"].copy_(_col_kept(col, dims))
-    r_factor = (row / row.mean(dim=across, keepdim=True)).rsqrt_().unsqueeze(-1)
-    update = torch.mul(r_factor, col.unsqueeze(across).rsqrt()).mul_(grad)
-  else:
-    update = state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=1.0 - beta2t).rsqrt().mul_(grad)
-  update.div_((_rms(update, layer_dim) / group["clip_threshold"]).clamp_(min=1.0))
-  update.mul_(lr)
-  if first_moment:
-    update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=1.0 - group["beta1"])
-  if group["weight_decay"] != 0:
-    if isinstance(lr, torch.Tensor):
-      p32.add_(p32 * (-group["weight_decay"] * lr))
+    update = (grad**2) + group["eps"][0]
+    if factored:
+        across = _stored_dim(dims - 2)  # the dim a layer's column factor averages away
+        row = state["exp_avg_sq_row"].mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
+        col = _col_stored(state["exp_avg_sq_col"], dims).mul(beta2t).add_(update.mean(dim=across), alpha=1.0 - beta2t)
+        state["exp_avg_sq_col"].copy_(_col_kept(col, dims))
+        r_factor = (row / row.mean(dim=across, keepdim=True)).rsqrt_().unsqueeze(-1)
+        update = torch.mul(r_factor, col.unsqueeze(across).rsqrt()).mul_(grad)
     else:
-      p32.add_(p32, alpha=-group["weight_decay"] * lr)
-  p32.add_(-update)
-  if p.dtype in LOW_PRECISION:
-    p.copy_(p32)
+        update = state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=1.0 - beta2t).rsqrt().mul_(grad)
+    update.div_((_rms(update, layer_dim) / group["clip_threshold"]).clamp_(min=1.0))
+    update.mul_(lr)
+    if first_moment:
+        update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=1.0 - group["beta1"])
+    if group["weight_decay"] != 0:
+        if isinstance(lr, torch.Tensor):
+            p32.add_(p32 * (-group["weight_decay"] * lr))
+        else:
+            p32.add_(p32, alpha=-group["weight_decay"] * lr)
+    p32.add_(-update)
+    if p.dtype in LOW_PRECISION:
+        p.copy_(p32)
 
 
 def step_stacks(optimizer) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-  """Runs the update of every stored stack with a gradient and hides that gradient from
-  Adafactor's own step; returns (stack, gradient) to put back after it."""
-  hidden = []
-  for group in optimizer.param_groups:
-    for p in group["params"]:
-      if getattr(p, "_xla_fsdp_stacked", False) and p.grad is not None:
-        update_stack(optimizer, group, p)
-        hidden.append((p, p.grad))
-        p.grad = None
-  return hidden
+    """Runs the update of every stored stack with a gradient and hides that gradient from
+    Adafactor's own step; returns (stack, gradient) to put back after it."""
+    hidden = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_xla_fsdp_stacked", False) and p.grad is not None:
+                update_stack(optimizer, group, p)
+                hidden.append((p, p.grad))
+                p.grad = None
+    return hidden

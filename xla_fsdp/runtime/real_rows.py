@@ -10,11 +10,11 @@ _REAL_ROWS = "_xla_fsdp_real_rows"
 
 
 def set_real_rows(param: torch.Tensor, rows: int) -> None:
-  """Records that `param` holds `rows` real rows and zero rows after them."""
-  setattr(param, _REAL_ROWS, rows)
+    """Records that `param` holds `rows` real rows and zero rows after them."""
+    setattr(param, _REAL_ROWS, rows)
 
 
 def real_shape(param: torch.Tensor) -> torch.Size:
-  """The shape the model's state dict shows: without the zero rows of a padded parameter."""
-  rows = getattr(param, _REAL_ROWS, None)
-  return param.shape if rows is None else torch.Size((rows,) + tuple(param.shape[1:]))
+    """The shape the model's state dict shows: without the zero rows of a padded parameter."""
+    rows = getattr(param, _REAL_ROWS, None)
+    return param.shape if rows is None else torch.Size((rows,) + tuple(param.shape[1:]))

@@ -39,12 +39,17 @@ from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms
 from xla_fsdp.spmd_engine.padded_rows import pad_uneven_rows
 from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters
 from xla_fsdp.layer_scan.find import find_layer_lists
-from xla_fsdp.spmd_engine.scan import (ScanSettings,
-                                       install_scans)
+from xla_fsdp.spmd_engine.scan import ScanSettings, install_scans
 from xla_fsdp.layer_scan.stored_stacks import check_shared as check_stackable
-from xla_fsdp.spmd_engine.units import (ParamInitFn, Placed, WrapPolicy,
-                                        find_units, materialize_unit,
-                                        place_and_shard, unit_tensors)
+from xla_fsdp.spmd_engine.units import (
+    ParamInitFn,
+    Placed,
+    WrapPolicy,
+    find_units,
+    materialize_unit,
+    place_and_shard,
+    unit_tensors,
+)
 
 # Roots already handled: a second application would stack a second set of
 # hooks (double casts and annotations). Weak, so models can be freed.
@@ -65,122 +70,131 @@ def apply_spmd_fsdp(
     batch_axes: Optional[Sequence[str]] = None,
     scan_layers: Union[bool, str] = False,
 ) -> nn.Module:
-  """Shards `module` in place over the SPMD mesh and returns it.
+    """Shards `module` in place over the SPMD mesh and returns it.
 
-  Args:
-    module: the model; may hold meta tensors (see `param_init_fn`).
-    mesh: a mesh with an axis named "fsdp"; default a 1-D mesh over every
-      device of this process.
-    compute_dtype: dtype parameters are cast to for forward/backward math;
-      the Parameters (and gradients, optimizer state) stay in their dtype.
-    buffer_dtype: dtype floating buffers are stored in.
-    auto_wrap_policy: `policy(module=, recurse=, unwrapped_params=) -> bool`
-      choosing the units (torch_xla / xla_fsdp.wrap protocol).
-    auto_wrapper_callable: `fn(unit) -> module` applied to every non-root
-      unit before sharding; if it returns a different module, that module is
-      installed under the unit's name (and its parameter names are used).
-    param_init_fn: `fn(unit)` called for each unit that still has meta
-      tensors, before they are sharded; default: `to_empty` on the host and
-      `reset_parameters()`.
-    activation_checkpointing: recompute every non-root unit in backward.
-    gather_params: make every module compute with a replicated view of its
-      parameters, forcing FSDP's all-gather / reduce-scatter pattern instead
-      of letting GSPMD choose ([Note: gathering parameters by annotation]).
-    scan_layers: run each nn.ModuleList of identical units as one XLA While
-      loop ([Note: scanning the layers of a ModuleList] in scan.py); with
-      activation_checkpointing each layer is recomputed inside the loop. True
-      stores each parameter of the scanned layers once, stacked ([Note:
-      parameters stored stacked] in stacked.py); "per_step" keeps per-layer
-      parameters and stacks them every step (for optimizers with per-tensor
-      statistics other than Hugging Face's Adafactor, which runs per layer on
-      stored stacks).
-  """
-  if not xr.is_spmd():
-    raise RuntimeError(
-        "the SPMD engine needs SPMD mode: call torch_xla.runtime.use_spmd() "
-        "(or launch with --spmd) before any XLA tensor is created.")
-  if module in _applied:
-    raise ValueError(
-        f"{type(module).__name__} is already sharded by the SPMD engine; "
-        "apply it once, to the root model.")
-  mesh = resolve_mesh(mesh)
-  unknown = [a for a in batch_axes or () if a not in mesh.axis_names]
-  if unknown or batch_axes is not None and not batch_axes:
-    raise ValueError(
-        f"batch_axes {batch_axes!r} must name axes of the mesh "
-        f"{tuple(mesh.axis_names)} (at least one); default: all of them.")
-  device = torch_xla.device()
+    Args:
+      module: the model; may hold meta tensors (see `param_init_fn`).
+      mesh: a mesh with an axis named "fsdp"; default a 1-D mesh over every
+        device of this process.
+      compute_dtype: dtype parameters are cast to for forward/backward math;
+        the Parameters (and gradients, optimizer state) stay in their dtype.
+      buffer_dtype: dtype floating buffers are stored in.
+      auto_wrap_policy: `policy(module=, recurse=, unwrapped_params=) -> bool`
+        choosing the units (torch_xla / xla_fsdp.wrap protocol).
+      auto_wrapper_callable: `fn(unit) -> module` applied to every non-root
+        unit before sharding; if it returns a different module, that module is
+        installed under the unit's name (and its parameter names are used).
+      param_init_fn: `fn(unit)` called for each unit that still has meta
+        tensors, before they are sharded; default: `to_empty` on the host and
+        `reset_parameters()`.
+      activation_checkpointing: recompute every non-root unit in backward.
+      gather_params: make every module compute with a replicated view of its
+        parameters, forcing FSDP's all-gather / reduce-scatter pattern instead
+        of letting GSPMD choose ([Note: gathering parameters by annotation]).
+      scan_layers: run each nn.ModuleList of identical units as one XLA While
+        loop ([Note: scanning the layers of a ModuleList] in scan.py); with
+        activation_checkpointing each layer is recomputed inside the loop. True
+        stores each parameter of the scanned layers once, stacked ([Note:
+        parameters stored stacked] in stacked.py); "per_step" keeps per-layer
+        parameters and stacks them every step (for optimizers with per-tensor
+        statistics other than Hugging Face's Adafactor, which runs per layer on
+        stored stacks).
+    """
+    if not xr.is_spmd():
+        raise RuntimeError(
+            "the SPMD engine needs SPMD mode: call torch_xla.runtime.use_spmd() "
+            "(or launch with --spmd) before any XLA tensor is created."
+        )
+    if module in _applied:
+        raise ValueError(
+            f"{type(module).__name__} is already sharded by the SPMD engine; apply it once, to the root model."
+        )
+    mesh = resolve_mesh(mesh)
+    unknown = [a for a in batch_axes or () if a not in mesh.axis_names]
+    if unknown or batch_axes is not None and not batch_axes:
+        raise ValueError(
+            f"batch_axes {batch_axes!r} must name axes of the mesh "
+            f"{tuple(mesh.axis_names)} (at least one); default: all of them."
+        )
+    device = torch_xla.device()
 
-  units = find_units(module, auto_wrap_policy)
-  if auto_wrapper_callable is not None:
-    units = _apply_wrapper(module, units, auto_wrapper_callable)
+    units = find_units(module, auto_wrap_policy)
+    if auto_wrapper_callable is not None:
+        units = _apply_wrapper(module, units, auto_wrapper_callable)
 
-  # checked before anything is placed: a refusal leaves the model as it was
-  stored = scan_layers is True  # "per_step": stack every step
-  found = find_layer_lists(module, units, check_stackable if stored else None) if scan_layers else []
-  scanned = {id(layer) for _, _, layers, _ in found for layer in layers}
-  if scanned and gather_params:
-    raise ValueError("scan_layers with gather_params is not supported: inside "
-                     "the loop the partitioner places the parameters.")
+    # checked before anything is placed: a refusal leaves the model as it was
+    stored = scan_layers is True  # "per_step": stack every step
+    found = find_layer_lists(module, units, check_stackable if stored else None) if scan_layers else []
+    scanned = {id(layer) for _, _, layers, _ in found for layer in layers}
+    if scanned and gather_params:
+        raise ValueError(
+            "scan_layers with gather_params is not supported: inside the loop the partitioner places the parameters."
+        )
 
-  done: Placed = {}
-  for unit in units:
-    materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
-    place_and_shard(unit, done, mesh, device, buffer_dtype)
+    done: Placed = {}
+    for unit in units:
+        materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
+        place_and_shard(unit, done, mesh, device, buffer_dtype)
 
-  # [Note: padded rows]; not inside scanned layers
-  pad_uneven_rows(module, mesh, [layer for _, _, layers, _ in found for layer in layers])
-  _, views = install_compute_views(module, compute_dtype, mesh, gather_params)
+    # [Note: padded rows]; not inside scanned layers
+    pad_uneven_rows(module, mesh, [layer for _, _, layers, _ in found for layer in layers])
+    _, views = install_compute_views(module, compute_dtype, mesh, gather_params)
 
-  # Before checkpointing: a LayerNorm unit's checkpoint must wrap this forward.
-  install_partitionable_layer_norms(module)
-  if activation_checkpointing:
+    # Before checkpointing: a LayerNorm unit's checkpoint must wrap this forward.
+    install_partitionable_layer_norms(module)
+    if activation_checkpointing:
+        for unit in units[:-1]:
+            if id(unit) not in scanned:  # a scanned layer recomputes in the loop
+                checkpoint_unit(unit, views.get(unit))
+
+    batch = BatchSharding(mesh, batch_axes)
+    # prepend: see the batch before the compute-dtype cast of the inputs.
+    module.register_forward_pre_hook(batch.root_inputs, with_kwargs=True, prepend=True)
+    module.register_forward_hook(lambda m, args, out: batch.annotate(out))
     for unit in units[:-1]:
-      if id(unit) not in scanned:  # a scanned layer recomputes in the loop
-        checkpoint_unit(unit, views.get(unit))
-
-  batch = BatchSharding(mesh, batch_axes)
-  # prepend: see the batch before the compute-dtype cast of the inputs.
-  module.register_forward_pre_hook(
-      batch.root_inputs, with_kwargs=True, prepend=True)
-  module.register_forward_hook(
-      lambda m, args, out: batch.annotate(out))
-  for unit in units[:-1]:
-    unit.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
-    unit.register_forward_hook(batch.unit_output)
-  for owner in _param_owners(module, exclude=units):
-    owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
-  if found:
-    install_scans(module, found, ScanSettings(mesh, compute_dtype, batch.annotate,
-                                              recompute=activation_checkpointing,
-                                              stored=stored, batch_entry=batch.batch_entry))
-  _applied.add(module)
-  return module
+        unit.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
+        unit.register_forward_hook(batch.unit_output)
+    for owner in _param_owners(module, exclude=units):
+        owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
+    if found:
+        install_scans(
+            module,
+            found,
+            ScanSettings(
+                mesh,
+                compute_dtype,
+                batch.annotate,
+                recompute=activation_checkpointing,
+                stored=stored,
+                batch_entry=batch.batch_entry,
+            ),
+        )
+    _applied.add(module)
+    return module
 
 
 def _param_owners(root: nn.Module, exclude: List[nn.Module]) -> List[nn.Module]:
-  """Modules under `root` that own a parameter, other than `exclude`."""
-  skip = set(map(id, exclude))
-  return [m for m in root.modules() if id(m) not in skip and owns_parameters(m)]
+    """Modules under `root` that own a parameter, other than `exclude`."""
+    skip = set(map(id, exclude))
+    return [m for m in root.modules() if id(m) not in skip and owns_parameters(m)]
 
 
-def _apply_wrapper(root: nn.Module, units: List[nn.Module],
-                   wrapper: Callable[[nn.Module], nn.Module]) -> List[nn.Module]:
-  """Runs `wrapper` on each non-root unit and installs what it returns."""
-  parents = {
-      child: (parent, name) for parent in root.modules()
-      for name, child in parent.named_children()
-  }
-  wrapped: List[nn.Module] = []
-  for unit in units[:-1]:
-    result = wrapper(unit)
-    if not isinstance(result, nn.Module):
-      raise TypeError(
-          f"auto_wrapper_callable returned {type(result).__name__} for unit "
-          f"{type(unit).__name__}; it must return an nn.Module.")
-    if result is not unit:
-      parent, name = parents[unit]
-      setattr(parent, name, result)
-    wrapped.append(result)
-  wrapped.append(root)
-  return wrapped
+def _apply_wrapper(
+    root: nn.Module, units: List[nn.Module], wrapper: Callable[[nn.Module], nn.Module]
+) -> List[nn.Module]:
+    """Runs `wrapper` on each non-root unit and installs what it returns."""
+    parents = {child: (parent, name) for parent in root.modules() for name, child in parent.named_children()}
+    wrapped: List[nn.Module] = []
+    for unit in units[:-1]:
+        result = wrapper(unit)
+        if not isinstance(result, nn.Module):
+            raise TypeError(
+                f"auto_wrapper_callable returned {type(result).__name__} for unit "
+                f"{type(unit).__name__}; it must return an nn.Module."
+            )
+        if result is not unit:
+            parent, name = parents[unit]
+            setattr(parent, name, result)
+        wrapped.append(result)
+    wrapped.append(root)
+    return wrapped

@@ -41,88 +41,96 @@ MAX_EXTRA = 8  # pad by at most 1/8 of the rows (a small table over many chips s
 
 @dataclass
 class PaddedRows:
-  """One parameter stored padded: `rows` real rows of `param`."""
-  param: nn.Parameter
-  rows: int
-  holders: List[Tuple[nn.Module, str]]
+    """One parameter stored padded: `rows` real rows of `param`."""
+
+    param: nn.Parameter
+    rows: int
+    holders: List[Tuple[nn.Module, str]]
 
 
 def _holders(root: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]:
-  out: Dict[int, List[Tuple[nn.Module, str]]] = {}
-  for module in root.modules():
-    for name, p in module._parameters.items():
-      if p is not None:
-        out.setdefault(id(p), []).append((module, name))
-  return out
+    out: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for module in root.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((module, name))
+    return out
 
 
 def _paddable(module: nn.Module, name: str) -> bool:
-  if name != "weight":
-    return False
-  if type(module) is nn.Embedding:
-    return module.max_norm is None  # max_norm renormalizes rows in place
-  return type(module) is nn.Linear and module.bias is None
+    if name != "weight":
+        return False
+    if type(module) is nn.Embedding:
+        return module.max_norm is None  # max_norm renormalizes rows in place
+    return type(module) is nn.Linear and module.bias is None
 
 
-def pad_uneven_rows(root: nn.Module, mesh: xs.Mesh,
-                    scanned: Collection[nn.Module] = ()) -> List[PaddedRows]:
-  """Stores every paddable parameter of `root` whose rows do not split into whole tiles
-  per shard with zero rows appended ([Note: padded rows]); returns what it padded. Layers
-  that will run in a scanned loop are left as they are (the loop runs a hook-free copy)."""
-  multiple = ROW_TILE * fsdp_degree(mesh)
-  holders = _holders(root)
-  inside = {id(m) for layer in scanned for m in layer.modules()}
-  seen, padded = set(), []
-  for p in list(root.parameters()):
-    if (id(p) in seen or p.dim() < 1 or not p.is_floating_point() or p.shape[0] % multiple == 0
-        or (-p.shape[0] % multiple) * MAX_EXTRA > p.shape[0]):
-      continue
-    seen.add(id(p))
-    held = holders.get(id(p), [])
-    if not held or not all(_paddable(m, n) and id(m) not in inside for m, n in held):
-      continue
-    rows = p.shape[0]
-    extra = -rows % multiple
-    with torch.no_grad():
-      data = torch.cat([p.detach(), p.new_zeros((extra,) + tuple(p.shape[1:]))])
-    xs.mark_sharding(data, mesh, param_spec(data))
-    stored = nn.Parameter(data, requires_grad=p.requires_grad)
-    set_real_rows(stored, rows)
-    for module, name in held:
-      module._parameters[name] = stored
-      if isinstance(module, nn.Linear):
-        module.register_forward_hook(_real_columns(rows))
-    padded.append(PaddedRows(stored, rows, held))
-  if padded:
-    ids = {id(r.param): r.rows for r in padded}
-    root.__dict__["_xla_fsdp_padded_rows"] = {
-        name: ids[id(p)] for name, p in root.named_parameters(remove_duplicate=False) if id(p) in ids}
-    root._register_state_dict_hook(_real_rows)
-    root._register_load_state_dict_pre_hook(_pad_on_load, with_module=True)
-    logger.info("padded rows: %s", ", ".join(
-        f"{type(r.holders[0][0]).__name__} {r.rows} -> {r.param.shape[0]}" for r in padded))
-  return padded
+def pad_uneven_rows(root: nn.Module, mesh: xs.Mesh, scanned: Collection[nn.Module] = ()) -> List[PaddedRows]:
+    """Stores every paddable parameter of `root` whose rows do not split into whole tiles
+    per shard with zero rows appended ([Note: padded rows]); returns what it padded. Layers
+    that will run in a scanned loop are left as they are (the loop runs a hook-free copy)."""
+    multiple = ROW_TILE * fsdp_degree(mesh)
+    holders = _holders(root)
+    inside = {id(m) for layer in scanned for m in layer.modules()}
+    seen, padded = set(), []
+    for p in list(root.parameters()):
+        if (
+            id(p) in seen
+            or p.dim() < 1
+            or not p.is_floating_point()
+            or p.shape[0] % multiple == 0
+            or (-p.shape[0] % multiple) * MAX_EXTRA > p.shape[0]
+        ):
+            continue
+        seen.add(id(p))
+        held = holders.get(id(p), [])
+        if not held or not all(_paddable(m, n) and id(m) not in inside for m, n in held):
+            continue
+        rows = p.shape[0]
+        extra = -rows % multiple
+        with torch.no_grad():
+            data = torch.cat([p.detach(), p.new_zeros((extra,) + tuple(p.shape[1:]))])
+        xs.mark_sharding(data, mesh, param_spec(data))
+        stored = nn.Parameter(data, requires_grad=p.requires_grad)
+        set_real_rows(stored, rows)
+        for module, name in held:
+            module._parameters[name] = stored
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(_real_columns(rows))
+        padded.append(PaddedRows(stored, rows, held))
+    if padded:
+        ids = {id(r.param): r.rows for r in padded}
+        root.__dict__["_xla_fsdp_padded_rows"] = {
+            name: ids[id(p)] for name, p in root.named_parameters(remove_duplicate=False) if id(p) in ids
+        }
+        root._register_state_dict_hook(_real_rows)
+        root._register_load_state_dict_pre_hook(_pad_on_load, with_module=True)
+        logger.info(
+            "padded rows: %s",
+            ", ".join(f"{type(r.holders[0][0]).__name__} {r.rows} -> {r.param.shape[0]}" for r in padded),
+        )
+    return padded
 
 
 def _real_columns(rows: int):
-  def hook(module, args, out):
-    return out[..., :rows]
-  return hook
+    def hook(module, args, out):
+        return out[..., :rows]
+
+    return hook
 
 
 def _real_rows(root: nn.Module, state: Dict[str, torch.Tensor], prefix: str, _meta) -> None:
-  for name, rows in root.__dict__["_xla_fsdp_padded_rows"].items():
-    value = state.get(prefix + name)
-    if value is not None and value.shape[0] != rows:
-      state[prefix + name] = value[:rows]
+    for name, rows in root.__dict__["_xla_fsdp_padded_rows"].items():
+        value = state.get(prefix + name)
+        if value is not None and value.shape[0] != rows:
+            state[prefix + name] = value[:rows]
 
 
-def _pad_on_load(root: nn.Module, state, prefix, _meta, _strict, _missing, _unexpected,
-                 errors) -> None:
-  params = dict(root.named_parameters(remove_duplicate=False))
-  for name, rows in root.__dict__["_xla_fsdp_padded_rows"].items():
-    value = state.get(prefix + name)
-    if value is None or value.shape[0] != rows:
-      continue
-    extra = params[name].shape[0] - rows
-    state[prefix + name] = torch.cat([value, value.new_zeros((extra,) + tuple(value.shape[1:]))])
+def _pad_on_load(root: nn.Module, state, prefix, _meta, _strict, _missing, _unexpected, errors) -> None:
+    params = dict(root.named_parameters(remove_duplicate=False))
+    for name, rows in root.__dict__["_xla_fsdp_padded_rows"].items():
+        value = state.get(prefix + name)
+        if value is None or value.shape[0] != rows:
+            continue
+        extra = params[name].shape[0] - rows
+        state[prefix + name] = torch.cat([value, value.new_zeros((extra,) + tuple(value.shape[1:]))])

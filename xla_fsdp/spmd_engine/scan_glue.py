@@ -6,18 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def recompute_partition(joint_module, _joint_inputs, *, num_fwd_outputs,
-                        **_ignored):
-  """AOTAutograd partitioner that saves only the layer's inputs: the
-  backward body recomputes the whole layer (per-layer checkpointing)."""
-  from torch._functorch import partitioners as p
+def recompute_partition(joint_module, _joint_inputs, *, num_fwd_outputs, **_ignored):
+    """AOTAutograd partitioner that saves only the layer's inputs: the
+    backward body recomputes the whole layer (per-layer checkpointing)."""
+    from torch._functorch import partitioners as p
 
-  saved = [
-      n for n in joint_module.graph.nodes
-      if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))
-  ]
-  return p._extract_fwd_bwd_modules(
-      joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
+    saved = [
+        n for n in joint_module.graph.nodes if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))
+    ]
+    return p._extract_fwd_bwd_modules(joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
 
 
 # [Note: scan's backward without JAX]
@@ -30,24 +27,24 @@ def recompute_partition(joint_module, _joint_inputs, *, num_fwd_outputs,
 # sharded), and is left to the partitioner's propagation otherwise (a stacked parameter's
 # slice carries no annotation of its own, so shard_alike constrained nothing there either).
 def shard_like(inputs, grads):
-  """`shard_as(inputs, grads)` of torch_xla's scan, without JAX: (inputs, annotated grads)."""
-  import torch_xla
-  from torch.utils._pytree import tree_map
+    """`shard_as(inputs, grads)` of torch_xla's scan, without JAX: (inputs, annotated grads)."""
+    import torch_xla
+    from torch.utils._pytree import tree_map
 
-  from xla_fsdp.runtime.mesh import annotate_with
+    from xla_fsdp.runtime.mesh import annotate_with
 
-  def one(x, g):
-    if not isinstance(x, torch.Tensor) or not isinstance(g, torch.Tensor):
-      return g
-    if not torch_xla._XLAC._get_xla_sharding_spec(x):
-      return g
-    return annotate_with(g, torch_xla._XLAC._get_xla_op_sharding(x))
+    def one(x, g):
+        if not isinstance(x, torch.Tensor) or not isinstance(g, torch.Tensor):
+            return g
+        if not torch_xla._XLAC._get_xla_sharding_spec(x):
+            return g
+        return annotate_with(g, torch_xla._XLAC._get_xla_op_sharding(x))
 
-  return inputs, tree_map(one, inputs, grads)
+    return inputs, tree_map(one, inputs, grads)
 
 
 def use_shard_like() -> None:
-  """Points torch_xla's scan at `shard_like` ([Note: scan's backward without JAX])."""
-  import torch_xla.experimental.scan as txla_scan
+    """Points torch_xla's scan at `shard_like` ([Note: scan's backward without JAX])."""
+    import torch_xla.experimental.scan as txla_scan
 
-  txla_scan.shard_as = shard_like
+    txla_scan.shard_as = shard_like

@@ -54,36 +54,37 @@ from xla_fsdp.runtime.mesh import FSDP_AXIS
 
 
 def stacked_view(stored: torch.Tensor) -> torch.Tensor:
-  """The stored (d0, L, *rest) tensor as (L, d0, *rest), what the loop slices."""
-  return stored.movedim(1, 0) if stored.dim() > 1 else stored
+    """The stored (d0, L, *rest) tensor as (L, d0, *rest), what the loop slices."""
+    return stored.movedim(1, 0) if stored.dim() > 1 else stored
 
 
 def _locate(root: nn.Module, dotted: str):
-  owner_name, _, local = dotted.rpartition(".")
-  return (root.get_submodule(owner_name) if owner_name else root), local
+    owner_name, _, local = dotted.rpartition(".")
+    return (root.get_submodule(owner_name) if owner_name else root), local
 
 
-def store_stacked(owner: nn.Module, attr: str, layers: Sequence[nn.Module], container: nn.Module,
-                  mesh: xs.Mesh) -> StackRecord:
-  """Moves every parameter of `layers` into `container` (a copy of layer 0's structure, off the
-  layers) as one stored stack, sharded on dim 0; registers it on `owner` right after the list,
-  and the state-dict hooks that keep per-layer keys. The layers keep their buffers."""
-  check_store_name(owner, attr)
-  names = [n for n, _ in layers[0].named_parameters()]
-  order = list(layers[0].state_dict(keep_vars=True).keys())
-  for name in names:
-    per_layer = [layer.get_parameter(name) for layer in layers]
-    with torch.no_grad():
-      stored = stored_keys.stack_layers([p.detach() for p in per_layer])
-    if stored.dim() > 1:
-      xs.mark_sharding(stored, mesh, (FSDP_AXIS,) + (None,) * (stored.dim() - 1))
-    param = nn.Parameter(stored, requires_grad=per_layer[0].requires_grad)
-    param._xla_fsdp_stacked = True
-    module, local = _locate(container, name)
-    module._parameters[local] = param
-    for layer in layers:
-      module_i, _ = _locate(layer, name)
-      del module_i._parameters[local]
-  record = StackRecord(attr, len(layers), names, order)
-  attach(owner, attr, container, record)
-  return record
+def store_stacked(
+    owner: nn.Module, attr: str, layers: Sequence[nn.Module], container: nn.Module, mesh: xs.Mesh
+) -> StackRecord:
+    """Moves every parameter of `layers` into `container` (a copy of layer 0's structure, off the
+    layers) as one stored stack, sharded on dim 0; registers it on `owner` right after the list,
+    and the state-dict hooks that keep per-layer keys. The layers keep their buffers."""
+    check_store_name(owner, attr)
+    names = [n for n, _ in layers[0].named_parameters()]
+    order = list(layers[0].state_dict(keep_vars=True).keys())
+    for name in names:
+        per_layer = [layer.get_parameter(name) for layer in layers]
+        with torch.no_grad():
+            stored = stored_keys.stack_layers([p.detach() for p in per_layer])
+        if stored.dim() > 1:
+            xs.mark_sharding(stored, mesh, (FSDP_AXIS,) + (None,) * (stored.dim() - 1))
+        param = nn.Parameter(stored, requires_grad=per_layer[0].requires_grad)
+        param._xla_fsdp_stacked = True
+        module, local = _locate(container, name)
+        module._parameters[local] = param
+        for layer in layers:
+            module_i, _ = _locate(layer, name)
+            del module_i._parameters[local]
+    record = StackRecord(attr, len(layers), names, order)
+    attach(owner, attr, container, record)
+    return record
