@@ -1,7 +1,7 @@
 """Activation memory with and without per-layer gradient checkpointing.
 
 Counts the bytes autograd keeps between forward and backward
-(`xla_fsdp.memory.activations.saved_activation_bytes`) for one forward of a
+(`xla_fsdp.memory.saved_activations.saved_activation_bytes`) for one forward of a
 GPT-2 (default d 256, 4 layers, vocab 8192, seq 128, batch 8), as a plain
 model and wrapped with xla_fsdp (XLA:CPU, world size 1, units on GPT2Block),
 each with and without checkpointing every block. Parameters gathered by a
@@ -25,7 +25,7 @@ def build(args):
 
 def measure(args, fsdp: bool, ckpt: bool) -> int:
     import xla_fsdp
-    from xla_fsdp.memory.activations import saved_activation_bytes
+    from xla_fsdp.memory.saved_activations import saved_activation_bytes
 
     model = build(args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))

@@ -5,7 +5,7 @@ import torch
 
 import xla_fsdp
 from xla_fsdp import FSDP
-from xla_fsdp.memory.activations import saved_activation_bytes
+from xla_fsdp.memory.saved_activations import saved_activation_bytes
 from parity_cases import batch, build_model, loss_fn
 
 torch_xla = pytest.importorskip("torch_xla")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import os
+import re
+from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import pytest
@@ -44,10 +46,10 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.keywords": "base",
     # layer 3: the engines, one folder each
     "xla_fsdp.collective_engine": "collective_engine",
-    "xla_fsdp.spmd_engine": "spmd_engine",
+    "xla_fsdp.gspmd_engine": "gspmd_engine",
     # layer 4: the front door
     "xla_fsdp.api": "front_door",
-    "xla_fsdp.spmd_fsdp": "front_door",  # torch_xla's FSDPv2 name on the GSPMD engine
+    "xla_fsdp.fsdpv2": "front_door",  # torch_xla's FSDPv2 name on the GSPMD engine
     "xla_fsdp.fsdp": "on_top",
     "xla_fsdp.attention": "on_top",  # the Pallas attention kernel for transformers models (run_clm, Trainer)
     "xla_fsdp.loss": "shared",  # the causal-LM loss fused with the output projection (run_clm)
@@ -61,16 +63,16 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.launcher": "on_top",  # launch/xla_spawn.py's launcher (it imports only runtime/ and tpu/)
     "xla_fsdp": "on_top",  # the package root re-exports the front door
 }
-LAYER = {"base": 1, "shared": 2, "collective_engine": 3, "spmd_engine": 3, "front_door": 4,
+LAYER = {"base": 1, "shared": 2, "collective_engine": 3, "gspmd_engine": 3, "front_door": 4,
          "checkpoint": 5, "config": 5, "on_top": 5}
 _BELOW_ENGINES = {"base", "shared"}
-_ENGINES = {"collective_engine", "spmd_engine"}
+_ENGINES = {"collective_engine", "gspmd_engine"}
 # which rooms a room may import (its own included)
 ALLOWED: Dict[str, set] = {
     "base": {"base"},
     "shared": _BELOW_ENGINES,
     "collective_engine": _BELOW_ENGINES | {"collective_engine"},
-    "spmd_engine": _BELOW_ENGINES | {"spmd_engine"},
+    "gspmd_engine": _BELOW_ENGINES | {"gspmd_engine"},
     "front_door": _BELOW_ENGINES | _ENGINES | {"front_door"},
     "checkpoint": _BELOW_ENGINES | _ENGINES | {"checkpoint"},
     "config": _BELOW_ENGINES | _ENGINES | {"front_door", "config"},
@@ -296,3 +298,38 @@ def test_the_package_root_stays_small():
     assert len(root) <= MAX_ROOT_FILES, (
         f"xla_fsdp/ has {len(root)} .py files at its root (at most {MAX_ROOT_FILES}): {', '.join(root)}; "
         "move a concern into its folder, and keep its old import path in xla_fsdp/__init__.py")
+
+
+def test_the_design_docs_layout_table_names_every_module():
+    """docs/DESIGN.md's "Layout" table against the tree: a row for every folder and root module
+    of xla_fsdp/, and each folder's row names each of its modules (`name.py`), so a reader finds
+    every file there; no row names a file that is gone."""
+    root = Path(ROOT)
+    text = (root / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    table = text.split("## Layout", 1)[1].split("\n### ", 1)[0]
+    rows = dict(re.findall(r"^\| `(xla_fsdp/[^`]*)` \| (.*) \|$", table, flags=re.M))
+    package = root / "xla_fsdp"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if path.parent == package:
+            if rel not in rows:
+                missing.append(rel)
+            continue
+        folder = path.relative_to(package).parts[0]
+        row = rows.get(f"xla_fsdp/{folder}/")
+        name = path.relative_to(package / folder).as_posix()
+        if path.name in ("__init__.py", "__main__.py") and path.parent == package / folder:
+            if row is None:
+                missing.append(f"xla_fsdp/{folder}/")
+            continue
+        if row is None or f"`{name}`" not in row and f"`{path.name}`" not in row:
+            if rel not in rows:
+                missing.append(rel)
+    assert not missing, f"docs/DESIGN.md's layout table does not name: {missing}"
+    gone = [p for p in rows if not (root / p).exists()]
+    assert not gone, f"docs/DESIGN.md's layout table names paths that do not exist: {gone}"
+    for path, row in rows.items():
+        if path.endswith("/"):
+            stale = [n for n in re.findall(r"`(\w+\.py)`", row) if not (root / path / n).exists()]
+            assert not stale, f"docs/DESIGN.md's row {path} names files it does not hold: {stale}"

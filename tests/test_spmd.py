@@ -1,4 +1,4 @@
-"""The SPMD engine (xla_fsdp.spmd_engine.engine.apply_spmd_fsdp) on 4 and 8 virtual CPU devices.
+"""The SPMD engine (xla_fsdp.gspmd_engine.engine.apply_spmd_fsdp) on 4 and 8 virtual CPU devices.
 
 Each scenario runs tests/spmd_cases/run_case.py in its own process, because
 SPMD mode and the device count are fixed when the XLA runtime starts. All
@@ -223,7 +223,7 @@ def test_units_follow_policy_innermost_first():
     # Pure Python: no XLA runtime needed.
     import torch.nn as nn
 
-    from xla_fsdp.spmd_engine.units import find_units
+    from xla_fsdp.gspmd_engine.units import find_units
 
     inner = nn.Linear(2, 2)
     block = nn.Sequential(inner, nn.ReLU())

@@ -1,4 +1,4 @@
-"""The SPMD engine's partitionable layer norm (xla_fsdp/spmd_engine/norms.py) against
+"""The SPMD engine's partitionable layer norm (xla_fsdp/gspmd_engine/norms.py) against
 PyTorch's own, on the CPU: values, gradients, low precision, installation."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms, layer_norm
+from xla_fsdp.gspmd_engine.norms import install_partitionable_layer_norms, layer_norm
 
 
 def _inputs(dtype=torch.float32, affine=True):

@@ -66,17 +66,17 @@ def test_shape_from_device_coordinates():
 def test_a_plane_slice_reduces_along_its_two_axes_and_never_rings_its_reduce_scatters(monkeypatch):
     """[Note: staged on 2-D slices]: v6e-256 (16 x 16) reduce-scatters one 16-chip line at a
     time; the reduce-scatter rings stay on 3-D slices, where they were measured."""
-    from xla_fsdp.collective_engine import auto, spmd_collectives
+    from xla_fsdp.collective_engine import auto, region_collectives
 
     monkeypatch.setenv(torus.ENV, "16x16")
     assert torus.slice_shape() == (16, 16) and not torus.three_axes((16, 16))
     stages = torus.stages(list(range(256)), torus.slice_shape())
     assert [count for _, count in stages] == [16, 16]
     assert stages[0][0][0] == list(range(0, 256, 16)) and stages[1][0][0] == list(range(16))
-    assert not auto.scatter_rings_apply([list(range(32))], 32, spmd_collectives._torus_known())
+    assert not auto.scatter_rings_apply([list(range(32))], 32, region_collectives._torus_known())
     monkeypatch.setenv(torus.ENV, "4x4x2")  # v4-64
     assert torus.three_axes(torus.slice_shape())
-    assert auto.scatter_rings_apply([list(range(32))], 32, spmd_collectives._torus_known())
+    assert auto.scatter_rings_apply([list(range(32))], 32, region_collectives._torus_known())
 
 
 @pytest.mark.parametrize("text", ["2x", "axb", "0x2x2", ""])

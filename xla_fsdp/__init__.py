@@ -24,7 +24,7 @@ _PUBLIC = {
     "FSDP": ".api", "XlaFullyShardedDataParallel": ".api",
     "consolidate_sharded_model_checkpoints": ".checkpoint",
     "MixedPrecision": ".options", "ShardingStrategy": ".options",
-    "SpmdFullyShardedDataParallel": ".spmd_fsdp",
+    "SpmdFullyShardedDataParallel": ".fsdpv2",
     "always_wrap_policy": ".wrap", "lambda_auto_wrap_policy": ".wrap", "size_based_auto_wrap_policy": ".wrap",
     "transformer_auto_wrap_policy": ".wrap",
     "deferred_init": ".deferred.compat", "is_deferred": ".deferred.compat",

@@ -331,7 +331,7 @@ def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
     if ignored:
         raise ValueError(f"engine='spmd' does not use {', '.join(ignored)}: the XLA partitioner schedules "
                          "the collectives; drop these options or use engine='collectives'")
-    from .spmd_engine.engine import apply_spmd_fsdp
+    from .gspmd_engine.engine import apply_spmd_fsdp
 
     kw = resolve(kwargs)
     spmd = {k: kw[k] for k in ("mesh", "compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrapper_callable",

@@ -222,7 +222,7 @@ def methods(out):
     _grads_of(net, tokens.to(dev), targets.to(dev))
     torch_xla.sync()
     res["divide_factor_ratio"] = float(net.head.weight.grad.cpu()[:10].norm() / ref.head.weight.grad.norm())
-    net.set_gradient_divide_factor(float(fsdp.mesh.process_count()))
+    net.set_gradient_divide_factor(float(fsdp.device_mesh.process_count()))
 
     # set_requires_gradient_sync(False) on two micro-batches, then True: the sum of both gradients
     net.zero_grad()

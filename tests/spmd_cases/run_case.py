@@ -30,11 +30,11 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 import xla_fsdp  # noqa: E402
-from xla_fsdp.spmd_engine.engine import apply_spmd_fsdp  # noqa: E402
+from xla_fsdp.gspmd_engine.engine import apply_spmd_fsdp  # noqa: E402
 
 
 def shard(model: nn.Module, **options) -> nn.Module:
-    """The public front door with engine="spmd" (calls spmd_engine.engine.apply_spmd_fsdp)."""
+    """The public front door with engine="spmd" (calls gspmd_engine.engine.apply_spmd_fsdp)."""
     return xla_fsdp.XlaFullyShardedDataParallel(model, engine="spmd", **options)
 
 

@@ -17,7 +17,7 @@ from .. import abstract
 from ..memory.host import release_freed_host_memory
 from ..options import FSDPOptions, ShardingLayout, ShardingStrategy
 from .collectives import Collectives, XlaCollectives
-from .spmd_collectives import SpmdCollectives
+from .region_collectives import SpmdCollectives
 from .dist_collectives import DistCollectives
 from .manual_region import DevicePlacement
 from .param import FSDPParam, ParamSite

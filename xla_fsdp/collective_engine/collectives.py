@@ -2,7 +2,7 @@
 
 `Collectives` is what a parameter group talks to. Implementations:
 `XlaCollectives` (pinned-layout HLO collectives, rank-independent graphs),
-`SpmdCollectives` (spmd_collectives.py: the same inside one SPMD program, the single controller) and
+`SpmdCollectives` (region_collectives.py: the same inside one SPMD program, the single controller) and
 `DistCollectives` (dist_collectives.py: torch.distributed, e.g. gloo on CPU
 tensors, so the same engine trains across real processes on a machine without
 accelerators).

@@ -178,7 +178,7 @@ def _enter_spmd(module: nn.Module) -> None:
 
 
 def _mesh(mesh):
-    from .mesh import resolve_fsdp_mesh
+    from .device_mesh import resolve_fsdp_mesh
 
     return resolve_fsdp_mesh(mesh)
 

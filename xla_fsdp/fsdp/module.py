@@ -134,7 +134,7 @@ class FSDPModule(UnitMethods):
         of processes, so that the gradient is that of the mean loss over every process's batch)."""
         if not factor or factor <= 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
-        from .mesh import process_count
+        from .device_mesh import process_count
 
         for unit in units(self):
             state_of(unit).group.grad_factor = process_count() / float(factor)

@@ -6,7 +6,7 @@ every layer is a fresh copy of the same HLO, so the program and its compile
 time grow with depth. Scanning runs the layers as XLA While loops, so the
 program holds one layer's forward and one layer's backward. Each engine
 brings its loop (`ScanSettings.loop`): the SPMD engine's runs torch_xla's
-`scan` over stacked parameters (spmd_engine/scan.py), the collectives
+`scan` over stacked parameters (gspmd_engine/scan.py), the collectives
 engine's its own loops with explicit collectives
 (collective_engine/scan_loop.py).
 

@@ -8,7 +8,7 @@ over every mesh axis (for the default 1-D mesh that is "fsdp" as well), which
 is the FSDP algorithm written as shardings: the partitioner inserts the
 gathers of parameters and the reductions of gradients back to the dim-0
 layout (and may pick other collectives for some ops unless gather_params
-forces the FSDP pattern; see spmd_engine/params.py).
+forces the FSDP pattern; see gspmd_engine/params.py).
 
 A dim 0 that the device count does not divide is still sharded: XLA's tiled
 sharding pads the last shards internally (a [10, 3] weight on 4 devices keeps

@@ -1,7 +1,7 @@
 """Which names a model's `state_dict()` gives to parameters stored stacked (scan_layers).
 
 A model whose repeated layers are scanned stores each of their parameters once, stacked
-([Note: parameters stored stacked] in spmd_engine/stacked.py; the collectives engine's in
+([Note: parameters stored stacked] in gspmd_engine/stacked.py; the collectives engine's in
 collective_engine/stacked_units.py). Its `state_dict()` names
 every layer's slice as the unscanned model does (`h.3.attn.c_attn.weight`), which is what
 Hugging Face, torch and a plain model load. The sharded checkpoints (xla_fsdp.checkpoint)

@@ -34,14 +34,14 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 from xla_fsdp.runtime.mesh import resolve_mesh
-from xla_fsdp.spmd_engine.activations import BatchSharding, checkpoint_unit
-from xla_fsdp.spmd_engine.norms import install_partitionable_layer_norms
-from xla_fsdp.spmd_engine.padded_rows import pad_uneven_rows
-from xla_fsdp.spmd_engine.params import install_compute_views, owns_parameters
+from xla_fsdp.gspmd_engine.activations import BatchSharding, checkpoint_unit
+from xla_fsdp.gspmd_engine.norms import install_partitionable_layer_norms
+from xla_fsdp.gspmd_engine.padded_rows import pad_uneven_rows
+from xla_fsdp.gspmd_engine.params import install_compute_views, owns_parameters
 from xla_fsdp.layer_scan.find import find_layer_lists
-from xla_fsdp.spmd_engine.scan import ScanSettings, install_scans
+from xla_fsdp.gspmd_engine.scan import ScanSettings, install_scans
 from xla_fsdp.layer_scan.stored_stacks import check_shared as check_stackable
-from xla_fsdp.spmd_engine.units import (
+from xla_fsdp.gspmd_engine.units import (
     ParamInitFn,
     Placed,
     WrapPolicy,

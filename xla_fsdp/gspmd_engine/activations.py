@@ -33,8 +33,8 @@ import torch_xla.distributed.spmd as xs
 
 from xla_fsdp.activation_checkpoint import checkpointed_call
 from xla_fsdp.runtime.mesh import ShardedView, batch_spec, data_degree
-from xla_fsdp.spmd_engine.params import ComputeView
-from xla_fsdp.spmd_engine.units import is_sharded
+from xla_fsdp.gspmd_engine.params import ComputeView
+from xla_fsdp.gspmd_engine.units import is_sharded
 
 
 class BatchSharding:

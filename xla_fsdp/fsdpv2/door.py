@@ -106,8 +106,8 @@ class _Root:
         self.taken: List[Tuple[nn.Module, dict]] = []  # torch_xla checkpoints taken off, for `restore`
 
     def apply(self, door: type) -> nn.Module:
-        from ..spmd_engine.activations import checkpoint_unit
-        from ..spmd_engine.engine import apply_spmd_fsdp
+        from ..gspmd_engine.activations import checkpoint_unit
+        from ..gspmd_engine.engine import apply_spmd_fsdp
 
         self.door = door
         self._take_checkpoint(self.module)
