@@ -8,7 +8,7 @@ Each host reports: its RSS when the save starts and at its peak during the save 
 host moves) and what it wrote. On XLA:CPU the devices' memory is host memory too, so the RSS at
 the start already holds the model and optimizer (twice: HYBRID's two replicas); the rise during
 the save is what the save costs. A virtual host drives every device, so its "all" bytes include
-the other host's blocks ([Note: virtual hosts] in xla_fsdp/hosts.py).
+the other host's blocks ([Note: virtual hosts] in xla_fsdp/runtime/hosts.py).
 
     python bench/hybrid_save_memory.py [--n_embd 768] [--n_layer 12] [--out results.json]
 

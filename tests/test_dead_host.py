@@ -2,7 +2,7 @@
 seconds, exit non-zero naming it, and nothing half-written counts as a checkpoint
 ([Note: a host that does not answer] in xla_fsdp/runtime/host_watch.py).
 
-Two virtual hosts ([Note: virtual hosts] in xla_fsdp/hosts.py) train, save checkpoint-K, train on;
+Two virtual hosts ([Note: virtual hosts] in xla_fsdp/runtime/hosts.py) train, save checkpoint-K, train on;
 then one host is SIGKILLed (the process dies, its connections close) or SIGSTOPped (it freezes,
 as a machine that vanished without closing its connections, where gloo alone would wait 30
 minutes) while the other saves checkpoint-(K+1).

@@ -91,9 +91,6 @@ def test_state_dict_is_the_checkpoint_package():
 
 
 @pytest.mark.parametrize("old, new", [
-    ("xla_fsdp.hosts", "xla_fsdp.runtime.hosts"),
-    ("xla_fsdp.mesh", "xla_fsdp.runtime.mesh"),
-    ("xla_fsdp.runtime_choice", "xla_fsdp.runtime.choice"),
     ("xla_fsdp.state_dict", "xla_fsdp.checkpoint.state_dict"),
     ("xla_fsdp.deferred_init", "xla_fsdp.deferred.compat"),
 ])

@@ -54,17 +54,15 @@ def __dir__():
 
 class _MovedModules:
     """[Note: moved modules keep their import paths]
-    Modules users import by name stay importable where they were before the package's root was
-    tidied into folders (tests/test_public_api.py imports each): `import xla_fsdp.hosts` gives
-    `xla_fsdp.runtime.hosts` itself, not a copy, loaded on first import (importing xla_fsdp does
-    not start torch_xla's mesh code, nor torch). `xla_fsdp.deferred_init` stays the *function*
+    The two module paths users write that no longer hold a module of that name keep working
+    (tests/test_public_api.py imports each): `import xla_fsdp.state_dict` (docs/checkpoints.md)
+    gives `xla_fsdp.checkpoint.state_dict` itself, not a copy, loaded on first import (importing
+    xla_fsdp does not start torch), and torchdistx's `xla_fsdp.deferred_init`. `xla_fsdp.deferred_init` stays the *function*
     (torchdistx's call shape) after `import xla_fsdp.deferred_init` loads the module of that name:
     the import system then sets the parent's attribute to the module, which `_Package` refuses.
     This finder is one of the import-time effects docs/DESIGN.md lists."""
 
-    MOVED = {__name__ + ".hosts": ".runtime.hosts", __name__ + ".mesh": ".runtime.mesh",
-             __name__ + ".runtime_choice": ".runtime.choice", __name__ + ".state_dict": ".checkpoint.state_dict",
-             __name__ + ".deferred_init": ".deferred.compat"}
+    MOVED = {__name__ + ".state_dict": ".checkpoint.state_dict", __name__ + ".deferred_init": ".deferred.compat"}
 
     def find_spec(self, fullname, path=None, target=None):
         import importlib.util

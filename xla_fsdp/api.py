@@ -287,7 +287,7 @@ def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: ty
         auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
     scanned = []
     if kw["scan_layers"]:  # [Note: scanning units of the collectives engine]
-        from .collective_engine import scan_loop
+        from .layer_scan.collective import scan_loop
 
         scanned = scan_loop.find(module, comm, kw["scan_layers"])
     for m in modules:

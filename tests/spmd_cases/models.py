@@ -60,12 +60,12 @@ def mlp_policy():
     return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
 
 
-def build_gpt2(seed: int = 0, vocab: int = 128) -> nn.Module:
+def build_gpt2(seed: int = 0, vocab: int = 128, layers: int = 2) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         n_embd=64,
-        n_layer=2,
+        n_layer=layers,
         n_head=2,
         vocab_size=vocab,
         n_positions=32,

@@ -29,20 +29,7 @@ import xla_fsdp  # noqa: E402
 
 
 def gpt2(layers: int, seed: int = 0) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_embd=64,
-        n_layer=layers,
-        n_head=2,
-        vocab_size=128,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config)
+    return models.build_gpt2(seed, layers=layers)
 
 
 def llama(layers: int, seed: int = 0) -> nn.Module:

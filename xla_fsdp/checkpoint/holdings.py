@@ -23,7 +23,7 @@ under SPMD such tensors are global ("whole") and saved like any other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -325,7 +325,3 @@ def held_state_dict(optimizer) -> Dict[str, Any]:
     from ..collective_engine.optimizer_state import held_state_dict as held
 
     return held(optimizer)
-
-
-def state_value(value: Any) -> Optional[torch.Tensor]:
-    return value if isinstance(value, torch.Tensor) else None

@@ -317,7 +317,6 @@ def _arg_name(path) -> str:
 # [Note: host reads in the manual region], for transformers: its mask code asks `is_tracing` before it
 # reads tensor values; inside the region the answer is yes (integrations/transformers.py's enable()
 # and scan_layers on a transformers model steer it)
-_steered: List[Tuple[Any, Callable]] = []  # (module, its original is_tracing)
 
 
 def steer_is_tracing() -> None:
@@ -331,7 +330,6 @@ def steer_is_tracing() -> None:
         if (name == "transformers" or name.startswith("transformers.")) and getattr(module, "is_tracing",
                                                                                      None) is original:
             setattr(module, "is_tracing", steered)
-            _steered.append((module, original))
 
 
 _STEERED: Dict[int, Callable] = {}
@@ -347,8 +345,3 @@ def _steered_is_tracing(original: Callable) -> Callable:
         _STEERED[id(original)] = is_tracing
     return _STEERED[id(original)]
 
-
-def unsteer_is_tracing() -> None:
-    while _steered:
-        module, original = _steered.pop()
-        module.is_tracing = original

@@ -39,7 +39,7 @@ from xla_fsdp.gspmd_engine.norms import install_partitionable_layer_norms
 from xla_fsdp.gspmd_engine.padded_rows import pad_uneven_rows
 from xla_fsdp.gspmd_engine.params import install_compute_views, owns_parameters
 from xla_fsdp.layer_scan.find import find_layer_lists
-from xla_fsdp.gspmd_engine.scan import ScanSettings, install_scans
+from xla_fsdp.layer_scan.gspmd.scan import ScanSettings, install_scans
 from xla_fsdp.layer_scan.stored_stacks import check_shared as check_stackable
 from xla_fsdp.gspmd_engine.units import (
     ParamInitFn,
@@ -100,22 +100,7 @@ def apply_spmd_fsdp(
         statistics other than Hugging Face's Adafactor, which runs per layer on
         stored stacks).
     """
-    if not xr.is_spmd():
-        raise RuntimeError(
-            "the SPMD engine needs SPMD mode: call torch_xla.runtime.use_spmd() "
-            "(or launch with --spmd) before any XLA tensor is created."
-        )
-    if module in _applied:
-        raise ValueError(
-            f"{type(module).__name__} is already sharded by the SPMD engine; apply it once, to the root model."
-        )
-    mesh = resolve_mesh(mesh)
-    unknown = [a for a in batch_axes or () if a not in mesh.axis_names]
-    if unknown or batch_axes is not None and not batch_axes:
-        raise ValueError(
-            f"batch_axes {batch_axes!r} must name axes of the mesh "
-            f"{tuple(mesh.axis_names)} (at least one); default: all of them."
-        )
+    mesh = _checked_mesh(module, mesh, batch_axes)
     device = torch_xla.device()
 
     units = find_units(module, auto_wrap_policy)
@@ -147,6 +132,39 @@ def apply_spmd_fsdp(
             if id(unit) not in scanned:  # a scanned layer recomputes in the loop
                 checkpoint_unit(unit, views.get(unit))
 
+    batch = _annotate_batches(module, units, mesh, batch_axes)
+    if found:
+        settings = ScanSettings(mesh, compute_dtype, batch.annotate, recompute=activation_checkpointing,
+                                stored=stored, batch_entry=batch.batch_entry)
+        install_scans(module, found, settings)
+    _applied.add(module)
+    return module
+
+
+def _checked_mesh(module: nn.Module, mesh: Optional[xs.Mesh], batch_axes: Optional[Sequence[str]]) -> xs.Mesh:
+    """The mesh to shard over, once SPMD mode, a first application and the batch axes are checked."""
+    if not xr.is_spmd():
+        raise RuntimeError(
+            "the SPMD engine needs SPMD mode: call torch_xla.runtime.use_spmd() "
+            "(or launch with --spmd) before any XLA tensor is created."
+        )
+    if module in _applied:
+        raise ValueError(
+            f"{type(module).__name__} is already sharded by the SPMD engine; apply it once, to the root model."
+        )
+    mesh = resolve_mesh(mesh)
+    unknown = [a for a in batch_axes or () if a not in mesh.axis_names]
+    if unknown or batch_axes is not None and not batch_axes:
+        raise ValueError(
+            f"batch_axes {batch_axes!r} must name axes of the mesh "
+            f"{tuple(mesh.axis_names)} (at least one); default: all of them."
+        )
+    return mesh
+
+
+def _annotate_batches(module: nn.Module, units, mesh: xs.Mesh, batch_axes) -> BatchSharding:
+    """The batch's sharding on the root's inputs and outputs and on every unit's and parameter
+    owner's inputs."""
     batch = BatchSharding(mesh, batch_axes)
     # prepend: see the batch before the compute-dtype cast of the inputs.
     module.register_forward_pre_hook(batch.root_inputs, with_kwargs=True, prepend=True)
@@ -156,21 +174,7 @@ def apply_spmd_fsdp(
         unit.register_forward_hook(batch.unit_output)
     for owner in _param_owners(module, exclude=units):
         owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
-    if found:
-        install_scans(
-            module,
-            found,
-            ScanSettings(
-                mesh,
-                compute_dtype,
-                batch.annotate,
-                recompute=activation_checkpointing,
-                stored=stored,
-                batch_entry=batch.batch_entry,
-            ),
-        )
-    _applied.add(module)
-    return module
+    return batch
 
 
 def _param_owners(root: nn.Module, exclude: List[nn.Module]) -> List[nn.Module]:

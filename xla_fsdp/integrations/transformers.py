@@ -230,19 +230,3 @@ def _no_pinned_memory_under_spmd(args) -> None:
         args.dataloader_pin_memory = False
         runtime.logger.warning("xla_fsdp: dataloader_pin_memory set to False: under the SPMD runtime torch's "
                                "pin_memory fails in torch_xla 2.9 (the data loader would hand out no batch)")
-
-
-def disable() -> None:
-    """Undo `enable()` (tests)."""
-    if not _originals:
-        return
-    import transformers.trainer as trainer_module
-
-    trainer_module.wrap_model_xla_fsdp = _originals["wrap_model_xla_fsdp"]
-    trainer_module.save_tpu_checkpoint = _originals["save_tpu_checkpoint"]
-    for name in ("_clip_grad_norm", "_get_grad_norm", "_load_optimizer_and_scheduler", "compute_loss", "__init__"):
-        setattr(trainer_module.Trainer, name, _originals[name])
-    trainer_module.Trainer.get_optimizer_cls_and_kwargs = staticmethod(_originals["get_optimizer_cls_and_kwargs"])
-    runtime.unsteer_is_tracing()
-    _originals.clear()
-

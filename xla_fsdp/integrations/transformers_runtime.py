@@ -30,7 +30,7 @@ from ..runtime.environment import SINGLE_CONTROLLER
 logger = logging.getLogger("xla_fsdp.integrations.transformers")
 
 # transformers' is_tracing steered inside the region: the collective engine's, which scan_layers uses too
-from ..collective_engine.manual_region import steer_is_tracing, unsteer_is_tracing  # noqa: E402,F401
+from ..collective_engine.manual_region import steer_is_tracing  # noqa: E402,F401
 
 
 def set_up_runtime() -> None:

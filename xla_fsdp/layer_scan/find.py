@@ -3,7 +3,7 @@
 A list qualifies when every child is a wrapped unit and the children are
 identical (class, parameter and buffer names, shapes, dtypes, no instance
 forward), and passes the engine's own check (the SPMD engine's stored stacks:
-gspmd_engine/stacked.py). The loop body runs a template: a copy of layer 0 with
+layer_scan/gspmd/stacked.py). The loop body runs a template: a copy of layer 0 with
 meta tensors and no hooks ([Note: scanning the layers of a ModuleList] in
 scanned_list.py).
 """

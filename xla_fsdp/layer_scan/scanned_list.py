@@ -6,9 +6,9 @@ every layer is a fresh copy of the same HLO, so the program and its compile
 time grow with depth. Scanning runs the layers as XLA While loops, so the
 program holds one layer's forward and one layer's backward. Each engine
 brings its loop (`ScanSettings.loop`): the SPMD engine's runs torch_xla's
-`scan` over stacked parameters (gspmd_engine/scan.py), the collectives
+`scan` over stacked parameters (layer_scan/gspmd/scan.py), the collectives
 engine's its own loops with explicit collectives
-(collective_engine/scan_loop.py).
+(layer_scan/collective/scan_loop.py).
 
 Transformers' models (and most users' own) loop over an `nn.ModuleList`
 themselves, so the engine does not rewrite their forward. It swaps the

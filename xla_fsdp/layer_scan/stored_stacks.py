@@ -1,6 +1,6 @@
 """Scanned layers' parameters stored stacked: the record on the list's owner, its state-dict
 hooks and the optimizer-step hooks both engines share ([Note: parameters stored stacked] in
-gspmd_engine/stacked.py; the collectives engine's layout in collective_engine/stacked_units.py).
+layer_scan/gspmd/stacked.py; the collectives engine's layout in layer_scan/collective/stacked_units.py).
 
 The owner of a scanned ModuleList `<attr>` holds a module `<attr>_scan` shaped like one layer,
 whose parameters are the layers' parameters stacked on dim 1: (d0, L, *rest). Its

@@ -1,8 +1,8 @@
 """Which names a model's `state_dict()` gives to parameters stored stacked (scan_layers).
 
 A model whose repeated layers are scanned stores each of their parameters once, stacked
-([Note: parameters stored stacked] in gspmd_engine/stacked.py; the collectives engine's in
-collective_engine/stacked_units.py). Its `state_dict()` names
+([Note: parameters stored stacked] in layer_scan/gspmd/stacked.py; the collectives engine's in
+layer_scan/collective/stacked_units.py). Its `state_dict()` names
 every layer's slice as the unscanned model does (`h.3.attn.c_attn.weight`), which is what
 Hugging Face, torch and a plain model load. The sharded checkpoints (xla_fsdp.checkpoint)
 store what the model holds instead: the stacked tensors, under their own names, sharded

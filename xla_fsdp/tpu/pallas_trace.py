@@ -71,15 +71,3 @@ def install() -> None:
         mosaic.pin_ir_version()
         _original = custom_kernel.trace_pallas
         custom_kernel.trace_pallas = trace_for_tpu
-
-
-def uninstall() -> None:
-    """Give torch_xla its own `trace_pallas` back (tests)."""
-    global _original
-    with _lock:
-        if _original is None:
-            return
-        from torch_xla.experimental import custom_kernel
-
-        custom_kernel.trace_pallas = _original
-        _original = None

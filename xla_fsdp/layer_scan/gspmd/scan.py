@@ -22,7 +22,7 @@ from xla_fsdp.layer_scan.find import Found, _template, hf_checkpointed
 from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanRun, no_cache_by_default
 from xla_fsdp.layer_scan.scanned_list import ScanSettings as _Shared
 from xla_fsdp.layer_scan.stored_stacks import SUFFIX
-from xla_fsdp.gspmd_engine.stacked import stacked_view, store_stacked
+from xla_fsdp.layer_scan.gspmd.stacked import stacked_view, store_stacked
 
 
 ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
@@ -54,7 +54,7 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     from torch.utils._pytree import tree_unflatten
     from functorch.compile import default_partition
 
-    from xla_fsdp.gspmd_engine.scan_glue import recompute_partition, use_shard_like
+    from xla_fsdp.layer_scan.gspmd.scan_glue import recompute_partition, use_shard_like
     from xla_fsdp.layer_scan.keyed_random import KeyedRandom, layer_keys
 
     use_shard_like()

@@ -45,9 +45,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..unit_state import state_of
-from .param_group import FSDPParamGroup
-from .precision import cast_inputs
+from xla_fsdp.unit_state import state_of
+from xla_fsdp.collective_engine.param_group import FSDPParamGroup
+from xla_fsdp.collective_engine.precision import cast_inputs
 
 # (full parameters by site name, buffers by name, hidden, key, the other tensors) -> hidden output
 LayerCall = Callable[[Dict[str, torch.Tensor], Dict[str, torch.Tensor], torch.Tensor, torch.Tensor,
@@ -68,9 +68,9 @@ class _Plan:
 def unit_template(layer: nn.Module) -> nn.Module:
     """A hook-free copy of unit `layer` with meta tensors and its own class's forward (the engine's
     state stays on the real layer)."""
-    from ..class_swap import original_class
-    from ..layer_scan.find import _template
-    from ..unit_state import _KEY
+    from xla_fsdp.class_swap import original_class
+    from xla_fsdp.layer_scan.find import _template
+    from xla_fsdp.unit_state import _KEY
 
     state = layer.__dict__.pop(_KEY)
     cls = layer.__class__
@@ -84,7 +84,7 @@ def unit_template(layer: nn.Module) -> nn.Module:
 
 def check_layers(layers: Sequence[nn.Module], where: str) -> None:
     """Refuses, with the reason, units the loop cannot run alike (at wrap time)."""
-    from ..unit_state import units
+    from xla_fsdp.unit_state import units
 
     for index, layer in enumerate(layers):
         inner = [m for m in units(layer) if m is not layer]
@@ -172,7 +172,7 @@ def _loop(trip, carry, xs: tuple, mesh, reverse: bool = False, shift=(0, 0)):
     k): trip i reads slice i + k (mod the trips) of that entry's tensors in place."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
-    from .region_loop import while_loop
+    from xla_fsdp.collective_engine.region_loop import while_loop
 
     flat_carry, carry_tree = tree_flatten(carry)
     flat_xs, xs_tree = tree_flatten(xs)
@@ -273,7 +273,7 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     pass of a ScannedLayers (layer_scan/scanned_list.py: ScanRun)."""
     from torch.utils._pytree import tree_unflatten
 
-    from ..layer_scan.keyed_random import KeyedRandom, layer_keys
+    from xla_fsdp.layer_scan.keyed_random import KeyedRandom, layer_keys
 
     owner, layers = scan_run.owner, scan_run.layers
     where = owner._scan_where
@@ -350,10 +350,10 @@ def stores(mode, comm) -> bool:
 def find(root: nn.Module, comm, mode=True):
     """The ModuleLists of `root` whose children are identical units, checked (before `install`),
     for stored stacks too where `mode` stores them."""
-    from ..layer_scan.find import find_layer_lists
-    from ..layer_scan.stored_stacks import check_shared
-    from ..unit_state import units
-    from .stacked_units import refuse_unstackable
+    from xla_fsdp.layer_scan.find import find_layer_lists
+    from xla_fsdp.layer_scan.stored_stacks import check_shared
+    from xla_fsdp.unit_state import units
+    from xla_fsdp.layer_scan.collective.stacked_units import refuse_unstackable
 
     if not comm.is_xla:
         raise ValueError("scan_layers runs the layers as an XLA loop; this model's collectives are not "
@@ -372,8 +372,8 @@ def find(root: nn.Module, comm, mode=True):
 def install(root: nn.Module, found, mode=True) -> None:
     """Swap each found ModuleList for a ScannedLayers run by this engine's loop; where `mode`
     stores them, its shards become stored stacks ([Note: the collectives engine's stored stacks])."""
-    from ..layer_scan.scanned_list import ScannedLayers, ScanSettings, no_cache_by_default
-    from .stacked_units import layer_params, store, template_with
+    from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanSettings, no_cache_by_default
+    from xla_fsdp.layer_scan.collective.stacked_units import layer_params, store, template_with
 
     for owner, name, layers, where in found:
         # the template is made at the first call, from layer 0 as it is then: what was mixed into its
@@ -394,6 +394,6 @@ def install(root: nn.Module, found, mode=True) -> None:
     if type(root).__module__.startswith("transformers."):
         # without a cache transformers' mask code reads tensor values on the host, which the
         # single controller's region cannot; steered as enable() steers it for the Trainer
-        from .manual_region import steer_is_tracing
+        from xla_fsdp.collective_engine.manual_region import steer_is_tracing
 
         steer_is_tracing()

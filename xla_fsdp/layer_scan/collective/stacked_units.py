@@ -43,11 +43,11 @@ from typing import List, Sequence
 import torch
 import torch.nn as nn
 
-from .. import abstract
-from ..layer_scan.stored_stacks import StackRecord, attach, check_store_name
-from ..unit_state import register, state_of
-from .param import FSDPParam, ParamSite
-from .param_group import FSDPParamGroup
+from xla_fsdp import abstract
+from xla_fsdp.layer_scan.stored_stacks import StackRecord, attach, check_store_name
+from xla_fsdp.unit_state import register, state_of
+from xla_fsdp.collective_engine.param import FSDPParam, ParamSite
+from xla_fsdp.collective_engine.param_group import FSDPParamGroup
 
 
 def refuse_unstackable(layers: Sequence[nn.Module], where: str) -> None:
@@ -77,8 +77,8 @@ def _stacked_data(per_layer: List[FSDPParam], comm) -> torch.Tensor:
 def store(owner: nn.Module, attr: str, layers: Sequence[nn.Module], container: nn.Module):
     """Moves the shards of `layers` (units) into `container` (a hook-free copy of layer 0) as stored
     stacks; returns the container's unit state, whose `loop_group` holds layer 0's records."""
-    from .model_state import register as register_padding
-    from .state import FSDPState
+    from xla_fsdp.collective_engine.model_state import register as register_padding
+    from xla_fsdp.collective_engine.state import FSDPState
 
     check_store_name(owner, attr)
     states = [state_of(layer) for layer in layers]
