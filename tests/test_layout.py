@@ -337,3 +337,19 @@ def test_the_design_docs_layout_table_names_every_module():
         if path.endswith("/"):
             stale = [n for n in re.findall(r"`(\w+\.py)`", row) if not any((root / path).rglob(n))]
             assert not stale, f"docs/DESIGN.md's row {path} names files it does not hold: {stale}"
+
+
+MAX_FUNCTION_LINES = 80  # issue 80: a function a reader takes in at once
+MAX_RUN_LINES = 60  # run_clm's `run` (train/job.py): one call per stage, read top to bottom
+
+
+def test_no_function_is_longer_than_a_reader_takes_in_at_once():
+    long = []
+    for path in sorted(Path(ROOT, "xla_fsdp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                limit = MAX_RUN_LINES if (path.name, node.name) == ("job.py", "run") else MAX_FUNCTION_LINES
+                if lines > limit:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines, at most {limit})")
+    assert not long, "split these into one function per step: " + "; ".join(long)

@@ -56,20 +56,12 @@ from xla_fsdp.gspmd_engine.units import (
 _applied: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def apply_spmd_fsdp(
-    module: nn.Module,
-    *,
-    mesh: Optional[xs.Mesh] = None,
-    compute_dtype: Optional[torch.dtype] = None,
-    buffer_dtype: Optional[torch.dtype] = None,
-    auto_wrap_policy: Optional[WrapPolicy] = None,
-    auto_wrapper_callable: Optional[Callable[[nn.Module], nn.Module]] = None,
-    param_init_fn: Optional[ParamInitFn] = None,
-    activation_checkpointing: bool = False,
-    gather_params: bool = False,
-    batch_axes: Optional[Sequence[str]] = None,
-    scan_layers: Union[bool, str] = False,
-) -> nn.Module:
+def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, compute_dtype: Optional[torch.dtype] = None,
+                    buffer_dtype: Optional[torch.dtype] = None, auto_wrap_policy: Optional[WrapPolicy] = None,
+                    auto_wrapper_callable: Optional[Callable[[nn.Module], nn.Module]] = None,
+                    param_init_fn: Optional[ParamInitFn] = None, activation_checkpointing: bool = False,
+                    gather_params: bool = False, batch_axes: Optional[Sequence[str]] = None,
+                    scan_layers: Union[bool, str] = False) -> nn.Module:
     """Shards `module` in place over the SPMD mesh and returns it.
 
     Args:
