@@ -254,7 +254,7 @@ def test_bad_choices():
 
 
 def test_token_chain_reaches_the_engine_and_bad_values_are_refused():
-    from xla_fsdp.keywords import build_options, resolve
+    from xla_fsdp.keywords.resolve import build_options, resolve
     from xla_fsdp.options import CollectiveOptions
 
     kw = load_fsdp_config(os.path.join(ROOT, "configs", "fsdp", "llama_xla_fsdp.json")).engine_kwargs()

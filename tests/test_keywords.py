@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import xla_fsdp
 from xla_fsdp import FSDP
-from xla_fsdp.keywords import DEFAULTS, NO_EFFECT, REFUSED
+from xla_fsdp.keywords.resolve import DEFAULTS, NO_EFFECT, REFUSED
 from parity_cases import run_distributed_fn
 
 torch_xla = pytest.importorskip("torch_xla")
@@ -137,3 +137,26 @@ def test_full_parameter_methods_at_gloo_world_2(tmp_path):
     run_distributed_fn(_worker, 2, str(tmp_path))
     for rank in range(2):
         _check_full_parameter_methods(torch.load(tmp_path / f"full{rank}.pt", weights_only=False), 2)
+
+
+def test_the_migration_guide_names_every_keyword_as_the_table_classifies_it():
+    """docs/migration.md's two keyword tables against the one table (xla_fsdp/keywords/table.py):
+    every keyword named, each refused one in the row that says so, each no-effect one in a row
+    that says "no effect"."""
+    from pathlib import Path
+
+    from xla_fsdp.keywords import table
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "migration.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+
+    def rows_naming(name):
+        return [r for r in rows if f"`{name}`" in r or (name.startswith("_debug_dummy_") and "`_debug_dummy_*`" in r)]
+
+    unnamed = [k.name for k in table.KEYWORDS if k.name != "collectives" and not rows_naming(k.name)]
+    assert not unnamed, f"docs/migration.md's keyword tables do not name {unnamed}"
+    for k in table.KEYWORDS:
+        if k.effect == table.REFUSED:
+            assert any("refused when set" in r for r in rows_naming(k.name)), k.name
+        elif k.effect:
+            assert any("no effect" in r for r in rows_naming(k.name)), k.name

@@ -13,6 +13,7 @@ yields the local shards.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn as nn
 
 from .class_swap import mix_into, original_class, unmix
 from .deferred.tied_embeddings import retie
-from .keywords import DEFAULTS, SPMD_KEYWORDS, build_options, resolve
+from .keywords.resolve import DEFAULTS, SPMD_KEYWORDS, build_options, resolve
 from .options import ShardingLayout, TrainingState
 from .unit_state import is_unit, register, state_of, units, unregister
 
@@ -334,8 +335,7 @@ def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
     from .gspmd_engine.engine import apply_spmd_fsdp
 
     kw = resolve(kwargs)
-    spmd = {k: kw[k] for k in ("mesh", "compute_dtype", "buffer_dtype", "auto_wrap_policy", "auto_wrapper_callable",
-                               "param_init_fn", "activation_checkpointing", "scan_layers")}
+    spmd = {k: kw[k] for k in SPMD_KEYWORDS if k in inspect.signature(apply_spmd_fsdp).parameters}
     mesh = spmd["mesh"]
     apply_spmd_fsdp(module, **spmd)
     mix_into(module, GspmdFullyShardedDataParallel, "FSDP")

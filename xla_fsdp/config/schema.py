@@ -15,38 +15,17 @@ from typing import Any, Optional, Union
 
 import torch
 
-# The keyword arguments of `xla_fsdp.XlaFullyShardedDataParallel` that a JSON
-# file can express. `xla_fsdp_settings` accepts exactly these. Each is a key of
-# `xla_fsdp.api.DEFAULTS`; the front door cannot import this tuple (config sits
-# above it, see docs/DESIGN.md), so tests/test_public_api.py checks the two agree.
-ENGINE_KEYWORDS: tuple[str, ...] = (
-    "reshard_after_forward",
-    "flatten_parameters",
-    "execute_sharding_on_init",
-    "optimization_barrier_in_forward",
-    "optimization_barrier_in_backward",
-    "sync_on_finalization",
-    "disable_reshard_on_root",
-    "compute_dtype",
-    "buffer_dtype",
-    "fp32_reduce_scatter",
-    "sharding_groups",
-    "sharding_rank",
-    "sharding_world_size",
-    "shard_param_on_dim_0",
-    "pin_layout_in_collective_ops",
-    "reduce_scatter_bucket_size_mb",
-    "all_gather_impl",
-    "reduce_scatter_stages",
-    "token_chain",
-    "sharding_strategy",
-    "checkpoint_all_but_last",
-)
+from xla_fsdp.keywords import table as keyword_table
 
-# The settings the SPMD engine (`xla_fsdp_v2`) acts on. The others schedule
-# explicit collectives, which under SPMD the XLA partitioner inserts itself,
-# so giving them with xla_fsdp_v2 would be silently ignored.
-SPMD_ENGINE_KEYWORDS: tuple[str, ...] = ("compute_dtype", "buffer_dtype")
+# The keyword arguments of `xla_fsdp.XlaFullyShardedDataParallel` that a JSON file can express:
+# `xla_fsdp_settings` accepts exactly these. Both lists come from the front door's one keyword table
+# (xla_fsdp/keywords/table.py, which imports nothing, so config reads it at load).
+ENGINE_KEYWORDS: tuple[str, ...] = keyword_table.JSON
+
+# The settings the SPMD engine (`xla_fsdp_v2`) acts on. The others schedule explicit collectives,
+# which under SPMD the XLA partitioner inserts itself, so giving them with xla_fsdp_v2 would be
+# silently ignored: they are refused.
+SPMD_ENGINE_KEYWORDS: tuple[str, ...] = keyword_table.JSON_GSPMD
 
 # Engine keywords that take Python callables, which JSON cannot carry. Naming
 # the JSON key that replaces each is kinder than "unknown key".

@@ -39,7 +39,7 @@ from ..api import GspmdFullyShardedDataParallel, XlaFullyShardedDataParallel
 from ..class_swap import mix_into, original_class
 from ..deferred.tied_embeddings import retie
 from ..forward_overrides import restore, take_torch_xla_checkpoint
-from ..keywords import DEFAULTS
+from ..keywords.resolve import DEFAULTS
 from ..options import FSDP_AXIS
 from ..unit_state import is_unit
 from . import outputs

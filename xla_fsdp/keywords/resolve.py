@@ -13,74 +13,18 @@ from typing import Any, Dict
 
 import torch
 
-from . import options as opts
-from .options import FSDPOptions, ShardingStrategy
+from .. import options as opts
+from . import table as keyword_table
+from ..options import FSDPOptions, ShardingStrategy
 
-# torch_xla's keywords and their defaults (ours where it differs: flatten_parameters), then ours
-DEFAULTS: Dict[str, Any] = dict(
-    reshard_after_forward=True,
-    flatten_parameters=None,
-    execute_sharding_on_init=True,
-    optimization_barrier_in_forward=True,
-    optimization_barrier_in_backward=True,
-    sync_on_finalization=False,
-    disable_reshard_on_root=True,
-    compute_dtype=None,
-    buffer_dtype=None,
-    fp32_reduce_scatter=False,
-    sharding_groups=None,
-    sharding_rank=None,
-    sharding_world_size=None,
-    shard_param_on_dim_0=False,
-    pin_layout_in_collective_ops=True,
-    reduce_scatter_bucket_size_mb=0,
-    coalesce_all_gather_ops=False,
-    auto_wrap_policy=None,
-    auto_wrapper_callable=None,
-    param_init_fn=None,
-    _shard_size_multiple=128,
-    _use_xla_patched_linear=True,
-    _debug_dummy_forward_pass=False,
-    _debug_msg="xla_fsdp",
-    _debug_print=False,
-    _debug_dummy_all_gather_op=False,
-    _debug_dummy_all_reduce_op=False,
-    _debug_dummy_reduce_scatter_op=False,
-    _debug_dummy_optimization_barrier_op=False,
-    # ours (PyTorch FSDP's names for the first three)
-    mixed_precision=None,
-    forward_prefetch=True,
-    backward_prefetch="BACKWARD_PRE",
-    all_gather_impl="auto",
-    reduce_scatter_stages="auto",
-    token_chain="all",
-    sharding_strategy="FULL_SHARD",
-    engine="collectives",
-    mesh=None,
-    activation_checkpointing=False,
-    checkpoint_all_but_last=0,
-    scan_layers=False,
-    is_batched_input=None,
-    collectives=None,
-)
-
+# every list of keywords comes from the one table (keyword_table.py)
+DEFAULTS: Dict[str, Any] = keyword_table.DEFAULTS
 # torch_xla keywords accepted with no effect, and why (docs/migration.md, "Keyword by keyword")
-NO_EFFECT = {
-    "_shard_size_multiple": "shards are padded to the sharding group's size on dim 0 only",
-    # torch_xla's False flattens each parameter before sharding it; the consolidated model is the same
-    # either way, which is all its users see (torch_xla_compat.py reads torch_xla's files of both kinds)
-    "shard_param_on_dim_0": "parameters are always sharded on dim 0 here, unflattened",
-    "_use_xla_patched_linear": "the engine's saved-tensor hooks already keep nn.Linear's backward from "
-                               "holding gathered weights, the problem torch_xla's patch solves",
-    "_debug_msg": "a label for torch_xla's debug prints, which xla_fsdp does not have",
-}
+NO_EFFECT: Dict[str, str] = keyword_table.NO_EFFECT
 # torch_xla debugging switches: refused when set
-REFUSED = ("_debug_dummy_forward_pass", "_debug_print", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
-           "_debug_dummy_reduce_scatter_op", "_debug_dummy_optimization_barrier_op")
-
-# what engine="spmd" acts on; anything else set to a non-default value is an error there
-SPMD_KEYWORDS = ("compute_dtype", "buffer_dtype", "mixed_precision", "auto_wrap_policy", "auto_wrapper_callable",
-                 "param_init_fn", "mesh", "activation_checkpointing", "engine", "scan_layers") + tuple(NO_EFFECT)
+REFUSED = keyword_table.REFUSED_WHEN_SET
+# what engine="spmd" takes; anything else set to a non-default value is an error there
+SPMD_KEYWORDS = keyword_table.GSPMD
 ENGINES = ("collectives", "spmd")
 
 
