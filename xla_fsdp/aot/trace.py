@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 from xla_fsdp.aot.dump import MARKER, PROGRAM, REFUSED, crash_report, take_program
 from xla_fsdp.aot.child import MAX_DEVICE_INDEX
 from xla_fsdp.runtime import environment
-from xla_fsdp.runtime.environment import MULTI_PROCESS, RUNTIME, RUNTIMES, SINGLE_CONTROLLER
+from xla_fsdp.runtime.environment import MULTI_PROCESS, RUNTIME, RUNTIMES, SINGLE_CONTROLLER  # noqa: F401 (tests name it here)
 
 LAUNCHER = "xla_spawn.py"
 # the check's settings (environment.AOT) as a user gives them to the check itself: "rank_0_alone"
@@ -83,20 +83,10 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
         if requested not in RUNTIMES:
             raise TraceError(f"--runtime {requested!r}: expected auto, {' or '.join(RUNTIMES)}")
         return requested
-    if spmd_flag or per_chip:
-        return SINGLE_CONTROLLER if spmd_flag else MULTI_PROCESS
-    try:
-        env = environment.runtime()
-    except ValueError as e:
-        raise TraceError(str(e)) from None
-    if env:
-        return env
     from xla_fsdp.runtime import choice as runtime_choice
 
-    if not script:
-        return MULTI_PROCESS
     try:
-        return runtime_choice.tpu_default(script)[0]  # as xla_spawn chooses
+        return runtime_choice.decide(spmd_flag, per_chip, script, on_tpu=True)[0]  # as xla_spawn decides
     except ValueError as e:
         raise TraceError(str(e)) from None
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from xla_fsdp.launcher.command_line import (RUNTIME_ENV, RUNTIME_MARKER, SINGLE_CONTROLLER, TORCH_XLA_SPMD_ENV,
-                                            UsageError)
+from xla_fsdp.launcher.command_line import (RUNTIME_ENV, RUNTIME_MARKER, SINGLE_CONTROLLER, UsageError)
 from xla_fsdp.runtime import environment
 
 
@@ -23,22 +22,10 @@ def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -
     win; then the environment (`environment.runtime`: ours, then torch_xla's SPMD variable); then, on a TPU slice (one
     host or several), what the script declares (xla_fsdp.runtime.choice). On CPU, several
     devices and no choice here: cpu_replicas()."""
-    if options.spmd and options.per_chip:
-        raise UsageError("--spmd and --per_chip contradict each other; pass one")
-    if options.spmd or options.per_chip:
-        return options.spmd, ""
-    asked = asked_runtime(environ)
-    if asked and environment.get(RUNTIME_ENV, environ):
-        return asked == SINGLE_CONTROLLER, ""
-    if asked:
-        # torch_xla's is_spmd() reads it: the script runs in SPMD mode whatever the launcher plans
-        return True, f"{TORCH_XLA_SPMD_ENV}=1 in the environment: torch_xla's SPMD mode, the single controller"
-    if device != "TPU":
-        return False, ""
     from xla_fsdp.runtime import choice as runtime_choice
 
     try:
-        runtime, why = runtime_choice.tpu_default(script)
+        runtime, why = runtime_choice.decide(options.spmd, options.per_chip, script, device == "TPU", environ)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return runtime == SINGLE_CONTROLLER, why

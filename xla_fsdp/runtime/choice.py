@@ -31,8 +31,10 @@ sees world 1), any other is refused ([Note: no silent world on CPU] in
 from __future__ import annotations
 
 import ast
-from typing import Optional, Tuple
+import os
+from typing import Mapping, Optional, Tuple
 
+from . import environment
 from .environment import MULTI_PROCESS, SINGLE_CONTROLLER, TORCH_XLA_SPMD
 from .environment import RUNTIME as RUNTIME_ENV  # noqa: F401 (the launcher and the check import it here)
 from .environment import SCRIPT_MARKER as MARKER
@@ -158,6 +160,32 @@ def _marker(script: str, tree: ast.Module) -> Optional[str]:
                                  f"{MULTI_PROCESS!r}")
             return value
     return None
+
+
+def decide(spmd_flag: bool, per_chip: bool, script: str, on_tpu: bool,
+           environ: Optional[Mapping[str, str]] = None) -> Tuple[Optional[str], str]:
+    """The one decision of the runtime, which the launcher and the check ask (the job and the
+    Trainer integration then read what the launcher exported: `environment.runtime`). In order:
+    `--spmd` / `--per_chip`; the environment (ours, then torch_xla's SPMD switch); on a TPU (and
+    for the check, which decides as on one) what the script declares, else one process per chip.
+    Returns (runtime, why) with `why` a line for the user where the choice is not the obvious one,
+    and runtime None off a TPU when nothing chose (the launcher's CPU rules decide then).
+    Raises ValueError for contradicting flags, a bad variable or a bad declaration."""
+    if spmd_flag and per_chip:
+        raise ValueError("--spmd and --per_chip contradict each other; pass one")
+    if spmd_flag or per_chip:
+        return (SINGLE_CONTROLLER if spmd_flag else MULTI_PROCESS), ""
+    environ = os.environ if environ is None else environ
+    asked = environment.runtime(environ)
+    if asked and environment.get(environment.RUNTIME, environ):
+        return asked, ""
+    if asked:  # torch_xla's is_spmd() reads it: the script runs in SPMD mode whatever is planned
+        return asked, f"{TORCH_XLA_SPMD}=1 in the environment: torch_xla's SPMD mode, the single controller"
+    if not on_tpu:
+        return None, ""
+    if not script:
+        return MULTI_PROCESS, ""
+    return tpu_default(script)
 
 
 def tpu_default(script: str) -> Tuple[str, str]:
