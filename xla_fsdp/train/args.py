@@ -74,6 +74,7 @@ RANGES = {
     "save_steps": (lambda v: v >= 1, "positive"),
     "save_total_limit": (lambda v: v >= 1, "at least 1"),
     "peak_tflops": (lambda v: math.isfinite(v) and v > 0, "a positive number of TFLOPS per chip"),
+    "preemption_grace_s": (lambda v: math.isfinite(v) and v > 0, "a positive number of seconds"),
 }
 
 
@@ -169,6 +170,10 @@ def _reporting_flags(p: argparse.ArgumentParser) -> None:
     report.add_argument("--save_steps", type=int, default=500)
     report.add_argument("--save_total_limit", type=int, default=None,
                         help="keep only the newest N checkpoints")
+    report.add_argument("--preemption_grace_s", type=float, default=25.0, metavar="S",
+                        help="after SIGTERM the job saves a checkpoint at the end of the step and exits 75; a "
+                             "second signal within S seconds does not cut the save short (Cloud TPU spot VMs "
+                             "give about 30 s: xla_fsdp/checkpoint/preemption.py)")
     report.add_argument("--resume_from_checkpoint", default=None,
                         help="a checkpoint-<step> directory, or 'auto' for the newest complete one in "
                              "--output_dir (none: start fresh)")

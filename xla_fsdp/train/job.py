@@ -19,6 +19,7 @@ from xla_fsdp import abstract, metrics
 from xla_fsdp.runtime import environment
 from xla_fsdp.train import data, families, loop
 from xla_fsdp.train.args import parse_args
+from xla_fsdp.train.resume import exit_preempted, resume
 from xla_fsdp.train.output_dir import check_output_dir, write_metrics, written_only_on_success
 from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, selected_engine,
                                   single_controller, wants_deferred_init, wrap_model)
@@ -224,7 +225,7 @@ def _run(job: StartedJob) -> dict:
     started = time.perf_counter()
     if job.batches is not None:
         report.update(_train(job.model, job.batches, ctx, job.meter, args, facts, log))
-    if job.eval_batches is not None:
+    if job.eval_batches is not None and "preempted" not in report:
         ev = loop.evaluate(job.model, job.eval_batches, ctx)
         report.update(ev)
         log(f"run_clm: eval loss {ev['eval_loss']:.4f}, perplexity {ev['perplexity']:.2f} "
@@ -239,6 +240,8 @@ def _run(job: StartedJob) -> dict:
     if facts["leader"]:
         path = write_metrics(report, args.output_dir)
         log(f"run_clm: metrics written to {path}")
+    if "preempted" in report:
+        exit_preempted(report["preempted"], log)
     return report
 
 
@@ -304,22 +307,31 @@ def _train(model, batches, ctx, meter, args, facts, log) -> dict:
         + (f", {args.gradient_accumulation_steps} micro-batches each)" if args.gradient_accumulation_steps > 1 else ")"))
     optimizer = loop.make_optimizer(model.parameters(), args)
     scheduler = loop.make_scheduler(optimizer, args.warmup_steps, total_steps)
-    start = _resume(model, optimizer, scheduler, args, log)
+    start = resume(model, optimizer, scheduler, args, log)
     progress = _progress(total_steps, facts["leader"])
     if progress and start:
         progress.update(start)
-    save = None
-    if args.save_strategy != "no":
-        from xla_fsdp.checkpoint import CheckpointManager
+    from xla_fsdp.checkpoint import CheckpointManager
+    from xla_fsdp.checkpoint.preemption import Preemption
 
-        manager = CheckpointManager(args.output_dir, keep_last=args.save_total_limit)
+    manager = CheckpointManager(args.output_dir, keep_last=args.save_total_limit)
 
-        def save(step):
-            manager.save(step, model, optimizer, extra_state={"scheduler": scheduler, "data_position": step})
-    result = loop.train(model, optimizer, scheduler, batches, total_steps, ctx, meter, args,
-                        log=progress.write if progress else log, progress=progress, save=save, start_step=start)
+    def checkpoint(step):
+        manager.save(step, model, optimizer, extra_state={"scheduler": scheduler, "data_position": step})
+    save = checkpoint if args.save_strategy != "no" else None
+    with Preemption(grace_s=args.preemption_grace_s, say=log) as preempted:  # [Note: a signal becomes a checkpoint]
+        result = loop.train(model, optimizer, scheduler, batches, total_steps, ctx, meter, args,
+                            log=progress.write if progress else log, progress=progress, save=save, start_step=start,
+                            stop=preempted.agreed)
+        if result.preempted and save is None:
+            checkpoint(result.steps)  # --save_strategy no saves nothing else: this one is for the resume
     if progress:
         progress.close()
+    if result.preempted:
+        return dict(steps=result.steps, losses=result.losses, windows=result.windows,
+                    train_wall_time_s=result.wall_time_s, preempted={
+                        "step": result.steps, "checkpoint": os.path.join(args.output_dir, f"checkpoint-{result.steps}"),
+                        "signal": preempted.signal_name or "another host's"}, **result.summary)
     if result.steps > start:
         from xla_fsdp.checkpoint import save_pretrained
 
@@ -367,23 +379,3 @@ def _progress(total: int, is_master: bool):
     except ImportError:  # tqdm is optional: fall back to plain log lines
         return None
     return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-
-
-def _resume(model, optimizer, scheduler, args, log) -> int:
-    """Load --resume_from_checkpoint (a path, or 'auto': the newest complete one in
-    --output_dir); returns the step to continue from (0: a fresh start)."""
-    from xla_fsdp.checkpoint import latest_checkpoint, load_checkpoint
-
-    path = args.resume_from_checkpoint
-    if path is None:
-        return 0
-    if path == "auto":
-        path = latest_checkpoint(args.output_dir)
-        if path is None:
-            log(f"run_clm: --resume_from_checkpoint auto: no complete checkpoint in {args.output_dir}; "
-                "starting fresh")
-            return 0
-    got = load_checkpoint(path, model, optimizer, extra_state={"scheduler": scheduler})
-    step = int(got["extra"]["data_position"])
-    log(f"run_clm: resumed from {path} at step {step}")
-    return step

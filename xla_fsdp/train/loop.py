@@ -94,6 +94,7 @@ class TrainResult:
     windows: list = field(default_factory=list)     # per-logging-window throughput
     summary: dict = field(default_factory=dict)     # throughput over steps after warmup
     wall_time_s: float = 0.0
+    preempted: bool = False  # left at a step boundary for a signal ([Note: a signal becomes a checkpoint])
 
 
 def _sync():
@@ -149,14 +150,17 @@ def steps_per_epoch(batches, accumulate: int) -> int:
 
 
 def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepContext,
-          meter: ThroughputMeter, args, log=print, progress=None, save=None, start_step: int = 0) -> TrainResult:
+          meter: ThroughputMeter, args, log=print, progress=None, save=None, start_step: int = 0,
+          stop=None) -> TrainResult:
     """Run optimizer steps `start_step`..`total_steps` over `batches` (a `BlockBatches`).
 
     The loss is read on the first step, every `--logging_steps` and on the
     last step; throughput windows close at those reads. `save(step)`, if
     given, is called per `--save_strategy` and after the last step. A resumed
     run (`start_step` > 0) skips the batches the saved run already used, so
-    it sees the same data in the same order.
+    it sees the same data in the same order. `stop()`, if given, is asked after
+    every step (every host the same answer): True ends the loop there, saved as
+    after the last step (`result.preempted`).
     """
     result = TrainResult()
     started = time.perf_counter()
@@ -191,6 +195,11 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
                 save(step)
             if step >= total_steps:
                 break
+            if stop is not None and stop():
+                result.preempted = True
+                break
+        if result.preempted:
+            break
         if args.logging_strategy == "epoch" and loss is not None:
             log(f"epoch {epoch} done at step {step}: loss {ctx.replica_mean(loss).item():.4f}")
         if save and args.save_strategy == "epoch" and step < total_steps:

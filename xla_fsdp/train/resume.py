@@ -1,0 +1,35 @@
+"""Where a run_clm job goes on from and how it stops for a signal: the checkpoint it resumes
+(--resume_from_checkpoint, or the newest complete one in --output_dir: Hugging Face's semantics),
+and the exit after the save a SIGTERM asked for ([Note: a signal becomes a checkpoint] in
+xla_fsdp/checkpoint/preemption.py)."""
+from __future__ import annotations
+
+
+def resume(model, optimizer, scheduler, args, log) -> int:
+    """Load --resume_from_checkpoint (a path, or 'auto': the newest complete one in
+    --output_dir); returns the step to continue from (0: a fresh start)."""
+    from xla_fsdp.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = args.resume_from_checkpoint
+    if path is None:
+        return 0
+    if path == "auto":
+        path = latest_checkpoint(args.output_dir)
+        if path is None:
+            log(f"run_clm: --resume_from_checkpoint auto: no complete checkpoint in {args.output_dir}; "
+                "starting fresh")
+            return 0
+    got = load_checkpoint(path, model, optimizer, extra_state={"scheduler": scheduler})
+    step = int(got["extra"]["data_position"])
+    log(f"run_clm: resumed from {path} at step {step}")
+    return step
+
+
+def exit_preempted(preempted: dict, log) -> None:
+    """After the save a signal asked for: say where and how to go on, and exit EXIT_PREEMPTED."""
+    from xla_fsdp.checkpoint.preemption import EXIT_PREEMPTED
+
+    log(f"run_clm: stopped by {preempted['signal']} signal at step {preempted['step']}: checkpoint "
+        f"{preempted['checkpoint']} is complete; run the same command again (without --overwrite_output_dir) "
+        f"to resume from it; exit status {EXIT_PREEMPTED}")
+    raise SystemExit(EXIT_PREEMPTED)
