@@ -332,3 +332,50 @@ def test_run_clm_preempted_on_two_hosts_resumes_the_same_loss_curve(tmp_path):
     assert (killed / "model.safetensors").exists()
     meta = json.loads((killed / "checkpoint-4" / "metadata.json").read_text())
     assert meta["layout"] == {"engine": "spmd", "runtime": "single_controller", "hosts": 2}
+
+
+@_SLOW
+def test_sigterm_to_one_host_makes_both_save_the_same_step_and_the_run_resumes(tmp_path):
+    """Issue 81: 2 virtual hosts x 4 devices, --save_strategy no, SIGTERM to host 1 only (a
+    maintenance event on one VM) once host 0 logged step 6: both hosts agree at the same step
+    boundary ([Note: a signal becomes a checkpoint]), save that step and exit 75; the same command
+    resumes the uninterrupted run's losses."""
+    from xla_fsdp.checkpoint.preemption import EXIT_PREEMPTED
+
+    config = tmp_path / "hybrid.json"
+    config.write_text(json.dumps({"fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"], "xla": True,
+                                  "xla_fsdp_settings": {"compute_dtype": "float32",
+                                                        "sharding_groups": [[0, 1, 2, 3], [4, 5, 6, 7]]}}))
+    root = os.path.dirname(HERE)
+    steps = 16
+    flags = ["--config_name", os.path.join(root, "configs", "models", "gpt2-tiny.json"), "--do_train",
+             "--fsdp", "hybrid_shard auto_wrap", "--fsdp_config", str(config), "--max_steps", str(steps),
+             "--per_device_train_batch_size", "1", "--block_size", "32", "--logging_steps", "1",
+             "--warmup_steps", "1", "--save_strategy", "no"]
+    vh.finish(_run_clm_hosts(tmp_path / "whole", flags), 600)
+    whole = dict(map(tuple, json.loads((tmp_path / "whole" / "metrics.json").read_text())["losses"]))
+
+    cut = tmp_path / "cut"
+    procs = _run_clm_hosts(cut, flags)
+    lines = []
+    try:
+        for line in procs[0].stdout:  # host 0 logs the steps
+            lines.append(line)
+            if f"step 6/{steps} loss" in line:
+                procs[1].send_signal(signal.SIGTERM)
+                break
+        outs = {i: p.communicate(timeout=120)[0] for i, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    outs[0] = "".join(lines) + outs[0]
+    assert [procs[i].returncode for i in range(2)] == [EXIT_PREEMPTED] * 2, outs[1][-3000:] + outs[0][-3000:]
+    saved = sorted(int(p.name.split("-")[1]) for p in cut.iterdir() if p.name.startswith("checkpoint-"))
+    assert len(saved) == 1 and 6 <= saved[0] < steps and (cut / f"checkpoint-{saved[0]}" / "COMPLETE").exists(), saved
+    assert "stopped by another host's signal" in outs[0] and "stopped by SIGTERM signal" not in outs[0], outs[0][-2000:]
+    outs = vh.finish(_run_clm_hosts(cut, flags), 600)
+    assert "resumed from" in outs[0]
+    got = dict(map(tuple, json.loads((cut / "metrics.json").read_text())["losses"]))
+    assert sorted(got) == list(range(saved[0] + 1, steps + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(whole[step], rel=1e-5), step
