@@ -124,7 +124,7 @@ def _run(script: str, script_args, plan, spmd: bool, num_cores: int) -> int:
 
 def _start_with_faster_allocator() -> None:
     """[Note: libtpu's compile and the host's malloc] (xla_fsdp/runtime/allocator.py): on a TPU the
-    job's first step is a libtpu compile, which runs about 0.75x the time with jemalloc or tcmalloc.
+    job's first step is a libtpu compile, which took 0.82x the time with jemalloc (docs/scan.md).
     Start this command again with one preloaded when the host has one (the replicas inherit it);
     returns when there is none, it is chosen already, or the malloc variable says `system`."""
     from xla_fsdp.runtime import allocator

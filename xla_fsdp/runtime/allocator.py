@@ -6,7 +6,7 @@ Under glibc's malloc about 14% of the compile's CPU samples were in the allocato
 (`_int_malloc`, `malloc_consolidate`, `_int_free`; `perf record` of the scanned 2B's compile
 for v4-8, 2026-11-30) and the two compile threads kept each other waiting: 1.5 cores busy of
 two. With jemalloc or tcmalloc preloaded the same program (the same optimized HLO) compiled in
-about 0.75x the time (docs/scan.md, "The host's allocator"; mimalloc and glibc's own tunables
+0.82x the time (compile medians 69.6 s against 84.9 s, 2026-11-30: docs/scan.md; mimalloc and glibc's own tunables
 did not help). TPU VM users commonly preload tcmalloc for the same reason.
 
 `preload_environment` says what to add to a process's environment so that it starts with a
