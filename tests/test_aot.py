@@ -249,7 +249,7 @@ def _trace_both_ways(cmd, devices, tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     got = {}
     for alone in ("0", "1"):
-        monkeypatch.setenv(trace.AOT_ENV, json.dumps({"rank_0_alone": alone == "1"}))
+        monkeypatch.setenv(trace.environment.AOT, json.dumps({"rank_0_alone": alone == "1"}))
         job = trace.job_from_command(cmd, trace.MULTI_PROCESS, devices)
         assert trace.child_env(job, str(tmp_path / f"env{alone}"), 2)["CPU_NUM_DEVICES"] == (
             "1" if alone == "1" else str(devices))
@@ -296,7 +296,7 @@ def test_per_chip_step_compiles_for_a_slice_of_256_chips(tmp_path):
 def test_per_chip_jobs_past_127_chips_trace_on_one_device(tmp_path, monkeypatch):
     from xla_fsdp.aot import trace
 
-    monkeypatch.delenv(trace.AOT_ENV, raising=False)
+    monkeypatch.delenv(trace.environment.AOT, raising=False)
 
     per_chip = trace.Job("train.py", [], trace.MULTI_PROCESS, 256)
     env = trace.child_env(per_chip, str(tmp_path), 2)

@@ -10,6 +10,7 @@ import torch
 import xla_fsdp
 from xla_fsdp import FSDP
 from xla_fsdp.memory import device_figures, fit, kept_bytes
+from xla_fsdp.runtime import environment
 from xla_fsdp.unit_state import state_of
 from parity_cases import batch, build_model, gpt2_config, loss_fn
 
@@ -74,7 +75,7 @@ def test_fit_measures_then_keeps_the_last_blocks_that_fit(monkeypatch, tmp_path)
     model = FSDP(_model(), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
                  activation_checkpointing=True, checkpoint_all_but_last="fit")
     report = tmp_path / "fit.json"
-    monkeypatch.setenv(fit.REPORT_ENV, json.dumps({"fit_report": str(report)}))
+    monkeypatch.setenv(environment.AOT, json.dumps({"fit_report": str(report)}))
     got = [_step(model, 0)]
     assert _kept(model) == [False] * 4  # the first step recomputes every block and measures them
     plan = state_of(model).fit_plan

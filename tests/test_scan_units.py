@@ -233,7 +233,7 @@ def test_traced_for_a_tpu_the_loops_outputs_start_unwritten(monkeypatch):
     """[Note: the loop's output buffers]: for a TPU (here: traced by the ahead-of-time check) the
     buffer of the trips' outputs is libtpu's AllocateBuffer, not a write of zeros; on XLA:CPU it is
     zeros (the parity tests run that)."""
-    from xla_fsdp.abstract import TRACE_ENV
+    from xla_fsdp.runtime.environment import AOT as TRACE_ENV
     from xla_fsdp.collective_engine.region_loop import while_loop
 
     device = torch_xla.device()

@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING
 
 from xla_fsdp.runtime import environment
 
-if TYPE_CHECKING:  # torch loads where a tensor is made: `python -m xla_fsdp.aot` reads TRACE_ENV without it
+if TYPE_CHECKING:  # torch loads where a tensor is made: `python -m xla_fsdp.aot` reads the settings without it
     import torch
 
-TRACE_ENV = environment.AOT  # "1", or the check's JSON settings with "trace": true
 
 
 def active() -> bool:

@@ -43,7 +43,6 @@ from xla_fsdp.runtime import environment
 # (XLA's dump folder), "poll_s": seconds between looks at the dump (tests set it past XLA:CPU's compile
 # to make the traced process die first: [Note: the module is taken from the dump, whoever gets there
 # first])
-CAPTURE_ENV = environment.AOT
 
 
 class _State:

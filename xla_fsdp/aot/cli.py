@@ -148,7 +148,6 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     or its first program did not fit."""
     from xla_fsdp.aot import report as rep
     from xla_fsdp.aot import trace
-    from xla_fsdp.memory import fit
     from xla_fsdp.memory.device_figures import MEMORY_ENV
 
     path = os.path.join(workdir, "fit.json")
@@ -174,7 +173,7 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     again = os.path.join(workdir, "fit")
     os.makedirs(again, exist_ok=True)
     report = os.path.join(again, "fit.json")
-    env = {MEMORY_ENV: json.dumps(figures), fit.REPORT_ENV: environment.with_aot(job.env, fit_report=report)}
+    env = {MEMORY_ENV: json.dumps(figures), environment.AOT: environment.with_aot(job.env, fit_report=report)}
     started = time.time()
     text = trace.run_trace(dataclasses.replace(job, env=dict(job.env, **env)), again, steps=opts.steps,
                            timeout=opts.timeout)
@@ -269,7 +268,6 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     asks; the report (a TraceError when the job cannot be traced)."""
     from xla_fsdp.aot import report as rep
     from xla_fsdp.aot import trace
-    from xla_fsdp.memory import fit
     from xla_fsdp.runtime import allocator
     from xla_fsdp.tpu import libtpu_flags
 
@@ -277,7 +275,7 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
         f"{job.runtime.replace('_', ' ')} runtime, on this host's CPU (nothing runs)")
     started = time.time()
     if "fit_report" not in environment.aot(job.env):  # [Note: keep what fits]
-        job.env[fit.REPORT_ENV] = environment.with_aot(job.env, fit_report=os.path.join(workdir, "fit.json"))
+        job.env[environment.AOT] = environment.with_aot(job.env, fit_report=os.path.join(workdir, "fit.json"))
     text = trace.run_trace(job, workdir, steps=opts.steps, timeout=opts.timeout,
                            echo=None if (opts.quiet or opts.json) else (lambda l: print("  | " + l)))
     traced_s = time.time() - started

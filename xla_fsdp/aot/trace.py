@@ -24,7 +24,6 @@ LAUNCHER = "xla_spawn.py"
 # the check's settings (environment.AOT) as a user gives them to the check itself: "rank_0_alone"
 # (true: trace one process per chip on one device at any size), "poll_s" (its traced process's look
 # at XLA's dump); the check adds what its traced process needs (`child_env`)
-AOT_ENV = environment.AOT
 
 
 class TraceError(RuntimeError):
@@ -136,7 +135,7 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
     if job.torus:  # the slice the step is checked for, not this host's stand-in devices
         env[environment.TORUS] = job.torus
     env.update(job.env)
-    env[AOT_ENV] = environment.with_aot({}, **settings)
+    env[environment.AOT] = environment.with_aot({}, **settings)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env

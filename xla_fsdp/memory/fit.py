@@ -47,9 +47,6 @@ HEADROOM = 0.95  # of the device's limit: allocator slack, the input pipeline's 
 # not fit and libtpu refused it rather than rematerialize); docs/performance.md. Kept at 1: a count
 # too high stops the job at its second step's compile, one too low costs a little speed
 SAVED_TO_KEPT = 1.0
-# the check's settings (environment.AOT): their "fit_report" names a file the plan is written to once
-# resolved, which the check reads
-REPORT_ENV = environment.AOT
 STORED = "xla_fsdp_fit.json"  # beside the persistent compilation cache
 
 _log = logging.getLogger("xla_fsdp")

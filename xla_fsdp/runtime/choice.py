@@ -163,7 +163,7 @@ def _marker(script: str, tree: ast.Module) -> Optional[str]:
 
 
 def decide(spmd_flag: bool, per_chip: bool, script: str, on_tpu: bool,
-           environ: Optional[Mapping[str, str]] = None) -> Tuple[Optional[str], str]:
+           environ: Mapping[str, str] = os.environ) -> Tuple[Optional[str], str]:
     """The one decision of the runtime, which the launcher and the check ask (the job and the
     Trainer integration then read what the launcher exported: `environment.runtime`). In order:
     `--spmd` / `--per_chip`; the environment (ours, then torch_xla's SPMD switch); on a TPU (and
@@ -175,7 +175,6 @@ def decide(spmd_flag: bool, per_chip: bool, script: str, on_tpu: bool,
         raise ValueError("--spmd and --per_chip contradict each other; pass one")
     if spmd_flag or per_chip:
         return (SINGLE_CONTROLLER if spmd_flag else MULTI_PROCESS), ""
-    environ = os.environ if environ is None else environ
     asked = environment.runtime(environ)
     if asked and environment.get(environment.RUNTIME, environ):
         return asked, ""

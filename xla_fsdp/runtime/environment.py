@@ -166,10 +166,15 @@ def aot(environ: Mapping[str, str] = os.environ) -> dict:
     return json_value(AOT, environ)
 
 
+def _updated(current: dict, updates: dict) -> str:
+    """`current` with `updates` (None removes a key), as a variable's JSON value."""
+    merged = {**current, **updates}
+    return json.dumps({k: v for k, v in merged.items() if v is not None}, sort_keys=True)
+
+
 def with_aot(environ: Mapping[str, str], **settings) -> str:
     """AOT's value with `settings` added to what `environ` holds (None removes a key)."""
-    merged = {**aot(environ), **settings}
-    return json.dumps({k: v for k, v in merged.items() if v is not None}, sort_keys=True)
+    return _updated(aot(environ), settings)
 
 
 def internal(environ: Mapping[str, str] = os.environ) -> dict:
@@ -179,8 +184,7 @@ def internal(environ: Mapping[str, str] = os.environ) -> dict:
 
 def with_internal(environ: Mapping[str, str], **facts) -> str:
     """INTERNAL's value with `facts` added to what `environ` holds (None removes a key)."""
-    merged = {**internal(environ), **facts}
-    return json.dumps({k: v for k, v in merged.items() if v is not None}, sort_keys=True)
+    return _updated(internal(environ), facts)
 
 
 def host_index_before_start(environ: Mapping[str, str] = os.environ) -> int:

@@ -314,9 +314,8 @@ def _train(model, batches, ctx, meter, args, facts, log) -> dict:
     from xla_fsdp.checkpoint import CheckpointManager
     from xla_fsdp.checkpoint.preemption import Preemption
 
-    manager = CheckpointManager(args.output_dir, keep_last=args.save_total_limit)
-
-    def checkpoint(step):
+    def checkpoint(step):  # the manager made at the first save: a job that saves nothing never opens --output_dir
+        manager = CheckpointManager(args.output_dir, keep_last=args.save_total_limit)
         manager.save(step, model, optimizer, extra_state={"scheduler": scheduler, "data_position": step})
     save = checkpoint if args.save_strategy != "no" else None
     with Preemption(grace_s=args.preemption_grace_s, say=log) as preempted:  # [Note: a signal becomes a checkpoint]
