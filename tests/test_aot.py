@@ -181,6 +181,7 @@ def test_check_outside_the_cli_names_the_command():
         xla_fsdp.aot.check(lambda: None)
 
 
+@pytest.mark.slow  # two traces and two libtpu compiles of an 8.2B-parameter step, about a minute
 def test_a_step_that_does_not_fit_is_named_and_checked_again_without_rings(tmp_path):
     """A one-layer GPT-2 with an 8M-token vocabulary (8.2B parameters, AdamW) on v4-8: its
     sharded state alone outgrows a chip's HBM. The check exits 1 with the compiler's numbers and,

@@ -197,6 +197,7 @@ def test_per_chip_is_refused_with_the_reason(tmp_path):
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("libtpu") is None,
                     reason="the TPU compiler comes with `pip install -e .[tpu-aot]` (make test installs it)")
+@pytest.mark.slow  # FSDP2 compiled for a TPU by default: test_fsdp2.py's HSDP example on v4-16
 def test_the_port_compiles_for_v4_8_under_the_check():
     """`python -m xla_fsdp.aot --tpu v4-8 -- launch/xla_spawn.py --num_cores 4 <port>`: the check
     reads the same declaration as the launcher (the single controller), cuts the loop's steps

@@ -117,6 +117,7 @@ def test_gradients_reduce_scatter_along_each_torus_axis_and_stay_reduce_scatters
     assert scattered < 0.6 * flat["all-reduce"]["sent"], (default, flat)
 
 
+@pytest.mark.slow  # the default's rings beside compute on v4-8: test_tpu_compile_matrix.py
 def test_the_default_on_a_pod_rings_the_reduce_scatters_beside_compute(traced_default, traced_auto):
     """[Note: reduce-scatter rings on pods]: "auto" on v4-128 leaves no reduce-scatter in the
     TPU program; the gradients travel as collective-permutes, asynchronous, sending about what
@@ -167,6 +168,7 @@ def _scatter_inputs(text: str):
     return first, later
 
 
+@pytest.mark.slow  # token_chain="off" trains like the unsharded run by default: test_run_clm_llama.py
 def test_staged_gradients_meet_the_token_after_a_barrier(traced_default, traced_off_chain):
     """[Note: the gradient apart from the chain]: each gradient whose reduce-scatter runs in torus
     stages reaches the token's add through an optimization barrier, so libtpu cannot fuse the add
