@@ -77,7 +77,10 @@ one-chip job there, which is only useful for debugging.
 Failures: if a replica raises, the launcher prints that replica's traceback and
 exits 1; in the spawn path the failing replica exits at once so the process
 pool breaks and the remaining replicas are terminated instead of waiting
-forever in a collective. Ctrl-C stops every replica and exits 130. Usage errors
+forever in a collective. Ctrl-C stops every replica and exits 130. SIGTERM (a spot
+VM's preemption, a maintenance event) goes on to the job: run_clm saves a checkpoint at
+the end of its step on every replica and exits 75, and so does the launcher; the same
+command resumes (docs/checkpoints.md). Usage errors
 (bad ``--num_cores``, missing script, missing ``_mp_fn``, an entry point that
 cannot take what it is passed, a runtime this machine cannot run) exit 2 without
 a traceback.

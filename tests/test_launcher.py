@@ -201,6 +201,29 @@ def test_ctrl_c_stops_the_replica_with_exit_130(tmp_path):
     assert "interrupted" in stderr
 
 
+def test_sigterm_reaches_spawned_replicas_and_one_that_does_not_catch_it_ends_with_143(tmp_path):
+    """The spawn path (a TPU's one process per chip): SIGTERM to the launcher is passed on to the
+    replica, not answered by stopping it; a script without a handler (xla_fsdp.checkpoint.Preemption)
+    ends on it, and the launcher says so and exits 128 + SIGTERM."""
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, str(FIXTURES / "spawn_pool_driver.py"), str(FIXTURES / "spawn_sleep.py"),
+                             str(ready)], cwd=ROOT, env=launcher_env(CPU_NUM_DEVICES="1"), stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM passed on to the 1 replica processes" in stderr, stderr
+    assert "ended on the SIGTERM passed on to them without saving" in stderr, stderr
+
+
 def test_spawn_path_failure_breaks_the_pool_and_reports_the_traceback():
     # The TPU route (xmp.spawn) on CPU: one real replica process. Its failure
     # must come back as exit 1 with its traceback, not as a hang.

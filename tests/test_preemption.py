@@ -27,15 +27,23 @@ FLAGS = ["--config_name", TINY, "--do_train", "--fsdp", "full_shard auto_wrap", 
 GSPMD = ["--fsdp_config", os.path.join(ROOT, "configs", "fsdp", "tiny_cpu_v2.json")]
 
 
-def _command(out, extra=()):
-    return [sys.executable, os.path.join(ROOT, "launch", "xla_spawn.py"), "--num_cores", "4",
-            os.path.join(ROOT, "launch", "run_clm.py"), "--output_dir", str(out), *FLAGS, *extra]
+# the launcher's one-process-per-chip path (a TPU's --per_chip) through the real process pool: on
+# CPU, torch_xla's spawn starts one replica process of one device (tests/fixtures/spawn_pool_driver.py)
+PER_CHIP = [os.path.join(ROOT, "tests", "fixtures", "spawn_pool_driver.py")]
 
 
-def _env():
+def _command(out, extra=(), per_chip=False):
+    launcher = PER_CHIP if per_chip else [os.path.join(ROOT, "launch", "xla_spawn.py"), "--num_cores", "4"]
+    return [sys.executable, *launcher, os.path.join(ROOT, "launch", "run_clm.py"), "--output_dir", str(out), *FLAGS,
+            *extra]
+
+
+def _env(per_chip=False):
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONUNBUFFERED="1")
     for name in ("CPU_NUM_DEVICES", "XLA_USE_SPMD", "XLA_FSDP_RUNTIME"):
         env.pop(name, None)
+    if per_chip:
+        env["CPU_NUM_DEVICES"] = "1"
     return env
 
 
@@ -44,10 +52,10 @@ def _losses(out) -> dict:
         return {int(step): loss for step, loss in json.load(f)["losses"]}
 
 
-def _preempt(out, extra=()):
+def _preempt(out, extra=(), per_chip=False):
     """The job started, SIGTERM to the launcher once it logged SIGNAL_AT; (exit status, output,
     seconds from the signal to the exit)."""
-    proc = subprocess.Popen(_command(out, extra), env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_command(out, extra, per_chip), env=_env(per_chip), cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     lines, signalled = [], None
     timer = threading.Timer(600, proc.kill)
@@ -66,15 +74,15 @@ def _preempt(out, extra=()):
     return proc.returncode, "".join(lines), time.monotonic() - signalled
 
 
-def _check_preempted_and_resumed(tmp_path, extra=()):
+def _check_preempted_and_resumed(tmp_path, extra=(), per_chip=False):
     whole = tmp_path / "whole"
-    done = subprocess.run(_command(whole, extra), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_command(whole, extra, per_chip), env=_env(per_chip), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     want = _losses(whole)
     assert sorted(want) == list(range(1, STEPS + 1))
 
     cut = tmp_path / "cut"
-    code, output, took = _preempt(cut, extra)
+    code, output, took = _preempt(cut, extra, per_chip)
     assert code == EXIT_PREEMPTED, output[-3000:]
     assert took < EXIT_WITHIN_S, f"{took:.1f} s from the signal to the exit"
     saved = sorted(int(p.name.split("-")[1]) for p in cut.iterdir() if p.name.startswith("checkpoint-"))
@@ -85,8 +93,11 @@ def _check_preempted_and_resumed(tmp_path, extra=()):
         assert json.load(f)["preempted"]["step"] == step
     assert f"stopped by SIGTERM signal at step {step}" in output and "run the same command again" in output, output
     assert "Traceback" not in output, output
+    if per_chip:  # the launcher passed the signal on and waited, not stopped the replica
+        assert "SIGTERM passed on to the 1 replica processes" in output, output[-3000:]
+        assert "replica 0 saved the checkpoint the signal asked for; exit status 75" in output, output[-3000:]
 
-    again = subprocess.run(_command(cut, extra), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(_command(cut, extra, per_chip), env=_env(per_chip), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert "resumed from" in again.stdout and f"checkpoint-{step}" in again.stdout, again.stdout[-2000:]
     got = _losses(cut)
@@ -103,6 +114,39 @@ def test_sigterm_saves_at_the_step_boundary_and_the_same_command_resumes(tmp_pat
 @pytest.mark.slow
 def test_the_same_with_the_gspmd_engine(tmp_path):
     _check_preempted_and_resumed(tmp_path, GSPMD)
+
+
+def test_the_same_with_one_process_per_chip(tmp_path):
+    """The launcher's spawn path (--per_chip on a TPU): the SIGTERM reaches the launcher only; it
+    passes it on to the replica and waits; the replica saves and returns, the launcher exits 75."""
+    _check_preempted_and_resumed(tmp_path, per_chip=True)
+
+
+def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tmp_path):
+    """SIGTERM once the job has started (its first log line), while it sets up or compiles its first
+    step: exit 75 within the bound, no checkpoint, a message saying so and how to go on."""
+    out = tmp_path / "early"
+    proc = subprocess.Popen(_command(out), env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    lines, signalled = [], None
+    timer = threading.Timer(300, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if signalled is None and line.startswith("run_clm:"):
+                assert " loss " not in "".join(lines), "".join(lines)
+                proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+        proc.wait()
+    finally:
+        timer.cancel()
+    output = "".join(lines)
+    assert proc.returncode == EXIT_PREEMPTED and time.monotonic() - signalled < EXIT_WITHIN_S, output[-3000:]
+    assert "nothing saved; run the same command again" in output and "Traceback" not in output, output[-3000:]
+    assert not any(p.name.startswith("checkpoint-") for p in out.iterdir()), sorted(out.iterdir())
+    with open(out / "metrics.json") as f:
+        assert json.load(f)["preempted"]["checkpoint"] is None
 
 
 def test_a_second_signal_within_the_grace_period_does_not_cut_the_save(capsys):

@@ -251,3 +251,73 @@ def test_without_dry_run_the_command_runs_and_its_failure_stops_the_script():
     assert result.returncode == 99
     assert "test ran gcloud for real" in result.stderr
     assert result.stdout == ""
+
+
+def test_create_asks_for_spot_capacity_only_when_told():
+    (words,) = dry_run("create.sh", *LOCATION, "--spot")
+    assert words[-1] == "--spot"
+    (plain,) = dry_run("create.sh", *LOCATION)
+    assert "--spot" not in plain
+
+
+def _fake(bin_dir, name, body):
+    path = bin_dir / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+def test_auto_resume_runs_the_job_again_after_each_preemption_exit_on_the_worker(tmp_path):
+    """The worker-side text run.sh ships, run by bash here: a job that exits 75 (it saved a
+    checkpoint for a SIGTERM) runs again, at most --auto-resume times; any other status ends it."""
+    (words,) = dry_run("run.sh", *LOCATION, "--auto-resume", "2", "--no-default-args", "--", "--max_steps", "3")
+    remote = flag_value(words, "--command")
+    (tmp_path / "xla_fsdp" / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / "xla_fsdp" / ".venv" / "bin" / "activate").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    runs = tmp_path / "runs"
+    # python3 here: the job; it exits with the next status of $STATUSES, one per run, and records its arguments
+    _fake(bin_dir, "python3", f'echo "$*" >> {runs}\nn=$(wc -l < {runs})\n'
+                              'set -- $STATUSES\nshift $((n - 1))\nexit "$1"\n')
+
+    def worker(statuses):
+        runs.unlink(missing_ok=True)
+        got = subprocess.run(["bash", "-c", remote], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                             env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", STATUSES=statuses))
+        return got.returncode, runs.read_text().splitlines(), got.stderr
+
+    code, calls, said = worker("75 75 0")
+    assert code == 0 and len(calls) == 3, (code, calls, said)
+    assert all(c.endswith("launch/run_clm.py --max_steps 3") for c in calls), calls
+    assert "resuming (1 of 2)" in said and "resuming (2 of 2)" in said, said
+    code, calls, _ = worker("75 75 75 0")  # the third preemption exit is past --auto-resume 2
+    assert code == 75 and len(calls) == 3, (code, calls)
+    code, calls, _ = worker("1 0")  # a failure is not a preemption: no rerun
+    assert code == 1 and len(calls) == 1, (code, calls)
+
+
+@pytest.mark.parametrize("state", ["READY", "PREEMPTED"])
+def test_auto_resume_reconnects_only_while_the_vm_is_ready(tmp_path, state):
+    """A broken connection (ssh's 255): run.sh asks the VM's state; READY runs the job again, any
+    other state ends with the state named and what to do."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    _fake(bin_dir, "gcloud", f'echo "$4" >> {calls}\n'
+                             f'case "$4" in describe) echo {state};; ssh) [ "$(grep -c ssh {calls})" -gt 1 ] '
+                             '&& exit 0 || exit 255;; esac\n')
+    got = subprocess.run(["bash", str(SCRIPTS_DIR / "run.sh"), *LOCATION, "--auto-resume", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30,
+                         env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
+    made = calls.read_text().split()
+    if state == "READY":
+        assert got.returncode == 0 and made == ["ssh", "describe", "ssh"], (got.stderr, made)
+        assert "is READY; running the job again (1 of 1)" in got.stderr
+    else:
+        assert got.returncode == 255 and made == ["ssh", "describe"], (got.stderr, made)
+        assert "'PREEMPTED', not READY" in got.stderr and "create it again" in got.stderr, got.stderr
+
+
+def test_auto_resume_needs_a_count():
+    got = script("run.sh", *LOCATION, "--auto-resume", "often")
+    assert got.returncode == 2 and "--auto-resume must be a count" in got.stderr, got.stderr

@@ -13,6 +13,8 @@
 # The repository root, for scripts that copy or read this checkout.
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SCRIPT_NAME="$(basename "$0")"
+# run_clm's status after it saved the checkpoint a SIGTERM asked for (xla_fsdp/checkpoint/preemption.py)
+EXIT_PREEMPTED=75
 DRY_RUN=0
 EXTRA_ARGS=()
 

@@ -32,7 +32,9 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-EXIT_PREEMPTED = 75
+from xla_fsdp.runtime import signals
+from xla_fsdp.runtime.self_starting import EXIT_PREEMPTED  # noqa: F401  (75; exported here too)
+
 DEFAULT_GRACE_S = 25.0
 
 
@@ -50,6 +52,7 @@ class Preemption:
         self._received: Optional[float] = None
         self._signal: Optional[int] = None
         self._before = {}
+        self._listening = False
         self._resolved = hosts is not None
 
     # -- the flag ---------------------------------------------------------------------------------
@@ -85,12 +88,21 @@ class Preemption:
     # -- the handlers -----------------------------------------------------------------------------
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("Preemption() must be entered on the main thread (Python delivers signals there)")
+            # a replica of torch_xla's spawn runs on a thread ([Note: a replica's signals])
+            if not signals.delivered(self.signals):
+                raise RuntimeError("Preemption() must be entered on the main thread (Python delivers signals "
+                                   "there), or in a replica started by xla_spawn")
+            signals.listen(self._handle)
+            self._listening = True
+            return self
         for sig in self.signals:
             self._before[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._listening:
+            signals.stop_listening(self._handle)
+            self._listening = False
         for sig, before in self._before.items():
             signal.signal(sig, before)
         self._before.clear()

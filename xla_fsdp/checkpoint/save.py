@@ -28,6 +28,16 @@ everywhere; rank 0 removes what was written; other checkpoints are untouched.
 Rotation (manager.py) and any removal take the marker away first too
 (`format.remove_checkpoint`). The processes may be hosts of an SPMD slice
 (each writing its own `shards-rank<host>` files) or one per chip: the same.
+
+[Note: saves beside training] A save has three parts: `begin_save` (every process, at a step
+boundary: the directory prepared and agreed on, and, for a save written beside training, this
+process's tensors copied to host memory and the record taken: the only stall), `PendingSave.write`
+(this process's files; no collective, so a thread may run it while the next steps train), and
+`PendingSave.commit` (every process, on the thread that trains: the agreement that every write
+succeeded, then rank 0's metadata, COMPLETE and rename, as above). `save_checkpoint` runs the three
+in a row and copies each tensor only as it writes it; CheckpointManager(async_save=True) writes
+beside training (manager.py). The host copy holds this process's shards of the parameters and the
+optimizer state until the write ends: host memory of one checkpoint per process.
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ import io
 import os
 import platform
 import random
+import threading
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -65,44 +76,85 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     its own, together with its RNG states (torch, XLA, Python, NumPy).
     Returns `path`.
     """
+    pending = begin_save(path, model, optimizer, step=step, extra_state=extra_state)
+    pending.write()
+    return pending.commit()
+
+
+def begin_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+               step: Optional[int] = None, extra_state: Optional[Dict[str, Any]] = None,
+               copy_now: bool = False) -> "PendingSave":
+    """The first part of a save ([Note: saves beside training]); every process calls it at the same
+    step boundary. `copy_now`: take this process's tensors to host memory now, so that training may
+    go on while `write()` runs on another thread; else each is copied as it is written."""
     st = storage.storage_for(path)
     path = st.abspath(path)
     info = process_info(model)
     held = holdings(model)
     # where the files go: [Note: atomic checkpoints] on a file system, [Note: commit without rename] at a URL
     target = path + fmt.PARTIAL_SUFFIX if st.renames else path
-    error: Optional[BaseException] = None
+    pending = PendingSave(st, path, target, info)
     try:
         if info.rank == 0:
             _prepare(st, target)
     except OSError as e:
-        error = e
-    if info.all_ok(error is None):  # the directory is ready (every process waits for rank 0 here)
+        pending.error = e
+    if not info.all_ok(pending.error is None):  # the directory is ready (every process waits for rank 0 here)
+        pending.fail()
+    pending.files = _rank_files(info.rank, model, held, optimizer, extra_state, copy_now)
+    if info.rank == 0:  # the record of this step, taken before training changes the optimizer's state
+        config = getattr(model, "config", None)
+        pending.record = (_metadata(model, held, optimizer, step, info),
+                          config.to_json_string() if config is not None and hasattr(config, "to_json_string") else None)
+    return pending
+
+
+class PendingSave:
+    """A save begun at a step boundary: `write()` this process's files (any thread), then `commit()`
+    on every process (the thread that trains). [Note: saves beside training]"""
+
+    def __init__(self, st: storage.Storage, path: str, target: str, info):
+        self.st, self.path, self.target, self.info = st, path, target, info
+        self.files = None  # (entries, index, extra bytes) of this process
+        self.record = None  # rank 0: (metadata, the model's config as JSON or None)
+        self.error: Optional[BaseException] = None
+        self.written = threading.Event()
+
+    def write(self) -> None:
+        """This process's tensor file, index and state; an OSError is kept for `commit` to report."""
         try:
-            _write_rank_files(st, target, info.rank, model, held, optimizer, extra_state)
-        except OSError as e:
-            error = e
-        ok = info.all_ok(error is None)
-    else:
-        ok = False
-    if not ok:
-        if info.rank == 0:
-            st.rmtree(target, ignore_errors=True)
-        info.barrier()
-        where = f"rank {info.rank}: {error}" if error is not None else "another rank failed to write its files"
-        raise CheckpointWriteError(f"could not write checkpoint {path} ({where}); nothing was saved there and "
+            _write_rank_files(self.st, self.target, self.info.rank, *self.files)
+        except Exception as e:  # on a thread nothing else would see it: every process hears of it at commit
+            self.error = e
+        finally:
+            self.files = None  # the host copies go as soon as they are written
+            self.written.set()
+
+    def commit(self) -> str:
+        """Every process: agree that every write succeeded, then rank 0 commits; returns the path."""
+        if not self.info.all_ok(self.error is None):
+            self.fail()
+        if self.info.rank == 0:
+            try:
+                _finish(self.st, self.target, self.path, *self.record)
+            except OSError as e:
+                self.error = e
+                self.st.rmtree(self.target, ignore_errors=True)
+        if not self.info.all_ok(self.error is None):
+            where = self.error if self.error is not None else "rank 0 could not commit it"
+            raise CheckpointWriteError(f"could not write checkpoint {self.path} ({where}); earlier checkpoints are "
+                                       "untouched") from self.error
+        return self.path
+
+    def fail(self) -> None:
+        """Some process could not write: rank 0 removes what was written, every process raises."""
+        if self.info.rank == 0:
+            self.st.rmtree(self.target, ignore_errors=True)
+        self.info.barrier()
+        error = self.error
+        where = f"rank {self.info.rank}: {error}" if error is not None else "another rank failed to write its files"
+        raise CheckpointWriteError(f"could not write checkpoint {self.path} ({where}); nothing was saved there and "
                                    "earlier checkpoints are untouched") from error
-    if info.rank == 0:
-        try:
-            _finish(st, target, path, model, held, optimizer, step, info)
-        except OSError as e:
-            error = e
-            st.rmtree(target, ignore_errors=True)
-    if not info.all_ok(error is None):
-        where = error if error is not None else "rank 0 could not commit it"
-        raise CheckpointWriteError(f"could not write checkpoint {path} ({where}); earlier checkpoints are "
-                                   "untouched") from error
-    return path
 
 
 def _prepare(st: storage.Storage, target: str) -> None:
@@ -121,8 +173,9 @@ def _named_buffers(model: nn.Module):
     return list(keys.buffers(model, persistent_only=False).items())  # by state-dict key
 
 
-def _write_rank_files(st: storage.Storage, partial: str, rank: int, model, held: List[Holding], optimizer,
-                      extra_state) -> None:
+def _rank_files(rank: int, model, held: List[Holding], optimizer, extra_state, copy_now: bool):
+    """This process's (entries, index, extra state as bytes): each entry's `produce` copies its
+    tensor to host memory when called, or, with `copy_now`, returns the copy taken here."""
     entries, index = [], {}
 
     def add(key, tensor_fn, dtype, shape, rows, tensor=None):
@@ -152,18 +205,43 @@ def _write_rank_files(st: storage.Storage, partial: str, rank: int, model, held:
     if rank == 0:
         for name, b in _named_buffers(model):
             add(f"buffer/{name}", lambda b=b: b.detach().cpu(), b.dtype, tuple(b.shape), None)
+    if copy_now:
+        live = _host_storages(model, optimizer)
+        entries = [(key, dtype, shape, _copied(produce(), live)) for key, dtype, shape, produce in entries]
+    extra = {"rng": _rng_states(), "user": {}}
+    for name, obj in (extra_state or {}).items():
+        extra["user"][name] = obj.state_dict() if hasattr(obj, "state_dict") else obj
+    buf = io.BytesIO()  # small (RNG states, user objects); one write suits every storage
+    torch.save(extra, buf)
+    return entries, index, buf.getvalue()
+
+
+def _host_storages(model, optimizer) -> set:
+    """The storages of the model's and optimizer's tensors that live in host memory (a model on the
+    CPU device): a copy taken for a save beside training must not be one of them."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu"}
+
+
+def _copied(tensor: torch.Tensor, live: set):
+    """`produce` for a copy taken now: a host tensor still shared with training is cloned."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    elif tensor.untyped_storage().data_ptr() in live:
+        tensor = tensor.clone()
+    return lambda: tensor
+
+
+def _write_rank_files(st: storage.Storage, partial: str, rank: int, entries, index, extra: bytes) -> None:
     shard_path = st.join(partial, fmt.shard_file(rank))
     crcs = fmt.write_safetensors(shard_path, entries)
     for key, crc in crcs.items():
         index[key]["crc32"] = crc
     fmt.write_json(st.join(partial, fmt.index_file(rank)),
                    {"rank": rank, "bytes": st.size(shard_path), "tensors": index})
-    extra = {"rng": _rng_states(), "user": {}}
-    for name, obj in (extra_state or {}).items():
-        extra["user"][name] = obj.state_dict() if hasattr(obj, "state_dict") else obj
-    buf = io.BytesIO()  # small (RNG states, user objects); one write suits every storage
-    torch.save(extra, buf)
-    st.write_bytes(st.join(partial, fmt.extra_file(rank)), buf.getvalue())
+    st.write_bytes(st.join(partial, fmt.extra_file(rank)), extra)
 
 
 def _optimizer_tensors(optimizer, held):
@@ -195,11 +273,10 @@ def _rng_states() -> Dict[str, Any]:
 
 # -- rank 0: the record and the commit ------------------------------------------------
 
-def _finish(st: storage.Storage, partial: str, path: str, model, held, optimizer, step, info) -> None:
-    fmt.write_json(st.join(partial, fmt.METADATA), _metadata(model, held, optimizer, step, info))
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_json_string"):
-        st.write_bytes(st.join(partial, fmt.HF_CONFIG), config.to_json_string().encode())
+def _finish(st: storage.Storage, partial: str, path: str, metadata: Dict[str, Any], config_json: Optional[str]) -> None:
+    fmt.write_json(st.join(partial, fmt.METADATA), metadata)
+    if config_json is not None:
+        st.write_bytes(st.join(partial, fmt.HF_CONFIG), config_json.encode())
     st.write_bytes(st.join(partial, fmt.COMPLETE), b"complete\n")  # last: the commit at a URL
     if not st.renames:
         return

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import inspect
 import multiprocessing
+import os
 import runpy
 import signal
 import sys
@@ -134,10 +135,14 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
                 start_method: str = "spawn") -> int:
     """One process per chip through torch_xla's spawn (`spawn`: its original, when a
     self-starting script's calls are routed); `entry(index, *args)` is each replica's body
-    (picklable). A message the replicas exit with is printed once, naming the replicas."""
+    (picklable). A message the replicas exit with is printed once, naming the replicas.
+
+    SIGINT stops the replicas. SIGTERM (a spot VM's preemption, a maintenance event) is passed on
+    to them and waited for: a job that saves on it (run_clm, `xla_fsdp.checkpoint.Preemption`)
+    saves at the end of its step and exits EXIT_PREEMPTED, and so does the launcher."""
     import tempfile
 
-    from xla_fsdp.runtime.self_starting import ReplicaCall, replica_messages
+    from xla_fsdp.runtime.self_starting import EXIT_PREEMPTED, ReplicaCall, preempted_replicas, replica_messages
 
     if spawn is None:
         import torch_xla.distributed.xla_multiprocessing as xmp
@@ -151,14 +156,32 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
             child.terminate()
         raise KeyboardInterrupt
 
+    forwarded = []
+
+    def pass_on(signum, frame):
+        replicas = multiprocessing.active_children()
+        for child in replicas:
+            try:
+                os.kill(child.pid, signum)
+            except ProcessLookupError:
+                pass
+        if not forwarded:
+            log(f"{signal.Signals(signum).name} passed on to the {len(replicas)} replica processes; waiting for them "
+                "(a job that saves on it saves at the end of its step)")
+        forwarded.append(signum)
+
     signal.signal(signal.SIGINT, stop_replicas)
-    signal.signal(signal.SIGTERM, stop_replicas)
+    signal.signal(signal.SIGTERM, pass_on)
     with tempfile.TemporaryDirectory(prefix="xla_spawn-") as messages:
         try:
             spawn(ReplicaCall(entry, args, messages), args=(), nprocs=None, start_method=start_method)
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # BrokenProcessPool and anything re-raised by the pool
+            if forwarded and not replica_messages(messages):
+                log("the replicas ended on the SIGTERM passed on to them without saving (the script does not "
+                    "catch it: xla_fsdp.checkpoint.Preemption makes it a checkpoint)")
+                return 128 + signal.SIGTERM
             said = replica_messages(messages)
             for message, replicas in said.items():
                 print(message, file=sys.stderr, flush=True)
@@ -168,6 +191,11 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
                 log(f"a replica failed ({type(exc).__name__}); its message is above. "
                     "The other replicas were stopped.")
             return EXIT_FAILED
+        preempted = preempted_replicas(messages)
+    if preempted:
+        log(f"replica{'s' if len(preempted) > 1 else ''} {', '.join(map(str, preempted))} saved the checkpoint the "
+            f"signal asked for; exit status {EXIT_PREEMPTED}: the same command resumes from it")
+        return EXIT_PREEMPTED
     return 0
 
 

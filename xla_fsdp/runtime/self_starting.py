@@ -35,6 +35,10 @@ ENTRY_POINTS: Dict[str, str] = {
 }
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+# a job that saved a checkpoint when a signal asked it to (EX_TEMPFAIL of sysexits.h: "try again"):
+# [Note: a signal becomes a checkpoint] in xla_fsdp/checkpoint/preemption.py
+EXIT_PREEMPTED = 75
+PREEMPTED_MARK = "preempted-"
 
 
 class Refused(Exception):
@@ -142,10 +146,22 @@ class ReplicaCall:
     `messages/replica-<index>` when the launcher gave a folder, so that the launcher
     prints each message once for all replicas (`replica_messages`); else to stderr,
     as Python prints it.
+
+    A replica that exits EXIT_PREEMPTED (it saved the checkpoint a SIGTERM asked for) returns
+    instead, leaving `messages/preempted-<index>`: every replica saved the same step, and the
+    first to leave must not break the pool while the others still write their part
+    (`preempted_replicas`; the launcher then exits EXIT_PREEMPTED).
     """
 
     def __init__(self, fn: Callable, args: tuple, messages: Optional[str] = None):
         self.fn, self.args, self.messages = fn, tuple(args), messages
+
+    def __setstate__(self, state: dict) -> None:
+        # unpickled on the replica process's main thread, before torch_xla runs `fn` on a thread of it
+        self.__dict__.update(state)
+        from .signals import listen_on_main_thread
+
+        listen_on_main_thread()  # [Note: a replica's signals]
 
     def __call__(self, index: int) -> None:
         try:
@@ -155,6 +171,9 @@ class ReplicaCall:
             self.fn(index, *self.args)
         except SystemExit as exc:
             code = exit_status(exc)
+            if code == EXIT_PREEMPTED and self.messages is not None:
+                open(os.path.join(self.messages, f"{PREEMPTED_MARK}{index}"), "w").close()
+                return
             if code != 0:
                 if isinstance(exc.code, int):
                     print(f"xla_spawn: replica {index} exited with {exc.code}", file=sys.stderr, flush=True)
@@ -183,6 +202,11 @@ def exit_status(exc: SystemExit) -> int:
     if exc.code is None:
         return 0
     return exc.code if isinstance(exc.code, int) else EXIT_FAILED
+
+
+def preempted_replicas(folder: str) -> list:
+    """The replicas that saved after a signal and returned ([ReplicaCall]), in order."""
+    return sorted(int(n[len(PREEMPTED_MARK):]) for n in os.listdir(folder) if n.startswith(PREEMPTED_MARK))
 
 
 def replica_messages(folder: str) -> Dict[str, list]:

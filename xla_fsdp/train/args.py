@@ -174,6 +174,9 @@ def _reporting_flags(p: argparse.ArgumentParser) -> None:
                         help="after SIGTERM the job saves a checkpoint at the end of the step and exits 75; a "
                              "second signal within S seconds does not cut the save short (Cloud TPU spot VMs "
                              "give about 30 s: xla_fsdp/checkpoint/preemption.py)")
+    _bool_flag(report, "--save_async", "write each checkpoint's files beside the next steps: the step that saves "
+               "only waits for the copy to host memory; the next save and the job's end wait for the files "
+               "(false: every save waits for its files)", default=True)
     report.add_argument("--resume_from_checkpoint", default=None,
                         help="a checkpoint-<step> directory, or 'auto' for the newest complete one in "
                              "--output_dir (none: start fresh)")

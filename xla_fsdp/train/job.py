@@ -19,7 +19,7 @@ from xla_fsdp import abstract, metrics
 from xla_fsdp.runtime import environment
 from xla_fsdp.train import data, families, loop
 from xla_fsdp.train.args import parse_args
-from xla_fsdp.train.resume import exit_preempted, resume
+from xla_fsdp.train.resume import Saves, exit_preempted, resume
 from xla_fsdp.train.output_dir import check_output_dir, write_metrics, written_only_on_success
 from xla_fsdp.train.model import (build_model, load_config, load_fsdp_config, selected_engine,
                                   single_controller, wants_deferred_init, wrap_model)
@@ -48,10 +48,14 @@ def device_facts(spmd: bool) -> dict:
 
 def run(argv=None) -> dict:
     """Train and/or evaluate as the flags say; returns the metrics written to metrics.json."""
+    from xla_fsdp.checkpoint.preemption import Preemption
+
     args = parse_args(argv)
-    with written_only_on_success(args.output_dir):
-        job = _start(args)
-    return _run(job)
+    # from the start: a signal while the model is built is kept for the first step boundary
+    with Preemption(grace_s=args.preemption_grace_s) as preempted:  # [Note: a signal becomes a checkpoint]
+        with written_only_on_success(args.output_dir):
+            job = _start(args)
+        return _run(job, preempted)
 
 
 @dataclass
@@ -219,12 +223,12 @@ def _first_report(args, config, corpus, wrapped, rt: Runtime, meter, micro_batch
     return report
 
 
-def _run(job: StartedJob) -> dict:
+def _run(job: StartedJob, preempted) -> dict:
     """The steps, the evaluation and the report of a started job."""
     args, ctx, facts, log, report, cache = job.args, job.ctx, job.facts, job.log, job.report, job.cache
     started = time.perf_counter()
     if job.batches is not None:
-        report.update(_train(job.model, job.batches, ctx, job.meter, args, facts, log))
+        report.update(_train(job.model, job.batches, ctx, job.meter, args, facts, log, preempted))
     if job.eval_batches is not None and "preempted" not in report:
         ev = loop.evaluate(job.model, job.eval_batches, ctx)
         report.update(ev)
@@ -299,7 +303,7 @@ def _meter(args, config, global_batch: int, facts: dict, log) -> metrics.Through
     return metrics.ThroughputMeter(tokens, step_flops, facts["chips"], peak)
 
 
-def _train(model, batches, ctx, meter, args, facts, log) -> dict:
+def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
     """The training phase: optimizer, schedule, progress bar, loop, summary line."""
     per_epoch = loop.steps_per_epoch(batches, args.gradient_accumulation_steps)
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
@@ -311,26 +315,27 @@ def _train(model, batches, ctx, meter, args, facts, log) -> dict:
     progress = _progress(total_steps, facts["leader"])
     if progress and start:
         progress.update(start)
-    from xla_fsdp.checkpoint import CheckpointManager
-    from xla_fsdp.checkpoint.preemption import Preemption
+    saves = Saves(args, model, optimizer, scheduler)
 
-    def checkpoint(step):  # the manager made at the first save: a job that saves nothing never opens --output_dir
-        manager = CheckpointManager(args.output_dir, keep_last=args.save_total_limit)
-        manager.save(step, model, optimizer, extra_state={"scheduler": scheduler, "data_position": step})
-    save = checkpoint if args.save_strategy != "no" else None
-    with Preemption(grace_s=args.preemption_grace_s, say=log) as preempted:  # [Note: a signal becomes a checkpoint]
-        result = loop.train(model, optimizer, scheduler, batches, total_steps, ctx, meter, args,
-                            log=progress.write if progress else log, progress=progress, save=save, start_step=start,
-                            stop=preempted.agreed)
-        if result.preempted and save is None:
-            checkpoint(result.steps)  # --save_strategy no saves nothing else: this one is for the resume
+    def boundary() -> bool:  # after every step: a save written beside training commits; a signal stops
+        saves.poll()
+        return preempted.agreed()
+
+    result = loop.train(model, optimizer, scheduler, batches, total_steps, ctx, meter, args,
+                        log=progress.write if progress else log, progress=progress,
+                        save=saves.save if args.save_strategy != "no" else None, start_step=start, stop=boundary)
+    if result.preempted and args.save_strategy == "no" and result.steps > start + 1:
+        saves.save(result.steps)  # --save_strategy no saves nothing else: this one is for the resume
+    saves.wait()  # the last save's files are all written and committed before the job ends
     if progress:
         progress.close()
     if result.preempted:
+        saved = result.steps > start + 1  # stopped at the first step's end or before: nothing saved (loop.train)
         return dict(steps=result.steps, losses=result.losses, windows=result.windows,
                     train_wall_time_s=result.wall_time_s, preempted={
-                        "step": result.steps, "checkpoint": os.path.join(args.output_dir, f"checkpoint-{result.steps}"),
-                        "signal": preempted.signal_name or "another host's"}, **result.summary)
+                        "step": result.steps, "signal": preempted.signal_name or "another host's",
+                        "checkpoint": os.path.join(args.output_dir, f"checkpoint-{result.steps}") if saved else None},
+                    **result.summary)
     if result.steps > start:
         from xla_fsdp.checkpoint import save_pretrained
 

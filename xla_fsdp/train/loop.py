@@ -158,9 +158,12 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     last step; throughput windows close at those reads. `save(step)`, if
     given, is called per `--save_strategy` and after the last step. A resumed
     run (`start_step` > 0) skips the batches the saved run already used, so
-    it sees the same data in the same order. `stop()`, if given, is asked after
-    every step (every host the same answer): True ends the loop there, saved as
-    after the last step (`result.preempted`).
+    it sees the same data in the same order. `stop()`, if given, is asked before
+    the first step and after every step (every host the same answer): True ends the
+    loop there, saved as after the last step (`result.preempted`). Stopped before the
+    first step ends or right after it, nothing is saved: a signal that came while the
+    job was set up or compiled its first step (minutes on a TPU, maybe the whole grace
+    period) leaves at most one step to redo.
     """
     result = TrainResult()
     started = time.perf_counter()
@@ -169,7 +172,8 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     accumulate = args.gradient_accumulation_steps
     epoch, skip = divmod(start_step, steps_per_epoch(batches, accumulate))
     log_every = args.logging_steps if args.logging_strategy == "steps" else None
-    while step < total_steps:
+    result.preempted = stop is not None and stop()  # a signal while the job was set up
+    while step < total_steps and not result.preempted:
         loss = None
         micro_batches = []
         for index, batch in enumerate(batches.epoch(epoch)):
@@ -208,7 +212,7 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     _wait()
     result.steps, result.wall_time_s = step, time.perf_counter() - started
     result.summary = meter.summary(step)
-    if save and step > start_step:
+    if save and step > start_step + (1 if result.preempted else 0):
         save(step)  # after the clocks stop: saving is not training throughput
     return result
 

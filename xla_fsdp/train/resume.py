@@ -1,6 +1,6 @@
 """Where a run_clm job goes on from and how it stops for a signal: the checkpoint it resumes
 (--resume_from_checkpoint, or the newest complete one in --output_dir: Hugging Face's semantics),
-and the exit after the save a SIGTERM asked for ([Note: a signal becomes a checkpoint] in
+its saves (`Saves`), and the exit after the save a SIGTERM asked for ([Note: a signal becomes a checkpoint] in
 xla_fsdp/checkpoint/preemption.py)."""
 from __future__ import annotations
 
@@ -29,7 +29,42 @@ def exit_preempted(preempted: dict, log) -> None:
     """After the save a signal asked for: say where and how to go on, and exit EXIT_PREEMPTED."""
     from xla_fsdp.checkpoint.preemption import EXIT_PREEMPTED
 
+    if preempted["checkpoint"] is None:
+        log(f"run_clm: stopped by {preempted['signal']} signal at step {preempted['step']}, before this run's first step "
+            f"ended or right after it: nothing saved; run the same command again (exit status {EXIT_PREEMPTED})")
+        raise SystemExit(EXIT_PREEMPTED)
     log(f"run_clm: stopped by {preempted['signal']} signal at step {preempted['step']}: checkpoint "
         f"{preempted['checkpoint']} is complete; run the same command again (without --overwrite_output_dir) "
         f"to resume from it; exit status {EXIT_PREEMPTED}")
     raise SystemExit(EXIT_PREEMPTED)
+
+
+class Saves:
+    """run_clm's checkpoints: the manager opened at the first save (a job that saves nothing never
+    opens --output_dir), written beside training unless --save_async false ([Note: saves beside
+    training] in xla_fsdp/checkpoint/save.py)."""
+
+    def __init__(self, args, model, optimizer, scheduler):
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.manager = None
+        self.step = None  # of the last save
+
+    def save(self, step: int) -> None:
+        from xla_fsdp.checkpoint import CheckpointManager
+
+        if step == self.step:  # a signal at the step a periodic save took: that save is the one to resume
+            return
+        self.step = step
+        if self.manager is None:
+            self.manager = CheckpointManager(self.args.output_dir, keep_last=self.args.save_total_limit,
+                                             async_save=self.args.save_async)
+        self.manager.save(step, self.model, self.optimizer,
+                          extra_state={"scheduler": self.scheduler, "data_position": step})
+
+    def poll(self) -> None:
+        if self.manager is not None:
+            self.manager.poll()
+
+    def wait(self) -> None:
+        if self.manager is not None:
+            self.manager.wait()
