@@ -286,7 +286,8 @@ def _run_clm_hosts(out, flags, env_extra=None):
     root = os.path.dirname(HERE)
     port = vh.free_port()
     procs = vh.start({i: ([sys.executable, os.path.join(root, "launch", "run_clm.py"), "--output_dir", str(out), *flags],
-                          dict(_env(2, i, port), XLA_FSDP_RUNTIME="single_controller")) for i in range(2)}, cwd=root)
+                          dict(_env(2, i, port), XLA_FSDP_RUNTIME="single_controller", **(env_extra or {})))
+                      for i in range(2)}, cwd=root)
     return procs
 
 
@@ -379,3 +380,41 @@ def test_sigterm_to_one_host_makes_both_save_the_same_step_and_the_run_resumes(t
     assert sorted(got) == list(range(saved[0] + 1, steps + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(whole[step], rel=1e-5), step
+
+
+@_SLOW
+def test_a_host_lost_between_steps_is_named_at_the_next_agreement(tmp_path):
+    """Issue 81 item 4: 2 virtual hosts x 4 devices, host 1 SIGKILLed once host 0 logged step 4: host
+    0's agreement at the next step boundary ([Note: a signal becomes a checkpoint]: one per step)
+    waits at most XLA_FSDP_HOST_TIMEOUT, then host 0 exits non-zero naming host 1; nothing is saved."""
+    bound = 10
+    config = tmp_path / "hybrid.json"
+    config.write_text(json.dumps({"fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"], "xla": True,
+                                  "xla_fsdp_settings": {"compute_dtype": "float32",
+                                                        "sharding_groups": [[0, 1, 2, 3], [4, 5, 6, 7]]}}))
+    root = os.path.dirname(HERE)
+    flags = ["--config_name", os.path.join(root, "configs", "models", "gpt2-tiny.json"), "--do_train",
+             "--fsdp", "hybrid_shard auto_wrap", "--fsdp_config", str(config), "--max_steps", "40",
+             "--per_device_train_batch_size", "1", "--block_size", "32", "--logging_steps", "1",
+             "--warmup_steps", "1", "--save_strategy", "no"]
+    out = tmp_path / "out"
+    procs = _run_clm_hosts(out, flags, {"XLA_FSDP_HOST_TIMEOUT": str(bound)})
+    lines = []
+    try:
+        for line in procs[0].stdout:
+            lines.append(line)
+            if "step 4/40 loss" in line:
+                procs[1].send_signal(signal.SIGKILL)
+                died = time.time()
+                break
+        rest = procs[0].communicate(timeout=bound + 120)[0]
+        waited = time.time() - died
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.communicate()
+    output = "".join(lines) + rest
+    assert procs[0].returncode not in (0, None), output[-3000:]
+    assert "host 1 of 2" in output and "XLA_FSDP_HOST_TIMEOUT" in output, output[-3000:]
+    assert waited < bound + 30, f"host 0 exited {waited:.1f} s after host 1 died (bound {bound} s)"
+    assert not any(p.name.startswith("checkpoint-") for p in out.iterdir())

@@ -227,6 +227,10 @@ def test_fsdp_flag_becomes_engine_keywords(tiny_config):
     assert policy.keywords["transformer_layer_cls"] == {"GPT2Block"}
 
 
+# -m slow: in the default run, run_clm's periodic saves (tests/test_gcs_emulator.py, 4 devices), a job killed
+# while a checkpoint is written (tests/test_async_saves.py) and the same command resuming the uninterrupted
+# losses (tests/test_preemption.py) are each covered
+@pytest.mark.slow
 def test_preempted_job_resumes_the_same_loss_curve_and_writes_a_final_model(tiny_config, tmp_path):
     """run_clm with --save_steps: an uninterrupted 8-step run, and the same command killed
     (SIGKILL) once checkpoint-4 is complete and run again: the rerun finds the checkpoint in

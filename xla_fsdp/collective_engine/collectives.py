@@ -69,7 +69,7 @@ gets it: off the chain its token is a constant zero that XLA folds away, and
 the barrier would only cost the pass (Llama 3 8B on v6e-256 with token_chain
 "off": 3.301 -> 3.339 s when it was applied there too).
 Compiled (libtpu 0.0.21 deviceless, PROJECTED, 2026-11-29;
-docs/performance.md, "The gradient apart from the chain"): the full 128B on
+in git history: docs/performance.md before 595b4ed, "The gradient apart from the chain"): the full 128B on
 v4-512 with 10 kept, bytes beside compute 0.88 -> 0.95, synchronous
 collective time 0.88 -> 0.32 s, compute 16.21 -> 16.63 s (the add's own
 pass), step 17.280 -> 17.157 s, peak 28.90 -> 29.59 GiB; with the shipped

@@ -2,8 +2,8 @@
 
 [Note: fusion fences in the scanned body]
 The scanned step is compiled for its time to the first step, and most of that time is libtpu
-lowering the loop bodies' kernels, two at a time on a 2-core host (docs/scan.md, "Where the
-rest of the 2B's compile goes"). Fences (an XLA optimization barrier around a copy, so a value
+lowering the loop bodies' kernels, two at a time on a 2-core host (in git history:
+docs/scan.md before 595b4ed, "Where the rest of the 2B's compile goes"). Fences (an XLA optimization barrier around a copy, so a value
 is written where it is made and read where it is used and neither side fuses into the other)
 were put on 2026-11-30 on Llama's attention input, GPT-2's attention input and output and every
 dropout's input in the scanned body: libtpu fuses element-wise work (the recomputed layer norm,

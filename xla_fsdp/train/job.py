@@ -17,6 +17,7 @@ import torch
 
 from xla_fsdp import abstract, metrics
 from xla_fsdp.runtime import environment
+from xla_fsdp.runtime.host_watch import HostLostError
 from xla_fsdp.train import data, families, loop
 from xla_fsdp.train.args import parse_args
 from xla_fsdp.train.resume import Saves, exit_preempted, resume
@@ -55,7 +56,14 @@ def run(argv=None) -> dict:
     with Preemption(grace_s=args.preemption_grace_s) as preempted:  # [Note: a signal becomes a checkpoint]
         with written_only_on_success(args.output_dir):
             job = _start(args)
-        return _run(job, preempted)
+        try:
+            return _run(job, preempted)
+        except HostLostError as e:
+            # the job cannot go on, and the process's teardown would wait in gloo's destructors for the
+            # host that is gone: say why and end here ([Note: a host that does not answer])
+            print(f"run_clm: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
 
 
 @dataclass
