@@ -53,7 +53,8 @@ def run(argv=None) -> dict:
 
     args = parse_args(argv)
     # from the start: a signal while the model is built is kept for the first step boundary
-    with Preemption(grace_s=args.preemption_grace_s) as preempted:  # [Note: a signal becomes a checkpoint]
+    # the check traces a per-chip job's ranks on threads, where no signal can reach them: nothing to listen to
+    with Preemption(grace_s=args.preemption_grace_s, anywhere=abstract.active()) as preempted:  # [Note: a signal becomes a checkpoint]
         with written_only_on_success(args.output_dir):
             job = _start(args)
         try:
