@@ -63,6 +63,7 @@ ROOMS: Dict[str, str] = {
     "xla_fsdp.train": "on_top",
     "xla_fsdp.integrations": "on_top",
     "xla_fsdp.aot": "on_top",  # the ahead-of-time check traces whole jobs
+    "xla_fsdp.profiling": "on_top",  # profiler traces of chosen steps (run_clm's --profile_steps, users' loops)
     "xla_fsdp.launcher": "on_top",  # launch/xla_spawn.py's launcher (it imports only runtime/ and tpu/)
     "xla_fsdp": "on_top",  # the package root re-exports the front door
 }

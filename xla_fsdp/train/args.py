@@ -177,6 +177,10 @@ def _reporting_flags(p: argparse.ArgumentParser) -> None:
     _bool_flag(report, "--save_async", "write each checkpoint's files beside the next steps: the step that saves "
                "only waits for the copy to host memory; the next save and the job's end wait for the files "
                "(false: every save waits for its files)", default=True)
+    report.add_argument("--profile_steps", default=None, metavar="A-B",
+                        help="torch_xla's profiler trace of steps A to B into OUTPUT_DIR/profile (TensorBoard's "
+                             "Profile tab, xprof); host 0 only unless --profile_all_hosts")
+    _bool_flag(report, "--profile_all_hosts", "with --profile_steps: every host writes OUTPUT_DIR/profile/host-<i>")
     report.add_argument("--resume_from_checkpoint", default=None,
                         help="a checkpoint-<step> directory, or 'auto' for the newest complete one in "
                              "--output_dir (none: start fresh)")
@@ -233,6 +237,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"(e.g. configs/models/gpt2-tiny.json, configs/models/llama-tiny.json)")
     if args.fsdp_config and not os.path.isfile(args.fsdp_config):
         parser.error(f"--fsdp_config {args.fsdp_config}: no such file")
+    if args.profile_steps is not None:
+        from xla_fsdp.profiling import parse_range
+
+        try:
+            args.profile_steps = parse_range(args.profile_steps)
+        except ValueError as e:
+            parser.error(f"--profile_steps {e}")
     problem = range_problem(args)
     if problem:
         parser.error(problem)

@@ -35,16 +35,18 @@ def device_facts(spmd: bool) -> dict:
         from xla_fsdp.runtime.hosts import host_view
 
         dp, rank, world = xr.global_runtime_device_count(), 0, 1
-        leader = host_view().index == 0  # one process per host: the first host logs and writes
+        host = host_view().index
+        leader = host == 0  # one process per host: the first host logs and writes
     else:
         dp, rank, world = xr.world_size(), xr.global_ordinal(), xr.world_size()
+        host = rank  # one process per device: each its own folder where every process writes
         leader = rank == 0
     kind = xm.xla_device_kind() if device_type == "TPU" else device_type
     # On CPU the measured peak is the whole host's, so the host is the "chip";
     # virtual CPU devices share its cores.
     chips = dp if device_type != "CPU" else max(xr.process_count(), 1)
     return {"device_type": device_type, "device_kind": kind, "data_parallel": dp,
-            "rank": rank, "world": world, "chips": chips, "leader": leader}
+            "rank": rank, "world": world, "chips": chips, "leader": leader, "host": host}
 
 
 def run(argv=None) -> dict:
@@ -330,9 +332,12 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
         saves.poll()
         return preempted.agreed()
 
+    from xla_fsdp.profiling import of_run_clm
+
     result = loop.train(model, optimizer, scheduler, batches, total_steps, ctx, meter, args,
                         log=progress.write if progress else log, progress=progress,
-                        save=saves.save if args.save_strategy != "no" else None, start_step=start, stop=boundary)
+                        save=saves.save if args.save_strategy != "no" else None, start_step=start, stop=boundary,
+                        profile=of_run_clm(args, facts["host"], log))
     if result.preempted and args.save_strategy == "no" and result.steps > start + 1:
         saves.save(result.steps)  # --save_strategy no saves nothing else: this one is for the resume
     saves.wait()  # the last save's files are all written and committed before the job ends

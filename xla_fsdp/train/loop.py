@@ -151,7 +151,7 @@ def steps_per_epoch(batches, accumulate: int) -> int:
 
 def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepContext,
           meter: ThroughputMeter, args, log=print, progress=None, save=None, start_step: int = 0,
-          stop=None) -> TrainResult:
+          stop=None, profile=None) -> TrainResult:
     """Run optimizer steps `start_step`..`total_steps` over `batches` (a `BlockBatches`).
 
     The loss is read on the first step, every `--logging_steps` and on the
@@ -163,7 +163,8 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     loop there, saved as after the last step (`result.preempted`). Stopped before the
     first step ends or right after it, nothing is saved: a signal that came while the
     job was set up or compiled its first step (minutes on a TPU, maybe the whole grace
-    period) leaves at most one step to redo.
+    period) leaves at most one step to redo. `profile` (a `xla_fsdp.profiling.ProfileSteps`) is told
+    before and after each step.
     """
     result = TrainResult()
     started = time.perf_counter()
@@ -182,9 +183,13 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
             micro_batches.append(batch)
             if len(micro_batches) < accumulate:
                 continue
+            if profile is not None:
+                profile.before(step + 1)
             loss = train_step(model, optimizer, scheduler, micro_batches, ctx, args.max_grad_norm)
             micro_batches = []
             step += 1
+            if profile is not None:
+                profile.after(step)
             if progress is not None:
                 progress.update(1)
             if step == start_step + WARMUP_STEPS:
