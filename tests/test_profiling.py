@@ -1,6 +1,8 @@
-"""Profiles of chosen steps (issue 83 item 1): run_clm's --profile_steps A-B writes torch_xla's
-profiler trace of those steps under OUTPUT_DIR/profile, readable by TensorBoard's profile plugin
-(an .xplane.pb per capture), and the capture compiles nothing the run without it does not."""
+"""Profiles of chosen steps and TensorBoard (issue 83 items 1-2): run_clm's --profile_steps A-B
+writes torch_xla's profiler trace of those steps under OUTPUT_DIR/profile, readable by
+TensorBoard's profile plugin (an .xplane.pb per capture), and the capture compiles nothing the run
+without it does not; --report_to tensorboard writes each logging step's record as scalars under
+OUTPUT_DIR/runs/, the values of metrics.json's "logged"."""
 from __future__ import annotations
 
 import glob
@@ -33,8 +35,10 @@ def _run(out, *extra):
 
 
 def test_steps_3_to_4_are_traced_under_output_dir_and_compile_nothing_more(tmp_path):
+    """The tiny job at 4 devices with --report_to tensorboard --profile_steps 3-4 (the issue's
+    acceptance run), against the same job with neither."""
     plain, _ = _run(tmp_path / "plain")
-    traced, said = _run(tmp_path / "traced", "--profile_steps", "3-4")
+    traced, said = _run(tmp_path / "traced", "--profile_steps", "3-4", "--report_to", "tensorboard")
     planes = glob.glob(str(tmp_path / "traced" / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
     assert len(planes) == 1 and os.path.getsize(planes[0]) > 0, os.listdir(tmp_path / "traced")
     assert "profile of steps 3-4 written to" in said, said[-2000:]
@@ -75,3 +79,39 @@ def test_host_0_profiles_unless_every_host_is_asked_each_into_its_own_folder():
     assert not ProfileSteps("p", 1, 2, host=1).active
     every = ProfileSteps("p", 1, 2, host=1, all_hosts=True)
     assert every.active and every.folder == os.path.join("p", "host-1")
+
+
+def _scalars(folder) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = glob.glob(os.path.join(folder, "runs", "*"))
+    assert len(runs) == 1, runs
+    events = EventAccumulator(runs[0])
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_scalars_are_metrics_json_records(tmp_path):
+    """Each figure of each logging step, read back from the event files, equals metrics.json's
+    record (float32 in the events); --max_grad_norm's norm is among them, and memory in use."""
+    got, _ = _run(tmp_path / "tb", "--report_to", "tensorboard", "--max_grad_norm", "1.0")
+    scalars = _scalars(tmp_path / "tb")
+    logged = got["logged"]
+    assert [r["step"] for r in logged] == list(range(1, 7))
+    want = {"loss", "learning_rate", "memory_bytes", "grad_norm", "tokens_per_s", "step_time_s", "mfu"}
+    assert {t.split("/", 1)[1] for t in scalars} == want and all(t.startswith("train/") for t in scalars)
+    for record in logged:
+        for name, value in record.items():
+            if name != "step":
+                assert scalars[f"train/{name}"][record["step"]] == pytest.approx(value, rel=1e-6), (name, record)
+    assert [[r["step"], r["loss"]] for r in logged] == got["losses"]
+    assert all(r["memory_bytes"] > 2**20 and r["grad_norm"] > 0 for r in logged)
+
+
+def test_an_unknown_reporter_is_refused_listing_the_supported(capsys):
+    from xla_fsdp.train.args import parse_args
+
+    with pytest.raises(SystemExit) as ended:
+        parse_args([*FLAGS, "--output_dir", "x", "--report_to", "wandb"])
+    assert ended.value.code == 2
+    assert "--report_to wandb: not a reporter this job has; give one of none, tensorboard" in capsys.readouterr().err

@@ -177,6 +177,11 @@ def _reporting_flags(p: argparse.ArgumentParser) -> None:
     _bool_flag(report, "--save_async", "write each checkpoint's files beside the next steps: the step that saves "
                "only waits for the copy to host memory; the next save and the job's end wait for the files "
                "(false: every save waits for its files)", default=True)
+    report.add_argument("--report_to", nargs="+", default=["none"], metavar="NAME",
+                        help="where each logging step's figures go besides the log and metrics.json: "
+                             "tensorboard (events under --logging_dir) or none")
+    report.add_argument("--logging_dir", default=None,
+                        help="TensorBoard's folder (default OUTPUT_DIR/runs/<date>_<host>, as Hugging Face's)")
     report.add_argument("--profile_steps", default=None, metavar="A-B",
                         help="torch_xla's profiler trace of steps A to B into OUTPUT_DIR/profile (TensorBoard's "
                              "Profile tab, xprof); host 0 only unless --profile_all_hosts")
@@ -237,6 +242,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"(e.g. configs/models/gpt2-tiny.json, configs/models/llama-tiny.json)")
     if args.fsdp_config and not os.path.isfile(args.fsdp_config):
         parser.error(f"--fsdp_config {args.fsdp_config}: no such file")
+    from xla_fsdp.train import report_to
+
+    try:
+        args.report_to = report_to.check(args.report_to)
+    except ValueError as e:
+        parser.error(f"--report_to {e}")
     if args.profile_steps is not None:
         from xla_fsdp.profiling import parse_range
 

@@ -323,7 +323,7 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
     optimizer = loop.make_optimizer(model.parameters(), args)
     scheduler = loop.make_scheduler(optimizer, args.warmup_steps, total_steps)
     start = resume(model, optimizer, scheduler, args, log)
-    progress = _progress(total_steps, facts["leader"])
+    progress = loop.progress_bar(total_steps, facts["leader"])
     if progress and start:
         progress.update(start)
     saves = Saves(args, model, optimizer, scheduler)
@@ -333,11 +333,16 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
         return preempted.agreed()
 
     from xla_fsdp.profiling import of_run_clm
+    from xla_fsdp.train.report_to import open_reporter
 
+    reporter = open_reporter(args, facts["leader"], log)
+    ctx.keep_grad_norm = "tensorboard" in args.report_to  # every process: one program for all of them
     result = loop.train(model, optimizer, scheduler, batches, total_steps, ctx, meter, args,
                         log=progress.write if progress else log, progress=progress,
                         save=saves.save if args.save_strategy != "no" else None, start_step=start, stop=boundary,
-                        profile=of_run_clm(args, facts["host"], log))
+                        profile=of_run_clm(args, facts["host"], log), on_log=reporter)
+    if reporter is not None:
+        reporter.close()
     if result.preempted and args.save_strategy == "no" and result.steps > start + 1:
         saves.save(result.steps)  # --save_strategy no saves nothing else: this one is for the resume
     saves.wait()  # the last save's files are all written and committed before the job ends
@@ -345,7 +350,7 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
         progress.close()
     if result.preempted:
         saved = result.steps > start + 1  # stopped at the first step's end or before: nothing saved (loop.train)
-        return dict(steps=result.steps, losses=result.losses, windows=result.windows,
+        return dict(steps=result.steps, losses=result.losses, windows=result.windows, logged=result.logged,
                     train_wall_time_s=result.wall_time_s, preempted={
                         "step": result.steps, "signal": preempted.signal_name or "another host's",
                         "checkpoint": os.path.join(args.output_dir, f"checkpoint-{result.steps}") if saved else None},
@@ -361,7 +366,7 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
             f"{result.losses[0][1]:.4f} -> {result.losses[-1][1]:.4f}; after {loop.WARMUP_STEPS} "
             f"warm-up steps: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step, "
             f"MFU {100 * s['mfu']:.2f}% of {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS x {meter.chips}")
-    return dict(steps=result.steps, losses=result.losses, windows=result.windows,
+    return dict(steps=result.steps, losses=result.losses, windows=result.windows, logged=result.logged,
                 train_wall_time_s=result.wall_time_s, **result.summary)
 
 
@@ -388,12 +393,3 @@ def _compile_count() -> int:
     data = met.metric_data("CompileTime")
     return int(data[0]) if data else 0
 
-
-def _progress(total: int, is_master: bool):
-    if not is_master:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is optional: fall back to plain log lines
-        return None
-    return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)

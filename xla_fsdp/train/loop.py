@@ -7,6 +7,8 @@ and would serialize the otherwise asynchronous step pipeline.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -57,6 +59,8 @@ class StepContext:
     bf16: bool = False
     replicas: int = 1                   # processes whose losses are averaged for logging
     host_batches: object = None         # several SPMD hosts: `batch` is this host's rows (HostBatches)
+    keep_grad_norm: bool = False        # hold each step's gradient norm (before clipping) for the log
+    grad_norm: object = None            # the last step's, when kept (a device tensor; None without clipping)
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         if self.host_batches is not None:  # the global batch from every host's rows
@@ -92,6 +96,7 @@ class TrainResult:
     steps: int = 0
     losses: list = field(default_factory=list)      # [step, loss] at logging steps
     windows: list = field(default_factory=list)     # per-logging-window throughput
+    logged: list = field(default_factory=list)      # what each logging step reported ([Note: one record per log])
     summary: dict = field(default_factory=dict)     # throughput over steps after warmup
     wall_time_s: float = 0.0
     preempted: bool = False  # left at a step boundary for a signal ([Note: a signal becomes a checkpoint])
@@ -108,13 +113,13 @@ def _wait():
 
 
 def _clip(model, max_norm: float):
+    """Clip to `max_norm` (0: not at all); returns the gradients' norm before clipping, or None."""
     if max_norm <= 0:
-        return
+        return None
     clip = getattr(model, "clip_grad_norm_", None)  # sharded engines: norm across shards
     if clip is not None:
-        clip(max_norm)
-    else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return clip(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def train_step(model, optimizer, scheduler, micro_batches, ctx: StepContext, max_grad_norm: float):
@@ -136,7 +141,9 @@ def train_step(model, optimizer, scheduler, micro_batches, ctx: StepContext, max
     if ctx.allreduce_grads:
         import torch_xla.core.xla_model as xm
         xm.reduce_gradients(optimizer)
-    _clip(model, max_grad_norm)
+    norm = _clip(model, max_grad_norm)
+    if ctx.keep_grad_norm:  # held every step, so the step's program is the same at every step
+        ctx.grad_norm = None if norm is None else norm.detach()
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -151,7 +158,7 @@ def steps_per_epoch(batches, accumulate: int) -> int:
 
 def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepContext,
           meter: ThroughputMeter, args, log=print, progress=None, save=None, start_step: int = 0,
-          stop=None, profile=None) -> TrainResult:
+          stop=None, profile=None, on_log=None) -> TrainResult:
     """Run optimizer steps `start_step`..`total_steps` over `batches` (a `BlockBatches`).
 
     The loss is read on the first step, every `--logging_steps` and on the
@@ -164,7 +171,8 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     first step ends or right after it, nothing is saved: a signal that came while the
     job was set up or compiled its first step (minutes on a TPU, maybe the whole grace
     period) leaves at most one step to redo. `profile` (a `xla_fsdp.profiling.ProfileSteps`) is told
-    before and after each step.
+    before and after each step. `on_log(record)`, if given, gets each logging step's record (also
+    kept in `result.logged`: [Note: one record per log]).
     """
     result = TrainResult()
     started = time.perf_counter()
@@ -197,9 +205,11 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
                 meter.restart(step)
             if step == start_step + 1 or (log_every and step % log_every == 0) or step == total_steps:
                 line = _record(result, step, total_steps, ctx.replica_mean(loss), scheduler, meter,
-                               warm=step > start_step + WARMUP_STEPS)
+                               warm=step > start_step + WARMUP_STEPS, grad_norm=ctx.grad_norm)
                 if log_every or step == total_steps:
                     log(line)
+                if on_log is not None:
+                    on_log(result.logged[-1])
             if save and args.save_strategy == "steps" and step % args.save_steps == 0 and step < total_steps:
                 save(step)
             if step >= total_steps:
@@ -222,21 +232,45 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     return result
 
 
-def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, meter, warm: bool) -> str:
+# [Note: one record per log] Each logging step's figures are one record, kept in metrics.json's
+# "logged" and handed to the reporters (--report_to tensorboard), so both say the same values: step,
+# loss, learning_rate, memory_bytes (device memory in use on a TPU, the process's resident memory on
+# CPU), grad_norm (before clipping; with --max_grad_norm > 0 and a reporter), and, after the warm-up
+# steps, tokens_per_s, step_time_s and mfu of the window that ends there.
+def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, meter, warm: bool,
+            grad_norm=None) -> str:
     """Read the loss (the one host read: it waits for this step), close the
-    throughput window, and return the log line."""
+    throughput window, keep the step's record, and return the log line."""
     value = loss.item()
     if not math.isfinite(value):
         raise FloatingPointError(f"loss is {value} at step {step}; lower --learning_rate "
                                  f"or raise --warmup_steps")
     result.losses.append([step, value])
-    line = f"step {step}/{total_steps} loss {value:.4f} lr {scheduler.get_last_lr()[0]:.2e}"
+    lr = scheduler.get_last_lr()[0]
+    record = {"step": step, "loss": value, "learning_rate": lr, "memory_bytes": memory_in_use()}
+    if grad_norm is not None:
+        record["grad_norm"] = grad_norm.item()
+    line = f"step {step}/{total_steps} loss {value:.4f} lr {lr:.2e}"
     if warm:
         window = dict(meter.close(step), step=step)
         result.windows.append(window)
+        record.update({k: window[k] for k in ("tokens_per_s", "step_time_s", "mfu")})
         line += (f" | {window['tokens_per_s']:.0f} tokens/s, {window['step_time_s'] * 1e3:.1f} ms/step, "
                  f"MFU {100 * window['mfu']:.2f}%")
+    result.logged.append(record)
     return line
+
+
+def memory_in_use() -> int:
+    """Bytes in use: the first local device's on a TPU, else this process's resident memory."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    if xr.device_type() == "TPU":
+        return int(xm.get_memory_info(torch_xla.device())["bytes_used"])
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @torch.no_grad()
@@ -254,3 +288,14 @@ def evaluate(model, batches, ctx: StepContext) -> dict:
     model.train()
     mean = ctx.replica_mean(total / count).item()
     return {"eval_loss": mean, "perplexity": math.exp(min(mean, 50.0)), "eval_batches": count}
+
+
+def progress_bar(total: int, is_master: bool):
+    """tqdm's bar of the training steps on the process that logs (None elsewhere, or without tqdm)."""
+    if not is_master:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional: fall back to plain log lines
+        return None
+    return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
