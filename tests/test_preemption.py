@@ -52,9 +52,14 @@ def _losses(out) -> dict:
         return {int(step): loss for step, loss in json.load(f)["losses"]}
 
 
-def _preempt(out, extra=(), per_chip=False):
-    """The job started, SIGTERM to the launcher once it logged SIGNAL_AT; (exit status, output,
-    seconds from the signal to the exit)."""
+def _at_signal_step(line: str) -> bool:
+    got = re.search(rf"step (\d+)/{STEPS} loss", line)
+    return bool(got) and int(got.group(1)) >= SIGNAL_AT
+
+
+def _preempt(out, extra=(), per_chip=False, when=_at_signal_step):
+    """The job started, SIGTERM to the launcher at the first line `when` accepts (default: once it
+    logged SIGNAL_AT); (exit status, output, seconds from the signal to the exit)."""
     proc = subprocess.Popen(_command(out, extra, per_chip), env=_env(per_chip), cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     lines, signalled = [], None
@@ -63,8 +68,7 @@ def _preempt(out, extra=(), per_chip=False):
     try:
         for line in proc.stdout:
             lines.append(line)
-            got = re.search(rf"step (\d+)/{STEPS} loss", line)
-            if signalled is None and got and int(got.group(1)) >= SIGNAL_AT:
+            if signalled is None and when(line):
                 proc.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()
         proc.wait()
@@ -126,23 +130,9 @@ def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tmp_path)
     """SIGTERM once the job has started (its first log line), while it sets up or compiles its first
     step: exit 75 within the bound, no checkpoint, a message saying so and how to go on."""
     out = tmp_path / "early"
-    proc = subprocess.Popen(_command(out), env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    lines, signalled = [], None
-    timer = threading.Timer(300, proc.kill)
-    timer.start()
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if signalled is None and line.startswith("run_clm:"):
-                assert " loss " not in "".join(lines), "".join(lines)
-                proc.send_signal(signal.SIGTERM)
-                signalled = time.monotonic()
-        proc.wait()
-    finally:
-        timer.cancel()
-    output = "".join(lines)
-    assert proc.returncode == EXIT_PREEMPTED and time.monotonic() - signalled < EXIT_WITHIN_S, output[-3000:]
+    code, output, took = _preempt(out, when=lambda line: line.startswith("run_clm:"))
+    assert " loss " not in output.split("run_clm:", 1)[0], output[-3000:]  # signalled before any step
+    assert code == EXIT_PREEMPTED and took < EXIT_WITHIN_S, output[-3000:]
     assert "nothing saved; run the same command again" in output and "Traceback" not in output, output[-3000:]
     assert not any(p.name.startswith("checkpoint-") for p in out.iterdir()), sorted(out.iterdir())
     with open(out / "metrics.json") as f:

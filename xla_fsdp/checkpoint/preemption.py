@@ -42,9 +42,7 @@ class Preemption:
     """Signals turned into a flag the training loop reads at step boundaries (see the note)."""
 
     def __init__(self, grace_s: float = DEFAULT_GRACE_S, signals: Sequence[int] = (signal.SIGTERM,),
-                 say: Callable[[str], None] = None, hosts=None, anywhere: bool = False):
-        """`anywhere`: entered on a thread that cannot receive the signals (not the main thread, nor a
-        replica of xla_spawn's), listen to none instead of refusing (the check's traced threads)."""
+                 say: Callable[[str], None] = None, hosts=None):
         if not grace_s > 0:
             raise ValueError(f"grace_s={grace_s!r}: give the seconds a save may take after the signal (> 0)")
         self.grace_s = float(grace_s)
@@ -56,7 +54,6 @@ class Preemption:
         self._before = {}
         self._listening = False
         self._resolved = hosts is not None
-        self._anywhere = anywhere
 
     # -- the flag ---------------------------------------------------------------------------------
     @property
@@ -93,8 +90,6 @@ class Preemption:
         if threading.current_thread() is not threading.main_thread():
             # a replica of torch_xla's spawn runs on a thread ([Note: a replica's signals])
             if not signals.delivered(self.signals):
-                if self._anywhere:
-                    return self
                 raise RuntimeError("Preemption() must be entered on the main thread (Python delivers signals "
                                    "there), or in a replica started by xla_spawn")
             signals.listen(self._handle)

@@ -121,7 +121,7 @@ class PendingSave:
         self.written = threading.Event()
 
     def write(self) -> None:
-        """This process's tensor file, index and state; an OSError is kept for `commit` to report."""
+        """This process's tensor file, index and state; an error is kept for `commit` to report."""
         try:
             _write_rank_files(self.st, self.target, self.info.rank, *self.files)
         except Exception as e:  # on a thread nothing else would see it: every process hears of it at commit

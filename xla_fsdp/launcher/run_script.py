@@ -178,11 +178,11 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # BrokenProcessPool and anything re-raised by the pool
-            if forwarded and not replica_messages(messages):
+            said = replica_messages(messages)
+            if forwarded and not said:
                 log("the replicas ended on the SIGTERM passed on to them without saving (the script does not "
                     "catch it: xla_fsdp.checkpoint.Preemption makes it a checkpoint)")
                 return 128 + signal.SIGTERM
-            said = replica_messages(messages)
             for message, replicas in said.items():
                 print(message, file=sys.stderr, flush=True)
                 log(f"replica{'s' if len(replicas) > 1 else ''} {', '.join(map(str, replicas))} exited with "

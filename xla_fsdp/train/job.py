@@ -6,6 +6,7 @@ the engine returns (local shards), never from the unwrapped model.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -54,9 +55,11 @@ def run(argv=None) -> dict:
     from xla_fsdp.checkpoint.preemption import Preemption
 
     args = parse_args(argv)
-    # from the start: a signal while the model is built is kept for the first step boundary
-    # the check traces a per-chip job's ranks on threads, where no signal can reach them: nothing to listen to
-    with Preemption(grace_s=args.preemption_grace_s, anywhere=abstract.active()) as preempted:  # [Note: a signal becomes a checkpoint]
+    # from the start: a signal while the model is built is kept for the first step boundary ([Note: a
+    # signal becomes a checkpoint]). The check's traced job (per chip: ranks on threads, where no signal
+    # reaches) ends inside its second step and never asks: it listens to nothing
+    listening = contextlib.nullcontext() if abstract.active() else Preemption(grace_s=args.preemption_grace_s)
+    with listening as preempted:
         with written_only_on_success(args.output_dir):
             job = _start(args)
         try:
@@ -343,13 +346,13 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
                         profile=of_run_clm(args, facts["host"], log), on_log=reporter)
     if reporter is not None:
         reporter.close()
-    if result.preempted and args.save_strategy == "no" and result.steps > start + 1:
+    if result.preempted and args.save_strategy == "no" and not result.nothing_to_save:
         saves.save(result.steps)  # --save_strategy no saves nothing else: this one is for the resume
     saves.wait()  # the last save's files are all written and committed before the job ends
     if progress:
         progress.close()
     if result.preempted:
-        saved = result.steps > start + 1  # stopped at the first step's end or before: nothing saved (loop.train)
+        saved = not result.nothing_to_save
         return dict(steps=result.steps, losses=result.losses, windows=result.windows, logged=result.logged,
                     train_wall_time_s=result.wall_time_s, preempted={
                         "step": result.steps, "signal": preempted.signal_name or "another host's",

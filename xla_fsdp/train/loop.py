@@ -100,6 +100,7 @@ class TrainResult:
     summary: dict = field(default_factory=dict)     # throughput over steps after warmup
     wall_time_s: float = 0.0
     preempted: bool = False  # left at a step boundary for a signal ([Note: a signal becomes a checkpoint])
+    nothing_to_save: bool = False  # preempted before the run's first step ended or right after it
 
 
 def _sync():
@@ -227,7 +228,8 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     _wait()
     result.steps, result.wall_time_s = step, time.perf_counter() - started
     result.summary = meter.summary(step)
-    if save and step > start_step + (1 if result.preempted else 0):
+    result.nothing_to_save = result.preempted and step <= start_step + 1
+    if save and step > start_step and not result.nothing_to_save:
         save(step)  # after the clocks stop: saving is not training throughput
     return result
 

@@ -29,13 +29,13 @@ def exit_preempted(preempted: dict, log) -> None:
     """After the save a signal asked for: say where and how to go on, and exit EXIT_PREEMPTED."""
     from xla_fsdp.checkpoint.preemption import EXIT_PREEMPTED
 
+    where = f"run_clm: stopped by {preempted['signal']} signal at step {preempted['step']}"
     if preempted["checkpoint"] is None:
-        log(f"run_clm: stopped by {preempted['signal']} signal at step {preempted['step']}, before this run's first step "
-            f"ended or right after it: nothing saved; run the same command again (exit status {EXIT_PREEMPTED})")
-        raise SystemExit(EXIT_PREEMPTED)
-    log(f"run_clm: stopped by {preempted['signal']} signal at step {preempted['step']}: checkpoint "
-        f"{preempted['checkpoint']} is complete; run the same command again (without --overwrite_output_dir) "
-        f"to resume from it; exit status {EXIT_PREEMPTED}")
+        log(f"{where}, before this run's first step ended or right after it: nothing saved; run the same command "
+            f"again (exit status {EXIT_PREEMPTED})")
+    else:
+        log(f"{where}: checkpoint {preempted['checkpoint']} is complete; run the same command again (without "
+            f"--overwrite_output_dir) to resume from it; exit status {EXIT_PREEMPTED}")
     raise SystemExit(EXIT_PREEMPTED)
 
 
