@@ -120,6 +120,9 @@ def test_the_same_with_the_gspmd_engine(tmp_path):
     _check_preempted_and_resumed(tmp_path, GSPMD)
 
 
+# -m slow (24 s): in the default run, the launcher passing SIGTERM on in the spawn path
+# (tests/test_launcher.py) and a Preemption entered on a replica's thread hearing it (below)
+@pytest.mark.slow
 def test_the_same_with_one_process_per_chip(tmp_path):
     """The launcher's spawn path (--per_chip on a TPU): the SIGTERM reaches the launcher only; it
     passes it on to the replica and waits; the replica saves and returns, the launcher exits 75."""
@@ -156,3 +159,31 @@ def test_a_second_signal_within_the_grace_period_does_not_cut_the_save(capsys):
 def test_a_grace_period_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match="grace_s=0"):
         Preemption(grace_s=0)
+
+
+def test_a_preemption_entered_off_the_main_thread_hears_the_signal_through_the_replicas_handler():
+    """[Note: a replica's signals]: torch_xla's spawn runs a replica on a thread; the handler installed
+    on the main thread when the replica is unpickled hands SIGTERM to the Preemption entered there."""
+    from xla_fsdp.runtime import signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    got = {}
+    try:
+        signals.listen_on_main_thread()
+        assert signals.delivered((signal.SIGTERM,))
+
+        def replica():
+            with Preemption(say=lambda line: None) as preempted:
+                os.kill(os.getpid(), signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while not preempted.requested and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the main thread runs the handler
+                got["requested"] = preempted.requested
+
+        thread = threading.Thread(target=replica)
+        thread.start()
+        thread.join(30)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert got == {"requested": True}

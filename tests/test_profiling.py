@@ -45,6 +45,7 @@ def test_steps_3_to_4_are_traced_under_output_dir_and_compile_nothing_more(tmp_p
     assert not (tmp_path / "plain" / "profile").exists()
     assert traced["xla_compiles"] == plain["xla_compiles"], (traced["xla_compiles"], plain["xla_compiles"])
     assert traced["losses"] == plain["losses"]  # the same program on the same data
+    _check_scalars(tmp_path / "traced", traced)
 
 
 @pytest.mark.parametrize("text", ["3", "4-3", "0-2", "a-b", "3-"])
@@ -91,11 +92,11 @@ def _scalars(folder) -> dict:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
-def test_tensorboard_scalars_are_metrics_json_records(tmp_path):
+def _check_scalars(out, got: dict) -> None:
     """Each figure of each logging step, read back from the event files, equals metrics.json's
-    record (float32 in the events); --max_grad_norm's norm is among them, and memory in use."""
-    got, _ = _run(tmp_path / "tb", "--report_to", "tensorboard", "--max_grad_norm", "1.0")
-    scalars = _scalars(tmp_path / "tb")
+    record (float32 in the events); the norm that --max_grad_norm (default 1.0) clips is among
+    them, and memory in use."""
+    scalars = _scalars(out)
     logged = got["logged"]
     assert [r["step"] for r in logged] == list(range(1, 7))
     want = {"loss", "learning_rate", "memory_bytes", "grad_norm", "tokens_per_s", "step_time_s", "mfu"}
