@@ -133,6 +133,11 @@ def test_dropout_differs_per_layer_and_step_and_matches_in_backward(at_4):
         assert m["layers_agree"] < 0.7, m  # 1.0 when every layer shares a mask
         assert m["steps_agree"] < 0.7, m  # a new mask each step
     assert "torch.rand_like" in r["rand_refused"] and "same numbers" in r["rand_refused"]
+
+
+@pytest.mark.slow  # 15 s; dropout under scan stays in the default run above and in tests/test_scan_units.py
+def test_gpt2_attention_dropout_and_its_own_dropouts_under_scan():
+    r = run_case(4, "random_gpt2")
     # attention dropout (p 1e-9) through the written-out attention: as without dropout
     for a, b in zip(r["attention_plain"], r["attention_keyed"]):
         assert abs(a - b) <= 1e-5 * abs(a)
