@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from xla_fsdp.aot.dump import MARKER, take_program
+from xla_fsdp.aot.dump import MARKER, TENSORS, take_program
 from xla_fsdp.runtime import environment
 
 # the check's settings (environment.AOT), JSON: "out" (the capture's folder), "steps" (2), "dump"
@@ -188,6 +188,29 @@ def cut(force: bool = False) -> None:
     _compile_and_exit()
 
 
+def _tensors_by_kind() -> list:
+    """The step's inputs the job holds, by kind, for the memory breakdown ([Note: the peak HBM,
+    broken down]): each optimizer's parameters, their state and the gradients kept between steps,
+    as {"kind", "dtype", "shape"} (the stored shape, as the program's arguments have it)."""
+    optimizers, = _objects_of(torch.optim.Optimizer)
+    out, seen = [], set()
+
+    def add(kind: str, t) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type == "xla" and id(t) not in seen and _is_xla_data(t):
+            seen.add(id(t))
+            out.append({"kind": kind, "dtype": str(t.dtype).replace("torch.", ""),
+                        "shape": list(torch.Tensor.size(t))})
+
+    for obj in optimizers:
+        for group in obj.param_groups:
+            for p in group["params"]:
+                add("parameters", p)
+                add("gradients", p.grad)
+                for value in obj.state.get(p, {}).values():
+                    add("optimizer state", value)
+    return out
+
+
 def _optimizer_shardings(optimizers):
     """id(state tensor) -> its parameter's sharding, for state shaped like its parameter."""
     import torch_xla
@@ -243,6 +266,8 @@ def _compile_and_exit() -> None:
         json.dump({"ordinal": xr.global_ordinal(), "dumped_before": sorted(before)}, f)
     with open(os.path.join(_State.out, SITES), "w") as f:
         json.dump(_sites, f)
+    with open(os.path.join(_State.out, TENSORS), "w") as f:
+        json.dump(_tensors_by_kind(), f)
     sys.stdout.flush()
     sys.stderr.flush()
     threading.Thread(target=_State.original_sync, daemon=True).start()

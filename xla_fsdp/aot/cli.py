@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "xla_fsdp.tpu.libtpu_flags; --libtpu-flags '' compiles with none)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for tracing (default 3600)")
     p.add_argument("--quiet", action="store_true", help="do not echo the job's own output while tracing")
+    p.add_argument("--timeline", metavar="HTML", help="write a page picturing the PROJECTED step: a timeline of "
+                   "compute and every collective, HBM in use, the kernels with the most time, the memory "
+                   "breakdown (one self-contained file; a name ending in .svg: the timeline alone)")
     return p
 
 
@@ -99,6 +102,7 @@ def _rings_to_retry(result: dict, text: str, job, spec, opts) -> bool:
 def write_dump(dump: str, workdir: str, optimized_hlo: Optional[str]) -> None:
     """--dump DIR: the traced module, the TPU-optimized HLO and the trace log, into a folder
     or a URL (gs://bucket/aot), through the same storage as checkpoints."""
+    from xla_fsdp.aot.report import BUFFER_ASSIGNMENT
     from xla_fsdp.checkpoint import storage
 
     st = storage.storage_for(dump)
@@ -109,6 +113,10 @@ def write_dump(dump: str, workdir: str, optimized_hlo: Optional[str]) -> None:
         st.write_bytes(st.join(dump, "tpu_optimized.hlo.txt"), optimized_hlo.encode())
     with open(os.path.join(workdir, "trace.log"), "rb") as f:
         st.write_bytes(st.join(dump, "trace.log"), f.read())
+    assignment = os.path.join(workdir, BUFFER_ASSIGNMENT)  # libtpu's, when it wrote one
+    if os.path.exists(assignment):
+        with open(assignment, "rb") as f:
+            st.write_bytes(st.join(dump, BUFFER_ASSIGNMENT), f.read())
 
 
 def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
@@ -181,7 +189,8 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     with open(report) as f:
         chosen = json.load(f)
     second = rep.check_program(text, spec, compiler, flags, say=say, calls=calls,
-                               started_with=bool(result.get("start_up_flags")))
+                               started_with=bool(result.get("start_up_flags")), tensors=_tensors(again),
+                               keep_in=again)
     second["trace_seconds"] = round(traced_s, 1)
     keep = ("memory", "projection", "compile_seconds", "trace_seconds")
     second["fit"] = {"count": chosen["count"], "units": chosen["units"], "saved_per_unit": chosen["saved"],
@@ -284,7 +293,9 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
         (own or libtpu_flags.for_runtime(job.runtime, spec.chips))
     sites_path = os.path.join(workdir, "collective_sites.json")
     calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
-    result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own))
+    tensors = _tensors(workdir)
+    result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own),
+                               tensors=tensors, keep_in=workdir)
     result["trace_seconds"] = round(traced_s, 1)
     result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
     fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
@@ -297,8 +308,25 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
         result["without_rings"] = _without_rings(job, spec, compiler, workdir, opts, say)
     if opts.dump:
         write_dump(opts.dump, traced_in, result.get("optimized_hlo"))
+    if opts.timeline and result.get("compiles"):
+        from xla_fsdp.aot import step_page
+
+        spans = step_page.write(opts.timeline, result, rep.render(result), result["optimized_hlo"], spec)
+        say(f"xla_fsdp.aot: the step's picture, {spans} collective spans: {opts.timeline}")
     result.pop("optimized_hlo", None)
+    result.pop("hbm_curve", None)
     return result
+
+
+def _tensors(workdir: str) -> Optional[list]:
+    """The job's tensors by kind the trace listed (capture.TENSORS), or None."""
+    from xla_fsdp.aot.dump import TENSORS
+
+    path = os.path.join(workdir, TENSORS)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _report(result: dict, opts) -> int:

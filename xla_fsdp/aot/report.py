@@ -8,14 +8,17 @@ beside it. The collectives come from the TPU-optimized program
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import Callable, Optional
 
 from xla_fsdp.aot import program as prog
-from xla_fsdp.tpu import compile_log, optimized_hlo, step_time
+from xla_fsdp.tpu import buffer_assignment, compile_log, memory_breakdown, optimized_hlo, step_time
 
 GIB = 1024 ** 3
+DUMP_FLAG = "xla_dump_to"  # a compile option libtpu takes (a string): [Note: libtpu's buffer assignment]
+BUFFER_ASSIGNMENT = "buffer_assignment.txt"
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 # libtpu's out-of-memory refusal: "Ran out of memory in memory space hbm. Used 67.64G of 30.75G hbm."
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
@@ -87,13 +90,39 @@ def hbm_account(compiled, hbm_per_chip: int) -> dict:
     return out
 
 
+def _compile(text: str, spec, compiler, flags: list, spmd: bool, started_with: bool):
+    """(the compiled program or None, the compiler's message, the start-up flags left out)."""
+    from xla_fsdp.tpu import compile_options as co
+
+    start_up, message = [], ""
+    while True:
+        try:
+            with compiler.topology(spec.topology_name, spec.options) as topology:
+                options = (co.spmd_options if spmd else co.per_process_options)(topology.device_ids, flags)
+                return compiler.compile(topology, co.hlo_text_to_proto(text), options), "", start_up
+        except Exception as e:  # the compiler's own error text is the report
+            message = getattr(e, "compiler_message", None) or str(e)
+            name = _start_up_only(message) if started_with else None
+            if name and any(n == name for n, _ in flags):
+                start_up.append(name)
+                flags = [(n, v) for n, v in flags if n != name]
+                continue
+            return None, message, start_up
+
+
 def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print, calls=(),
-                  started_with: bool = False) -> dict:
+                  started_with: bool = False, tensors=None, keep_in: Optional[str] = None) -> dict:
     """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict.
     `calls`: the job's own collective calls the trace recorded (see `program.layout_mix`).
     `started_with`: `libtpu_flags` is the LIBTPU_INIT_ARGS libtpu read when it started, so a flag
     it takes only then (its dumps, its thread count) applies already and is left out of the
-    compile's own flags (listed under "start_up_flags") instead of failing it."""
+    compile's own flags (listed under "start_up_flags") instead of failing it.
+    `tensors`: the job's tensors by kind (capture.TENSORS), to tell the program's arguments apart
+    in the memory breakdown ([Note: the peak HBM, broken down]). `keep_in`: a folder to copy
+    libtpu's buffer assignment into (as BUFFER_ASSIGNMENT), for --dump."""
+    import shutil
+    import tempfile
+
     from xla_fsdp.tpu import compile_options as co
 
     spmd = is_spmd(text)
@@ -106,20 +135,18 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     say(f"xla_fsdp.aot: compiling the step for {spec.name} with libtpu ({'one SPMD program over' if spmd else 'one program per chip,'} "
         f"{spec.chips} chips)")
     started = time.time()
-    flags, start_up, compiled, message = co.parse_libtpu_init_args(libtpu_flags), [], None, ""
-    while compiled is None:
-        try:
-            with compiler.topology(spec.topology_name, spec.options) as topology:
-                options = (co.spmd_options if spmd else co.per_process_options)(topology.device_ids, flags)
-                compiled = compiler.compile(topology, co.hlo_text_to_proto(text), options)
-        except Exception as e:  # the compiler's own error text is the report
-            message = getattr(e, "compiler_message", None) or str(e)
-            name = _start_up_only(message) if started_with else None
-            if name and any(n == name for n, _ in flags):
-                start_up.append(name)
-                flags = [(n, v) for n, v in flags if n != name]
-                continue
-            break
+    flags = co.parse_libtpu_init_args(libtpu_flags)
+    # [Note: libtpu's buffer assignment]: its dumps, in a folder of this compile's
+    dumps = tempfile.mkdtemp(prefix="xla_fsdp_aot_libtpu_dump_")
+    flags = flags + [(DUMP_FLAG, dumps)]
+    try:
+        compiled, message, start_up = _compile(text, spec, compiler, flags, spmd, started_with)
+        found = buffer_assignment.find(dumps) if compiled is not None else None
+        assignment = buffer_assignment.read(dumps) if found else None
+        if found and keep_in:
+            shutil.copy(found, os.path.join(keep_in, BUFFER_ASSIGNMENT))
+    finally:
+        shutil.rmtree(dumps, ignore_errors=True)
     if start_up:
         result["start_up_flags"] = start_up
     if compiled is None:
@@ -135,6 +162,12 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     result["compile_stages"] = {name: round(s, 1) for name, s in compiled.stages.items()}
     memory = hbm_account(compiled, spec.hbm_bytes_per_chip)
     result.update(compiles=True, memory=memory, fits=memory["peak"] <= memory["usable"], cost=compiled.cost)
+    if assignment is not None:  # [Note: the peak HBM, broken down]
+        kinds = memory_breakdown.parameter_kinds(text, tensors) if tensors else None
+        split = memory_breakdown.breakdown(assignment, compiled.optimized_hlo, memory, kinds)
+        memory["breakdown"] = split.as_dict()
+        memory["breakdown"]["arguments_by_kind"] = kinds is not None
+        result["hbm_curve"] = split.curve
     found = optimized_hlo.all_collectives(compiled.optimized_hlo)  # While bodies once per trip
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
     result["while_loops"] = optimized_hlo.while_loops(compiled.optimized_hlo)
@@ -243,6 +276,7 @@ def _render_one(r: dict) -> str:
             lines.append(f"  {key:<15}{_gib(m[key]):>12}")
     lines.append(f"  {'needs':<15}{_gib(m['peak']):>12}   of {_gib(usable)} usable per chip "
                  f"({100 * m['peak'] / usable:.0f}%)")
+    lines += _render_breakdown(m.get("breakdown"))
     if not r["fits"]:
         lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(usable)} usable per chip")
     f = r.get("fit")
@@ -282,6 +316,20 @@ def _render_one(r: dict) -> str:
                          "(xla_fsdp/tpu/kernel_cost.py)"
                          + (f"; {p['kernels_without_flops']} charged their bytes only" if p["kernels_without_flops"] else ""))
     return "\n".join(lines)
+
+
+def _render_breakdown(b: Optional[dict]) -> list:
+    """The peak, part by part ([Note: the peak HBM, broken down])."""
+    if not b:
+        return []
+    lines = [f"  the peak by what it holds (libtpu's buffer assignment; the heap at its fullest at "
+             f"{b['peak_instruction']}, {_gib(b['live_peak'])} live):"]
+    for name, size in b["parts"].items():
+        if size:
+            lines.append(f"    {name:<22}{_gib(size):>12}   {_share(size, b['peak'])}")
+    note = "" if b.get("arguments_by_kind") else " (arguments not told apart: the job's tensors were not listed)"
+    lines.append(f"    {'sum':<22}{_gib(b['sum']):>12}   of the peak {_gib(b['peak'])}{note}")
+    return lines
 
 
 def _share(part: float, whole: float) -> str:

@@ -122,14 +122,14 @@ class TorusRings:
         """Each device's row: its reduce-scatter chunk orders, then its all-gather ones."""
         return np.concatenate([chunk_orders(self.shape), gather_orders(self.shape)], axis=1)
 
-    def _rotate(self, held: torch.Tensor, dim: int) -> torch.Tensor:
+    def _rotate(self, held: torch.Tensor, dim: int, step) -> torch.Tensor:
         """Each device's `held` ([rows, LANES], or a shard of rows in its own shape) -> the one held
-        by its predecessor along mesh dim `dim`."""
+        by its predecessor along mesh dim `dim`; `step`: _summing_step or _gathering_step."""
         spec = AXES + (None,) * held.dim()
         glob = to_global(held.view(1, 1, 1, *held.shape), self.mesh, spec,
                          torch.Size(tuple(reversed(self.shape)) + tuple(held.shape)))
         k = glob.shape[dim]
-        turned = torch.cat([glob.narrow(dim, k - 1, 1), glob.narrow(dim, 0, k - 1)], dim)
+        turned = step([glob.narrow(dim, k - 1, 1), glob.narrow(dim, 0, k - 1)], dim)
         return to_local(turned, self.mesh, spec).view(held.shape)
 
     def reduce_scatter(self, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ class TorusRings:
             chunks = out.view(k, -1, LANES)
             held = _pick(chunks, order, start)
             for step in range(1, k):
-                held = self._rotate(held, dim) + _pick(chunks, order, start + step)
+                held = self._rotate(held, dim, _summing_step) + _pick(chunks, order, start + step)
             start += k
             out = held
         out = out.reshape(-1)
@@ -169,11 +169,26 @@ class TorusRings:
         for dim, k, _ in reversed(self.axes()):
             received = [out]
             for _ in range(1, k):
-                received.append(self._rotate(received[-1], dim))
+                received.append(self._rotate(received[-1], dim, _gathering_step))
             stacked = torch.stack(received)
             out = torch.cat([_pick(stacked, order, start + c) for c in range(k)])
             start += k
         return out
+
+
+# [Note: which ring a permute belongs to]
+# Both rings move data with the same rotation, which the partitioner turns into one
+# collective-permute per step. torch_xla writes the Python line that issued each op into the
+# program's metadata (XLA_HLO_DEBUG=1, as the check traces), so each ring issues its rotation
+# from a function of its own, and the check (xla_fsdp/tpu/hlo_source.py's RING_STEPS, which
+# names these two) tells a gradient's permute from a parameter's.
+def _summing_step(parts, dim: int) -> torch.Tensor:
+    return torch.cat(parts, dim)
+
+
+def _gathering_step(parts, dim: int) -> torch.Tensor:
+    return torch.cat(parts, dim)
+
 
 
 def _pick(chunks: torch.Tensor, order: torch.Tensor, at: int) -> torch.Tensor:

@@ -257,11 +257,33 @@ def collective_seconds(c: oh.Collective, devices: int, chip, torus_axes: int = 0
     return COLLECTIVE_LATENCY_S + sent / (links(c, devices, torus_axes) * chip.ici_link_one_way) if sent else 0.0
 
 
+@dataclass
+class Event:
+    """One span of the projected step (seconds from its start): `lane` "compute" (an instruction
+    the core runs) or a collective's kind; for a collective, `start`-`end` is from the core
+    issuing it to the core having its result (an asynchronous one's done), `ici_start`-`ici_end`
+    its transfer on the ICI."""
+
+    lane: str
+    name: str
+    start: float
+    end: float
+    asynchronous: bool = False
+    ici_start: float = 0.0
+    ici_end: float = 0.0
+    trip: int = -1  # the While loop's trip it belongs to (-1: not in a loop)
+
+    def shifted(self, by: float, trip: int) -> "Event":
+        return Event(self.lane, self.name, self.start + by, self.end + by, self.asynchronous,
+                     self.ici_start + by, self.ici_end + by, trip if self.trip < 0 else self.trip)
+
+
 def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_share: float,
-          kernels: list, depth: int = 0) -> Tuple[float, ...]:
+          kernels: list, depth: int = 0, events: Optional[list] = None) -> Tuple[float, ...]:
     """One scheduled computation on the chip's timeline: (end of the core's clock, compute,
     sync, async, exposed seconds, FLOPs, HBM bytes). A While loop in it is its body walked the
-    same way, times its trip count ([Note: collectives inside While loops])."""
+    same way, times its trip count ([Note: collectives inside While loops]). `events`, when given,
+    receives the computation's `Event`s (a loop's body once per trip)."""
     instrs = comps.get(name, [])
     shapes = {i.name: i.shape for i in instrs}
     found = oh.collectives(text, name)
@@ -272,12 +294,16 @@ def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_
             waits.setdefault(c.done_position, []).append(c)
     core = ici = compute = sync = asynchronous = exposed = flops = moved = 0.0
     finish: Dict[str, float] = {}
+    issued: Dict[str, Event] = {}
     for pos, ins in enumerate(instrs):
         if pos in waits:
             ready = max(finish.pop(c.name, 0.0) for c in waits[pos])
             if ready > core:
                 exposed += ready - core
                 core = ready
+            for c in waits[pos]:
+                if c.name in issued:
+                    issued.pop(c.name).end = core
             continue
         c = at.get(pos)
         if c is not None:
@@ -286,23 +312,36 @@ def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_
                 begin = max(core, ici)
                 ici = finish[c.name] = begin + cost
                 asynchronous += cost
+                if events is not None:
+                    issued[c.name] = Event(c.kind, c.name, core, ici, True, begin, ici)
+                    events.append(issued[c.name])
             else:
-                core = ici = max(core, ici) + cost
+                begin = max(core, ici)
+                core = ici = begin + cost
                 sync += cost
+                if events is not None:
+                    events.append(Event(c.kind, c.name, begin, core, False, begin, core))
             continue
         if oh._is_done(ins):
             continue  # an unpaired done (its start not recognized): nothing to wait for
         if ins.opcode == "while" and depth < 4:
             n = oh.trip_count(ins, comps) or 1
             inner: list = []
+            body_events: Optional[list] = [] if events is not None else None
             parts = _walk(text, oh.loop_body(ins), comps, chip, devices, torus_axes,
-                          mxu_share, inner, depth + 1)
+                          mxu_share, inner, depth + 1, body_events)
             kernels.extend(inner * n)
-            core = ici = max(core, ici) + n * parts[0]
+            begin = max(core, ici)
+            if events is not None:
+                for trip in range(n):
+                    events.extend(e.shifted(begin + trip * parts[0], trip) for e in body_events)
+            core = ici = begin + n * parts[0]
             compute, sync, asynchronous, exposed, flops, moved = (
                 a + n * b for a, b in zip((compute, sync, asynchronous, exposed, flops, moved), parts[1:]))
             continue
         secs, f, b = _compute_cost(ins, shapes, comps, chip, mxu_share=mxu_share, kernels=kernels)
+        if events is not None and secs > 0:
+            events.append(Event("compute", ins.name, core, core + secs))
         core += secs
         compute += secs
         flops += f
@@ -313,17 +352,19 @@ def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_
 
 
 def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0,
-             kernel_mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE) -> StepEstimate:
+             kernel_mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE, events: Optional[list] = None
+             ) -> StepEstimate:
     """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`);
     `torus_axes`: the slice's axes that wrap around (`SliceSpec.torus_axes`; 0 for a mesh);
-    `kernel_mxu_share`: the share of MXU peak Pallas kernels are charged at."""
+    `kernel_mxu_share`: the share of MXU peak Pallas kernels are charged at; `events`, when
+    given, receives every `Event` of the projected step in schedule order."""
     if not 0 < kernel_mxu_share <= 1:
         raise ValueError(f"kernel_mxu_share must be in (0, 1], got {kernel_mxu_share}")
     comps = oh.computations(text)
     devices = devices or oh.program_devices(text)
     kernels: list = []
     core, compute, sync, asynchronous, exposed, flops, moved = _walk(
-        text, "ENTRY", comps, chip, devices, torus_axes, kernel_mxu_share, kernels)
+        text, "ENTRY", comps, chip, devices, torus_axes, kernel_mxu_share, kernels, events=events)
     return StepEstimate(core, compute, sync, asynchronous, exposed, flops, moved, chip.generation,
                         kernel_calls=len(kernels), kernel_flops=sum(k.flops for k in kernels),
                         kernel_seconds=sum(k.seconds(chip, kernel_mxu_share) for k in kernels),

@@ -1,0 +1,219 @@
+"""What a TPU program's peak HBM is made of, from libtpu's buffer assignment and schedule.
+
+[Note: the peak HBM, broken down]
+libtpu sizes a program at: its arguments, its outputs that do not reuse an argument, and the
+program itself (the heap of temporaries, with its fragmentation, and the code) ([Note: the HBM a
+TPU program needs] in compile_log.py). The buffer assignment ([Note: libtpu's buffer
+assignment]) names every allocation, so each part is split further:
+- arguments, by what the job holds in them: the model's parameters, the optimizer's state,
+  gradients kept between steps, and other inputs (the batch, RNG state). The traced job lists
+  its tensors by kind with their shapes (xla_fsdp/aot/capture.py); an entry parameter of the
+  program takes the kind of a tensor of its dtype and shape (tensors of one shape have one size
+  per chip, so the sums are exact even where a parameter and its Adam moments share a shape);
+- the heap of temporaries at its fullest moment: every HBM value placed in it lives from the
+  instruction that defines it to the last one that reads it, in the order libtpu scheduled
+  them (a While loop's body and condition sit where the loop runs). At the instant the most
+  bytes are alive, each live value is one of: gathered parameters (an all-gather's result),
+  gradients (a reduce-scatter's or all-reduce's result, or what one reads), activations (made
+  by the forward and read by the backward: an instruction the job's own code issued, read by
+  one that autograd's engine issued, told apart by the source line torch_xla writes in each
+  instruction's metadata), or temporaries (the rest). What the heap holds beyond that instant's
+  live bytes is its fragmentation;
+- the program's code and overlays: libtpu's program figure less the heap.
+The parts are summed and set against libtpu's own peak; what is not attributed is reported.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from xla_fsdp.tpu import buffer_assignment as bam
+from xla_fsdp.tpu import hlo_source
+from xla_fsdp.tpu import optimized_hlo as oh
+
+PARTS = ("parameters", "optimizer state", "gradients", "gathered parameters", "activations", "temporaries",
+         "heap fragmentation", "other inputs", "outputs", "code and overlays")
+ARGUMENT_KINDS = ("parameters", "optimizer state", "gradients")
+_NESTED = (re.compile(r"condition=%?([\w.\-]+)"), re.compile(r"body=%?([\w.\-]+)"),
+           re.compile(r"to_apply=%?([\w.\-]+)"), re.compile(r"branch_computations=\{([^}]*)\}"),
+           re.compile(r"true_computation=%?([\w.\-]+)"), re.compile(r"false_computation=%?([\w.\-]+)"))
+TORCH_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "int64": "s64",
+                "int32": "s32", "int16": "s16", "int8": "s8", "uint8": "u8", "bool": "pred"}
+_PARAMETER = re.compile(r"^\s*%?[\w.\-]+ = (\w+)\[([0-9,]*)\][^ ]* parameter\((\d+)\)", re.M)
+
+
+def schedule(text: str) -> List[str]:
+    """The optimized program's instructions in the order the chip runs them: the entry's, with a
+    While loop's condition and body (and a call's or conditional's computations) where it runs."""
+    comps = oh.computations(text)
+    order: List[str] = []
+
+    def walk(name: str, depth: int) -> None:
+        for ins in comps.get(name, []):
+            if ins.opcode in ("while", "call", "conditional") and depth < 8:
+                for pattern in _NESTED:
+                    m = pattern.search(ins.rest)
+                    if m:
+                        for called in re.findall(r"%?([\w.\-]+)", m.group(1)):
+                            walk(called, depth + 1)
+            order.append(ins.name)
+
+    walk("ENTRY", 0)
+    return order
+
+
+def _phase(rest: str) -> str:
+    """"backward" for an instruction autograd's engine issued (no Python source line: its
+    thread runs no Python; or a *_backward op), "optimizer" for torch.optim's, "engine" for
+    xla_fsdp's collective code, else "forward"."""
+    where = hlo_source.source(rest)
+    op = hlo_source.op_type(rest)
+    if op.endswith("_backward"):
+        return "backward"
+    if where is None:
+        return "backward" if op else "unknown"
+    if "/torch/optim/" in where[0]:
+        return "optimizer"
+    if "/xla_fsdp/collective_engine/" in where[0]:
+        return "engine"
+    return "forward"
+
+
+def _collective_labels(order: List[str], instrs, comps) -> Dict[str, str]:
+    """Instruction -> "gathered parameters" or "gradients" for the collectives' results and what
+    the engine's own code (or metadata-less bookkeeping: copies, bitcasts) makes from them."""
+    labels: Dict[str, str] = {}
+    for name in order:
+        ins = instrs.get(name)
+        if ins is None:
+            continue
+        kind = oh._collective_kind(ins, comps)
+        if kind == "collective-permute":
+            kind = hlo_source.ring_kind(ins.rest)
+        if kind == "all-gather":
+            labels[name] = "gathered parameters"
+        elif kind in ("reduce-scatter", "all-reduce"):
+            labels[name] = "gradients"
+        elif _phase(ins.rest) in ("engine", "unknown") and not oh._holds_matmul(ins, comps):
+            found = {labels[o] for o in ins.operands if o in labels}
+            if len(found) == 1:
+                labels[name] = found.pop()
+    return labels
+
+
+@dataclass
+class Breakdown:
+    parts: Dict[str, int]
+    peak: int                  # libtpu's (or PJRT's) peak the parts are set against
+    live_peak: int             # the heap's live bytes at their most
+    peak_instruction: str      # where that happens
+    curve: List[Tuple[str, int]]  # (instruction, HBM in use) in schedule order
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def as_dict(self) -> dict:
+        return {"parts": dict(self.parts), "peak": self.peak, "sum": self.total, "live_peak": self.live_peak,
+                "peak_instruction": self.peak_instruction,
+                "unattributed": self.peak - self.total}
+
+
+def parameter_kinds(traced_text: str, tensors: List[dict]) -> Dict[int, str]:
+    """Entry parameter number -> what the job holds in it, matching each parameter's dtype and
+    shape in the traced module with the job's tensors listed by kind ({"kind", "dtype", "shape"})."""
+    wanted: Dict[Tuple[str, Tuple[int, ...]], List[str]] = {}
+    for t in tensors:
+        key = (TORCH_DTYPES.get(t["dtype"].replace("torch.", ""), t["dtype"]), tuple(t["shape"]))
+        wanted.setdefault(key, []).append(t["kind"])
+    for kinds in wanted.values():  # parameters first, then optimizer state, then gradients
+        kinds.sort(key=lambda k: ARGUMENT_KINDS.index(k) if k in ARGUMENT_KINDS else len(ARGUMENT_KINDS))
+    entry = _entry_text(traced_text)
+    out: Dict[int, str] = {}
+    for dtype, dims, number in sorted(_PARAMETER.findall(entry), key=lambda m: int(m[2])):
+        key = (dtype, tuple(int(d) for d in dims.split(",") if d))
+        kinds = wanted.get(key)
+        out[int(number)] = kinds.pop(0) if kinds else "other inputs"
+    return out
+
+
+def _entry_text(text: str) -> str:
+    start = text.find("\nENTRY ")
+    return text[start:] if start >= 0 else text
+
+
+def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
+              kinds: Optional[Dict[int, str]] = None) -> Breakdown:
+    """Split `memory`'s peak (report.hbm_account's dict) by the buffer assignment `ba` of the
+    program `optimized`; `kinds`: entry parameter number -> ARGUMENT_KINDS or "other inputs"."""
+    kinds = kinds or {}
+    order = schedule(optimized)
+    at = {name: i for i, name in enumerate(order)}
+    comps = oh.computations(optimized)
+    instrs = {ins.name: ins for body in comps.values() for ins in body}
+    parts = dict.fromkeys(PARTS, 0)
+    for number, size in bam.parameter_sizes(ba).items():
+        parts[kinds.get(number, "other inputs")] += size
+    outputs = [a for a in ba.allocations if a.kind == "output" and a.color == bam.HBM]
+    parts["outputs"] = sum(a.size for a in outputs)
+    heap = ba.of_kind("temp")
+    heap_bytes = sum(a.size for a in heap)
+
+    # each HBM heap value's life in schedule positions
+    spans: List[Tuple[int, int, bam.Value]] = []
+    for a in heap:
+        for vid in a.values:
+            v = ba.values[vid]
+            start = at.get(v.instruction)
+            if start is None:
+                continue
+            ends = [at[x] for x in v.uses + v.positions if x in at]
+            spans.append((start, max(ends + [start]), v))
+    events: Dict[int, int] = {}
+    for start, end, v in spans:
+        events[start] = events.get(start, 0) + v.size
+        events[end + 1] = events.get(end + 1, 0) - v.size
+    live, best, best_at, running = [], 0, 0, 0
+    for i in range(len(order)):
+        running += events.get(i, 0)
+        live.append(running)
+        if running > best:
+            best, best_at = running, i
+    labels = _collective_labels(order, instrs, comps)
+    for start, end, v in spans:
+        if start <= best_at <= end:
+            parts[_classify(v, instrs, comps, labels)] += v.size
+    parts["heap fragmentation"] = max(0, heap_bytes - best)
+    # the rest of libtpu's program figure is its code and overlays (PJRT's: the generated code)
+    program = memory.get("libtpu_program")
+    parts["code and overlays"] = (program - heap_bytes) if program is not None else memory.get("generated_code", 0)
+    constants = sum(a.size for a in ba.of_kind("constant"))
+    parts["temporaries"] += constants
+    arguments_and_outputs = sum(parts[k] for k in ARGUMENT_KINDS + ("other inputs", "outputs"))
+    outputs_at = {a.values[0]: a.size for a in outputs if a.values}
+    curve, made = [], 0
+    starts = {}
+    for vid in outputs_at:
+        v = ba.values[vid]
+        if v.instruction in at:
+            starts[at[v.instruction]] = starts.get(at[v.instruction], 0) + outputs_at[vid]
+    fixed = arguments_and_outputs - parts["outputs"] + parts["code and overlays"] + constants
+    for i, name in enumerate(order):
+        made += starts.get(i, 0)
+        curve.append((name, fixed + made + live[i]))
+    return Breakdown(parts, int(memory["peak"]), best, order[best_at] if order else "", curve)
+
+
+def _classify(v: bam.Value, instrs, comps, labels: Dict[str, str]) -> str:
+    ins = instrs.get(v.instruction)
+    if ins is None:
+        return "temporaries"
+    if v.instruction in labels:
+        return labels[v.instruction]
+    readers = [instrs[u] for u in v.uses if u in instrs]
+    if any(labels.get(r.name) == "gradients" and oh._collective_kind(r, comps) for r in readers):
+        return "gradients"  # what a reduction reads: a gradient before it is reduced
+    if _phase(ins.rest) == "forward" and any(_phase(r.rest) == "backward" for r in readers):
+        return "activations"
+    return "temporaries"
