@@ -176,6 +176,7 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     from xla_fsdp.memory.host import release_freed_host_memory
 
     result.pop("optimized_hlo", None)
+    result.pop("hbm_curve", None)
     gc.collect()
     release_freed_host_memory()
     again = os.path.join(workdir, "fit")
@@ -190,7 +191,7 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
         chosen = json.load(f)
     second = rep.check_program(text, spec, compiler, flags, say=say, calls=calls,
                                started_with=bool(result.get("start_up_flags")), tensors=_tensors(again),
-                               keep_in=again)
+                               keep_in=again, with_curve=bool(opts.timeline))
     second["trace_seconds"] = round(traced_s, 1)
     keep = ("memory", "projection", "compile_seconds", "trace_seconds")
     second["fit"] = {"count": chosen["count"], "units": chosen["units"], "saved_per_unit": chosen["saved"],
@@ -295,7 +296,7 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
     tensors = _tensors(workdir)
     result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own),
-                               tensors=tensors, keep_in=workdir)
+                               tensors=tensors, keep_in=workdir, with_curve=bool(opts.timeline))
     result["trace_seconds"] = round(traced_s, 1)
     result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
     fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)

@@ -102,7 +102,11 @@ def _compile(text: str, spec, compiler, flags: list, spmd: bool, started_with: b
                 return compiler.compile(topology, co.hlo_text_to_proto(text), options), "", start_up
         except Exception as e:  # the compiler's own error text is the report
             message = getattr(e, "compiler_message", None) or str(e)
-            name = _start_up_only(message) if started_with else None
+            name = _start_up_only(message)
+            if name == DUMP_FLAG:  # a libtpu that takes no dump option: no breakdown, nothing else lost
+                flags = [(n, v) for n, v in flags if n != name]
+                continue
+            name = name if started_with else None
             if name and any(n == name for n, _ in flags):
                 start_up.append(name)
                 flags = [(n, v) for n, v in flags if n != name]
@@ -111,7 +115,8 @@ def _compile(text: str, spec, compiler, flags: list, spmd: bool, started_with: b
 
 
 def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print, calls=(),
-                  started_with: bool = False, tensors=None, keep_in: Optional[str] = None) -> dict:
+                  started_with: bool = False, tensors=None, keep_in: Optional[str] = None,
+                  with_curve: bool = False) -> dict:
     """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict.
     `calls`: the job's own collective calls the trace recorded (see `program.layout_mix`).
     `started_with`: `libtpu_flags` is the LIBTPU_INIT_ARGS libtpu read when it started, so a flag
@@ -119,7 +124,8 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     compile's own flags (listed under "start_up_flags") instead of failing it.
     `tensors`: the job's tensors by kind (capture.TENSORS), to tell the program's arguments apart
     in the memory breakdown ([Note: the peak HBM, broken down]). `keep_in`: a folder to copy
-    libtpu's buffer assignment into (as BUFFER_ASSIGNMENT), for --dump."""
+    libtpu's buffer assignment into (as BUFFER_ASSIGNMENT), for --dump. `with_curve`: keep the HBM
+    in use over the schedule as "hbm_curve" (for --timeline)."""
     import shutil
     import tempfile
 
@@ -141,10 +147,10 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     flags = flags + [(DUMP_FLAG, dumps)]
     try:
         compiled, message, start_up = _compile(text, spec, compiler, flags, spmd, started_with)
-        found = buffer_assignment.find(dumps) if compiled is not None else None
-        assignment = buffer_assignment.read(dumps) if found else None
-        if found and keep_in:
-            shutil.copy(found, os.path.join(keep_in, BUFFER_ASSIGNMENT))
+        dumped = buffer_assignment.find(dumps) if compiled is not None else None
+        assignment = buffer_assignment.read_file(dumped) if dumped else None
+        if dumped and keep_in:
+            shutil.copy(dumped, os.path.join(keep_in, BUFFER_ASSIGNMENT))
     finally:
         shutil.rmtree(dumps, ignore_errors=True)
     if start_up:
@@ -162,12 +168,16 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     result["compile_stages"] = {name: round(s, 1) for name, s in compiled.stages.items()}
     memory = hbm_account(compiled, spec.hbm_bytes_per_chip)
     result.update(compiles=True, memory=memory, fits=memory["peak"] <= memory["usable"], cost=compiled.cost)
-    if assignment is not None:  # [Note: the peak HBM, broken down]
-        kinds = memory_breakdown.parameter_kinds(text, tensors) if tensors else None
-        split = memory_breakdown.breakdown(assignment, compiled.optimized_hlo, memory, kinds)
-        memory["breakdown"] = split.as_dict()
-        memory["breakdown"]["arguments_by_kind"] = kinds is not None
-        result["hbm_curve"] = split.curve
+    if assignment is not None and memory["source"] == "libtpu":  # [Note: the peak HBM, broken down]
+        try:
+            kinds = memory_breakdown.parameter_kinds(text, tensors) if tensors else None
+            split = memory_breakdown.breakdown(assignment, compiled.optimized_hlo, memory, kinds)
+        except Exception as e:  # a dump this reader does not follow costs the breakdown, not the check
+            memory["breakdown_error"] = f"{type(e).__name__}: {e}"
+        else:
+            memory["breakdown"] = dict(split.as_dict(), arguments_by_kind=kinds is not None)
+            if with_curve:
+                result["hbm_curve"] = split.curve
     found = optimized_hlo.all_collectives(compiled.optimized_hlo)  # While bodies once per trip
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
     result["while_loops"] = optimized_hlo.while_loops(compiled.optimized_hlo)

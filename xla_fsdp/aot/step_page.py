@@ -34,12 +34,11 @@ COLOURS = {"compute": "#4e79a7", "all-gather": "#59a14f", "reduce-scatter": "#e1
            "collective-permute": "#b07aa1", "all-to-all": "#76b7b2"}
 
 
-def events_of(optimized: str, spec) -> Tuple[List[step_time.Event], float]:
+def events_of(optimized: str, spec, rests: Dict[str, str]) -> Tuple[List[step_time.Event], float]:
     """The projected step's events and its length in seconds; a ring's permutes on the lane of the
     collective the ring performs ([Note: which ring a permute belongs to])."""
     events: List[step_time.Event] = []
     est = step_time.estimate(optimized, spec.chip, spec.chips, spec.torus_axes, events=events)
-    rests = _rests(optimized)
     for e in events:
         if e.lane == "collective-permute":
             ring = hlo_source.ring_kind(rests.get(e.name, ""))
@@ -48,11 +47,11 @@ def events_of(optimized: str, spec) -> Tuple[List[step_time.Event], float]:
     return events, est.seconds
 
 
-def _rests(optimized: str) -> Dict[str, str]:
-    return {ins.name: ins.rest for body in oh.computations(optimized).values() for ins in body}
+def _rests(comps) -> Dict[str, str]:
+    return {ins.name: ins.rest for body in comps.values() for ins in body}
 
 
-def top_kernels(events: List[step_time.Event], optimized: str, count: int = 15) -> List[dict]:
+def top_kernels(events: List[step_time.Event], rests: Dict[str, str], count: int = 15) -> List[dict]:
     """The compute instructions with the most projected time over the step (a loop's body summed
     over its trips)."""
     total: Dict[str, float] = {}
@@ -61,7 +60,6 @@ def top_kernels(events: List[step_time.Event], optimized: str, count: int = 15) 
         if e.lane == "compute":
             total[e.name] = total.get(e.name, 0.0) + (e.end - e.start)
             calls[e.name] = calls.get(e.name, 0) + 1
-    rests = _rests(optimized)
     ranked = sorted(total.items(), key=lambda kv: -kv[1])[:count]
     return [{"name": name, "seconds": secs, "calls": calls[name], "source": hlo_source.describe(rests.get(name, ""))}
             for name, secs in ranked]
@@ -90,14 +88,19 @@ def _merged_compute(events: List[step_time.Event], length: float) -> List[Tuple[
 
 def _hbm_points(curve: List[Tuple[str, int]], events: List[step_time.Event]) -> List[Tuple[float, int]]:
     """The HBM curve (schedule order) at projected times: an instruction's bytes at each time it
-    runs (every trip of a loop); instructions without a span (bookkeeping) join the next one."""
+    runs (every trip of a loop). Instructions the core spends no time on (bookkeeping, copies
+    started beside compute) join the next one that it does, at the most of their bytes."""
     times: Dict[str, List[float]] = {}
     for e in events:
         times.setdefault(e.name, []).append(e.start)
     points: List[Tuple[float, int]] = []
+    pending = 0
     for name, used in curve:
+        pending = max(pending, used)
         for t in times.get(name, ()):
-            points.append((t, used))
+            points.append((t, pending))
+        if name in times:
+            pending = 0
     points.sort()
     return points
 
@@ -155,7 +158,7 @@ def _hbm_lane(points: List[Tuple[float, int]], length: float, top_y: float, usab
     scale = max(peak * 1.1, usable * 1.02 if usable and usable <= 1.5 * peak else 0) or 1
     base = top_y + HBM_HEIGHT
     out = [f'<text x="4" y="{top_y + 12}">HBM in use</text>',
-           f'<text x="4" y="{top_y + 26}" fill="#777">live {peak / 2 ** 30:.2f} GiB at most</text>']
+           f'<text x="4" y="{top_y + 26}" fill="#777">at most {peak / 2 ** 30:.2f} GiB</text>']
     if usable and usable <= 1.5 * peak:
         y = base - HBM_HEIGHT * usable / scale
         out.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{WIDTH - 10}" y2="{y:.1f}" stroke="#c00" '
@@ -183,12 +186,12 @@ def _table(rows: List[List[str]], head: List[str]) -> str:
 
 
 def page(result: dict, report_text: str, events: List[step_time.Event], length: float,
-         optimized: str) -> str:
+         rests: Dict[str, str]) -> str:
     """The whole page as HTML text."""
     memory = result.get("memory", {})
     breakdown = memory.get("breakdown")
     curve = result.get("hbm_curve")
-    kernels = top_kernels(events, optimized)
+    kernels = top_kernels(events, rests)
     kernel_rows = [[k["name"], k["source"] or "-", str(k["calls"]), _fmt_s(k["seconds"]),
                     f"{100 * k['seconds'] / length:.1f}%" if length else "-"] for k in kernels]
     sections = [f"<h1>{html.escape(result.get('script', 'job'))} on {html.escape(result['tpu'])}: the PROJECTED "
@@ -214,11 +217,12 @@ def page(result: dict, report_text: str, events: List[step_time.Event], length: 
 def write(path: str, result: dict, report_text: str, optimized: str, spec) -> int:
     """Write the page for a compiled `result` to `path` (a path ending in .svg: the timeline and
     HBM lanes alone, as an SVG file); the number of collective spans on it."""
-    events, length = events_of(optimized, spec)
+    rests = _rests(oh.computations(optimized))
+    events, length = events_of(optimized, spec, rests)
     if path.endswith(".svg"):
         text = svg(events, length, result.get("hbm_curve"), result.get("memory", {}).get("usable", 0)) + "\n"
     else:
-        text = page(result, report_text, events, length, optimized)
+        text = page(result, report_text, events, length, rests)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     with open(path, "w") as f:

@@ -28,8 +28,9 @@ from typing import Dict, List, Optional
 
 HBM = 0
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*):\s*$")
-_VALUE = re.compile(r"^ value: <(\d+) ([^\s{>]+)(\{[\d,]*\})? @(\d+)> \(size=(\d+),offset=(\d+)\): (.*)$")
-_USED = re.compile(r"^<(\d+) ([^\s{>]+)(\{[\d,]*\})? @(\d+)>\s*$")
+_VALUE = re.compile(r"^ value: <(\d+) ([^\s{>]+)(\{[\d,]*\})?(?: \(phi\))?(?: @(\d+))?> "
+                    r"\(size=(\d+),offset=(\d+)\): (.*)$")
+_USED = re.compile(r"^<(\d+) ([^\s{>]+)(\{[\d,]*\})?(?: \(phi\))?(?: @(\d+))?>\s*$")
 _PARAMETER = re.compile(r"parameter (\d+)")
 _COLOR = re.compile(r"color (\d+)")
 SUFFIX = "after_optimizations-buffer-assignment.txt"
@@ -102,7 +103,7 @@ def parse(text: str) -> BufferAssignment:
         else:
             v = _VALUE.match(line)
             if v and allocations:
-                value = Value(int(v.group(1)), v.group(2), (v.group(3) or "").strip("{}"), int(v.group(4)),
+                value = Value(int(v.group(1)), v.group(2), (v.group(3) or "").strip("{}"), int(v.group(4) or HBM),
                               int(v.group(5)), int(v.group(6)), allocations[-1].index)
                 values[value.id] = value
                 allocations[-1].values.append(value.id)
@@ -137,19 +138,12 @@ def find(folder: str) -> Optional[str]:
 
 def read(folder: str) -> Optional[BufferAssignment]:
     path = find(folder)
-    if path is None:
-        return None
+    return None if path is None else read_file(path)
+
+
+def read_file(path: str) -> BufferAssignment:
     with open(path) as f:
         return parse(f.read())
-
-
-def sizes_by_kind(ba: BufferAssignment, color: int = HBM) -> Dict[str, int]:
-    """Bytes of HBM by allocation kind (an argument that is also an output counts as the argument)."""
-    out: Dict[str, int] = {}
-    for a in ba.allocations:
-        if a.color == color:
-            out[a.kind] = out.get(a.kind, 0) + a.size
-    return out
 
 
 def parameter_sizes(ba: BufferAssignment) -> Dict[int, int]:

@@ -71,6 +71,6 @@ def describe(rest: str) -> str:
 def ring_kind(rest: str) -> Optional[str]:
     """"reduce-scatter" or "all-gather" for a ring's collective-permute, else None."""
     where = source(rest)
-    if where is None or not where[0].endswith("ring.py"):
+    if where is None or not where[0].endswith("/collective_engine/ring.py"):
         return None
     return RING_STEPS.get(function_at(*where).rsplit(".", 1)[-1])

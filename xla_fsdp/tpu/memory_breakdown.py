@@ -19,7 +19,7 @@ assignment]) names every allocation, so each part is split further:
   one that autograd's engine issued, told apart by the source line torch_xla writes in each
   instruction's metadata), or temporaries (the rest). What the heap holds beyond that instant's
   live bytes is its fragmentation;
-- the program's code and overlays: libtpu's program figure less the heap.
+- the program's code, constants and overlays: libtpu's program figure less the heap.
 The parts are summed and set against libtpu's own peak; what is not attributed is reported.
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ TORCH_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64
 _PARAMETER = re.compile(r"^\s*%?[\w.\-]+ = (\w+)\[([0-9,]*)\][^ ]* parameter\((\d+)\)", re.M)
 
 
-def schedule(text: str) -> List[str]:
+def schedule(text: str, comps=None) -> List[str]:
     """The optimized program's instructions in the order the chip runs them: the entry's, with a
     While loop's condition and body (and a call's or conditional's computations) where it runs."""
-    comps = oh.computations(text)
+    comps = comps if comps is not None else oh.computations(text)
     order: List[str] = []
 
     def walk(name: str, depth: int) -> None:
@@ -105,7 +105,7 @@ def _collective_labels(order: List[str], instrs, comps) -> Dict[str, str]:
 @dataclass
 class Breakdown:
     parts: Dict[str, int]
-    peak: int                  # libtpu's (or PJRT's) peak the parts are set against
+    peak: int                  # libtpu's peak the parts are set against
     live_peak: int             # the heap's live bytes at their most
     peak_instruction: str      # where that happens
     curve: List[Tuple[str, int]]  # (instruction, HBM in use) in schedule order
@@ -143,14 +143,56 @@ def _entry_text(text: str) -> str:
     return text[start:] if start >= 0 else text
 
 
-def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
-              kinds: Optional[Dict[int, str]] = None) -> Breakdown:
-    """Split `memory`'s peak (report.hbm_account's dict) by the buffer assignment `ba` of the
-    program `optimized`; `kinds`: entry parameter number -> ARGUMENT_KINDS or "other inputs"."""
-    kinds = kinds or {}
-    order = schedule(optimized)
+def _slots(ba: bam.BufferAssignment, heap, at: Dict[str, int]) -> List[Tuple[int, int, int, bam.Value]]:
+    """The heap's live ranges (start, end, bytes, the largest value) in schedule positions. Values the
+    heap simulator put at one offset of one allocation whose lives overlap (a loop's value and its
+    next iteration's, passed through the same buffer) are one buffer, counted once."""
+    by_slot: Dict[Tuple[int, int], List[Tuple[int, int, bam.Value]]] = {}
+    for a in heap:
+        for vid in a.values:
+            v = ba.values[vid]
+            start = at.get(v.instruction)
+            if start is None:
+                continue
+            ends = [at[x] for x in v.uses + v.positions if x in at]
+            by_slot.setdefault((a.index, v.offset), []).append((start, max(ends + [start]), v))
+    out = []
+    for spans in by_slot.values():
+        spans.sort(key=lambda s: s[0])
+        start, end, big = spans[0]
+        for s, e, v in spans[1:]:
+            if s <= end:  # overlapping lives in one buffer: one range, the larger value
+                end, big = max(end, e), (v if v.size > big.size else big)
+            else:
+                out.append((start, end, big.size, big))
+                start, end, big = s, e, v
+        out.append((start, end, big.size, big))
+    return out
+
+
+def _output_values(ba: bam.BufferAssignment, outputs, order: List[str]) -> Dict[int, int]:
+    """Output allocation -> the position its returned value is made at (an output buffer may hold
+    temporaries earlier in the step: the returned value is the one the entry's root reads)."""
+    root = order[-1] if order else ""
     at = {name: i for i, name in enumerate(order)}
-    comps = oh.computations(optimized)
+    out: Dict[int, int] = {}
+    for a in outputs:
+        values = [ba.values[v] for v in a.values if ba.values[v].instruction in at]
+        returned = [v for v in values if root in v.positions or v.instruction == root] or values
+        if returned:
+            out[a.index] = max(at[v.instruction] for v in returned)
+    return out
+
+
+def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
+              kinds: Optional[Dict[int, str]] = None, comps=None) -> Breakdown:
+    """Split `memory`'s peak (report.hbm_account's dict, libtpu's figures) by the buffer assignment
+    `ba` of the program `optimized`; `kinds`: entry parameter number -> ARGUMENT_KINDS or "other
+    inputs"; `comps`: `optimized_hlo.computations(optimized)` when the caller has it."""
+    kinds = kinds or {}
+    comps = comps if comps is not None else oh.computations(optimized)
+    order = schedule(optimized, comps)
+    at = {name: i for i, name in enumerate(order)}
     instrs = {ins.name: ins for body in comps.values() for ins in body}
     parts = dict.fromkeys(PARTS, 0)
     for number, size in bam.parameter_sizes(ba).items():
@@ -160,20 +202,11 @@ def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
     heap = ba.of_kind("temp")
     heap_bytes = sum(a.size for a in heap)
 
-    # each HBM heap value's life in schedule positions
-    spans: List[Tuple[int, int, bam.Value]] = []
-    for a in heap:
-        for vid in a.values:
-            v = ba.values[vid]
-            start = at.get(v.instruction)
-            if start is None:
-                continue
-            ends = [at[x] for x in v.uses + v.positions if x in at]
-            spans.append((start, max(ends + [start]), v))
+    slots = _slots(ba, heap, at)
     events: Dict[int, int] = {}
-    for start, end, v in spans:
-        events[start] = events.get(start, 0) + v.size
-        events[end + 1] = events.get(end + 1, 0) - v.size
+    for start, end, size, _ in slots:
+        events[start] = events.get(start, 0) + size
+        events[end + 1] = events.get(end + 1, 0) - size
     live, best, best_at, running = [], 0, 0, 0
     for i in range(len(order)):
         running += events.get(i, 0)
@@ -181,26 +214,22 @@ def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
         if running > best:
             best, best_at = running, i
     labels = _collective_labels(order, instrs, comps)
-    for start, end, v in spans:
+    for start, end, size, v in slots:
         if start <= best_at <= end:
-            parts[_classify(v, instrs, comps, labels)] += v.size
-    parts["heap fragmentation"] = max(0, heap_bytes - best)
-    # the rest of libtpu's program figure is its code and overlays (PJRT's: the generated code)
-    program = memory.get("libtpu_program")
-    parts["code and overlays"] = (program - heap_bytes) if program is not None else memory.get("generated_code", 0)
-    constants = sum(a.size for a in ba.of_kind("constant"))
-    parts["temporaries"] += constants
-    arguments_and_outputs = sum(parts[k] for k in ARGUMENT_KINDS + ("other inputs", "outputs"))
-    outputs_at = {a.values[0]: a.size for a in outputs if a.values}
+            parts[_classify(v, instrs, comps, labels)] += size
+    # what the heap holds beyond its live bytes; negative would mean the liveness overcounts, and
+    # shows as such rather than being hidden
+    parts["heap fragmentation"] = heap_bytes - best
+    # the rest of libtpu's program figure: its code, constants and overlays
+    parts["code and overlays"] = memory["libtpu_program"] - heap_bytes
+    fixed = sum(parts[k] for k in ARGUMENT_KINDS + ("other inputs",)) + parts["code and overlays"]
+    written: Dict[int, int] = {}
+    sizes = {a.index: a.size for a in outputs}
+    for index, position in _output_values(ba, outputs, order).items():
+        written[position] = written.get(position, 0) + sizes[index]
     curve, made = [], 0
-    starts = {}
-    for vid in outputs_at:
-        v = ba.values[vid]
-        if v.instruction in at:
-            starts[at[v.instruction]] = starts.get(at[v.instruction], 0) + outputs_at[vid]
-    fixed = arguments_and_outputs - parts["outputs"] + parts["code and overlays"] + constants
     for i, name in enumerate(order):
-        made += starts.get(i, 0)
+        made += written.get(i, 0)
         curve.append((name, fixed + made + live[i]))
     return Breakdown(parts, int(memory["peak"]), best, order[best_at] if order else "", curve)
 
