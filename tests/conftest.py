@@ -13,15 +13,23 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 # Nearly all of this suite's time is XLA:CPU compiling tiny programs that then run
 # a few steps; LLVM's optimizations cost more than they save there (measured: the
 # run_clm world-1 test 38.8 s -> 25.2 s; the whole suite 1187 s -> 835 s). Level 0 is
-# LLVM's level for XLA:CPU's machine code; the HLO assertions and the parity tests'
-# tolerances pass unchanged with it. libtpu reads XLA_FLAGS too, but its TPU program is
-# the same text with the flag (tests/test_tpu_compiler.py::
-# test_the_suites_xla_cpu_optimization_level_leaves_the_tpu_program_unchanged, with a control
+# LLVM's level for XLA:CPU's machine code. XLA:CPU's MLIR fusion emitters (its default
+# in torch_xla 2.9) compile slower than its older emitters, and its parallel code
+# generation splits each program into modules it then compiles one at a time on this
+# host: tests/single_controller/stored_stacks.py's 226 compiles took 47 s with level 0
+# alone, 21 s with the older emitters, 13.5 s with one module per program as well
+# (2026-12-07; wall 60 -> 26 s). The HLO assertions and the parity tests' tolerances pass
+# unchanged with all three. libtpu reads XLA_FLAGS too, but its TPU program is the
+# same text with them (tests/test_tpu_compiler.py::
+# test_the_suites_xla_cpu_flags_leave_the_tpu_program_unchanged, with a control
 # flag that does change it), so the TPU assertions judge the same program.
-# Children inherit it through the environment; XLA_FSDP_TEST_OPT=1 turns it off.
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
-if os.environ.get("XLA_FSDP_TEST_OPT", "") != "1" and FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (FAST_COMPILE_FLAG + " " + os.environ.get("XLA_FLAGS", "")).strip()
+# Children inherit them through the environment; XLA_FSDP_TEST_OPT=1 turns them off.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                      "--xla_cpu_parallel_codegen_split_count=1")
+if os.environ.get("XLA_FSDP_TEST_OPT", "") != "1":
+    _given = os.environ.get("XLA_FLAGS", "")
+    _missing = [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in _given]
+    os.environ["XLA_FLAGS"] = " ".join(_missing + [_given]).strip()
 
 
 def _xdist_controller(config) -> bool:

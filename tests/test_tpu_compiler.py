@@ -436,13 +436,16 @@ def test_a_compile_s_last_stage_line_written_late_is_still_read(monkeypatch, tmp
     assert time.monotonic() - start < 0.5
 
 
-def test_the_suites_xla_cpu_optimization_level_leaves_the_tpu_program_unchanged(tmp_path):
+def test_the_suites_xla_cpu_flags_leave_the_tpu_program_unchanged(tmp_path):
     """[Note: the suite compiles XLA:CPU at optimization level 0] (tests/conftest.py): libtpu reads
-    XLA_FLAGS too, and with --xla_backend_optimization_level=0 its program is the same text. Each
-    compile runs in its own process (libtpu reads the flags when it loads); a flag that does change
-    the TPU program (one pass disabled) shows that the comparison sees XLA_FLAGS."""
+    XLA_FLAGS too, and with the suite's flags (optimization level 0, XLA:CPU's older emitters, one
+    code generation module) its program is the same text. Each compile runs in its own process
+    (libtpu reads the flags when it loads); a flag that does change the TPU program (one pass
+    disabled) shows that the comparison sees XLA_FLAGS."""
     import subprocess
     import sys
+
+    from conftest import FAST_COMPILE_FLAGS
 
     code = ("import sys; sys.path.insert(0, sys.argv[2]); "
             "from test_tpu_compiler import collectives_module, _open; "
@@ -452,7 +455,7 @@ def test_the_suites_xla_cpu_optimization_level_leaves_the_tpu_program_unchanged(
             "    p = c.compile(s, co.hlo_text_to_proto(collectives_module(len(s.devices))), co.spmd_options(s.device_ids))\n"
             "open(sys.argv[1], 'w').write(p.optimized_hlo)")
     programs = {}
-    for name, flags in (("none", ""), ("level 0", "--xla_backend_optimization_level=0"),
+    for name, flags in (("none", ""), ("level 0", " ".join(FAST_COMPILE_FLAGS)),
                         ("control", "--xla_disable_hlo_passes=reduce-scatter-decomposer")):
         out = tmp_path / f"{len(programs)}.hlo"
         env = dict(os.environ, XLA_FLAGS=flags, PJRT_DEVICE="CPU")
