@@ -340,7 +340,6 @@ def test_run_clm_preempted_on_two_hosts_resumes_the_same_loss_curve(tmp_path):
     assert meta["layout"] == {"engine": "spmd", "runtime": "single_controller", "hosts": 2}
 
 
-@_SLOW
 def test_sigterm_to_one_host_makes_both_save_the_same_step_and_the_run_resumes(tmp_path):
     """Issue 81: 2 virtual hosts x 4 devices, --save_strategy no, SIGTERM to host 1 only (a
     maintenance event on one VM) once host 0 logged step 6: both hosts agree at the same step
