@@ -128,6 +128,24 @@ def test_gpt2_125m_on_v4_8(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_scanned_2b_on_v4_8(tmp_path):
+    """docs/scan.md's 2B GPT-2 on v4-8 with scan_layers (two While loops of 18 trips) and the kernel:
+    the loops' collectives drawn once per trip; the forward loop's saved stacks are activations."""
+    cmd = [ac.RUN_CLM, "--config_name", os.path.join(ROOT, "configs", "models", "gpt2-2b-nodropout.json"),
+           "--per_device_train_batch_size", "32", "--block_size", "1024", "--fsdp", "full_shard",
+           "--fsdp_config", os.path.join(ROOT, "configs", "fsdp", "gpt2_xla_fsdp_scan.json"),
+           "--attn_implementation", "pallas", "--output_dir", str(tmp_path / "out")]
+    report, page = _check(tmp_path, "v4-8", cmd)
+    assert [loop["trip_count"] for loop in report["while_loops"]] == [18, 18], report["while_loops"]
+    got = check_page_and_breakdown(report, page)
+    assert "loop trip 17" in got["page"], "the loops' last trip is not drawn"
+    parts = got["parts"]
+    assert parts["activations"] > parts["temporaries"], parts
+    assert 2 * parts["parameters"] <= parts["optimizer state"] <= 2 * parts["parameters"] + 2 ** 20, parts  # AdamW
+    print(json.dumps(report["memory"]["breakdown"]))
+
+
+@pytest.mark.slow
 def test_the_16b_v4_64_pair(tmp_path):
     """The blog's 16B GPT-2 on v4-64, 16 x 1024 per chip: the shipped config with the Pallas kernel and
     the last 3 blocks keeping their activations, what its "fit" chooses there (bench/blog_pairs.py

@@ -214,9 +214,10 @@ def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
         if running > best:
             best, best_at = running, i
     labels = _collective_labels(order, instrs, comps)
+    backward_from = _backward_from(order, instrs, comps)
     for start, end, size, v in slots:
         if start <= best_at <= end:
-            parts[_classify(v, instrs, comps, labels)] += size
+            parts[_classify(v, (start, end), instrs, comps, labels, backward_from)] += size
     # what the heap holds beyond its live bytes; negative would mean the liveness overcounts, and
     # shows as such rather than being hidden
     parts["heap fragmentation"] = heap_bytes - best
@@ -234,7 +235,8 @@ def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
     return Breakdown(parts, int(memory["peak"]), best, order[best_at] if order else "", curve)
 
 
-def _classify(v: bam.Value, instrs, comps, labels: Dict[str, str]) -> str:
+def _classify(v: bam.Value, span: Tuple[int, int], instrs, comps, labels: Dict[str, str],
+              backward_from: int) -> str:
     ins = instrs.get(v.instruction)
     if ins is None:
         return "temporaries"
@@ -243,6 +245,18 @@ def _classify(v: bam.Value, instrs, comps, labels: Dict[str, str]) -> str:
     readers = [instrs[u] for u in v.uses if u in instrs]
     if any(labels.get(r.name) == "gradients" and oh._collective_kind(r, comps) for r in readers):
         return "gradients"  # what a reduction reads: a gradient before it is reduced
-    if _phase(ins.rest) == "forward" and any(_phase(r.rest) == "backward" for r in readers):
-        return "activations"
+    if span[0] < backward_from <= span[1]:
+        return "activations"  # made before the backward starts, read by it (a scanned forward's stacks too)
     return "temporaries"
+
+
+def _backward_from(order: List[str], instrs, comps) -> int:
+    """The schedule position where the backward starts: its first matmul (one autograd's engine
+    issued: no Python source line in its metadata, or a *_backward op); len(order) when there is
+    none. Its first instruction of any kind would not do: libtpu hoists what depends only on the
+    inputs (the loss gradient's mask of ignored labels) to the top of the step."""
+    for i, name in enumerate(order):
+        ins = instrs.get(name)
+        if ins is not None and _phase(ins.rest) == "backward" and oh._holds_matmul(ins, comps):
+            return i
+    return len(order)
