@@ -83,6 +83,7 @@ def test_units_shardings_and_checkpointing(runs):
     assert facts["blocks_checkpointed"] == ["CheckpointedForward"] * 2
     assert facts["embed_spec"] == "{devices=[4,1]0,1,2,3}"  # split over "fsdp" (the "model" axis has size 1)
     assert facts["device_mesh_is_global"]
+    assert facts["orig_module_is_model"] and facts["mesh_is_global"] and facts["block_mesh_is_global"]
 
     facts = runs["sharded"]["sgd"]["facts"]
     assert facts["shard_output_calls"] == 3  # the root and both blocks, as torch_xla calls it
@@ -95,7 +96,9 @@ BAD_CALLS = {
     "no_mesh": ("ValueError", "no global mesh is set"),
     "no_fsdp_axis": ("ValueError", "none named 'fsdp'"),
     "unknown_option": ("TypeError", "'compute_dtype' (an XlaFullyShardedDataParallel keyword"),
-    "extra_axis_not_in_mesh": ("ValueError", "extra_data_axis 'data' is not an axis of the mesh"),
+    # torch_xla's own message first (spmd_fully_sharded_data_parallel.py), then ours
+    "extra_axis_not_in_mesh": ("ValueError", "^The provided data axis is not in the mesh\\. extra_data_axis 'data' is "
+                               "not an axis of the mesh"),
     "inner_other_mesh": ("ValueError", "got another mesh than the root's"),
     "part_already_wrapped": ("ValueError", "blocks.0 (DecoderBlock) inside DecoderOnly is already wrapped"),
     "torch_xla_wrapper_inside": ("ValueError", "returned torch_xla's SpmdFullyShardedDataParallel"),

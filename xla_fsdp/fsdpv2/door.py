@@ -73,6 +73,16 @@ class SpmdFullyShardedDataParallel(GspmdFullyShardedDataParallel):
     def __init__(self, *args, **kwargs):  # noqa: D107 - made in __new__
         pass
 
+    # torch_xla's wrapper keeps the module it wraps and its mesh under these names, and scripts read
+    # them; here the model is its own wrapper
+    @property
+    def _orig_module(self) -> nn.Module:
+        return self
+
+    @property
+    def _mesh(self):
+        return self._fsdp_mesh
+
 
 class _Root:
     """One root call: its checked arguments, and the units its auto_wrapper_callable records."""
@@ -234,8 +244,10 @@ def _batch_axes(mesh, extra_data_axis) -> Tuple[str, ...]:
     if not extra_data_axis:
         return (FSDP_AXIS,)
     if not isinstance(extra_data_axis, str) or extra_data_axis not in tuple(mesh.axis_names):
-        raise ValueError(f"extra_data_axis {extra_data_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}; "
-                         "name the mesh axis the batch is split over besides 'fsdp'")
+        # torch_xla's own words first, so a script that matches them still does
+        raise ValueError(f"The provided {extra_data_axis} axis is not in the mesh. extra_data_axis "
+                         f"{extra_data_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}; name the mesh "
+                         "axis the batch is split over besides 'fsdp'")
     if extra_data_axis == FSDP_AXIS:
         raise ValueError(f"extra_data_axis is the axis the batch is split over besides {FSDP_AXIS!r}, not "
                          f"{FSDP_AXIS!r} itself; leave it None to split the batch over {FSDP_AXIS!r} alone")
