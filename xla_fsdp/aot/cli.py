@@ -21,6 +21,7 @@ import tempfile
 import time
 from typing import List, Optional
 
+from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT, TENSORS
 from xla_fsdp.runtime import environment
 
 EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_TRACE, EXIT_COMPILE, EXIT_NO_LIBTPU = 0, 1, 2, 3, 4, 5
@@ -102,7 +103,6 @@ def _rings_to_retry(result: dict, text: str, job, spec, opts) -> bool:
 def write_dump(dump: str, workdir: str, optimized_hlo: Optional[str]) -> None:
     """--dump DIR: the traced module, the TPU-optimized HLO and the trace log, into a folder
     or a URL (gs://bucket/aot), through the same storage as checkpoints."""
-    from xla_fsdp.aot.report import BUFFER_ASSIGNMENT
     from xla_fsdp.checkpoint import storage
 
     st = storage.storage_for(dump)
@@ -321,8 +321,6 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
 
 def _tensors(workdir: str) -> Optional[list]:
     """The job's tensors by kind the trace listed (capture.TENSORS), or None."""
-    from xla_fsdp.aot.dump import TENSORS
-
     path = os.path.join(workdir, TENSORS)
     if not os.path.exists(path):
         return None

@@ -28,6 +28,7 @@ from typing import Optional
 
 MARKER = "capturing.json"  # written by the traced process just before the step's compile
 TENSORS = "tensors.json"  # the job's tensors by kind, written beside it (capture._tensors_by_kind)
+BUFFER_ASSIGNMENT = "buffer_assignment.txt"  # libtpu's buffer assignment of the step, kept for --dump
 PROGRAM = "program.txt"
 CRASH = "crash.txt"  # faulthandler's report of a traced process that died on a signal
 REFUSED = "refused.txt"  # the message of a traced script that ended with sys.exit("...") (a user's mistake)

@@ -14,13 +14,14 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from xla_fsdp.tpu import hlo_source
+
 _PARAM = re.compile(r"^(\s*(?:ROOT )?%?([\w.\-]+) = [^=]*? parameter\((\d+)\))(.*)$")
 _SHARDING_CALL = re.compile(r"custom-call\([^%]*%([\w.\-]+)\), custom_call_target=\"Sharding\", sharding=(\{[^}]*\})")
 _ENTRY = re.compile(r"^ENTRY ")
 _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
     r"(?:-start)?\((.*)$")
-_META = re.compile(r'metadata=\{([^}]*)\}')
 
 
 def entry_lines(text: str) -> range:
@@ -64,16 +65,10 @@ class CollectiveSite:
 
 
 def _source(line: str) -> str:
-    m = _META.search(line)
-    if not m:
-        return ""
-    fields = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-    fields.update(re.findall(r"(\w+)=(\d+)", m.group(1)))
-    where = fields.get("source_file", "")
-    if where and fields.get("source_line"):
-        where += f":{fields['source_line']}"
-    op = fields.get("op_name") or fields.get("op_type", "")
-    return ", ".join(x for x in (op, where) if x)
+    """"op, file:line" from an instruction's metadata ("" without any)."""
+    where = hlo_source.source(line)
+    op = hlo_source.op_name(line) or hlo_source.op_type(line)
+    return ", ".join(x for x in (op, where and f"{where[0]}:{where[1]}") if x)
 
 
 def collective_sites(text: str) -> List[CollectiveSite]:
@@ -113,7 +108,7 @@ def layout_mix(text: str, calls: Sequence[dict] = ()) -> Optional[str]:
             "(one process per chip; the single-controller runtime never pins).")
 
 
-RING_SOURCE = 'collective_engine/ring.py"'  # op metadata of the engine's rings (XLA_HLO_DEBUG=1)
+RING_SOURCE = hlo_source.RING_FILE + '"'  # op metadata of the engine's rings (XLA_HLO_DEBUG=1)
 
 
 def ring_ops(text: str) -> int:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
 from typing import Callable, Optional
 
 from xla_fsdp.aot import program as prog
+from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT
 from xla_fsdp.tpu import buffer_assignment, compile_log, memory_breakdown, optimized_hlo, step_time
 
 GIB = 1024 ** 3
 DUMP_FLAG = "xla_dump_to"  # a compile option libtpu takes (a string): [Note: libtpu's buffer assignment]
-BUFFER_ASSIGNMENT = "buffer_assignment.txt"
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 # libtpu's out-of-memory refusal: "Ran out of memory in memory space hbm. Used 67.64G of 30.75G hbm."
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
@@ -126,9 +128,6 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     in the memory breakdown ([Note: the peak HBM, broken down]). `keep_in`: a folder to copy
     libtpu's buffer assignment into (as BUFFER_ASSIGNMENT), for --dump. `with_curve`: keep the HBM
     in use over the schedule as "hbm_curve" (for --timeline)."""
-    import shutil
-    import tempfile
-
     from xla_fsdp.tpu import compile_options as co
 
     spmd = is_spmd(text)

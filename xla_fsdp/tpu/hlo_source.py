@@ -16,6 +16,8 @@ from typing import Optional, Tuple
 
 _SOURCE = re.compile(r'source_file="([^"]*)" source_line=(\d+)')
 _OP_TYPE = re.compile(r'op_type="([^"]*)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+RING_FILE = "/collective_engine/ring.py"  # where the engine's rings are written
 # the functions each ring of xla_fsdp/collective_engine/ring.py issues its rotation from
 RING_STEPS = {"_summing_step": "reduce-scatter", "_gathering_step": "all-gather"}
 
@@ -58,6 +60,11 @@ def op_type(rest: str) -> str:
     return m.group(1) if m else ""
 
 
+def op_name(rest: str) -> str:
+    m = _OP_NAME.search(rest)
+    return m.group(1) if m else ""
+
+
 def describe(rest: str) -> str:
     """"op @ file.py:line (Class.method)" from an instruction's metadata ("" without any)."""
     op, where = op_type(rest), source(rest)
@@ -71,6 +78,6 @@ def describe(rest: str) -> str:
 def ring_kind(rest: str) -> Optional[str]:
     """"reduce-scatter" or "all-gather" for a ring's collective-permute, else None."""
     where = source(rest)
-    if where is None or not where[0].endswith("/collective_engine/ring.py"):
+    if where is None or not where[0].endswith(RING_FILE):
         return None
     return RING_STEPS.get(function_at(*where).rsplit(".", 1)[-1])

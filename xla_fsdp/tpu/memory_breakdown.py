@@ -40,7 +40,7 @@ _NESTED = (re.compile(r"condition=%?([\w.\-]+)"), re.compile(r"body=%?([\w.\-]+)
            re.compile(r"true_computation=%?([\w.\-]+)"), re.compile(r"false_computation=%?([\w.\-]+)"))
 TORCH_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "int64": "s64",
                 "int32": "s32", "int16": "s16", "int8": "s8", "uint8": "u8", "bool": "pred"}
-_PARAMETER = re.compile(r"^\s*%?[\w.\-]+ = (\w+)\[([0-9,]*)\][^ ]* parameter\((\d+)\)", re.M)
+_ARRAY = re.compile(r"(\w+)\[([0-9,]*)\]")
 
 
 def schedule(text: str, comps=None) -> List[str]:
@@ -129,18 +129,14 @@ def parameter_kinds(traced_text: str, tensors: List[dict]) -> Dict[int, str]:
         wanted.setdefault(key, []).append(t["kind"])
     for kinds in wanted.values():  # parameters first, then optimizer state, then gradients
         kinds.sort(key=lambda k: ARGUMENT_KINDS.index(k) if k in ARGUMENT_KINDS else len(ARGUMENT_KINDS))
-    entry = _entry_text(traced_text)
     out: Dict[int, str] = {}
-    for dtype, dims, number in sorted(_PARAMETER.findall(entry), key=lambda m: int(m[2])):
-        key = (dtype, tuple(int(d) for d in dims.split(",") if d))
+    params = [ins for ins in oh.computations(traced_text).get("ENTRY", []) if ins.opcode == "parameter"]
+    for ins in sorted(params, key=lambda i: int(i.rest.split(")", 1)[0])):
+        array = _ARRAY.match(ins.shape)
+        key = (array.group(1), tuple(int(d) for d in array.group(2).split(",") if d)) if array else None
         kinds = wanted.get(key)
-        out[int(number)] = kinds.pop(0) if kinds else "other inputs"
+        out[int(ins.rest.split(")", 1)[0])] = kinds.pop(0) if kinds else "other inputs"
     return out
-
-
-def _entry_text(text: str) -> str:
-    start = text.find("\nENTRY ")
-    return text[start:] if start >= 0 else text
 
 
 def _slots(ba: bam.BufferAssignment, heap, at: Dict[str, int]) -> List[Tuple[int, int, int, bam.Value]]:

@@ -12,6 +12,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -236,7 +237,7 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
 
 # [Note: one record per log] Each logging step's figures are one record, kept in metrics.json's
 # "logged" and handed to the reporters (--report_to tensorboard), so both say the same values: step,
-# loss, learning_rate, memory_bytes (device memory in use on a TPU, the process's resident memory on
+# loss, learning_rate, memory_bytes (device memory in use on a TPU where PJRT reports it, the process's resident memory on
 # CPU), grad_norm (before clipping; with --max_grad_norm > 0 and a reporter), and, after the warm-up
 # steps, tokens_per_s, step_time_s and mfu of the window that ends there.
 def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, meter, warm: bool,
@@ -249,7 +250,10 @@ def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, m
                                  f"or raise --warmup_steps")
     result.losses.append([step, value])
     lr = scheduler.get_last_lr()[0]
-    record = {"step": step, "loss": value, "learning_rate": lr, "memory_bytes": memory_in_use()}
+    record = {"step": step, "loss": value, "learning_rate": lr}
+    in_use = memory_in_use()
+    if in_use is not None:
+        record["memory_bytes"] = in_use
     if grad_norm is not None:
         record["grad_norm"] = grad_norm.item()
     line = f"step {step}/{total_steps} loss {value:.4f} lr {lr:.2e}"
@@ -263,14 +267,19 @@ def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, m
     return line
 
 
-def memory_in_use() -> int:
-    """Bytes in use: the first local device's on a TPU, else this process's resident memory."""
+def memory_in_use() -> Optional[int]:
+    """Bytes in use: the device's on a TPU, else this process's resident memory. None where the
+    device cannot say: the SPMD runtime's virtual device has no allocator figures (PJRT raises, as
+    xla_fsdp/memory/device_figures.py meets too), and a log line must not end the job."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     if xr.device_type() == "TPU":
-        return int(xm.get_memory_info(torch_xla.device())["bytes_used"])
+        try:
+            return int(xm.get_memory_info(torch_xla.device())["bytes_used"])
+        except RuntimeError:
+            return None
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
