@@ -100,7 +100,10 @@ BAD_CALLS = {
     "extra_axis_not_in_mesh": ("ValueError", "^The provided data axis is not in the mesh\\. extra_data_axis 'data' is "
                                "not an axis of the mesh"),
     "inner_other_mesh": ("ValueError", "got another mesh than the root's"),
-    "part_already_wrapped": ("ValueError", "blocks.0 (DecoderBlock) inside DecoderOnly is already wrapped"),
+    "part_wrapped_over_other_mesh": ("ValueError", "blocks.0 (DecoderBlock) was wrapped by SpmdFullyShardedDataParallel "
+                                     "over another mesh"),
+    "part_wrapped_and_policy": ("ValueError", "DecoderOnly holds modules SpmdFullyShardedDataParallel already wrapped "
+                                "(DecoderBlock) and was given an auto_wrap_policy"),
     "torch_xla_wrapper_inside": ("ValueError", "returned torch_xla's SpmdFullyShardedDataParallel"),
     "default_shard_output_dict": ("RuntimeError", "^DictOut returned dict; SpmdFullyShardedDataParallel's default"),
 }
@@ -113,7 +116,8 @@ def test_bad_calls_are_refused_and_change_nothing(runs, case):
     assert got["error"] == kind and re.search(fragment if fragment[0] == "^" else re.escape(fragment), got["message"]), got
     if case != "torch_xla_wrapper_inside":  # torch_xla's wrapper moved its block before we saw it
         assert got["unchanged"], got
-    if case not in ("torch_xla_wrapper_inside", "part_already_wrapped", "default_shard_output_dict"):
+    if case not in ("torch_xla_wrapper_inside", "part_wrapped_over_other_mesh", "part_wrapped_and_policy",
+                    "default_shard_output_dict"):
         assert got["on_cpu"], got
 
 

@@ -83,6 +83,9 @@ def build_collectives(module: nn.Module, kw: Dict[str, Any], options: FSDPOption
 
     use_dist = not _on_xla(module) and dist.is_available() and dist.is_initialized()
     if (not use_dist or kw["mesh"] is not None) and _spmd_runtime():  # a mesh means the devices of this process
+        from xla_fsdp.runtime.choice import check_spmd_came_first
+
+        check_spmd_came_first("XlaFullyShardedDataParallel")
         return _build_single_controller(kw, options)
     if kw["mesh"] is not None:
         raise ValueError("mesh= needs the SPMD runtime (call torch_xla.runtime.use_spmd() before wrapping) or "

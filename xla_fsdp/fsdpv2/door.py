@@ -21,9 +21,11 @@ same way with the model as its own wrapper ([Note: no wrapper module] in xla_fsd
 Differences that change no value: parameters are split on dim 0 (torch_xla splits each one's
 largest dim); the engine also pins activations inside units to the batch split ([Note: why
 annotate activations]); torch_xla's per-wrapper backward optimization barrier is not placed;
-state-dict keys are the model's own (torch_xla's gain `_orig_module.` per wrapper). What the engine
-cannot do torch_xla's way is refused by name: a model with a part already wrapped on its own
-(torch_xla shards the leftovers around it), an inner call with its own `auto_wrap_policy`, mesh or
+state-dict keys are the model's own (torch_xla's gain `_orig_module.` per wrapper). torch_xla's
+nesting, children wrapped first and then the root, runs as torch_xla's does: the root's engine run
+takes the children as they are and shards what they leave (`applied_units`). What the engine
+cannot do torch_xla's way is refused by name: children over another mesh or batch split, children
+and a root policy together, an inner call with its own `auto_wrap_policy`, mesh or
 `extra_data_axis`, and torch_xla's own FSDP wrappers inside.
 """
 from __future__ import annotations
@@ -93,18 +95,10 @@ class _Root:
         _check_callables(shard_output=shard_output, auto_wrap_policy=policy, auto_wrapper_callable=wrapper)
         self.mesh = _mesh(mesh)
         self.batch_axes = _batch_axes(self.mesh, extra_data_axis)
-        inside = [f"{name} ({original_class(m).__name__})" for name, m in module.named_modules()
-                  if m is not module and _is_wrapped(m)]
-        if inside:
-            raise ValueError(
-                f"{', '.join(inside)} inside {type(module).__name__} is already wrapped; xla_fsdp shards a model "
-                f"once, from its root: drop the inner {NAME} call and give the root an auto_wrap_policy that "
-                "picks that module (e.g. transformer_auto_wrap_policy with its class)")
-        import torch_xla.runtime as xr
+        self.children = _wrapped_children(module, self.mesh, self.batch_axes, policy)
+        from ..runtime.choice import check_spmd_came_first
 
-        if not xr.is_spmd():
-            raise RuntimeError(f"{NAME} needs the SPMD runtime: call torch_xla.runtime.use_spmd() before any XLA "
-                               "tensor is created (torch_xla's FSDPv2 examples do it first thing)")
+        check_spmd_came_first(NAME)
         if "module" in module._modules:
             warnings.warn(
                 f"{type(module).__name__} has a child named 'module'. torch_xla's wrapper's `.module` is the whole "
@@ -125,7 +119,7 @@ class _Root:
         try:
             apply_spmd_fsdp(self.module, mesh=self.mesh, auto_wrap_policy=self.policy,
                             auto_wrapper_callable=self._wrap_unit if self.policy is not None else None,
-                            batch_axes=self.batch_axes)
+                            batch_axes=self.batch_axes, applied_units=self.children)
         except BaseException:
             for module, removed in self.taken:
                 restore(module, removed)
@@ -135,10 +129,11 @@ class _Root:
         checkpointed = {id(m) for m, _ in self.taken}
         for unit, shard_output in self.units + [(self.module, self.shard_output)]:
             mix_into(unit, door, "FSDP")
-            unit._fsdp_mesh = self.mesh
+            unit._fsdp_mesh, unit._fsdp_batch_axes = self.mesh, self.batch_axes
             outputs.install(unit, shard_output, self.mesh, self.batch_axes)
             if id(unit) in checkpointed:
                 checkpoint_unit(unit, None)
+        self.module._fsdpv2_call_root = True  # a later root call over it takes it as one of its units
         return self.module
 
     def _wrap_unit(self, unit: nn.Module) -> nn.Module:
@@ -179,6 +174,39 @@ class _Root:
         removed = take_torch_xla_checkpoint(module)
         if removed is not None:
             self.taken.append((module, removed))
+
+
+def _wrapped_children(module: nn.Module, mesh, batch_axes, policy) -> List[nn.Module]:
+    """Modules inside `module` an earlier call of this class sharded as its root, outermost first
+    (torch_xla's nesting: `model.fc1 = FSDPv2(model.fc1, mesh=mesh)`, ..., then `FSDPv2(model,
+    mesh=mesh)`): the root's call takes them as they are and shards what they leave. Any other
+    wrapper inside is refused, and so is a child over another mesh or batch split."""
+    children, taken, other = [], set(), []
+    for name, m in module.named_modules():
+        if m is module or id(m) in taken:
+            continue
+        if getattr(m, "_fsdpv2_call_root", False) and isinstance(m, SpmdFullyShardedDataParallel):
+            if not _same_mesh(m._fsdp_mesh, mesh) or tuple(m._fsdp_batch_axes) != tuple(batch_axes):
+                raise ValueError(
+                    f"{name} ({original_class(m).__name__}) was wrapped by {NAME} over another mesh or batch split "
+                    f"(extra_data_axis) than {type(module).__name__}'s; every part of a model is sharded over one "
+                    "mesh: pass the same mesh= and extra_data_axis= to every call")
+            children.append(m)
+            taken.update(id(inner) for inner in m.modules())
+        elif _is_wrapped(m):
+            other.append(f"{name} ({original_class(m).__name__})")
+    if other:
+        raise ValueError(
+            f"{', '.join(other)} inside {type(module).__name__} is already wrapped; xla_fsdp shards a model "
+            f"once, from its root: drop the inner call and give the root an auto_wrap_policy that "
+            "picks that module (e.g. transformer_auto_wrap_policy with its class)")
+    if children and policy is not None:
+        raise ValueError(
+            f"{type(module).__name__} holds modules {NAME} already wrapped "
+            f"({', '.join(original_class(c).__name__ for c in children)}) and was given an auto_wrap_policy; "
+            "xla_fsdp takes one of the two: wrap the children yourself and the root without a policy, or only "
+            "the root with a policy that picks them")
+    return children
 
 
 def _unknown_arguments(kwargs) -> str:

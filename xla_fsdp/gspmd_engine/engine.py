@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 import torch_xla
 import torch_xla.distributed.spmd as xs
-import torch_xla.runtime as xr
 
+from xla_fsdp.runtime.choice import check_spmd_came_first
 from xla_fsdp.runtime.mesh import resolve_mesh
 from xla_fsdp.gspmd_engine.activations import BatchSharding, checkpoint_unit
 from xla_fsdp.gspmd_engine.norms import install_partitionable_layer_norms
@@ -61,7 +61,7 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
                     auto_wrapper_callable: Optional[Callable[[nn.Module], nn.Module]] = None,
                     param_init_fn: Optional[ParamInitFn] = None, activation_checkpointing: bool = False,
                     gather_params: bool = False, batch_axes: Optional[Sequence[str]] = None,
-                    scan_layers: Union[bool, str] = False) -> nn.Module:
+                    scan_layers: Union[bool, str] = False, applied_units: Sequence[nn.Module] = ()) -> nn.Module:
     """Shards `module` in place over the SPMD mesh and returns it.
 
     Args:
@@ -91,9 +91,17 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
         parameters and stacks them every step (for optimizers with per-tensor
         statistics other than Hugging Face's Adafactor, which runs per layer on
         stored stacks).
+      applied_units: submodules this engine already sharded on their own, over the same mesh and
+        batch axes (torch_xla's FSDPv2 nesting: children first, then the root); their tensors and
+        hooks are left as they are and the root takes what they leave.
     """
     mesh = _checked_mesh(module, mesh, batch_axes)
     device = torch_xla.device()
+    inner = [m for unit in applied_units for m in unit.modules()]
+    if inner and (auto_wrap_policy is not None or compute_dtype is not None or gather_params
+                  or activation_checkpointing or scan_layers):
+        raise ValueError("units sharded on their own take no root auto_wrap_policy, compute_dtype, gather_params, "
+                         "activation_checkpointing or scan_layers; shard the model once, from its root")
 
     units = find_units(module, auto_wrap_policy)
     if auto_wrapper_callable is not None:
@@ -108,13 +116,13 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
             "scan_layers with gather_params is not supported: inside the loop the partitioner places the parameters."
         )
 
-    done: Placed = {}
+    done: Placed = {id(t): (t, t) for m in applied_units for t in list(m.parameters()) + list(m.buffers())}
     for unit in units:
         materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
         place_and_shard(unit, done, mesh, device, buffer_dtype)
 
     # [Note: padded rows]; not inside scanned layers
-    pad_uneven_rows(module, mesh, [layer for _, _, layers, _ in found for layer in layers])
+    pad_uneven_rows(module, mesh, [layer for _, _, layers, _ in found for layer in layers] + list(applied_units))
     _, views = install_compute_views(module, compute_dtype, mesh, gather_params)
 
     # Before checkpointing: a LayerNorm unit's checkpoint must wrap this forward.
@@ -124,7 +132,7 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
             if id(unit) not in scanned:  # a scanned layer recomputes in the loop
                 checkpoint_unit(unit, views.get(unit))
 
-    batch = _annotate_batches(module, units, mesh, batch_axes)
+    batch = _annotate_batches(module, units, mesh, batch_axes, inner)
     if found:
         settings = ScanSettings(mesh, compute_dtype, batch.annotate, recompute=activation_checkpointing,
                                 stored=stored, batch_entry=batch.batch_entry)
@@ -135,11 +143,7 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
 
 def _checked_mesh(module: nn.Module, mesh: Optional[xs.Mesh], batch_axes: Optional[Sequence[str]]) -> xs.Mesh:
     """The mesh to shard over, once SPMD mode, a first application and the batch axes are checked."""
-    if not xr.is_spmd():
-        raise RuntimeError(
-            "the SPMD engine needs SPMD mode: call torch_xla.runtime.use_spmd() "
-            "(or launch with --spmd) before any XLA tensor is created."
-        )
+    check_spmd_came_first("the SPMD engine")
     if module in _applied:
         raise ValueError(
             f"{type(module).__name__} is already sharded by the SPMD engine; apply it once, to the root model."
@@ -154,9 +158,9 @@ def _checked_mesh(module: nn.Module, mesh: Optional[xs.Mesh], batch_axes: Option
     return mesh
 
 
-def _annotate_batches(module: nn.Module, units, mesh: xs.Mesh, batch_axes) -> BatchSharding:
+def _annotate_batches(module: nn.Module, units, mesh: xs.Mesh, batch_axes, inner=()) -> BatchSharding:
     """The batch's sharding on the root's inputs and outputs and on every unit's and parameter
-    owner's inputs."""
+    owner's inputs (`inner`: modules of units sharded on their own, annotated then)."""
     batch = BatchSharding(mesh, batch_axes)
     # prepend: see the batch before the compute-dtype cast of the inputs.
     module.register_forward_pre_hook(batch.root_inputs, with_kwargs=True, prepend=True)
@@ -164,7 +168,7 @@ def _annotate_batches(module: nn.Module, units, mesh: xs.Mesh, batch_axes) -> Ba
     for unit in units[:-1]:
         unit.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
         unit.register_forward_hook(batch.unit_output)
-    for owner in _param_owners(module, exclude=units):
+    for owner in _param_owners(module, exclude=[*units, *inner]):
         owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
     return batch
 

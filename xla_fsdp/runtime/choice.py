@@ -68,6 +68,30 @@ def enter_single_controller() -> None:
         xr.use_spmd()
 
 
+def check_spmd_came_first(who: str) -> None:
+    """A RuntimeError, from `who`, unless the SPMD runtime is on and was turned on before the first
+    XLA tensor ([Note: use_spmd after the device]).
+
+    [Note: use_spmd after the device] torch_xla 2.9's `xr.use_spmd()` called after the script
+    touched the XLA device (a `model.to(device)` above it) only warns, and the program then dies
+    in its first sync without a word (XLA:CPU: a segmentation fault; torch_xla's own FSDPv2 class
+    alike). What tells it apart: the default device's real device is then the first chip
+    (`CPU:0`, `TPU:0`) instead of SPMD's virtual device (`SPMD:0`)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        raise RuntimeError(f"{who} needs the SPMD runtime: call torch_xla.runtime.use_spmd() before any XLA "
+                           "tensor is created (torch_xla's FSDPv2 examples do it first thing)")
+    real = torch_xla._XLAC._xla_real_devices([str(torch_xla.device())])[0]
+    if not real.startswith("SPMD:"):
+        raise RuntimeError(
+            f"{who}: torch_xla.runtime.use_spmd() was called after this process had used the XLA device "
+            f"({real}, not SPMD's virtual device), and such a program dies in its first step. Move the "
+            "xr.use_spmd() call to the top of the script, before anything is placed on the device "
+            "(model.to(device), torch_xla.device() tensors, a data loader's device)")
+
+
 def declared_runtime(script: str) -> Optional[str]:
     """The runtime `script` declares with `<SCRIPT_MARKER> = "..."`, else the single
     controller for a script that can run no other way (`_single_controller_reason`), else None."""
