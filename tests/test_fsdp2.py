@@ -12,8 +12,9 @@ the step, XLA_SAVE_TENSORS_FILE): its gathers and reduce-scatters run within the
 (every device, or HSDP's rows), rows per device are ceil(rows / shard group size), and HSDP
 all-reduces each gradient shard across the replicas. The default run covers the variants together at 8
 devices (CPU offload, activation checkpointing applied after fully_shard, the root kept unsharded,
-explicit prefetch), HSDP 2 x 4 at 8 and the bf16 policy at 4; `pytest -m slow` runs each variant
-alone at 4 and 8 devices (checkpointing before fully_shard among them) and HSDP 4 x 2. The v4-16 HSDP compile of docs/fsdp2.md is test_the_hsdp_example_compiles_for_v4_16.
+explicit prefetch), the example's 1-D mesh on a job of 2 slices at 8 devices (HSDP 2 x 4: one replica
+per slice) and the bf16 policy at 4; `pytest -m slow` runs each variant alone at 4 and 8 devices
+(checkpointing before fully_shard among them) and HSDP 2 x 4 and 4 x 2 from a 2-D mesh. The v4-16 HSDP compile of docs/fsdp2.md is test_the_hsdp_example_compiles_for_v4_16.
 Every scenario runs in a fresh process (SPMD mode and the device count are fixed when the
 runtime starts); the runs start together and each test waits for its own.
 """
@@ -58,11 +59,14 @@ VARIANTS = {
                  "--explicit_prefetch"],
     "hsdp2x4": ["--hsdp", "2"],  # HSDP: 2 replicas of 4-way sharding (8 devices)
     "hsdp4x2": ["--hsdp", "4"],
+    "slices2": [],  # the example's 1-D mesh on a job of 2 slices (SLICES): HSDP 2 x 4 ([Note: HSDP across slices])
 }
+SLICES = {"slices2": 2}  # MEGASCALE_NUM_SLICES of a variant
 # the default run: checkpointing (after), offload, prefetch and an unsharded root at 8 devices
-# in one run, HSDP; 4 devices in bf16 (test_example_parity_bf16); the rest with -m slow
-DEFAULT = [(8, "combined"), (8, "hsdp2x4")]
-SWEEP = [(n, v) for n in (4, 8) for v in VARIANTS if v != "combined" and not v.startswith("hsdp")] + [(8, "hsdp4x2")]
+# in one run, HSDP over 2 slices; 4 devices in bf16 (test_example_parity_bf16); the rest with -m slow
+DEFAULT = [(8, "combined"), (8, "slices2")]
+SWEEP = [(n, v) for n in (4, 8) for v in VARIANTS if v not in ("combined", "slices2") and not v.startswith("hsdp")] \
+    + [(8, "hsdp2x4"), (8, "hsdp4x2")]
 
 
 def _env(devices: int) -> dict:
@@ -90,6 +94,9 @@ class Runs:
                "--checkpoint_dir", str(out / "ckpt"), *extra]
         # the HLO of every graph the run executes (torch_xla's, before partitioning), for the layout
         env = dict(_env(devices), XLA_SAVE_TENSORS_FILE=str(out / "graphs.txt"), XLA_SAVE_TENSORS_FMT="hlo")
+        variant = name.split("@")[0]
+        if variant in SLICES:
+            env["MEGASCALE_NUM_SLICES"] = str(SLICES[variant])
         log = open(out / "log.txt", "w")
         self.procs[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                              cwd=str(self.tmp)), out)
@@ -219,7 +226,7 @@ def assert_layout(text: str, replicas: int, shard: int, vocab: int, name: str) -
 
 def _layout_of(variant: str, devices: int):
     extra = VARIANTS[variant]
-    replicas = int(extra[extra.index("--hsdp") + 1]) if "--hsdp" in extra else 1
+    replicas = int(extra[extra.index("--hsdp") + 1]) if "--hsdp" in extra else SLICES.get(variant, 1)
     return replicas, devices // replicas
 
 

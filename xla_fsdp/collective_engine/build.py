@@ -96,6 +96,10 @@ def build_collectives(module: nn.Module, kw: Dict[str, Any], options: FSDPOption
         import torch_xla.runtime as xr
 
         rank, world = xr.global_ordinal(), xr.world_size()
+    if kw["sharding_groups"] is None and options.strategy is ShardingStrategy.HYBRID_SHARD:
+        from xla_fsdp.runtime.slices import slice_groups
+
+        kw = {**kw, "sharding_groups": [list(g) for g in slice_groups(world)]}  # [Note: HSDP across slices]
     layout = _build_layout(rank, world, kw, options.strategy)
     if use_dist:
         device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
@@ -116,6 +120,10 @@ def _build_single_controller(kw: Dict[str, Any], options: FSDPOptions) -> SpmdCo
         if kw["mesh"] is not None:
             raise ValueError("sharding_strategy=NO_SHARD replicates every parameter over every device; drop mesh=")
         groups = [[d] for d in range(devices)]
+    elif groups is None and kw["mesh"] is None and options.strategy is ShardingStrategy.HYBRID_SHARD:
+        from xla_fsdp.runtime.slices import device_slices
+
+        groups = [list(g) for g in device_slices()]  # [Note: HSDP across slices]
     placement = DevicePlacement.build(kw["mesh"], groups, devices)
     if len(placement.shard_groups) > 1 and options.strategy not in (ShardingStrategy.HYBRID_SHARD,
                                                                     ShardingStrategy.NO_SHARD):

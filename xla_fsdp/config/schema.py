@@ -287,7 +287,9 @@ class XlaFSDPSettings:
         strategy = self.sharding_strategy
         groups = self.sharding_groups
         if groups is None:
-            if strategy == "HYBRID_SHARD":
+            from xla_fsdp.runtime.environment import num_slices
+
+            if strategy == "HYBRID_SHARD" and num_slices() == 1:  # on several slices, the slices are the groups
                 raise FSDPConfigError(
                     f"{where}sharding_strategy HYBRID_SHARD needs {where}sharding_groups, "
                     f"e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] (shard inside each group, replicate across)"

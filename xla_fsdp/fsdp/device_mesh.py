@@ -13,6 +13,11 @@ not cover the job, or is 3-D, and is refused. Parameters report a
 `DeviceMesh("xla", ...)` over the devices built without a process group, 1-D
 (`"fsdp"`) or 2-D (the names the script gave), which is what
 `distribute_tensor(full, p.device_mesh, p.placements)` needs.
+
+[Note: FSDP2 meshes across slices] On a job that spans slices ([Note: HSDP across slices] in
+runtime/slices.py) no parameter is sharded across slices: a 1-D mesh (or none) means HSDP with
+one replica per slice (parameters then report a 2-D mesh, `Replicate()` then `Shard(0)`), and a
+2-D mesh's replicate dim must be a multiple of the slices.
 """
 from __future__ import annotations
 
@@ -97,13 +102,23 @@ def resolve_fsdp_mesh(mesh) -> ShardMesh:
         if devices % replicas:
             raise ValueError(f"fully_shard(mesh=...): the {kind}'s replicate dim of {replicas} does not divide the "
                              f"{devices} devices")
+    from ..runtime.slices import device_slices
+
+    slices = device_slices()  # [Note: FSDP2 meshes across slices]
+    if len(slices) > 1 and replicas == 1:
+        replicas = len(slices)
+    elif replicas % len(slices):
+        raise ValueError(f"fully_shard(mesh=...): a replicate dim of {replicas} on a job of {len(slices)} slices "
+                         "would shard a parameter across slices, over the data-center network; give a replicate "
+                         f"dim that is a multiple of {len(slices)}, or a 1-D mesh (one replica per slice)")
+    ids = np.asarray(slices).reshape(-1)  # slice by slice: each shard group within one slice
     key = (replicas, names)
     if key not in _shard_meshes:  # one per shape: units built over it share collectives
         if replicas == 1:
-            _shard_meshes[key] = ShardMesh(xs.Mesh(np.arange(devices), (devices,), ("fsdp",)), device_mesh(devices))
+            _shard_meshes[key] = ShardMesh(xs.Mesh(ids, (devices,), ("fsdp",)), device_mesh(devices))
         else:
             shape = (replicas, devices // replicas)
-            _shard_meshes[key] = ShardMesh(xs.Mesh(np.arange(devices), shape, ("replicate", "fsdp")),
+            _shard_meshes[key] = ShardMesh(xs.Mesh(ids, shape, ("replicate", "fsdp")),
                                            device_mesh(devices, shape, names or HSDP_NAMES))
     return _shard_meshes[key]
 

@@ -91,17 +91,13 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
         parameters and stacks them every step (for optimizers with per-tensor
         statistics other than Hugging Face's Adafactor, which runs per layer on
         stored stacks).
-      applied_units: submodules this engine already sharded on their own, over the same mesh and
-        batch axes (torch_xla's FSDPv2 nesting: children first, then the root); their tensors and
-        hooks are left as they are and the root takes what they leave.
+      applied_units: submodules this engine sharded on their own, same mesh and batch axes
+        (torch_xla's FSDPv2 nesting): left as they are; the root takes what they leave.
     """
     mesh = _checked_mesh(module, mesh, batch_axes)
     device = torch_xla.device()
     inner = [m for unit in applied_units for m in unit.modules()]
-    if inner and (auto_wrap_policy is not None or compute_dtype is not None or gather_params
-                  or activation_checkpointing or scan_layers):
-        raise ValueError("units sharded on their own take no root auto_wrap_policy, compute_dtype, gather_params, "
-                         "activation_checkpointing or scan_layers; shard the model once, from its root")
+    _check_alone(inner, auto_wrap_policy, compute_dtype, gather_params, activation_checkpointing, scan_layers)
 
     units = find_units(module, auto_wrap_policy)
     if auto_wrapper_callable is not None:
@@ -139,6 +135,12 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
         install_scans(module, found, settings)
     _applied.add(module)
     return module
+
+
+def _check_alone(inner, *options) -> None:
+    if inner and any(o is not None and o is not False for o in options):
+        raise ValueError("units sharded on their own take no root auto_wrap_policy, compute_dtype, gather_params, "
+                         "activation_checkpointing or scan_layers; shard the model once, from its root")
 
 
 def _checked_mesh(module: nn.Module, mesh: Optional[xs.Mesh], batch_axes: Optional[Sequence[str]]) -> xs.Mesh:

@@ -16,6 +16,7 @@ import torch
 from .. import options as opts
 from . import table as keyword_table
 from ..options import FSDPOptions, ShardingStrategy
+from ..runtime import environment
 
 # every list of keywords comes from the one table (keyword_table.py)
 DEFAULTS: Dict[str, Any] = keyword_table.DEFAULTS
@@ -84,12 +85,17 @@ def _apply_mixed_precision(kw: Dict[str, Any]) -> None:
 def build_options(kw: Dict[str, Any]) -> FSDPOptions:
     """The typed policy objects the engine reads (`kw` as `resolve` returns it)."""
     strategy = ShardingStrategy.parse(kw["sharding_strategy"])
-    if strategy is ShardingStrategy.HYBRID_SHARD and kw["sharding_groups"] is None:
-        raise ValueError("sharding_strategy=HYBRID_SHARD needs sharding_groups=[[ranks of group 0], ...]")
+    if (strategy is ShardingStrategy.HYBRID_SHARD and kw["sharding_groups"] is None and kw["mesh"] is None
+            and environment.num_slices() == 1):  # on several slices the slices are the groups
+        raise ValueError("sharding_strategy=HYBRID_SHARD needs sharding_groups=[[ranks of group 0], ...] (on a "
+                         "multislice job the slices are the groups)")
     if strategy is ShardingStrategy.NO_SHARD and kw["sharding_groups"] is not None:
         raise ValueError("sharding_strategy=NO_SHARD replicates everything; drop sharding_groups")
     reshard = kw["reshard_after_forward"] and strategy not in (ShardingStrategy.SHARD_GRAD_OP,
                                                                ShardingStrategy.NO_SHARD)
+    if (environment.num_slices() > 1 and kw["sharding_groups"] is None and kw["mesh"] is None
+            and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)):
+        strategy = ShardingStrategy.HYBRID_SHARD  # [Note: HSDP across slices]: the slices are the groups (build.py)
     return FSDPOptions(
         strategy=strategy,
         mixed_precision=opts.MixedPrecision(

@@ -39,6 +39,7 @@ TPU_LIBRARY_PATH = "TPU_LIBRARY_PATH"
 TPU_LOG_DIR = "TPU_LOG_DIR"
 TPU_ACCELERATOR_TYPE = "TPU_ACCELERATOR_TYPE"
 TPU_WORKER_IDS = ("TPU_WORKER_ID", "CLOUD_TPU_TASK_ID")
+NUM_SLICES = "MEGASCALE_NUM_SLICES"
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 LD_PRELOAD = "LD_PRELOAD"
@@ -94,6 +95,9 @@ VARIABLES = (
     Variable(TPU_ACCELERATOR_TYPE, "the TPU VM", "the slice, e.g. `v4-32`"),
     Variable("TPU_WORKER_ID", "the TPU VM", "this host's index in a pod slice"),
     Variable("CLOUD_TPU_TASK_ID", "the TPU VM", "this host's index (older images)"),
+    Variable(NUM_SLICES, "Cloud TPU Multislice (tests on CPU)", "how many slices the job spans, joined over the "
+             "data-center network: parameters are sharded within a slice and replicated across slices "
+             "(runtime/slices.py); on XLA:CPU it splits the devices into that many virtual slices"),
     Variable(MASTER_ADDR, "a user", "where virtual hosts' process group meets (default 127.0.0.1)"),
     Variable(MASTER_PORT, "a user", "the port of that meeting, and of torch_xla's `xla://` store"),
     Variable(LD_PRELOAD, "a user (else the launcher)", "a user's preload: the launcher then preloads no malloc"),
@@ -185,6 +189,17 @@ def internal(environ: Mapping[str, str] = os.environ) -> dict:
 def with_internal(environ: Mapping[str, str], **facts) -> str:
     """INTERNAL's value with `facts` added to what `environ` holds (None removes a key)."""
     return _updated(internal(environ), facts)
+
+
+def num_slices(environ: Mapping[str, str] = os.environ) -> int:
+    """How many slices the job spans (NUM_SLICES; 1 when unset). Anything but a positive integer is
+    refused by name."""
+    text = get(NUM_SLICES, environ)
+    if not text:
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{NUM_SLICES}={text!r}: expected a positive integer (the number of slices), or unset")
+    return int(text)
 
 
 def host_index_before_start(environ: Mapping[str, str] = os.environ) -> int:

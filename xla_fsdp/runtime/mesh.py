@@ -33,7 +33,14 @@ PartitionSpec = Tuple[object, ...]
 
 
 def build_fsdp_mesh() -> xs.Mesh:
-    """A 1-D mesh named "fsdp" over every device this process addresses."""
+    """A 1-D mesh named "fsdp" over every device this process addresses; on a job that spans
+    slices, `("slice", "fsdp")`: parameters split within a slice, one replica per slice ([Note:
+    HSDP across slices] in slices.py)."""
+    from xla_fsdp.runtime.slices import SLICE_AXIS, device_slices
+
+    groups = device_slices()
+    if len(groups) > 1:
+        return xs.Mesh(np.asarray(groups).reshape(-1), (len(groups), len(groups[0])), (SLICE_AXIS, FSDP_AXIS))
     num_devices = xr.global_runtime_device_count()
     return xs.Mesh(np.arange(num_devices), (num_devices,), (FSDP_AXIS,))
 
