@@ -3,6 +3,7 @@ and 5; [Note: HSDP across slices] in xla_fsdp/runtime/slices.py), proved on XLA:
 `MEGASCALE_NUM_SLICES=2` splits 8 devices into 2 virtual slices of 4.
 
 run_clm's tiny job, launched as the README says (`xla_spawn --num_cores 8`), on both engines:
+- a checkpoint of 2 slices resumes at 1, and one of 1 slice at 2, with the uninterrupted losses;
 - the same 6 steps' losses, within 1e-5 relative, as one device with the same global batch and
   as 8 devices in one slice;
 - XLA:CPU's optimized step (XLA's own dump) gathers and reduce-scatters within the slices only
@@ -34,11 +35,17 @@ RUNS = {  # name: (devices, slices, fsdp_config)
     "collectives_2_slices": (8, 2, "tiny_cpu.json"),
     "gspmd_2_slices": (8, 2, "tiny_cpu_v2.json"),
 }
+# checkpoint-3 of one run, resumed at another number of slices: (devices, slices, fsdp_config, from)
+RESUMED = {
+    "resumed_2_to_1": (8, 1, "tiny_cpu.json", "collectives_2_slices"),
+    "resumed_1_to_2": (8, 2, "tiny_cpu.json", "one_slice"),
+}
+SAVES = ("one_slice", "collectives_2_slices")  # save at step 3
 GLOBAL_BATCH = 16
 
 
 def _start(tmp: Path, name: str) -> subprocess.Popen:
-    devices, slices, config = RUNS[name]
+    devices, slices, config, *source = RUNS.get(name) or RESUMED[name]
     env = dict(os.environ, PJRT_DEVICE="CPU", MEGASCALE_NUM_SLICES=str(slices))
     for var in ("CPU_NUM_DEVICES", "XLA_USE_SPMD"):
         env.pop(var, None)
@@ -49,6 +56,10 @@ def _start(tmp: Path, name: str) -> subprocess.Popen:
            "--fsdp_config", str(ROOT / "configs" / "fsdp" / config), "--do_train", "--max_steps", "6",
            "--per_device_train_batch_size", str(GLOBAL_BATCH // devices), "--block_size", "32",
            "--logging_steps", "1", "--learning_rate", "3e-3", "--seed", "3"]
+    if name in SAVES:
+        cmd += ["--save_strategy", "steps", "--save_steps", "3"]
+    if source:
+        cmd += ["--resume_from_checkpoint", str(tmp / source[0] / "out" / "checkpoint-3")]
     (tmp / name).mkdir(parents=True)
     log = open(tmp / name / "log.txt", "w")
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -59,7 +70,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multislice")
     procs = {}
     try:
-        for name in RUNS:  # two at a time: this machine has two cores
+        for name in [*RUNS, *RESUMED]:  # two at a time: this machine has two cores; the resumed ones last
             procs[name] = _start(tmp, name)
             if len(procs) % 2 == 0:
                 for p in procs.values():
@@ -130,3 +141,67 @@ def test_parameters_are_gathered_within_a_slice(runs, name):
 def test_one_slice_gathers_over_every_device(runs):
     # the control: without the variable the same job gathers over all 8 devices
     assert set(_groups(_step_program(runs["one_slice"][1]), "all-gather")) == {ALL}
+
+
+@pytest.mark.parametrize("name", sorted(RESUMED))
+def test_a_checkpoint_resumes_at_another_number_of_slices(runs, name):
+    """checkpoint-3, written once by the replicas of a 2-slice run (or by one slice), resumes at
+    the other number of slices: steps 4-6 log the uninterrupted run's losses."""
+    want = dict(runs[RESUMED[name][3]][0]["losses"])
+    got = dict(runs[name][0]["losses"])
+    assert sorted(got) == [4, 5, 6], got
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= 1e-5 * abs(want[step]), f"{name} step {step}: {loss} vs {want[step]}"
+
+
+def test_a_mesh_across_slices_is_refused_and_fsdpv2s_hybrid_layout_trains():
+    """tests/fixtures/multislice_meshes.py on 2 slices of 4: FSDPv2's, the collective engine's and
+    the GSPMD engine's doors refuse a 1-D mesh over all 8 devices (its gathers would cross the
+    DCN), naming the mesh to give; FSDPv2 over ("data", "fsdp") with extra_data_axis="data"
+    trains 3 steps as plain PyTorch does, parameters split within a slice."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", MEGASCALE_NUM_SLICES="2",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_USE_SPMD", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "multislice_meshes.py")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    for door in ("fsdpv2_flat", "collectives_flat", "gspmd_flat"):
+        assert out[door].startswith("ValueError: ") and "spans 2 slices" in out[door], (door, out[door])
+        assert "axes ('data', 'fsdp')" in out[door], out[door]
+    for a, b in zip(out["losses"]["fsdpv2_hybrid"], out["losses"]["pytorch"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), out["losses"]
+    # split over "fsdp" (4 within a slice), replicated along "data" (the slices)
+    assert out["weight_spec"] == "{devices=[4,1,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}", out["weight_spec"]
+
+
+def test_the_check_compiles_for_two_slices_and_splits_ici_and_dcn(tmp_path):
+    """`python -m xla_fsdp.aot --tpu v4-8 --num_slices 2` on the tiny job: libtpu compiles one
+    program over 2 x 4 chips; the cross-slice traffic is its megascale transfers ([Note: DCN
+    transfers in libtpu's program]): one fp32 gradient shard per chip at most (x1.25 for
+    padding), the ICI collectives stay within a slice, and the report prints both."""
+    cmd = [sys.executable, "-m", "xla_fsdp.aot", "--tpu", "v4-8", "--num_slices", "2", "--json", "--",
+           str(ROOT / "launch" / "run_clm.py"), "--config_name", str(ROOT / "configs" / "models" / "gpt2-tiny.json"),
+           "--per_device_train_batch_size", "4", "--block_size", "64", "--fsdp", "full_shard auto_wrap",
+           "--fsdp_config", str(ROOT / "configs" / "fsdp" / "tiny_cpu.json"), "--output_dir", str(tmp_path / "out"),
+           "--do_train"]
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env.pop("MEGASCALE_NUM_SLICES", None)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["compiles"] and report["slices"] == 2 and report["chips"] == 8 and report["hosts"] == 2
+    from transformers import GPT2Config
+
+    from xla_fsdp.metrics import gpt2_num_params
+    shard = gpt2_num_params(GPT2Config.from_json_file(str(ROOT / "configs" / "models" / "gpt2-tiny.json"))) * 4 / 4
+    d = report["dcn"]
+    assert d["transfers"] > 0 and 0.9 * shard <= d["bytes_per_chip"] <= 1.25 * shard, (d, shard)
+    assert d["sent_per_chip"] == d["bytes_per_chip"]  # an all-reduce over 2 slices sends its buffer once
+    assert d["projected_seconds"] >= report["projection"]["projected_seconds"] and d["in_loops"] == 0
+    assert {c["group_size"] for c in report["collective_list"]} == {4}, "an ICI collective wider than a slice"
+    from xla_fsdp.aot.report import render
+
+    text = render(report)
+    assert "between the 2 slices (DCN" in text and "PROJECTED at 50.0 Gbit/s of DCN per chip" in text, text[-1500:]

@@ -321,3 +321,114 @@ def test_auto_resume_reconnects_only_while_the_vm_is_ready(tmp_path, state):
 def test_auto_resume_needs_a_count():
     got = script("run.sh", *LOCATION, "--auto-resume", "often")
     assert got.returncode == 2 and "--auto-resume must be a count" in got.stderr, got.stderr
+
+
+# Multislice: --node-count N > 1 is a queued resource NAME whose nodes (slices) are NAME-0 .. NAME-(N-1).
+QUEUED = ["gcloud", "compute", "tpus", "queued-resources"]
+TWO_SLICES = [*LOCATION, "--node-count", "2"]
+
+
+def test_create_multislice_asks_for_a_queued_resource_of_n_nodes():
+    (words,) = dry_run("create.sh", *TWO_SLICES, "--accelerator-type", "v4-8", "--project", "proj-1")
+    assert words[:6] == QUEUED + ["create", "my-tpu"]
+    assert flag_value(words, "--node-count") == "2"
+    assert flag_value(words, "--node-prefix") == "my-tpu"  # its nodes: my-tpu-0, my-tpu-1
+    assert flag_value(words, "--accelerator-type") == "v4-8"
+    assert flag_value(words, "--runtime-version") == "tpu-ubuntu2204-base"
+    assert flag_value(words, "--zone") == "us-central2-b" and flag_value(words, "--project") == "proj-1"
+    assert "--spot" not in words and not any(w.startswith("--version") for w in words)
+    (spot,) = dry_run("create.sh", *TWO_SLICES, "--spot")
+    assert spot[:6] == QUEUED + ["create", "my-tpu"] and spot[-1] == "--spot"
+
+
+def test_install_multislice_installs_every_node_in_turn():
+    archive, scp0, ssh0, scp1, ssh1 = dry_run("install.sh", *TWO_SLICES)
+    (_, _, one_vm) = dry_run("install.sh", *LOCATION)
+    assert archive[:4] == ["git", "-C", str(ROOT), "archive"]  # made once, sent to each node
+    tarball = flag_value(archive, "--output")
+    for node, scp, ssh in (("my-tpu-0", scp0, ssh0), ("my-tpu-1", scp1, ssh1)):
+        assert scp == TPU_VM + ["scp", tarball, f"{node}:xla_fsdp-src.tar.gz", "--zone=us-central2-b", "--worker=all"]
+        assert ssh[:6] == TPU_VM + ["ssh", node] and "--worker=all" in ssh
+        assert flag_value(ssh, "--command") == flag_value(one_vm, "--command")
+    ssh0, ssh1 = dry_run("install.sh", *TWO_SLICES, "--repo-url", "https://example.com/x.git")
+    assert [ssh0[5], ssh1[5]] == ["my-tpu-0", "my-tpu-1"]
+    assert ["git", "-C", "xla_fsdp", "checkout", "main"] in remote_commands(ssh1)
+
+
+@pytest.mark.parametrize("options", [[], ["--auto-resume", "2", "--per-chip", "--", "--max_steps", "20"]])
+def test_run_multislice_starts_the_job_on_every_worker_of_every_slice_in_one_command(options):
+    (words,) = dry_run("run.sh", *TWO_SLICES, *options)
+    (one_vm,) = dry_run("run.sh", *LOCATION, *options)
+    assert words[:6] == QUEUED + ["ssh", "my-tpu"]
+    assert flag_value(words, "--node") == "all" and flag_value(words, "--worker") == "all"
+    assert flag_value(words, "--zone") == "us-central2-b"
+    # the same job as on one slice: the platform sets MEGASCALE_* on every host
+    assert flag_value(words, "--command") == flag_value(one_vm, "--command")
+    assert "launch/xla_spawn.py" in flag_value(words, "--command")
+
+
+def test_copy_results_multislice_copies_each_node_into_its_folder():
+    commands = dry_run("copy_results.sh", *TWO_SLICES, "--worker", "all", "--num-workers", "2",
+                       "--output-dir", "/tmp/o", "--dest", "out")
+    mkdirs = [c for c in commands if c[0] == "mkdir"]
+    scps = [c for c in commands if c[:5] == TPU_VM + ["scp"]]
+    expected = [("my-tpu-0", "0", "out/node-0/worker-0"), ("my-tpu-0", "1", "out/node-0/worker-1"),
+                ("my-tpu-1", "0", "out/node-1/worker-0"), ("my-tpu-1", "1", "out/node-1/worker-1")]
+    assert len(commands) == 8 and mkdirs == [["mkdir", "-p", dest] for _, _, dest in expected]
+    assert [(c[6].split(":")[0], flag_value(c, "--worker"), c[7]) for c in scps] == [
+        (node, w, dest + "/") for node, w, dest in expected]
+    assert all(c[6].endswith(":/tmp/o") for c in scps)
+
+
+def test_delete_multislice_force_deletes_the_queued_resource_and_only_skips_the_prompt_with_yes():
+    (words,) = dry_run("delete.sh", *TWO_SLICES)
+    assert words == QUEUED + ["delete", "my-tpu", "--zone=us-central2-b", "--force"]
+    (words,) = dry_run("delete.sh", *TWO_SLICES, "--yes")
+    assert words == QUEUED + ["delete", "my-tpu", "--zone=us-central2-b", "--force", "--quiet"]
+
+
+@pytest.mark.parametrize("bad", ["0", "x", "-1", "1.5"])
+@pytest.mark.parametrize("name", ENTRY_SCRIPTS)
+def test_bad_node_count_is_refused_naming_it(name, bad):
+    result = script(name, *LOCATION, "--node-count", bad, "--dry-run")
+    assert result.returncode == 2, result.stderr
+    assert f"{name}: error: --node-count must be a positive integer" in result.stderr
+    assert f"got '{bad}'" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("name", ENTRY_SCRIPTS)
+def test_node_count_1_prints_what_no_option_prints(name):
+    options = [*LOCATION, "--project", "p"] + (["--worker", "all", "--num-workers", "2"]
+                                             if name == "copy_results.sh" else [])
+    one = script(name, "--dry-run", *options, "--node-count", "1")
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == script(name, "--dry-run", *options).stdout
+    assert "queued-resources" not in one.stdout and "my-tpu-0" not in one.stdout
+
+
+@pytest.mark.parametrize("state", ["ACTIVE", "SUSPENDED"])
+def test_multislice_auto_resume_reconnects_only_while_the_queued_resource_is_active(tmp_path, state):
+    """With --node-count 2 a broken connection asks the queued resource's state (not a VM's): ACTIVE
+    runs the one all-slices command again, any other state ends with the state named and what to do."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    _fake(bin_dir, "gcloud", f'echo "$3 $4 $5 ${{@: -1}}" >> {calls}\n'
+                             f'case "$4" in describe) echo {state};; ssh) [ "$(grep -c " ssh " {calls})" -gt 1 ] '
+                             '&& exit 0 || exit 255;; esac\n')
+    got = subprocess.run(["bash", str(SCRIPTS_DIR / "run.sh"), *TWO_SLICES, "--auto-resume", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30,
+                         env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
+    made = [line.split(" ", 3) for line in calls.read_text().splitlines()]
+    assert all(call[:3] in (["queued-resources", "ssh", "my-tpu"], ["queued-resources", "describe", "my-tpu"])
+               for call in made), made
+    describe = ["queued-resources", "describe", "my-tpu", "--format=value(state.state)"]
+    if state == "ACTIVE":
+        assert got.returncode == 0 and [c[1] for c in made] == ["ssh", "describe", "ssh"], (got.stderr, made)
+        assert made[1] == describe
+        assert "my-tpu is ACTIVE; running the job again (1 of 1)" in got.stderr
+    else:
+        assert got.returncode == 255 and [c[1] for c in made] == ["ssh", "describe"], (got.stderr, made)
+        assert "the queued resource is 'SUSPENDED', not ACTIVE" in got.stderr, got.stderr
+        assert "delete it and create it again" in got.stderr and "--node-count 2" in got.stderr, got.stderr

@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2034
-# (SC2034: REPO_ROOT, EXTRA_ARGS and the GCLOUD_LOCATION array are read by the sourcing scripts.)
+# (SC2034: REPO_ROOT, EXTRA_ARGS and the GCLOUD_LOCATION and NODE_NAMES arrays are read by the sourcing scripts.)
 # Shared by the tpu_scripts/*.sh entry points (sourced, not run): option
 # parsing, --dry-run, and the gcloud flags every TPU VM command needs.
 #
@@ -115,6 +115,25 @@ gcloud_location_flags() {
   GCLOUD_LOCATION=("--zone=${OPT_ZONE}")
   if [[ -n "${OPT_PROJECT:-}" ]]; then
     GCLOUD_LOCATION+=("--project=${OPT_PROJECT}")
+  fi
+}
+
+# --node-count N: the slices of a Cloud TPU Multislice job. 1 (the default) is one TPU VM named
+# NAME; N > 1 is a queued resource NAME whose N nodes (slices) are NAME-0 .. NAME-(N-1)
+# (create.sh gives the queued resource NAME as its --node-prefix).
+check_node_count() {
+  [[ "$OPT_NODE_COUNT" =~ ^[1-9][0-9]*$ ]] ||
+    die_usage "--node-count must be a positive integer (the slices of a Multislice job), got '${OPT_NODE_COUNT}'"
+}
+
+# The TPU VMs (nodes) the job has -> NODE_NAMES: NAME alone, or NAME-0 .. NAME-(N-1) with --node-count N > 1.
+node_names() {
+  local i
+  NODE_NAMES=()
+  if ((OPT_NODE_COUNT == 1)); then
+    NODE_NAMES=("$OPT_NAME")
+  else
+    for ((i = 0; i < OPT_NODE_COUNT; i++)); do NODE_NAMES+=("${OPT_NAME}-${i}"); done
   fi
 }
 

@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "which collectives run beside compute.")
     p.add_argument("--tpu", required=True, help="accelerator type as Cloud TPU names it: v4-8, v4-32, v5e-8 "
                    "(v5litepod-8), v5p-8, v6e-8, ...")
+    p.add_argument("--num_slices", type=int, default=1, help="Multislice: the job runs on this many slices of "
+                   "--tpu's type, joined over the data-center network (DCN); the report splits ICI and DCN bytes "
+                   "(default 1)")
+    p.add_argument("--dcn_gbps", type=float, default=None, help="with --num_slices: DCN bandwidth per host in Gbit/s "
+                   "the step is projected with (default: Cloud TPU's documented figure for the chip, "
+                   "xla_fsdp/tpu/chips.py; docs/pods.md)")
     p.add_argument("--runtime", default="auto", help="auto (what the command uses on a TPU, as xla_spawn "
                    f"chooses: --spmd / --per_chip, else ${environment.RUNTIME}, else what the script declares "
                    f"({environment.SCRIPT_MARKER}; run_clm: the single controller), else one process per chip), "
@@ -246,8 +252,10 @@ def _job(opts, command):
     from xla_fsdp.aot import trace
     from xla_fsdp.tpu import topology
 
-    spec = topology.parse_accelerator_type(opts.tpu)
-    job = trace.job_from_command(command, opts.runtime, spec.chips)
+    spec = topology.multislice(topology.parse_accelerator_type(opts.tpu), opts.num_slices, opts.dcn_gbps)
+    job = trace.job_from_command(command, opts.runtime, spec.job_chips)
+    if spec.slices > 1:  # the job splits its devices into slices as on the slices themselves
+        job.env[environment.NUM_SLICES] = str(spec.slices)
     # [Note: one reduce-scatter per torus axis], 3-D (v4, v5p) and 2-D (v5e, v6e)
     job.torus = "x".join(map(str, spec.shape))
     if opts.dump:  # a URL whose file system or bucket is missing: now, not after the trace
@@ -281,7 +289,7 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     from xla_fsdp.runtime import allocator
     from xla_fsdp.tpu import libtpu_flags
 
-    say(f"xla_fsdp.aot: tracing {job.script} for {spec.name} ({spec.chips} chips, {spec.hosts} host(s)), "
+    say(f"xla_fsdp.aot: tracing {job.script} for {spec.name} ({spec.job_chips} chips, {spec.hosts * spec.slices} host(s)), "
         f"{job.runtime.replace('_', ' ')} runtime, on this host's CPU (nothing runs)")
     started = time.time()
     if "fit_report" not in environment.aot(job.env):  # [Note: keep what fits]

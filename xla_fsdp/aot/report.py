@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from xla_fsdp.aot import program as prog
 from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT
-from xla_fsdp.tpu import buffer_assignment, compile_log, memory_breakdown, optimized_hlo, step_time
+from xla_fsdp.tpu import buffer_assignment, compile_log, dcn, memory_breakdown, optimized_hlo, step_time
 
 GIB = 1024 ** 3
 DUMP_FLAG = "xla_dump_to"  # a compile option libtpu takes (a string): [Note: libtpu's buffer assignment]
@@ -133,12 +133,13 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     spmd = is_spmd(text)
     if spmd:
         text = prog.place_parameter_shardings(text)
-    result = {"tpu": spec.name, "chips": spec.chips, "hosts": spec.hosts, "program": "spmd" if spmd else
+    result = {"tpu": spec.name, "chips": spec.job_chips, "hosts": spec.hosts * spec.slices, "slices": spec.slices,
+              "program": "spmd" if spmd else
               "per_replica", "libtpu_flags": libtpu_flags, "hbm_per_chip": spec.hbm_bytes_per_chip, "compiles": False,
               "fits": False, "error": "", "cause": ""}
     mix = prog.layout_mix(text, calls)
     say(f"xla_fsdp.aot: compiling the step for {spec.name} with libtpu ({'one SPMD program over' if spmd else 'one program per chip,'} "
-        f"{spec.chips} chips)")
+        f"{spec.job_chips} chips)")
     started = time.time()
     flags = co.parse_libtpu_init_args(libtpu_flags)
     # [Note: libtpu's buffer assignment]: its dumps, in a folder of this compile's
@@ -180,8 +181,12 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     found = optimized_hlo.all_collectives(compiled.optimized_hlo)  # While bodies once per trip
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
     result["while_loops"] = optimized_hlo.while_loops(compiled.optimized_hlo)
+    events = [] if spec.slices > 1 else None
     result["projection"] = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips,
-                                                  spec.torus_axes).as_dict()
+                                                  spec.torus_axes, events=events).as_dict()
+    if spec.slices > 1:  # [Note: DCN transfers in libtpu's program]
+        result["dcn"] = dcn.summarize(compiled.optimized_hlo, spec.slices, spec.dcn_bytes_per_s, events,
+                                      result["projection"]["projected_seconds"])
     if result["projection"]["kernel_calls"]:  # Pallas kernels: also at full MXU peak ([Note: charging Pallas kernels])
         at_peak = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips, spec.torus_axes,
                                      kernel_mxu_share=1.0)
@@ -300,11 +305,7 @@ def _render_one(r: dict) -> str:
     lines.append(f"collectives of the TPU-optimized program: {c['count']} ({c['sync']} synchronous, "
                  f"{c['async']} asynchronous), {c['bytes'] / 1e9:.3f} GB per step; {async_share} of the bytes "
                  f"asynchronous, {100 * c['async_bytes_with_matmul_fraction']:.0f}% with a matmul scheduled beside them")
-    for loop in r.get("while_loops") or ():
-        trips = loop["trip_count"]
-        lines.append(f"  While loop {loop['name']} (scan_layers): body counted "
-                     + (f"{trips} times (its trip count)" if trips else
-                        "ONCE: its trip count is not in the program, so its collectives and time are undercounted"))
+    lines += _render_loops(r.get("while_loops"))
     lines.append(f"  {'kind':<20}{'sync':>6}{'async':>7}{'with matmul':>13}{'GB':>10}{'async bytes':>13}"
                  f"{'GB sent/chip':>14}")
     for kind, k in sorted(c["by_kind"].items()):
@@ -324,7 +325,34 @@ def _render_one(r: dict) -> str:
                          f"PROJECTED step {p['projected_seconds_kernels_at_peak']:.3f} s "
                          "(xla_fsdp/tpu/kernel_cost.py)"
                          + (f"; {p['kernels_without_flops']} charged their bytes only" if p["kernels_without_flops"] else ""))
+    lines += _render_dcn(r.get("dcn"))
     return "\n".join(lines)
+
+
+def _render_loops(loops) -> list:
+    return [f"  While loop {loop['name']} (scan_layers): body counted "
+            + (f"{loop['trip_count']} times (its trip count)" if loop["trip_count"] else
+               "ONCE: its trip count is not in the program, so its collectives and time are undercounted")
+            for loop in loops or ()]
+
+
+def _render_dcn(d: Optional[dict]) -> list:
+    """The cross-slice transfers ([Note: DCN transfers in libtpu's program]); the collectives
+    above are the ICI's, within a slice."""
+    if not d:
+        return []
+    lines = [f"between the {d['slices']} slices (DCN, libtpu's megascale transfers; the collectives above run on "
+             f"ICI within a slice): {d['transfers']} transfers, {d['bytes_per_chip'] / 1e6:.1f} MB per chip "
+             f"({d['sent_per_chip'] / 1e6:.1f} MB sent on the ring), "
+             f"{100 * d['beside_compute_fraction']:.0f}% of the bytes with compute scheduled beside them, "
+             f"{100 * d['beside_matmul_fraction']:.0f}% with a matmul"]
+    if "projected_seconds" in d:
+        lines.append(f"  PROJECTED at {d['dcn_bytes_per_s'] * 8 / 1e9:.1f} Gbit/s of DCN per chip: "
+                     f"{d['dcn_seconds']:.3f} s on the DCN, the core waits {d['exposed_seconds']:.3f} s for it: "
+                     f"step {d['projected_seconds']:.3f} s (before calibration)")
+    if d.get("in_loops"):
+        lines.append(f"  {d['in_loops']} transfers inside While loops are not counted here")
+    return lines
 
 
 def _render_breakdown(b: Optional[dict], libtpu_fragmentation: Optional[int] = None) -> list:

@@ -75,9 +75,10 @@ class DevicePlacement:
                     f"mesh axes {names} have no {FSDP_AXIS!r} axis; the collective engine shards "
                     f"parameters over the axis named {FSDP_AXIS!r}. Name one axis {FSDP_AXIS!r} "
                     "(the others split the batch), or pass mesh=None for a 1-D mesh over all devices")
-            ids = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
-            ids = np.moveaxis(ids, names.index(FSDP_AXIS), -1).reshape(-1, ids.shape[names.index(FSDP_AXIS)])
-            groups = tuple(tuple(int(d) for d in row) for row in ids)
+            from xla_fsdp.runtime.slices import axis_groups, check_within_slices
+
+            check_within_slices(mesh, FSDP_AXIS, "XlaFullyShardedDataParallel(mesh=...)")
+            groups = axis_groups(mesh, FSDP_AXIS)
             if sharding_groups is not None and sorted(map(tuple, sharding_groups)) != sorted(groups):
                 raise ValueError(
                     f"sharding_groups={[list(g) for g in sharding_groups]} disagree with the mesh, whose "

@@ -95,6 +95,9 @@ class _Root:
         _check_callables(shard_output=shard_output, auto_wrap_policy=policy, auto_wrapper_callable=wrapper)
         self.mesh = _mesh(mesh)
         self.batch_axes = _batch_axes(self.mesh, extra_data_axis)
+        from ..runtime.slices import check_within_slices
+
+        check_within_slices(self.mesh, FSDP_AXIS, NAME)
         self.children = _wrapped_children(module, self.mesh, self.batch_axes, policy)
         from ..runtime.choice import check_spmd_came_first
 

@@ -150,6 +150,10 @@ def _checked_mesh(module: nn.Module, mesh: Optional[xs.Mesh], batch_axes: Option
         raise ValueError(
             f"{type(module).__name__} is already sharded by the SPMD engine; apply it once, to the root model."
         )
+    if mesh is not None:
+        from xla_fsdp.runtime.slices import check_within_slices
+
+        check_within_slices(mesh, "fsdp", "the SPMD engine's mesh")
     mesh = resolve_mesh(mesh)
     unknown = [a for a in batch_axes or () if a not in mesh.axis_names]
     if unknown or batch_axes is not None and not batch_axes:

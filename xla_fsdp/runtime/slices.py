@@ -58,3 +58,31 @@ def device_slices() -> Tuple[Tuple[int, ...], ...]:
     except Exception:  # noqa: BLE001 - a runtime without attributes (the check's abstract devices): the variable
         attributes = None
     return slice_groups(n, attributes)
+
+
+def axis_groups(mesh, axis: str) -> Tuple[Tuple[int, ...], ...]:
+    """The device ids along `axis` of a torch_xla mesh: one group per position of the other axes."""
+    import numpy as np
+
+    names = tuple(mesh.axis_names)
+    ids = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
+    rows = np.moveaxis(ids, names.index(axis), -1).reshape(-1, ids.shape[names.index(axis)])
+    return tuple(tuple(int(d) for d in row) for row in rows)
+
+
+def check_within_slices(mesh, axis: str, who: str) -> None:
+    """A ValueError when the job spans slices and `mesh` splits parameters (`axis`) across them:
+    each gather would cross the data-center network ([Note: HSDP across slices])."""
+    if environment.num_slices() == 1:
+        return
+    slices = device_slices()
+    where = {d: i for i, group in enumerate(slices) for d in group}
+    crossing = [g for g in axis_groups(mesh, axis) if len({where.get(d, -1) for d in g}) > 1]
+    if crossing:
+        raise ValueError(
+            f"{who}: this job spans {len(slices)} slices and the mesh's {axis!r} axis splits parameters across "
+            f"them (devices {list(crossing[0])}), so every gather would cross the data-center network. Give a "
+            f"mesh whose {axis!r} axis stays within a slice and another axis over the slices: shape "
+            f"({len(slices)}, {len(slices[0])}), axes ('data', {axis!r}) (on a TPU torch_xla's "
+            f"HybridMesh(ici_mesh_shape=(1, {len(slices[0])}), dcn_mesh_shape=({len(slices)}, 1), ...)); "
+            "SpmdFullyShardedDataParallel then takes extra_data_axis='data'")

@@ -35,6 +35,7 @@ class Chip:
     ici_links: int             # ICI ports per chip
     megacore: bool             # two TensorCores driven as one device; accelerator types count cores
     source: str
+    dcn_bytes_per_s: float = 0.0  # the chip's share of its host's data-center network (Multislice)
 
     @property
     def ici_bytes_per_s(self) -> float:
@@ -46,15 +47,22 @@ CHIPS: Dict[str, Chip] = {
     # V4_DOCS: "Peak compute per chip 275 teraflops (bf16)", "HBM2 capacity and bandwidth 32 GiB,
     # 1200 GBps"; 3-D torus, 6 links. The v4 page gives no ICI figure: SCALING_BOOK, v4p row,
     # 4.5e10 bytes/s one way per link.
-    "v4": Chip("v4", "TPU v4", 32 * GIB, 1200e9, 275e12, 4.5e10, 6, True, f"{V4_DOCS}; {SCALING_BOOK}"),
+    # DCN: the v4 page gives none; assumed v5p's 50 Gbps per chip (4-chip hosts both; below).
+    "v4": Chip("v4", "TPU v4", 32 * GIB, 1200e9, 275e12, 4.5e10, 6, True, f"{V4_DOCS}; {SCALING_BOOK}",
+               dcn_bytes_per_s=50e9 / 8),
     # V5E_DOCS: "Peak compute per chip (bf16) 197 TFLOPs", "HBM2 capacity and bandwidth 16 GB,
     # 819 GBps", "Bidirectional ICI bandwidth (per chip) 400 GBps" = 4 ports x 50 GB/s each way.
-    "v5e": Chip("v5e", "TPU v5 lite", 16 * GIB, 819e9, 197e12, 5e10, 4, False, V5E_DOCS),
+    # DCN: V6E_DOCS's v5e column, "Per-host NIC configuration 2 x 100 Gbps NIC", "Chips per host 8".
+    "v5e": Chip("v5e", "TPU v5 lite", 16 * GIB, 819e9, 197e12, 5e10, 4, False, V5E_DOCS,
+                dcn_bytes_per_s=2 * 100e9 / 8 / 8),
     # V5P_DOCS: "Peak compute per chip (bf16) 459 TFLOPs", "HBM2e capacity and bandwidth 95GB,
     # 2765 GBps", "Interchip Interconnect BW 4800 Gbps" = 6 links x 100 GB/s.
-    "v5p": Chip("v5p", "TPU v5", 95 * GIB, 2765e9, 459e12, 1e11, 6, True, V5P_DOCS),
+    # DCN: V5P_DOCS, "Data center network (DCN) bandwidth per chip (Gbps) 50".
+    "v5p": Chip("v5p", "TPU v5", 95 * GIB, 2765e9, 459e12, 1e11, 6, True, V5P_DOCS, dcn_bytes_per_s=50e9 / 8),
     # V6E_DOCS: "Peak compute per chip (bf16) 918 TFLOPs", "HBM capacity per chip 32 GB",
     # "HBM bandwidth per chip 1640 GBps", "Bidirectional ICI bandwidth (per chip) 800 GBps" over
     # "ICI ports per chip 4" = 100 GB/s each way per port.
-    "v6e": Chip("v6e", "TPU v6 lite", 32 * GIB, 1640e9, 918e12, 1e11, 4, False, V6E_DOCS),
+    # DCN: V6E_DOCS, "Per-host NIC configuration 4 x 200 Gbps NIC", "Chips per host 8".
+    "v6e": Chip("v6e", "TPU v6 lite", 32 * GIB, 1640e9, 918e12, 1e11, 4, False, V6E_DOCS,
+                dcn_bytes_per_s=4 * 200e9 / 8 / 8),
 }

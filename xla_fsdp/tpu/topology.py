@@ -20,8 +20,8 @@ always pass it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, Mapping, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, Mapping, Optional, Tuple
 
 from xla_fsdp.tpu.chips import CHIPS, Chip
 
@@ -49,11 +49,18 @@ class SliceSpec:
     topology_name: str          # libtpu's name, e.g. "v5e:2x4"
     options: Mapping[str, object] = field(compare=False, hash=False)  # topology create options
     chip: Chip = field(compare=False, hash=False)
+    slices: int = 1             # Multislice: this many such slices, joined over DCN ([Note: HSDP across slices])
+    dcn_bytes_per_s: float = 0.0  # with slices: each chip's share of its host's DCN (0: the chip's figure)
 
     @property
     def devices(self) -> int:
         """Devices libtpu (and torch_xla) sees: one per chip (megacore chips are one device)."""
         return self.chips
+
+    @property
+    def job_chips(self) -> int:
+        """Chips of the whole job: every slice's."""
+        return self.chips * self.slices
 
     @property
     def chips_per_host(self) -> int:
@@ -123,6 +130,21 @@ def parse_accelerator_type(text: str) -> SliceSpec:
     options.update(num_slices=1, wrap=wrap)
     return SliceSpec(name=f"{generation}-{n}", generation=generation, chips=chips, hosts=hosts, shape=shape,
                      topology_name=f"{generation}:{'x'.join(map(str, shape))}", options=options, chip=chip)
+
+
+def multislice(spec: SliceSpec, slices: int, dcn_gbps_per_host: Optional[float] = None) -> SliceSpec:
+    """`slices` slices of `spec`'s type, joined over DCN: libtpu's topology option `num_slices`
+    (libtpu 0.0.21 gives slices x chips devices; cross-slice collectives go through its megascale
+    runtime). `dcn_gbps_per_host`: the hosts' DCN bandwidth (Gbit/s) instead of the chip's figure."""
+    if not isinstance(slices, int) or slices < 1:
+        raise ValueError(f"--num_slices {slices!r}: expected a positive integer")
+    if dcn_gbps_per_host is not None and not dcn_gbps_per_host > 0:
+        raise ValueError(f"--dcn_gbps {dcn_gbps_per_host!r}: expected a positive bandwidth in Gbit/s per host")
+    if slices == 1:
+        return spec
+    rate = dcn_gbps_per_host * 1e9 / 8 / spec.chips_per_host if dcn_gbps_per_host else spec.chip.dcn_bytes_per_s
+    return replace(spec, slices=slices, name=f"{slices} x {spec.name}", dcn_bytes_per_s=rate,
+                   options={**spec.options, "num_slices": slices})
 
 
 def _unknown(text: str) -> ValueError:

@@ -1,0 +1,141 @@
+"""What a multislice step sends between slices, read from libtpu's optimized program.
+
+[Note: DCN transfers in libtpu's program]
+Compiled for several slices (the topology option `num_slices`), libtpu 0.0.21 keeps the
+collectives within a slice as ICI collectives over slice-local device ids and turns each one
+that crosses slices into host transfers its megascale runtime handles: a `send` of this chip's
+buffer and a `recv` of the result (`is_host_transfer=true`, frontend attributes
+`_xla_host_transfer_handler_name="xla_megascale_runtime"`, `_xla_megascale_transfer_type`, e.g.
+ALL_REDUCE, and one `_xla_host_transfer_rendezvous` naming the pair), each waited for by a
+`send-done` / `recv-done`. The data leaves the chip for its host, crosses the data-center
+network (DCN) and comes back reduced. So one transfer's bytes are the send's buffer, its window
+runs from the send to its recv-done, and what the core computes in that window hides it.
+
+The projection charges each transfer on one serial DCN lane per chip: an all-reduce over S
+slices sends 2(S-1)/S of its buffer (a ring over the slices), at the chip's share of its host's
+DCN bandwidth (`Chip.dcn_bytes_per_s`, cited there, or the check's --dcn_gbps); where the lane
+has not finished by the recv-done, the core waits. Transfers inside While loops are not read
+(none of the shipped recipes puts a cross-slice collective in a loop body; a scanned job's
+would be missed, and the report says when a loop holds host transfers).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+from xla_fsdp.tpu import optimized_hlo as oh
+
+MEGASCALE = "xla_megascale_runtime"
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
+_TYPE = re.compile(r'_xla_megascale_transfer_type="([^"]+)"')
+
+
+@dataclass
+class Transfer:
+    """One cross-slice collective of the entry computation."""
+
+    name: str               # the send
+    kind: str               # the megascale transfer type, e.g. "ALL_REDUCE"
+    bytes: int              # this chip's buffer
+    position: int           # the send's place in the schedule
+    done_position: int      # its recv-done's (-1: not found)
+    beside_compute: int = 0   # compute instructions scheduled in the window
+    beside_matmuls: int = 0   # of which holding a matmul
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def transfers(text: str) -> List[Transfer]:
+    """The entry computation's megascale transfers, in schedule order ([Note: DCN transfers in
+    libtpu's program])."""
+    comps = oh.computations(text)
+    entry = comps.get("ENTRY", [])
+    recv_of: Dict[str, str] = {}   # rendezvous -> the recv's name
+    done_at: Dict[str, int] = {}   # recv name -> its recv-done's position
+    for pos, ins in enumerate(entry):
+        if ins.opcode == "recv" and MEGASCALE in ins.rest:
+            m = _RENDEZVOUS.search(ins.rest)
+            if m:
+                recv_of[m.group(1)] = ins.name
+        elif ins.opcode == "recv-done" and ins.operands:
+            done_at[ins.operands[0]] = pos
+    out = []
+    for pos, ins in enumerate(entry):
+        if ins.opcode != "send" or MEGASCALE not in ins.rest:
+            continue
+        rendezvous, kind = _RENDEZVOUS.search(ins.rest), _TYPE.search(ins.rest)
+        done = done_at.get(recv_of.get(rendezvous.group(1) if rendezvous else "", ""), -1)
+        t = Transfer(ins.name, kind.group(1) if kind else "", max(oh.shape_bytes(ins.shape), default=0), pos, done)
+        if done > pos:
+            window = [i for i in entry[pos + 1:done] if i.opcode in ("fusion", "convolution", "dot", "custom-call")]
+            t.beside_compute = len(window)
+            t.beside_matmuls = sum(oh._holds_matmul(i, comps) for i in window)
+        out.append(t)
+    return out
+
+
+def in_loops(text: str) -> int:
+    """Megascale sends inside While bodies (not read by `transfers`)."""
+    comps = oh.computations(text)
+    bodies = {oh.loop_body(i) for i in comps.get("ENTRY", []) if i.opcode == "while"}
+    return sum(1 for b in bodies for i in comps.get(b, []) if i.opcode == "send" and MEGASCALE in i.rest)
+
+
+def ring_factor(kind: str, slices: int) -> float:
+    """Share of the buffer one chip sends over DCN: 2(S-1)/S for an all-reduce over S slices
+    (a ring), (S-1)/S for the rest."""
+    if slices <= 1:
+        return 0.0
+    return (2.0 if kind == "ALL_REDUCE" else 1.0) * (slices - 1) / slices
+
+
+def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[list] = None,
+              core_seconds: float = 0.0) -> dict:
+    """The report's DCN figures: transfers, bytes per chip (buffers, and sent on the ring), the
+    share with compute (and a matmul) in their window, and with the projected step's `events`
+    (step_time's, in schedule order) the time the core waits for the DCN lane, and the step with
+    it (`core_seconds` plus that wait)."""
+    found = transfers(text)
+    total = sum(t.bytes for t in found)
+    sent = sum(t.bytes * ring_factor(t.kind, slices) for t in found)
+    out = {"slices": slices, "transfers": len(found), "bytes_per_chip": total, "sent_per_chip": sent,
+           "beside_compute_fraction": sum(t.bytes for t in found if t.beside_compute) / total if total else 0.0,
+           "beside_matmul_fraction": sum(t.bytes for t in found if t.beside_matmuls) / total if total else 0.0,
+           "dcn_bytes_per_s": dcn_bytes_per_s, "dcn_seconds": sent / dcn_bytes_per_s if dcn_bytes_per_s else 0.0,
+           "in_loops": in_loops(text)}
+    if events is not None and dcn_bytes_per_s:
+        wait = _lane_wait(text, found, slices, dcn_bytes_per_s, events)
+        out.update(exposed_seconds=wait, projected_seconds=core_seconds + wait)
+    return out
+
+
+def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, events: list) -> float:
+    """Seconds the core waits for one serial DCN lane: each transfer starts when sent (and the
+    lane is free) and must land by its recv-done ([Note: DCN transfers in libtpu's program])."""
+    entry = oh.computations(text).get("ENTRY", [])
+    place = {ins.name: pos for pos, ins in enumerate(entry)}
+    whiles = [pos for pos, ins in enumerate(entry) if ins.opcode == "while"]
+    clock = [0.0] * (len(entry) + 1)  # the core's time when the instruction at each position is reached
+    last = -1
+    for e in events:
+        if e.trip >= 0:  # a loop body's: the loop after the last entry instruction seen ends then
+            pos = next((w for w in whiles if w > last), None)
+        else:
+            pos = place.get(e.name)
+            if pos is None or e.asynchronous:
+                continue
+            last = pos
+        if pos is not None:
+            clock[pos + 1] = max(clock[pos + 1], e.end)
+    for pos in range(1, len(clock)):
+        clock[pos] = max(clock[pos], clock[pos - 1])
+    lane = shift = 0.0
+    for t in sorted(found, key=lambda t: t.position):
+        start = max(lane, clock[t.position] + shift)
+        lane = start + t.bytes * ring_factor(t.kind, slices) / rate
+        needed = clock[t.done_position] + shift if t.done_position >= 0 else lane
+        if lane > needed:
+            shift += lane - needed
+    return shift
