@@ -34,7 +34,10 @@ RUNS = {  # name: (devices, slices, fsdp_config)
     "one_slice": (8, 1, "tiny_cpu.json"),
     "collectives_2_slices": (8, 2, "tiny_cpu.json"),
     "gspmd_2_slices": (8, 2, "tiny_cpu_v2.json"),
+    "rings_2_slices": (8, 2, "rings"),  # RINGS: gathers and reduce-scatters as rings within each slice
 }
+RINGS = {"fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"], "xla": True,
+         "xla_fsdp_settings": {"compute_dtype": "float32", "all_gather_impl": "ring", "reduce_scatter_stages": "ring"}}
 # checkpoint-3 of one run, resumed at another number of slices: (devices, slices, fsdp_config, from)
 RESUMED = {
     "resumed_2_to_1": (8, 1, "tiny_cpu.json", "collectives_2_slices"),
@@ -46,6 +49,9 @@ GLOBAL_BATCH = 16
 
 def _start(tmp: Path, name: str) -> subprocess.Popen:
     devices, slices, config, *source = RUNS.get(name) or RESUMED[name]
+    if config == "rings":
+        (tmp / "rings.json").write_text(json.dumps(RINGS))
+    config_path = tmp / "rings.json" if config == "rings" else ROOT / "configs" / "fsdp" / config
     env = dict(os.environ, PJRT_DEVICE="CPU", MEGASCALE_NUM_SLICES=str(slices))
     for var in ("CPU_NUM_DEVICES", "XLA_USE_SPMD"):
         env.pop(var, None)
@@ -53,7 +59,7 @@ def _start(tmp: Path, name: str) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "launch" / "xla_spawn.py"), "--num_cores", str(devices),
            str(ROOT / "launch" / "run_clm.py"), "--output_dir", str(tmp / name / "out"),
            "--config_name", str(ROOT / "configs" / "models" / "gpt2-tiny.json"), "--fsdp", "full_shard auto_wrap",
-           "--fsdp_config", str(ROOT / "configs" / "fsdp" / config), "--do_train", "--max_steps", "6",
+           "--fsdp_config", str(config_path), "--do_train", "--max_steps", "6",
            "--per_device_train_batch_size", str(GLOBAL_BATCH // devices), "--block_size", "32",
            "--logging_steps", "1", "--learning_rate", "3e-3", "--seed", "3"]
     if name in SAVES:
@@ -113,7 +119,7 @@ def _elements(text: str, opcode: str, groups: str) -> list:
 def test_the_losses_are_one_devices(runs):
     want = [loss for _, loss in runs["one_device"][0]["losses"]]
     assert len(want) == 6
-    for name in ("one_slice", "collectives_2_slices", "gspmd_2_slices"):
+    for name in ("one_slice", "collectives_2_slices", "gspmd_2_slices", "rings_2_slices"):
         report = runs[name][0]
         assert report["devices"] == 8 and report["global_batch"] == GLOBAL_BATCH, report
         got = [loss for _, loss in report["losses"]]
@@ -136,6 +142,23 @@ def test_parameters_are_gathered_within_a_slice(runs, name):
         assert _elements(text, "all-reduce", ACROSS) == _elements(text, "reduce-scatter", SLICE_GROUPS)
         big = [s for s in _shapes(text, "all-reduce", ALL) if not s.endswith("[]")]
         assert not big, f"all-reduced over every device: {big}"
+
+
+def test_rings_stay_within_each_slice(runs):
+    """[Note: rings within each slice]: every permute of the ring gathers and reduce-scatters pairs
+    devices of one slice, and each gradient shard is still all-reduced across the slices."""
+    text = _largest_program(runs["rings_2_slices"][1])
+    pairs = re.findall(r" collective-permute(?:-start)?\([^\n]*?source_target_pairs=(\{[{}0-9,]*\})", text)
+    assert pairs, "no collective-permute: the rings did not run"
+    for p in set(pairs):
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", p):
+            assert int(a) // 4 == int(b) // 4, f"a permute leaves its slice: {p}"
+    assert ACROSS in _groups(text, "all-reduce")
+    assert not _groups(text, "all-gather"), "rings replace the gathers"
+
+
+def _largest_program(hlo: Path) -> str:
+    return max((Path(f).read_text() for f in glob.glob(str(hlo / "*after_optimizations.txt"))), key=len)
 
 
 def test_one_slice_gathers_over_every_device(runs):
@@ -181,7 +204,8 @@ def test_the_check_compiles_for_two_slices_and_splits_ici_and_dcn(tmp_path):
     program over 2 x 4 chips; the cross-slice traffic is its megascale transfers ([Note: DCN
     transfers in libtpu's program]): one fp32 gradient shard per chip at most (x1.25 for
     padding), the ICI collectives stay within a slice, and the report prints both."""
-    cmd = [sys.executable, "-m", "xla_fsdp.aot", "--tpu", "v4-8", "--num_slices", "2", "--json", "--",
+    cmd = [sys.executable, "-m", "xla_fsdp.aot", "--tpu", "v4-8", "--num_slices", "2", "--json",
+           "--dump", str(tmp_path / "dump"), "--",
            str(ROOT / "launch" / "run_clm.py"), "--config_name", str(ROOT / "configs" / "models" / "gpt2-tiny.json"),
            "--per_device_train_batch_size", "4", "--block_size", "64", "--fsdp", "full_shard auto_wrap",
            "--fsdp_config", str(ROOT / "configs" / "fsdp" / "tiny_cpu.json"), "--output_dir", str(tmp_path / "out"),
@@ -198,10 +222,37 @@ def test_the_check_compiles_for_two_slices_and_splits_ici_and_dcn(tmp_path):
     shard = gpt2_num_params(GPT2Config.from_json_file(str(ROOT / "configs" / "models" / "gpt2-tiny.json"))) * 4 / 4
     d = report["dcn"]
     assert d["transfers"] > 0 and 0.9 * shard <= d["bytes_per_chip"] <= 1.25 * shard, (d, shard)
+    assert set(d["by_type"]) == {"ALL_REDUCE"}, d["by_type"]  # no parameter gathered over the DCN
     assert d["sent_per_chip"] == d["bytes_per_chip"]  # an all-reduce over 2 slices sends its buffer once
     assert d["projected_seconds"] >= report["projection"]["projected_seconds"] and d["in_loops"] == 0
-    assert {c["group_size"] for c in report["collective_list"]} == {4}, "an ICI collective wider than a slice"
+    # the single controller's rings ([Note: rings within each slice]): permutes within a slice; the
+    # other ICI collectives over one slice's 4 chips
+    kinds = {c["kind"] for c in report["collective_list"]}
+    assert "collective-permute" in kinds, kinds
+    assert {c["group_size"] for c in report["collective_list"] if c["kind"] != "collective-permute"} <= {4}
+    tpu = (tmp_path / "dump" / "tpu_optimized.hlo.txt").read_text()
+    pairs = set(re.findall(r"source_target_pairs=\{([{}0-9,]*)\}", tpu))
+    assert pairs and all(int(a) // 4 == int(b) // 4 for p in pairs for a, b in re.findall(r"\{(\d+),(\d+)\}", p))
     from xla_fsdp.aot.report import render
 
     text = render(report)
     assert "between the 2 slices (DCN" in text and "PROJECTED at 50.0 Gbit/s of DCN per chip" in text, text[-1500:]
+
+
+def test_sharding_across_slices_gathers_over_the_dcn(tmp_path):
+    """The way to shard across slices instead (sharding_groups of every device): the check's
+    program then gathers parameters and reduce-scatters gradients over the DCN (libtpu's
+    ALL_GATHER and REDUCE_SCATTER transfers), which the HSDP default never does."""
+    config = dict(json.loads((ROOT / "configs" / "fsdp" / "tiny_cpu.json").read_text()))
+    config["xla_fsdp_settings"] = {**config["xla_fsdp_settings"], "sharding_groups": [list(range(8))]}
+    (tmp_path / "across.json").write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "xla_fsdp.aot", "--tpu", "v4-8", "--num_slices", "2", "--json", "--",
+           str(ROOT / "launch" / "run_clm.py"), "--config_name", str(ROOT / "configs" / "models" / "gpt2-tiny.json"),
+           "--per_device_train_batch_size", "4", "--block_size", "64", "--fsdp", "full_shard auto_wrap",
+           "--fsdp_config", str(tmp_path / "across.json"), "--output_dir", str(tmp_path / "out"), "--do_train"]
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env.pop("MEGASCALE_NUM_SLICES", None)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    d = json.loads(proc.stdout)["dcn"]
+    assert {"ALL_GATHER", "REDUCE_SCATTER"} <= set(d["by_type"]), d["by_type"]

@@ -80,9 +80,20 @@ def tpu_target() -> bool:
 
 
 def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:
-    """One shard group of every device in id order, over 2 to RING_MAX_CHIPS devices."""
-    return (1 < num_devices <= libtpu_flags.RING_MAX_CHIPS
-            and [list(g) for g in shard_groups] == [list(range(num_devices))])
+    """One shard group of every device in id order, over 2 to RING_MAX_CHIPS devices; or, on a
+    job of several slices, one such group per slice ([Note: rings within each slice] in ring.py)."""
+    per_slice = len(shard_groups) == environment.num_slices()  # not a ring across slices, nor the user's groups
+    return (per_slice and consecutive_blocks(shard_groups, num_devices)
+            and 1 < len(shard_groups[0]) <= libtpu_flags.RING_MAX_CHIPS)
+
+
+def consecutive_blocks(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:
+    """The groups are consecutive blocks of device ids in order, of one size, covering every device
+    (one group of every device, or HSDP's one group per slice)."""
+    if not shard_groups or num_devices % len(shard_groups):
+        return False
+    k = num_devices // len(shard_groups)
+    return [list(g) for g in shard_groups] == [list(range(i * k, (i + 1) * k)) for i in range(len(shard_groups))]
 
 
 # the largest slice whose reduce-scatter rings were compiled and measured ([Note: reduce-scatter

@@ -76,19 +76,20 @@ class SpmdCollectives(XlaCollectives):
         asked = [f"{k}='ring'" for k, v in (("all_gather_impl", options.all_gather_impl),
                                             ("reduce_scatter_stages", options.reduce_scatter_stages)) if v == "ring"]
         if asked and layout.shard_world_size > 1:
-            every = list(range(placement.num_devices))
-            if [list(g) for g in placement.shard_groups] != [every]:
+            groups = placement.shard_groups
+            if not auto.consecutive_blocks(groups, placement.num_devices):
                 raise ValueError(
-                    f"{' and '.join(asked)} needs one shard group holding every device in id order, "
-                    f"not {[list(g) for g in placement.shard_groups]}; use 'auto' or 'flat' stages and "
-                    f"the 'all_gather' gather with sharding groups")
+                    f"{' and '.join(asked)} needs one shard group holding every device in id order (or one "
+                    f"per slice of a multislice job), not {[list(g) for g in groups]}; use 'auto' or 'flat' "
+                    f"stages and the 'all_gather' gather with sharding groups")
             # one ring per axis on 3-D slices; one ring through every device on 2-D ones, as
-            # measured ([Note: staged on 2-D slices] in torus.py)
+            # measured ([Note: staged on 2-D slices] in torus.py); within each slice on several
+            every = list(groups[0])
             shape = torus.slice_shape()
-            self._rings = ring.TorusRings(shape if torus.three_axes(shape) else (len(every),))
+            self._rings = ring.TorusRings(shape if torus.three_axes(shape) else (len(every),), slices=len(groups))
             if self._rings.devices != len(every):
                 raise ValueError(f"{torus.ENV} names a slice of {self._rings.devices} devices; "
-                                 f"this job has {len(every)}")
+                                 f"this job's shard groups have {len(every)}")
             # each device's chunk orders, as data (one row per device)
             self._ring_orders = torch.from_numpy(self._rings.orders()).to(self.device)
             xs.mark_sharding(self._ring_orders, placement.mesh, placement.spec("batch", 2))

@@ -25,6 +25,12 @@ The all-gather (`all_gather_impl="ring"`) is the same rings run backwards, faste
 each step passes on what a device received last, and one-index gathers concatenate the received
 chunks in device order.
 
+[Note: rings within each slice]
+On a job of several slices (HSDP: one shard group per slice, [Note: HSDP across slices] in
+runtime/slices.py) the rings run within each slice, every slice's at once: the ring mesh gains
+an outer axis over the slices, along which nothing rotates, so each permute's pairs stay inside
+a slice (ICI) and each slice's devices read the same chunk orders.
+
 [Note: a trip's slice, held]
 A scanned loop's trip gathers the next layer from its slice of the stored stacks, and the ring
 reads that slice twice: its first send, and this device's own rows of the gathered weight. libtpu
@@ -59,6 +65,7 @@ import torch
 from .conversions import to_global, to_local
 
 AXES = ("ring_z", "ring_y", "ring_x")
+SLICE_AXIS = "ring_slice"
 LANES = 128  # a TPU vector register's lanes: the minor dimension of every buffer on a ring
 TILE = 8 * LANES  # elements of one (8, 128) tile: a 1-D array of a multiple of it views as rows for free
 
@@ -104,33 +111,50 @@ class TorusRings:
     buffer. So each device's chunk is zero-padded to a multiple of TILE once, and every view the
     ring takes after that only adds or splits leading dimensions."""
 
-    def __init__(self, shape: Sequence[int]):
+    def __init__(self, shape: Sequence[int], slices: int = 1):
         import torch_xla.distributed.spmd as xs
 
         shape = tuple(shape) + (1,) * (3 - len(shape))
         if len(shape) != 3:
             raise ValueError(f"a torus of at most three axes, not {shape}")
         self.shape = shape  # (X, Y, Z)
-        self.devices = math.prod(shape)
+        self.devices = math.prod(shape)  # of one slice: a ring never leaves its slice
+        self.slices = slices
         grid = tuple(reversed(shape))  # (Z, Y, X): row-major over device ids
-        self.mesh = xs.Mesh(np.arange(self.devices), grid, AXES)
+        if slices == 1:
+            self._axes, self._dims = AXES, (0, 1, 2)
+            self.mesh = xs.Mesh(np.arange(self.devices), grid, AXES)
+            return
+        # [Note: rings within each slice]: an outer mesh axis over the slices (consecutive blocks of
+        # device ids), along which nothing rotates; the torus axes of one device are left out, as
+        # torch_xla shards at most 5 dims
+        kept = [d for d in range(3) if grid[d] > 1]
+        self._axes = (SLICE_AXIS,) + tuple(AXES[d] for d in kept)
+        self._dims = tuple(kept.index(d) + 1 if d in kept else -1 for d in range(3))
+        self.mesh = xs.Mesh(np.arange(self.devices * slices), (slices,) + tuple(grid[d] for d in kept), self._axes)
 
     def axes(self) -> List[Tuple[int, int, int]]:
         return ring_axes(self.shape)
 
     def orders(self) -> np.ndarray:
-        """Each device's row: its reduce-scatter chunk orders, then its all-gather ones."""
-        return np.concatenate([chunk_orders(self.shape), gather_orders(self.shape)], axis=1)
+        """Each device's row: its reduce-scatter chunk orders, then its all-gather ones (every
+        slice's devices alike)."""
+        one = np.concatenate([chunk_orders(self.shape), gather_orders(self.shape)], axis=1)
+        return np.tile(one, (self.slices, 1))
 
     def _rotate(self, held: torch.Tensor, dim: int, step) -> torch.Tensor:
         """Each device's `held` ([rows, LANES], or a shard of rows in its own shape) -> the one held
-        by its predecessor along mesh dim `dim`; `step`: _summing_step or _gathering_step."""
-        spec = AXES + (None,) * held.dim()
-        glob = to_global(held.view(1, 1, 1, *held.shape), self.mesh, spec,
-                         torch.Size(tuple(reversed(self.shape)) + tuple(held.shape)))
+        by its predecessor along mesh dim `dim` (of the torus); `step`: _summing_step or _gathering_step."""
+        shape = held.shape
+        if len(self._axes) + held.dim() > 5:  # torch_xla's limit: the rows travel flat
+            held = held.reshape(-1)
+        dim = self._dims[dim]
+        spec = self._axes + (None,) * held.dim()
+        glob = to_global(held.view(*(1,) * len(self._axes), *held.shape), self.mesh, spec,
+                         torch.Size(tuple(self.mesh.mesh_shape) + tuple(held.shape)))
         k = glob.shape[dim]
         turned = step([glob.narrow(dim, k - 1, 1), glob.narrow(dim, 0, k - 1)], dim)
-        return to_local(turned, self.mesh, spec).view(held.shape)
+        return to_local(turned, self.mesh, spec).view(shape)
 
     def reduce_scatter(self, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """`flat` (1-D, a multiple of the device count) -> this device's chunk, summed over

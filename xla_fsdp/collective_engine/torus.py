@@ -93,6 +93,9 @@ def slice_shape() -> Optional[Tuple[int, ...]]:
     except Exception:  # no runtime, or a torch_xla without these: reduce-scatter flat
         return None
     coords = [tuple(a.get("coords", ())) for a in attributes]
+    from ..runtime.slices import slice_groups
+
+    coords = [coords[d] for d in slice_groups(len(coords), attributes)[0]]  # one slice's chips
     if plane:  # 2-D ICI (v5e, v6e): x and y; a third coordinate, if given, is 0 on every chip
         if any(len(c) < 2 or any(c[2:]) for c in coords):
             return None

@@ -11,8 +11,8 @@ ALL_REDUCE, and one `_xla_host_transfer_rendezvous` naming the pair), each waite
 network (DCN) and comes back reduced. So one transfer's bytes are the send's buffer, its window
 runs from the send to its recv-done, and what the core computes in that window hides it.
 
-The projection charges each transfer on one serial DCN lane per chip: an all-reduce over S
-slices sends 2(S-1)/S of its buffer (a ring over the slices), at the chip's share of its host's
+The projection charges each transfer on one serial DCN lane per chip (`ring_factor`: an
+all-reduce over S slices sends 2(S-1)/S of its buffer on a ring), at the chip's share of its host's
 DCN bandwidth (`Chip.dcn_bytes_per_s`, cited there, or the check's --dcn_gbps); where the lane
 has not finished by the recv-done, the core waits. Transfers inside While loops are not read
 (none of the shipped recipes puts a cross-slice collective in a loop body; a scanned job's
@@ -84,11 +84,14 @@ def in_loops(text: str) -> int:
 
 
 def ring_factor(kind: str, slices: int) -> float:
-    """Share of the buffer one chip sends over DCN: 2(S-1)/S for an all-reduce over S slices
-    (a ring), (S-1)/S for the rest."""
+    """What one chip sends over DCN on a ring of S slices, per byte of its send buffer: an
+    all-reduce 2(S-1)/S (send and result alike), a reduce-scatter (S-1)/S (it sends the whole
+    input, receives its part), an all-gather S-1 (it sends its part, receives all of them; as
+    read in libtpu 0.0.21's programs, tests/test_multislice.py); anything else its buffer once."""
     if slices <= 1:
         return 0.0
-    return (2.0 if kind == "ALL_REDUCE" else 1.0) * (slices - 1) / slices
+    return {"ALL_REDUCE": 2 * (slices - 1) / slices, "REDUCE_SCATTER": (slices - 1) / slices,
+            "ALL_GATHER": float(slices - 1)}.get(kind, 1.0)
 
 
 def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[list] = None,
@@ -104,7 +107,11 @@ def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[l
            "beside_compute_fraction": sum(t.bytes for t in found if t.beside_compute) / total if total else 0.0,
            "beside_matmul_fraction": sum(t.bytes for t in found if t.beside_matmuls) / total if total else 0.0,
            "dcn_bytes_per_s": dcn_bytes_per_s, "dcn_seconds": sent / dcn_bytes_per_s if dcn_bytes_per_s else 0.0,
-           "in_loops": in_loops(text)}
+           "in_loops": in_loops(text), "by_type": {}}
+    for t in found:
+        k = out["by_type"].setdefault(t.kind, {"transfers": 0, "bytes": 0})
+        k["transfers"] += 1
+        k["bytes"] += t.bytes
     if events is not None and dcn_bytes_per_s:
         wait = _lane_wait(text, found, slices, dcn_bytes_per_s, events)
         out.update(exposed_seconds=wait, projected_seconds=core_seconds + wait)
