@@ -42,8 +42,9 @@ RINGS = {"fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"], "xla": True,
 RESUMED = {
     "resumed_2_to_1": (8, 1, "tiny_cpu.json", "collectives_2_slices"),
     "resumed_1_to_2": (8, 2, "tiny_cpu.json", "one_slice"),
+    "gspmd_resumed_2_to_1": (8, 1, "tiny_cpu_v2.json", "gspmd_2_slices"),
 }
-SAVES = ("one_slice", "collectives_2_slices")  # save at step 3
+SAVES = ("one_slice", "collectives_2_slices", "gspmd_2_slices")  # save at step 3
 GLOBAL_BATCH = 16
 
 
