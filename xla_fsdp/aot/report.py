@@ -348,8 +348,9 @@ def _render_dcn(d: Optional[dict]) -> list:
              f"{100 * d['beside_matmul_fraction']:.0f}% with a matmul"]
     if "projected_seconds" in d:
         lines.append(f"  PROJECTED at {d['dcn_bytes_per_s'] * 8 / 1e9:.1f} Gbit/s of DCN per chip: "
-                     f"{d['dcn_seconds']:.3f} s on the DCN, the core waits {d['exposed_seconds']:.3f} s for it: "
-                     f"step {d['projected_seconds']:.3f} s (before calibration)")
+                     f"{d['dcn_seconds']:.3f} s on the DCN from {100 * d['first_send_fraction']:.0f}% of the step on, "
+                     f"the core waits {d['exposed_seconds']:.3f} s for it: step {d['projected_seconds']:.3f} s "
+                     "(before calibration)")
     if d.get("in_loops"):
         lines.append(f"  {d['in_loops']} transfers inside While loops are not counted here")
     return lines

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from xla_fsdp.tpu import optimized_hlo as oh
 
@@ -112,15 +112,19 @@ def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[l
         k = out["by_type"].setdefault(t.kind, {"transfers": 0, "bytes": 0})
         k["transfers"] += 1
         k["bytes"] += t.bytes
-    if events is not None and dcn_bytes_per_s:
-        wait = _lane_wait(text, found, slices, dcn_bytes_per_s, events)
-        out.update(exposed_seconds=wait, projected_seconds=core_seconds + wait)
+    if events is not None and dcn_bytes_per_s and found:
+        wait, first = _lane_wait(text, found, slices, dcn_bytes_per_s, events)
+        # where in the step the first transfer starts: libtpu 0.0.21 issues run_clm's cross-slice
+        # all-reduces after the backward, however early their data is ready (docs/pods.md)
+        out.update(exposed_seconds=wait, projected_seconds=core_seconds + wait,
+                   first_send_fraction=first / core_seconds if core_seconds else 0.0)
     return out
 
 
-def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, events: list) -> float:
-    """Seconds the core waits for one serial DCN lane: each transfer starts when sent (and the
-    lane is free) and must land by its recv-done ([Note: DCN transfers in libtpu's program])."""
+def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, events: list) -> Tuple[float, float]:
+    """(seconds the core waits for one serial DCN lane, the core's time at the first send): each
+    transfer starts when sent (and the lane is free) and must land by its recv-done ([Note: DCN
+    transfers in libtpu's program])."""
     entry = oh.computations(text).get("ENTRY", [])
     place = {ins.name: pos for pos, ins in enumerate(entry)}
     whiles = [pos for pos, ins in enumerate(entry) if ins.opcode == "while"]
@@ -145,4 +149,4 @@ def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, event
         needed = clock[t.done_position] + shift if t.done_position >= 0 else lane
         if lane > needed:
             shift += lane - needed
-    return shift
+    return shift, clock[min(t.position for t in found)]
