@@ -24,6 +24,7 @@ import torch
 
 from .collectives import Collectives
 from ..options import FSDPOptions, ShardingStrategy
+from ..runtime import environment
 from .param import FSDPParam
 
 
@@ -214,6 +215,36 @@ class FSDPParamGroup:
         return list(_GatherParams.apply(self, tuple(barrier_with), gathered, *self.local_shards(grad=True)))
 
     # -- reduce -------------------------------------------------------------
+    # [Note: cross-slice all-reduces in the backward] libtpu 0.0.21 issues a multislice step's
+    # cross-slice all-reduces after the backward, however early their shards are ready (the 2B on
+    # 2 x v4-8: the first at 98% of the step), so only the optimizer hides the DCN. Each reduction's
+    # input passes through an optimization barrier with the slice-reduced shards of the reductions
+    # SLICE_LAG before it: those transfers must land before it starts, so they run beside the
+    # backward. Values are unchanged (a barrier only orders).
+    SLICE_LAG = 2
+
+    def _slice_reduced(self) -> list:
+        if not hasattr(self.comm, "_slice_reduced"):
+            self.comm._slice_reduced = []
+        return self.comm._slice_reduced
+
+    def _across_slices(self) -> bool:
+        return self.across_replicas and self.comm.is_xla and environment.num_slices() > 1
+
+    def _after_earlier_slice_reductions(self, flat: torch.Tensor) -> torch.Tensor:
+        if not self._across_slices():
+            return flat
+        pending = self._slice_reduced()
+        if self.ends_backward:  # the step's last reduction: the next step starts afresh
+            older = list(pending)
+            pending.clear()
+        elif len(pending) > self.SLICE_LAG:
+            older = pending[:-self.SLICE_LAG]
+            del pending[:-self.SLICE_LAG]
+        else:
+            return flat
+        return self.comm.optimization_barrier([flat, *older])[0]
+
     def reduce_grads(self, full_grads: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """Full gradients -> shard gradients summed over every rank holding a replica of
         the shard, scaled so the result is the gradient of the global loss."""
@@ -245,11 +276,14 @@ class FSDPParamGroup:
                     flat = (chunks[0].view(alone.padded_rows, *alone.row_shape) * scale).reshape(-1)
                 else:
                     flat = torch.cat(chunks, dim=1).reshape(-1) * scale  # pre-divide: keeps bf16 sums in range
+                flat = self._after_earlier_slice_reductions(flat)
                 shard = self.comm.reduce_scatter(flat, follow_chain=not self.ends_backward)
                 if alone is not None:
                     shard = shard.view(alone.shard_shape)
                 if self.across_replicas:
                     shard = self.comm.all_reduce(shard, "replicate")
+                    if self._across_slices() and not self.ends_backward:
+                        self._slice_reduced().append(shard)
                 if self.comm.is_xla:  # [Note: materialize the scattered shard]
                     shard = self.comm.optimization_barrier([shard])[0]
                 if alone is not None:
