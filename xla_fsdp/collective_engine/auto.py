@@ -82,9 +82,13 @@ def tpu_target() -> bool:
 def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:
     """One shard group of every device in id order, over 2 to RING_MAX_CHIPS devices; or, on a
     job of several slices, one such group per slice ([Note: rings within each slice] in ring.py)."""
-    per_slice = len(shard_groups) == environment.num_slices()  # not a ring across slices, nor the user's groups
-    return (per_slice and consecutive_blocks(shard_groups, num_devices)
-            and 1 < len(shard_groups[0]) <= libtpu_flags.RING_MAX_CHIPS)
+    return ring_groups(shard_groups, num_devices) and 1 < len(shard_groups[0]) <= libtpu_flags.RING_MAX_CHIPS
+
+
+def ring_groups(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:
+    """Shard groups a ring can run over: one group of every device in id order, or one per slice
+    of a multislice job (never a ring across slices, nor a user's sharding groups)."""
+    return len(shard_groups) == environment.num_slices() and consecutive_blocks(shard_groups, num_devices)
 
 
 def consecutive_blocks(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:

@@ -10,7 +10,6 @@ import torch
 
 from .. import abstract
 from ..options import CollectiveOptions, ShardingLayout
-from ..runtime import environment
 from ..tpu import libtpu_flags
 from . import auto, ring, torus
 from .collectives import REDUCE_SUM, XlaCollectives, as_rows
@@ -78,8 +77,7 @@ class SpmdCollectives(XlaCollectives):
                                             ("reduce_scatter_stages", options.reduce_scatter_stages)) if v == "ring"]
         if asked and layout.shard_world_size > 1:
             groups = placement.shard_groups
-            if not (auto.consecutive_blocks(groups, placement.num_devices)
-                    and len(groups) in (1, environment.num_slices())):
+            if not auto.ring_groups(groups, placement.num_devices):
                 raise ValueError(
                     f"{' and '.join(asked)} needs one shard group holding every device in id order (or one "
                     f"per slice of a multislice job), not {[list(g) for g in groups]}; use 'auto' or 'flat' "
