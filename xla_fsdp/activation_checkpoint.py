@@ -47,7 +47,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .class_swap import mix_into, unmix
 from .memory.fit import FitPlan, is_fit
+from .memory import host_offload
 from .memory.kept_bytes import saved_bytes
+from .memory.remat_policy import policy_of, saved_modules
+from .memory.saved_outputs import capturing, substituting
 from .recompute_context import ForwardState
 from .unit_state import state_of
 
@@ -66,12 +69,18 @@ class _CheckpointMixin:
         return checkpointed_call(super().forward, args, kwargs, self)
 
 
-def checkpoint_module(module: nn.Module) -> nn.Module:
+def checkpoint_module(module: nn.Module, remat_policy=None) -> nn.Module:
     """Checkpoint `module`'s forward; returns `module` itself (parameter names unchanged).
 
     Works before or after FSDP wrapping: `FSDP(checkpoint_module(layer))` (torch_xla's
     order) and `checkpoint_module(FSDP(layer))` both recompute the unit including its gather.
+    `remat_policy`: what it saves for the backward ([Note: recomputation policies] in
+    memory/remat_policy.py); default "full" (its input only), or the unit's own `remat_policy`.
     """
+    if remat_policy is not None:
+        from .memory.remat_policy import set_policy
+
+        set_policy(module, remat_policy)
     state = state_of(module)
     if state is not None:  # a unit of the collective engine recomputes its own forward, gather included
         state.checkpointed = True
@@ -97,7 +106,7 @@ def strip_checkpoint(module: nn.Module) -> bool:
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, spec, leaves, tensor_pos, module, out_holder, num_inputs, *tensors):
+    def forward(ctx, run, spec, leaves, tensor_pos, module, out_holder, num_inputs, policy, *tensors):
         # tensors: the call's own, then the parameters ([Note: parameters as checkpoint inputs])
         inputs = tensors[:num_inputs]
         # tensors travel through save_for_backward only; keep the rest of the call's structure
@@ -106,11 +115,19 @@ class _Checkpoint(torch.autograd.Function):
         ctx.num_params = len(tensors) - num_inputs
         ctx.unit = module
         ctx.on_xla = any(t.device.type == "xla" for t in tensors)
-        ctx.save_for_backward(*inputs)
+        ctx.saves = saved_modules(module, policy)  # [Note: recomputation policies]
+        ctx.offload = policy.offload
         with torch.no_grad():
             ctx.seen = ForwardState(module, ctx.on_xla)  # [Note: what a recomputation sees]
             args, kwargs = _rebuild(spec, leaves, tensor_pos, inputs)
-            out = run(*args, **kwargs)
+            with capturing(ctx.saves) as kept:  # [Note: saved outputs]
+                out = run(*args, **kwargs)
+        ctx.num_inputs, ctx.input_grad = len(inputs), [t.requires_grad for t in inputs]
+        stored = [*inputs, *kept]
+        if ctx.offload:  # [Note: host offload]
+            with torch.no_grad():
+                stored = [host_offload.to_host(t) for t in stored]
+        ctx.save_for_backward(*stored)
         out_leaves, out_spec = tree_flatten(out)
         out_holder["spec"] = out_spec
         out_holder["leaves"] = out_leaves
@@ -119,22 +136,25 @@ class _Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        inputs = [t.detach() for t in saved]
+        saved = [t.detach() for t in ctx.saved_tensors]
+        if ctx.offload:
+            saved = [host_offload.to_device(t) for t in saved]
+        inputs, kept = saved[:ctx.num_inputs], saved[ctx.num_inputs:]
         if ctx.on_xla:  # [Note: recompute barrier]
             live = [g for g in grads if g is not None]
             inputs = _optimization_barrier([*inputs, *live])[: len(inputs)]
-        inputs = [x.requires_grad_(t.requires_grad) for x, t in zip(inputs, saved)]
+        inputs = [x.requires_grad_(wants) for x, wants in zip(inputs, ctx.input_grad)]
         _local.depth = getattr(_local, "depth", 0) + 1
         plan = getattr(state_of(ctx.unit), "fit_plan", None)  # [Note: keep what fits] measures here
         try:
-            with ctx.seen.replayed(), torch.enable_grad(), _measured(plan, ctx.unit) as saved:
+            with ctx.seen.replayed(), torch.enable_grad(), _measured(plan, ctx.unit) as saved_bytes_now, \
+                    substituting(ctx.saves, kept):
                 args, kwargs = _rebuild(ctx.spec, ctx.leaves, ctx.tensor_pos, inputs)
                 out = ctx.run(*args, **kwargs)
         finally:
             _local.depth -= 1
         if plan is not None:
-            plan.record(ctx.unit, saved["bytes"])
+            plan.record(ctx.unit, saved_bytes_now["bytes"])
         out_leaves, _ = tree_flatten(out)
         outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
@@ -142,7 +162,8 @@ class _Checkpoint(torch.autograd.Function):
             # the parameters' gradients accumulate here, through the recomputation's own graph
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(x.grad if x.requires_grad else None for x in inputs)
-        return (None,) * 7 + input_grads + (None,) * ctx.num_params
+        ctx.saves = None
+        return (None,) * 8 + input_grads + (None,) * ctx.num_params
 
 
 def _measured(plan, unit):
@@ -190,7 +211,8 @@ def without_kv_cache(args, kwargs) -> Tuple[tuple, dict]:
 def checkpointed_call(run: Callable, args, kwargs, module: nn.Module) -> Any:
     """Call `run(*args, **kwargs)`, the forward of `module`, without keeping activations;
     recompute them in backward ([Note: what a recomputation sees])."""
-    if not torch.is_grad_enabled():
+    policy = policy_of(module)
+    if not torch.is_grad_enabled() or policy.keeps_all:  # "none": the block keeps its activations
         return run(*args, **kwargs)
     args, kwargs = without_kv_cache(args, kwargs)
     leaves, spec = tree_flatten((args, kwargs))
@@ -198,7 +220,7 @@ def checkpointed_call(run: Callable, args, kwargs, module: nn.Module) -> Any:
     tensors = [leaves[i] for i in tensor_pos]
     params = [p for p in module.parameters() if p.requires_grad]
     holder: Dict[str, Any] = {}
-    outs = _Checkpoint.apply(run, spec, leaves, tensor_pos, module, holder, len(tensors), *tensors, *params)
+    outs = _Checkpoint.apply(run, spec, leaves, tensor_pos, module, holder, len(tensors), policy, *tensors, *params)
     out_leaves = list(holder["leaves"])
     for pos, t in zip(holder["tensor_pos"], outs):
         out_leaves[pos] = t

@@ -265,6 +265,11 @@ def make_unit(module: Union[nn.Module, Sequence[nn.Module]], kwargs: Dict[str, A
         raise
     state.checkpointed = state.checkpointed or checkpointed
     state.inner_forward = inner
+    if kwargs.get("remat_policy") is not None:  # [Note: recomputation policies]: what it saves when checkpointed
+        from .memory.remat_policy import set_policy
+
+        for m in modules:
+            set_policy(m, kwargs["remat_policy"])
     return state
 
 

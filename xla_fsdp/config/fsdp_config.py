@@ -124,6 +124,10 @@ class FSDPConfig:
                 "activations, and xla_fsdp_grad_ckpt is off, so none is checkpointed; set "
                 "\"xla_fsdp_grad_ckpt\": true or drop checkpoint_all_but_last"
             )
+        if self.xla_fsdp_settings.remat_policy is not None and not self.xla_fsdp_grad_ckpt:
+            raise FSDPConfigError(
+                "xla_fsdp_settings.remat_policy says what checkpointed layers save, and xla_fsdp_grad_ckpt is "
+                "off, so none is checkpointed; set \"xla_fsdp_grad_ckpt\": true or drop remat_policy")
         if self.scan_layers and not self.xla_fsdp_v2 and not self.xla_fsdp_grad_ckpt:
             raise FSDPConfigError(
                 "scan_layers on the collectives engine recomputes every layer in backward; set "

@@ -229,6 +229,10 @@ class XlaFSDPSettings:
     """With xla_fsdp_grad_ckpt: the last this many checkpointed layers keep their activations
     instead of recomputing them (faster, more HBM); 0 recomputes every one; "fit" keeps as many
     as the chip's HBM holds, measured in the first step."""
+    remat_policy: Optional[str] = None
+    """With xla_fsdp_grad_ckpt: what each checkpointed layer saves for its backward ("full",
+    "save_qkv_proj", "save_out_proj", "save_dot_except_mlp", "minimal", "none" and the offloaded
+    "full_offloaded", "qkv_proj_offloaded", "minimal_offloaded"; [Note: recomputation policies])."""
 
     def __post_init__(self) -> None:
         where = "xla_fsdp_settings."
@@ -267,6 +271,10 @@ class XlaFSDPSettings:
             object.__setattr__(self, "checkpoint_all_but_last", "fit")
         elif self.checkpoint_all_but_last is not None:
             _check_int(where + "checkpoint_all_but_last", self.checkpoint_all_but_last, 0)
+        if self.remat_policy is not None:
+            from ..memory.remat_policy import NAMES
+
+            _canonical_choice(where + "remat_policy", self.remat_policy, NAMES, upper=False)
         self._check_sharding_groups(where)
         self._check_strategy_against_reshard(where)
 

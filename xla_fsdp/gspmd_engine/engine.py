@@ -35,6 +35,7 @@ import torch_xla.distributed.spmd as xs
 from xla_fsdp.runtime.choice import check_spmd_came_first
 from xla_fsdp.runtime.mesh import resolve_mesh
 from xla_fsdp.gspmd_engine.activations import BatchSharding, checkpoint_unit
+from xla_fsdp.memory.remat_policy import policy_named, set_policy
 from xla_fsdp.gspmd_engine.norms import install_partitionable_layer_norms
 from xla_fsdp.gspmd_engine.padded_rows import pad_uneven_rows
 from xla_fsdp.gspmd_engine.params import install_compute_views, owns_parameters
@@ -61,7 +62,8 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
                     auto_wrapper_callable: Optional[Callable[[nn.Module], nn.Module]] = None,
                     param_init_fn: Optional[ParamInitFn] = None, activation_checkpointing: bool = False,
                     gather_params: bool = False, batch_axes: Optional[Sequence[str]] = None,
-                    scan_layers: Union[bool, str] = False, applied_units: Sequence[nn.Module] = ()) -> nn.Module:
+                    scan_layers: Union[bool, str] = False, applied_units: Sequence[nn.Module] = (),
+                    remat_policy: Optional[str] = None) -> nn.Module:
     """Shards `module` in place over the SPMD mesh and returns it.
 
     Args:
@@ -93,6 +95,8 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
         stored stacks).
       applied_units: submodules this engine sharded on their own, same mesh and batch axes
         (torch_xla's FSDPv2 nesting): left as they are; the root takes what they leave.
+      remat_policy: with activation_checkpointing, what each checkpointed unit saves for its
+        backward ([Note: recomputation policies] in memory/remat_policy.py); default "full".
     """
     mesh = _checked_mesh(module, mesh, batch_axes)
     device = torch_xla.device()
@@ -125,12 +129,15 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
     install_partitionable_layer_norms(module)
     if activation_checkpointing:
         for unit in units[:-1]:
+            if remat_policy is not None:
+                set_policy(unit, remat_policy)
             if id(unit) not in scanned:  # a scanned layer recomputes in the loop
                 checkpoint_unit(unit, views.get(unit))
 
     batch = _annotate_batches(module, units, mesh, batch_axes, inner)
     if found:
         settings = ScanSettings(mesh, compute_dtype, batch.annotate, recompute=activation_checkpointing,
+                                policy=policy_named(remat_policy) if activation_checkpointing else None,
                                 stored=stored, batch_entry=batch.batch_entry)
         install_scans(module, found, settings)
     _applied.add(module)

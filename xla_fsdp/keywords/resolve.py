@@ -48,6 +48,13 @@ def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if kw["scan_layers"] and kw["engine"] != "spmd" and kw["auto_wrap_policy"] is None:
         raise ValueError(f"scan_layers={kw['scan_layers']!r} scans the repeated layer the auto_wrap_policy wraps; pass an "
                          "auto_wrap_policy that wraps it (e.g. transformer_auto_wrap_policy of your layer class)")
+    if kw["remat_policy"] is not None:  # [Note: recomputation policies]
+        from ..memory.remat_policy import policy_named
+
+        kw["remat_policy"] = policy_named(kw["remat_policy"]).name
+        if not kw["activation_checkpointing"] and kw["auto_wrapper_callable"] is None and kw["engine"] == "spmd":
+            raise ValueError(f"remat_policy={kw['remat_policy']!r} says what checkpointed units save, and none is "
+                             "checkpointed: pass activation_checkpointing=True too")
     if kw["coalesce_all_gather_ops"]:
         # torch_xla: one coalesced all-gather for a unit's parameters; here, one flat bucket
         if kw["flatten_parameters"] is False:

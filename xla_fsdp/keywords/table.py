@@ -84,6 +84,7 @@ KEYWORDS: Tuple[Keyword, ...] = (
     _o("mesh", None, gspmd=True),
     _o("activation_checkpointing", False, gspmd=True),
     _o("checkpoint_all_but_last", 0, json=True),
+    _o("remat_policy", None, json=True, gspmd=True),
     _o("scan_layers", False, gspmd=True),
     _o("is_batched_input", None),
     _o("collectives", None),

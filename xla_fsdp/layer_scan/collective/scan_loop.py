@@ -48,6 +48,9 @@ import torch.nn as nn
 from xla_fsdp.unit_state import state_of
 from xla_fsdp.collective_engine.param_group import FSDPParamGroup
 from xla_fsdp.collective_engine.precision import cast_inputs
+from xla_fsdp.memory import host_offload
+from xla_fsdp.memory.remat_policy import policy_of, saved_modules
+from xla_fsdp.memory.saved_outputs import capturing, substituting
 
 # (full parameters by site name, buffers by name, hidden, key, the other tensors) -> hidden output
 LayerCall = Callable[[Dict[str, torch.Tensor], Dict[str, torch.Tensor], torch.Tensor, torch.Tensor,
@@ -63,6 +66,8 @@ class _Plan:
     compute_dtype: Optional[torch.dtype]
     mesh: Any  # the single controller's (None with one process per device)
     stored: bool  # the shards are one stored stack per parameter ([Note: the collectives engine's stored stacks])
+    saves: List[nn.Module]  # the template's modules whose outputs the policy saves ([Note: saved outputs])
+    offload: bool  # what a layer saves waits in host memory ([Note: host offload])
 
 
 def unit_template(layer: nn.Module) -> nn.Module:
@@ -110,7 +115,7 @@ def check_layers(layers: Sequence[nn.Module], where: str) -> None:
                              "be identical. Turn scan_layers off for this model.")
 
 
-def _check_run(states, where: str) -> None:
+def _check_run(layers, states, where: str) -> None:
     """What can change after wrapping, checked when the loop runs."""
     for index, state in enumerate(states):
         if not state.checkpointed or state.keeps_activations:
@@ -119,6 +124,10 @@ def _check_run(states, where: str) -> None:
                 "collectives engine's scanned loop recomputes every layer. Turn on activation "
                 "checkpointing for the layers (activation_checkpointing=True, fsdp_config "
                 "\"xla_fsdp_grad_ckpt\": true; no checkpoint_all_but_last) or turn scan_layers off.")
+        if policy_of(layers[index]).keeps_all:
+            raise ValueError(f"scan_layers: layer {index} of {where} has remat_policy=\"none\" (keep every "
+                             "activation); the collectives engine's scanned loop recomputes every layer. Give a "
+                             "policy that recomputes (\"minimal\" saves every matmul) or turn scan_layers off.")
         group = state.group
         if not group.requires_grad_sync or group.pending:
             raise RuntimeError(
@@ -203,9 +212,13 @@ class _ScannedUnits(torch.autograd.Function):
             h, full, kept, consts = carry
             key, following, bufs = x
             with comm.loop_body(consts):
-                out = plan.call(_named(plan, full), bufs, h, key, kept)
+                with capturing(plan.saves) as outputs:
+                    out = plan.call(_named(plan, full), bufs, h, key, kept)
                 nxt = _gather(plan, comm.optimization_barrier(following))  # [Note: a trip's slice, held]
-            return (out, nxt, kept, consts), h
+            saved = [h, *outputs]
+            if plan.offload:
+                saved = [host_offload.to_host(t) for t in saved]
+            return (out, nxt, kept, consts), saved
 
         if plan.stored:  # trip i gathers layer i + 1
             first = _gather(plan, [s.detach().select(1, 0) for s in shards])  # not through the transpose
@@ -215,14 +228,14 @@ class _ScannedUnits(torch.autograd.Function):
             ahead, shift = _stack(plan, shards, [(i + 1) % layers for i in range(layers)]), 0
         (out, _, _, _), inputs = _loop(trip, (hidden.detach(), first, rest, comm.loop_constants()),
                                        (keys, ahead, buffers), plan.mesh, shift=(1, shift))
-        ctx.plan, ctx.count_rest, ctx.buffers = plan, count_rest, buffers
-        ctx.save_for_backward(inputs, keys, *flat)
+        ctx.plan, ctx.count_rest, ctx.buffers, ctx.count_saved = plan, count_rest, buffers, len(inputs)
+        ctx.save_for_backward(*inputs, keys, *flat)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         plan = ctx.plan
-        inputs, keys, *flat = ctx.saved_tensors
+        inputs, (keys, *flat) = ctx.saved_tensors[:ctx.count_saved], ctx.saved_tensors[ctx.count_saved:]
         rest, shards = list(flat[:ctx.count_rest]), flat[ctx.count_rest:]
         params = plan.group.params
         count, layers = len(params), plan.layers
@@ -232,11 +245,15 @@ class _ScannedUnits(torch.autograd.Function):
 
         def trip(carry, x):
             g, full, kept, consts = carry
-            h, key, previous, bufs = x
+            saved, key, previous, bufs = x
+            if plan.offload:
+                saved = [host_offload.to_device(t) for t in saved]
+            h, outputs = saved[0], saved[1:]
             with torch.enable_grad():
                 h = h.detach().requires_grad_(True)
                 leaves = [t.detach().requires_grad_(j in trained) for j, t in enumerate(full)]
-                out = plan.call(_named(plan, leaves), bufs, h, key, kept)
+                with substituting(plan.saves, outputs):
+                    out = plan.call(_named(plan, leaves), bufs, h, key, kept)
                 wrt = [h] + [leaves[j] for j in trained]
                 grads = torch.autograd.grad(out, wrt, g, allow_unused=True)
             grad_in = torch.zeros_like(h) if grads[0] is None else grads[0]
@@ -255,7 +272,7 @@ class _ScannedUnits(torch.autograd.Function):
             last = _gather(plan, [s.detach() for s in shards[(layers - 1) * count:]])
             behind, shift = _stack(plan, shards, [(i - 1) % layers for i in range(layers)]), 0
         (grad_in, _, _, _), reduced = _loop(trip, (grad_out.detach(), last, rest, comm.loop_constants()),
-                                         (inputs, keys, behind, ctx.buffers), plan.mesh, reverse=True,
+                                         (list(inputs), keys, behind, ctx.buffers), plan.mesh, reverse=True,
                                          shift=(2, shift))
         shard_grads: List[Optional[torch.Tensor]] = [None] * (count if plan.stored else count * layers)
         for k, j in enumerate(trained):
@@ -278,12 +295,13 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     owner, layers = scan_run.owner, scan_run.layers
     where = owner._scan_where
     states = [state_of(layer) for layer in layers]
-    _check_run(states, where)
+    _check_run(layers, states, where)
     group = states[0].group
     stack = _stack_state(scan_run.owner, len(layers))
     if stack is not None:  # [Note: the collectives engine's stored stacks]
         group = stack.loop_group
         group.grad_factor = stack.group.grad_factor
+    policy = policy_of(layers[0])  # [Note: recomputation policies]
     mp = states[0].options.mixed_precision
     if mp.enabled:  # [Note: every unit casts its own inputs]
         args, kwargs = cast_inputs(mp, args, kwargs)
@@ -310,7 +328,7 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
     plan = _Plan(call=call, group=group, site_names=[[s.fqn for s in p.sites] for p in group.params],
                  layers=len(layers), compute_dtype=mp.compute_dtype if mp.enabled else None,
                  mesh=group.comm.placement.mesh if group.comm.is_single_controller else None,
-                 stored=stack is not None)
+                 stored=stack is not None, saves=saved_modules(template, policy, where), offload=policy.offload)
     if stack is not None:
         shards = stack.group.local_shards(grad=True)
     else:

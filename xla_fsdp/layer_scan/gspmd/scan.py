@@ -12,6 +12,7 @@ chip holds one layer's full parameters at a time, as without scan.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -23,6 +24,7 @@ from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanRun, no_cache_by
 from xla_fsdp.layer_scan.scanned_list import ScanSettings as _Shared
 from xla_fsdp.layer_scan.stored_stacks import SUFFIX
 from xla_fsdp.layer_scan.gspmd.stacked import stacked_view, store_stacked
+from xla_fsdp.memory.remat_policy import FULL, RematPolicy, saved_modules
 
 
 ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
@@ -39,6 +41,7 @@ class ScanSettings(_Shared):
         recompute: bool,
         stored: bool = True,
         batch_entry: Optional[Callable[[torch.Tensor], Any]] = None,
+        policy: Optional[RematPolicy] = None,
     ):
         super().__init__(gspmd_loop, compute_dtype, stacked_view)
         self.mesh = mesh
@@ -46,6 +49,7 @@ class ScanSettings(_Shared):
         self.annotate = annotate
         self.recompute = recompute
         self.stored = stored  # parameters stored stacked ([Note: parameters stored stacked])
+        self.policy = policy  # what a recomputed layer saves ([Note: recomputation policies]); None: "full"
 
 
 def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
@@ -54,7 +58,8 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     from torch.utils._pytree import tree_unflatten
     from functorch.compile import default_partition
 
-    from xla_fsdp.layer_scan.gspmd.scan_glue import recompute_partition, use_shard_like
+    from xla_fsdp.layer_scan.gspmd.scan_glue import policy_partition, recompute_partition, use_shard_like
+    from xla_fsdp.memory.saved_outputs import marking, tag_op
     from xla_fsdp.layer_scan.keyed_random import KeyedRandom, layer_keys
 
     use_shard_like()
@@ -92,21 +97,32 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     if entry is not None:
         xs.mark_sharding(keys, settings.mesh, (None, entry))
 
+    recompute = settings.recompute or (run.owner.training and hf_checkpointed(run.layers[0]))
+    policy = (settings.policy or FULL) if recompute else None
+    marked = saved_modules(template, policy, run.owner._scan_where) if policy is not None else []
+    offload = policy is not None and policy.offload
+
     def one_layer(hidden: torch.Tensor, x):
         tensors, extra, key = x
+        if offload:  # [Note: host offload]: the layer's input is saved as its mark
+            hidden = tag_op()(hidden, "input")
         leaves = list(others)
         for i, t in zip(where, extra):
             leaves[i] = t
         rest, named = tree_unflatten(leaves, tree)
-        with KeyedRandom(key, run.owner._scan_where):
+        with KeyedRandom(key, run.owner._scan_where), marking(marked):
             out = torch.func.functional_call(template, tensors, (hidden,) + tuple(rest), named, strict=True)
         if not shape_out:
             shape_out.append(out)
         return run._hidden(out), None
 
     hidden = settings.annotate(args[0])
-    recompute = settings.recompute or (run.owner.training and hf_checkpointed(run.layers[0]))
-    partition = recompute_partition if recompute else default_partition
+    if policy is None or policy.keeps_all:  # no checkpointing, or "none": the layer keeps everything
+        partition = default_partition
+    elif marked or offload:
+        partition = functools.partial(policy_partition, offload=offload)
+    else:
+        partition = recompute_partition
     final, _ = scan(one_layer, hidden, (stacked, repeated, keys), partition_fn=partition)
     return run.shaped(settings.annotate(final), shape_out[0])
 

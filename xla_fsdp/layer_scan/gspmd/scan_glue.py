@@ -17,6 +17,53 @@ def recompute_partition(joint_module, _joint_inputs, *, num_fwd_outputs, **_igno
     return p._extract_fwd_bwd_modules(joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
 
 
+def policy_partition(joint_module, _joint_inputs, *, num_fwd_outputs, offload: bool = False, **_ignored):
+    """AOTAutograd partitioner of a recomputation policy ([Note: recomputation policies] in
+    memory/remat_policy.py): saves the layer's inputs and the nodes the policy's hooks marked
+    (`saved_as`, [Note: saved outputs under AOTAutograd]); the backward recomputes the rest. With
+    `offload` the marked values (the layer's input among them) go to host memory after the forward
+    and come back in the backward ([Note: host offload])."""
+    from torch._functorch import partitioners as p
+
+    from xla_fsdp.memory import host_offload
+    from xla_fsdp.memory.saved_outputs import tag_op
+
+    graph = joint_module.graph
+    op = tag_op()
+    marked = [n for n in graph.nodes if n.op == "call_function" and n.target is op]
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))]
+    # an input read only through its mark is saved as the mark (offloaded with it)
+    only_marked = {id(n) for n in inputs if n.users and all(u.target is op for u in n.users)}
+    saved = [n for n in inputs if id(n) not in only_marked] + marked
+    fwd, bwd = p._extract_fwd_bwd_modules(joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
+    moves = host_offload.graph_ops() if offload else None
+    if moves is not None:
+        _move(fwd, bwd, {n.name for n in marked}, *moves)
+    return fwd, bwd
+
+
+def _move(fwd, bwd, names, to_host, to_device) -> None:
+    """The saved values named `names` leave the forward graph through `to_host` and enter the
+    backward graph through `to_device`."""
+    out = next(n for n in fwd.graph.nodes if n.op == "output")
+    values = list(out.args[0])
+    for i, v in enumerate(values):
+        if getattr(v, "name", None) in names:
+            with fwd.graph.inserting_before(out):
+                values[i] = fwd.graph.call_function(to_host, (v,))
+    out.args = (tuple(values),)
+    for node in list(bwd.graph.nodes):
+        if node.op == "placeholder" and node.name in names:
+            users = list(node.users)
+            with bwd.graph.inserting_after(node):
+                back = bwd.graph.call_function(to_device, (node,))
+            for u in users:
+                u.replace_input_with(node, back)
+    for g in (fwd, bwd):
+        g.graph.lint()
+        g.recompile()
+
+
 # [Note: scan's backward without JAX]
 # Under SPMD, torch_xla 2.9's scan gives each gradient of the loop the sharding of the input it
 # belongs to (`_backward_shard_alike`) with `shard_as`, which lowers JAX's `shard_alike`

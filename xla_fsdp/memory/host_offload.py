@@ -1,0 +1,54 @@
+"""Saved activations that wait in the host's memory: the "offloaded" recomputation policies.
+
+[Note: host offload]
+A policy ending in "_offloaded" ([Note: recomputation policies] in remat_policy.py) moves what a
+checkpointed block saves for its backward (its input, and the matmul outputs the policy saves) to
+the host after the forward made it, and back before the backward reads it. The moves are
+torch_xla's `xla::place_to_host` / `xla::place_to_device`: `annotate_device_placement` custom
+calls that libtpu's host-offload passes turn into asynchronous copies over PCIe, scheduled beside
+the compute (JAX's `offload_dst="pinned_host"` lowers to the same annotations; torchprime offloads
+a scanned decoder layer's input with them). Under scan the forward loop's saved stack is written
+to a host buffer one layer per trip and the backward loop reads it back a trip ahead.
+
+They are emitted only for a TPU (on one, or traced by the ahead-of-time check for one): XLA:CPU
+has no host memory space, so there the tensors stay where they are and the step computes the same
+values; tests/test_remat_policies.py reads the TPU-traced HLO for the annotations. The check
+counts the bytes that cross (`host_transfers` in tpu/step_time.py) and what a VM's host holds.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _active() -> bool:
+    from xla_fsdp.collective_engine.auto import tpu_target
+
+    return tpu_target()
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t`, annotated to live in host memory from here on (a TPU target; else `t` itself)."""
+    if not _active() or t.device.type != "xla":
+        return t
+    from torch_xla.experimental.stablehlo_custom_call import place_to_host
+
+    return place_to_host(t)
+
+
+def to_device(t: torch.Tensor) -> torch.Tensor:
+    """`t`, brought back to device memory (the inverse of `to_host`)."""
+    if not _active() or t.device.type != "xla":
+        return t
+    from torch_xla.experimental.stablehlo_custom_call import place_to_device
+
+    return place_to_device(t)
+
+
+def graph_ops():
+    """(to host, to device) as ops an AOTAutograd graph can call (the GSPMD engine's scan); None
+    where the moves are not emitted."""
+    if not _active():
+        return None
+    import torch_xla.experimental.stablehlo_custom_call  # noqa: F401 - registers the ops
+
+    return torch.ops.xla.place_to_host.default, torch.ops.xla.place_to_device.default

@@ -1,0 +1,120 @@
+"""The outputs a recomputation policy saves, taken in the forward and handed to the recomputation.
+
+[Note: saved outputs]
+A checkpointed forward runs without autograd; hooks on the modules the policy names
+(`saved_modules` in remat_policy.py) keep their outputs, in call order. In backward the block
+runs again, and the same hooks replace each of those modules' recomputed output by the kept one
+(`_Kept`): what follows reads the forward's values, and the gradient reaching the kept value goes
+to the recomputed output, so the module's own backward (the matmul's: its input and weight)
+runs as without a policy. Nothing reads the recomputed output's value, so XLA drops the matmul
+that made it: the recomputation skips exactly the saved matmuls. The hooks count: a
+recomputation that calls the modules another number of times than the forward did is an error,
+not a mismatched pairing.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Sequence
+
+import torch
+import torch.nn as nn
+
+
+class _Kept(torch.autograd.Function):
+    """The kept `saved` in place of `recomputed`; the gradient goes to `recomputed`."""
+
+    @staticmethod
+    def forward(ctx, recomputed: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+        return saved.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _only_tensor(module: nn.Module, output) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"remat_policy: {type(module).__name__} returned {type(output).__name__}, not a tensor; "
+                         "a policy saves the outputs of matmul modules that return one tensor")
+    return output
+
+
+@contextlib.contextmanager
+def capturing(modules: Sequence[nn.Module]) -> Iterator[List[torch.Tensor]]:
+    """The outputs of `modules` while the block runs, in call order."""
+    kept: List[torch.Tensor] = []
+
+    def hook(module, _args, output):
+        kept.append(_only_tensor(module, output).detach())
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield kept
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def substituting(modules: Sequence[nn.Module], kept: Sequence[torch.Tensor]) -> Iterator[None]:
+    """While the block is recomputed, each call of `modules` returns the next of `kept`."""
+    used = [0]
+
+    def hook(module, _args, output):
+        at = used[0]
+        if at >= len(kept):
+            raise RuntimeError(f"remat_policy: the recomputation called the saved modules more often than the "
+                               f"forward did ({len(kept)} outputs kept); the block's forward must call them "
+                               "alike both times")
+        used[0] += 1
+        return _Kept.apply(_only_tensor(module, output), kept[at])
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    if used[0] != len(kept):
+        raise RuntimeError(f"remat_policy: the recomputation called the saved modules {used[0]} times, the forward "
+                           f"{len(kept)}; the block's forward must call them alike both times")
+
+
+# [Note: saved outputs under AOTAutograd] The GSPMD engine's scan traces the layer with AOTAutograd
+# and a partitioner decides what the forward saves (layer_scan/gspmd/scan_glue.py). There the hooks
+# mark the outputs to save with `saved_as`, an identity op the trace keeps as a node of its own
+# (the gradient passes through it unchanged), and the partitioner saves the marked nodes.
+_TAG_OP = None
+
+
+def tag_op():
+    """torch.ops.xla_fsdp.saved_as (registered on first use): identity; `tag` names why it is saved."""
+    global _TAG_OP
+    if _TAG_OP is None:
+        @torch.library.custom_op("xla_fsdp::saved_as", mutates_args=())
+        def saved_as(t: torch.Tensor, tag: str) -> torch.Tensor:
+            return t.clone()
+
+        @saved_as.register_fake
+        def _(t: torch.Tensor, tag: str) -> torch.Tensor:
+            return torch.empty_like(t)
+
+        saved_as.register_autograd(lambda ctx, grad: (grad, None))
+        _TAG_OP = torch.ops.xla_fsdp.saved_as.default
+    return _TAG_OP
+
+
+@contextlib.contextmanager
+def marking(modules: Sequence[nn.Module], tag: str = "output") -> Iterator[None]:
+    """While traced, the outputs of `modules` pass through `saved_as(..., tag)`."""
+    op = tag_op()
+
+    def hook(module, _args, output):
+        return op(_only_tensor(module, output), tag)
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
