@@ -124,9 +124,10 @@ class _Checkpoint(torch.autograd.Function):
                 out = run(*args, **kwargs)
         ctx.num_inputs, ctx.input_grad = len(inputs), [t.requires_grad for t in inputs]
         stored = [*inputs, *kept]
-        if ctx.offload:  # [Note: host offload]
+        if ctx.offload:  # [Note: host offload]: the block's input (the first) and the saved outputs; the
+            # other arguments (masks, rotary tables) are the same tensors for every block and stay
             with torch.no_grad():
-                stored = [host_offload.to_host(t) for t in stored]
+                stored = [host_offload.to_host(t) if i == 0 or i >= len(inputs) else t for i, t in enumerate(stored)]
         ctx.save_for_backward(*stored)
         out_leaves, out_spec = tree_flatten(out)
         out_holder["spec"] = out_spec
@@ -138,7 +139,7 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = [t.detach() for t in ctx.saved_tensors]
         if ctx.offload:
-            saved = [host_offload.to_device(t) for t in saved]
+            saved = [host_offload.to_device(t) if i == 0 or i >= ctx.num_inputs else t for i, t in enumerate(saved)]
         inputs, kept = saved[:ctx.num_inputs], saved[ctx.num_inputs:]
         if ctx.on_xla:  # [Note: recompute barrier]
             live = [g for g in grads if g is not None]

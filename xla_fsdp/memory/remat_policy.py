@@ -12,12 +12,16 @@ input. The names follow MaxText's `remat_policy` where one exists:
 | "save_qkv_proj"       | the attention's q, k and v projections                        |
 | "save_out_proj"       | the attention's output projection                             |
 | "save_dot_except_mlp" | every matmul but the MLP's: q, k, v and the output projection |
-| "minimal"             | every matmul's output (attention's and the MLP's)             |
+| "minimal"             | every matmul's output (attention's and the MLP's) but one     |
 | "none"                | everything: the block is not recomputed                       |
 
 and "offload" variants whose saved tensors wait in the host's memory instead of HBM
 ([Note: host offload] in host_offload.py): "full_offloaded" (the block's input),
 "qkv_proj_offloaded" and "minimal_offloaded" (the block's input and those outputs).
+
+No policy saves the MLP's last matmul (down_proj, the MLP's c_proj, fc2): in a pre-norm decoder
+only the residual sum reads its output, and that sum's backward reads no value, so a saved copy
+would be memory (and, offloaded, host traffic) that no backward uses.
 
 Roles come from module names, as the decoders users bring name them: a matmul module (nn.Linear,
 transformers' Conv1D) below a module whose name says attention ("attn", "attention") is the
@@ -37,7 +41,10 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch.nn as nn
 
+from xla_fsdp.class_swap import original_class
+
 QKV, OUT, MLP, OTHER = "qkv", "out", "mlp", "other"
+MLP_OUT = "mlp_out"  # the MLP's last matmul: no policy saves it (the note says why)
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,7 @@ class RematPolicy:
 
 _ROLE_ORDER = (QKV, OUT, MLP, OTHER)
 _ROLE_WORDS = {QKV: "q/k/v projections", OUT: "attention output projection", MLP: "MLP matmuls",
-               OTHER: "other matmuls"}
+               OTHER: "other matmuls", MLP_OUT: "the MLP's output projection"}
 _EVERY = frozenset(_ROLE_ORDER)
 
 POLICIES: Dict[str, RematPolicy] = {p.name: p for p in (
@@ -107,6 +114,8 @@ def policy_of(module: nn.Module) -> RematPolicy:
 _ATTENTION_WORDS = ("attn", "attention")
 _MLP_WORDS = ("mlp", "ffn", "feed_forward", "feedforward")
 _OUT_NAMES = frozenset({"o_proj", "out_proj", "c_proj", "dense", "wo", "o", "proj", "out", "output"})
+_MLP_OUT_NAMES = frozenset({"down_proj", "c_proj", "fc2", "w2", "dense_4h_to_h", "wo", "out_proj", "dense",
+                            "proj_out"})
 
 
 def _is_matmul(module: nn.Module) -> bool:
@@ -124,7 +133,7 @@ def role(path: str) -> str:
     if any(w in p for p in above for w in _ATTENTION_WORDS):
         return OUT if leaf in _OUT_NAMES else QKV
     if any(w in p for p in above for w in _MLP_WORDS):
-        return MLP
+        return MLP_OUT if leaf in _MLP_OUT_NAMES else MLP
     return OTHER
 
 
@@ -144,7 +153,7 @@ def saved_modules(block: nn.Module, policy: RematPolicy, where: Optional[str] = 
     if missing:
         seen = ", ".join(f"{p} ({r})" for p, _, r in found) or "none"
         raise ValueError(
-            f"remat_policy={policy.name!r}: {where or type(block).__name__} has no "
+            f"remat_policy={policy.name!r}: {where or original_class(block).__name__} has no "
             f"{' or '.join(_ROLE_WORDS[r] for r in missing)} by name; its matmuls are: {seen}. "
             "[Note: recomputation policies] in xla_fsdp/memory/remat_policy.py says how roles are named; "
             "choose a policy whose roles the block has (\"minimal\" saves every matmul)")
