@@ -49,7 +49,7 @@ from .class_swap import mix_into, unmix
 from .memory.fit import FitPlan, is_fit
 from .memory import host_offload
 from .memory.kept_bytes import saved_bytes
-from .memory.remat_policy import policy_of, saved_modules
+from .memory.remat_policy import note_applied, policy_of, saved_modules
 from .memory.saved_outputs import capturing, substituting
 from .recompute_context import ForwardState
 from .unit_state import state_of
@@ -213,7 +213,10 @@ def checkpointed_call(run: Callable, args, kwargs, module: nn.Module) -> Any:
     """Call `run(*args, **kwargs)`, the forward of `module`, without keeping activations;
     recompute them in backward ([Note: what a recomputation sees])."""
     policy = policy_of(module)
-    if not torch.is_grad_enabled() or policy.keeps_all:  # "none": the block keeps its activations
+    if not torch.is_grad_enabled():
+        return run(*args, **kwargs)
+    note_applied(module, policy)
+    if policy.keeps_all:  # "none": the block keeps its activations
         return run(*args, **kwargs)
     args, kwargs = without_kv_cache(args, kwargs)
     leaves, spec = tree_flatten((args, kwargs))

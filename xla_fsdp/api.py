@@ -41,6 +41,10 @@ class UnitMethods(nn.Module):
             from .activation_checkpoint import checkpointed_call
 
             return checkpointed_call(lambda *a, **k: state.forward(run, a, k, self), args, kwargs, self)
+        if state.checkpointed and torch.is_grad_enabled():  # kept by checkpoint_all_but_last
+            from .memory.remat_policy import note_applied
+
+            note_applied(self, None)
         return state.forward(run, args, kwargs, self)
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:

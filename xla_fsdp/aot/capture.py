@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from xla_fsdp.aot.dump import MARKER, TENSORS, take_program
+from xla_fsdp.aot.dump import MARKER, RECOMPUTE, TENSORS, take_program
 from xla_fsdp.runtime import environment
 
 # the check's settings (environment.AOT), JSON: "out" (the capture's folder), "steps" (2), "dump"
@@ -184,6 +184,9 @@ def cut(force: bool = False) -> None:
     _State.cuts += 1
     if _State.cuts < _State.steps:
         _as_if_run()
+        from xla_fsdp.memory.remat_policy import forget_applied
+
+        forget_applied()  # the report names what the compiled step's blocks got
         return
     _compile_and_exit()
 
@@ -268,6 +271,10 @@ def _compile_and_exit() -> None:
         json.dump(_sites, f)
     with open(os.path.join(_State.out, TENSORS), "w") as f:
         json.dump(_tensors_by_kind(), f)
+    from xla_fsdp.memory.remat_policy import applied
+
+    with open(os.path.join(_State.out, RECOMPUTE), "w") as f:
+        json.dump(applied(), f)  # [Note: recomputation policies]: what each block saved
     sys.stdout.flush()
     sys.stderr.flush()
     threading.Thread(target=_State.original_sync, daemon=True).start()

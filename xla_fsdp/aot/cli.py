@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import List, Optional
 
-from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT, TENSORS
+from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT, RECOMPUTE, TENSORS
 from xla_fsdp.runtime import environment
 
 EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_TRACE, EXIT_COMPILE, EXIT_NO_LIBTPU = 0, 1, 2, 3, 4, 5
@@ -306,6 +306,10 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own),
                                tensors=tensors, keep_in=workdir, with_curve=bool(opts.timeline))
     result["trace_seconds"] = round(traced_s, 1)
+    recompute = os.path.join(workdir, RECOMPUTE)
+    if os.path.exists(recompute):  # [Note: recomputation policies]
+        with open(recompute) as f:
+            result["recompute"] = json.load(f)
     result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
     fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
     traced_in = workdir

@@ -27,6 +27,7 @@ import os
 from typing import Optional
 
 MARKER = "capturing.json"  # written by the traced process just before the step's compile
+RECOMPUTE = "recompute.json"  # what each checkpointed block saved in the compiled step (remat_policy.applied)
 TENSORS = "tensors.json"  # the job's tensors by kind, written beside it (capture._tensors_by_kind)
 BUFFER_ASSIGNMENT = "buffer_assignment.txt"  # libtpu's buffer assignment of the step, kept for --dump
 PROGRAM = "program.txt"

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from xla_fsdp.aot import program as prog
 from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT
-from xla_fsdp.tpu import buffer_assignment, compile_log, dcn, memory_breakdown, optimized_hlo, step_time
+from xla_fsdp.tpu import buffer_assignment, compile_log, dcn, host_transfers, memory_breakdown, optimized_hlo, step_time
 
 GIB = 1024 ** 3
 DUMP_FLAG = "xla_dump_to"  # a compile option libtpu takes (a string): [Note: libtpu's buffer assignment]
@@ -187,6 +187,11 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     if spec.slices > 1:  # [Note: DCN transfers in libtpu's program]
         result["dcn"] = dcn.summarize(compiled.optimized_hlo, spec.slices, spec.dcn_bytes_per_s, events,
                                       result["projection"]["projected_seconds"])
+    if host_transfers.HOST in compiled.optimized_hlo:  # [Note: host transfers in libtpu's program]
+        moved = host_transfers.read(compiled.optimized_hlo).as_dict()
+        moved.update(chips_per_host=spec.chips_per_host, host_dram_bytes_per_chip=spec.chip.host_dram_bytes_per_chip,
+                     pcie_bytes_per_s=host_transfers.PCIE_BYTES_PER_S)
+        result["host_transfers"] = moved
     if result["projection"]["kernel_calls"]:  # Pallas kernels: also at full MXU peak ([Note: charging Pallas kernels])
         at_peak = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips, spec.torus_axes,
                                      kernel_mxu_share=1.0)
@@ -293,6 +298,7 @@ def _render_one(r: dict) -> str:
     lines += _render_breakdown(m.get("breakdown"), m.get("libtpu_fragmentation"))
     if not r["fits"]:
         lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(usable)} usable per chip")
+    lines += _render_recompute(r.get("recompute"))
     f = r.get("fit")
     if f:  # [Note: keep what fits] in xla_fsdp/memory/fit.py
         first = f["every_unit_recomputed"]
@@ -326,7 +332,37 @@ def _render_one(r: dict) -> str:
                          "(xla_fsdp/tpu/kernel_cost.py)"
                          + (f"; {p['kernels_without_flops']} charged their bytes only" if p["kernels_without_flops"] else ""))
     lines += _render_dcn(r.get("dcn"))
+    lines += _render_host(r.get("host_transfers"), p)
     return "\n".join(lines)
+
+
+def _render_recompute(blocks) -> list:
+    """What each checkpointed block saved ([Note: recomputation policies])."""
+    if not blocks:
+        return []
+    return ["recomputation (what each checkpointed block saves for its backward):"] + [
+        f"  {b['count']} {b['block']} ({b['where']}): {b['policy']}, {b['saves']}" for b in blocks]
+
+
+def _render_host(h: Optional[dict], p: Optional[dict]) -> list:
+    """The moves between HBM and host memory ([Note: host transfers in libtpu's program])."""
+    if not h:
+        return []
+    per_host = h["host_buffer_bytes"] * h["chips_per_host"]
+    dram = h["host_dram_bytes_per_chip"] * h["chips_per_host"]
+    lines = [f"host offload: {h['moves']} moves, {h['to_host_bytes'] / 1e9:.3f} GB per chip to the host and "
+             f"{h['to_device_bytes'] / 1e9:.3f} GB back, {_share(h['with_matmul'], h['moves'])} of the moves with a "
+             f"matmul scheduled beside them; host memory {_gib(h['host_buffer_bytes'])} per chip, {_gib(per_host)} per "
+             f"host of {h['chips_per_host']} chips" + (f" (of its {_gib(dram)} DRAM)" if dram else
+                                                        " (this chip's host DRAM has no cited figure)")]
+    compute = p["compute_seconds"] if p else 0.0
+    lines.append(f"  PROJECTED {h['pcie_seconds']:.3f} s on PCIe, the busier direction at "
+                 f"{h['pcie_bytes_per_s'] / 1e9:.0f} GB/s per chip ({host_transfers.PCIE_SOURCE}); the step's "
+                 f"compute is {compute:.3f} s" + ("" if h["pcie_seconds"] <= compute else
+                                                  ": the moves outlast it, and the projection does not charge them"))
+    if h.get("in_loops"):
+        lines.append(f"  moves inside While loops of unknown trip count ({', '.join(h['in_loops'])}) counted once")
+    return lines
 
 
 def _render_loops(loops) -> list:

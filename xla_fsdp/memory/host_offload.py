@@ -4,9 +4,9 @@
 A policy ending in "_offloaded" ([Note: recomputation policies] in remat_policy.py) moves what a
 checkpointed block saves for its backward (its input, and the matmul outputs the policy saves) to
 the host after the forward made it, and back before the backward reads it. The moves are
-torch_xla's `xla::place_to_host` / `xla::place_to_device`: `annotate_device_placement` custom
-calls that libtpu's host-offload passes turn into asynchronous copies over PCIe, scheduled beside
-the compute (JAX's `offload_dst="pinned_host"` lowers to the same annotations; torchprime offloads
+`annotate_device_placement` custom calls (as torch_xla's `xla::place_to_host` / `place_to_device`)
+that libtpu's host-offload passes turn into asynchronous copies over PCIe, scheduled beside the
+compute (JAX's `offload_dst="pinned_host"` lowers to the same annotations; torchprime offloads
 a scanned decoder layer's input with them). Under scan the forward loop's saved stack is written
 to a host buffer one layer per trip and the backward loop reads it back a trip ahead.
 
@@ -26,22 +26,48 @@ def _active() -> bool:
     return tpu_target()
 
 
+def _placed(t: torch.Tensor, where: str) -> torch.Tensor:
+    """torch_xla's place_to_host / place_to_device, with api_version 1 (ORIGINAL): torch_xla's own
+    say 0, UNSPECIFIED, which XLA's HLO text parser refuses (the check hands libtpu HLO text)."""
+    import torch_xla
+
+    return torch_xla._XLAC._xla_custom_call([t], "annotate_device_placement", [list(t.shape)], [t.dtype], True,
+                                            "", 1, {"_xla_buffer_placement": where})[0]
+
+
+_OPS = None
+
+
+def _ops():
+    global _OPS
+    if _OPS is None:
+        @torch.library.custom_op("xla_fsdp::to_host", mutates_args=())
+        def to_host_op(t: torch.Tensor) -> torch.Tensor:
+            return _placed(t, "pinned_host")
+
+        @torch.library.custom_op("xla_fsdp::to_device", mutates_args=())
+        def to_device_op(t: torch.Tensor) -> torch.Tensor:
+            return _placed(t, "device")
+
+        for op in (to_host_op, to_device_op):
+            op.register_fake(lambda t: torch.empty_like(t))
+            op.register_autograd(lambda ctx, grad: grad)
+        _OPS = (torch.ops.xla_fsdp.to_host.default, torch.ops.xla_fsdp.to_device.default)
+    return _OPS
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t`, annotated to live in host memory from here on (a TPU target; else `t` itself)."""
     if not _active() or t.device.type != "xla":
         return t
-    from torch_xla.experimental.stablehlo_custom_call import place_to_host
-
-    return place_to_host(t)
+    return _placed(t, "pinned_host")
 
 
 def to_device(t: torch.Tensor) -> torch.Tensor:
     """`t`, brought back to device memory (the inverse of `to_host`)."""
     if not _active() or t.device.type != "xla":
         return t
-    from torch_xla.experimental.stablehlo_custom_call import place_to_device
-
-    return place_to_device(t)
+    return _placed(t, "device")
 
 
 def graph_ops():
@@ -49,6 +75,4 @@ def graph_ops():
     where the moves are not emitted."""
     if not _active():
         return None
-    import torch_xla.experimental.stablehlo_custom_call  # noqa: F401 - registers the ops
-
-    return torch.ops.xla.place_to_host.default, torch.ops.xla.place_to_device.default
+    return _ops()

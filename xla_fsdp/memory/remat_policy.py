@@ -158,3 +158,28 @@ def saved_modules(block: nn.Module, policy: RematPolicy, where: Optional[str] = 
             "[Note: recomputation policies] in xla_fsdp/memory/remat_policy.py says how roles are named; "
             "choose a policy whose roles the block has (\"minimal\" saves every matmul)")
     return [m for _, m, r in found if r in policy.saves]
+
+
+# What the step's blocks got, for the ahead-of-time check's report (aot/capture.py writes it): by
+# the block's class, where it runs and its policy's name, the blocks (by id) that ran so.
+_APPLIED: Dict[Tuple[str, str, str], set] = {}
+
+
+def note_applied(blocks, policy: Optional[RematPolicy], where: str = "checkpointed") -> None:
+    """Record that `blocks` (a module or several alike) ran under `policy` (None: kept by
+    checkpoint_all_but_last); `where`: "checkpointed" or "scanned"."""
+    blocks = [blocks] if isinstance(blocks, nn.Module) else list(blocks)
+    name = policy.name if policy is not None else "kept (checkpoint_all_but_last)"
+    key = (original_class(blocks[0]).__name__, where, name)
+    _APPLIED.setdefault(key, set()).update(id(b) for b in blocks)
+
+
+def applied() -> List[dict]:
+    """The records so far: [{"block", "where", "policy", "count", "saves"}]."""
+    return [{"block": b, "where": w, "policy": p, "count": len(ids),
+             "saves": POLICIES[p].describe() if p in POLICIES else "keeps every activation"}
+            for (b, w, p), ids in sorted(_APPLIED.items())]
+
+
+def forget_applied() -> None:
+    _APPLIED.clear()

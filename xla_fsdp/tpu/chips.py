@@ -36,6 +36,7 @@ class Chip:
     megacore: bool             # two TensorCores driven as one device; accelerator types count cores
     source: str
     dcn_bytes_per_s: float = 0.0  # the chip's share of its host's data-center network (Multislice)
+    host_dram_bytes_per_chip: int = 0  # the chip's share of its host's DRAM (host offload); 0: no cited figure
 
     @property
     def ici_bytes_per_s(self) -> float:
@@ -53,8 +54,9 @@ CHIPS: Dict[str, Chip] = {
     # V5E_DOCS: "Peak compute per chip (bf16) 197 TFLOPs", "HBM2 capacity and bandwidth 16 GB,
     # 819 GBps", "Bidirectional ICI bandwidth (per chip) 400 GBps" = 4 ports x 50 GB/s each way.
     # DCN: V6E_DOCS's v5e column, "Per-host NIC configuration 2 x 100 Gbps NIC", "Chips per host 8".
+    # Host DRAM: V6E_DOCS's v5e column, "DRAM per host 512 GiB", "Chips per host 8".
     "v5e": Chip("v5e", "TPU v5 lite", 16 * GIB, 819e9, 197e12, 5e10, 4, False, V5E_DOCS,
-                dcn_bytes_per_s=2 * 100e9 / 8 / 8),
+                dcn_bytes_per_s=2 * 100e9 / 8 / 8, host_dram_bytes_per_chip=512 * GIB // 8),
     # V5P_DOCS: "Peak compute per chip (bf16) 459 TFLOPs", "HBM2e capacity and bandwidth 95GB,
     # 2765 GBps", "Interchip Interconnect BW 4800 Gbps" = 6 links x 100 GB/s.
     # DCN: V5P_DOCS, "Data center network (DCN) bandwidth per chip (Gbps) 50".
@@ -63,6 +65,7 @@ CHIPS: Dict[str, Chip] = {
     # "HBM bandwidth per chip 1640 GBps", "Bidirectional ICI bandwidth (per chip) 800 GBps" over
     # "ICI ports per chip 4" = 100 GB/s each way per port.
     # DCN: V6E_DOCS, "Per-host NIC configuration 4 x 200 Gbps NIC", "Chips per host 8".
+    # Host DRAM: V6E_DOCS, "DRAM per host 1536 GiB", "Chips per host 8".
     "v6e": Chip("v6e", "TPU v6 lite", 32 * GIB, 1640e9, 918e12, 1e11, 4, False, V6E_DOCS,
-                dcn_bytes_per_s=4 * 200e9 / 8 / 8),
+                dcn_bytes_per_s=4 * 200e9 / 8 / 8, host_dram_bytes_per_chip=1536 * GIB // 8),
 }

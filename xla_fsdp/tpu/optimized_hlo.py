@@ -87,7 +87,7 @@ def computations(text: str) -> Dict[str, List[Instruction]]:
             if m and not stripped.startswith("HloModule"):
                 current = out.setdefault("ENTRY" if m.group(1) else m.group(2), [])
             continue
-        if stripped == "}":
+        if stripped == "}" or stripped.startswith("}, execution_thread="):  # host computations (offload)
             current = None
             continue
         m = _INSTR.match(line)

@@ -49,7 +49,7 @@ from xla_fsdp.unit_state import state_of
 from xla_fsdp.collective_engine.param_group import FSDPParamGroup
 from xla_fsdp.collective_engine.precision import cast_inputs
 from xla_fsdp.memory import host_offload
-from xla_fsdp.memory.remat_policy import policy_of, saved_modules
+from xla_fsdp.memory.remat_policy import note_applied, policy_of, saved_modules
 from xla_fsdp.memory.saved_outputs import capturing, substituting
 
 # (full parameters by site name, buffers by name, hidden, key, the other tensors) -> hidden output
@@ -302,6 +302,7 @@ def run_loop(scan_run, args: tuple, kwargs: dict) -> Any:
         group = stack.loop_group
         group.grad_factor = stack.group.grad_factor
     policy = policy_of(layers[0])  # [Note: recomputation policies]
+    note_applied(layers, policy, "scanned")
     mp = states[0].options.mixed_precision
     if mp.enabled:  # [Note: every unit casts its own inputs]
         args, kwargs = cast_inputs(mp, args, kwargs)

@@ -24,7 +24,7 @@ from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanRun, no_cache_by
 from xla_fsdp.layer_scan.scanned_list import ScanSettings as _Shared
 from xla_fsdp.layer_scan.stored_stacks import SUFFIX
 from xla_fsdp.layer_scan.gspmd.stacked import stacked_view, store_stacked
-from xla_fsdp.memory.remat_policy import FULL, RematPolicy, saved_modules
+from xla_fsdp.memory.remat_policy import FULL, RematPolicy, note_applied, saved_modules
 
 
 ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
@@ -101,6 +101,8 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     policy = (settings.policy or FULL) if recompute else None
     marked = saved_modules(template, policy, run.owner._scan_where) if policy is not None else []
     offload = policy is not None and policy.offload
+    if policy is not None:
+        note_applied(run.layers, policy, "scanned")
 
     def one_layer(hidden: torch.Tensor, x):
         tensors, extra, key = x

@@ -1,0 +1,119 @@
+"""What a step moves between HBM and the host's memory, read from libtpu's optimized program.
+
+[Note: host transfers in libtpu's program]
+An offloaded recomputation policy ([Note: host offload] in memory/host_offload.py) annotates
+saved activations for host memory. libtpu 0.0.21 places them in memory space 5 (layouts ending
+`S(5)`) and moves them with asynchronous instructions: a `dynamic-update-slice-start` into an S(5)
+buffer writes one layer's slice to the host (a scanned loop's saved stack, or libtpu's own
+unrolled copy of it), a `dynamic-slice-start` from one reads a slice back, and a `copy-start`
+whose destination or source is in S(5) moves a whole buffer (unscanned blocks). Each is
+waited for by its `-done`; what the core computes in between hides it.
+
+Read here: the bytes each way (a While body's moves once per trip), how many moves have a matmul
+scheduled beside them, and the host buffers the program allocates in S(5) per chip. The PCIe
+time is PROJECTED at `PCIE_BYTES_PER_S` per chip, each direction on its own (PCIe is full
+duplex), and set beside the step: the step's projection does not charge the moves, so a move
+that outlasts the step's compute would lengthen it and the report says so.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List
+
+from xla_fsdp.tpu import optimized_hlo as oh
+
+HOST = "S(5)"
+# The JAX scaling book ("How to think about TPUs", its worked problem on a v6e's PCIe: 1.5e10
+# bytes/s between host and chip); assumed for every generation, as no TPU page gives a figure.
+PCIE_BYTES_PER_S = 1.5e10
+PCIE_SOURCE = "the JAX scaling book's v6e host link, 1.5e10 bytes/s each way (assumed for every chip)"
+_ARRAY = re.compile(r"([a-z]+[0-9]*\[[0-9,]*\]\{[^}]*\})")
+_STARTS = ("dynamic-update-slice-start", "dynamic-slice-start", "copy-start")
+
+
+@dataclass
+class HostTransfers:
+    to_host_bytes: int = 0
+    to_device_bytes: int = 0
+    moves: int = 0
+    with_matmul: int = 0           # moves with a matmul scheduled between start and done
+    host_buffer_bytes: int = 0     # S(5) buffers the program allocates, per chip
+    pcie_seconds: float = 0.0      # PROJECTED: the busier direction at PCIE_BYTES_PER_S
+    in_loops: List[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _arrays(shape: str) -> List[tuple]:
+    """(bytes, on the host) of each array in an HLO shape string, in order."""
+    out = []
+    for text in _ARRAY.findall(shape):
+        size = oh.shape_bytes(text)
+        out.append((size[0] if size else 0, HOST in text))
+    return out
+
+
+def _move(ins: oh.Instruction):
+    """(bytes, to the host?) of an asynchronous move between HBM and host memory, else None."""
+    if ins.opcode not in _STARTS or HOST not in ins.shape:
+        return None
+    arrays = [a for a in _arrays(ins.shape) if a[0] > 8]  # not the indices or the context
+    device_side = [b for b, host in arrays if not host]
+    if not device_side:
+        return None
+    if ins.opcode == "copy-start":  # (destination, source, context)
+        return device_side[0], arrays[0][1]
+    return device_side[0], ins.opcode == "dynamic-update-slice-start"
+
+
+def _read(comp: List[oh.Instruction], comps: Dict[str, List[oh.Instruction]], times: int, out: HostTransfers):
+    for pos, ins in enumerate(comp):
+        move = _move(ins)
+        if move is None:
+            continue
+        size, to_host = move
+        if to_host:
+            out.to_host_bytes += size * times
+        else:
+            out.to_device_bytes += size * times
+        out.moves += times
+        done = next((p for p in range(pos + 1, len(comp)) if ins.name in comp[p].operands), None)
+        if done is not None and any(oh._holds_matmul(i, comps) for i in comp[pos + 1:done]):
+            out.with_matmul += times
+
+
+def _buffers(comp: List[oh.Instruction]) -> int:
+    """Bytes of the host buffers `comp` writes: each chain of slice writes into one S(5) buffer
+    counted once (a write into the previous write's result continues its chain), and each copy to
+    the host."""
+    done_of = {ins.operands[0]: ins.name for ins in comp if ins.opcode.endswith("-done") and ins.operands}
+    continued = {done_of[ins.name] for ins in comp if ins.opcode == "dynamic-update-slice-start" and ins.name in done_of}
+    total = 0
+    for ins in comp:
+        move = _move(ins)
+        if move is None or not move[1]:
+            continue
+        if ins.opcode == "copy-start":
+            total += move[0]
+        elif not (ins.operands and ins.operands[0] in continued):
+            total += next((b for b, host in _arrays(ins.shape) if host), 0)
+    return total
+
+
+def read(text: str, step_seconds: float = 0.0) -> HostTransfers:
+    """The step's moves between HBM and host memory ([Note: host transfers in libtpu's program])."""
+    comps = oh.computations(text)
+    out = HostTransfers()
+    entry = comps.get("ENTRY", [])
+    _read(entry, comps, 1, out)
+    for loop in oh.while_loops(text):
+        before = out.moves
+        _read(comps.get(loop["body"], []), comps, loop["trip_count"] or 1, out)
+        if out.moves > before and not loop["trip_count"]:
+            out.in_loops.append(loop["name"])
+    for comp in [entry] + [comps.get(loop["body"], []) for loop in oh.while_loops(text)]:
+        out.host_buffer_bytes += _buffers(comp)
+    out.pcie_seconds = max(out.to_host_bytes, out.to_device_bytes) / PCIE_BYTES_PER_S
+    return out
