@@ -146,3 +146,52 @@ def test_a_restarted_job_keeps_the_count_its_first_run_chose(monkeypatch, tmp_pa
     other = fit.FitPlan()
     first_step(other, 101)  # another batch or model: not this job's count
     assert other.resolve(units) == 0
+
+
+def test_fit_policies_spend_the_room_on_matmuls_before_whole_blocks():
+    """[Note: a policy per block]: from the last unit backwards, the richest policy the room holds;
+    then units with "minimal" keep everything while a whole unit's rest fits; never the first."""
+    roles = [{"qkv": 3, "out": 1, "mlp": 8}] * 4  # minimal 12, save_dot_except_mlp 4, save_qkv_proj 3
+    saved = [20] * 4  # a kept unit: 8 more than minimal
+    k = fit.SAVED_TO_KEPT
+    assert fit.fit_policies(saved, roles, 0) == ["full"] * 4
+    assert fit.fit_policies(saved, roles, 7 * k) == ["full", "full", "save_qkv_proj", "save_dot_except_mlp"]
+    assert fit.fit_policies(saved, roles, 48 * k) == ["minimal"] * 4
+    assert fit.fit_policies(saved, roles, 64 * k) == ["minimal", "minimal", "none", "none"]
+    assert fit.fit_policies(saved, roles, 10 ** 6) == ["minimal", "none", "none", "none"]  # the first recomputes
+
+
+def test_remat_policy_fit_measures_then_gives_each_block_a_policy(monkeypatch):
+    """remat_policy="fit" on GPT-2's blocks: the first step recomputes every block and measures its
+    matmul outputs by role; with room for every block's matmuls and one whole block, the last keeps
+    everything and the others save every matmul; the gradients stay those of no recomputation."""
+    from xla_fsdp.memory.remat_policy import policy_of
+
+    ref_model = FSDP(_model(3), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]))
+    ref = [_step(ref_model, s) for s in range(3)]
+    model = FSDP(_model(3), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
+                 activation_checkpointing=True, remat_policy="fit")
+    got = [_step(model, 0)]
+    plan = state_of(model).fit_plan
+    blocks = list(model.transformer.h)
+    roles = [plan.roles[id(b)] for b in blocks]
+    saved = [plan.saved[id(b)] for b in blocks]
+    # GPT-2 names its fused q/k/v c_attn, its output projections c_proj (attn's: "out"; mlp's: not saved)
+    assert set(roles[0]) == {"qkv", "out", "mlp", "mlp_out"} and roles[0]["qkv"] == 3 * roles[0]["out"], roles
+    minimal = sum(roles[0][r] for r in ("qkv", "out", "mlp"))
+    room = fit.SAVED_TO_KEPT * (3 * minimal + (saved[2] - minimal)) + 4096  # all minimal, then the last whole
+    peak = 10 * GIB
+    monkeypatch.setenv(device_figures.MEMORY_ENV, json.dumps({"peak": peak, "limit": int((peak + room) / fit.HEADROOM)}))
+    got += [_step(model, 1), _step(model, 2)]
+    assert [policy_of(b).name for b in blocks[:2]] == ["minimal", "minimal"] and _kept(model) == [False, False, True]
+    for want, have in zip(ref, got):
+        for name in want:
+            torch.testing.assert_close(have[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_remat_policy_fit_is_refused_where_it_cannot_choose():
+    model = FSDP(_model(2), auto_wrap_policy=xla_fsdp.wrap.transformer_policy(["GPT2Block"]),
+                 activation_checkpointing=True, remat_policy="fit", checkpoint_all_but_last=1)
+    x, _ = batch("gpt2", 0)
+    with pytest.raises(ValueError, match=r"remat_policy=\"fit\" chooses .* drop checkpoint_all_but_last"):
+        model(x.to(torch_xla.device()))

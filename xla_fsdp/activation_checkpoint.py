@@ -49,7 +49,7 @@ from .class_swap import mix_into, unmix
 from .memory.fit import FitPlan, is_fit
 from .memory import host_offload
 from .memory.kept_bytes import saved_bytes
-from .memory.remat_policy import note_applied, policy_of, saved_modules
+from .memory.remat_policy import note_applied, policy_of, role_bytes, saved_modules, set_policy
 from .memory.saved_outputs import capturing, substituting
 from .recompute_context import ForwardState
 from .unit_state import state_of
@@ -155,7 +155,7 @@ class _Checkpoint(torch.autograd.Function):
         finally:
             _local.depth -= 1
         if plan is not None:
-            plan.record(ctx.unit, saved_bytes_now["bytes"])
+            plan.record(ctx.unit, saved_bytes_now["bytes"], saved_bytes_now.get("roles"))
         out_leaves, _ = tree_flatten(out)
         outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
@@ -167,10 +167,14 @@ class _Checkpoint(torch.autograd.Function):
         return (None,) * 8 + input_grads + (None,) * ctx.num_params
 
 
+@contextlib.contextmanager
 def _measured(plan, unit):
     if plan is None or plan.count is not None:
-        return contextlib.nullcontext({"bytes": 0})
-    return saved_bytes(unit)
+        yield {"bytes": 0}
+        return
+    with saved_bytes(unit) as got, role_bytes(unit) as roles:
+        yield got
+    got["roles"] = roles  # [Note: a policy per block] in memory/fit.py
 
 
 def _optimization_barrier(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -238,8 +242,21 @@ def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
     `agree(n)`: the smallest n of every process). Called by the root before each forward, after
     foreign checkpoints are converted."""
     others = [u for u in units if u is not root]
+    by_policy = policy_of(root).name == "fit"  # [Note: a policy per block] in memory/fit.py
+    if by_policy:
+        if count not in (0, None) and not is_fit(count):
+            raise ValueError(f"remat_policy=\"fit\" chooses what each checkpointed unit keeps, and "
+                             f"checkpoint_all_but_last={count!r} too; drop checkpoint_all_but_last")
+        count = "fit"
     if is_fit(count):
-        count = _fitted(root, [u for u in others if state_of(u).checkpointed], agree)
+        checkpointed = [u for u in others if state_of(u).checkpointed]
+        count = _fitted(root, checkpointed, agree, by_policy)
+        plan = state_of(root).fit_plan
+        if by_policy and plan is not None and plan.assigned is not None:
+            for u, name in zip(checkpointed, plan.assigned):
+                set_policy(u, "full" if name == "none" else name)
+                state_of(u).keeps_activations = name == "none"
+            return
         if not count:
             for u in others:
                 state_of(u).keeps_activations = False
@@ -263,16 +280,17 @@ def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
         state_of(u).keeps_activations = i >= len(checkpointed) - count
 
 
-def _fitted(root: nn.Module, checkpointed, agree) -> int:
+def _fitted(root: nn.Module, checkpointed, agree, by_policy: bool = False) -> int:
     """The count "fit" gives for this forward; the units are measured until it is known."""
     if not checkpointed:
-        raise ValueError("checkpoint_all_but_last=\"fit\", but no unit is checkpointed: turn on "
+        what = "remat_policy" if by_policy else "checkpoint_all_but_last"
+        raise ValueError(f"{what}=\"fit\", but no unit is checkpointed: turn on "
                          "activation_checkpointing=True (xla_fsdp_grad_ckpt in a Hugging Face fsdp_config), "
-                         "or drop checkpoint_all_but_last")
+                         f"or drop {what}")
     state = state_of(root)
     plan = getattr(state, "fit_plan", None)
     if plan is None:
-        plan = state.fit_plan = FitPlan(agree)
+        plan = state.fit_plan = FitPlan(agree, policies=by_policy)
     count = plan.resolve(checkpointed)
     for u in checkpointed:
         state_of(u).fit_plan = plan if plan.count is None else None

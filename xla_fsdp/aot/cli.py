@@ -202,6 +202,7 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     keep = ("memory", "projection", "compile_seconds", "trace_seconds")
     second["fit"] = {"count": chosen["count"], "units": chosen["units"], "saved_per_unit": chosen["saved"],
                      "saved_to_kept": chosen["saved_to_kept"], "headroom": chosen["headroom"],
+                     "policies": chosen.get("policies"),
                      "every_unit_recomputed": {k: result[k] for k in keep if k in result}}
     return text, second, again
 
@@ -306,15 +307,15 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own),
                                tensors=tensors, keep_in=workdir, with_curve=bool(opts.timeline))
     result["trace_seconds"] = round(traced_s, 1)
-    recompute = os.path.join(workdir, RECOMPUTE)
-    if os.path.exists(recompute):  # [Note: recomputation policies]
-        with open(recompute) as f:
-            result["recompute"] = json.load(f)
     result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
     fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
     traced_in = workdir
     if fitted is not None:
         text, result, traced_in = fitted
+    recompute = os.path.join(traced_in, RECOMPUTE)
+    if os.path.exists(recompute):  # [Note: recomputation policies]: what the reported step's blocks saved
+        with open(recompute) as f:
+            result["recompute"] = json.load(f)
     result["runtime"] = job.runtime
     result["script"] = job.script
     if _rings_to_retry(result, text, job, spec, opts):

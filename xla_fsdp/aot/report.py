@@ -303,8 +303,11 @@ def _render_one(r: dict) -> str:
     if f:  # [Note: keep what fits] in xla_fsdp/memory/fit.py
         first = f["every_unit_recomputed"]
         was = first.get("projection", {}).get("projected_seconds")
-        lines.append(f"checkpoint_all_but_last=\"fit\": the last {f['count']} of {f['units']} checkpointed units keep "
-                     f"their activations on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
+        what = (f"remat_policy=\"fit\": the {f['units']} checkpointed units save {', '.join(f['policies'])} "
+                "(forward order)" if f.get("policies") else
+                f"checkpoint_all_but_last=\"fit\": the last {f['count']} of {f['units']} checkpointed units keep "
+                "their activations")
+        lines.append(f"{what} on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
                      + (f", PROJECTED {was:.3f} s" if was else "") + ")")
     c = r["collectives"]
     async_share = _share(c["async_bytes_fraction"] * c["bytes"], c["bytes"])

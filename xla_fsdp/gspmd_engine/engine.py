@@ -98,6 +98,9 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
       remat_policy: with activation_checkpointing, what each checkpointed unit saves for its
         backward ([Note: recomputation policies] in memory/remat_policy.py); default "full".
     """
+    if remat_policy is not None and policy_named(remat_policy).name == "fit":
+        raise ValueError("remat_policy=\"fit\" chooses each unit's policy from the chip's memory on the collectives "
+                         "engine only; name a policy for the GSPMD engine (e.g. \"save_dot_except_mlp\")")
     mesh = _checked_mesh(module, mesh, batch_axes)
     device = torch_xla.device()
     inner = [m for unit in applied_units for m in unit.modules()]

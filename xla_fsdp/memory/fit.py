@@ -70,20 +70,60 @@ def keep_count(saved: Sequence[int], peak: int, limit: int, headroom: float = HE
     return count
 
 
-class FitPlan:
-    """The root's "fit": bytes measured per unit in the first step, then the count, once."""
+# [Note: a policy per block] `remat_policy="fit"` chooses, per checkpointed unit, what it saves: with
+# the room "fit" measures, every unit from the last backwards gets the richest policy the room still
+# holds, "minimal" (every matmul's output), else "save_dot_except_mlp", else "save_qkv_proj", else
+# "full" (a policy costs the bytes of the outputs it saves, measured by role in the first step's
+# recomputations); then, from the last backwards, units holding "minimal" keep everything ("none")
+# while the rest of a whole unit's bytes fits. Saved matmul outputs cost a fraction of a kept unit
+# and skip most of its recomputed FLOPs, so the room goes to many units' matmuls before a few
+# units' whole activations. The first unit never keeps everything, as with a count.
+LADDER = ("minimal", "save_dot_except_mlp", "save_qkv_proj")
+_ROLES_OF = {"minimal": ("qkv", "out", "mlp", "other"), "save_dot_except_mlp": ("qkv", "out"),
+             "save_qkv_proj": ("qkv",)}
 
-    def __init__(self, agree: Optional[Callable[[int], int]] = None):
+
+def fit_policies(saved: Sequence[int], roles: Sequence[Dict[str, int]], room: float,
+                 saved_to_kept: float = SAVED_TO_KEPT) -> List[str]:
+    """[Note: a policy per block]: each unit's policy name (forward order) within `room` bytes."""
+    names = ["full"] * len(saved)
+    costs = [{name: saved_to_kept * sum(r.get(role, 0) for role in _ROLES_OF[name]) for name in LADDER}
+             for r in roles]
+    for i in reversed(range(len(saved))):
+        for name in LADDER:
+            if 0 < costs[i][name] <= room:
+                names[i], room = name, room - costs[i][name]
+                break
+    for i in reversed(range(1, len(saved))):
+        if names[i] != "minimal":
+            break
+        extra = max(saved_to_kept * saved[i] - costs[i]["minimal"], 0)
+        if extra > room:
+            break
+        names[i], room = "none", room - extra
+    return names
+
+
+class FitPlan:
+    """The root's "fit": bytes measured per unit in the first step, then the count, once (with
+    `policies`, each unit's policy too: [Note: a policy per block])."""
+
+    def __init__(self, agree: Optional[Callable[[int], int]] = None, policies: bool = False):
         self.saved: Dict[int, int] = {}  # id(unit) -> what it would hold, measured in its recomputation
+        self.roles: Dict[int, Dict[str, int]] = {}  # id(unit) -> its matmuls' output bytes by role
+        self.policies = policies
+        self.assigned: Optional[List[str]] = None  # with `policies`: each unit's, in forward order
         self.count: Optional[int] = None
         self.figures: Optional[Dict] = None
         self._agree = agree
         self._before: Optional[Before] = None
         self._steps = 0
 
-    def record(self, unit, size: int) -> None:
+    def record(self, unit, size: int, roles: Optional[Dict[str, int]] = None) -> None:
         if self.count is None:
             self.saved[id(unit)] = max(size, self.saved.get(id(unit), 0))
+            if roles is not None:
+                self.roles[id(unit)] = roles
 
     def resolve(self, units: List, read: Optional[Callable[[], Dict[str, int]]] = None) -> int:
         """The count for this forward: 0 until every unit was measured in a step that ended (an
@@ -98,22 +138,36 @@ class FitPlan:
             return 0  # the first step: every unit recomputes and is measured
         saved = [self.saved[id(u)] for u in units]
         stored = _stored(saved)
+        if stored is not None and (stored.get("policies") is not None) != self.policies:
+            stored = None  # chosen for the other kind of "fit"
         found = device_figures(self._before, read) if stored is None else None
         if found is not None and found.get("pending"):
             return 0
         if stored is not None:
             count, self.figures = stored["count"], stored.get("figures")
+            self.assigned = stored.get("policies")
         elif found is None:
             _log.warning("checkpoint_all_but_last=\"fit\": no memory figures for this device (XLA:CPU has "
                          "none; set %s to give them), so every checkpointed unit keeps recomputing", MEMORY_ENV)
             count = 0
+        elif self.policies:  # [Note: a policy per block]: every process the smallest room (KiB)
+            room = int(max(HEADROOM * found["limit"] - found["peak"], 0)) >> 10
+            if self._agree is not None and found["source"] != MEMORY_ENV:
+                room = self._agree(room)
+            self.assigned = fit_policies(saved, [self.roles.get(id(u), {}) for u in units], room << 10)
+            count, self.figures = self.assigned.count("none"), found
         else:
             count, self.figures = keep_count(saved, found["peak"], found["limit"]), found
-        if self._agree is not None and found is not None and found["source"] != MEMORY_ENV:
+        if self._agree is not None and found is not None and found["source"] != MEMORY_ENV and not self.policies:
             count = self._agree(count)  # figures read on each process may differ by a little
         self.count = count
-        if found is not None:
-            _store(saved, count, found)
+        if found is not None and self.assigned is not None:
+            _store(saved, count, found, self.assigned)
+            _log.warning("remat_policy=\"fit\": the %d checkpointed units save %s (forward order; later steps' "
+                         "peak %.2f GiB of %.2f, from %s)", len(units), ", ".join(self.assigned),
+                         found["peak"] / 2 ** 30, found["limit"] / 2 ** 30, found["source"])
+        elif found is not None:
+            _store(saved, count, found, self.assigned)
             _log.warning("checkpoint_all_but_last=\"fit\": the last %d of %d checkpointed units keep their "
                          "activations (later steps' peak %.2f GiB of %.2f, from %s; %.2f GiB a unit)",
                          count, len(units), found["peak"] / 2 ** 30, found["limit"] / 2 ** 30, found["source"],
@@ -165,13 +219,13 @@ def _stored(saved: List[int]) -> Optional[Dict]:
     return record if record.get("job") == _job(saved) else None
 
 
-def _store(saved: List[int], count: int, found: Dict) -> None:
+def _store(saved: List[int], count: int, found: Dict, policies: Optional[List[str]] = None) -> None:
     path = _stored_path()
     if found["source"] == MEMORY_ENV or not path or not os.path.isdir(os.path.dirname(path)):
         return  # figures handed in (the check, tests) are not this device's
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:  # whole or not at all
-        json.dump({"job": _job(saved), "count": count, "figures": found}, f)
+        json.dump({"job": _job(saved), "count": count, "figures": found, "policies": policies}, f)
     os.replace(tmp, path)
 
 
@@ -181,4 +235,4 @@ def _report(plan: FitPlan, saved: List[int]) -> None:
         return
     with open(path, "w") as f:
         json.dump({"count": plan.count, "units": len(saved), "saved": saved, "figures": plan.figures,
-                   "saved_to_kept": SAVED_TO_KEPT, "headroom": HEADROOM}, f)
+                   "saved_to_kept": SAVED_TO_KEPT, "headroom": HEADROOM, "policies": plan.assigned}, f)

@@ -14,6 +14,7 @@ input. The names follow MaxText's `remat_policy` where one exists:
 | "save_dot_except_mlp" | every matmul but the MLP's: q, k, v and the output projection |
 | "minimal"             | every matmul's output (attention's and the MLP's) but one     |
 | "none"                | everything: the block is not recomputed                       |
+| "fit"                 | per block, what HBM holds ([Note: a policy per block], fit.py) |
 
 and "offload" variants whose saved tensors wait in the host's memory instead of HBM
 ([Note: host offload] in host_offload.py): "full_offloaded" (the block's input),
@@ -36,9 +37,11 @@ XLA drops the matmul itself, whose value nothing reads ([Note: saved outputs] in
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
 from xla_fsdp.class_swap import original_class
@@ -81,6 +84,9 @@ POLICIES: Dict[str, RematPolicy] = {p.name: p for p in (
     RematPolicy("full_offloaded", frozenset(), offload=True),
     RematPolicy("qkv_proj_offloaded", frozenset({QKV}), offload=True),
     RematPolicy("minimal_offloaded", _EVERY, offload=True),
+    # the collectives engine's root: each unit's policy from HBM ([Note: a policy per block] in fit.py);
+    # "full" until the first step has measured
+    RematPolicy("fit", frozenset()),
 )}
 FULL = POLICIES["full"]
 NAMES: Tuple[str, ...] = tuple(POLICIES)
@@ -183,3 +189,22 @@ def applied() -> List[dict]:
 
 def forget_applied() -> None:
     _APPLIED.clear()
+
+
+@contextlib.contextmanager
+def role_bytes(block: nn.Module) -> Iterator[Dict[str, int]]:
+    """The bytes of `block`'s matmul outputs by role while it runs (what each policy would save)."""
+    out: Dict[str, int] = {}
+
+    def hook(role_name):
+        def count(_module, _args, output):
+            if isinstance(output, torch.Tensor):
+                out[role_name] = out.get(role_name, 0) + output.numel() * output.element_size()
+        return count
+
+    handles = [m.register_forward_hook(hook(r)) for _, m, r in matmuls(block)]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()

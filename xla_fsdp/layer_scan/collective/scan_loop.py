@@ -124,6 +124,10 @@ def _check_run(layers, states, where: str) -> None:
                 "collectives engine's scanned loop recomputes every layer. Turn on activation "
                 "checkpointing for the layers (activation_checkpointing=True, fsdp_config "
                 "\"xla_fsdp_grad_ckpt\": true; no checkpoint_all_but_last) or turn scan_layers off.")
+        if policy_of(layers[index]).name == "fit":
+            raise ValueError(f"scan_layers: layer {index} of {where} has remat_policy=\"fit\", which chooses per "
+                             "unit; the scanned layers run one program and share one policy. Name a policy "
+                             "(e.g. \"save_dot_except_mlp\") or turn scan_layers off.")
         if policy_of(layers[index]).keeps_all:
             raise ValueError(f"scan_layers: layer {index} of {where} has remat_policy=\"none\" (keep every "
                              "activation); the collectives engine's scanned loop recomputes every layer. Give a "
