@@ -99,6 +99,14 @@ def test_an_unknown_policy_name_lists_the_names():
                           "xla_fsdp_settings": {"remat_policy": "minimal"}})
 
 
+def test_a_policy_without_checkpointing_is_refused():
+    model = FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch_xla.device()),
+                 auto_wrap_policy=xla_fsdp.wrap.transformer_policy([nn.Linear]), remat_policy="minimal")
+    with pytest.raises(ValueError, match=r"remat_policy='minimal' says what checkpointed units save, and no unit "
+                                         r"is checkpointed: turn on activation_checkpointing=True"):
+        model(torch.ones(2, 8, device=torch_xla.device()))
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()

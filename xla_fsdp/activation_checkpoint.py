@@ -49,7 +49,7 @@ from .class_swap import mix_into, unmix
 from .memory.fit import FitPlan, is_fit
 from .memory import host_offload
 from .memory.kept_bytes import saved_bytes
-from .memory.remat_policy import note_applied, policy_of, role_bytes, saved_modules, set_policy
+from .memory.remat_policy import given, note_applied, policy_of, role_bytes, saved_modules, set_policy
 from .memory.saved_outputs import capturing, substituting
 from .recompute_context import ForwardState
 from .unit_state import state_of
@@ -242,6 +242,10 @@ def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
     `agree(n)`: the smallest n of every process). Called by the root before each forward, after
     foreign checkpoints are converted."""
     others = [u for u in units if u is not root]
+    if not any(state_of(u).checkpointed for u in others) and any(given(u) for u in units):
+        raise ValueError(f"remat_policy={policy_of(next(u for u in units if given(u))).name!r} says what "
+                         "checkpointed units save, and no unit is checkpointed: turn on activation_checkpointing=True "
+                         "(xla_fsdp_grad_ckpt in a Hugging Face fsdp_config), or drop remat_policy")
     by_policy = policy_of(root).name == "fit"  # [Note: a policy per block] in memory/fit.py
     if by_policy:
         if count not in (0, None) and not is_fit(count):

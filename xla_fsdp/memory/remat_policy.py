@@ -117,6 +117,11 @@ def policy_of(module: nn.Module) -> RematPolicy:
     return module.__dict__.get(_KEY, FULL)
 
 
+def given(module: nn.Module) -> bool:
+    """Whether `module` was given a policy other than "full"."""
+    return _KEY in module.__dict__ and module.__dict__[_KEY] is not FULL
+
+
 _ATTENTION_WORDS = ("attn", "attention")
 _MLP_WORDS = ("mlp", "ffn", "feed_forward", "feedforward")
 _OUT_NAMES = frozenset({"o_proj", "out_proj", "c_proj", "dense", "wo", "o", "proj", "out", "output"})
