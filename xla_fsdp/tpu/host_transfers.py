@@ -10,7 +10,8 @@ whose destination or source is in S(5) moves a whole buffer (unscanned blocks). 
 waited for by its `-done`; what the core computes in between hides it.
 
 Read here: the bytes each way (a While body's moves once per trip), how many moves have a matmul
-scheduled beside them, and the host buffers the program allocates in S(5) per chip. The PCIe
+scheduled beside them, and the host buffers the program makes in S(5) per chip (an upper bound: a host-side copy
+libtpu makes of a buffer counts beside the buffer). The PCIe
 time is PROJECTED at `PCIE_BYTES_PER_S` per chip, each direction on its own (PCIe is full
 duplex), and set beside the step: the step's projection does not charge the moves, so a move
 that outlasts the step's compute would lengthen it and the report says so.
@@ -84,22 +85,15 @@ def _read(comp: List[oh.Instruction], comps: Dict[str, List[oh.Instruction]], ti
             out.with_matmul += times
 
 
+_CREATORS = ("custom-call", "custom-call-done", "copy-done", "broadcast", "fusion")
+
+
 def _buffers(comp: List[oh.Instruction]) -> int:
-    """Bytes of the host buffers `comp` writes: each chain of slice writes into one S(5) buffer
-    counted once (a write into the previous write's result continues its chain), and each copy to
-    the host."""
-    done_of = {ins.operands[0]: ins.name for ins in comp if ins.opcode.endswith("-done") and ins.operands}
-    continued = {done_of[ins.name] for ins in comp if ins.opcode == "dynamic-update-slice-start" and ins.name in done_of}
-    total = 0
-    for ins in comp:
-        move = _move(ins)
-        if move is None or not move[1]:
-            continue
-        if ins.opcode == "copy-start":
-            total += move[0]
-        elif not (ins.operands and ins.operands[0] in continued):
-            total += next((b for b, host in _arrays(ins.shape) if host), 0)
-    return total
+    """Bytes of the host buffers `comp` makes: S(5) results of libtpu's AllocateBuffer, of its
+    host-side copies (HostExecute's done), of copies to the host and of fills; slice writes into a
+    buffer and the loops carrying it make none."""
+    return sum(b for ins in comp if ins.opcode in _CREATORS and HOST in ins.shape and not ins.shape.startswith("(")
+               for b, host in _arrays(ins.shape) if host)
 
 
 def read(text: str, step_seconds: float = 0.0) -> HostTransfers:
