@@ -110,7 +110,8 @@ def test_every_llama_config_loads_through_run_clm_and_counts(path):
     assert c.model_type == "llama" and type(c).__name__ == "LlamaConfig"
     assert c.hidden_size % c.num_attention_heads == 0 and c.num_attention_heads % c.num_key_value_heads == 0
     assert 0 <= c.bos_token_id < c.vocab_size and 0 <= c.eos_token_id < c.vocab_size
-    assert not c.tie_word_embeddings and c.rope_parameters["rope_theta"] == 500000.0 and c.rms_norm_eps == 1e-5
+    theta = 10000.0 if os.path.basename(path).startswith("llama2") else 500000.0  # Llama 2's RoPE base
+    assert not c.tie_word_embeddings and c.rope_parameters["rope_theta"] == theta and c.rms_norm_eps == 1e-5
     with torch.device("meta"):
         model = LlamaForCausalLM(c)
     counted = sum(p.numel() for p in model.parameters())
@@ -127,6 +128,8 @@ def test_llama3_configs_have_the_published_shapes():
     assert shape(load_config(os.path.join(models, "llama3-8b.json"))) == (4096, 32, 32, 8, 14336, 128256)
     assert shape(load_config(os.path.join(models, "llama3-70b.json"))) == (8192, 80, 64, 8, 28672, 128256)
     assert load_config(os.path.join(models, "llama3-8b.json")).max_position_embeddings == 8192
+    assert shape(load_config(os.path.join(models, "llama3-405b.json"))) == (16384, 126, 128, 8, 53248, 128256)
+    assert shape(load_config(os.path.join(models, "llama2-70b.json"))) == (8192, 80, 64, 8, 28672, 32000)
 
 
 @pytest.mark.parametrize("name,spmd", [("tiny_cpu_llama.json", False), ("tiny_cpu_llama_v2.json", True),
