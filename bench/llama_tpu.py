@@ -36,6 +36,14 @@ MEASURED = {
     ("llama3-8b.json", "v6e-256", 4, 8192): (
         7207, 0.4546, "MaxText, measured (AI-Hypercomputer/tpu-recipes, Llama 3.1 8B on v6e-256)"),
 }
+# MaxText's measured rates for a job of the same model, slice and sequence at its own batch (issue 84's
+# table: tpu-recipes' Trillium Llama 3.1 70B and 405B, MaxText's README for Llama 2 70B on v5p-512):
+# (config file, slice, sequence) -> (tokens/s/chip, MFU as MaxText counts it, source)
+MEASURED_ANY_BATCH = {
+    ("llama3-70b.json", "v6e-256", 8192): (960, 0.5033, "MaxText, measured (Llama 3.1 70B on v6e-256, its batch)"),
+    ("llama3-405b.json", "v6e-256", 8192): (123, 0.3855, "MaxText, measured (Llama 3.1 405B on v6e-256, its batch)"),
+    ("llama2-70b.json", "v5p-512", 4096): (692, 0.654, "MaxText, measured (Llama 2 70B on v5p-512, its batch)"),
+}
 # published MFU of a comparable job where its batch and model differ from ours: printed beside, not matched
 PUBLISHED_MFU = {
     ("llama3-70b.json", "v5p-512"): (0.654, "MaxText's README: Llama 2 70B on v5p-512, 65.4% MFU (its batch and "
@@ -43,11 +51,12 @@ PUBLISHED_MFU = {
 }
 
 
-def command(config: str, batch: int, seq: int, attn: str, out: str, fsdp_config: str = FSDP_CONFIG) -> list:
+def command(config: str, batch: int, seq: int, attn: str, out: str, fsdp_config: str = FSDP_CONFIG,
+            optim: str = "") -> list:
     """run_clm as the docs run the Llama job (docs/performance.md, Llama 3 8B on v6e-256)."""
     return [ac.RUN_CLM, "--config_name", config, "--fsdp", "full_shard", "--fsdp_config", fsdp_config,
             "--per_device_train_batch_size", str(batch), "--block_size", str(seq), "--output_dir", out,
-            "--do_train"] + (["--attn_implementation", attn] if attn else [])
+            "--do_train"] + (["--attn_implementation", attn] if attn else []) + (["--optim", optim] if optim else [])
 
 
 def with_layers(config: str, layers: int, folder: str) -> str:
@@ -67,10 +76,11 @@ def with_layers(config: str, layers: int, folder: str) -> str:
 
 
 def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, timeout: float,
-        fsdp_config: str = FSDP_CONFIG) -> dict:
+        fsdp_config: str = FSDP_CONFIG, optim: str = "") -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = command(with_layers(config, layers, tmp), batch, seq, attn, os.path.join(tmp, "out"), fsdp_config)
+        cmd = command(with_layers(config, layers, tmp), batch, seq, attn, os.path.join(tmp, "out"), fsdp_config,
+                      optim)
         got = ac.check(tpu, cmd, runtime="auto", timeout=timeout)
     r = got["report"] or {}
     row = {"config": os.path.basename(config), "layers": layers, "batch_per_chip": batch, "seq": seq, "tpu": tpu,
@@ -78,12 +88,13 @@ def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, tim
            "fits": bool(r.get("fits")), "seconds": round(time.time() - started, 1),
            "fsdp_config": os.path.basename(fsdp_config), "trace_s": r.get("trace_seconds"),
            "compile_s": r.get("compile_seconds"), "compile_stages": r.get("compile_stages"),
-           "libtpu_flags": r.get("libtpu_flags"), "error": ""}
+           "libtpu_flags": r.get("libtpu_flags"), "error": "", "optim": optim or "run_clm's default (adamw)",
+           "recompute": r.get("recompute")}
     if r.get("compiles"):
         p, c = r["projection"], r["collectives"]
         row.update(peak_gib=r["memory"]["peak"] / 2 ** 30, projected_s=p["projected_seconds"],
                    projected_s_kernels_at_peak=p.get("projected_seconds_kernels_at_peak"),
-                   sync=c["sync"], sent_gb=c["sent_per_chip"] / 1e9)
+                   sync=c["sync"], sent_gb=c["sent_per_chip"] / 1e9, host=r.get("host_transfers"))
     else:
         row["error"] = ((r.get("error") or got["output"]).strip() or f"exit {got['rc']}")[-600:]
     return row
@@ -143,7 +154,8 @@ def render(rows: list, config: str) -> str:
         mfu = metrics.mfu(per_token * tokens, cal, 1, spec.chip.peak_bf16_flops)
         out.append(f"  {label}: PROJECTED {step:.3f} s, calibrated {cal:.3f} s: {tokens / cal:,.0f} tokens/s/chip, "
                    f"MFU {100 * mfu:.1f}% ({how})")
-    anchor = MEASURED.get((os.path.basename(config), r0["tpu"], r0["batch_per_chip"], r0["seq"]))
+    anchor = MEASURED.get((os.path.basename(config), r0["tpu"], r0["batch_per_chip"], r0["seq"])) or \
+        MEASURED_ANY_BATCH.get((os.path.basename(config), r0["tpu"], r0["seq"]))
     if anchor:
         out.append(f"  {anchor[2]}: {anchor[0]:,} tokens/s/chip, MFU {100 * anchor[1]:.2f}%")
     published = PUBLISHED_MFU.get((os.path.basename(config), r0["tpu"]))
@@ -168,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp_config", default=FSDP_CONFIG,
                    help="run_clm's --fsdp_config (default configs/fsdp/llama_xla_fsdp.json; e.g. "
                         "configs/fsdp/llama_xla_fsdp_v2_scan.json for the GSPMD engine with scan_layers)")
+    p.add_argument("--optim", default="", help="run_clm's --optim (default: run_clm's, AdamW; e.g. adafactor)")
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     return p
 
@@ -185,8 +198,10 @@ def main(argv=None) -> int:
 
     def mine(r):
         return (r.get("config", "llama3-8b.json"), r["tpu"], r["batch_per_chip"], r["seq"], r["attn"],
-                r.get("fused_loss", False), r.get("fsdp_config", "llama_xla_fsdp.json")) == (
-                    name, opts.tpu, opts.batch, opts.seq, attn, False, os.path.basename(opts.fsdp_config))
+                r.get("fused_loss", False), r.get("fsdp_config", "llama_xla_fsdp.json"),
+                r.get("optim", "run_clm's default (adamw)")) == (
+                    name, opts.tpu, opts.batch, opts.seq, attn, False, os.path.basename(opts.fsdp_config),
+                    opts.optim or "run_clm's default (adamw)")
 
     with open(opts.config) as f:
         depth = json.load(f)["num_hidden_layers"]
@@ -196,7 +211,8 @@ def main(argv=None) -> int:
     for layers in opts.layers:
         if any(mine(r) and r["layers"] == layers for r in doc["rows"]):
             continue
-        row = run(opts.config, opts.tpu, layers, opts.batch, opts.seq, opts.attn, opts.timeout, opts.fsdp_config)
+        row = run(opts.config, opts.tpu, layers, opts.batch, opts.seq, opts.attn, opts.timeout, opts.fsdp_config,
+                  opts.optim)
         doc["rows"].append(row)
         print(f"{layers} layers: {'compiles' if row['compiles'] else 'NO'} in {row['seconds']} s", flush=True)
         if opts.json:
