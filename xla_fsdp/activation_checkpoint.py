@@ -49,7 +49,7 @@ from .class_swap import mix_into, unmix
 from .memory.fit import FitPlan, is_fit
 from .memory import host_offload
 from .memory.kept_bytes import saved_bytes
-from .memory.remat_policy import given, note_applied, policy_of, role_bytes, saved_modules, set_policy
+from .memory.remat_policy import given, note_applied, policy_named, policy_of, role_bytes, saved_modules, set_policy
 from .memory.saved_outputs import capturing, substituting
 from .recompute_context import ForwardState
 from .unit_state import state_of
@@ -260,6 +260,8 @@ def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
             for u, name in zip(checkpointed, plan.assigned):
                 set_policy(u, "full" if name == "none" else name)
                 state_of(u).keeps_activations = name == "none"
+                if name == "none" and torch.is_grad_enabled():
+                    note_applied(u, policy_named("none"))
             return
         if not count:
             for u in others:
@@ -282,6 +284,8 @@ def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
                          "activation checkpointing off")
     for i, u in enumerate(checkpointed):
         state_of(u).keeps_activations = i >= len(checkpointed) - count
+        if state_of(u).keeps_activations and torch.is_grad_enabled():
+            note_applied(u, None)  # for the check's report: kept by checkpoint_all_but_last
 
 
 def _fitted(root: nn.Module, checkpointed, agree, by_policy: bool = False) -> int:

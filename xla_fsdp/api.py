@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from .class_swap import mix_into, original_class, unmix
+from .memory.remat_policy import set_policy
 from .deferred.tied_embeddings import retie
 from .keywords.resolve import DEFAULTS, SPMD_KEYWORDS, build_options, resolve
 from .options import ShardingLayout, TrainingState
@@ -41,10 +42,6 @@ class UnitMethods(nn.Module):
             from .activation_checkpoint import checkpointed_call
 
             return checkpointed_call(lambda *a, **k: state.forward(run, a, k, self), args, kwargs, self)
-        if state.checkpointed and torch.is_grad_enabled():  # kept by checkpoint_all_but_last
-            from .memory.remat_policy import note_applied
-
-            note_applied(self, None)
         return state.forward(run, args, kwargs, self)
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
@@ -133,8 +130,7 @@ class XlaFullyShardedDataParallel(UnitMethods):
         pass
 
     def enable_activation_checkpointing(self) -> None:
-        """Recompute this unit's whole forward (gather, compute, free) in backward;
-        what `checkpoint_module(unit)` does to a unit."""
+        """Recompute this unit's whole forward (gather, compute, free) in backward, as `checkpoint_module(unit)`."""
         state_of(self).checkpointed = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, groups=None) -> torch.Tensor:
@@ -238,13 +234,13 @@ class XlaFullyShardedDataParallel(UnitMethods):
 
 def make_unit(module: Union[nn.Module, Sequence[nn.Module]], kwargs: Dict[str, Any], door: type, *,
               param_cls: type = nn.Parameter, keeps_meta: bool = False, ignored: frozenset = frozenset()):
-    """Make `module` (or several modules: one unit, [Note: a unit of several modules]) a unit of the
-    collective engine in place, behind front door `door` (a class mixed into the module's own): adopt
-    forwards other libraries set on it, build its engine state from the engine keywords `kwargs` and
-    register it ([Note: one engine state per unit]). Returns the state. `param_cls` is the class of its
-    sharded parameters; with `keeps_meta` a meta module stays on the meta device until it is given
-    storage (FSDP2's `to_empty()`); `ignored` holds the ids of parameters it leaves alone (FSDP2's
-    `ignored_params`). On any error the modules are left as they were (nothing half-wrapped)."""
+    """Make `module` (or several modules: one unit, [Note: a unit of several modules]) a unit of the collective
+    engine in place, behind front door `door` (a class mixed into the module's own): adopt forwards other
+    libraries set on it, build its engine state from the engine keywords `kwargs` and register it ([Note: one
+    engine state per unit]). Returns the state. `param_cls` is the class of its sharded parameters; with
+    `keeps_meta` a meta module stays on the meta device until it is given storage (FSDP2's `to_empty()`);
+    `ignored` holds the ids of parameters it leaves alone (FSDP2's `ignored_params`). On any error the
+    modules are left as they were (nothing half-wrapped)."""
     from .activation_checkpoint import strip_checkpoint
     from .forward_overrides import adopt, restore
 
@@ -269,11 +265,7 @@ def make_unit(module: Union[nn.Module, Sequence[nn.Module]], kwargs: Dict[str, A
         raise
     state.checkpointed = state.checkpointed or checkpointed
     state.inner_forward = inner
-    if kwargs.get("remat_policy") is not None:  # [Note: recomputation policies]: what it saves when checkpointed
-        from .memory.remat_policy import set_policy
-
-        for m in modules:
-            set_policy(m, kwargs["remat_policy"])
+    set_policy(modules, kwargs.get("remat_policy"))  # [Note: recomputation policies]: what it saves, checkpointed
     return state
 
 
@@ -297,9 +289,9 @@ def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: ty
         auto_wrap_children(module, {**kw, "collectives": comm}, XlaFullyShardedDataParallel)
     scanned = []
     if kw["scan_layers"]:  # [Note: scanning units of the collectives engine]
-        from .layer_scan.collective import scan_loop
+        from .layer_scan.collective import install as scan_install
 
-        scanned = scan_loop.find(module, comm, kw["scan_layers"])
+        scanned = scan_install.find(module, comm, kw["scan_layers"])
     for m in modules:
         inside = checkpointed_inside(m, is_unit)
         if inside:
@@ -322,7 +314,7 @@ def _build_state(modules: List[nn.Module], kwargs: Dict[str, Any], param_cls: ty
         m.register_forward_pre_hook(guard)  # an instance forward set after wrapping is refused
         build.cast_buffers(m, options, comm.device, cast=not keeps_meta)  # FSDP2 leaves buffers alone
     if scanned:
-        scan_loop.install(module, scanned, kw["scan_layers"])
+        scan_install.install(module, scanned, kw["scan_layers"])
     if options.execute_sharding_on_init and not any(p.is_meta for p in group.shards):
         comm.sync(group.shards)
     return state
@@ -332,12 +324,11 @@ FSDP = XlaFullyShardedDataParallel
 
 
 def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
-    """engine="spmd": annotate parameters on a 1-D "fsdp" mesh; the compiler inserts collectives.
-    The module becomes a `GspmdFullyShardedDataParallel` (an `XlaFullyShardedDataParallel`)."""
+    """engine="spmd": parameters annotated on a mesh, collectives by the compiler; a `GspmdFullyShardedDataParallel`."""
     ignored = sorted(k for k, v in kwargs.items() if k not in SPMD_KEYWORDS and v != DEFAULTS[k])
     if "checkpoint_all_but_last" in ignored:
-        raise ValueError("engine='spmd' has no checkpoint_all_but_last: with activation_checkpointing=True it "
-                         "recomputes every unit; drop the option or use engine='collectives'")
+        raise ValueError("engine='spmd' has no checkpoint_all_but_last: with activation_checkpointing=True name what "
+                         "each unit saves (remat_policy), or use engine='collectives'")
     if ignored:
         raise ValueError(f"engine='spmd' does not use {', '.join(ignored)}: the XLA partitioner schedules "
                          "the collectives; drop these options or use engine='collectives'")

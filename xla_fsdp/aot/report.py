@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from xla_fsdp.aot import program as prog
 from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT
+from xla_fsdp.memory.remat_policy import describe_applied
 from xla_fsdp.tpu import buffer_assignment, compile_log, dcn, host_transfers, memory_breakdown, optimized_hlo, step_time
 
 GIB = 1024 ** 3
@@ -188,10 +189,7 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
         result["dcn"] = dcn.summarize(compiled.optimized_hlo, spec.slices, spec.dcn_bytes_per_s, events,
                                       result["projection"]["projected_seconds"])
     if host_transfers.HOST in compiled.optimized_hlo:  # [Note: host transfers in libtpu's program]
-        moved = host_transfers.read(compiled.optimized_hlo).as_dict()
-        moved.update(chips_per_host=spec.chips_per_host, host_dram_bytes_per_chip=spec.chip.host_dram_bytes_per_chip,
-                     pcie_bytes_per_s=host_transfers.PCIE_BYTES_PER_S)
-        result["host_transfers"] = moved
+        result["host_transfers"] = host_transfers.summarize(compiled.optimized_hlo, spec)
     if result["projection"]["kernel_calls"]:  # Pallas kernels: also at full MXU peak ([Note: charging Pallas kernels])
         at_peak = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips, spec.torus_axes,
                                      kernel_mxu_share=1.0)
@@ -298,17 +296,8 @@ def _render_one(r: dict) -> str:
     lines += _render_breakdown(m.get("breakdown"), m.get("libtpu_fragmentation"))
     if not r["fits"]:
         lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(usable)} usable per chip")
-    lines += _render_recompute(r.get("recompute"))
-    f = r.get("fit")
-    if f:  # [Note: keep what fits] in xla_fsdp/memory/fit.py
-        first = f["every_unit_recomputed"]
-        was = first.get("projection", {}).get("projected_seconds")
-        what = (f"remat_policy=\"fit\": the {f['units']} checkpointed units save {', '.join(f['policies'])} "
-                "(forward order)" if f.get("policies") else
-                f"checkpoint_all_but_last=\"fit\": the last {f['count']} of {f['units']} checkpointed units keep "
-                "their activations")
-        lines.append(f"{what} on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
-                     + (f", PROJECTED {was:.3f} s" if was else "") + ")")
+    lines += describe_applied(r.get("recompute"))
+    lines += _render_fit(r.get("fit"))
     c = r["collectives"]
     async_share = _share(c["async_bytes_fraction"] * c["bytes"], c["bytes"])
     lines.append(f"collectives of the TPU-optimized program: {c['count']} ({c['sync']} synchronous, "
@@ -334,37 +323,23 @@ def _render_one(r: dict) -> str:
                          f"PROJECTED step {p['projected_seconds_kernels_at_peak']:.3f} s "
                          "(xla_fsdp/tpu/kernel_cost.py)"
                          + (f"; {p['kernels_without_flops']} charged their bytes only" if p["kernels_without_flops"] else ""))
-    lines += _render_dcn(r.get("dcn"))
-    lines += _render_host(r.get("host_transfers"), p)
+    lines += _render_dcn(r.get("dcn")) + host_transfers.describe(r.get("host_transfers"), p)
     return "\n".join(lines)
 
 
-def _render_recompute(blocks) -> list:
-    """What each checkpointed block saved ([Note: recomputation policies])."""
-    if not blocks:
+def _render_fit(f: Optional[dict]) -> list:
+    """[Note: keep what fits] in xla_fsdp/memory/fit.py: what "fit" chose on this slice."""
+    if not f:
         return []
-    return ["recomputation (what each checkpointed block saves for its backward):"] + [
-        f"  {b['count']} {b['block']} ({b['where']}): {b['policy']}, {b['saves']}" for b in blocks]
-
-
-def _render_host(h: Optional[dict], p: Optional[dict]) -> list:
-    """The moves between HBM and host memory ([Note: host transfers in libtpu's program])."""
-    if not h:
-        return []
-    per_host = h["host_buffer_bytes"] * h["chips_per_host"]
-    dram = h["host_dram_bytes_per_chip"] * h["chips_per_host"]
-    lines = [f"host offload: {h['moves']} moves, {h['to_host_bytes'] / 1e9:.3f} GB per chip to the host and "
-             f"{h['to_device_bytes'] / 1e9:.3f} GB back, {_share(h['with_matmul'], h['moves'])} of the moves with a "
-             f"matmul scheduled beside them; host memory {_gib(h['host_buffer_bytes'])} per chip, {_gib(per_host)} per "
-             f"host of {h['chips_per_host']} chips" + (f" (of its {_gib(dram)} DRAM)" if dram else
-                                                        " (this chip's host DRAM has no cited figure)")]
-    compute = p["compute_seconds"] if p else 0.0
-    lines.append(f"  PROJECTED {h['pcie_seconds']:.3f} s on PCIe, the busier direction at "
-                 f"{h['pcie_bytes_per_s'] / 1e9:.0f} GB/s per chip ({host_transfers.PCIE_SOURCE}); the step's "
-                 f"compute is {compute:.3f} s" + ("" if h["pcie_seconds"] <= compute else
-                                                  ": the moves outlast it, and the projection does not charge them"))
-    if h.get("in_loops"):
-        lines.append(f"  moves inside While loops of unknown trip count ({', '.join(h['in_loops'])}) counted once")
+    lines = []
+    first = f["every_unit_recomputed"]
+    was = first.get("projection", {}).get("projected_seconds")
+    what = (f"remat_policy=\"fit\": the {f['units']} checkpointed units save {', '.join(f['policies'])} "
+            "(forward order)" if f.get("policies") else
+            f"checkpoint_all_but_last=\"fit\": the last {f['count']} of {f['units']} checkpointed units keep "
+            "their activations")
+    lines.append(f"{what} on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
+                 + (f", PROJECTED {was:.3f} s" if was else "") + ")")
     return lines
 
 

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 
 from xla_fsdp.activation_checkpoint import checkpointed_call
+from xla_fsdp.memory.remat_policy import set_policy
 from xla_fsdp.runtime.mesh import ShardedView, batch_spec, data_degree
 from xla_fsdp.gspmd_engine.params import ComputeView
 from xla_fsdp.gspmd_engine.units import is_sharded
@@ -142,8 +143,10 @@ class CheckpointedForward:
         return checkpointed_call(run, args, kwargs, self.unit)
 
 
-def checkpoint_unit(unit: nn.Module, own_view: Optional[ComputeView]) -> None:
-    """Replaces `unit.forward` (instance attribute) by a checkpointed one."""
+def checkpoint_unit(unit: nn.Module, own_view: Optional[ComputeView], remat_policy=None) -> None:
+    """Replaces `unit.forward` (instance attribute) by a checkpointed one that saves what `remat_policy`
+    says ([Note: recomputation policies]; None: the unit's own, default "full")."""
+    set_policy(unit, remat_policy)
     if isinstance(unit.__dict__.get("forward"), CheckpointedForward):
         return
     unit.forward = CheckpointedForward(unit, unit.forward, own_view)

@@ -35,7 +35,7 @@ import torch_xla.distributed.spmd as xs
 from xla_fsdp.runtime.choice import check_spmd_came_first
 from xla_fsdp.runtime.mesh import resolve_mesh
 from xla_fsdp.gspmd_engine.activations import BatchSharding, checkpoint_unit
-from xla_fsdp.memory.remat_policy import policy_named, set_policy
+from xla_fsdp.memory.remat_policy import policy_named
 from xla_fsdp.gspmd_engine.norms import install_partitionable_layer_norms
 from xla_fsdp.gspmd_engine.padded_rows import pad_uneven_rows
 from xla_fsdp.gspmd_engine.params import install_compute_views, owns_parameters
@@ -62,8 +62,7 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
                     auto_wrapper_callable: Optional[Callable[[nn.Module], nn.Module]] = None,
                     param_init_fn: Optional[ParamInitFn] = None, activation_checkpointing: bool = False,
                     gather_params: bool = False, batch_axes: Optional[Sequence[str]] = None,
-                    scan_layers: Union[bool, str] = False, applied_units: Sequence[nn.Module] = (),
-                    remat_policy: Optional[str] = None) -> nn.Module:
+                    scan_layers: Union[bool, str] = False, applied_units: Sequence[nn.Module] = (), remat_policy=None):
     """Shards `module` in place over the SPMD mesh and returns it.
 
     Args:
@@ -93,14 +92,10 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
         parameters and stacks them every step (for optimizers with per-tensor
         statistics other than Hugging Face's Adafactor, which runs per layer on
         stored stacks).
-      applied_units: submodules this engine sharded on their own, same mesh and batch axes
-        (torch_xla's FSDPv2 nesting): left as they are; the root takes what they leave.
-      remat_policy: with activation_checkpointing, what each checkpointed unit saves for its
-        backward ([Note: recomputation policies] in memory/remat_policy.py); default "full".
+      applied_units: submodules this engine sharded on their own, same mesh and batch axes (torch_xla's
+        FSDPv2 nesting): left as they are; the root takes what they leave.
+      remat_policy: what each checkpointed unit saves ([Note: recomputation policies]); default "full".
     """
-    if remat_policy is not None and policy_named(remat_policy).name == "fit":
-        raise ValueError("remat_policy=\"fit\" chooses each unit's policy from the chip's memory on the collectives "
-                         "engine only; name a policy for the GSPMD engine (e.g. \"save_dot_except_mlp\")")
     mesh = _checked_mesh(module, mesh, batch_axes)
     device = torch_xla.device()
     inner = [m for unit in applied_units for m in unit.modules()]
@@ -115,9 +110,8 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
     found = find_layer_lists(module, units, check_stackable if stored else None) if scan_layers else []
     scanned = {id(layer) for _, _, layers, _ in found for layer in layers}
     if scanned and gather_params:
-        raise ValueError(
-            "scan_layers with gather_params is not supported: inside the loop the partitioner places the parameters."
-        )
+        raise ValueError("scan_layers with gather_params is not supported: inside the loop the partitioner places the "
+                         "parameters.")
 
     done: Placed = {id(t): (t, t) for m in applied_units for t in list(m.parameters()) + list(m.buffers())}
     for unit in units:
@@ -132,10 +126,8 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
     install_partitionable_layer_norms(module)
     if activation_checkpointing:
         for unit in units[:-1]:
-            if remat_policy is not None:
-                set_policy(unit, remat_policy)
-            if id(unit) not in scanned:  # a scanned layer recomputes in the loop
-                checkpoint_unit(unit, views.get(unit))
+            if id(unit) not in scanned:  # a scanned layer recomputes in the loop, as ScanSettings' policy says
+                checkpoint_unit(unit, views.get(unit), remat_policy)
 
     batch = _annotate_batches(module, units, mesh, batch_axes, inner)
     if found:

@@ -52,6 +52,9 @@ def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         from ..memory.remat_policy import policy_named
 
         kw["remat_policy"] = policy_named(kw["remat_policy"]).name
+        if kw["remat_policy"] == "fit" and kw["engine"] == "spmd":
+            raise ValueError("remat_policy=\"fit\" chooses each unit's policy from the chip's memory on the collectives "
+                             "engine only; name a policy for engine='spmd' (e.g. \"save_dot_except_mlp\")")
         if not kw["activation_checkpointing"] and kw["auto_wrapper_callable"] is None and kw["engine"] == "spmd":
             raise ValueError(f"remat_policy={kw['remat_policy']!r} says what checkpointed units save, and none is "
                              "checkpointed: pass activation_checkpointing=True too")

@@ -21,9 +21,17 @@ import torch
 
 
 def _active() -> bool:
-    from xla_fsdp.collective_engine.auto import tpu_target
+    """On a TPU, or traced by the check for one (as the collectives engine's `auto.tpu_target`)."""
+    from xla_fsdp import abstract
 
-    return tpu_target()
+    if abstract.active():
+        return True
+    try:
+        import torch_xla.runtime as xr
+
+        return xr.device_type() == "TPU"
+    except Exception:  # no runtime: nothing to offload to
+        return False
 
 
 def _placed(t: torch.Tensor, where: str) -> torch.Tensor:

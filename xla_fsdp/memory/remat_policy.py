@@ -108,9 +108,13 @@ def policy_named(name) -> RematPolicy:
 _KEY = "_xla_fsdp_remat_policy"
 
 
-def set_policy(module: nn.Module, policy) -> None:
-    """Give checkpointed `module` its policy (a name or a RematPolicy)."""
-    module.__dict__[_KEY] = policy_named(policy)
+def set_policy(modules, policy) -> None:
+    """Give checkpointed `modules` (a module or several) their policy (a name or a RematPolicy; None:
+    leave them as they are)."""
+    if policy is None:
+        return
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        module.__dict__[_KEY] = policy_named(policy)
 
 
 def policy_of(module: nn.Module) -> RematPolicy:
@@ -213,3 +217,11 @@ def role_bytes(block: nn.Module) -> Iterator[Dict[str, int]]:
     finally:
         for h in handles:
             h.remove()
+
+
+def describe_applied(blocks) -> List[str]:
+    """The check's report lines for `applied()`'s records (none without checkpointed blocks)."""
+    if not blocks:
+        return []
+    return ["recomputation (what each checkpointed block saves for its backward):"] + [
+        f"  {b['count']} {b['block']} ({b['where']}): {b['policy']}, {b['saves']}" for b in blocks]

@@ -111,3 +111,37 @@ def read(text: str, step_seconds: float = 0.0) -> HostTransfers:
         out.host_buffer_bytes += _buffers(comp)
     out.pcie_seconds = max(out.to_host_bytes, out.to_device_bytes) / PCIE_BYTES_PER_S
     return out
+
+
+def summarize(text: str, spec) -> dict:
+    """`read` for the check's report, with the slice's host facts beside it."""
+    moved = read(text).as_dict()
+    moved.update(chips_per_host=spec.chips_per_host, host_dram_bytes_per_chip=spec.chip.host_dram_bytes_per_chip,
+                 pcie_bytes_per_s=PCIE_BYTES_PER_S)
+    return moved
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 // 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def describe(h, projection) -> List[str]:
+    """The report's lines for `summarize`'s dict (none without moves); `projection`: the step's."""
+    if not h:
+        return []
+    per_host = h["host_buffer_bytes"] * h["chips_per_host"]
+    dram = h["host_dram_bytes_per_chip"] * h["chips_per_host"]
+    beside = f"{100 * h['with_matmul'] / h['moves']:.0f}%" if h["moves"] else "-"
+    lines = [f"host offload: {h['moves']} moves, {h['to_host_bytes'] / 1e9:.3f} GB per chip to the host and "
+             f"{h['to_device_bytes'] / 1e9:.3f} GB back, {beside} of the moves with a matmul scheduled beside "
+             f"them; host memory {_gib(h['host_buffer_bytes'])} per chip, {_gib(per_host)} per host of "
+             f"{h['chips_per_host']} chips" + (f" (of its {_gib(dram)} DRAM)" if dram else
+                                              " (no cited DRAM figure for this chip's host)")]
+    compute = projection["compute_seconds"] if projection else 0.0
+    lines.append(f"  PROJECTED {h['pcie_seconds']:.3f} s on PCIe, the busier direction at "
+                 f"{h['pcie_bytes_per_s'] / 1e9:.0f} GB/s per chip ({PCIE_SOURCE}); the step's compute is "
+                 f"{compute:.3f} s" + ("" if h["pcie_seconds"] <= compute else
+                                      ": the moves outlast it, and the projection does not charge them"))
+    if h.get("in_loops"):
+        lines.append(f"  moves inside While loops of unknown trip count ({', '.join(h['in_loops'])}) counted once")
+    return lines
