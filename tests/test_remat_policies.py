@@ -145,3 +145,57 @@ def test_offloaded_policies_annotate_host_moves_for_a_tpu():
     assert moves["unscanned qkv_proj_offloaded"] == {"pinned_host": 3 * 4, "device": 3 * 4}, moves
     assert moves["unscanned full"] == {"pinned_host": 0, "device": 0}, moves
 
+
+
+class _Attention(nn.Module):
+    def __init__(self, direct: bool, hooked: bool = False):
+        super().__init__()
+        self.q_proj, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.direct, self.hooked = direct, hooked
+
+    def forward(self, x):
+        if not self.direct:
+            return self.o_proj(torch.tanh(self.q_proj(x)))
+        q = torch.einsum("bi,oi->bo", x, self.q_proj.weight) + self.q_proj.bias  # the weights read directly
+        if self.hooked:
+            from xla_fsdp.memory.saved_outputs import as_output_of
+
+            q = as_output_of(self.q_proj, (x,), q)
+        return self.o_proj(torch.tanh(q))
+
+
+class _AttnBlock(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.attn = _Attention(**kw)
+
+    def forward(self, x):
+        return x + self.attn(x)
+
+
+def _attn_model(**kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(_AttnBlock(**kw), _AttnBlock(**kw)).to(torch_xla.device())
+    return FSDP(model, auto_wrap_policy=xla_fsdp.wrap.transformer_policy([_AttnBlock]),
+                auto_wrapper_callable=lambda m, **k: FSDP(xla_fsdp.checkpoint_module(m), **k),
+                remat_policy="save_qkv_proj")
+
+
+def test_a_forward_that_reads_the_weights_directly_is_refused_unless_it_says_what_it_computed():
+    """[Note: saved outputs]: a policy whose modules the block never calls would save nothing; the
+    head-major attention paths (llama_heads.py, gpt2_heads.py) hand their einsums to the hooks with
+    `as_output_of`, and then the policy saves them (the step has fewer dots than "full")."""
+    x = torch.randn(4, 8).to(torch_xla.device())
+    with pytest.raises(ValueError, match=r"remat_policy: the block ran without calling the 1 modules its policy "
+                                         r"saves \(Linear\)"):
+        _attn_model(direct=True)(x).sum().backward()
+    from xla_fsdp.memory.remat_policy import set_policy
+
+    dots = {}
+    for policy in ("full", "save_qkv_proj"):
+        model = _attn_model(direct=True, hooked=True)
+        set_policy([model[0], model[1]], policy)
+        model(x).sum().backward()
+        dots[policy] = torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()]).count(" dot(")
+        torch_xla.sync()
+    assert dots["save_qkv_proj"] < dots["full"], dots  # q_proj leaves the recomputation

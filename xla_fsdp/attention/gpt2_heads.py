@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from xla_fsdp.attention.rules import check_shapes
+from xla_fsdp.memory.saved_outputs import as_output_of
 from xla_fsdp.layer_scan.fences import apart
 
 
@@ -50,15 +51,15 @@ class HeadMajorGPT2Attention:
         # a bias in another dtype than the matmul (FSDPv1 keeps them f32 beside bf16 weights) joins in
         # the matmul's dtype, as Conv1D's addmm does on XLA
         # [Note: one kernel for q, k and v]
-        query, key, value = (_plus(torch.einsum("bsi,ihd->bhsd", hidden_states, apart(weight[:, i])), bias[i])
-                             for i in range(3))
+        query, key, value = (as_output_of(self.c_attn, (hidden_states,), _plus(  # a policy may save each
+            torch.einsum("bsi,ihd->bhsd", hidden_states, apart(weight[:, i])), bias[i])) for i in range(3))
         if past_key_values is not None:  # as transformers' forward: the cache sees [b, h, s, d] keys/values
             cache = getattr(past_key_values, "self_attention_cache", past_key_values)
             key, value = cache.update(key, value, self.layer_idx)
         check_shapes(tuple(query.shape), tuple(key.shape))
         out = kernel.head_major_attention(query, key, value, causal=True, scale=float(self.scaling))
         proj = self.c_proj.weight.view(heads, head_dim, self.c_proj.weight.shape[1])
-        attn_output = _plus(torch.einsum("bhsd,hde->bse", out, proj), self.c_proj.bias)
+        attn_output = as_output_of(self.c_proj, (out,), _plus(torch.einsum("bhsd,hde->bse", out, proj), self.c_proj.bias))
         return self.resid_dropout(attn_output), None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from xla_fsdp.attention.rules import check_shapes
+from xla_fsdp.memory.saved_outputs import as_output_of
 
 
 class HeadMajorLlamaAttention:
@@ -51,7 +52,7 @@ class HeadMajorLlamaAttention:
         attn_output = torch.einsum("bhsd,ehd->bse", out, weight)
         if self.o_proj.bias is not None:
             attn_output = attn_output + self.o_proj.bias.to(attn_output.dtype)
-        return attn_output, None
+        return as_output_of(self.o_proj, (out,), attn_output), None
 
 
 def _heads(hidden_states: torch.Tensor, proj: torch.nn.Linear, heads: int, head_dim: int) -> torch.Tensor:
@@ -60,7 +61,7 @@ def _heads(hidden_states: torch.Tensor, proj: torch.nn.Linear, heads: int, head_
     out = torch.einsum("bsi,hdi->bhsd", hidden_states, weight)
     if proj.bias is not None:
         out = out + proj.bias.view(heads, 1, head_dim).to(out.dtype)
-    return out
+    return as_output_of(proj, (hidden_states,), out)  # a recomputation policy may save it
 
 
 def use_head_major(model: torch.nn.Module) -> int:

@@ -20,6 +20,19 @@ import torch
 import torch.nn as nn
 
 
+def as_output_of(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """`output`, computed from `module`'s weights by code that does not call it (the head-major
+    projections around the attention kernel: one einsum per head-major q, k, v or output), passed
+    through `module`'s forward hooks as if it had returned it: a policy that saves the module's
+    output saves this one ([Note: saved outputs]); several calls for one module (GPT-2's q, k and v
+    of its one c_attn) are saved one by one."""
+    for hook in list(module._forward_hooks.values()):
+        got = hook(module, inputs, output)
+        if got is not None:
+            output = got
+    return output
+
+
 class _Kept(torch.autograd.Function):
     """The kept `saved` in place of `recomputed`; the gradient goes to `recomputed`."""
 
@@ -39,6 +52,16 @@ def _only_tensor(module: nn.Module, output) -> torch.Tensor:
     return output
 
 
+def _check_called(modules: Sequence[nn.Module], calls: int) -> None:
+    """A policy whose modules the block never called would save nothing, silently: refused."""
+    if modules and not calls:
+        names = sorted({type(m).__name__ for m in modules})
+        raise ValueError(f"remat_policy: the block ran without calling the {len(modules)} modules its policy saves "
+                         f"({', '.join(names)}): its forward computes them another way (reading their weights "
+                         "directly), so nothing would be saved. Give such code `as_output_of(module, inputs, out)` "
+                         "(xla_fsdp/memory/saved_outputs.py) for each result, or choose \"full\"")
+
+
 @contextlib.contextmanager
 def capturing(modules: Sequence[nn.Module]) -> Iterator[List[torch.Tensor]]:
     """The outputs of `modules` while the block runs, in call order."""
@@ -53,6 +76,7 @@ def capturing(modules: Sequence[nn.Module]) -> Iterator[List[torch.Tensor]]:
     finally:
         for h in handles:
             h.remove()
+    _check_called(modules, len(kept))
 
 
 @contextlib.contextmanager
@@ -108,8 +132,10 @@ def tag_op():
 def marking(modules: Sequence[nn.Module], tag: str = "output") -> Iterator[None]:
     """While traced, the outputs of `modules` pass through `saved_as(..., tag)`."""
     op = tag_op()
+    calls = [0]
 
     def hook(module, _args, output):
+        calls[0] += 1
         return op(_only_tensor(module, output), tag)
 
     handles = [m.register_forward_hook(hook) for m in modules]
@@ -118,3 +144,4 @@ def marking(modules: Sequence[nn.Module], tag: str = "output") -> Iterator[None]
     finally:
         for h in handles:
             h.remove()
+    _check_called(modules, calls[0])
