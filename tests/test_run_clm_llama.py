@@ -149,3 +149,19 @@ def test_tiny_llama_step_compiles_for_v5e_8(tmp_path):
            "--per_device_train_batch_size", "2", "--block_size", "64"]
     got = ac.check("v5e-8", cmd, timeout=600)
     assert got["rc"] == 0 and got["report"] and got["report"]["compiles"], got["output"]
+
+
+def test_a_recomputation_policy_from_the_fsdp_config_trains_like_the_unsharded_run(tmp_path, unsharded):
+    """run_clm launched as the README says, at 4 devices, with the shipped scanned Llama settings and
+    `xla_fsdp_settings.remat_policy` ([Note: recomputation policies]): the losses of the unsharded run."""
+    with open(os.path.join(FSDP, "tiny_cpu_llama_scan.json")) as f:
+        cfg = json.load(f)
+    cfg["xla_fsdp_settings"]["remat_policy"] = "minimal_offloaded"  # on XLA:CPU, "minimal" in device memory
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps(cfg))
+    reference, _ = unsharded
+    report, _ = _train(tmp_path / "out", ["--per_device_train_batch_size", "4", "--fsdp", "full_shard",
+                                          "--fsdp_config", str(path)], devices=4)
+    for (_, got), (_, want) in zip(report["losses"], reference["losses"]):
+        assert got == pytest.approx(want, rel=1e-5), (report["losses"], reference["losses"])
+    assert len(report["losses"]) == 4
