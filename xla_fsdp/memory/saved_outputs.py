@@ -63,6 +63,17 @@ def _check_called(modules: Sequence[nn.Module], calls: int) -> None:
 
 
 @contextlib.contextmanager
+def _hooked(modules: Sequence[nn.Module], hook) -> Iterator[None]:
+    """`hook` on the forward of each of `modules` while the block runs."""
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
 def capturing(modules: Sequence[nn.Module]) -> Iterator[List[torch.Tensor]]:
     """The outputs of `modules` while the block runs, in call order."""
     kept: List[torch.Tensor] = []
@@ -70,12 +81,8 @@ def capturing(modules: Sequence[nn.Module]) -> Iterator[List[torch.Tensor]]:
     def hook(module, _args, output):
         kept.append(_only_tensor(module, output).detach())
 
-    handles = [m.register_forward_hook(hook) for m in modules]
-    try:
+    with _hooked(modules, hook):
         yield kept
-    finally:
-        for h in handles:
-            h.remove()
     _check_called(modules, len(kept))
 
 
@@ -93,12 +100,8 @@ def substituting(modules: Sequence[nn.Module], kept: Sequence[torch.Tensor]) -> 
         used[0] += 1
         return _Kept.apply(_only_tensor(module, output), kept[at])
 
-    handles = [m.register_forward_hook(hook) for m in modules]
-    try:
+    with _hooked(modules, hook):
         yield
-    finally:
-        for h in handles:
-            h.remove()
     if used[0] != len(kept):
         raise RuntimeError(f"remat_policy: the recomputation called the saved modules {used[0]} times, the forward "
                            f"{len(kept)}; the block's forward must call them alike both times")
@@ -138,10 +141,6 @@ def marking(modules: Sequence[nn.Module], tag: str = "output") -> Iterator[None]
         calls[0] += 1
         return op(_only_tensor(module, output), tag)
 
-    handles = [m.register_forward_hook(hook) for m in modules]
-    try:
+    with _hooked(modules, hook):
         yield
-    finally:
-        for h in handles:
-            h.remove()
     _check_called(modules, calls[0])
