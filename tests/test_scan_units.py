@@ -53,6 +53,9 @@ def _gpt2(scan: bool, steps: int, dropout: float = 0.0, fixed: bool = False):
     from parity_cases import gpt2_config
 
     torch.manual_seed(0)
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(0)  # the device's RNG draws the dropout keys: the same masks whatever ran before in this process
     config = gpt2_config()
     config.n_layer = 3
     config.resid_pdrop = dropout

@@ -17,7 +17,6 @@ from typing import Callable, Optional
 
 from xla_fsdp.aot import program as prog
 from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT
-from xla_fsdp.memory.remat_policy import describe_applied
 from xla_fsdp.tpu import buffer_assignment, compile_log, dcn, host_transfers, memory_breakdown, optimized_hlo, step_time
 
 GIB = 1024 ** 3
@@ -296,7 +295,7 @@ def _render_one(r: dict) -> str:
     lines += _render_breakdown(m.get("breakdown"), m.get("libtpu_fragmentation"))
     if not r["fits"]:
         lines.append(f"DOES NOT FIT: {_gib(m['peak'])} needed, {_gib(usable)} usable per chip")
-    lines += describe_applied(r.get("recompute"))
+    lines += _render_recompute(r.get("recompute"))
     lines += _render_fit(r.get("fit"))
     c = r["collectives"]
     async_share = _share(c["async_bytes_fraction"] * c["bytes"], c["bytes"])
@@ -327,20 +326,26 @@ def _render_one(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _render_recompute(blocks) -> list:
+    """What each checkpointed block saved ([Note: recomputation policies]; remat_policy.applied)."""
+    if not blocks:
+        return []
+    return ["recomputation (what each checkpointed block saves for its backward):"] + [
+        f"  {b['count']} {b['block']} ({b['where']}): {b['policy']}, {b['saves']}" for b in blocks]
+
+
 def _render_fit(f: Optional[dict]) -> list:
     """[Note: keep what fits] in xla_fsdp/memory/fit.py: what "fit" chose on this slice."""
     if not f:
         return []
-    lines = []
     first = f["every_unit_recomputed"]
     was = first.get("projection", {}).get("projected_seconds")
     what = (f"remat_policy=\"fit\": the {f['units']} checkpointed units save {', '.join(f['policies'])} "
             "(forward order)" if f.get("policies") else
             f"checkpoint_all_but_last=\"fit\": the last {f['count']} of {f['units']} checkpointed units keep "
             "their activations")
-    lines.append(f"{what} on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
-                 + (f", PROJECTED {was:.3f} s" if was else "") + ")")
-    return lines
+    return [f"{what} on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
+            + (f", PROJECTED {was:.3f} s" if was else "") + ")"]
 
 
 def _render_loops(loops) -> list:

@@ -218,10 +218,3 @@ def role_bytes(block: nn.Module) -> Iterator[Dict[str, int]]:
         for h in handles:
             h.remove()
 
-
-def describe_applied(blocks) -> List[str]:
-    """The check's report lines for `applied()`'s records (none without checkpointed blocks)."""
-    if not blocks:
-        return []
-    return ["recomputation (what each checkpointed block saves for its backward):"] + [
-        f"  {b['count']} {b['block']} ({b['where']}): {b['policy']}, {b['saves']}" for b in blocks]
