@@ -39,11 +39,15 @@ def _per_layer_bytes(widths, itemsize: int = 2) -> int:
     return BATCH * SEQ * sum(widths) * itemsize
 
 
-def test_scanned_offload_compiles_and_is_reported(tmp_path):
+@pytest.mark.parametrize("base", ["llama_xla_fsdp_scan.json", "llama_xla_fsdp_v2_scan.json"],
+                         ids=["collectives", "gspmd"])
+def test_scanned_offload_compiles_and_is_reported(tmp_path, base):
+    """Both engines' loops: the collectives engine's saved stack, and the GSPMD engine's partitioner
+    moving the marked values ([Note: saved outputs under AOTAutograd])."""
     cfg = json.load(open(MODEL))
     hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     kv = hidden * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
-    r = _check(tmp_path, "llama_xla_fsdp_scan.json", "minimal_offloaded")
+    r = _check(tmp_path, base, "minimal_offloaded")
     assert r["recompute"] == [{"block": "LlamaDecoderLayer", "where": "scanned", "policy": "minimal_offloaded",
                                "count": layers, "saves": r["recompute"][0]["saves"]}], r["recompute"]
     h = r["host_transfers"]
@@ -54,6 +58,9 @@ def test_scanned_offload_compiles_and_is_reported(tmp_path):
     assert h["with_matmul"] > 0 and h["pcie_seconds"] > 0, h
 
 
+# -m slow: the GSPMD engine's unscanned offload (copies to the host) through libtpu; both engines' scanned
+# offload above stays
+@pytest.mark.slow
 def test_unscanned_offload_on_the_gspmd_engine_is_reported(tmp_path):
     cfg = json.load(open(MODEL))
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]

@@ -28,8 +28,8 @@ sys.path.insert(0, str(CASE.parent))
 
 from remat_case import run as run_model  # noqa: E402
 
-FAST_UNSCANNED = ("save_qkv_proj", "minimal", "none", "qkv_proj_offloaded")
-FAST_SCANNED = ("save_out_proj", "save_dot_except_mlp", "minimal_offloaded")
+FAST_UNSCANNED = ("minimal", "none")
+FAST_SCANNED = ("save_out_proj", "minimal_offloaded")
 RECOMPUTING = tuple(n for n in NAMES if n not in ("full", "none"))
 
 

@@ -39,8 +39,7 @@ def _check(results: dict) -> None:
 
 
 def test_policies_train_like_full_recompute_scanned_and_not():
-    _check(_run("unscanned:save_qkv_proj", "unscanned:none", "unscanned:full_offloaded", "scan:save_out_proj",
-                "scan:minimal_offloaded", "scan:none", "scan:save_dot_except_mlp:gpt2"))
+    _check(_run("unscanned:save_qkv_proj", "scan:minimal_offloaded", "scan:save_dot_except_mlp:gpt2"))
 
 
 @pytest.mark.slow
