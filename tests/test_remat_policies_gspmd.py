@@ -39,10 +39,11 @@ def _check(results: dict) -> None:
 
 
 def test_policies_train_like_full_recompute_scanned_and_not():
-    _check(_run("unscanned:save_qkv_proj", "scan:minimal_offloaded", "scan:save_dot_except_mlp:gpt2"))
+    _check(_run("unscanned:save_qkv_proj", "scan:minimal_offloaded"))  # GPT-2's c_attn: -m slow, and the
+    # collectives engine's test_gpt2_roles_save_its_fused_projection
 
 
 @pytest.mark.slow
 def test_every_policy_on_the_gspmd_engine():
     cases = [f"{where}:{name}" for where in ("unscanned", "scan") for name in NAMES if name != "full"]
-    _check(_run(*cases, "unscanned:minimal:gpt2", "scan:qkv_proj_offloaded:gpt2"))
+    _check(_run(*cases, "unscanned:minimal:gpt2", "scan:qkv_proj_offloaded:gpt2", "scan:save_dot_except_mlp:gpt2"))
