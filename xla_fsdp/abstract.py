@@ -31,6 +31,18 @@ def active() -> bool:
     return bool(environment.aot().get("trace"))
 
 
+def tpu_target() -> bool:
+    """True on a TPU, or while this process traces for the check (which compiles for one)."""
+    if active():
+        return True
+    try:
+        import torch_xla.runtime as xr
+
+        return xr.device_type() == "TPU"
+    except Exception:  # no runtime: no TPU
+        return False
+
+
 def placeholder(shape, dtype: torch.dtype, sharding=None) -> torch.Tensor:
     """A device tensor of `shape` / `dtype` with no buffer; `sharding`: a torch_xla OpSharding."""
     import torch_xla

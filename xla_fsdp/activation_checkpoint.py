@@ -77,10 +77,7 @@ def checkpoint_module(module: nn.Module, remat_policy=None) -> nn.Module:
     `remat_policy`: what it saves for the backward ([Note: recomputation policies] in
     memory/remat_policy.py); default "full" (its input only), or the unit's own `remat_policy`.
     """
-    if remat_policy is not None:
-        from .memory.remat_policy import set_policy
-
-        set_policy(module, remat_policy)
+    set_policy(module, remat_policy)
     state = state_of(module)
     if state is not None:  # a unit of the collective engine recomputes its own forward, gather included
         state.checkpointed = True

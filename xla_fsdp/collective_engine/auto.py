@@ -61,22 +61,10 @@ import os
 import warnings
 from typing import Mapping, Sequence
 
-from .. import abstract
+from ..abstract import tpu_target  # noqa: F401 - the engine's callers read it here
 from ..runtime import environment
 from ..options import CollectiveOptions
 from ..tpu import libtpu_flags
-
-
-def tpu_target() -> bool:
-    """True on a TPU, or when the ahead-of-time check traces the step for one."""
-    if abstract.active():
-        return True
-    try:
-        import torch_xla.runtime as xr
-
-        return xr.device_type() == "TPU"
-    except Exception:  # no runtime: nothing to run rings on
-        return False
 
 
 def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:

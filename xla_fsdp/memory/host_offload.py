@@ -19,19 +19,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _active() -> bool:
-    """On a TPU, or traced by the check for one (as the collectives engine's `auto.tpu_target`)."""
-    from xla_fsdp import abstract
-
-    if abstract.active():
-        return True
-    try:
-        import torch_xla.runtime as xr
-
-        return xr.device_type() == "TPU"
-    except Exception:  # no runtime: nothing to offload to
-        return False
+from xla_fsdp.abstract import tpu_target as _active
 
 
 def _placed(t: torch.Tensor, where: str) -> torch.Tensor:
