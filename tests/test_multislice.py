@@ -237,6 +237,9 @@ def test_the_check_compiles_for_two_slices_and_splits_ici_and_dcn(tmp_path, conf
     assert gspmd or "collective-permute" in kinds, kinds
     assert {c["group_size"] for c in report["collective_list"] if c["kind"] != "collective-permute"} <= {4}
     tpu = (tmp_path / "dump" / "tpu_optimized.hlo.txt").read_text()
+    if not gspmd:  # [Note: the loss before the backward's reductions]: computed before the DCN's first send
+        loss, first_send = _loss_and_first_send(tpu)
+        assert loss < first_send, (loss, first_send)
     pairs = set(re.findall(r"source_target_pairs=\{([{}0-9,]*)\}", tpu))
     assert (gspmd or pairs) and all(int(a) // 4 == int(b) // 4 for p in pairs
                                     for a, b in re.findall(r"\{(\d+),(\d+)\}", p))
@@ -244,6 +247,17 @@ def test_the_check_compiles_for_two_slices_and_splits_ici_and_dcn(tmp_path, conf
 
     text = render(report)
     assert "between the 2 slices (DCN" in text and "PROJECTED at 50.0 Gbit/s of DCN per chip" in text, text[-1500:]
+
+
+def _loss_and_first_send(tpu: str):
+    """Schedule positions in the TPU program's entry: the last instruction of the loss (PyTorch's
+    nll_loss, which reads the logits) and the first cross-slice send."""
+    from xla_fsdp.tpu import dcn, optimized_hlo
+
+    entry = optimized_hlo.computations(tpu)["ENTRY"]
+    loss = [i for i, ins in enumerate(entry) if 'op_type="aten__nll_loss"' in ins.rest]
+    assert loss, "no loss found in the program"
+    return max(loss), min(t.position for t in dcn.transfers(tpu))
 
 
 def test_sharding_across_slices_gathers_over_the_dcn(tmp_path):

@@ -245,6 +245,7 @@ class FSDPState:
         if torch.is_grad_enabled():
             self._register_pre_backward(out)
         if self.is_root:
+            self.group.hold_step_loss(out)  # [Note: the loss before the backward's reductions]
             for state in [state_of(m) for m in self._units or []]:
                 if state._span is not None:  # a module of that unit did not run this pass
                     state._close_span()
