@@ -35,7 +35,9 @@ RUNS = {  # name: (devices, slices, fsdp_config)
     "collectives_2_slices": (8, 2, "tiny_cpu.json"),
     "gspmd_2_slices": (8, 2, "tiny_cpu_v2.json"),
     "rings_2_slices": (8, 2, "rings"),  # RINGS: gathers and reduce-scatters as rings within each slice
+    "staged_2_slices": (8, 2, "tiny_cpu.json"),  # each slice a 2x2x1 torus: reduce-scatters staged per axis
 }
+STAGED_TORUS = "2x2x1"  # one slice's 4 devices ([Note: one reduce-scatter per torus axis], torus.each_slice)
 RINGS = {"fsdp_transformer_layer_cls_to_wrap": ["GPT2Block"], "xla": True,
          "xla_fsdp_settings": {"compute_dtype": "float32", "all_gather_impl": "ring", "reduce_scatter_stages": "ring"}}
 # checkpoint-3 of one run, resumed at another number of slices: (devices, slices, fsdp_config, from)
@@ -54,8 +56,10 @@ def _start(tmp: Path, name: str) -> subprocess.Popen:
         (tmp / "rings.json").write_text(json.dumps(RINGS))
     config_path = tmp / "rings.json" if config == "rings" else ROOT / "configs" / "fsdp" / config
     env = dict(os.environ, PJRT_DEVICE="CPU", MEGASCALE_NUM_SLICES=str(slices))
-    for var in ("CPU_NUM_DEVICES", "XLA_USE_SPMD"):
+    for var in ("CPU_NUM_DEVICES", "XLA_USE_SPMD", "XLA_FSDP_TORUS"):
         env.pop(var, None)
+    if name == "staged_2_slices":
+        env["XLA_FSDP_TORUS"] = STAGED_TORUS
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={tmp / name / 'hlo'} --xla_dump_hlo_as_text"
     cmd = [sys.executable, str(ROOT / "launch" / "xla_spawn.py"), "--num_cores", str(devices),
            str(ROOT / "launch" / "run_clm.py"), "--output_dir", str(tmp / name / "out"),
@@ -120,7 +124,7 @@ def _elements(text: str, opcode: str, groups: str) -> list:
 def test_the_losses_are_one_devices(runs):
     want = [loss for _, loss in runs["one_device"][0]["losses"]]
     assert len(want) == 6
-    for name in ("one_slice", "collectives_2_slices", "gspmd_2_slices", "rings_2_slices"):
+    for name in ("one_slice", "collectives_2_slices", "gspmd_2_slices", "rings_2_slices", "staged_2_slices"):
         report = runs[name][0]
         assert report["devices"] == 8 and report["global_batch"] == GLOBAL_BATCH, report
         got = [loss for _, loss in report["losses"]]
@@ -143,6 +147,17 @@ def test_parameters_are_gathered_within_a_slice(runs, name):
         assert _elements(text, "all-reduce", ACROSS) == _elements(text, "reduce-scatter", SLICE_GROUPS)
         big = [s for s in _shapes(text, "all-reduce", ALL) if not s.endswith("[]")]
         assert not big, f"all-reduced over every device: {big}"
+
+
+def test_staged_reduce_scatters_run_along_each_slices_own_torus(runs):
+    """On a slice whose torus is known, each slice's gradients are reduce-scattered one torus axis
+    at a time (torus.each_slice), every stage's groups within one slice, as on one slice; each
+    shard is still all-reduced across the slices. Without it HSDP reduce-scattered flat."""
+    text = _step_program(runs["staged_2_slices"][1])
+    scatters = set(_groups(text, "reduce-scatter"))
+    staged = {"{{0,2},{1,3},{4,6},{5,7}}", "{{0,1},{2,3},{4,5},{6,7}}"}  # along y, then x, in both slices
+    assert staged <= scatters <= staged | {SLICE_GROUPS}, scatters  # (a bucket too small for rows: flat)
+    assert ACROSS in _groups(text, "all-reduce")
 
 
 def test_rings_stay_within_each_slice(runs):

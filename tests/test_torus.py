@@ -269,3 +269,18 @@ def test_spec_probe_is_as_long_as_the_devices_each_dim_is_split_over():
     assert _split_over(mesh, ("ring_z", "ring_x")) == 32 and _split_over(mesh, 1) == 4
     unnamed = SimpleNamespace(axis_names=None, mesh_shape=(16, 8))
     assert _split_over(unnamed, 0) == 16 and _split_over(unnamed, (0, 1)) == 128
+
+
+@pytest.mark.parametrize("shape,slices", [((2, 2, 4), 2), ((16, 16), 2), ((2, 2, 1), 3)])
+def test_each_slice_runs_one_slices_stages_in_every_slice_at_once(shape, slices):
+    """HSDP over slices (torus.each_slice): every device ends with the chunk a flat reduce-scatter
+    over its own slice gives it, and no stage's group leaves a slice."""
+    k = int(np.prod(shape))
+    stages = torus.each_slice(torus.stages(list(range(k)), shape), slices, k)
+    assert len(stages) == sum(s > 1 for s in shape)
+    for groups, _ in stages:
+        assert sorted(d for g in groups for d in g) == list(range(slices * k))
+        assert all(len({d // k for d in g}) == 1 for g in groups)
+    data = np.random.default_rng(1).standard_normal((slices * k, k * 2))
+    want = np.concatenate([np.stack(np.split(data[s * k:(s + 1) * k].sum(0), k)) for s in range(slices)])
+    np.testing.assert_allclose(_staged(data, stages), want, rtol=1e-12, atol=1e-12)
