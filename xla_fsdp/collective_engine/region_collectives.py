@@ -191,13 +191,10 @@ class SpmdCollectives(XlaCollectives):
         return self._rings.reduce_scatter(flat, self._my_ring_orders())
 
     def _scatter_stages(self, flat, groups, count):
-        if self._stages is None:
+        if self._stages is None:  # one slice's stages, run in every slice at once; other groups flat
             one = torus.stages(groups[0], torus.slice_shape(), self.options.reduce_scatter_stages)
-            if len(groups) == 1:
-                self._stages = one
-            else:  # HSDP over slices: every slice reduces along its own torus at once; other groups flat
-                slices = auto.ring_groups(groups, sum(len(g) for g in groups))
-                self._stages = torus.each_slice(one, len(groups), len(groups[0])) if slices else []
+            self._stages = torus.each_slice(one, len(groups), len(groups[0])) \
+                if auto.ring_groups(groups, sum(len(g) for g in groups)) else []
         # a bucket too small for whole rows of every stage's shards is an all-reduce either way
         # ([Note: 2-D reduce-scatter]); staged, libtpu also merges it with its neighbours' stages
         if self._stages and as_rows(flat, count).dim() == 2:
