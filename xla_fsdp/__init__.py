@@ -1,24 +1,19 @@
 """xla_fsdp: fully sharded data parallel training for PyTorch/XLA.
 
 Public entry points: `XlaFullyShardedDataParallel` (alias `FSDP`), torch_xla's FSDPv2 name
-`SpmdFullyShardedDataParallel` (on the GSPMD engine), the auto-wrap
-policies in `xla_fsdp.wrap`, `checkpoint_module`, deferred initialization
-(`deferred_init`, `materialize_module`, `is_deferred`), the Hugging Face
-`fsdp_config` loader (`xla_fsdp.config.load_fsdp_config`), checkpoints
-(`xla_fsdp.checkpoint`; torch_xla's `consolidate_sharded_model_checkpoints`).
-"""
+`SpmdFullyShardedDataParallel` (on the GSPMD engine), the auto-wrap policies in `xla_fsdp.wrap`, `checkpoint_module`,
+deferred initialization (`deferred_init`, `materialize_module`, `is_deferred`), the Hugging Face `fsdp_config` loader
+(`xla_fsdp.config.load_fsdp_config`), checkpoints (`xla_fsdp.checkpoint`; torch_xla's
+`consolidate_sharded_model_checkpoints`)."""
 from .tpu import libtpu_flags as _libtpu_flags
 
 # On a TPU, before libtpu starts: its async-collective flags, unless the user set LIBTPU_INIT_ARGS
 _libtpu_flags.set_defaults()
 
-# [Note: a package root that loads on first use]
-# `import xla_fsdp` sets libtpu's flags and the moved modules' finder, nothing else: the public names
-# below load the module that defines them when first read (`from xla_fsdp import FSDP` reads it at
-# once). So the tools that need no torch (`python -m xla_fsdp.aot`'s own process, the launcher)
-# start in under 0.1 s instead of importing torch first (torch 1.5 s, torch_xla 4.1-4.3 s on a 2-core
-# host, 2026-12-06; paid twice when they start again with a faster malloc). Submodules read as attributes (`xla_fsdp.wrap`)
-# load the same way.
+# [Note: a package root that loads on first use] `import xla_fsdp` sets libtpu's flags and the moved modules' finder,
+# nothing else: public names and submodules (`xla_fsdp.wrap`) load their module when first read. So the tools that need
+# no torch (`python -m xla_fsdp.aot`'s own process, the launcher) start in under 0.1 s, not the seconds torch and
+# torch_xla take to import.
 _PUBLIC = {
     "checkpoint_module": ".activation_checkpoint",
     "FSDP": ".api", "XlaFullyShardedDataParallel": ".api",
@@ -53,14 +48,11 @@ def __dir__():
 
 
 class _MovedModules:
-    """[Note: moved modules keep their import paths]
-    The two module paths users write that no longer hold a module of that name keep working
-    (tests/test_public_api.py imports each): `import xla_fsdp.state_dict` (docs/checkpoints.md)
-    gives `xla_fsdp.checkpoint.state_dict` itself, not a copy, loaded on first import (importing
-    xla_fsdp does not start torch), and torchdistx's `xla_fsdp.deferred_init`. `xla_fsdp.deferred_init` stays the *function*
-    (torchdistx's call shape) after `import xla_fsdp.deferred_init` loads the module of that name:
-    the import system then sets the parent's attribute to the module, which `_Package` refuses.
-    This finder is one of the import-time effects docs/DESIGN.md lists."""
+    """[Note: moved modules keep their import paths] Two module paths users write that no longer hold a module keep
+    working (tests/test_public_api.py): `import xla_fsdp.state_dict` gives `xla_fsdp.checkpoint.state_dict` itself,
+    loaded on first import, and torchdistx's `xla_fsdp.deferred_init`. `xla_fsdp.deferred_init` stays the *function*
+    after `import xla_fsdp.deferred_init`: the import system would set the parent's attribute to the module, which
+    `_Package` refuses. One of the import-time effects docs/DESIGN.md lists."""
 
     MOVED = {__name__ + ".state_dict": ".checkpoint.state_dict", __name__ + ".deferred_init": ".deferred.compat"}
 

@@ -1,20 +1,16 @@
 """Abstract device tensors: shapes without buffers, for tracing a step that never runs.
 
-[Note: abstract tracing] The ahead-of-time check (`python -m xla_fsdp.aot`)
-traces one training step of a job at a TPU slice's device count on this
-host and hands the program to libtpu's compiler. Nothing runs, so no value
-matters, and a 20B model must not need 80 GB of host memory to be checked.
-While the check's settings (`environment.AOT`) say `trace` (in the process it traces):
-- units built on the meta device or with `deferred_init` are not
-  materialized (no constructor replay, no `reset_parameters()`);
-- every tensor an engine would move to the device from the meta device
-  becomes a torch_xla placeholder of the same shape and dtype (a device
-  tensor with no buffer), carrying the sharding the real tensor would carry.
-The traced program is the same as a real run's: placeholders enter it as
-parameters exactly where device data would. Reading a placeholder's value
-aborts the process, so code that reads values (logging, checkpoints) must
-not run under the trace; `active()` tells it.
-"""
+[Note: abstract tracing] The ahead-of-time check (`python -m xla_fsdp.aot`) traces one training step of a job at a
+TPU slice's device count on this host and hands the program to libtpu's compiler. Nothing runs, so no value matters,
+and a 20B model must not need 80 GB of host memory to be checked. While the check's settings (`environment.AOT`) say
+`trace` (in the process it traces):
+- units built on the meta device or with `deferred_init` are not materialized (no constructor replay, no
+  `reset_parameters()`);
+- every tensor an engine would move to the device from the meta device becomes a torch_xla placeholder of the same
+  shape and dtype (a device tensor with no buffer), carrying the sharding the real tensor would carry.
+The traced program is the same as a real run's: placeholders enter it as parameters exactly where device data would.
+Reading a placeholder's value aborts the process, so code that reads values (logging, checkpoints) must not run under
+the trace; `active()` tells it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -23,7 +19,6 @@ from xla_fsdp.runtime import environment
 
 if TYPE_CHECKING:  # torch loads where a tensor is made: `python -m xla_fsdp.aot` reads the settings without it
     import torch
-
 
 
 def active() -> bool:
@@ -50,8 +45,8 @@ def placeholder(shape, dtype: torch.dtype, sharding=None) -> torch.Tensor:
 
     out = xb.create_placeholder_tensor(tuple(shape), dtype)
     if sharding is not None:
-        # mark_sharding refuses a tensor without data; this annotates the placeholder's
-        # parameter instead, which is what a sharded input looks like to the compiler
+        # mark_sharding refuses a tensor without data; this annotates the placeholder's parameter instead, which is what
+        # a sharded input looks like to the compiler
         torch_xla._XLAC._xla_annotate_custom_sharding(out, sharding)
     return out
 

@@ -1,40 +1,27 @@
 """Per-layer gradient checkpointing (`checkpoint_module`).
 
-The forward of a checkpointed module runs without saving activations; its
-backward re-runs the forward and back-propagates through the recomputation.
-On an FSDP unit the whole unit forward (gather, compute, free) is what is
+The forward of a checkpointed module runs without saving activations; its backward re-runs the forward and
+back-propagates through the recomputation. On an FSDP unit the whole unit forward (gather, compute, free) is what is
 recomputed, so the recomputation sees full parameters.
 
-[Note: recompute barrier] XLA traces forward and backward into one graph, and
-common-subexpression elimination would notice that the recomputation equals
-the forward and reuse the forward's activations, silently undoing the memory
-saving. The recomputation therefore starts from inputs passed through an
-optimization barrier together with the incoming gradients, which makes it a
-different computation that can only run once those gradients exist.
+[Note: recompute barrier] XLA traces forward and backward into one graph, and common-subexpression elimination would
+notice that the recomputation equals the forward and reuse the forward's activations, silently undoing the memory
+saving. The recomputation therefore starts from inputs passed through an optimization barrier together with the incoming
+gradients, which makes it a different computation that can only run once those gradients exist.
 
-[Note: parameters as checkpoint inputs] The checkpoint is an autograd
-Function whose forward runs without autograd, so its output requires grad only
-if one of its inputs does. The module's parameters are read inside the run (an
-FSDP unit gathers them there), not passed to it, so a module fed only data
-(the first layer: images or token ids) returned an output with no gradient
-function: its backward, the recomputation, never ran and its parameters got no
-gradient at all (issue 41: the first conv of a checkpointed classifier never
-trained). The parameters that require grad are therefore extra inputs of the
-Function. It returns None for them: the recomputation's own backward has
-already delivered their gradients (to the shards, through the unit's gather).
-torch_xla's `checkpoint_module` sidesteps this by not checkpointing such a
-module; passing the parameters keeps its recomputation (and memory saving).
+[Note: parameters as checkpoint inputs] The checkpoint is an autograd Function whose forward runs without autograd, so
+its output requires grad only if one of its inputs does. The parameters are read inside the run (an FSDP unit gathers
+them there), so a module fed only data (a first layer: images, token ids) would return an output with no gradient
+function, and its parameters would get no gradient (issue 41). The parameters that require grad are therefore extra
+inputs of the Function; it returns None for them, since the recomputation's own backward delivers their gradients.
 
-[Note: checkpoint all but the last] Recomputing a unit costs one more forward of it in
-backward; keeping its activations costs HBM from its forward until its backward. The last
-units in forward order hold theirs for the shortest stretch: their backward comes first. So the
-root's `checkpoint_all_but_last=N` lets the last N checkpointed units (module order, which is
-forward order for a stack of layers) keep their activations, a memory-for-speed knob for slices
-whose HBM has room. On the TPU-compiled 2B GPT-2 step on v4-8 (docs/performance.md,
-"Recomputing fewer layers"), N=1 saves a block's recomputation for almost no HBM, because the last block's
-activations replace its recomputation at the same point of the program; each further block
-adds its activations to the peak.
-"""
+[Note: checkpoint all but the last] Recomputing a unit costs one more forward of it in backward; keeping its activations
+costs HBM from its forward until its backward. The last units in forward order hold theirs for the shortest stretch:
+their backward comes first. So the root's `checkpoint_all_but_last=N` lets the last N checkpointed units (module order,
+which is forward order for a stack of layers) keep their activations, a memory-for-speed knob for slices whose HBM has
+room. N=1 saves a block's recomputation for almost no HBM (the last block's activations replace its recomputation at the
+same point of the program); each further block adds its activations to the peak (docs/performance.md, "Recomputing fewer
+layers")."""
 from __future__ import annotations
 
 import contextlib
@@ -72,11 +59,10 @@ class _CheckpointMixin:
 def checkpoint_module(module: nn.Module, remat_policy=None) -> nn.Module:
     """Checkpoint `module`'s forward; returns `module` itself (parameter names unchanged).
 
-    Works before or after FSDP wrapping: `FSDP(checkpoint_module(layer))` (torch_xla's
-    order) and `checkpoint_module(FSDP(layer))` both recompute the unit including its gather.
-    `remat_policy`: what it saves for the backward ([Note: recomputation policies] in
-    memory/remat_policy.py); default "full" (its input only), or the unit's own `remat_policy`.
-    """
+    Works before or after FSDP wrapping: `FSDP(checkpoint_module(layer))` (torch_xla's order) and
+    `checkpoint_module(FSDP(layer))` both recompute the unit including its gather. `remat_policy`: what it saves for the
+    backward ([Note: recomputation policies] in memory/remat_policy.py); default "full" (its input only), or the unit's
+    own `remat_policy`."""
     set_policy(module, remat_policy)
     state = state_of(module)
     if state is not None:  # a unit of the collective engine recomputes its own forward, gather included
@@ -194,14 +180,11 @@ def _is_kv_cache(x) -> bool:
 
 
 def without_kv_cache(args, kwargs) -> Tuple[tuple, dict]:
-    """The call's arguments with Hugging Face KV caches replaced by None and
-    `use_cache` turned off.
+    """The call's arguments with Hugging Face KV caches replaced by None and `use_cache` turned off.
 
-    HF layers append to their KV cache in forward; a checkpoint's
-    recomputation would append a second time and attend over doubled keys.
-    HF's own gradient checkpointing drops the cache for the same reason;
-    training never reads it. Used by both engines' checkpoint wrappers.
-    """
+    HF layers append to their KV cache in forward; a checkpoint's recomputation would append a second time and attend
+    over doubled keys. HF's own gradient checkpointing drops the cache for the same reason; training never reads it.
+    Used by both engines' checkpoint wrappers."""
     if kwargs.get("use_cache"):
         kwargs = {**kwargs, "use_cache": False}
     leaves, spec = tree_flatten((args, kwargs))
@@ -211,8 +194,8 @@ def without_kv_cache(args, kwargs) -> Tuple[tuple, dict]:
 
 
 def checkpointed_call(run: Callable, args, kwargs, module: nn.Module) -> Any:
-    """Call `run(*args, **kwargs)`, the forward of `module`, without keeping activations;
-    recompute them in backward ([Note: what a recomputation sees])."""
+    """Call `run(*args, **kwargs)`, the forward of `module`, without keeping activations; recompute them in backward
+    ([Note: what a recomputation sees])."""
     policy = policy_of(module)
     if not torch.is_grad_enabled():
         return run(*args, **kwargs)
@@ -233,11 +216,10 @@ def checkpointed_call(run: Callable, args, kwargs, module: nn.Module) -> Any:
 
 
 def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
-    """[Note: checkpoint all but the last]: of the checkpointed units among `units` (the root's
-    units in module order), the last `count` keep their activations and the others recompute;
-    `count` "fit": as many as the device's memory holds ([Note: keep what fits] in memory/fit.py;
-    `agree(n)`: the smallest n of every process). Called by the root before each forward, after
-    foreign checkpoints are converted."""
+    """[Note: checkpoint all but the last]: of the checkpointed units among `units` (the root's units in module order),
+    the last `count` keep their activations and the others recompute; `count` "fit": as many as the device's memory
+    holds ([Note: keep what fits] in memory/fit.py; `agree(n)`: the smallest n of every process). Called by the root
+    before each forward, after foreign checkpoints are converted."""
     others = [u for u in units if u is not root]
     if not any(state_of(u).checkpointed for u in others) and any(given(u) for u in units):
         raise ValueError(f"remat_policy={policy_of(next(u for u in units if given(u))).name!r} says what "

@@ -1,15 +1,12 @@
 """The public front door: `XlaFullyShardedDataParallel` (alias `FSDP`).
 
-It accepts torch_xla's keyword names, so switching from
-`torch_xla.distributed.fsdp.XlaFullyShardedDataParallel` is an import change.
+It accepts torch_xla's keyword names, so switching from `torch_xla.distributed.fsdp.XlaFullyShardedDataParallel` is an
+import change.
 
-[Note: no wrapper module] Like PyTorch's FSDP2, wrapping does not put the
-module inside a container: `XlaFullyShardedDataParallel(m)` returns `m` itself
-with its class swapped to a subclass of both `XlaFullyShardedDataParallel` and
-`type(m)`. Parameter names and state-dict keys stay those of the unwrapped
-model, `isinstance(m, XlaFullyShardedDataParallel)` holds, and `m.parameters()`
-yields the local shards.
-"""
+[Note: no wrapper module] Like PyTorch's FSDP2, wrapping does not put the module inside a container:
+`XlaFullyShardedDataParallel(m)` returns `m` itself with its class swapped to a subclass of both
+`XlaFullyShardedDataParallel` and `type(m)`. Parameter names and state-dict keys stay those of the unwrapped model,
+`isinstance(m, XlaFullyShardedDataParallel)` holds, and `m.parameters()` yields the local shards."""
 from __future__ import annotations
 
 import contextlib
@@ -31,9 +28,9 @@ ALIASES = {TrainingState.PRE_BACKWARD.name: {"BACKWARD_PRE", "BACKWARD_POST"}}  
 
 
 class UnitMethods(nn.Module):
-    """What both front doors' units share (`XlaFullyShardedDataParallel` and FSDP2's `FSDPModule`):
-    the forward through the unit's engine state and the methods that act on that state alone.
-    Each reads the unit's state with `state_of` ([Note: one engine state per unit])."""
+    """What both front doors' units share (`XlaFullyShardedDataParallel` and FSDP2's `FSDPModule`): the forward through
+    the unit's engine state and the methods that act on that state alone. Each reads the unit's state with `state_of`
+    ([Note: one engine state per unit])."""
 
     def forward(self, *args, **kwargs):
         state = state_of(self)
@@ -45,13 +42,10 @@ class UnitMethods(nn.Module):
         return state.forward(run, args, kwargs, self)
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
-        """This unit's parameters whole until `reshard()` (not its child units'). On the single
-        controller each parameter is one global tensor, so no collective runs; with one process per
-        device every rank calls it (it gathers). Under `torch.no_grad()` a forward computes with the
-        whole parameters. Under autograd a `fully_shard` unit's forward gathers as usual (gradients
-        reach the shards); an `XlaFullyShardedDataParallel` unit's refuses. With `async_op=True`
-        returns an `UnshardHandle` (FSDP2's), whose `wait()` returns at once. A unit of the GSPMD
-        engine has no engine state and nothing to gather: its parameters are global tensors."""
+        """This unit's parameters whole until `reshard()` (not its child units'); with one process per device every rank
+        calls it (it gathers). Under `torch.no_grad()` a forward computes with the whole parameters; under autograd a
+        `fully_shard` unit's forward gathers as usual, an `XlaFullyShardedDataParallel` unit's refuses. `async_op=True`
+        returns an `UnshardHandle` (FSDP2's). A GSPMD engine unit has nothing to gather (global tensors)."""
         state = state_of(self)
         if state is not None:
             state.unshard()
@@ -64,18 +58,17 @@ class UnitMethods(nn.Module):
             state.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """FSDP2's switch: with False, backward reduces nothing and each rank accumulates full
-        gradients (full-size memory) until a backward with True reduces them all together.
-        The XLA-friendly alternative keeps it True: each backward reduce-scatters and the shard
-        gradients accumulate, 1/N the memory for a collective per micro-batch."""
+        """FSDP2's switch: with False, backward reduces nothing and each rank accumulates full gradients (full-size
+        memory) until a backward with True reduces them all together. The XLA-friendly alternative keeps it True: each
+        backward reduce-scatters and the shard gradients accumulate, 1/N the memory for a collective per micro-batch."""
         for unit in units(self) if recurse else [self]:
             state_of(unit).group.requires_grad_sync = bool(requires_gradient_sync)
 
     @property
     def device_mesh(self):
-        """The mesh this unit is sharded over: FSDP2's 1-D `DeviceMesh("xla")` for a `fully_shard`
-        unit; for an `XlaFullyShardedDataParallel` unit the single-controller runtime's torch_xla
-        mesh (None with one process per device)."""
+        """The mesh this unit is sharded over: FSDP2's 1-D `DeviceMesh("xla")` for a `fully_shard` unit; for an
+        `XlaFullyShardedDataParallel` unit the single-controller runtime's torch_xla mesh (None with one process per
+        device)."""
         return state_of(self).device_mesh
 
     def extra_repr(self) -> str:
@@ -85,8 +78,8 @@ class UnitMethods(nn.Module):
 
 
 class UnshardHandle:
-    """What `unshard(async_op=True)` returns. `wait()` returns at once: the gather is an
-    operation of the traced program, which XLA orders by its data dependencies."""
+    """What `unshard(async_op=True)` returns. `wait()` returns at once: the gather is an operation of the traced
+    program, which XLA orders by its data dependencies."""
     def wait(self) -> None:
         return None
 
@@ -94,8 +87,7 @@ class UnshardHandle:
 class XlaFullyShardedDataParallel(UnitMethods):
     """Shard every parameter of `module` on dim 0 across the sharding group.
 
-    See docs/migration.md for the keywords. Returns `module` itself (see [Note: no wrapper module]).
-    """
+    See docs/migration.md for the keywords. Returns `module` itself (see [Note: no wrapper module])."""
 
     def __new__(cls, module: nn.Module = None, *args, **kwargs):
         if args:
@@ -136,18 +128,17 @@ class XlaFullyShardedDataParallel(UnitMethods):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, groups=None) -> torch.Tensor:
         """Clip gradients of all shards of all units so their global norm is at most `max_norm`.
 
-        `groups` (torch_xla's keyword): lists of ranks over which the norm is summed, for
-        FSDP mixed with model parallelism; default the sharding group.
-        """
+        `groups` (torch_xla's keyword): lists of ranks over which the norm is summed, for FSDP mixed with model
+        parallelism; default the sharding group."""
         from .collective_engine.clip_grad import clip_grad_norm_
 
         return clip_grad_norm_(self, max_norm, norm_type, groups)
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
-        """PyTorch FSDP's context with every parameter whole (of all units below, with
-        `recurse`), e.g. to evaluate or generate without per-layer gathers. With `writeback`,
-        in-place changes to the full parameters are kept. Collective: every rank enters it."""
+        """PyTorch FSDP's context with every parameter whole (of all units below, with `recurse`), e.g. to evaluate or
+        generate without per-layer gathers. With `writeback`, in-place changes to the full parameters are kept.
+        Collective: every rank enters it."""
         states = [state_of(u) for u in (units(self) if recurse else [self])]
         for state in states:
             state.unshard()
@@ -159,8 +150,8 @@ class XlaFullyShardedDataParallel(UnitMethods):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """torch_xla's (and Accelerate's) gradient accumulation: inside, backward skips all
-        communication and accumulates full gradients; the first backward after it reduces."""
+        """torch_xla's (and Accelerate's) gradient accumulation: inside, backward skips all communication and
+        accumulates full gradients; the first backward after it reduces."""
         if state_of(self).is_root is False:
             raise RuntimeError(f"no_sync() must be called on the root unit, not on {original_class(self).__name__}")
         groups = [state_of(u).group for u in units(self)]
@@ -181,10 +172,10 @@ class XlaFullyShardedDataParallel(UnitMethods):
         return shard_metadata(self)
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
-        """torch_xla's: reduced gradients become the sum over the ranks that reduce together divided
-        by `pre` (before the reduction) and `post` (after), each only when above 1; (1, 1) is the
-        default average. With `recursive`, the units below too. On the single controller a rank is
-        a process (host), as in FSDP2's `set_gradient_divide_factor`."""
+        """torch_xla's: reduced gradients become the sum over the ranks that reduce together divided by `pre` (before
+        the reduction) and `post` (after), each only when above 1; (1, 1) is the default average. With `recursive`, the
+        units below too. On the single controller a rank is a process (host), as in FSDP2's
+        `set_gradient_divide_factor`."""
         if state_of(self).training_state != TrainingState.IDLE:
             raise ValueError("set_gradient_divide_factors is called between steps, not during forward or backward")
         divisor = (pre if pre > 1 else 1.0) * (post if post > 1 else 1.0)
@@ -205,13 +196,13 @@ class XlaFullyShardedDataParallel(UnitMethods):
         return [p for p in self.parameters() if p.grad is not None]
 
     def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
-        """torch_xla's: (original name, sharded parameter) pairs; here `named_parameters()` already has
-        the original names ([Note: no wrapper module])."""
+        """torch_xla's: (original name, sharded parameter) pairs; here `named_parameters()` already has the original
+        names ([Note: no wrapper module])."""
         return list(self.named_parameters())
 
     def assert_state(self, state) -> None:
-        """torch_xla's: raise ValueError unless this unit is in `state`, a training state (ours or
-        torch_xla's `TrainingState`, by name) or a list of them."""
+        """torch_xla's: raise ValueError unless this unit is in `state`, a training state (ours or torch_xla's
+        `TrainingState`, by name) or a list of them."""
         wanted = list(state) if isinstance(state, (list, tuple)) else [state]
         unit = state_of(self)
         now = {unit.training_state.name} | ALIASES.get(unit.training_state.name, set())
@@ -222,8 +213,8 @@ class XlaFullyShardedDataParallel(UnitMethods):
 
     @property
     def module(self) -> nn.Module:
-        """The module itself: torch_xla's FSDP wraps it in `.module`, here the module is the
-        wrapper. A child named "module" of the user's model keeps its name."""
+        """The module itself: torch_xla's FSDP wraps it in `.module`, here the module is the wrapper. A child named
+        "module" of the user's model keeps its name."""
         child = self._modules.get("module")
         return child if child is not None else self
 
@@ -234,13 +225,12 @@ class XlaFullyShardedDataParallel(UnitMethods):
 
 def make_unit(module: Union[nn.Module, Sequence[nn.Module]], kwargs: Dict[str, Any], door: type, *,
               param_cls: type = nn.Parameter, keeps_meta: bool = False, ignored: frozenset = frozenset()):
-    """Make `module` (or several modules: one unit, [Note: a unit of several modules]) a unit of the collective
-    engine in place, behind front door `door` (a class mixed into the module's own): adopt forwards other
-    libraries set on it, build its engine state from the engine keywords `kwargs` and register it ([Note: one
-    engine state per unit]). Returns the state. `param_cls` is the class of its sharded parameters; with
-    `keeps_meta` a meta module stays on the meta device until it is given storage (FSDP2's `to_empty()`);
-    `ignored` holds the ids of parameters it leaves alone (FSDP2's `ignored_params`). On any error the
-    modules are left as they were (nothing half-wrapped)."""
+    """Make `module` (or several modules: one unit, [Note: a unit of several modules]) a unit of the collective engine
+    in place, behind front door `door` (a class mixed into the module's own): adopt forwards other libraries set on it,
+    build its engine state from the engine keywords `kwargs` and register it ([Note: one engine state per unit]).
+    Returns the state. `param_cls` is the class of its sharded parameters; with `keeps_meta` a meta module stays on the
+    meta device until it is given storage (FSDP2's `to_empty()`); `ignored` holds the ids of parameters it leaves alone
+    (FSDP2's `ignored_params`). On any error the modules are left as they were (nothing half-wrapped)."""
     from .activation_checkpoint import strip_checkpoint
     from .forward_overrides import adopt, restore
 
@@ -348,11 +338,9 @@ def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
 class GspmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
     """A module sharded by the GSPMD engine: the same methods, where they mean something.
 
-    Parameters are global tensors the partitioner splits, so there is no shard to gather,
-    summon or reduce by hand: `summon_full_params`, `unshard`/`reshard` and `no_sync` do
-    nothing (accumulated gradients are exact either way), and clipping is the plain
-    `clip_grad_norm_` over the global gradients.
-    """
+    Parameters are global tensors the partitioner splits, so there is no shard to gather, summon or reduce by hand:
+    `summon_full_params`, `unshard`/`reshard` and `no_sync` do nothing (accumulated gradients are exact either way), and
+    clipping is the plain `clip_grad_norm_` over the global gradients."""
 
     def __init__(self, module: nn.Module, **kwargs):  # noqa: D107 - already sharded in __new__
         pass

@@ -1,10 +1,8 @@
 """Giving one module instance extra behaviour by swapping its class.
 
-Wrapping (FSDP, checkpointing) keeps the module object itself, so parameter
-names, state-dict keys and `isinstance` checks against the user's class stay
-true (PyTorch's FSDP2 does the same). The mixed class is made once per
-(mixin, class) pair.
-"""
+Wrapping (FSDP, checkpointing) keeps the module object itself, so parameter names, state-dict keys and `isinstance`
+checks against the user's class stay true (PyTorch's FSDP2 does the same). The mixed class is made once per (mixin,
+class) pair."""
 from typing import Dict, Tuple
 
 import torch.nn as nn
@@ -17,8 +15,7 @@ def mix_into(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
     base = type(module)
     cls = _classes.get((mixin, base))
     if cls is None:
-        cls = type(f"{prefix}{base.__name__}", (mixin, base), {"__module__": base.__module__,
-                                                                "_swapped_from": base})
+        cls = type(f"{prefix}{base.__name__}", (mixin, base), {"__module__": base.__module__, "_swapped_from": base})
         _classes[(mixin, base)] = cls
     module.__class__ = cls
     return module

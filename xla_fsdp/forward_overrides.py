@@ -1,28 +1,21 @@
 """Forwards that other libraries put on module instances, and what a unit does with them.
 
-[Note: foreign forwards] A unit gathers its parameters in its class's
-`forward`. An instance attribute `forward` shadows that method, so the unit
-would compute with its shards: torch_xla's `checkpoint_module(m)` and its
-`apply_xla_patch_to_nn_linear` both set one, and Hugging Face Trainer
-wraps `FSDP(checkpoint_module(layer))`. At wrap time a unit's own instance
-forward is resolved here:
+[Note: foreign forwards] A unit gathers its parameters in its class's `forward`. An instance attribute `forward` shadows
+that method, so the unit would compute with its shards: torch_xla's `checkpoint_module(m)` and its
+`apply_xla_patch_to_nn_linear` both set one, and Hugging Face Trainer wraps `FSDP(checkpoint_module(layer))`. At wrap
+time a unit's own instance forward is resolved here:
 
-- torch_xla's `checkpoint_module`: removed, and the unit recomputes its whole
-  forward (gather included) in backward, as `checkpoint_module` after wrapping
-  does; its saved original forward runs inside the gather;
-- torch_xla's patched `nn.Linear` forward, or a `functools.partial` of the
-  module's own forward (a common way to fix keyword arguments): kept and run
-  inside the gather (both only read the parameters while they run);
-- torch's `CheckpointWrapper` as the unit: its wrapped module runs inside the
-  gather, and the unit recomputes it (torch's own recomputation would run
-  after the shards are back in place);
-- anything else: an error naming the module, since FSDP cannot tell whether
-  it reads the parameters later (as a recomputation does).
+- torch_xla's `checkpoint_module`: removed, and the unit recomputes its whole forward (gather included) in backward, as
+  `checkpoint_module` after wrapping does; its saved original forward runs inside the gather;
+- torch_xla's patched `nn.Linear` forward, or a `functools.partial` of the module's own forward (a common way to fix
+  keyword arguments): kept and run inside the gather (both only read the parameters while they run);
+- torch's `CheckpointWrapper` as the unit: its wrapped module runs inside the gather, and the unit recomputes it
+  (torch's own recomputation would run after the shards are back in place);
+- anything else: an error naming the module, since FSDP cannot tell whether it reads the parameters later (as a
+  recomputation does).
 
-A checkpointed module *inside* a unit (not a unit itself) recomputes in
-backward with the unit's shards in place: also an error, naming it and the
-fix. Overrides set after wrapping are checked at every root forward.
-"""
+A checkpointed module *inside* a unit (not a unit itself) recomputes in backward with the unit's shards in place: also
+an error, naming it and the fix. Overrides set after wrapping are checked at every root forward."""
 from __future__ import annotations
 
 import functools
@@ -67,11 +60,9 @@ def _kind(fn) -> str:
 def adopt(module: nn.Module) -> Tuple[bool, Optional[Callable], Dict[str, object]]:
     """Resolve `module`'s own forward override before it becomes a unit.
 
-    Returns (recompute the unit in backward, the callable to run inside the
-    gather instead of the class's forward or None, the instance attributes
-    removed, for `restore`). Raises for what cannot be made correct; then
-    `module` is unchanged.
-    """
+    Returns (recompute the unit in backward, the callable to run inside the gather instead of the class's forward or
+    None, the instance attributes removed, for `restore`). Raises for what cannot be made correct; then `module` is
+    unchanged."""
     cls = type(module)
     if _is_torch_checkpoint_wrapper(module):
         inner = module._checkpoint_wrapped_module
@@ -103,10 +94,9 @@ def restore(module: nn.Module, removed: Dict[str, object]) -> None:
 
 
 def take_torch_xla_checkpoint(module: nn.Module) -> Optional[Dict[str, object]]:
-    """Take torch_xla's `checkpoint_module(module)` off `module`, for an engine that recomputes
-    the module its own way: the forward torch_xla wrapped stays (as an instance attribute only if
-    it was one, e.g. a `functools.partial`). Returns the attributes removed, for `restore`, or
-    None when `module` was not checkpointed by torch_xla."""
+    """Take torch_xla's `checkpoint_module(module)` off `module`, for an engine that recomputes the module its own way:
+    the forward torch_xla wrapped stays (as an instance attribute only if it was one, e.g. a `functools.partial`).
+    Returns the attributes removed, for `restore`, or None when `module` was not checkpointed by torch_xla."""
     if _XLA_CKPT not in module.__dict__ or "forward" not in module.__dict__:
         return None
     original = module.__dict__[_XLA_CKPT]
@@ -143,11 +133,10 @@ def checkpointed_inside(root: nn.Module, is_unit: Callable[[nn.Module], bool]) -
 def convert_checkpoint_after_wrapping(unit: nn.Module) -> bool:
     """torch_xla's checkpoint_module(unit) after wrapping -> the unit's own recomputation.
 
-    torch_xla's recomputation would call the unit's forward again (which gathers), but it keeps
-    Hugging Face's KV cache in the call, so recomputed attention sees its keys twice; the unit's
-    own recomputation drops the cache and starts behind an optimization barrier. Called by the
-    root for every unit before its forward (a unit's own call has bound its forward already).
-    """
+    torch_xla's recomputation would call the unit's forward again (which gathers), but it keeps Hugging Face's KV cache
+    in the call, so recomputed attention sees its keys twice; the unit's own recomputation drops the cache and starts
+    behind an optimization barrier. Called by the root for every unit before its forward (a unit's own call has bound
+    its forward already)."""
     original = unit.__dict__.get(_XLA_CKPT)
     if "forward" not in unit.__dict__ or original is None or \
             getattr(original, "__func__", None) is not type(unit).forward:
@@ -163,13 +152,13 @@ def _call_wrapped(module: nn.Module, *args, **kwargs):
 
 
 def convert_checkpoint_wrappers_around_units(root: nn.Module) -> int:
-    """torch's CheckpointWrapper put around a unit after wrapping (FSDP2 scripts'
-    `apply_activation_checkpointing` after `fully_shard`) -> the unit's own recomputation.
+    """torch's CheckpointWrapper put around a unit after wrapping (FSDP2 scripts' `apply_activation_checkpointing` after
+    `fully_shard`) -> the unit's own recomputation.
 
-    torch's recomputation cannot run on XLA (torch.utils.checkpoint looks for a `torch.xla`
-    device module), and it would recompute with whatever the unit registers outside its
-    forward; the unit's own recomputation gathers again, as FSDP2's does on GPUs. The wrapper
-    stays (its state-dict keys are handled) and calls the unit directly. Returns how many."""
+    torch's recomputation cannot run on XLA (torch.utils.checkpoint looks for a `torch.xla` device module), and it would
+    recompute with whatever the unit registers outside its forward; the unit's own recomputation gathers again, as
+    FSDP2's does on GPUs. The wrapper stays (its state-dict keys are handled) and calls the unit directly. Returns how
+    many."""
     converted = 0
     for m in root.modules():
         inner = getattr(m, "_checkpoint_wrapped_module", None)
@@ -182,9 +171,9 @@ def convert_checkpoint_wrappers_around_units(root: nn.Module) -> int:
 
 
 def guard(unit: nn.Module, args) -> None:
-    """Forward pre-hook of every unit: refuse an instance forward set after wrapping (it would
-    run instead of the gather), except torch_xla's checkpoint_module(unit), which the root
-    converts before its next forward (see `convert_checkpoint_after_wrapping`)."""
+    """Forward pre-hook of every unit: refuse an instance forward set after wrapping (it would run instead of the
+    gather), except torch_xla's checkpoint_module(unit), which the root converts before its next forward (see
+    `convert_checkpoint_after_wrapping`)."""
     override = unit.__dict__.get("forward")
     if override is None:
         return

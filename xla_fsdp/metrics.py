@@ -1,11 +1,8 @@
 """Throughput and model-FLOPS-utilization arithmetic, and per-chip peaks (TPUs: the chip table).
 
-The MFU definition is the one our users already quote from the 2023
-PyTorch/XLA + Hugging Face GPT-2 recipe: 6 FLOPs per parameter per token
-(forward + backward), attention ignored unless asked for, divided by
-step time, chip count and the chip's dense bf16 peak. Keeping their
-definition makes our numbers comparable with the published ones.
-"""
+The MFU definition is the one our users already quote from the 2023 PyTorch/XLA + Hugging Face GPT-2 recipe: 6 FLOPs per
+parameter per token (forward + backward), attention ignored unless asked for, divided by step time, chip count and the
+chip's dense bf16 peak. Keeping their definition makes our numbers comparable with the published ones."""
 from __future__ import annotations
 
 import re
@@ -15,19 +12,17 @@ from dataclasses import dataclass
 from xla_fsdp.runtime import environment
 from xla_fsdp.tpu.chips import CHIPS
 
-# Dense bf16 TFLOPS per chip by generation: the chip table (xla_fsdp.tpu.chips, each figure
-# with its source), in the unit --peak_tflops takes.
+# Dense bf16 TFLOPS per chip by generation: the chip table (xla_fsdp.tpu.chips, each figure with its source), in the
+# unit --peak_tflops takes.
 TPU_PEAK_TFLOPS = {generation: chip.peak_bf16_flops / 1e12 for generation, chip in CHIPS.items()}
 
 
 def gpt2_num_params(config) -> int:
     """Parameters of a `GPT2LMHeadModel` computed from its config alone.
 
-    Deferred (not yet materialized) models have no storage, so counting has
-    to work from shapes; config arithmetic also lets the launcher size a
-    model before building it. The LM head is tied to the token embedding
-    (GPT-2 default), so it is counted once.
-    """
+    Deferred (not yet materialized) models have no storage, so counting has to work from shapes; config arithmetic also
+    lets the launcher size a model before building it. The LM head is tied to the token embedding (GPT-2 default), so it
+    is counted once."""
     d = config.n_embd
     inner = getattr(config, "n_inner", None) or 4 * d
     per_layer = (
@@ -46,11 +41,9 @@ def gpt2_num_params(config) -> int:
 def llama_num_params(config) -> int:
     """Parameters of a `LlamaForCausalLM` computed from its config alone.
 
-    Grouped-query attention: k_proj and v_proj are num_key_value_heads * head_dim
-    wide, q_proj and o_proj num_attention_heads * head_dim; the SwiGLU MLP has three
-    matrices (gate, up, down); two RMSNorm weights per layer and a final one; the
-    LM head is counted unless tied to the embedding (Llama 3: untied).
-    """
+    Grouped-query attention: k_proj and v_proj are num_key_value_heads * head_dim wide, q_proj and o_proj
+    num_attention_heads * head_dim; the SwiGLU MLP has three matrices (gate, up, down); two RMSNorm weights per layer
+    and a final one; the LM head is counted unless tied to the embedding (Llama 3: untied)."""
     d, inner = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
     q = config.num_attention_heads * head_dim
@@ -77,16 +70,12 @@ def num_params(config) -> int:
     raise ValueError(f"no parameter count for model_type {config.model_type!r} (gpt2 and llama have one)")
 
 
-# [Note: which parameters 6·N counts]
-# GPT-2 keeps the 2023 recipe's N: every parameter, the token and position embeddings
-# included, so our GPT-2 MFU compares with the published one. For Llama N is the
-# parameters that multiply each token's activations: the projections, the three SwiGLU
-# matrices and the LM head, not the input embedding (a row lookup, no FLOPs) nor the
-# RMSNorm weights: MaxText's count (`calculate_tflops_training_per_device`), which its
-# published Llama MFU (and torchprime's) use. For Llama 3 8B that is 7.50e9 of 8.03e9
-# parameters; with the attention term (`--mfu_include_attention`, 12·L·(heads·head_dim)·S
-# per token, causal masking not halved, as MaxText counted it when it published the
-# v6e-256 figure) 57.9 GFLOPs per token at sequence 8192.
+# [Note: which parameters 6·N counts] GPT-2 keeps the 2023 recipe's N: every parameter, embeddings included, so our
+# GPT-2 MFU compares with the published one. For Llama N is the parameters that multiply each token's activations (the
+# projections, the SwiGLU matrices and the LM head; not the input embedding, a row lookup, nor the RMSNorm weights):
+# MaxText's count (`calculate_tflops_training_per_device`), which its published Llama MFU (and torchprime's) use. The
+# attention term (`--mfu_include_attention`, 12·L·(heads·head_dim)·S per token) is not halved for causal masking, as
+# MaxText counted it.
 def matmul_params(config) -> int:
     """The N of 6·N FLOPs per token for `config`: [Note: which parameters 6·N counts]."""
     if config.model_type != "llama":
@@ -100,8 +89,8 @@ def matmul_params(config) -> int:
 
 
 def attention_width(config) -> int:
-    """heads x head_dim: the width of the QK^T and AV matmuls that 6·N leaves out
-    (n_embd for GPT-2; Llama's grouped key/value heads are repeated to all query heads)."""
+    """heads x head_dim: the width of the QK^T and AV matmuls that 6·N leaves out (n_embd for GPT-2; Llama's grouped
+    key/value heads are repeated to all query heads)."""
     if config.model_type == "llama":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return config.num_attention_heads * head_dim
@@ -113,15 +102,12 @@ def tokens_per_step(global_batch: int, seq_len: int) -> int:
     return global_batch * seq_len
 
 
-def flops_per_step(num_params: int, tokens: int, *, n_layer: int = 0,
-                   n_embd: int = 0, seq_len: int = 0,
+def flops_per_step(num_params: int, tokens: int, *, n_layer: int = 0, n_embd: int = 0, seq_len: int = 0,
                    include_attention: bool = False) -> float:
     """Training FLOPs of one step: 6·N·T, plus 12·L·d·S·T when asked.
 
-    The attention term counts the QK^T and AV matmuls (forward and
-    backward) that 6·N·T leaves out; it matters once seq_len is not small
-    against n_embd.
-    """
+    The attention term counts the QK^T and AV matmuls (forward and backward) that 6·N·T leaves out; it matters once
+    seq_len is not small against n_embd."""
     flops = 6.0 * num_params * tokens
     if include_attention:
         if not (n_layer and n_embd and seq_len):
@@ -142,10 +128,8 @@ def mfu(step_flops: float, step_time_s: float, chips: int, peak_flops_per_chip: 
 def tpu_generation(kind: str) -> str | None:
     """Map a TPU device kind or accelerator type to a `TPU_PEAK_TFLOPS` key.
 
-    Accepts PJRT device kinds ("TPU v4", "TPU v5 lite", "TPU v5p",
-    "TPU v6 lite") and Cloud accelerator types ("v4-8", "v5litepod-16",
-    "v5p-8", "v6e-8"). Returns None when the string names no known chip.
-    """
+    Accepts PJRT device kinds ("TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite") and Cloud accelerator types ("v4-8",
+    "v5litepod-16", "v5p-8", "v6e-8"). Returns None when the string names no known chip."""
     text = kind.strip().lower()
     m = re.search(r"v(\d)\s*(lite|e|p)?", text)
     if not m:
@@ -175,12 +159,9 @@ _cpu_peak_cache: Peak | None = None
 def measure_cpu_matmul_peak(n: int = 1024, seconds: float = 0.5) -> Peak:
     """Measured fp32 matmul FLOPS of this host, cached per process.
 
-    There is no vendor peak for "an XLA:CPU device"; a timed torch matmul
-    loop is the best dense rate reachable on this host, so MFU on CPU reads
-    as "fraction of what a plain matmul gets here". The fastest single
-    matmul counts (not the mean), so a burst of load from other processes
-    during the measurement does not lower the peak and inflate MFU.
-    """
+    There is no vendor peak for "an XLA:CPU device"; a timed torch matmul loop is the best dense rate reachable on this
+    host, so MFU on CPU reads as "fraction of what a plain matmul gets here". The fastest single matmul counts (not the
+    mean), so a burst of load from other processes during the measurement does not lower the peak and inflate MFU."""
     global _cpu_peak_cache
     if _cpu_peak_cache is None:
         import torch
@@ -201,9 +182,8 @@ def measure_cpu_matmul_peak(n: int = 1024, seconds: float = 0.5) -> Peak:
 def detect_peak(device_type: str, device_kind: str = "", override_tflops: float | None = None) -> Peak:
     """Peak FLOPS per chip for the running device.
 
-    Order: an explicit `--peak_tflops` override; the TPU table keyed by the
-    device kind or `TPU_ACCELERATOR_TYPE`; a measured matmul peak on CPU.
-    """
+    Order: an explicit `--peak_tflops` override; the TPU table keyed by the device kind or `TPU_ACCELERATOR_TYPE`; a
+    measured matmul peak on CPU."""
     if override_tflops is not None:
         return Peak(override_tflops * 1e12, "--peak_tflops")
     if device_type.upper() == "TPU":
@@ -221,9 +201,8 @@ def detect_peak(device_type: str, device_kind: str = "", override_tflops: float 
 class ThroughputMeter:
     """Tokens/s and MFU over windows of steps whose end the caller synced.
 
-    Lazy XLA steps run asynchronously, so only a window closed after a
-    device sync (a loss fetch, or `wait_device_ops`) has a true duration.
-    """
+    Lazy XLA steps run asynchronously, so only a window closed after a device sync (a loss fetch, or `wait_device_ops`)
+    has a true duration."""
 
     def __init__(self, tokens_per_step: int, flops_per_step: float, chips: int, peak: Peak):
         self.tokens_per_step = tokens_per_step
@@ -235,8 +214,8 @@ class ThroughputMeter:
         self._summary_start: tuple[float, int] | None = None
 
     def restart(self, step: int) -> None:
-        """Open a new window after `step` (already synced); the first call
-        also starts the run summary (so warm-up steps before it are excluded)."""
+        """Open a new window after `step` (already synced); the first call also starts the run summary (so warm-up steps
+        before it are excluded)."""
         self._start_time, self._start_step = time.perf_counter(), step
         if self._summary_start is None:
             self._summary_start = (self._start_time, step)

@@ -1,8 +1,7 @@
 """Typed policy objects behind the keyword-compatible front door.
 
-The public constructor accepts torch_xla's flat keyword list; `api.py` turns it
-into these frozen records once, so the engine never reads loose booleans.
-"""
+The public constructor accepts torch_xla's flat keyword list; `api.py` turns it into these frozen records once, so the
+engine never reads loose booleans."""
 from __future__ import annotations
 
 import enum
@@ -46,17 +45,15 @@ class TrainingState(enum.Enum):
 
 def _check_dtype(name: str, dtype: Optional[torch.dtype]) -> None:
     if dtype is not None and dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(
-            f"{name}={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16"
-        )
+        raise ValueError(f"{name}={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
     """Dtypes used around the fp32 shards (shards and optimizer state stay fp32)."""
 
-    # dtype of gathered parameters and of the unit's compute; shards are cast
-    # before the all-gather, so the gather moves compute-dtype bytes.
+    # dtype of gathered parameters and of the unit's compute; shards are cast before the all-gather, so the gather moves
+    # compute-dtype bytes.
     compute_dtype: torch.dtype = torch.float32
     # dtype for floating-point buffers (None: same as compute_dtype)
     buffer_dtype: Optional[torch.dtype] = None
@@ -91,17 +88,16 @@ TOKEN_CHAINS = ("all", "gathers", "off")  # CollectiveOptions.token_chain
 class CollectiveOptions:
     """How a unit talks to its peers. See docs/engines.md, "Gathering: all_gather vs all_reduce"."""
 
-    # pin the layout of every collective (constrain_layout=true in the HLO) so
-    # replicas compiling slightly different programs cannot disagree on layouts
+    # pin the layout of every collective (constrain_layout=true in the HLO) so replicas compiling slightly different
+    # programs cannot disagree on layouts
     pin_layout: bool = True
     # "auto": "ring" for the single controller on a TPU where rings apply, else "all_gather"
-    # ([Note: rings by default on a TPU] in collective_engine/auto.py);
-    # "all_gather": native all-gather HLO (moves (N-1)/N of the bytes);
-    # "all_reduce": zero-padded all-reduce emulation (2(N-1)/N), torch_xla's pinned default;
+    # ([Note: rings by default on a TPU] in collective_engine/auto.py); "all_gather": native all-gather HLO (moves
+    # (N-1)/N of the bytes); "all_reduce": zero-padded all-reduce emulation (2(N-1)/N), torch_xla's pinned default;
     # "ring": single controller only, rings of neighbour exchanges ((N-1)/N, collective_engine/ring.py)
     all_gather_impl: str = "auto"
-    # one collective for all parameters of a unit (True), one per parameter (False), or
-    # None: small parameters together in one, each large one on its own (see [Note: buckets])
+    # one collective for all parameters of a unit (True), one per parameter (False), or None: small parameters together
+    # in one, each large one on its own (see [Note: buckets])
     flatten_parameters: Optional[bool] = None
     # with flatten_parameters=None: parameters of at most this many elements share a bucket
     small_param_numel: int = 2**14
@@ -109,15 +105,15 @@ class CollectiveOptions:
     reduce_scatter_bucket_size_mb: float = 0.0
     optimization_barrier_in_forward: bool = True
     optimization_barrier_in_backward: bool = True
-    # single controller: "auto" rings with the gathers' rings ([Note: rings by default on a
-    # TPU]), else "axes"; "axes" reduce-scatters one torus axis at a time on v4/v5p slices,
-    # "flat" never ([Note: one reduce-scatter per torus axis]); "ring": rings of neighbour
-    # exchanges, one per torus axis ([Note: ring reduce-scatter] in collective_engine/ring.py)
+    # single controller: "auto" rings with the gathers' rings ([Note: rings by default on a TPU]), else "axes"; "axes"
+    # reduce-scatters one torus axis at a time on v4/v5p slices, "flat" never
+    # ([Note: one reduce-scatter per torus axis]); "ring": rings of neighbour exchanges, one per torus axis
+    # ([Note: ring reduce-scatter] in collective_engine/ring.py)
     reduce_scatter_stages: str = "auto"
     # which of the unit's collectives wait for the one before through torch_xla's token chain
-    # ([Note: collectives off the chain] in collective_engine/collectives.py): "all" (torch_xla's
-    # order), "gathers" (reduce-scatters start from a fresh token: their input is the gradient
-    # itself; they still publish one, so what follows waits for them), "off" (none waits)
+    # ([Note: collectives off the chain] in collective_engine/collectives.py): "all" (torch_xla's order), "gathers"
+    # (reduce-scatters start from a fresh token: their input is the gradient itself; they still publish one, so what
+    # follows waits for them), "off" (none waits)
     token_chain: str = "all"
 
     def __post_init__(self):
@@ -125,9 +121,7 @@ class CollectiveOptions:
             raise ValueError(f"reduce_scatter_stages={self.reduce_scatter_stages!r} is not valid; use one of "
                              f"{REDUCE_SCATTER_STAGES}")
         if self.all_gather_impl not in ALL_GATHER_IMPLS:
-            raise ValueError(
-                f"all_gather_impl={self.all_gather_impl!r} is not valid; use one of {ALL_GATHER_IMPLS}"
-            )
+            raise ValueError(f"all_gather_impl={self.all_gather_impl!r} is not valid; use one of {ALL_GATHER_IMPLS}")
         if self.token_chain not in TOKEN_CHAINS:
             raise ValueError(f"token_chain={self.token_chain!r} is not valid; use one of {TOKEN_CHAINS}")
         if self.reduce_scatter_bucket_size_mb < 0:
@@ -138,8 +132,8 @@ class CollectiveOptions:
 class ReshardPolicy:
     """When gathered parameters are freed."""
 
-    # free after forward and gather again for backward (FULL_SHARD); False keeps
-    # them from forward until the unit's backward ends (SHARD_GRAD_OP)
+    # free after forward and gather again for backward (FULL_SHARD); False keeps them from forward until the unit's
+    # backward ends (SHARD_GRAD_OP)
     reshard_after_forward: bool = True
     # the root's backward starts right after its forward, so freeing it there only adds a gather
     disable_reshard_on_root: bool = True
@@ -213,8 +207,8 @@ class PrefetchPolicy:
 
     # gather the next unit (in the order units ran last step) tied to this unit's input
     forward: bool = True
-    # in backward, gather the next unit tied to this unit's incoming gradient (BACKWARD_PRE)
-    # or to its reduced gradients (BACKWARD_POST); None: each unit gathers when its gradient arrives
+    # in backward, gather the next unit tied to this unit's incoming gradient (BACKWARD_PRE) or to its reduced gradients
+    # (BACKWARD_POST); None: each unit gathers when its gradient arrives
     backward: Optional[str] = "BACKWARD_PRE"
 
     def __post_init__(self):
@@ -245,9 +239,9 @@ class FSDPOptions:
     # single-controller runtime: which root inputs are batched (see manual_region.ManualRegion)
     is_batched_input: Optional[Callable[[str, torch.Tensor], bool]] = None
     prefetch: PrefetchPolicy = PrefetchPolicy()
-    # the root's: the last this many checkpointed units (module order) keep their activations
-    # instead of recomputing them ([Note: checkpoint all but the last] in activation_checkpoint.py);
-    # "fit": as many as the device's memory holds ([Note: keep what fits] in memory/fit.py)
+    # the root's: the last this many checkpointed units (module order) keep their activations instead of recomputing
+    # them ([Note: checkpoint all but the last] in activation_checkpoint.py); "fit": as many as the device's memory
+    # holds ([Note: keep what fits] in memory/fit.py)
     checkpoint_all_but_last: Union[int, str] = 0
 
     def __post_init__(self):

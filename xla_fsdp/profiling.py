@@ -1,5 +1,5 @@
-"""Profiles of chosen training steps: torch_xla's profiler trace (TensorBoard's profile plugin and
-xprof read it) of steps A to B, for run_clm (`--profile_steps A-B`) and users' own loops.
+"""Profiles of chosen training steps: torch_xla's profiler trace (TensorBoard's profile plugin and xprof read it) of
+steps A to B, for run_clm (`--profile_steps A-B`) and users' own loops.
 
     profile = ProfileSteps("out/profile", first=3, last=4)
     for step in range(1, steps + 1):
@@ -7,11 +7,9 @@ xprof read it) of steps A to B, for run_clm (`--profile_steps A-B`) and users' o
         train_step(...)
         profile.after(step)      # waits for step B to run before the trace stops
 
-The trace records what runs; it does not change the step's program (no compile is added:
-tests/test_profiling.py counts them). On a URL (gs://...) the trace is written to a local folder
-first and copied there when it stops. `host`: this host's index, a subfolder `host-<i>` when every
-host profiles (`all_hosts`); by default only host 0 does.
-"""
+The trace records what runs; it does not change the step's program (no compile is added: tests/test_profiling.py counts
+them). On a URL (gs://...) the trace is written to a local folder first and copied there when it stops. `host`: this
+host's index, a subfolder `host-<i>` when every host profiles (`all_hosts`); by default only host 0 does."""
 from __future__ import annotations
 
 import os
@@ -34,8 +32,7 @@ def parse_range(text: str) -> Tuple[int, int]:
 class ProfileSteps:
     """Start torch_xla's profiler trace before step `first`, stop it after step `last`."""
 
-    def __init__(self, folder: str, first: int, last: int, host: int = 0, all_hosts: bool = False,
-                 say=print):
+    def __init__(self, folder: str, first: int, last: int, host: int = 0, all_hosts: bool = False, say=print):
         if not 1 <= first <= last:
             raise ValueError(f"first={first}, last={last}: give 1 <= first <= last")
         self.first, self.last, self.say = first, last, say

@@ -1,36 +1,22 @@
 """What a checkpointed forward saw, for its recomputation in backward to see it again.
 
-[Note: what a recomputation sees] A checkpointed forward runs twice: without
-autograd in forward, and again in backward to rebuild its activations. The
-second run must compute exactly what the first computed, and leave behind
-nothing the first did not (issue 41: a conv + BatchNorm model drifted from its
-run without checkpointing):
-- random numbers: the host's generator and, on XLA, the device's are set to
-  their state at the forward (dropout draws the same mask), and put back after;
-- autocast: backward usually runs outside the caller's `torch.autocast`
-  region, so the forward's autocast settings (cpu and xla) are entered again
-  (without: a bf16-autocast forward recomputed in fp32, and losses 7.6e-4
-  apart after 5 steps with only the linear units checkpointed);
-- buffers: a forward may update buffers in place (BatchNorm's running
-  statistics and num_batches_tracked). Recomputing it must neither update them
-  a second time (without: num_batches_tracked 60 after 30 steps, running
-  statistics off by 4e-2) nor read the updated values. So the value of every
-  buffer of the module is copied right before the forward, and the
-  recomputation runs with a fresh copy of it in the buffer's place; its
-  updates land in the copy, which is dropped after. Every buffer, not only
-  those the forward changed: BatchNorm's kernel updates the running
-  statistics without moving their version counters, so a change cannot be
-  told from outside. On XLA a copy is a new name for the same value (the
-  traced graph reads the same parameter; no copy op, no device memory beyond
-  what the step holds anyway); on the host it is
-  a real copy, kept from forward to backward (buffers are small next to the
-  activations a checkpoint drops). Copying the tensor the forward used also
-  gives the recomputation the buffers the forward saw where they differ from
-  the module's at backward time: under the single controller, the per-device
-  copies the manual region swaps in only around the root's forward.
-Parameters need no snapshot: no optimizer step runs between a forward and its
-backward, so the recomputation gathers the same shards again.
-"""
+[Note: what a recomputation sees] A checkpointed forward runs twice: without autograd in forward, and again in
+backward to rebuild its activations. The second run must compute exactly what the first computed, and leave behind
+nothing the first did not (issue 41: a conv + BatchNorm model drifted from its run without checkpointing):
+- random numbers: the host's generator and, on XLA, the device's are set to their state at the forward (dropout draws
+  the same mask), and put back after;
+- autocast: backward usually runs outside the caller's `torch.autocast` region, so the forward's autocast settings (cpu
+  and xla) are entered again (else a bf16-autocast forward is recomputed in fp32);
+- buffers: a forward may update buffers in place (BatchNorm's running statistics, num_batches_tracked). The
+  recomputation must neither update them a second time nor read the updated values, so every buffer of the module is
+  copied right before the forward and the recomputation runs with a fresh copy in the buffer's place, dropped after.
+  Every buffer, not only those the forward changed: BatchNorm's kernel updates the running statistics without moving
+  their version counters. On XLA a copy is a new name for the same traced value (no copy op, no device memory); on the
+  host it is a real copy (buffers are small next to the activations a checkpoint drops). It also gives the
+  recomputation the buffers the forward saw where the module's differ at backward time: under the single controller,
+  the per-device copies the manual region swaps in only around the root's forward.
+Parameters need no snapshot: no optimizer step runs between a forward and its backward, so the recomputation gathers
+the same shards again."""
 from __future__ import annotations
 
 import contextlib
@@ -65,8 +51,8 @@ def _autocast_state() -> List[Tuple[str, bool, torch.dtype]]:
 
 
 class ForwardState:
-    """Taken right before a checkpointed forward of `module` (under no_grad); `replayed()`
-    around its recomputation. See [Note: what a recomputation sees]."""
+    """Taken right before a checkpointed forward of `module` (under no_grad); `replayed()` around its recomputation. See
+    [Note: what a recomputation sees]."""
 
     def __init__(self, module: Optional[nn.Module], on_xla: bool):
         self.on_xla = on_xla

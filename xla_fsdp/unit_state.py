@@ -1,15 +1,11 @@
 """Which modules are units of the collective engine, and each unit's engine state.
 
-[Note: one engine state per unit] Both front doors (`XlaFullyShardedDataParallel`
-and FSDP2's `fully_shard`) make a module a unit by giving it one engine-state
-object (`collective_engine.state.FSDPState`: its parameter group, options, hooks
-and the front door's policies). It is registered here and looked up here, by
-`state_of(module)`, and `units(root)` is the one list of the units under a
-module. The state lives in the module's own `__dict__`, so it lives and dies
-with the module, and is read from there rather than through attribute lookup:
-torch's `CheckpointWrapper` forwards attribute lookups to the module it wraps,
-which would make the wrapper look like a unit too.
-"""
+[Note: one engine state per unit] Both front doors (`XlaFullyShardedDataParallel` and FSDP2's `fully_shard`) make a
+module a unit by giving it one engine-state object (`collective_engine.state.FSDPState`: its parameter group, options,
+hooks and the front door's policies). It is registered here and looked up here, by `state_of(module)`, and `units(root)`
+is the one list of the units under a module. The state lives in the module's own `__dict__`, so it lives and dies with
+the module, and is read from there rather than through attribute lookup: torch's `CheckpointWrapper` forwards attribute
+lookups to the module it wraps, which would make the wrapper look like a unit too."""
 from __future__ import annotations
 
 from typing import Any, List, Optional

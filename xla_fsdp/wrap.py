@@ -1,15 +1,12 @@
 """Auto-wrap policies and the recursive wrapper.
 
-A policy is called as `policy(module, recurse, unwrapped_params)`: with
-`recurse=True` it answers "look inside this module for units?", with
-`recurse=False` "make this module a unit?". torch_xla's and older PyTorch
-policies have the same shape, so they work here too.
+A policy is called as `policy(module, recurse, unwrapped_params)`: with `recurse=True` it answers "look inside this
+module for units?", with `recurse=False` "make this module a unit?". torch_xla's and older PyTorch policies have the
+same shape, so they work here too.
 
-[Note: tied parameters] A parameter registered in two modules (tied input and
-output embeddings) must live in one unit. The wrapper never makes a unit of a
-module whose parameters are also used outside it; such parameters stay in the
-common parent. Wrapping by hand in a way that splits them raises an error.
-"""
+[Note: tied parameters] A parameter registered in two modules (tied input and output embeddings) must live in one unit.
+The wrapper never makes a unit of a module whose parameters are also used outside it; such parameters stay in the common
+parent. Wrapping by hand in a way that splits them raises an error."""
 from __future__ import annotations
 
 import functools
@@ -32,15 +29,15 @@ def always_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, 
     return True
 
 
-# The policies take their settings positionally or by keyword, as torch_xla's do
-# (torch_xla.distributed.fsdp.wrap): `functools.partial(transformer_auto_wrap_policy, {GPT2Block})`
-# binds transformer_layer_cls as torch_xla's own scripts may write it.
+# The policies take their settings positionally or by keyword, as torch_xla's do (torch_xla.distributed.fsdp.wrap):
+# `functools.partial(transformer_auto_wrap_policy, {GPT2Block})` binds transformer_layer_cls as torch_xla's own scripts
+# may write it.
 def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
                                 min_num_params: int = int(1e8),
                                 force_leaf_modules: Optional[Iterable[type]] = None,
                                 exclude_wrap_modules: Optional[Iterable[type]] = None) -> bool:
-    """Wrap a module once its not-yet-wrapped parameters reach `min_num_params`; never recurse into
-    `force_leaf_modules` nor wrap `exclude_wrap_modules` (None: the defaults below, as torch_xla)."""
+    """Wrap a module once its not-yet-wrapped parameters reach `min_num_params`; never recurse into `force_leaf_modules`
+    nor wrap `exclude_wrap_modules` (None: the defaults below, as torch_xla)."""
     if force_leaf_modules is None:
         force_leaf_modules = size_based_auto_wrap_policy.FORCE_LEAF_MODULES
     if exclude_wrap_modules is None:
@@ -91,9 +88,8 @@ def _param_users(root: nn.Module) -> Dict[int, Set[int]]:
 def auto_wrap_children(root: nn.Module, kwargs: dict, wrapper_cls: type) -> None:
     """Wrap the children of `root` (bottom-up) that the policy selects, with the same options.
 
-    `wrapper_cls` is the unit class (the front door passes itself, so this
-    module never imports it): the default wrapper; a child that is a unit
-    (`unit_state.is_unit`, or an instance of it: the GSPMD engine's) is already wrapped.
+    `wrapper_cls` is the unit class (the front door passes itself, so this module never imports it): the default
+    wrapper; a child that is a unit (`unit_state.is_unit`, or an instance of it: the GSPMD engine's) is already wrapped.
     """
     policy = kwargs["auto_wrap_policy"]
     wrapper = kwargs.get("auto_wrapper_callable") or wrapper_cls

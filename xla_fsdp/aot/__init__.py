@@ -2,15 +2,12 @@
 
     python -m xla_fsdp.aot --tpu v4-8 -- launch/run_clm.py <the job's flags>
 
-traces two steps of the job on this host at the slice's device count, in
-the runtime it would use there (nothing executes: [Note: abstract tracing]),
-compiles the second step with libtpu's own compiler for the slice's
-topology, and reports whether it compiles, its HBM per chip against the
-chip's, and the collectives of the TPU-optimized program.
-
-For a training loop of your own, either run its script under the check as
-it is (each step must end in `torch_xla.sync()` or `xm.mark_step()`, and the
-first step must not read values back: see `--steps`), or mark the step:
+traces two steps of the job on this host at the slice's device count, in the runtime it would use there (nothing
+executes: [Note: abstract tracing]), compiles the second step with libtpu's own compiler for the slice's topology,
+and reports whether it compiles, its HBM per chip against the chip's, and the collectives of the TPU-optimized
+program. For a training loop of your own, either run its script under the check as it is (each step must end in
+`torch_xla.sync()` or `xm.mark_step()`, and the first step must not read values back: see `--steps`), or mark
+the step:
 
     import xla_fsdp.aot
 
@@ -30,9 +27,9 @@ __all__ = ["check", "tracing"]
 
 
 def check(step_fn: Callable[[], object]) -> None:
-    """Hand one training step to the ahead-of-time check: `step_fn()` runs as many times as the
-    check's `--steps` says (default 2), each followed by a graph cut; the last one is compiled
-    for the TPU and the process ends. Only under `python -m xla_fsdp.aot --tpu TYPE -- script.py`."""
+    """Hand one training step to the ahead-of-time check: `step_fn()` runs as many times as the check's `--steps`
+    says (default 2), each followed by a graph cut; the last one is compiled for the TPU and the process ends. Only
+    under `python -m xla_fsdp.aot --tpu TYPE -- script.py`."""
     if not tracing():
         raise RuntimeError("xla_fsdp.aot.check() runs under the ahead-of-time check only: "
                            "python -m xla_fsdp.aot --tpu v4-8 -- your_script.py [its flags]")

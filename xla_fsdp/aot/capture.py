@@ -1,30 +1,20 @@
 """Capturing one training step's program in the traced process (never executed).
 
-[Note: two traced steps] A job's first step is not the program it runs
-for days: optimizer state is created inside it, and its inputs differ.
-So the trace lets the job's own loop run two steps, and the graph cut
-(`torch_xla.sync()` / `xm.mark_step()`) is intercepted. Only cuts that end
-a training step count (an optimizer stepped since the previous cut); a
-loop's earlier cuts (set-up graphs) are skipped, so their pending work
-joins the first step's graph.
-- at the first cut nothing runs: every live XLA tensor becomes a
-  placeholder of its shape, dtype and sharding ([Note: abstract tracing]),
-  as if the step had run and left its results on the devices; torch_xla's
-  collective token and RNG seed start afresh, as after a real step;
-- at the second cut torch_xla's own graph cut runs (so buffer donation is
-  decided as in a real step) and XLA, whose dump the parent switched on,
-  writes the module torch_xla hands it. The process ends as soon as that
-  file is whole; if XLA:CPU compiles and runs the step on the placeholders
-  first, the process crashes instead, and the module is taken from the
-  dump all the same ([Note: the module is taken from the dump, whoever
-  gets there first] in dump.py).
-After the first cut the step's results are placeholders, so a loop that logs
-its loss (`loss.item()` after the cut) would abort the process reading one:
-from then on `Tensor.item()` / `tolist()` of an XLA tensor returns zeros
-of its dtype and shape ([Note: values read after the first step]).
-Optimizer state that the first step created without a sharding of its own
-takes its parameter's when it has the parameter's shape, as the SPMD
-partitioner gives it in a real run.
+[Note: two traced steps] A job's first step is not the program it runs for days: optimizer state is created
+inside it, and its inputs differ. So the trace lets the job's own loop run two steps, and the graph cut
+(`torch_xla.sync()` / `xm.mark_step()`) is intercepted. Only cuts that end a training step count (an optimizer
+stepped since the previous cut); a loop's earlier cuts (set-up graphs) are skipped, so their pending work joins the
+first step's graph.
+- at the first cut nothing runs: every live XLA tensor becomes a placeholder of its shape, dtype and sharding
+  ([Note: abstract tracing]), as if the step had run and left its results on the devices; torch_xla's collective
+  token and RNG seed start afresh, as after a real step;
+- at the second cut torch_xla's own graph cut runs (so buffer donation is decided as in a real step) and XLA,
+  whose dump the parent switched on, writes the module torch_xla hands it. The process ends as soon as that file
+  is whole; if XLA:CPU runs the step on the placeholders first, the process crashes instead, and the module is
+  taken from the dump all the same ([Note: the module is taken from the dump, whoever gets there first] in dump.py).
+After the first cut `Tensor.item()` / `tolist()` of an XLA tensor returns zeros of its dtype and shape ([Note:
+values read after the first step]). Optimizer state that the first step created without a sharding of its own
+takes its parameter's when it has the parameter's shape, as the SPMD partitioner gives it in a real run.
 """
 from __future__ import annotations
 
@@ -39,10 +29,9 @@ import torch
 from xla_fsdp.aot.dump import MARKER, RECOMPUTE, TENSORS, take_program
 from xla_fsdp.runtime import environment
 
-# the check's settings (environment.AOT), JSON: "out" (the capture's folder), "steps" (2), "dump"
-# (XLA's dump folder), "poll_s": seconds between looks at the dump (tests set it past XLA:CPU's compile
-# to make the traced process die first: [Note: the module is taken from the dump, whoever gets there
-# first])
+# the check's settings (environment.AOT), JSON: "out" (the capture's folder), "steps" (2), "dump" (XLA's dump
+# folder), "poll_s": seconds between looks at the dump (tests set it past XLA:CPU's compile to make the traced
+# process die first)
 
 
 class _State:
@@ -58,8 +47,7 @@ def _spec() -> dict:
 
 
 def install() -> None:
-    """Route torch_xla's graph cuts through `cut`, note optimizer steps and the job's own
-    `xm` collective calls (see the note above)."""
+    """Route torch_xla's graph cuts through `cut`, note optimizer steps and the job's own `xm` collective calls."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -84,13 +72,11 @@ def install() -> None:
 
 
 def _read_as_zeros_after_first_step() -> None:
-    """[Note: values read after the first step] Under the check no step runs, and after the
-    first cut every tensor the loop kept is a placeholder with no buffer: reading one aborts
-    the process (a check failure in torch_xla, no Python error). Scripts read values there
-    for logging (`losses.append(loss.item())`, a grad norm printed), never to decide the
-    second step's program, so from the first cut on the reads give zeros. Before it a read
-    still runs (a set-up graph on real data reads true values; one on placeholders aborts,
-    as docs/aot.md says)."""
+    """[Note: values read after the first step] Under the check no step runs, and after the first cut every tensor
+    the loop kept is a placeholder with no buffer: reading one aborts the process (a check failure in torch_xla, no
+    Python error). Scripts read values there for logging (`losses.append(loss.item())`, a grad norm printed), never
+    to decide the second step's program, so from the first cut on the reads give zeros. Before it a read still runs
+    (a set-up graph on real data reads true values; one on placeholders aborts, as docs/aot.md says)."""
     original_item, original_tolist = torch.Tensor.item, torch.Tensor.tolist
 
     def zeros(t):
@@ -115,8 +101,7 @@ _sites: list = []
 
 
 def _recorded(fn, kind: str):
-    """`xm.<collective>` that also notes where it was called from and with which pin_layout:
-    torch_xla's op metadata names only its own line, and the check names the caller's."""
+    """`xm.<collective>` also noting its caller and pin_layout (torch_xla's op metadata names only its own line)."""
     import functools
     import inspect
     import traceback
@@ -136,10 +121,8 @@ def _recorded(fn, kind: str):
 
 
 def _objects_of(*classes) -> list:
-    """Every live object of each of `classes`, one list per class, from one walk of the heap (a
-    walk costs about half a second in a traced 2B job). isinstance() on torch.distributed's
-    deprecated `reduce_op` object warns (a FutureWarning per walk); the job's user would see that,
-    not ours."""
+    """Every live object of each of `classes`, one list per class, from one walk of the heap (about half a second
+    in a traced 2B job). isinstance() on torch.distributed's deprecated `reduce_op` warns, silenced here."""
     import warnings
 
     found = [[] for _ in classes]
@@ -153,8 +136,7 @@ def _objects_of(*classes) -> list:
 
 
 def _live_xla_tensors(tensors):
-    """Of `tensors`, those backed by XLA data. Tensors that only claim the device (the fake and
-    functional tensors AOTAutograd keeps when scan_layers traces a layer) are skipped."""
+    """Of `tensors`, those backed by XLA data (not the fake and functional ones AOTAutograd keeps under scan_layers)."""
     return [o for o in tensors if o.device.type == "xla" and _is_xla_data(o)]
 
 
@@ -173,10 +155,9 @@ def _note_step(optimizer, args, kwargs) -> None:
 
 
 def cut(force: bool = False) -> None:
-    """A graph cut under the check. A cut that ends a training step (an optimizer stepped since
-    the previous cut, or `force`): the first `steps - 1` are as if run, the last is compiled.
-    Any other cut (a loop's set-up, before its first step) is skipped: its pending work joins
-    the step's graph, since running it could touch placeholders or wait for ranks that never
+    """A graph cut under the check. A cut that ends a training step (an optimizer stepped since the previous cut, or
+    `force`): the first `steps - 1` are as if run, the last is compiled. Any other cut (a loop's set-up) is skipped:
+    its pending work joins the step's graph, since running it could touch placeholders or wait for ranks that never
     trace."""
     if not (force or _State.stepped):
         return
@@ -192,9 +173,9 @@ def cut(force: bool = False) -> None:
 
 
 def _tensors_by_kind() -> list:
-    """The step's inputs the job holds, by kind, for the memory breakdown ([Note: the peak HBM,
-    broken down]): each optimizer's parameters, their state and the gradients kept between steps,
-    as {"kind", "dtype", "shape"} (the stored shape, as the program's arguments have it)."""
+    """The step's inputs the job holds, by kind, for the memory breakdown ([Note: the peak HBM, broken down]): each
+    optimizer's parameters, their state and the gradients kept between steps, as {"kind", "dtype", "shape"} (the
+    stored shape, as the program's arguments have it)."""
     optimizers, = _objects_of(torch.optim.Optimizer)
     out, seen = [], set()
 
@@ -256,9 +237,7 @@ def _as_if_run() -> None:
 
 
 def _compile_and_exit() -> None:
-    """The second cut: torch_xla compiles the step and XLA dumps the module it was
-    given; once the dump is whole the process leaves (XLA:CPU's code generation
-    after it, and execution, are not needed)."""
+    """The second cut: torch_xla compiles the step, XLA dumps its module; the process leaves once the dump is whole."""
     import threading
 
     import torch_xla.runtime as xr

@@ -2,17 +2,14 @@
 
     python -m xla_fsdp.aot.child SCRIPT [SCRIPT_ARGS...]
 
-Started by `python -m xla_fsdp.aot` with the environment it needs
-(`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES`, `environment.RUNTIME`, the trace and
-dump variables). The script runs as `xla_spawn.py` would run it: its
+Started by `python -m xla_fsdp.aot` with the environment it needs (`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES`,
+`environment.RUNTIME`, the trace and dump variables). The script runs as `xla_spawn.py` would run it: its
 `_mp_fn(index)` if it has one, else as `__main__`.
 - single controller: one process drives every device, as on a TPU host;
-- one process per chip: torch_xla's device threads stand in for the
-  processes, and only rank 0 traces (every rank's program is the same
-  text: [Note: rank as data]); the others return at once. Nothing
-  collective runs while tracing, so rank 0 never waits for them. Past
-  127 chips one device stands in for rank 0 alone ([Note: rank 0 alone
-  past 127 chips]).
+- one process per chip: torch_xla's device threads stand in for the processes, and only rank 0 traces (every
+  rank's program is the same text: [Note: rank as data]); the others return at once. Nothing collective runs
+  while tracing, so rank 0 never waits for them. Past 127 chips one device stands in for rank 0 alone ([Note:
+  rank 0 alone past 127 chips]).
 """
 from __future__ import annotations
 
@@ -53,15 +50,13 @@ def _defines_mp_fn(script: str) -> bool:
 def _serial_backward_beyond_device_index() -> None:
     """[Note: 128 chips and up in one traced process]
 
-    The check stands one XLA:CPU device in for every chip. PyTorch's autograd engine
-    sizes its per-device queues from the device count in a c10::DeviceIndex, 8 signed
-    bits: at 128 devices and more the count wraps, the engine makes no XLA queue, and
-    the first backward fails with an INTERNAL ASSERT on device_ready_queues_. With
-    autograd's multithreading off, backward runs in the calling thread on the CPU queue,
-    which never looks at the device count; for a lazy XLA tensor that records the same
-    graph. The switch is thread-local, so it covers a script that trains on its main
-    thread (run_clm, the Trainer, a plain loop), and is set only where the count wraps.
-    On a real pod each host's process drives only its own chips."""
+    The check stands one XLA:CPU device in for every chip. PyTorch's autograd engine sizes its per-device queues
+    from the device count in a c10::DeviceIndex, 8 signed bits: at 128 devices and more the count wraps, the engine
+    makes no XLA queue, and the first backward fails with an INTERNAL ASSERT on device_ready_queues_. With
+    autograd's multithreading off, backward runs in the calling thread on the CPU queue, which never looks at the
+    device count; for a lazy XLA tensor that records the same graph. The switch is thread-local, so it covers a
+    script that trains on its main thread (run_clm, the Trainer, a plain loop), and is set only where the count
+    wraps. On a real pod each host's process drives only its own chips."""
     import torch
 
     from xla_fsdp.runtime import environment
@@ -75,11 +70,10 @@ _crash_lock = threading.Lock()
 
 
 def _record_crashes() -> None:
-    """A traced process that dies on a signal (XLA aborting, a segfault) says where in
-    `crash.txt` beside the module; the check shows it when it got no module. Every device thread
-    of the pool worker calls it: the file is opened once, under a lock (an unlocked check let two
-    threads each open, truncating, the file), and the handler installed again by each caller, so
-    whatever ran in between (the XLA runtime starting in another thread) cannot leave it off."""
+    """A traced process that dies on a signal (XLA aborting, a segfault) says where in `crash.txt` beside the
+    module; the check shows it when it got no module. Every device thread of the pool worker calls it: the file is
+    opened once, under a lock (two threads must not each open it, truncating), and the handler installed again by
+    each caller, so whatever ran in between (the XLA runtime starting in another thread) cannot leave it off."""
     global _crash_file
     import faulthandler
 
@@ -104,9 +98,8 @@ def _traced(script: str, args) -> None:
         if e.code not in (None, 0):
             from xla_fsdp.aot.dump import REFUSED
 
-            # the script ended itself (a mistake in its flags or files, as a rule): the check says
-            # why in one line (xla_fsdp.aot.trace), from its message or, for an exit status, from
-            # the last line it printed (argparse's "error: ...")
+            # the script ended itself (as a rule a mistake in its flags or files): the check says why in one line
+            # (xla_fsdp.aot.trace), from its message or, for an exit status, its last printed line (argparse's)
             message = None if isinstance(e.code, int) else str(e.code)
             with open(os.path.join(capture._spec()["out"], REFUSED), "w") as f:
                 json.dump({"code": e.code if isinstance(e.code, int) else 1, "message": message}, f)
@@ -140,10 +133,9 @@ def main() -> None:
     try:
         xmp.spawn(_replica, args=(script, args))
     except BaseException as e:
-        # The pool's worker always ends abruptly: rank 0 leaves it with os._exit (done, or
-        # failed after printing why), or XLA:CPU crashes it running the step on placeholders
-        # once the module is dumped ([Note: the module is taken from the dump, whoever gets
-        # there first] in dump.py). Only the dump tells which.
+        # The pool's worker always ends abruptly: rank 0 leaves it with os._exit (done, or failed after printing
+        # why), or XLA:CPU crashes it running the step on placeholders once the module is dumped ([Note: the module
+        # is taken from the dump, whoever gets there first] in dump.py). Only the dump tells which.
         if take_program(capture._spec()["out"], capture._spec()["dump"]):
             os._exit(0)
         print(f"xla_fsdp.aot: the traced process of one process per chip ended before the step's "
@@ -166,15 +158,13 @@ def _replica(index: int, script: str, args) -> None:
 def _stand_in_for_rank_0(world: int) -> None:
     """[Note: rank 0 alone past 127 chips]
 
-    One process per chip is traced with one torch_xla device thread per chip, and only rank
-    0's program is kept. torch_xla hands each thread its ordinal through the device index,
-    a c10::DeviceIndex of 8 signed bits: from the 129th thread on it wraps, dozens of
-    threads read ordinal 0, and each traces the job at once (racing on imports, on the
-    captured program and on the device). Rank 0's program depends on the world only
-    through the number torch_xla reports (shard sizes, collectives' shard counts; replica
-    groups stay "all replicas"), and nothing collective runs while tracing. So past 127
-    chips the child gets one device (trace.child_env) and this sets the world torch_xla
-    reports to the slice's chip count, in the spawned process, before the script runs.
+    One process per chip is traced with one torch_xla device thread per chip, and only rank 0's program is kept.
+    torch_xla hands each thread its ordinal through the device index, a c10::DeviceIndex of 8 signed bits: from the
+    129th thread on it wraps, dozens of threads read ordinal 0, and each traces the job at once (racing on imports,
+    on the captured program and on the device). Rank 0's program depends on the world only through the number
+    torch_xla reports (shard sizes, collectives' shard counts; replica groups stay "all replicas"), and nothing
+    collective runs while tracing. So past 127 chips the child gets one device (trace.child_env) and this sets the
+    world torch_xla reports to the slice's chip count, in the spawned process, before the script runs.
     tests/test_aot.py traces the same job both ways at 8 chips and compares the programs."""
     import torch_xla.runtime as xr
 

@@ -3,11 +3,11 @@
     python -m xla_fsdp.aot --tpu v4-8 [--runtime auto] [--json] [--dump DIR] -- \\
         launch/run_clm.py <the job's flags>
 
-When the single controller's default rings do not fit, the check traces and compiles the step
-again with the rings variable at 0 (`environment.RINGS`) and reports whether that fits ([Note: rings off for the last GiB]).
+When the single controller's default rings do not fit, the check traces and compiles the step again with the
+rings variable at 0 (`environment.RINGS`) and reports whether that fits ([Note: rings off for the last GiB]).
 
-Exit codes: 0 compiles and fits; 1 does not fit in HBM (as given); 2 bad input; 3 the
-job failed to trace; 4 the TPU compiler refused the step; 5 libtpu missing.
+Exit codes: 0 compiles and fits; 1 does not fit in HBM (as given); 2 bad input; 3 the job failed to trace; 4 the
+TPU compiler refused the step; 5 libtpu missing.
 """
 from __future__ import annotations
 
@@ -71,9 +71,8 @@ def split_command(argv: List[str]):
 
 
 def _load_compiler():
-    """libtpu's compiler, loaded with its start-up chatter kept off the terminal: on a host
-    that is not a TPU VM it prints that it could not determine the accelerator type, which
-    says nothing about the check. Replayed if loading fails."""
+    """libtpu's compiler, loaded with its start-up chatter kept off the terminal (off a TPU VM it prints that it
+    could not determine the accelerator type, which says nothing about the check); replayed if loading fails."""
     from xla_fsdp.tpu import pjrt
 
     saved, sink = os.dup(2), tempfile.TemporaryFile()
@@ -93,9 +92,8 @@ def _load_compiler():
 
 
 def _rings_to_retry(result: dict, text: str, job, spec, opts) -> bool:
-    """The step does not fit, and it is the single controller's default rings under xla_fsdp's
-    own flags: the configuration the rings variable at 0 switches to may fit ([Note: rings off for the
-    last GiB])."""
+    """The step does not fit, and it is the single controller's default rings under xla_fsdp's own flags: the
+    configuration the rings variable at 0 switches to may fit ([Note: rings off for the last GiB])."""
     from xla_fsdp.aot import program as prog
     from xla_fsdp.aot import trace
     from xla_fsdp.tpu import libtpu_flags
@@ -107,8 +105,7 @@ def _rings_to_retry(result: dict, text: str, job, spec, opts) -> bool:
 
 
 def write_dump(dump: str, workdir: str, optimized_hlo: Optional[str]) -> None:
-    """--dump DIR: the traced module, the TPU-optimized HLO and the trace log, into a folder
-    or a URL (gs://bucket/aot), through the same storage as checkpoints."""
+    """--dump DIR: traced module, TPU-optimized HLO and trace log, to a folder or URL, via the checkpoints' storage."""
     from xla_fsdp.checkpoint import storage
 
     st = storage.storage_for(dump)
@@ -154,12 +151,11 @@ def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
 
 
 def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts, say, calls) -> Optional[tuple]:
-    """[Note: keep what fits] (xla_fsdp/memory/fit.py): a job with checkpoint_all_but_last="fit"
-    measured its units while it traced, and found no device figures here. Its step is traced and
-    compiled again, given the figures of the program just compiled (every unit recomputed): the
-    report is then that of the step the job runs on the slice; what the first program needed
-    is kept beside it. (its program, its report, its folder); None when the job does not use "fit"
-    or its first program did not fit."""
+    """[Note: keep what fits] (xla_fsdp/memory/fit.py): a job with checkpoint_all_but_last="fit" measured its units
+    while it traced, and found no device figures here. Its step is traced and compiled again, given the figures of
+    the program just compiled (every unit recomputed), so the report is that of the step the job runs on the slice,
+    with what the first program needed beside it. (its program, its report, its folder); None when the job does not
+    use "fit" or its first program did not fit."""
     from xla_fsdp.aot import report as rep
     from xla_fsdp.aot import trace
     from xla_fsdp.memory.device_figures import MEMORY_ENV
@@ -175,8 +171,8 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     say(f"xla_fsdp.aot: checkpoint_all_but_last=\"fit\": {plan['units']} checkpointed units, every one "
         f"recomputed needs {figures['peak'] / 2 ** 30:.2f} GiB of {figures['limit'] / 2 ** 30:.2f}; tracing "
         "the step again with the units that fit keeping their activations")
-    # the first program's optimized HLO and what libtpu freed compiling it go before the second
-    # trace: a 128B step's compile held 16.6 GB of this host's 24, and the trace needs its own
+    # the first program's optimized HLO and what libtpu freed compiling it go before the second trace, which needs
+    # the host's memory too (a 128B step's compile held 16.6 GB of a 24 GB host)
     import gc
 
     from xla_fsdp.memory.host import release_freed_host_memory
@@ -268,13 +264,12 @@ def _job(opts, command):
 
 
 def _libtpu_environment() -> Optional[str]:
-    """What libtpu's start-up reads, set for this host (not a TPU VM); returns this run's log
-    directory, to drop at the end (None when the user named one)."""
+    """What libtpu's start-up reads, set for this host; this run's log directory to drop (None: the user's)."""
     for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
                         ("TF_CPP_MIN_LOG_LEVEL", "2")):
         os.environ.setdefault(name, value)
-    # libtpu's log, where it states the HBM the program needs ([Note: the HBM a TPU program
-    # needs]): in a directory of this run's, unless the user named one
+    # libtpu's log, where it states the HBM the program needs ([Note: the HBM a TPU program needs]): in a
+    # directory of this run's, unless the user named one
     logs = None if environment.raw(environment.TPU_LOG_DIR) is not None else tempfile.mkdtemp(
         prefix="xla_fsdp_aot_tpu_logs_")
     if logs:
@@ -283,8 +278,7 @@ def _libtpu_environment() -> Optional[str]:
 
 
 def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
-    """Trace the step, compile it with libtpu, and check it again where "fit" or the rings' switch
-    asks; the report (a TraceError when the job cannot be traced)."""
+    """Trace, compile, and check again where "fit" or the rings' switch asks; the report (TraceError: untraceable)."""
     from xla_fsdp.aot import report as rep
     from xla_fsdp.aot import trace
     from xla_fsdp.runtime import allocator

@@ -1,24 +1,15 @@
 """The traced step's module in XLA's dump: when it is whole, and taking it as `program.txt`.
 
 [Note: the module is taken from the dump, whoever gets there first]
-At the checked step's graph cut the traced process lets torch_xla compile
-the step, so that XLA's dump receives exactly the module torch_xla hands
-it (buffer donation included), and ends as soon as that module is whole.
-But nothing stops XLA:CPU once it has the module: for a small step its
-compile finishes within milliseconds and it then *runs* the step on the
-placeholders ([Note: abstract tracing]), which crashes the process (a
-segfault in the device's execution, or the pool worker of one process per
-chip dying under torch_xla's spawn). Whether the process saw the module
-first or crashed first is a race between XLA:CPU and the process's poll;
-it used to decide whether the check passed.
-
-It no longer does: the module is whole on disk before XLA:CPU can run
-anything (XLA writes it before optimizing it, and runs only what it
-compiled), so whichever side is still alive takes it: the traced process
-in its poll, its launcher after a pool worker died, or the check's parent
-after the traced process died. "Whole" is read from the text, not guessed
-from a size that stopped growing: XLA prints the ENTRY computation last,
-and its closing brace is the only unindented `}` after the `ENTRY` line.
+At the checked step's graph cut the traced process lets torch_xla compile the step, so that XLA's dump receives
+exactly the module torch_xla hands it (buffer donation included), and ends as soon as that module is whole. But
+nothing stops XLA:CPU once it has the module: for a small step it then *runs* the step on the placeholders ([Note:
+abstract tracing]) within milliseconds, which crashes the process (a segfault, or the pool worker of one process
+per chip dying under torch_xla's spawn). That race must not decide the check: the module is whole on disk before
+XLA:CPU can run anything (XLA writes it before optimizing it), so whichever side is still alive takes it: the
+traced process in its poll, its launcher after a pool worker died, or the check's parent after the traced process
+died. "Whole" is read from the text, not guessed from a size that stopped growing: XLA prints the ENTRY
+computation last, and its closing brace is the only unindented `}` after the `ENTRY` line.
 """
 from __future__ import annotations
 
@@ -43,8 +34,7 @@ def whole_module(text: str) -> bool:
 
 
 def step_module(out: str, dump: str) -> Optional[str]:
-    """Path of the checked step's module in `dump` if the traced process reached the step's
-    compile (its marker in `out`) and XLA has written the module whole; else None."""
+    """The checked step's module in `dump` once the traced process reached its compile and XLA wrote it whole."""
     marker = os.path.join(out, MARKER)
     if not os.path.exists(marker) or not os.path.isdir(dump):
         return None
@@ -59,8 +49,7 @@ def step_module(out: str, dump: str) -> Optional[str]:
 
 
 def take_program(out: str, dump: str) -> bool:
-    """Make `out/program.txt` the step's module if it is whole in `dump` (written whole or not
-    at all); True when `program.txt` exists afterwards."""
+    """Make `out/program.txt` (whole or not at all) the step's module if it is whole in `dump`; True if it exists."""
     program = os.path.join(out, PROGRAM)
     if os.path.exists(program):
         return True
@@ -75,8 +64,7 @@ def take_program(out: str, dump: str) -> bool:
 
 
 def crash_report(out: str) -> str:
-    """What faulthandler wrote of a traced process that died on a signal: the signal and the
-    stack of the thread that died ("" if it did not); the other threads are in `crash.txt`."""
+    """The signal and dying thread's stack faulthandler wrote for a traced process ("": none); all in `crash.txt`."""
     path = os.path.join(out, CRASH)
     if not os.path.exists(path):
         return ""

@@ -1,12 +1,10 @@
 """The traced module, made ready for libtpu's compiler, and what can be told before compiling.
 
-The module is the text XLA dumped as `before_optimizations` in the traced
-process: exactly what torch_xla hands to XLA, buffer donation included. One
-difference from a real run is repaired here: a placeholder has no data, so
-torch_xla lowers its sharding as a `Sharding` custom call after the
-parameter instead of on the parameter, where real sharded data puts it.
-Left alone, the partitioner would take such a parameter as replicated and
-every chip would be charged the whole tensor as an argument.
+The module is the text XLA dumped as `before_optimizations` in the traced process: exactly what torch_xla hands to
+XLA, buffer donation included. One difference from a real run is repaired here: a placeholder has no data, so
+torch_xla lowers its sharding as a `Sharding` custom call after the parameter instead of on the parameter, where
+real sharded data puts it. Left alone, the partitioner would take such a parameter as replicated and every chip
+would be charged the whole tensor as an argument.
 """
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ def entry_lines(text: str) -> range:
 
 
 def place_parameter_shardings(text: str) -> str:
-    """Give every entry parameter of an SPMD module the sharding real data would carry
-    (see the module docstring): its `Sharding` custom call's, else replicated."""
+    """Give every entry parameter of an SPMD module its `Sharding` custom call's sharding, else replicated."""
     lines = text.splitlines()
     body = entry_lines(text)
     wanted: Dict[str, str] = {}
@@ -83,11 +80,10 @@ def collective_sites(text: str) -> List[CollectiveSite]:
 
 
 def layout_mix(text: str, calls: Sequence[dict] = ()) -> Optional[str]:
-    """The TPU compiler refuses a module whose all-reduces (reduce-scatters count: it turns
-    them into all-reduces) are partly layout-pinned and partly not. Said before compiling,
-    naming one collective of each side and the fix; None when the module is consistent.
-    `calls`: the job's own `xm.all_reduce`-style calls the trace recorded (kind, pinned,
-    where), which name the caller's line where the op metadata names torch_xla's."""
+    """The TPU compiler refuses a module whose all-reduces (reduce-scatters count: it turns them into all-reduces)
+    are partly layout-pinned and partly not. Said before compiling, naming one collective of each side and the fix;
+    None when the module is consistent. `calls`: the job's own `xm.all_reduce`-style calls the trace recorded (kind,
+    pinned, where), which name the caller's line where the op metadata names torch_xla's."""
     sites = [s for s in collective_sites(text) if s.kind in ("all-reduce", "reduce-scatter")]
     pinned = [s for s in sites if s.pinned]
     free = [s for s in sites if not s.pinned]
@@ -112,7 +108,5 @@ RING_SOURCE = hlo_source.RING_FILE + '"'  # op metadata of the engine's rings (X
 
 
 def ring_ops(text: str) -> int:
-    """Ops of the traced module that the engine's rings made ([Note: ring reduce-scatter]): their
-    sharding annotations become collective-permutes only in the partitioner, so the module
-    shows them by the source file in their metadata, which the traced child records."""
+    """Ops of the traced module the engine's rings made ([Note: ring reduce-scatter]), told by their metadata's file."""
     return text.count(RING_SOURCE)

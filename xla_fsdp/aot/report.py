@@ -1,10 +1,9 @@
 """Compiling the traced step for the slice, and the report: compiles, HBM per chip, collectives.
 
-Memory per chip is libtpu's own account of the program (its compile log:
-program + arguments + outputs not in donated arguments, against the HBM it
-lets programs use; [Note: the HBM a TPU program needs]), PJRT's statistics
-beside it. The collectives come from the TPU-optimized program
-(`xla_fsdp.tpu.optimized_hlo`), never from the program XLA:CPU would run.
+Memory per chip is libtpu's own account of the program (its compile log: program + arguments + outputs not in
+donated arguments, against the HBM it lets programs use; [Note: the HBM a TPU program needs]), PJRT's statistics
+beside it. The collectives come from the TPU-optimized program (`xla_fsdp.tpu.optimized_hlo`), never from the
+program XLA:CPU would run.
 """
 from __future__ import annotations
 
@@ -69,16 +68,14 @@ def _diagnose(message: str, text: str, calls=()) -> str:
 
 
 def _start_up_only(message: str) -> Optional[str]:
-    """The flag a compile refused because libtpu reads it only when it starts (its dumps,
-    xla_jf_internal_num_threads), or None."""
+    """The flag a compile refused because libtpu reads it only when it starts (its dumps, its thread count)."""
     m = re.search(r"No such compile option: '([\w.]+)'", message)
     return m.group(1) if m else None
 
 
 def hbm_account(compiled, hbm_per_chip: int) -> dict:
-    """HBM per chip of a compiled program: libtpu's own account when its log has one ([Note: the
-    HBM a TPU program needs] in xla_fsdp/tpu/compile_log.py), PJRT's statistics beside it. "peak" is
-    what the chip needs, "usable" what it has for programs; "source" says whose they are."""
+    """HBM per chip of a compiled program: libtpu's own account when its log has one, PJRT's statistics beside it.
+    "peak" is what the chip needs, "usable" what it has for programs; "source" says whose they are."""
     m = compiled.memory
     out = {"arguments": m.argument_size, "outputs": m.output_size, "aliased": m.alias_size,
            "temporaries": m.temp_size, "generated_code": m.generated_code_size, "pjrt_peak": m.total,
@@ -119,15 +116,13 @@ def _compile(text: str, spec, compiler, flags: list, spmd: bool, started_with: b
 def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print, calls=(),
                   started_with: bool = False, tensors=None, keep_in: Optional[str] = None,
                   with_curve: bool = False) -> dict:
-    """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict.
-    `calls`: the job's own collective calls the trace recorded (see `program.layout_mix`).
-    `started_with`: `libtpu_flags` is the LIBTPU_INIT_ARGS libtpu read when it started, so a flag
-    it takes only then (its dumps, its thread count) applies already and is left out of the
-    compile's own flags (listed under "start_up_flags") instead of failing it.
-    `tensors`: the job's tensors by kind (capture.TENSORS), to tell the program's arguments apart
-    in the memory breakdown ([Note: the peak HBM, broken down]). `keep_in`: a folder to copy
-    libtpu's buffer assignment into (as BUFFER_ASSIGNMENT), for --dump. `with_curve`: keep the HBM
-    in use over the schedule as "hbm_curve" (for --timeline)."""
+    """Compile the traced module `text` for the slice `spec` (a `SliceSpec`); the report as a dict. `calls`: the
+    job's own collective calls the trace recorded (see `program.layout_mix`). `started_with`: `libtpu_flags` is the
+    LIBTPU_INIT_ARGS libtpu read when it started, so a flag it takes only then applies already and is left out of
+    the compile's own flags (listed under "start_up_flags") instead of failing it. `tensors`: the job's tensors by
+    kind (capture.TENSORS), to tell the program's arguments apart in the memory breakdown. `keep_in`: a folder to
+    copy libtpu's buffer assignment into (as BUFFER_ASSIGNMENT), for --dump. `with_curve`: keep the HBM in use over
+    the schedule as "hbm_curve" (for --timeline)."""
     from xla_fsdp.tpu import compile_options as co
 
     spmd = is_spmd(text)
@@ -212,8 +207,7 @@ def _stages(stages) -> str:
 
 
 def _allocator(name) -> str:
-    """[Note: libtpu's compile and the host's malloc]: what the compile allocated with, and how to
-    make it faster where that was glibc's malloc."""
+    """[Note: libtpu's compile and the host's malloc]: what the compile allocated with, and the faster way."""
     if not name:
         return ""
     if name == "glibc":
@@ -356,8 +350,7 @@ def _render_loops(loops) -> list:
 
 
 def _render_dcn(d: Optional[dict]) -> list:
-    """The cross-slice transfers ([Note: DCN transfers in libtpu's program]); the collectives
-    above are the ICI's, within a slice."""
+    """The cross-slice transfers ([Note: DCN transfers in libtpu's program])."""
     if not d:
         return []
     lines = [f"between the {d['slices']} slices (DCN, libtpu's megascale transfers; the collectives above run on "
@@ -376,8 +369,7 @@ def _render_dcn(d: Optional[dict]) -> list:
 
 
 def _render_breakdown(b: Optional[dict], libtpu_fragmentation: Optional[int] = None) -> list:
-    """The peak, part by part ([Note: the peak HBM, broken down]), and libtpu's own fragmentation
-    figure where it differs from this split's by more than 1% of the peak."""
+    """The peak, part by part, and libtpu's fragmentation figure where it differs from ours by over 1% of the peak."""
     if not b:
         return []
     lines = [f"  the peak by what it holds (libtpu's buffer assignment; the heap at its fullest at "

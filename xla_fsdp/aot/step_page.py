@@ -2,19 +2,16 @@
 
 [Note: the step's picture]
 Everything on the page comes from the program libtpu compiled for the slice; nothing is measured:
-- a timeline of the projected step (xla_fsdp/tpu/step_time.py's walk of libtpu's schedule, each
-  instruction at its roofline time): one lane for the TensorCore's compute and one per collective
-  kind; every collective of the step is one span, from the core issuing it to the core having its
-  result (an asynchronous one's done), with its transfer on the ICI drawn inside it, so what runs
-  beside compute and what the core waits for are visible. A While loop (scan_layers) appears
-  once per trip. Compute spans closer than a pixel are drawn as one;
-- HBM in use over the step: arguments, outputs as they are written, and the heap's live values
-  by libtpu's buffer assignment ([Note: the peak HBM, broken down] in
-  xla_fsdp/tpu/memory_breakdown.py), placed at the projected time of the instruction that
-  makes or frees them;
-- the kernels that take the most projected time, each named by the op and the source line
-  torch_xla wrote in its metadata, with the function (class.method) that line is in: the layer
-  or block that issued it;
+- a timeline of the projected step (xla_fsdp/tpu/step_time.py's walk of libtpu's schedule): one lane for the
+  TensorCore's compute and one per collective kind; each collective is one span, from the core issuing it to the
+  core having its result, with its transfer on the ICI drawn inside it, so what runs beside compute and what the
+  core waits for are visible. A While loop (scan_layers) appears once per trip. Compute spans closer than a pixel
+  are drawn as one;
+- HBM in use over the step: arguments, outputs as they are written, and the heap's live values by libtpu's buffer
+  assignment ([Note: the peak HBM, broken down] in xla_fsdp/tpu/memory_breakdown.py), placed at the projected time
+  of the instruction that makes or frees them;
+- the kernels with the most projected time, each named by the op, the source line torch_xla wrote in its metadata
+  and the function (class.method) that line is in: the layer or block that issued it;
 - the memory breakdown and the check's report.
 No script, no network: SVG and HTML only, readable from disk and in a test.
 """
@@ -35,8 +32,7 @@ COLOURS = {"compute": "#4e79a7", "all-gather": "#59a14f", "reduce-scatter": "#e1
 
 
 def events_of(optimized: str, spec, rests: Dict[str, str]) -> Tuple[List[step_time.Event], float]:
-    """The projected step's events and its length in seconds; a ring's permutes on the lane of the
-    collective the ring performs ([Note: which ring a permute belongs to])."""
+    """The step's events and length, ring permutes on their ring's lane ([Note: which ring a permute belongs to])."""
     events: List[step_time.Event] = []
     est = step_time.estimate(optimized, spec.chip, spec.chips, spec.torus_axes, events=events)
     for e in events:
@@ -52,8 +48,7 @@ def _rests(comps) -> Dict[str, str]:
 
 
 def top_kernels(events: List[step_time.Event], rests: Dict[str, str], count: int = 15) -> List[dict]:
-    """The compute instructions with the most projected time over the step (a loop's body summed
-    over its trips)."""
+    """The compute instructions with the most projected time over the step (a loop's body summed over its trips)."""
     total: Dict[str, float] = {}
     calls: Dict[str, int] = {}
     for e in events:
@@ -87,9 +82,9 @@ def _merged_compute(events: List[step_time.Event], length: float) -> List[Tuple[
 
 
 def _hbm_points(curve: List[Tuple[str, int]], events: List[step_time.Event]) -> List[Tuple[float, int]]:
-    """The HBM curve (schedule order) at projected times: an instruction's bytes at each time it
-    runs (every trip of a loop). Instructions the core spends no time on (bookkeeping, copies
-    started beside compute) join the next one that it does, at the most of their bytes."""
+    """The HBM curve (schedule order) at projected times: an instruction's bytes at each time it runs (every trip of
+    a loop). Instructions the core spends no time on (bookkeeping, copies started beside compute) join the next one
+    that it does, at the most of their bytes."""
     times: Dict[str, List[float]] = {}
     for e in events:
         times.setdefault(e.name, []).append(e.start)
@@ -152,8 +147,7 @@ def svg(events: List[step_time.Event], length: float, curve: Optional[List[Tuple
 
 
 def _hbm_lane(points: List[Tuple[float, int]], length: float, top_y: float, usable: int) -> List[str]:
-    """HBM in use as a filled step curve, scaled to its peak (the usable HBM drawn when it is
-    within half again of the peak)."""
+    """HBM in use as a filled step curve, scaled to its peak (the usable HBM drawn when within 1.5x of the peak)."""
     peak = max([b for _, b in points] or [0])
     scale = max(peak * 1.1, usable * 1.02 if usable and usable <= 1.5 * peak else 0) or 1
     base = top_y + HBM_HEIGHT
@@ -215,8 +209,7 @@ def page(result: dict, report_text: str, events: List[step_time.Event], length: 
 
 
 def write(path: str, result: dict, report_text: str, optimized: str, spec) -> int:
-    """Write the page for a compiled `result` to `path` (a path ending in .svg: the timeline and
-    HBM lanes alone, as an SVG file); the number of collective spans on it."""
+    """Write the page for `result` to `path` (.svg: the timeline and HBM lanes alone); the collective spans on it."""
     rests = _rests(oh.computations(optimized))
     events, length = events_of(optimized, spec, rests)
     if path.endswith(".svg"):

@@ -1,10 +1,9 @@
 """Running a job's script in a traced child process and collecting the step's module.
 
-The child (`xla_fsdp/aot/child.py`) runs on XLA:CPU with as many virtual
-devices as the slice has chips, in the runtime the job would use on the
-slice; it writes `program.txt` (the module torch_xla hands to XLA for the
-second step) into the work directory and ends. This module builds its
-environment, runs it, and turns its failures into messages that say where.
+The child (`xla_fsdp/aot/child.py`) runs on XLA:CPU with as many virtual devices as the slice has chips, in the
+runtime the job would use on the slice; it writes `program.txt` (the module torch_xla hands to XLA for the second
+step) into the work directory and ends. This module builds its environment, runs it, and turns its failures into
+messages that say where.
 """
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ from xla_fsdp.runtime import environment
 from xla_fsdp.runtime.environment import MULTI_PROCESS, RUNTIME, RUNTIMES, SINGLE_CONTROLLER  # noqa: F401 (tests name it here)
 
 LAUNCHER = "xla_spawn.py"
-# the check's settings (environment.AOT) as a user gives them to the check itself: "rank_0_alone"
-# (true: trace one process per chip on one device at any size), "poll_s" (its traced process's look
-# at XLA's dump); the check adds what its traced process needs (`child_env`)
+# the check's settings (environment.AOT) a user may give: "rank_0_alone" (true: trace one process per chip on one
+# device at any size), "poll_s" (between its traced process's looks at XLA's dump); `child_env` adds the rest
 
 
 class TraceError(RuntimeError):
@@ -43,9 +41,8 @@ class Job:
 
 
 def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
-    """The job of `command` (`script.py flags...`, or `launch/xla_spawn.py [--num_cores N]
-    [--spmd] script.py flags...` as users launch it); `runtime` "auto" means the runtime
-    the command would use on the slice (see `runtime_for`)."""
+    """The job of `command` (`script.py flags...`, or `launch/xla_spawn.py [--num_cores N] [--spmd] script.py
+    flags...` as users launch it); `runtime` "auto" means the runtime the command would use on the slice."""
     if not command:
         raise TraceError("no script given: put the job's command after --, e.g. "
                          "python -m xla_fsdp.aot --tpu v4-8 -- launch/run_clm.py --config_name ...")
@@ -73,11 +70,8 @@ def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
 
 
 def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "") -> str:
-    """The runtime the job uses on a TPU, as xla_spawn chooses it: `--spmd` / `--per_chip`;
-    else the environment (`environment.runtime`); else what the script declares
-    (`xla_fsdp.runtime.choice`; launch/run_clm.py: the single controller), on one host or a
-    pod; else one process per chip. The GSPMD engine (`xla_fsdp_v2`) is always
-    single-controller; the job decides that."""
+    """The runtime the job uses on a TPU, as xla_spawn chooses it: `--spmd` / `--per_chip`; else the environment; else
+    what the script declares (`xla_fsdp.runtime.choice`); else one process per chip."""
     if requested != "auto":
         if requested not in RUNTIMES:
             raise TraceError(f"--runtime {requested!r}: expected auto, {' or '.join(RUNTIMES)}")
@@ -96,8 +90,7 @@ def rank_0_alone(job: Job) -> bool:
 
 
 def _with_replica_count(text: str, replicas: int) -> str:
-    """The module header as the device threads write it: one device traced it, so XLA left out
-    the replica count the slice's program has."""
+    """The module header with the slice's replica count, which XLA left out as one device traced it."""
     header, _, rest = text.partition("\n")
     if "replica_count=" in header:
         return text
@@ -105,8 +98,7 @@ def _with_replica_count(text: str, replicas: int) -> str:
 
 
 def child_env(job: Job, workdir: str, steps: int) -> dict:
-    """The traced child's environment: XLA:CPU with the slice's device count, the trace
-    switched on, XLA's dump of the module torch_xla compiles."""
+    """The traced child's environment: XLA:CPU at the slice's device count, tracing on, XLA dumping the module."""
     dump = os.path.join(workdir, "dump")
     os.makedirs(dump, exist_ok=True)
     env = dict(os.environ)
@@ -127,10 +119,9 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
         "PYTHONUNBUFFERED": "1",
     })
     if not env.get("MASTER_PORT"):
-        # [Note: the traced child's rendezvous port] A script's `init_process_group(init_method="xla://")`
-        # opens torch_xla's TCP store on MASTER_PORT (12355 unless set). The traced child stands in
-        # for one host alone, so any free local port serves, and another job on this host holding
-        # 12355 (a training run, a second check) must not fail the check.
+        # [Note: the traced child's rendezvous port] A script's `init_process_group(init_method="xla://")` opens
+        # torch_xla's TCP store on MASTER_PORT (12355 unless set). The traced child stands in for one host alone, so
+        # any free local port serves, and another job on this host holding 12355 must not fail the check.
         env["MASTER_PORT"] = str(_free_port())
     if job.torus:  # the slice the step is checked for, not this host's stand-in devices
         env[environment.TORUS] = job.torus
@@ -151,8 +142,7 @@ def _free_port() -> int:
 
 def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] = None,
               echo=None) -> str:
-    """Trace `job` in a child process; returns the step's module text. Raises TraceError
-    with the child's last lines when it fails."""
+    """Trace `job` in a child process; the step's module text (a TraceError with the child's last lines on failure)."""
     cmd = [sys.executable, "-m", "xla_fsdp.aot.child", job.script, *job.args]
     log_path = os.path.join(workdir, "trace.log")
     with open(log_path, "w") as log:

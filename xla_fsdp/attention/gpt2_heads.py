@@ -1,25 +1,19 @@
 """GPT-2's attention projections written head-major around the Pallas kernel.
 
 [Note: head-major projections]
-The kernel takes queries, keys and values as [batch, heads, seq, head_dim] and returns its
-output in that layout. transformers' GPT-2 computes them as one [batch, seq, 3 x hidden]
-matmul, splits, views and transposes them into the kernel's layout, and transposes the output
-back and flattens it for the output projection. On the TPU every one of those transposes and
-views is a copy of a [32, 1024, 3072] bf16 tensor (the 2B's per-chip activations) in the
-forward, the recompute and the backward: in libtpu's program of the 2B step with the kernel,
-about 190 ms of a 2.5 s step (docs/performance.md, "Fused attention").
-
-Here the same weights are read as [hidden, 3, heads, head_dim] and [heads, head_dim, hidden]
-and the projections are einsums that produce and consume the head-major layout directly, so
-the compiler can write each matmul's result where the kernel reads it. Same parameters, same
-state dict, same arithmetic (tests/test_attention_kernel.py checks it against eager attention
-in interpret mode). Only self-attention in training shape takes this path; anything else
-(cross-attention, GPT-2's reordered upcast attention) runs transformers' own forward.
-run_clm uses it where the model sees per-device tensors (one process per chip, the collective
-engine on the single controller). Under the GSPMD engine it does not: there the kernel's
-operands come out of the partitioner with a sharding torch_xla's custom-call handler refuses
-("Check failed: ShapeUtil::Compatible(input->shape(), MakePartitionedShape(...))", traced for
-the tiny GPT-2 on v5e-8), though torch_xla's FSDPv2 (bench/anchor_job.py) compiles with it.
+The kernel takes queries, keys and values as [batch, heads, seq, head_dim] and returns its output in that layout.
+transformers' GPT-2 computes them as one [batch, seq, 3 x hidden] matmul, splits, views and transposes them into
+the kernel's layout, and transposes the output back and flattens it for the output projection. On the TPU each of
+those is a copy of an activation-sized tensor in the forward, the recompute and the backward (measured: about 190
+ms of a 2.5 s 2B step; docs/performance.md, "Fused attention"). Here the same weights are read as [hidden, 3,
+heads, head_dim] and [heads, head_dim, hidden] and the projections are einsums that produce and consume the
+head-major layout directly, so the compiler can write each matmul's result where the kernel reads it. Same
+parameters, same state dict, same arithmetic (tests/test_attention_kernel.py checks it against eager attention in
+interpret mode). Only self-attention in training shape takes this path; anything else (cross-attention, GPT-2's
+reordered upcast attention) runs transformers' own forward. run_clm uses it where the model sees per-device
+tensors (one process per chip, the collective engine on the single controller), not under the GSPMD engine: there
+the kernel's operands come out of the partitioner with a sharding torch_xla's custom-call handler refuses ("Check
+failed: ShapeUtil::Compatible(...)"), though torch_xla's FSDPv2 (bench/anchor_job.py) compiles with it.
 """
 from __future__ import annotations
 
@@ -48,8 +42,8 @@ class HeadMajorGPT2Attention:
         hidden = self.c_attn.weight.shape[0]
         weight = self.c_attn.weight.view(hidden, 3, heads, head_dim)  # Conv1D: [in, out]
         bias = self.c_attn.bias.view(3, heads, 1, head_dim)
-        # a bias in another dtype than the matmul (FSDPv1 keeps them f32 beside bf16 weights) joins in
-        # the matmul's dtype, as Conv1D's addmm does on XLA
+        # a bias in another dtype than the matmul (FSDPv1 keeps them f32 beside bf16 weights) joins in the
+        # matmul's dtype, as Conv1D's addmm does on XLA
         # [Note: one kernel for q, k and v]
         query, key, value = (as_output_of(self.c_attn, (hidden_states,), _plus(  # a policy may save each
             torch.einsum("bsi,ihd->bhsd", hidden_states, apart(weight[:, i])), bias[i])) for i in range(3))
@@ -68,9 +62,7 @@ def _plus(product: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def use_head_major(model: torch.nn.Module) -> int:
-    """Give every self-attention `GPT2Attention` of `model` the head-major forward (before or after
-    wrapping: only the modules' class changes, not their parameters); returns how many. Other models
-    are left as they are (0)."""
+    """Give each self-attention `GPT2Attention` in `model` the head-major forward (only its class changes); how many."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
     from xla_fsdp.class_swap import mix_into

@@ -1,9 +1,9 @@
 """The Pallas flash-attention kernel in interpret mode on CPU tensors: the numerics of the TPU kernel,
 forward and backward, where no TPU is (tests compare it with eager attention).
 
-The same jax kernels torch_xla calls (`jax.experimental.pallas.ops.tpu.flash_attention`: the forward,
-and the dq / dkv backward kernels through its custom VJP), at torch_xla's block sizes, run by
-Pallas's TPU interpreter; values cross between torch and jax through numpy.
+The same jax kernels torch_xla calls (`jax.experimental.pallas.ops.tpu.flash_attention`: the forward, and the
+dq / dkv backward kernels through its custom VJP), at torch_xla's block sizes, run by Pallas's TPU interpreter;
+values cross between torch and jax through numpy.
 """
 from __future__ import annotations
 

@@ -1,23 +1,20 @@
 """The attention function transformers calls under `attn_implementation="pallas"`.
 
-Model-agnostic: any transformers model that dispatches through `ALL_ATTENTION_FUNCTIONS`
-(GPT-2, Llama, ...) hands it [batch, heads, seq, head_dim] queries, keys and values and gets
-[batch, seq, heads, head_dim] back, as from its eager attention. The name holds no "flash":
-transformers takes such names for kernels to download from the hub.
+Model-agnostic: any transformers model that dispatches through `ALL_ATTENTION_FUNCTIONS` (GPT-2, Llama, ...) hands
+it [batch, heads, seq, head_dim] queries, keys and values and gets [batch, seq, heads, head_dim] back, as from its
+eager attention. The name holds no "flash": transformers takes such names for kernels to download from the hub.
 
 [Note: the kernel's sharding]
 - One process per chip: the kernel sees this chip's batch; no partition spec.
-- Single controller, collective engine: the model's forward runs inside the engine's
-  manual-sharding region (collective_engine/manual_region.py), where every tensor is already
-  the device's own piece, and so does its recompute in backward under activation
-  checkpointing (outside `in_manual_region()`, but on the same per-device tensors); the kernel
-  is a per-device op there and must not be given a partition spec: torch_xla would open a
-  second manual region and read the per-device batch as a shard of a larger one (traced: a
-  batch of 4 against 2 in the recompute). run_clm gives no mesh (`use_mesh(None)`) then.
-- Single controller with global tensors (the GSPMD engine, or no --fsdp): the batch is
-  sharded on dim 0 over every mesh axis (runtime/mesh.py `batch_spec`), and torch_xla's
-  `flash_attention(partition_spec=..., mesh=...)` runs the kernel per device under that
-  spec; without one the partitioner would have to replicate a custom call it cannot split.
+- Single controller, collective engine: the model's forward runs inside the engine's manual-sharding region
+  (collective_engine/manual_region.py), where every tensor is already the device's own piece, and so does its
+  recompute in backward (outside `in_manual_region()`, but on the same per-device tensors). The kernel is a
+  per-device op there and must get no partition spec: torch_xla would open a second manual region and read the
+  per-device batch as a shard of a larger one. run_clm gives no mesh (`use_mesh(None)`) then.
+- Single controller with global tensors (the GSPMD engine, or no --fsdp): the batch is sharded on dim 0 over every
+  mesh axis (runtime/mesh.py `batch_spec`), and torch_xla's `flash_attention(partition_spec=..., mesh=...)` runs
+  the kernel per device under that spec; without one the partitioner would have to replicate a custom call it
+  cannot split.
 """
 from __future__ import annotations
 
@@ -38,17 +35,15 @@ _mesh = None  # the single controller's mesh, when the model sees global tensors
 
 
 def use_mesh(mesh) -> None:
-    """The mesh the batch is sharded over when the model sees global tensors (GSPMD engine, or no
-    engine, on the single controller); None when it sees per-device ones (one process per chip,
-    or the collective engine): [Note: the kernel's sharding]."""
+    """The batch's mesh where the model sees global tensors, None where per-device ([Note: the kernel's sharding])."""
     global _mesh
     _mesh = mesh
 
 
 def register() -> None:
-    """Make `attn_implementation="pallas"` mean this function in transformers (idempotent), with a
-    mask hook: transformers hands an attention function it has no mask hook for no mask at all,
-    which would drop a padding mask silently; `padding_mask_refused` refuses it instead."""
+    """Make `attn_implementation="pallas"` mean this function in transformers (idempotent), with a mask hook:
+    transformers hands an attention function it has no mask hook for no mask at all, which would drop a padding
+    mask silently; `padding_mask_refused` refuses it instead."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -96,8 +91,7 @@ def pallas_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def per_query_head(query, key, value):
-    """Grouped-query attention's keys and values, each head repeated for its group of query heads:
-    the kernel wants one key/value head per query head ([batch, heads, seq, head_dim])."""
+    """Grouped-query attention's key/value heads repeated for their query heads: the kernel wants one per query head."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -106,8 +100,7 @@ def per_query_head(query, key, value):
 
 
 def head_major_attention(query, key, value, causal: bool, scale: float) -> torch.Tensor:
-    """The kernel on [batch, heads, seq, head_dim] inputs, its output in the same layout: on a TPU
-    (or traced for one), or in Pallas interpret mode under `interpret_on_cpu()`."""
+    """The kernel on [batch, heads, seq, head_dim], output alike: on (or traced for) a TPU, or `interpret_on_cpu()`."""
     if getattr(_state, "interpret", False):
         from xla_fsdp.attention.interpret import flash_attention_interpreted
 

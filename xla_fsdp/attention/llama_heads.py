@@ -1,21 +1,16 @@
 """Llama's attention projections written head-major around the Pallas kernel.
 
 [Note: head-major Llama projections]
-As for GPT-2 ([Note: head-major projections] in gpt2_heads.py): transformers' Llama computes
-q, k and v as [batch, seq, heads x head_dim] matmuls, views and transposes them into the kernel's
-[batch, heads, seq, head_dim], and transposes the kernel's output back for o_proj. At Llama 3 8B's
-4 x 8192 tokens per chip every one of those transposes is a copy of an activation as large as a
-layer's input or larger, in the forward, the recompute and the backward: in libtpu's program of
-the 8B step on v6e-256, the permutes around the kernel were 5.4% of the step's compute
-(docs/performance.md, "Llama 3 8B at sequence 8192 on v6e-256"). Here q_proj, k_proj and v_proj's weights are
-read as [heads, head_dim, hidden] and o_proj's as [hidden, heads, head_dim], and the projections
-are einsums that write and read the kernel's layout directly. Same parameters, same state dict,
-same arithmetic (tests/test_attention_kernel.py checks it against eager attention in interpret
-mode). Rotary embeddings apply to [batch, heads, seq, head_dim] as in transformers. Grouped-query
-attention repeats each key/value head for its queries (`kernel.per_query_head`, as
-`kernel.pallas_attention` does). A cache
-is updated as transformers does (the kernel then refuses what it cannot take: a query shorter than
-the keys); another attention implementation runs transformers' own forward.
+As for GPT-2 ([Note: head-major projections] in gpt2_heads.py): transformers' Llama computes q, k and v as [batch,
+seq, heads x head_dim] matmuls, views and transposes them into the kernel's layout, and transposes the kernel's
+output back for o_proj, each a copy of an activation in the forward, the recompute and the backward (measured: 5.4%
+of the Llama 3 8B step's compute on v6e-256; docs/performance.md). Here q_proj, k_proj and v_proj's weights are read
+as [heads, head_dim, hidden] and o_proj's as [hidden, heads, head_dim], and the projections are einsums that write
+and read the kernel's layout directly. Same parameters, same state dict, same arithmetic (tests/test_attention_kernel.py
+checks it against eager attention in interpret mode). Rotary embeddings apply to [batch, heads, seq, head_dim] as in
+transformers. Grouped-query attention repeats each key/value head for its queries (`kernel.per_query_head`). A cache
+is updated as transformers does (the kernel then refuses what it cannot take: a query shorter than the keys);
+another attention implementation runs transformers' own forward.
 """
 from __future__ import annotations
 
@@ -65,8 +60,7 @@ def _heads(hidden_states: torch.Tensor, proj: torch.nn.Linear, heads: int, head_
 
 
 def use_head_major(model: torch.nn.Module) -> int:
-    """Give every `LlamaAttention` of `model` the head-major forward (before or after wrapping:
-    only the modules' class changes, not their parameters); returns how many."""
+    """Give each self-attention `GPT2Attention` in `model` the head-major forward (only its class changes); how many."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     from xla_fsdp.class_swap import mix_into

@@ -1,16 +1,13 @@
 """Offline consolidation: a sharded checkpoint -> one full model file, one tensor at a time.
 
-Needs neither the model's code, nor torch_xla, nor the layout that saved it:
-each parameter is assembled from the row ranges the index lists, written and
-dropped before the next is read, so peak memory is the largest tensor plus
-the interpreter. With the Hugging Face config recorded at save time the
-output is a `save_pretrained` directory (`config.json` + `model.safetensors`,
-tied weights stored once) that `from_pretrained` loads; otherwise a
+Needs neither the model's code, nor torch_xla, nor the layout that saved it: each parameter is assembled from the row
+ranges the index lists, written and dropped before the next is read, so peak memory is the largest tensor plus the
+interpreter. With the Hugging Face config recorded at save time the output is a `save_pretrained` directory
+(`config.json` + `model.safetensors`, tied weights stored once) that `from_pretrained` loads; otherwise a
 `model.safetensors` alone.
 
-Both the checkpoint and the output directory may be local (or mounted) paths
-or fsspec URLs (`gs://bucket/run/checkpoint-500`: needs gcsfs, storage.py);
-a checkpoint without its COMPLETE marker is refused.
+Both the checkpoint and the output directory may be local (or mounted) paths or fsspec URLs
+(`gs://bucket/run/checkpoint-500`: needs gcsfs, storage.py); a checkpoint without its COMPLETE marker is refused.
 
     python -m xla_fsdp.checkpoint consolidate CHECKPOINT_DIR OUT_DIR
 """
@@ -53,8 +50,8 @@ def consolidate(checkpoint: str, out_dir: str) -> str:
         if name not in stacked:
             entries.append((name, dtype, shape, produce))
             continue
-        # scan_layers' stored stack (d0, L, *rest), or (L,): each layer's key ([Note: parameters
-        # stored stacked]); the stack is read once for all its layers
+        # scan_layers' stored stack (d0, L, *rest), or (L,): each layer's key ([Note: parameters stored stacked]); the
+        # stack is read once for all its layers
         layer_shape = [shape[0], *shape[2:]] if len(shape) > 1 else []
         for i, key in enumerate(stacked[name]):
             def layer(i=i, name=name, produce=produce):

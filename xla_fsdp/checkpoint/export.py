@@ -1,12 +1,9 @@
 """`save_pretrained`: the trained model as a Hugging Face directory, written from the running job.
 
-The full parameters are gathered to rank 0 (one unit at a time; rank 0 holds
-the whole model once, as Hugging Face's own save does), tied weights are
-stored once under their first name, and the config is the model's own, so
-`from_pretrained` loads the directory. For models too large for one host use
-a sharded checkpoint and the offline `consolidate`, which streams. `out_dir`
-may be a local (or mounted) path or an fsspec URL (storage.py).
-"""
+The full parameters are gathered to rank 0 (one unit at a time; rank 0 holds the whole model once, as Hugging Face's own
+save does), tied weights are stored once under their first name, and the config is the model's own, so `from_pretrained`
+loads the directory. For models too large for one host use a sharded checkpoint and the offline `consolidate`, which
+streams. `out_dir` may be a local (or mounted) path or an fsspec URL (storage.py)."""
 from __future__ import annotations
 
 from typing import Dict
@@ -24,8 +21,8 @@ from .state_dict import full_state_dict
 
 
 def full_model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The unwrapped model's state dict on the host, tied weights as one tensor (rank 0; {} on
-    the others). Collective for the collective engine and for SPMD hosts: every process calls it."""
+    """The unwrapped model's state dict on the host, tied weights as one tensor (rank 0; {} on the others). Collective
+    for the collective engine and for SPMD hosts: every process calls it."""
     if spmd_runtime(model) and process_info(model).world > 1:
         return stored_keys.per_layer(model, _gathered_over_hosts(model))  # scan_layers' stacks per layer
     if units(model):
@@ -35,9 +32,9 @@ def full_model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _gathered_over_hosts(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """SPMD on several hosts: no host can read another host's chips, so each sends the rows it
-    would write to a checkpoint (host_shards.py: every row once) to the first host over the hosts'
-    group, one parameter at a time; the first host assembles them."""
+    """SPMD on several hosts: no host can read another host's chips, so each sends the rows it would write to a
+    checkpoint (host_shards.py: every row once) to the first host over the hosts' group, one parameter at a time; the
+    first host assembles them."""
     group = hosts.host_group()
     out: Dict[str, torch.Tensor] = {}
     for h in holdings(model):
@@ -63,8 +60,8 @@ def _gathered_over_hosts(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: nn.Module, out_dir: str) -> None:
-    """Write `config.json` (when the model has a Hugging Face config) and `model.safetensors`.
-    Call on every process (the gathers are collective); rank 0 writes."""
+    """Write `config.json` (when the model has a Hugging Face config) and `model.safetensors`. Call on every process
+    (the gathers are collective); rank 0 writes."""
     info = process_info(model)
     held = holdings(model)
     state = full_model_state(model)

@@ -1,11 +1,8 @@
 """Which fsspec file system serves a URL, and whether the bucket a URL names exists.
 
-`storage.py` holds checkpoint files through one of these file systems; this
-file owns getting one: the package a scheme needs (an ImportError naming it
-when it is missing), gcsfs's plain JSON-API class for a local GCS emulator,
-and the check that a `gs://B/...` or `s3://B/...` path's bucket is there,
-made before a job trains.
-"""
+`storage.py` holds checkpoint files through one of these file systems; this file owns getting one: the package a scheme
+needs (an ImportError naming it when it is missing), gcsfs's plain JSON-API class for a local GCS emulator, and the
+check that a `gs://B/...` or `s3://B/...` path's bucket is there, made before a job trains."""
 from __future__ import annotations
 
 import os
@@ -26,10 +23,9 @@ def is_url(path) -> bool:
 
 
 def check_bucket(path) -> None:
-    """Raise FileNotFoundError naming the fix when `path` is a URL into a bucket (gs://B/...,
-    s3://B/...) that does not exist; a job checks its output directory before it trains, so a
-    typo costs seconds, not a run whose first save fails. Local paths, file:// and memory://
-    have no buckets."""
+    """Raise FileNotFoundError naming the fix when `path` is a URL into a bucket (gs://B/..., s3://B/...) that does not
+    exist; a job checks its output directory before it trains, so a typo costs seconds, not a run whose first save
+    fails. Local paths, file:// and memory:// have no buckets."""
     path = os.fspath(path)
     if not is_url(path):
         return
@@ -45,9 +41,9 @@ def check_bucket(path) -> None:
 
 
 def _bucket_exists(fs, bucket: str) -> bool:
-    """False only when the store says the bucket is not there: a bucket whose metadata these
-    credentials may not read (a job needs only object permissions) still counts, as does any
-    other failure, which the first write then reports with its own message."""
+    """False only when the store says the bucket is not there: a bucket whose metadata these credentials may not read (a
+    job needs only object permissions) still counts, as does any other failure, which the first write then reports with
+    its own message."""
     try:
         if fs.exists(bucket):
             return True
@@ -85,13 +81,10 @@ def filesystem_for(protocol: str):
 def _gcs_for_an_emulator():
     """gcsfs's JSON-API file system, for STORAGE_EMULATOR_HOST (a local GCS emulator).
 
-    Since 2025.x gcsfs's default class (ExtendedGcsFileSystem, on unless
-    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs is imported) asks the gRPC
-    storage-control API for every bucket's type; an emulator serves only the JSON API,
-    so with credentials (token=anon included) each bucket operation retries that probe
-    for about a minute before falling back. The core class is what an emulator serves,
-    whatever order gcsfs was imported in. Options still come from fsspec's config
-    (FSSPEC_GS_TOKEN=anon, ...)."""
+    Since 2025.x gcsfs's default class (ExtendedGcsFileSystem, on unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before
+    gcsfs is imported) asks the gRPC storage-control API for every bucket's type; an emulator serves only the JSON API,
+    so each bucket operation retries that probe for about a minute before falling back. Options still come from fsspec's
+    config (FSSPEC_GS_TOKEN=anon, ...)."""
     from gcsfs.core import GCSFileSystem
 
     return GCSFileSystem()

@@ -11,26 +11,18 @@ A checkpoint is a directory:
     hf_config.json                the model's Hugging Face config, when it has one
     COMPLETE                      written last: only a directory holding it is a checkpoint
 
-A checkpoint lives on a local or mounted file system (a plain path) or
-wherever an fsspec URL points (`gs://bucket/run/checkpoint-500`); every file
-goes through storage.py, and how a save commits on each is [Note: atomic
-checkpoints] and [Note: commit without rename] in save.py.
+A checkpoint lives on a local or mounted file system (a plain path) or wherever an fsspec URL points
+(`gs://bucket/run/checkpoint-500`); every file goes through storage.py, and how a save commits on each is
+[Note: atomic checkpoints] and [Note: commit without rename] in save.py.
 
-[Note: checkpoint format] Tensors are stored with safetensors, not
-torch.distributed.checkpoint (DCP). DCP needs a process group and DTensor or
-ShardedTensor state dicts; our shards are plain tensors padded on dim 0, one
-process per chip on TPU runs no torch.distributed group, and offline
-consolidation must run with neither. What resharding needs is to read some
-rows of a tensor without reading the rest: a safetensors file is a JSON
-header and raw row-major bytes, so rows a..b of a tensor are one contiguous
-byte range, read here straight into the destination tensor (no memory map,
-no second copy); it holds no pickled code, and it is the format Hugging Face
-loads. Each rank writes the
-rows it owns (padding rows are never written), so a checkpoint does not
-depend on the layout that wrote it; `index-rank*.json` says which rows each
-file holds, and any layout reads the rows it needs from whichever files hold
-them.
-"""
+[Note: checkpoint format] Tensors are stored with safetensors, not torch.distributed.checkpoint (DCP). DCP needs a
+process group and DTensor or ShardedTensor state dicts; our shards are plain tensors padded on dim 0, one process per
+chip on TPU runs no torch.distributed group, and offline consolidation must run with neither. What resharding needs is
+to read some rows of a tensor without reading the rest: a safetensors file is a JSON header and raw row-major bytes, so
+rows a..b of a tensor are one contiguous byte range, read here straight into the destination tensor (no memory map, no
+second copy); it holds no pickled code, and it is the format Hugging Face loads. Each rank writes the rows it owns
+(padding rows are never written), so a checkpoint does not depend on the layout that wrote it; `index-rank*.json` says
+which rows each file holds, and any layout reads the rows it needs from whichever files hold them."""
 from __future__ import annotations
 
 import json
@@ -87,9 +79,8 @@ def is_complete(path: str) -> bool:
 
 
 def remove_checkpoint(path: str, ignore_errors: bool = False) -> None:
-    """Remove a checkpoint so that no reader ever takes what is left for one: its COMPLETE
-    marker first, then the rest (a crash in between leaves files that are ignored). When the
-    marker cannot be removed, nothing else is."""
+    """Remove a checkpoint so that no reader ever takes what is left for one: its COMPLETE marker first, then the rest
+    (a crash in between leaves files that are ignored). When the marker cannot be removed, nothing else is."""
     st = storage.storage_for(path)
     try:
         st.remove(st.join(path, COMPLETE))
@@ -115,11 +106,9 @@ def write_safetensors(path: str, entries: Sequence[Tuple[str, torch.dtype, Seque
                       metadata: Optional[Dict[str, str]] = None) -> Dict[str, int]:
     """Write a safetensors file one tensor at a time; returns each tensor's CRC32.
 
-    `entries` are (name, dtype, shape, produce): the header is written first
-    from the declared shapes, then each `produce()` is called, written and
-    dropped, so at most one tensor is in memory (what streaming consolidation
-    needs). A produced tensor that does not match its declaration is an error.
-    """
+    `entries` are (name, dtype, shape, produce): the header is written first from the declared shapes, then each
+    `produce()` is called, written and dropped, so at most one tensor is in memory (what streaming consolidation needs).
+    A produced tensor that does not match its declaration is an error."""
     header: Dict[str, object] = {}
     offset = 0
     for name, dtype, shape, _ in entries:
@@ -147,9 +136,9 @@ def write_safetensors(path: str, entries: Sequence[Tuple[str, torch.dtype, Seque
 
 
 def write_whole_file(target: str, entries, metadata: Optional[Dict[str, str]] = None) -> None:
-    """A standalone safetensors file (a consolidated model), never seen half written: on a local
-    file system written beside `target` and renamed; at a URL one upload, which an object store
-    publishes only once complete (fsspec's file:// writes in place)."""
+    """A standalone safetensors file (a consolidated model), never seen half written: on a local file system written
+    beside `target` and renamed; at a URL one upload, which an object store publishes only once complete (fsspec's
+    file:// writes in place)."""
     st = storage.storage_for(target)
     if not st.renames:
         write_safetensors(target, entries, metadata=metadata)
@@ -170,9 +159,8 @@ def read_json(path: str, what: str):
 
 
 class ShardFile:
-    """One rank's tensor file: its header parsed, tensors read by row range straight into
-    the caller's memory (no memory map: the resident size stays that of what was asked).
-    Errors name the file."""
+    """One rank's tensor file: its header parsed, tensors read by row range straight into the caller's memory (no memory
+    map: the resident size stays that of what was asked). Errors name the file."""
 
     def __init__(self, path: str, expected_bytes: int, crcs: Dict[str, int]):
         self.path = path
@@ -227,9 +215,8 @@ class RowIndex:
 
     def __init__(self, path: str, writers: Iterable[int]):
         self.path = path
-        # key -> [(rank, start, stop, key in that file)]: a file may hold several pieces of one
-        # tensor (an SPMD host's devices hold rows that are not contiguous), stored under
-        # "<key>@<start>" with "tensor": key in the index
+        # key -> [(rank, start, stop, key in that file)]: a file may hold several pieces of one tensor (an SPMD host's
+        # devices hold rows that are not contiguous), stored under "<key>@<start>" with "tensor": key in the index
         self.pieces: Dict[str, List[Tuple[int, int, int, str]]] = {}
         self.per_rank: Dict[str, Dict[int, None]] = {}
         self.files: Dict[int, ShardFile] = {}
@@ -264,8 +251,8 @@ class RowIndex:
         return key in self.pieces or key in self.per_rank
 
     def read_rows(self, key: str, start: int, stop: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Rows [start, stop) of the full tensor `key`, read from every file that holds some of
-        them, into `out` when given (so a whole tensor is assembled in its final memory)."""
+        """Rows [start, stop) of the full tensor `key`, read from every file that holds some of them, into `out` when
+        given (so a whole tensor is assembled in its final memory)."""
         pieces = self.pieces.get(key, [])
         if not pieces:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")

@@ -1,25 +1,19 @@
 """What this process holds of each parameter and optimizer state, in rows of the full tensor.
 
-A checkpoint stores rows of full (unwrapped, unpadded) tensors; this module
-maps every place a parameter can live to rows and back:
+A checkpoint stores rows of full (unwrapped, unpadded) tensors; this module maps every place a parameter can live to
+rows and back:
 
-- the collective engine, one process per device: a shard, rows
-  [r * rows_per_rank, (r + 1) * rows_per_rank) clipped to the real rows;
-  only the first sharding group writes (the other groups hold copies);
-- the SPMD runtimes (the collective engine's single controller, its global
-  tensors padded on dim 0; the GSPMD engine; a plain module under SPMD): one
-  global tensor per parameter, of which this host writes and reads only the
-  rows on its own devices, each row once across hosts (`SpmdHolding`,
-  host_shards.py);
+- the collective engine, one process per device: a shard, rows [r * rows_per_rank, (r + 1) * rows_per_rank) clipped to
+  the real rows; only the first sharding group writes (the other groups hold copies);
+- the SPMD runtimes (the collective engine's single controller, its global tensors padded on dim 0; the GSPMD engine; a
+  plain module under SPMD): one global tensor per parameter, of which this host writes and reads only the rows on its
+  own devices, each row once across hosts (`SpmdHolding`, host_shards.py);
 - anything else (a plain module): the tensor itself, all rows.
 
-A parameter of shape (d0, *rest) has d0 rows of shape rest; a 0-dim one has
-one row of shape (). Optimizer state follows its parameter when it has the
-parameter's (local) shape, or is Adafactor's row factor (the parameter's rows,
-the last dim averaged away); other tensors (Adafactor's column factor, which
-each shard computes over its own rows) belong to the rank that computed them;
-under SPMD such tensors are global ("whole") and saved like any other.
-"""
+A parameter of shape (d0, *rest) has d0 rows of shape rest; a 0-dim one has one row of shape (). Optimizer state follows
+its parameter when it has the parameter's (local) shape, or is Adafactor's row factor (the parameter's rows, the last
+dim averaged away); other tensors (Adafactor's column factor, which each shard computes over its own rows) belong to the
+rank that computed them; under SPMD such tensors are global ("whole") and saved like any other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,17 +76,16 @@ class Holding:
         self._load(rows)
 
     def place_state(self, rows: torch.Tensor, full_shape: torch.Size) -> torch.Tensor:
-        """Rows of an optimizer state tensor (of `full_shape` when whole) -> the tensor the
-        optimizer keeps for this parameter."""
+        """Rows of an optimizer state tensor (of `full_shape` when whole) -> the tensor the optimizer keeps for this
+        parameter."""
         return self._place_state(rows, torch.Size(full_shape))
 
-    # optimizer state that is neither shaped like the parameter nor its rows is per rank here
-    # (one process per chip: each computed it over its own shard); SPMD: "whole" global tensors
+    # optimizer state that is neither shaped like the parameter nor its rows is per rank here (one process per chip:
+    # each computed it over its own shard); SPMD: "whole" global tensors
     per_rank_states = True
 
     def pieces(self, tensor: torch.Tensor):
-        """[(start, stop, produce rows)] of `tensor` (shaped like the parameter here) that this
-        process writes."""
+        """[(start, stop, produce rows)] of `tensor` (shaped like the parameter here) that this process writes."""
         if not self.writes:
             return []
         return [(self.rows[0], self.rows[1], lambda: self.as_rows(tensor))]
@@ -129,8 +122,8 @@ def _full_shape_of(rows: torch.Tensor, like: torch.Size) -> torch.Tensor:
 
 
 class SpmdHolding(Holding):
-    """A parameter under an SPMD runtime: one global tensor (padded on dim 0 by the single
-    controller), of which this host writes and reads only its devices' rows (host_shards.py)."""
+    """A parameter under an SPMD runtime: one global tensor (padded on dim 0 by the single controller), of which this
+    host writes and reads only its devices' rows (host_shards.py)."""
 
     per_rank_states = False
 
@@ -189,8 +182,8 @@ def spmd_runtime(model: nn.Module) -> bool:
 
 
 def holdings(model: nn.Module) -> List[Holding]:
-    """Every parameter of `model` (tied ones once, under their first name), as held here, named by
-    its `state_dict()` key."""
+    """Every parameter of `model` (tied ones once, under their first name), as held here, named by its `state_dict()`
+    key."""
     records = {}
     for module in model.modules():
         state = state_of(module)
@@ -288,8 +281,8 @@ def process_info(model: nn.Module) -> ProcessInfo:
 
 
 def layout_record(model: nn.Module) -> Dict[str, Any]:
-    """How the model is laid out (recorded with a checkpoint; equal records mean per-rank state
-    can be loaded back rank by rank)."""
+    """How the model is laid out (recorded with a checkpoint; equal records mean per-rank state can be loaded back rank
+    by rank)."""
     comm = _engine_comm(model)
     if spmd_runtime(model):
         runtime = "single_controller" if comm is not None else "gspmd or plain"
@@ -319,9 +312,9 @@ def optimizer_names(optimizer, held: List[Holding]) -> Dict[int, Holding]:
 
 
 def held_state_dict(optimizer) -> Dict[str, Any]:
-    """`optimizer.state_dict()` with its tensors as the optimizer holds them: the single
-    controller's padded global tensors, which checkpoints write row by row (its own state_dict()
-    gives the unwrapped shapes: [Note: optimizer state of the single controller])."""
+    """`optimizer.state_dict()` with its tensors as the optimizer holds them: the single controller's padded global
+    tensors, which checkpoints write row by row (its own state_dict() gives the unwrapped shapes:
+    [Note: optimizer state of the single controller])."""
     from ..collective_engine.optimizer_state import held_state_dict as held
 
     return held(optimizer)

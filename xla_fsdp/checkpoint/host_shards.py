@@ -1,27 +1,23 @@
-"""What an SPMD host holds of a global tensor, in rows of the full tensor, and how it writes and
-reads back only those rows (the single controller and the GSPMD engine, one host or a pod).
+"""What an SPMD host holds of a global tensor, in rows of the full tensor, and how it writes and reads back only those
+rows (the single controller and the GSPMD engine, one host or a pod).
 
-Under the SPMD runtimes every parameter and optimizer state is one global XLA tensor sharded over
-the devices of every host. A host can read (and must write) only the shards on its own devices
-(`xla_fsdp.runtime.hosts.HostView`): `torch_xla._XLAC._get_local_shards` gives their data, and
-`_get_local_shard_replica_and_indices` which rows of the global tensor each one is and which copy
-(replica) of those rows it is.
+Under the SPMD runtimes every parameter and optimizer state is one global XLA tensor sharded over the devices of every
+host. A host can read (and must write) only the shards on its own devices (`xla_fsdp.runtime.hosts.HostView`):
+`torch_xla._XLAC._get_local_shards` gives their data, and `_get_local_shard_replica_and_indices` which rows of the
+global tensor each one is and which copy (replica) of those rows it is.
 
-[Note: who writes a row] Rows that several devices hold (a mesh with a replica axis, i.e. HYBRID
-sharding, or a replicated tensor) are written once: the block of rows starting at shard row b
-(b = start // shard rows) is written by the device holding replica b mod R, R the number of copies
-(read off the tensor's sharding, the same on every host). Every host computes the same choice from
-the sharding alone, so no host writes a row another writes, no exchange is needed, and with the
-replica axis across hosts the writes alternate between them. (torch_xla's own SPMD checkpointing
-dedups copies per host and drops rows that two local devices hold, pytorch/xla#7118-style; rows are
-never dropped here: every block has exactly one replica b mod R.)
+[Note: who writes a row] Rows that several devices hold (a mesh with a replica axis, i.e. HYBRID sharding, or a
+replicated tensor) are written once: the block of rows starting at shard row b (b = start // shard rows) is written by
+the device holding replica b mod R, R the number of copies (read off the tensor's sharding, the same on every host).
+Every host computes the same choice from the sharding alone, so no host writes a row another writes, no exchange is
+needed, and with the replica axis across hosts the writes alternate between them. Unlike torch_xla's own SPMD
+checkpointing, which dedups copies per host and can drop rows two local devices hold, every block has exactly one
+writer.
 
-Loading builds each of this host's device shards from the rows it needs (padding rows zero), and
-hands them to torch_xla with the target's sharding (`_global_tensor_from_cpu_shards`): a pod host
-gives only its own devices' shards; a virtual host ([Note: virtual hosts]) gets the other blocks'
-from the other processes. Only dim-0 sharding is supported (every engine of ours shards dim 0);
-anything else is refused by name.
-"""
+Loading builds each of this host's device shards from the rows it needs (padding rows zero), and hands them to torch_xla
+with the target's sharding (`_global_tensor_from_cpu_shards`): a pod host gives only its own devices' shards; a virtual
+host ([Note: virtual hosts]) gets the other blocks' from the other processes. Only dim-0 sharding is supported (every
+engine of ours shards dim 0); anything else is refused by name."""
 from __future__ import annotations
 
 import re
@@ -94,9 +90,8 @@ def _merged(pieces: List[Piece]) -> List[Piece]:
 
 
 def pieces_to_write(name: str, tensor: torch.Tensor, rows: int, view: HostView) -> List[Piece]:
-    """The rows [0, rows) of `tensor` (dim 0 may be padded beyond `rows`) that this host writes,
-    moved to host memory only when their turn to be written comes ([Note: one tensor in host
-    memory at a time])."""
+    """The rows [0, rows) of `tensor` (dim 0 may be padded beyond `rows`) that this host writes, moved to host memory
+    only when their turn to be written comes ([Note: one tensor in host memory at a time])."""
     if tensor.dim() == 0 or not is_sharded(tensor):
         # replicated: the first host writes it whole
         if view.index != 0:
@@ -123,15 +118,13 @@ def pieces_to_write(name: str, tensor: torch.Tensor, rows: int, view: HostView) 
 
 
 class _Moved:
-    """The shards of one tensor that this host writes, in host memory from the first of its
-    pieces' turn to the last's.
+    """The shards of one tensor that this host writes, in host memory from the first of its pieces' turn to the last's.
 
-    [Note: one tensor in host memory at a time] torch_xla moves a tensor's shards to the host only
-    all at once (`_get_local_shards`: every device of the process, copies included; 2.9 has no
-    call for some devices only). Moving each tensor when its pieces are written, keeping only the
-    shards this host writes and letting go of them once written, holds in host memory at most one
-    tensor's local shards at a time, instead of every shard this host writes (the whole model's
-    and optimizer's share of the host) from the first tensor written to the last."""
+    [Note: one tensor in host memory at a time] torch_xla moves a tensor's shards to the host only all at once
+    (`_get_local_shards`: every device of the process, copies included; 2.9 has no call for some devices only).
+    Moving each tensor when its pieces are written, keeping only the shards this host writes and letting go of them
+    once written, holds at most one tensor's local shards in host memory, not the host's whole share of model and
+    optimizer."""
 
     def __init__(self, tensor: torch.Tensor, positions: List[int], view: HostView):
         self._tensor = tensor
@@ -159,11 +152,9 @@ class _Moved:
 
 
 def _shard_indices(tensor: torch.Tensor):
-    """torch_xla's (replica, indices) per local shard of `tensor`. It reads the tensor's device
-    data, which a step still in flight (torch_xla.sync() returns before the device finishes)
-    has not produced yet: "Trying to access XLA data ... while an async operation is in
-    flight" (seen once in three fresh-clone suite runs). Waiting for the device first is cheap
-    when it is idle."""
+    """torch_xla's (replica, indices) per local shard of `tensor`. It reads the tensor's device data, which a step still
+    in flight (torch_xla.sync() returns before the device finishes) has not produced yet: "Trying to access XLA data ...
+    while an async operation is in flight". Waiting for the device first is cheap when it is idle."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -172,8 +163,8 @@ def _shard_indices(tensor: torch.Tensor):
 
 
 def device_rows(like: torch.Tensor) -> List[Tuple[int, int, int]]:
-    """For each device the process drives (runtime order): ([start, stop) of dim 0 of `like`'s
-    global shape it holds, its padded shard rows), from `like`'s sharding."""
+    """For each device the process drives (runtime order): ([start, stop) of dim 0 of `like`'s global shape it holds,
+    its padded shard rows), from `like`'s sharding."""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -188,8 +179,7 @@ def device_rows(like: torch.Tensor) -> List[Tuple[int, int, int]]:
         start, stop = _dim0("tensor", index)
         out.append((start, total if stop < 0 else stop, shard_rows))
     if len(out) != xr.addressable_runtime_device_count():
-        raise RuntimeError(f"torch_xla reported {len(out)} shards for {xr.addressable_runtime_device_count()} "
-                           "devices")
+        raise RuntimeError(f"torch_xla reported {len(out)} shards for {xr.addressable_runtime_device_count()} devices")
     return out
 
 
@@ -202,8 +192,8 @@ class ShardReader:
 
     def shards(self, like: torch.Tensor, rows: int, read: Callable[[int, int], torch.Tensor],
                dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-        """{device: shard} for this host's devices: the true rows [0, rows) of the tensor read with
-        read(start, stop) (each distinct block once), padding rows zero."""
+        """{device: shard} for this host's devices: the true rows [0, rows) of the tensor read with read(start, stop)
+        (each distinct block once), padding rows zero."""
         cache: Dict[Tuple[int, int], torch.Tensor] = {}
         out = {}
         for device, (start, stop, shard_rows) in zip(self.view.all_devices, device_rows(like)):

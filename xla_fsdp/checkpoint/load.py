@@ -1,15 +1,11 @@
 """Loading a sharded checkpoint into a model (and optimizer) of any layout.
 
-Everything is checked before anything is written: the checkpoint is complete,
-its parameters and optimizer match the model's by name, shape and kind, and
-every file it needs is present and whole. Then each process reads the rows it
-holds (for another layout: from whichever files hold them), and the
-optimizer gets a state dict in its own numbering.
+Everything is checked before anything is written: the checkpoint is complete, its parameters and optimizer match the
+model's by name, shape and kind, and every file it needs is present and whole. Then each process reads the rows it holds
+(for another layout: from whichever files hold them), and the optimizer gets a state dict in its own numbering.
 
-`path` is a directory on a local or mounted file system or an fsspec URL
-(`gs://bucket/run/checkpoint-500`; storage.py); at either, a directory without
-the COMPLETE marker is refused ([Note: commit without rename], save.py).
-"""
+`path` is a directory on a local or mounted file system or an fsspec URL (`gs://bucket/run/checkpoint-500`; storage.py);
+at either, a directory without the COMPLETE marker is refused ([Note: commit without rename], save.py)."""
 from __future__ import annotations
 
 import io
@@ -31,15 +27,12 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
                     extra_state: Optional[Dict[str, Any]] = None, per_rank_state: str = "error") -> Dict[str, Any]:
     """Load the checkpoint at `path` into `model` (and `optimizer`); call on every process.
 
-    Works for any layout on both sides (world size, sharding strategy, engine,
-    runtime). `extra_state` objects with `load_state_dict` (an LR scheduler)
-    are loaded in place; RNG states are restored. Returns {"step": ..., "extra":
+    Works for any layout on both sides (world size, sharding strategy, engine, runtime). `extra_state` objects with
+    `load_state_dict` (an LR scheduler) are loaded in place; RNG states are restored. Returns {"step": ..., "extra":
     {name: saved value}}.
 
-    Optimizer state that each rank computes over its own shard (Adafactor's
-    column factor) has no exact value on another layout: loading it there is an
-    error unless `per_rank_state="average"` (the mean over the saved ranks).
-    """
+    Optimizer state that each rank computes over its own shard (Adafactor's column factor) has no exact value on another
+    layout: loading it there is an error unless `per_rank_state="average"` (the mean over the saved ranks)."""
     st = storage.storage_for(path)
     path = st.abspath(path)
     if not fmt.is_complete(path):
@@ -54,8 +47,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         raise ValueError(f"per_rank_state={per_rank_state!r}: use 'error' or 'average'")
     info = process_info(model)
     held = holdings(model)
-    # saved with scan_layers' stored stacks and loaded without, or the reverse: [Note: loading
-    # across stored stacks] (restack.py) names the checkpoint the model's way
+    # saved with scan_layers' stored stacks and loaded without, or the reverse: [Note: loading across stored stacks]
+    # (restack.py) names the checkpoint the model's way
     restack = rs.plan(meta, [h.name for h in held], model)
     if restack is not None:
         meta = restack.meta
@@ -108,8 +101,7 @@ def _check_params(path: str, meta: Dict[str, Any], held: List[Holding]) -> None:
                     "stacked ([Note: parameters stored stacked]); a stack loads into the same model without scan "
                     "and the reverse ([Note: loading across stored stacks]), but these names differ beyond that "
                     "(another depth or another model).")
-        raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(parts)}. Nothing was "
-                              f"loaded.{hint}")
+        raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(parts)}. Nothing was loaded.{hint}")
     for name, h in mine.items():
         if list(h.full_shape) != saved[name]["shape"]:
             raise CheckpointError(f"checkpoint {path} is of another model: {name!r} is {tuple(saved[name]['shape'])} "

@@ -1,13 +1,12 @@
-"""Checkpoints of a run in one folder: `checkpoint-<step>` directories, the latest complete
-one, and keep-last-K rotation (Hugging Face Trainer's layout and `save_total_limit`).
+"""Checkpoints of a run in one folder: `checkpoint-<step>` directories, the latest complete one, and keep-last-K
+rotation (Hugging Face Trainer's layout and `save_total_limit`).
 
-The folder is a local or mounted path or an fsspec URL (`gs://bucket/run`, storage.py). Only
-directories holding the COMPLETE marker count; rotation removes an old checkpoint's marker
-before its files, so a crash mid-rotation leaves nothing that looks complete and is not
-([Note: commit without rename], save.py). With `async_save=True` a save's files are written
-beside training ([Note: saves beside training], save.py): `save` returns once this process's
-tensors are in host memory, `poll()` at each step boundary commits the save once every process
-wrote its files, and `wait()` (the next save, the end of the job) waits for it."""
+The folder is a local or mounted path or an fsspec URL (`gs://bucket/run`, storage.py). Only directories holding the
+COMPLETE marker count; rotation removes an old checkpoint's marker before its files, so a crash mid-rotation leaves
+nothing that looks complete and is not ([Note: commit without rename], save.py). With `async_save=True` a save's files
+are written beside training ([Note: saves beside training], save.py): `save` returns once this process's tensors are in
+host memory, `poll()` at each step boundary commits the save once every process wrote its files, and `wait()` (the next
+save, the end of the job) waits for it."""
 from __future__ import annotations
 
 import re
@@ -25,8 +24,8 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
-    """(step, path) of every complete `checkpoint-<step>` under `root`, oldest first.
-    Partial saves (a crash mid-write) are skipped."""
+    """(step, path) of every complete `checkpoint-<step>` under `root`, oldest first. Partial saves (a crash mid-write)
+    are skipped."""
     st = storage.storage_for(root)
     found = []
     for name in st.listdir(root):
@@ -59,9 +58,9 @@ class CheckpointManager:
         return self.storage.join(self.root, f"checkpoint-{step}")
 
     def save(self, step: int, model: nn.Module, optimizer=None, extra_state: Optional[Dict[str, Any]] = None) -> str:
-        """Save, then drop the oldest complete checkpoints beyond `keep_last`. Every process calls it.
-        With `async_save`, the previous save is committed first and this one goes on beside
-        training (`poll`, `wait`); returns the path either way."""
+        """Save, then drop the oldest complete checkpoints beyond `keep_last`. Every process calls it. With
+        `async_save`, the previous save is committed first and this one goes on beside training (`poll`, `wait`);
+        returns the path either way."""
         self.wait()
         # the root is made by the save (with its parents), where a failure is every process's
         pending = begin_save(self.path(step), model, optimizer, step=step, extra_state=extra_state,
@@ -75,15 +74,15 @@ class CheckpointManager:
         return pending.path
 
     def poll(self) -> Optional[str]:
-        """At a step boundary (every process): commit the save written beside training once every
-        process has written its files; returns its path then, else None."""
+        """At a step boundary (every process): commit the save written beside training once every process has written
+        its files; returns its path then, else None."""
         if self._pending is None or not self._pending.info.all_ok(self._pending.written.is_set()):
             return None
         return self.wait()
 
     def wait(self) -> Optional[str]:
-        """Wait for the save written beside training and commit it (every process); returns its
-        path, or None when none is under way. Its write error is raised here."""
+        """Wait for the save written beside training and commit it (every process); returns its path, or None when none
+        is under way. Its write error is raised here."""
         if self._pending is None:
             return None
         pending, writer = self._pending, self._writer

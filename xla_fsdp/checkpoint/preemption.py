@@ -1,9 +1,9 @@
 """A SIGTERM becomes a checkpoint: `Preemption` for run_clm and for users' own loops.
 
-[Note: a signal becomes a checkpoint] Spot and preemptible TPU VMs, and every TPU VM at a
-maintenance event, announce the end with SIGTERM and a grace period (about 30 s on spot VMs).
-Inside `with Preemption() as preempted:` the signal only sets a flag; the loop asks
-`preempted.agreed()` once per step, at the step boundary, and saves and leaves when it says so:
+[Note: a signal becomes a checkpoint] Spot and preemptible TPU VMs, and every TPU VM at a maintenance event, announce
+the end with SIGTERM and a grace period (about 30 s on spot VMs). Inside `with Preemption() as preempted:` the signal
+only sets a flag; the loop asks `preempted.agreed()` once per step, at the step boundary, and saves and leaves when it
+says so:
 
     with Preemption() as preempted:
         for step in range(start, steps):
@@ -12,17 +12,14 @@ Inside `with Preemption() as preempted:` the signal only sets a flag; the loop a
                 save_checkpoint(f"{out}/checkpoint-{step + 1}", model, optimizer, step=step + 1)
                 raise SystemExit(EXIT_PREEMPTED)
 
-`agreed()` is every host's answer: on several hosts it is one agreement over the hosts' group
-(a gloo all-reduce of one flag, once per step), so a signal that reaches one host only (a
-maintenance event on one VM) still makes every host save the same step. A second signal while
-the save runs does not cut it short: it is said and ignored until the grace period ends
-(`grace_s`, 25 s by default, inside Cloud TPU's notice); after that, a signal ends the process
-as the default handler would. Outside the `with` block the handlers the process had come back.
+`agreed()` is every host's answer: on several hosts it is one agreement over the hosts' group (a gloo all-reduce of one
+flag, once per step), so a signal that reaches one host only (a maintenance event on one VM) still makes every host save
+the same step. A second signal while the save runs does not cut it short: it is said and ignored until the grace period
+ends (`grace_s`, 25 s by default, inside Cloud TPU's notice); after that, a signal ends the process as the default
+handler would. Outside the `with` block the handlers the process had come back.
 
-The exit status after such a save is EXIT_PREEMPTED (75, EX_TEMPFAIL of sysexits.h: "try
-again"): the same command resumes from the checkpoint (run_clm finds the newest complete one in
---output_dir, Hugging Face's semantics).
-"""
+The exit status after such a save is EXIT_PREEMPTED (75, EX_TEMPFAIL of sysexits.h: "try again"): the same command
+resumes from the checkpoint (run_clm finds the newest complete one in --output_dir, Hugging Face's semantics)."""
 from __future__ import annotations
 
 import os
@@ -70,8 +67,8 @@ class Preemption:
         return self.grace_s if self._received is None else self.grace_s - (time.monotonic() - self._received)
 
     def agreed(self) -> bool:
-        """Whether any host received the signal: every host gets the same answer at the same step.
-        One agreement over the hosts' group when there are several hosts; the local flag otherwise."""
+        """Whether any host received the signal: every host gets the same answer at the same step. One agreement over
+        the hosts' group when there are several hosts; the local flag otherwise."""
         group = self._group()
         if group is None or group.world == 1:
             return self.requested

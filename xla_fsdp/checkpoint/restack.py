@@ -1,34 +1,25 @@
-"""A sharded checkpoint saved with scan_layers' stored stacks, loaded into a model without them,
-and the reverse.
+"""A sharded checkpoint saved with scan_layers' stored stacks, loaded into a model without them, and the reverse.
 
-[Note: loading across stored stacks]
-A model wrapped with scan_layers=True holds each parameter of its scanned layers once, stacked
-(d0, L, *rest), or (L,) for a 0-dim one ([Note: parameters stored stacked]); its sharded
-checkpoint stores that tensor under the stack's own name (`h_scan.attn.c_attn.weight`) and
-records which layer keys it holds (`meta["stacked"]`). The unscanned model names the same
-numbers per layer (`h.3.attn.c_attn.weight`). Both are sharded on dim 0 and dim 0 is the same
-dimension in both, so rows [a, b) of layer i are rows [a, b) of the stack with layer i's column
-taken, and rows [a, b) of a stack are the layers' rows [a, b) stacked on dim 1. Loading either
-way is a renaming of what is read, not another layout of the files:
+[Note: loading across stored stacks] A model wrapped with scan_layers=True holds each parameter of its scanned layers
+once, stacked (d0, L, *rest), or (L,) for a 0-dim one ([Note: parameters stored stacked]); its checkpoint stores that
+tensor under the stack's name (`h_scan.attn.c_attn.weight`) and records which layer keys it holds (`meta["stacked"]`).
+The unscanned model names the same numbers per layer (`h.3.attn.c_attn.weight`). Both are sharded on the same dim 0, so
+rows [a, b) of layer i are rows [a, b) of the stack with layer i's column taken: loading either way is a renaming of
+what is read, not another layout of the files:
 
-- `plan` matches the checkpoint's names against the model's: a stack the model holds per layer
-  ("split"), layers the model holds as a stack ("join"). Anything else stays as it is, and a
-  name matched neither way is left for load.py to refuse as another model's.
-- `Restack.meta` is the checkpoint's metadata named as the model names its parameters, shapes
-  and optimizer state included, so load.py checks and builds everything as for any checkpoint.
-  Per-parameter scalars of the optimizer (Adam's step) go to every layer from the stack, and
-  come from the layers to the stack only when every layer holds the same value.
-- `Restack.index` reads through the checkpoint's row index: a layer's rows out of the stack
-  (each block of the stack read once for all L layers, then dropped), a stack's rows from its
-  layers.
+- `plan` matches the checkpoint's names against the model's: a stack the model holds per layer ("split"), layers the
+  model holds as a stack ("join"). A name matched neither way is left for load.py to refuse as another model's.
+- `Restack.meta` is the checkpoint's metadata named the model's way, so load.py checks and builds everything as for any
+  checkpoint. Per-parameter optimizer scalars (Adam's step) go to every layer from the stack, and come from the layers
+  to the stack only when every layer holds the same value.
+- `Restack.index` reads through the checkpoint's row index: a layer's rows out of the stack (each block of the stack
+  read once for all L layers), a stack's rows from its layers.
 
-Optimizer state that is not the parameter's rows (state a rank computed over its own shard,
-or an SPMD run's whole tensors of such state) has no per-layer meaning in general, and is refused
-by name. The exception is Hugging Face's Adafactor, which xla_fsdp runs per layer on a stack
-([Note: Adafactor on stored stacks]): its column factor and RMS hold the layers on dim 0 of an
-SPMD run's whole tensor, so layer i takes row i of the stack's, and the layers' (each RMS a
-number in the metadata) stack into one (`Restack.layers_first`, `joined`, `values`).
-"""
+Optimizer state that is not the parameter's rows (computed by a rank over its own shard, or an SPMD run's whole tensors
+of such state) has no per-layer meaning in general, and is refused by name. The exception is Hugging Face's Adafactor,
+run per layer on a stack ([Note: Adafactor on stored stacks]): its column factor and RMS hold the layers on dim 0 of an
+SPMD run's whole tensor, so layer i takes row i of the stack's, and the layers' stack into one (`Restack.layers_first`,
+`joined`, `values`)."""
 from __future__ import annotations
 
 import copy
@@ -63,8 +54,8 @@ class Restack:
 
 
 def plan(meta: Dict[str, Any], names: List[str], model) -> Optional[Restack]:
-    """The renaming that loads `meta`'s checkpoint into `model` (whose parameters' state-dict keys
-    are `names`), or None when the two name their parameters alike."""
+    """The renaming that loads `meta`'s checkpoint into `model` (whose parameters' state-dict keys are `names`), or None
+    when the two name their parameters alike."""
     saved = meta["params"]
     have = set(names)
     r = Restack()
@@ -151,8 +142,8 @@ def _renamed_state(state: Dict[str, Dict[str, Any]], r: Restack, adafactor: bool
 
 
 def _layer_of_layers_first(r: Restack, key: str, stack: str, i: int, state_key: str, entry: Dict[str, Any]):
-    """Layer i's entry of a stack's Adafactor state kept per layer on dim 0 ([Note: Adafactor on
-    stored stacks]): a global ("whole") (L, *rest) tensor, of which the layer takes [i]."""
+    """Layer i's entry of a stack's Adafactor state kept per layer on dim 0 ([Note: Adafactor on stored stacks]): a
+    global ("whole") (L, *rest) tensor, of which the layer takes [i]."""
     if entry["kind"] != "whole":
         _refuse_kind(stack, state_key, entry)
         return dict(entry)
@@ -161,8 +152,8 @@ def _layer_of_layers_first(r: Restack, key: str, stack: str, i: int, state_key: 
 
 
 def _layers_first_of(r: Restack, stack: str, state_key: str, entries, layers: List[str]) -> Dict[str, Any]:
-    """The layers' entries of Adafactor state a stack keeps per layer on dim 0: the layers' global
-    tensors, or their scalars (the RMS of each layer, saved as a number), stacked."""
+    """The layers' entries of Adafactor state a stack keeps per layer on dim 0: the layers' global tensors, or their
+    scalars (the RMS of each layer, saved as a number), stacked."""
     for layer, entry in zip(layers, entries):
         if entry is None:
             raise CheckpointError(f"the checkpoint's optimizer state {state_key!r} is missing for {layer!r} but held "

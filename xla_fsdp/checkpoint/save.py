@@ -1,44 +1,29 @@
 """Saving a sharded checkpoint: every process writes what it holds, atomically.
 
-[Note: atomic checkpoints] A checkpoint at a path (a local disk or a shared
-file system mounted on every host) is written into `<path>.partial/`:
-each process writes its tensor file, its index and its own state, each
-fsynced; the processes then agree that every write succeeded; rank 0 writes
-metadata.json and the COMPLETE marker (fsynced), renames the directory to
-`<path>` (atomic on a POSIX file system) and fsyncs the parent. A crash at any
-point before the rename leaves only a `.partial` directory, which loading
-ignores and the next save of that step clears, and the previous checkpoint is
-untouched. A write that fails (full disk, permissions) on any process fails
-the save on every process with the first error, after the partial directory
-is removed; nothing else is touched.
+[Note: atomic checkpoints] A checkpoint at a path (a local disk or a shared file system mounted on every host) is
+written into `<path>.partial/`: each process writes its tensor file, its index and its own state, each fsynced; the
+processes agree that every write succeeded; rank 0 writes metadata.json and the COMPLETE marker (fsynced), renames the
+directory to `<path>` (atomic on POSIX) and fsyncs the parent. A crash before the rename leaves only a `.partial`
+directory, which loading ignores and the next save of that step clears; the previous checkpoint is untouched. A write
+that fails on any process fails the save on every process with the first error, after the partial directory is removed.
 
-[Note: commit without rename] At a URL (`gs://`, `s3://`, any fsspec file
-system: storage.py) there is no atomic rename, so the COMPLETE marker alone
-commits. Rank 0 first removes `<path>/COMPLETE` if a checkpoint of that step
-exists, then everything else there, so no reader ever sees a half-overwritten
-checkpoint as complete (the old copy of that step is gone from then on, unlike
-on a file system, where it lasts until the new one is complete). Every process
-writes its files straight into `<path>/`; the processes agree that every write
-succeeded (`all_ok`); only then rank 0 writes metadata.json and, last, COMPLETE
-(an object appears only once its upload finished). Readers (`is_complete`,
-`latest_checkpoint`, load, consolidate) ignore a directory without the marker,
-so a crash at any point leaves at worst files that are ignored, and the next
-save of that step clears them. A failed write on any process fails the save
-everywhere; rank 0 removes what was written; other checkpoints are untouched.
-Rotation (manager.py) and any removal take the marker away first too
-(`format.remove_checkpoint`). The processes may be hosts of an SPMD slice
-(each writing its own `shards-rank<host>` files) or one per chip: the same.
+[Note: commit without rename] At a URL (`gs://`, `s3://`, any fsspec file system: storage.py) there is no atomic rename,
+so the COMPLETE marker alone commits. Rank 0 first removes `<path>/COMPLETE` if a checkpoint of that step exists, then
+everything else there, so no reader ever sees a half-overwritten checkpoint as complete (the old copy of that step is
+gone from then on). Every process writes straight into `<path>/`; once all agree every write succeeded (`all_ok`), rank
+0 writes metadata.json and, last, COMPLETE (an object appears only once its upload finished). Readers (`is_complete`,
+`latest_checkpoint`, load, consolidate) ignore a directory without the marker, so a crash leaves at worst ignored files,
+cleared by the next save of that step. A failed write fails the save everywhere and rank 0 removes what was written.
+Rotation (manager.py) and any removal take the marker away first too (`format.remove_checkpoint`). The processes may be
+hosts of an SPMD slice (each writing its own `shards-rank<host>` files) or one per chip.
 
-[Note: saves beside training] A save has three parts: `begin_save` (every process, at a step
-boundary: the directory prepared and agreed on, and, for a save written beside training, this
-process's tensors copied to host memory and the record taken: the only stall), `PendingSave.write`
-(this process's files; no collective, so a thread may run it while the next steps train), and
-`PendingSave.commit` (every process, on the thread that trains: the agreement that every write
-succeeded, then rank 0's metadata, COMPLETE and rename, as above). `save_checkpoint` runs the three
-in a row and copies each tensor only as it writes it; CheckpointManager(async_save=True) writes
-beside training (manager.py). The host copy holds this process's shards of the parameters and the
-optimizer state until the write ends: host memory of one checkpoint per process.
-"""
+[Note: saves beside training] A save has three parts: `begin_save` (every process, at a step boundary: the directory
+prepared and agreed on and, for a save written beside training, this process's tensors copied to host memory and the
+record taken: the only stall), `PendingSave.write` (this process's files; no collective, so a thread may run it while
+the next steps train), and `PendingSave.commit` (every process, on the training thread: the agreement that every write
+succeeded, then rank 0's metadata, COMPLETE and rename). `save_checkpoint` runs the three in a row and copies each
+tensor only as it writes it; CheckpointManager(async_save=True) writes beside training (manager.py), holding one
+checkpoint's worth of this process's shards in host memory until the write ends."""
 from __future__ import annotations
 
 import io
@@ -68,14 +53,12 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
                     step: Optional[int] = None, extra_state: Optional[Dict[str, Any]] = None) -> str:
     """Write a sharded checkpoint of `model` (and `optimizer`) to directory `path`; call on every process.
 
-    `path` is a local or mounted path, or an fsspec URL (`gs://bucket/run/checkpoint-500`;
-    gs:// needs gcsfs: `pip install xla_fsdp[gcs]`).
+    `path` is a local or mounted path, or an fsspec URL (`gs://bucket/run/checkpoint-500`; gs:// needs gcsfs:
+    `pip install xla_fsdp[gcs]`).
 
-    `extra_state` maps names to objects with `state_dict()` (an LR scheduler, a
-    data loader's position) or to plain picklable values; each process saves
-    its own, together with its RNG states (torch, XLA, Python, NumPy).
-    Returns `path`.
-    """
+    `extra_state` maps names to objects with `state_dict()` (an LR scheduler, a data loader's position) or to plain
+    picklable values; each process saves its own, together with its RNG states (torch, XLA, Python, NumPy). Returns
+    `path`."""
     pending = begin_save(path, model, optimizer, step=step, extra_state=extra_state)
     pending.write()
     return pending.commit()
@@ -84,9 +67,9 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
 def begin_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                step: Optional[int] = None, extra_state: Optional[Dict[str, Any]] = None,
                copy_now: bool = False) -> "PendingSave":
-    """The first part of a save ([Note: saves beside training]); every process calls it at the same
-    step boundary. `copy_now`: take this process's tensors to host memory now, so that training may
-    go on while `write()` runs on another thread; else each is copied as it is written."""
+    """The first part of a save ([Note: saves beside training]); every process calls it at the same step boundary.
+    `copy_now`: take this process's tensors to host memory now, so that training may go on while `write()` runs on
+    another thread; else each is copied as it is written."""
     st = storage.storage_for(path)
     path = st.abspath(path)
     info = process_info(model)
@@ -110,8 +93,8 @@ def begin_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
 
 
 class PendingSave:
-    """A save begun at a step boundary: `write()` this process's files (any thread), then `commit()`
-    on every process (the thread that trains). [Note: saves beside training]"""
+    """A save begun at a step boundary: `write()` this process's files (any thread), then `commit()` on every process
+    (the thread that trains). [Note: saves beside training]"""
 
     def __init__(self, st: storage.Storage, path: str, target: str, info):
         self.st, self.path, self.target, self.info = st, path, target, info
@@ -174,8 +157,8 @@ def _named_buffers(model: nn.Module):
 
 
 def _rank_files(rank: int, model, held: List[Holding], optimizer, extra_state, copy_now: bool):
-    """This process's (entries, index, extra state as bytes): each entry's `produce` copies its
-    tensor to host memory when called, or, with `copy_now`, returns the copy taken here."""
+    """This process's (entries, index, extra state as bytes): each entry's `produce` copies its tensor to host memory
+    when called, or, with `copy_now`, returns the copy taken here."""
     entries, index = [], {}
 
     def add(key, tensor_fn, dtype, shape, rows, tensor=None):
@@ -217,8 +200,8 @@ def _rank_files(rank: int, model, held: List[Holding], optimizer, extra_state, c
 
 
 def _host_storages(model, optimizer) -> set:
-    """The storages of the model's and optimizer's tensors that live in host memory (a model on the
-    CPU device): a copy taken for a save beside training must not be one of them."""
+    """The storages of the model's and optimizer's tensors that live in host memory (a model on the CPU device): a copy
+    taken for a save beside training must not be one of them."""
     tensors = [*model.parameters(), *model.buffers()]
     if optimizer is not None:
         tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]

@@ -1,14 +1,11 @@
 """Saving and loading a sharded model.
 
 Two formats, as PyTorch FSDP users expect:
-- full: the unwrapped model's `state_dict()` (same keys, full shapes, CPU
-  tensors), gathered from the shards. Every rank must call it (it gathers);
-  with `rank0_only=True` only sharding rank 0 gets the tensors. Loads into any
-  layout and into the unwrapped model.
-- sharded: each rank's own shards plus a record of the layout they belong to,
-  for fast intermediate checkpoints. Loads only into the same layout; anything
-  else is refused before a single tensor is written.
-"""
+- full: the unwrapped model's `state_dict()` (same keys, full shapes, CPU tensors), gathered from the shards. Every rank
+  must call it (it gathers); with `rank0_only=True` only sharding rank 0 gets the tensors. Loads into any layout and
+  into the unwrapped model.
+- sharded: each rank's own shards plus a record of the layout they belong to, for fast intermediate checkpoints. Loads
+  only into the same layout; anything else is refused before a single tensor is written."""
 from __future__ import annotations
 
 from typing import Dict
@@ -26,8 +23,8 @@ SHARDED_FORMAT = "xla_fsdp.sharded/1"
 
 
 def _buffer_tensors(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.Tensor]:
-    """The buffers by state-dict key: those of `model.state_dict()` (the full format), or all of them
-    (the sharded format, which resumes the run: non-persistent ones too)."""
+    """The buffers by state-dict key: those of `model.state_dict()` (the full format), or all of them (the sharded
+    format, which resumes the run: non-persistent ones too)."""
     return keys.buffers(model, persistent_only)
 
 

@@ -1,20 +1,15 @@
 """Where checkpoint files live: a local (or mounted) file system, or any fsspec URL.
 
-One interface, two implementations. A plain path (`out/run`, `/mnt/shared/run`:
-a disk, NFS or a gcsfuse/Filestore mount alike) is `LocalStorage`, thin calls
-into `os` with writes fsynced, and keeps the rename commit of [Note: atomic
-checkpoints] (save.py). A URL `scheme://...` (`gs://`, `s3://`, `file://`,
-`memory://`, ...) is `FsspecStorage`: its file system comes from fsspec, and
-saves commit without a rename ([Note: commit without rename], save.py), since
-object stores have none. `storage_for(path)` picks one. A URL's credentials
-and options are fsspec's own (e.g. Application Default Credentials for gcsfs,
-or `FSSPEC_GCS_<OPTION>` environment variables).
+A plain path (`out/run`, `/mnt/shared/run`: a disk, NFS or a gcsfuse/Filestore mount alike) is `LocalStorage`, thin
+calls into `os` with writes fsynced, and keeps the rename commit of [Note: atomic checkpoints] (save.py). A URL
+`scheme://...` (`gs://`, `s3://`, `file://`, `memory://`, ...) is `FsspecStorage`: its file system comes from fsspec,
+and saves commit without a rename ([Note: commit without rename], save.py), since object stores have none.
+`storage_for(path)` picks one. A URL's credentials and options are fsspec's own (e.g. Application Default Credentials
+for gcsfs, or `FSSPEC_GCS_<OPTION>` environment variables).
 
-Errors: a URL whose file system is not installed (gs:// without gcsfs) is an
-ImportError naming the package to install; every failed write is an OSError
-(an fsspec back end's own exceptions are wrapped), which is what a save
-turns into CheckpointWriteError.
-"""
+Errors: a URL whose file system is not installed (gs:// without gcsfs) is an ImportError naming the package to install;
+every failed write is an OSError (an fsspec back end's own exceptions are wrapped), which is what a save turns into
+CheckpointWriteError."""
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +39,8 @@ def _fsspec_storage(protocol: str) -> "FsspecStorage":
 
 
 class Storage:
-    """What checkpoints need of a file system. Paths are strings in the storage's own
-    spelling (a URL keeps its scheme, so messages name what the user gave)."""
+    """What checkpoints need of a file system. Paths are strings in the storage's own spelling (a URL keeps its scheme,
+    so messages name what the user gave)."""
 
     renames = False  # whether renaming a directory is atomic (the commit of [Note: atomic checkpoints])
 
@@ -61,8 +56,8 @@ class Storage:
 
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:
-        """A binary file for writing; durable when the block ends without an exception
-        (flushed and fsynced on a local disk, uploaded on an object store)."""
+        """A binary file for writing; durable when the block ends without an exception (flushed and fsynced on a local
+        disk, uploaded on an object store)."""
         raise NotImplementedError
         yield
 
@@ -108,8 +103,8 @@ class Storage:
             return f.read()
 
     def read_into(self, path: str, offset: int, buf) -> int:
-        """Fill the writable buffer `buf` with the bytes of `path` from `offset`; the number of
-        bytes read (fewer when the file ends first)."""
+        """Fill the writable buffer `buf` with the bytes of `path` from `offset`; the number of bytes read (fewer when
+        the file ends first)."""
         with self.open_read(path) as f:
             f.seek(offset)
             return f.readinto(buf)
@@ -187,9 +182,8 @@ LOCAL = LocalStorage()
 
 
 class FsspecStorage(Storage):
-    """A URL's file system through fsspec (gcsfs for gs://, s3fs for s3://, fsspec's own for
-    file:// and memory://). No atomic rename; listings are not cached across calls (other
-    hosts write into the same directories)."""
+    """A URL's file system through fsspec (gcsfs for gs://, s3fs for s3://, fsspec's own for file:// and memory://). No
+    atomic rename; listings are not cached across calls (other hosts write into the same directories)."""
 
     def __init__(self, protocol: str):
         self.protocol = protocol
@@ -206,12 +200,11 @@ class FsspecStorage(Storage):
     def open_read(self, path):
         return self.fs.open(path, "rb")
 
-    # [Note: ranged reads] A load reads each tensor (or each host's rows of it) as its own
-    # range. Through fs.open every range also cost an object-metadata lookup (gcsfs: a GET and
-    # a listing), three requests per range (GPT-2 124M, world 2: 2575 requests per load, 923
-    # now; bench/bucket_checkpoint_cost.py). A ranged read (fs.cat_file with start/end: one GET
-    # with a Range header) needs no metadata; ranges are split into _RANGE_BYTES pieces so the copy out of each response stays small
-    # next to the tensor it fills.
+    # [Note: ranged reads] A load reads each tensor (or each host's rows of it) as its own range. Through fs.open every
+    # range also costs an object-metadata lookup (gcsfs: a GET and a listing), three requests per range instead of one
+    # (bench/bucket_checkpoint_cost.py). A ranged read (fs.cat_file with start/end: one GET with a Range header) needs
+    # no metadata; ranges are split into _RANGE_BYTES pieces so the copy out of each response stays small next to the
+    # tensor it fills.
 
     def read_bytes(self, path):
         return self.fs.cat_file(path)

@@ -1,14 +1,11 @@
 """`consolidate_sharded_model_checkpoints`: torch_xla's per-rank checkpoint flow, for xla_fsdp.
 
-Scripts written for torch_xla's FSDP save, on every rank,
-`{"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()}`
-to `f"{prefix}_rank-{rank:08d}-of-{world:08d}.pth"` and consolidate the files
-afterwards. This reads such files written by xla_fsdp, and those written by
-torch_xla's own FSDP with either `shard_param_on_dim_0` (torch_xla_files.py),
-with the call shape, return value and the two log lines of torch_xla's
-function, and refuses anything else by name. The files may be local or at an
-fsspec URL (`gs://bucket/run/final_ckpt`, storage.py), and so may the output.
-"""
+Scripts written for torch_xla's FSDP save, on every rank, `{"model": model.state_dict(), "shard_metadata":
+model.get_shard_metadata()}` to `f"{prefix}_rank-{rank:08d}-of-{world:08d}.pth"` and consolidate the files afterwards.
+This reads such files written by xla_fsdp, and those written by torch_xla's own FSDP with either `shard_param_on_dim_0`
+(torch_xla_files.py), with the call shape, return value and the two log lines of torch_xla's function, and refuses
+anything else by name. The files may be local or at an fsspec URL (`gs://bucket/run/final_ckpt`, storage.py), and so may
+the output."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -25,8 +22,8 @@ SHARD_METADATA_FORMAT = "xla_fsdp.shard_metadata/1"
 
 def consolidate_sharded_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
                                     shard_metadata: Dict) -> "OrderedDict[str, torch.Tensor]":
-    """Rank-ordered `model.state_dict()`s and one rank's `get_shard_metadata()` -> the full state dict
-    (of an xla_fsdp model, or of torch_xla's FSDP: torch_xla_files.py)."""
+    """Rank-ordered `model.state_dict()`s and one rank's `get_shard_metadata()` -> the full state dict (of an xla_fsdp
+    model, or of torch_xla's FSDP: torch_xla_files.py)."""
     if is_torch_xla_metadata(shard_metadata):
         return consolidate_torch_xla_state_dicts(state_dicts, shard_metadata)
     if len(state_dicts) != shard_metadata["world_size"]:
@@ -64,14 +61,10 @@ def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "
                                           save_model: bool = True) -> Tuple[Dict[str, torch.Tensor], Optional[str]]:
     """Consolidate the per-rank files `ckpt_prefix + ckpt_suffix` (a glob) into the full model.
 
-    Each file holds {"model": model.state_dict(), "shard_metadata":
-    model.get_shard_metadata()} of an xla_fsdp model or of torch_xla's FSDP.
-    Returns (full_state_dict, actual_save_path); with `save_model` the result
-    is saved as {"model": full_state_dict} to `save_path` or
-    `ckpt_prefix + "_consolidated.pth"`. Prints, as torch_xla's function
-    does, "found N checkpoint files in PATTERN" and "saved consolidated model
-    to PATH" (scripts and log readers look for them).
-    """
+    Each file holds {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()} of an xla_fsdp model or
+    of torch_xla's FSDP. Returns (full_state_dict, actual_save_path); with `save_model` the result is saved as {"model":
+    full_state_dict} to `save_path` or `ckpt_prefix + "_consolidated.pth"`. Prints, as torch_xla's function does, "found
+    N checkpoint files in PATTERN" and "saved consolidated model to PATH" (scripts and log readers look for them)."""
     pattern = ckpt_prefix + ckpt_suffix
     st = storage.storage_for(pattern)
     paths = st.glob(pattern)

@@ -1,25 +1,19 @@
 """Rank state dicts written by torch_xla's own FSDP, rebuilt into the unwrapped model's state dict.
 
-A torch_xla 2.9 `XlaFullyShardedDataParallel` rank saves `model.state_dict()`,
-whose parameters are shards registered under one-segment names starting
-`_fsdp_shard` (their module's prefix before them), with
-`model.get_shard_metadata()`:
+A torch_xla 2.9 `XlaFullyShardedDataParallel` rank saves `model.state_dict()`, whose parameters are shards registered
+under one-segment names starting `_fsdp_shard` (their module's prefix before them), with `model.get_shard_metadata()`:
 
-- `shard_info[prefix][shard name]`: `_orig_size` and `_orig_name` (the
-  parameter's path under that FSDP module, wrapper segments included);
-- `flatten_info[flat name]`: (names, shapes, numels) of the parameters packed
-  into each `flat_param_<i>` under `flatten_parameters=True`;
+- `shard_info[prefix][shard name]`: `_orig_size` and `_orig_name` (the parameter's path under that FSDP module, wrapper
+  segments included);
+- `flatten_info[flat name]`: (names, shapes, numels) of the parameters packed into each `flat_param_<i>` under
+  `flatten_parameters=True`;
 - `buffer_info[key]["_orig_dtype"]`: buffers FSDP cast, to cast back.
 
-The shard's layout follows `shard_param_on_dim_0`: with False every parameter
-is flattened and padded (to a multiple of world size x `_shard_size_multiple`)
-and each rank holds a 1-D slice; with True each rank holds a slice of dim-0
-rows, padded to the world size. The metadata does not record which, so the
-shard's rank tells: a 1-D shard is a slice of the flattened parameter (for a
-1-D parameter the two layouts are the same), anything else holds rows.
-Either way the rank slices concatenate in rank order, and the padding is at
-the end.
-"""
+The shard's layout follows `shard_param_on_dim_0`: with False every parameter is flattened and padded (to a multiple of
+world size x `_shard_size_multiple`) and each rank holds a 1-D slice; with True each rank holds a slice of dim-0 rows,
+padded to the world size. The metadata does not record which, so the shard's rank tells: a 1-D shard is a slice of the
+flattened parameter (for a 1-D parameter the two layouts are the same), anything else holds rows. Either way the rank
+slices concatenate in rank order, and the padding is at the end."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -92,8 +86,8 @@ def consolidate_torch_xla_state_dicts(state_dicts: List[Dict[str, torch.Tensor]]
                                   f"[{prefix!r}][{shard!r}]); were the files saved from the same model?")
         whole = _whole_parameter(key, [sd[key] for sd in state_dicts], torch.Size(info["_orig_size"]))
         full[_join(prefix, info["_orig_name"])] = whole
-    # flat parameters (flatten_parameters=True) become their parameters, at the end as in torch_xla's
-    # result, so the two list their keys in the same order
+    # flat parameters (flatten_parameters=True) become their parameters, at the end as in torch_xla's result, so the two
+    # list their keys in the same order
     for key in [k for k in full if k in meta["flatten_info"]]:
         names, shapes, numels = meta["flatten_info"][key]
         flat, prefix = full.pop(key), key.rpartition(".")[0]

@@ -13,6 +13,5 @@ reduce-scattered by collectives this engine issues itself:
 - `sharded_param.py`: `ShardedParameter`, the parameter class of `fully_shard` units;
 - `build.py`: building a unit (collectives and layout, parameter group, buffers).
 
-The front doors (`xla_fsdp.api`, `xla_fsdp.fsdp`) call `build.py`; nothing here
-imports them.
+The front doors (`xla_fsdp.api`, `xla_fsdp.fsdp`) call `build.py`; nothing here imports them.
 """

@@ -1,58 +1,37 @@
-"""What `all_gather_impl="auto"` and `reduce_scatter_stages="auto"` mean for one engine
-([Note: rings by default on a TPU]).
+"""What `all_gather_impl="auto"` and `reduce_scatter_stages="auto"` mean for one engine.
 
 [Note: rings by default on a TPU]
-Compiled by libtpu 0.0.21 for the blog's 2B GPT-2 on v4-8 (32 x 1024 per chip, per-layer
-checkpointing; docs/performance.md), the single controller's all-gathers and staged
-reduce-scatters leave half the collective bytes synchronous: libtpu never runs our
-reduce-scatters asynchronously and keeps 149 of 257 gathers synchronous (0.48 of the bytes
-asynchronous). The same step with gathers and reduce-scatters as rings of collective-permutes
-([Note: ring reduce-scatter]) sends the same bytes, 0.96 of them asynchronously with compute
-between start and done, and, under a 50% scheduler memory budget (xla_fsdp.tpu.libtpu_flags,
-set for the single controller), peaks at 21.79 GiB per chip instead of 23.05 at the same
-projected step. So "auto" means rings where they apply:
-- the single controller (one program for every device; pinned per-process collectives are
-  never asynchronous anyway, and a ring needs the partitioner's permutes);
-- a TPU, or the ahead-of-time check compiling for one (on XLA:CPU, where nothing is
-  asynchronous, the gathers and reduce-scatters stay: they are what the CPU parity runs test);
-- one shard group holding every device in id order (FULL_SHARD, SHARD_GRAD_OP; not
-  HYBRID_SHARD or sharding groups), over more than one device;
-- a slice of at most libtpu_flags.RING_MAX_CHIPS (8) chips: the slices where the rings were compiled and
-  projected at no step-time cost (2B v4-8 3.703 s against the gathers' 3.698; 125M v5e-8 0.294
-  against 0.287, v6e-8 0.495 against 0.496). On the blog's 16B on v4-64 (32 chips, 2x4x4) the
-  rings fit (23.57 GiB against 24.13) with 0.76 of the bytes beside compute, but their chunk
-  additions and concatenations add 0.50 s of compute (11.58 s against 11.08) and the step projects
-  at 12.25 s against the gathers' 11.63 s; 20B on v4-128 (64 chips): 21.32 GiB against 14.38,
-  8.18 s against 7.75 s. So pods keep the gathers;
-- both "auto" (or the other one "ring"): a ring only for the reduce-scatters was measured to
-  cost more HBM than it hides at 2B (30.07 GiB), so an explicit `all_gather_impl="all_gather"`
-  keeps the staged reduce-scatters too.
-- the rings variable (`environment.RINGS`) not "0" (the switch for models at the edge of HBM, where the gathers at 70% fit
-  and the rings at 50% do not: [Note: rings off for the last GiB], xla_fsdp.tpu.libtpu_flags).
-On slices of 9 to 64 chips "auto" rings the reduce-scatters only ([Note: reduce-scatter rings on
-pods]). Everywhere else "auto" is the native all-gather and, for the reduce-scatter, "axes": one
-reduce-scatter per torus axis on v4/v5p slices ([Note: one reduce-scatter per torus axis]).
+libtpu runs few of the single controller's all-gathers and none of its staged reduce-scatters asynchronously;
+gathers and reduce-scatters as rings of collective-permutes ([Note: ring reduce-scatter]) send the same bytes
+beside compute and, under the single controller's 50% scheduler budget (xla_fsdp.tpu.libtpu_flags), peak lower
+(measured: 2B GPT-2 on v4-8, 0.48 -> 0.96 of the bytes asynchronous, 23.05 -> 21.79 GiB per chip; figures in
+docs/performance.md). So "auto" means rings where all of these hold:
+- the single controller (pinned per-process collectives are never asynchronous, and a ring needs the
+  partitioner's permutes);
+- a TPU, or the ahead-of-time check compiling for one (XLA:CPU runs nothing asynchronously, and the CPU parity
+  runs test the gathers and reduce-scatters);
+- one shard group of every device in id order (not HYBRID_SHARD or sharding groups), over more than one device;
+- a slice of at most libtpu_flags.RING_MAX_CHIPS (8) chips: on pods the rings' chunk additions and
+  concatenations cost more compute than they hide (16B on v4-64: 12.25 s projected against the gathers' 11.63 s);
+- both "auto" (or the other one "ring"): ringing only the reduce-scatters cost more HBM than it hid at 2B, so an
+  explicit `all_gather_impl="all_gather"` keeps the staged reduce-scatters too;
+- the rings variable (`environment.RINGS`) not "0", the switch for models at the edge of HBM where the gathers
+  at 70% fit and the rings at 50% do not ([Note: rings off for the last GiB], xla_fsdp.tpu.libtpu_flags).
+On slices of 9 to 64 chips "auto" rings the reduce-scatters only ([Note: reduce-scatter rings on pods]).
+Everywhere else "auto" is the native all-gather and "axes": one reduce-scatter per torus axis on v4/v5p slices
+([Note: one reduce-scatter per torus axis]).
 
 [Note: reduce-scatter rings on pods]
-On slices of more than RING_MAX_CHIPS chips every staged reduce-scatter stays synchronous (a
-third of the collective bytes: the blog's 16B on v4-64, 47 of 47 in a 4-layer copy), and the
-gather rings cost compute and HBM (above). Ringing only the reduce-scatters, one ring per torus
-axis, makes those bytes collective-permutes that libtpu runs beside compute, while the gathers
-stay all-gathers under the 70% budget. Compiled for v4-64 (4-layer copy of the 16B, 16 x 1024
-per chip, kernel; 2026-11-28): async bytes 0.81 against 0.44, compute +0.8%, peak 6.43 GiB
-against 7.31, projected 0.786 s against 0.802. At full depth with prefetch on (the shipped config), the
-bytes beside compute went from 0.48-0.50 to 0.92-0.99 and the projected steps fell 3-6% on
-16B v4-64, 20B and 32B v4-128; HBM rose (16B: 24.06 GiB against 17.51) as libtpu's 70%
-scheduler budget lets the asynchronous permutes and gathers overlap more. The rows are in
-docs/performance.md (the blog's table, compiled). On v4-256 (128 chips) libtpu's compile of
-the 64B step with the rings outgrew this host's 24 GB (killed at 23.9 GB after 1,076 s; with
-the staged reduce-scatters it compiled in 298 s), so nothing above 64 chips was measured and
-slices of more than SCATTER_RING_MAX_CHIPS keep the staged reduce-scatters (an explicit
-reduce_scatter_stages="ring" still rings them). Their staged reduce-scatters get libtpu's
-asynchronous reduce-scatter fusion instead ([Note: asynchronous staged reduce-scatters] in
-tpu/libtpu_flags.py). Applied where the slice's torus shape is known (torus.slice_shape(): the
-check sets it; on a TPU the runtime's coordinates), with one shard group of every device in id
-order, on the single controller on a TPU, unless the rings variable is 0.
+On slices of more than RING_MAX_CHIPS chips every staged reduce-scatter stays synchronous (a third of the
+collective bytes) and gather rings cost compute and HBM (above). Ringing only the reduce-scatters, one ring per
+torus axis, makes those bytes permutes libtpu runs beside compute while the gathers stay all-gathers under the 70%
+budget (measured at full depth: 0.48-0.50 -> 0.92-0.99 of the bytes beside compute, steps 3-6% shorter on 16B
+v4-64 and 20B/32B v4-128, HBM higher; rows in docs/performance.md). Nothing above 64 chips was measured (the 64B
+v4-256 compile with the rings outgrew the host's memory), so slices of more than SCATTER_RING_MAX_CHIPS keep the
+staged reduce-scatters (an explicit reduce_scatter_stages="ring" still rings them) under libtpu's asynchronous
+reduce-scatter fusion ([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py). Applied where the
+slice's torus shape is known (torus.slice_shape(): the check sets it; on a TPU the runtime's coordinates), with
+one shard group of every device in id order, on the single controller on a TPU, unless the rings variable is 0.
 """
 from __future__ import annotations
 
@@ -88,8 +67,7 @@ def consecutive_blocks(shard_groups: Sequence[Sequence[int]], num_devices: int) 
     return [list(g) for g in shard_groups] == [list(range(i * k, (i + 1) * k)) for i in range(len(shard_groups))]
 
 
-# the largest slice whose reduce-scatter rings were compiled and measured ([Note: reduce-scatter
-# rings on pods]): v4-128's 64 chips; on v4-256 the 64B step's compile ran out of this host's 24 GB
+# the largest slice whose reduce-scatter rings were measured (v4-128's 64 chips; [Note: reduce-scatter rings on pods])
 SCATTER_RING_MAX_CHIPS = libtpu_flags.STAGED_ABOVE_CHIPS
 
 
@@ -103,10 +81,9 @@ def scatter_rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int,
 def resolve(options: CollectiveOptions, single_controller: bool, rings_possible: bool = False,
             on_tpu: bool = False, rings_enabled: bool = True,
             scatter_rings_possible: bool = False) -> CollectiveOptions:
-    """`options` with "auto" replaced by what runs ([Note: rings by default on a TPU]);
-    `rings_enabled` False (the rings variable 0: [Note: rings off for the last GiB]) keeps the gathers;
-    `scatter_rings_possible`: a pod where the reduce-scatters ring ([Note: reduce-scatter rings on
-    pods])."""
+    """`options` with "auto" replaced by what runs ([Note: rings by default on a TPU]); `rings_enabled` False (the rings
+    variable 0: [Note: rings off for the last GiB]) keeps the gathers; `scatter_rings_possible`: a pod where the
+    reduce-scatters ring ([Note: reduce-scatter rings on pods])."""
     gather, scatter = options.all_gather_impl, options.reduce_scatter_stages
     if gather != "auto" and scatter != "auto":
         return options

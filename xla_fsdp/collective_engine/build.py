@@ -1,9 +1,8 @@
-"""Building a unit of the collectives engine: its collectives and layout, its
-parameter group (one shard record per parameter), its buffers.
+"""Building a unit of the collectives engine: its collectives and layout, its parameter group (one shard record per
+parameter), its buffers.
 
-The front door (`xla_fsdp.api`) validates the keywords and calls these in
-order. A child that is already a unit (`unit_state.is_unit`) keeps its
-parameters and buffers.
+The front door (`xla_fsdp.api`) validates the keywords and calls these in order. A child that is already a unit
+(`unit_state.is_unit`) keeps its parameters and buffers.
 """
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from .param_group import FSDPParamGroup
 from ..class_swap import original_class
 from ..unit_state import is_unit
 
-# id(original parameter) -> (weakref to it, weakref to the unit that sharded it, its name there),
-# so a tied weight split across units can be reported by name
+# id(original parameter) -> (weakref to it, weakref to its unit, its name there): names a tie split across units
 _consumed_params: Dict[int, Any] = {}
 
 
@@ -42,16 +40,13 @@ def _spmd_runtime() -> bool:
     return xr.is_spmd()
 
 
-# [Note: collectives passed down] An auto-wrapping unit hands its `Collectives` to the
-# children it wraps, so that a model's units share one (and the process groups in it).
-# But an `auto_wrapper_callable` may give a child other options than its parent's (say
-# FULL_SHARD blocks under a NO_SHARD root). Reusing the parent's collectives there
-# would shard and reduce the child with the parent's layout, while the child believes
-# it has its own: unsharded blocks whose gradients no rank averages, and no error. So a
-# unit takes the collectives passed down only when they were built from the same
-# layout options (`_layout_key`), and builds its own otherwise. Collectives a user
-# passes explicitly (`collectives=`, for tests and benchmarks) carry no key and are used
-# as given.
+# [Note: collectives passed down] An auto-wrapping unit hands its `Collectives` to the children it wraps, so that a
+# model's units share one (and the process groups in it). But an `auto_wrapper_callable` may give a child other options
+# than its parent's (say FULL_SHARD blocks under a NO_SHARD root). Reusing the parent's collectives there would shard
+# and reduce the child with the parent's layout, while the child believes it has its own: unsharded blocks whose
+# gradients no rank averages, and no error. So a unit takes the collectives passed down only when they were built from
+# the same layout options (`_layout_key`), and builds its own otherwise. Collectives a user passes explicitly
+# (`collectives=`, for tests and benchmarks) carry no key and are used as given.
 _KEY_ATTR = "_xla_fsdp_layout_key"
 
 
@@ -76,9 +71,9 @@ def collectives_for(module: nn.Module, kw: Dict[str, Any], options: FSDPOptions)
 
 
 def build_collectives(module: nn.Module, kw: Dict[str, Any], options: FSDPOptions) -> Collectives:
-    """The collectives of a new unit: torch.distributed when a process group is up and the
-    parameters are not on an XLA device; under torch_xla's SPMD runtime the devices of this
-    process (single controller); else pinned-layout XLA collectives between processes."""
+    """The collectives of a new unit: torch.distributed when a process group is up and the parameters are not on an
+    XLA device; under torch_xla's SPMD runtime the devices of this process (single controller); else pinned-layout XLA
+    collectives between processes."""
     import torch.distributed as dist
 
     use_dist = not _on_xla(module) and dist.is_available() and dist.is_initialized()
@@ -153,13 +148,9 @@ def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> Shar
 
 
 def owned_params(module: nn.Module, ignored: frozenset = frozenset()):
-    """(module, name, param, fqn) for parameters not inside an already wrapped child unit, and not
-    among `ignored` (ids of FSDP2's `ignored_params`).
-
-    An explicit stack, not a recursive closure: a closure that refers to itself
-    is a reference cycle, which would keep the full tensors alive until the
-    cycle collector runs.
-    """
+    """(module, name, param, fqn) for parameters not inside an already wrapped child unit, and not among `ignored`
+    (ids of FSDP2's `ignored_params`). An explicit stack, not a recursive closure: a closure that refers to itself is a
+    reference cycle, which would keep the full tensors alive until the cycle collector runs."""
     out = []
     stack = [(module, "")]
     while stack:
@@ -176,16 +167,11 @@ def owned_params(module: nn.Module, ignored: frozenset = frozenset()):
 def build_group(modules, comm: Collectives, options: FSDPOptions,
                 param_cls: type = nn.Parameter, keep_meta: bool = False,
                 ignored: frozenset = frozenset()) -> FSDPParamGroup:
-    """Shard the parameters a module (or each of a list of modules: one unit of several) owns (not
-    those of wrapped children) into one group.
-
-    `param_cls`: the class of the sharded parameters (FSDP2's front door gives its own);
-    `keep_meta`: a meta parameter stays a (padded) meta tensor until it is given storage;
-    `ignored`: ids of parameters left alone (FSDP2's `ignored_params`).
-
-    Each full tensor is freed as soon as its shard takes its place; a parameter
-    already sharded by another unit (a tied weight split across units) is an error.
-    """
+    """Shard the parameters a module (or each of a list of modules: one unit of several) owns (not those of wrapped
+    children) into one group. `param_cls`: the class of the sharded parameters (FSDP2's front door gives its own);
+    `keep_meta`: a meta parameter stays a (padded) meta tensor until it is given storage; `ignored`: ids of parameters
+    left alone (FSDP2's `ignored_params`). Each full tensor is freed as soon as its shard takes its place; a parameter
+    already sharded by another unit (a tied weight split across units) is an error."""
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     module = roots[0]
     by_id: Dict[int, List] = {}

@@ -1,17 +1,14 @@
 """Gradient-norm clipping across the shards of every unit.
 
-Each rank (or device, in the single-controller runtime) sums |g|^p over its own shards (padding rows hold zero gradients),
-the sums are all-reduced over the shard group only (replicas hold the same
-shards and must not be counted twice), and every shard is scaled by the
-factor `torch.nn.utils.clip_grad_norm_` would use on the unsharded model.
+Each rank (or device, in the single-controller runtime) sums |g|^p over its own shards (padding rows hold zero
+gradients), the sums are all-reduced over the shard group only (replicas hold the same shards and must not be counted
+twice), and every shard is scaled by the factor `torch.nn.utils.clip_grad_norm_` would use on the unsharded model.
 
-[Note: units with different layouts] Nested units may shard differently
-(e.g. a NO_SHARD unit inside a FULL_SHARD root: its gradients are whole on
-every rank). Summing every gradient over the root's shard group would count
-such a unit's gradients once per rank, a wrong norm and no error. So the
-gradients are grouped by the layout of the unit that owns them, each group's
-partial sum is reduced over its own shard group, and the groups' totals are
-added (or maxed), in the same order on every rank.
+[Note: units with different layouts] Nested units may shard differently (e.g. a NO_SHARD unit inside a FULL_SHARD root:
+its gradients are whole on every rank). Summing every gradient over the root's shard group would count such a unit's
+gradients once per rank, a wrong norm and no error. So the gradients are grouped by the layout of the unit that owns
+them, each group's partial sum is reduced over its own shard group, and the groups' totals are added (or maxed), in the
+same order on every rank.
 """
 from __future__ import annotations
 
@@ -65,11 +62,6 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0, gr
     return total
 
 
-def _sum_group_key(comm):
-    layout = comm.layout
-    return (type(comm), layout.shard_groups, layout.replicate_groups)
-
-
 def _grads_by_layout(root: nn.Module, root_comm) -> "OrderedDict":
     """Gradients (in `root.parameters()` order, the same on every rank) grouped by the sharding
     layout of the unit that owns them, keyed by one of those units' `Collectives`."""
@@ -84,7 +76,7 @@ def _grads_by_layout(root: nn.Module, root_comm) -> "OrderedDict":
         if p.grad is None:
             continue
         c = owner.get(id(p), root_comm)
-        c = comm_for.setdefault(_sum_group_key(c), c)
+        c = comm_for.setdefault((type(c), c.layout.shard_groups, c.layout.replicate_groups), c)
         out.setdefault(c, []).append(p.grad)
     return out
 

@@ -1,80 +1,42 @@
 """Every collective the engine issues, behind one small interface.
 
-`Collectives` is what a parameter group talks to. Implementations:
-`XlaCollectives` (pinned-layout HLO collectives, rank-independent graphs),
-`SpmdCollectives` (region_collectives.py: the same inside one SPMD program, the single controller) and
-`DistCollectives` (dist_collectives.py: torch.distributed, e.g. gloo on CPU
-tensors, so the same engine trains across real processes on a machine without
-accelerators).
-Tests and benchmarks may pass their own implementation.
+`Collectives` is what a parameter group talks to. Implementations: `XlaCollectives` (pinned-layout HLO collectives,
+rank-independent graphs), `SpmdCollectives` (region_collectives.py: the same inside one SPMD program, the single
+controller) and `DistCollectives` (dist_collectives.py: torch.distributed, e.g. gloo on CPU tensors, so the same engine
+trains across real processes without accelerators). Tests and benchmarks may pass their own implementation.
 
-[Note: rank as data] On XLA every replica must compile the same program, and
-collectives in separately compiled programs never rendezvous. So nothing here
-may depend on the rank as a Python constant: the all-reduce emulation of
-all-gather places the shard with `index_copy` at an index held in a device
-tensor (data), not with a rank-dependent pad.
+[Note: rank as data] On XLA every replica must compile the same program, and collectives in separately compiled programs
+never rendezvous. So nothing here may depend on the rank as a Python constant: the all-reduce emulation of all-gather
+places the shard with `index_copy` at an index held in a device tensor, not with a rank-dependent pad.
 
-[Note: the last reduce-scatter] torch_xla threads a per-device token through
-its collectives: each reads the token and publishes a new one that depends on
-its result, so the next one waits for it. For reduce-scatters this bounds
-how long full gradients live: unit k's must be reduced before the re-gather
-two units later starts. But the last reduce-scatter of a backward (the
-root's) then waits for block 0's, which waits for block 0's weight-gradient
-matmuls, the step's last, and has nothing to overlap with. So it starts from
-a fresh token (`follow_chain=False`) and runs beside those matmuls; it still
-publishes, so what follows it (clipping's all-reduce) waits. A root that
-reduces with an all-reduce alone (NO_SHARD: the reduce-scatter is a no-op)
-starts that all-reduce from a fresh token the same way. Measured on the
-traced program (tests/test_overlap.py). Dropping the chain for every
-reduce-scatter also overlaps, but leaves their placement, and so gradient
-memory, to the compiler, and cost 7% step time on XLA:CPU.
+[Note: the last reduce-scatter] torch_xla threads a per-device token through its collectives: each reads the token and
+publishes one that depends on its result, so the next waits for it. For reduce-scatters this bounds how long full
+gradients live (unit k's is reduced before the re-gather two units later starts). But the backward's last reduce-scatter
+(the root's) would then wait for block 0's, which waits for the step's last matmuls, and have nothing to overlap with.
+So it starts from a fresh token (`follow_chain=False`) and runs beside those matmuls; it still publishes, so what
+follows (clipping's all-reduce) waits. A NO_SHARD root's all-reduce starts fresh the same way. Checked on the traced
+program (tests/test_overlap.py). Dropping the chain for every reduce-scatter also overlaps, but leaves gradient memory
+to the compiler (7% step time on XLA:CPU).
 
-[Note: collectives off the chain] Reading the token costs an elementwise
-pass: torch_xla adds it to the collective's input, so every reduce-scatter's
-input is a fresh copy of the whole gradient (gradient + 0), and libtpu keeps
-most reduce-scatters fed by such a pass, or a relayout of one, synchronous.
-`token_chain="gathers"` starts every reduce-scatter from a fresh token (a
-constant zero XLA folds away): its input is the gradient itself, and it still
-publishes its token, so the collectives after it wait for it as before.
-`token_chain="off"` starts the gathers from a fresh token too: no collective
-of the engine waits for another, and libtpu orders them. On the single
-controller every device runs the one program, so every device runs its
-collectives in the order libtpu picks (with one process per chip each
-compiles the same program; not measured there). tests/test_overlap.py checks both on
-the traced program; the 8-device parity run trains with "off". Compiled by
-libtpu 0.0.21 for Llama 3 8B on v6e-256 (4 x 8192 per chip, the kernel,
-head-major projections; deviceless, 2026-11-29; docs/performance.md, "Llama 3
-8B at sequence 8192"): "all" 3.387 s, "gathers" 3.350 s, "off" 3.326 s;
-peak 26.42 GiB at most. Not the default: a 3-block copy of GPT-2 128B for
-v4-512 peaks at 12.98 GiB instead of 8.86 with either (the scheduler, freed of
-the order, starts reductions and gathers earlier), and the full 128B with
-torch_xla's token off altogether (DISABLE_NUMERIC_CC_TOKEN=1, the same program
-on that copy), every block recomputed, needs 31.79 GiB of the 30.75 libtpu can
-use instead of 18.33. The shipped Llama config sets "off".
+[Note: collectives off the chain] Reading the token costs an elementwise pass: torch_xla adds it to the collective's
+input, so every reduce-scatter's input is a fresh copy of the gradient, and libtpu keeps most reduce-scatters fed by
+such a pass synchronous. `token_chain="gathers"` starts every reduce-scatter from a fresh token (a constant zero XLA
+folds away): its input is the gradient itself, and it still publishes, so later collectives wait as before.
+`token_chain="off"` starts the gathers fresh too: no collective of the engine waits for another and libtpu orders them
+(on the single controller every device runs the one program, so the same order; with one process per chip not measured).
+tests/test_overlap.py checks both; the 8-device parity run trains with "off", and the shipped Llama config sets it (a
+shorter step there: docs/performance.md). Not the default: freed of the order, the scheduler starts reductions and
+gathers earlier and peaks higher (a 3-block copy of GPT-2 128B for v4-512: 12.98 GiB instead of 8.86).
 
-[Note: the gradient apart from the chain] torch_xla adds the token to the
-reduce-scatter's input, and libtpu fuses that add into the matmul that makes
-the gradient: the next weight's gradient matmul then waits for the previous
-reduce-scatter, and in a backward with no recomputed forward beside it (the
-blocks that keep their activations) libtpu keeps the first torus stage of
-each reduce-scatter synchronous (GPT-2 128B on v4-512 with 10 blocks kept:
-the QKV and an MLP weight's of every kept block, 0.9 and 1.2 GB). Where the
-reduce-scatter is staged (more than one torus stage: by default slices of
-more than 64 chips) the gradient goes through an optimization barrier first,
-so the add is an elementwise pass of its own that libtpu fuses into the
-asynchronous reduce-scatter ([Note: asynchronous staged reduce-scatters] in
-tpu/libtpu_flags.py) and the matmul waits for nothing. The order and the
-memory bound of the chain stay. Only a reduce-scatter that follows the chain
-gets it: off the chain its token is a constant zero that XLA folds away, and
-the barrier would only cost the pass (Llama 3 8B on v6e-256 with token_chain
-"off": 3.301 -> 3.339 s when it was applied there too).
-Compiled (libtpu 0.0.21 deviceless, PROJECTED, 2026-11-29;
-in git history: docs/performance.md before 595b4ed, "The gradient apart from the chain"): the full 128B on
-v4-512 with 10 kept, bytes beside compute 0.88 -> 0.95, synchronous
-collective time 0.88 -> 0.32 s, compute 16.21 -> 16.63 s (the add's own
-pass), step 17.280 -> 17.157 s, peak 28.90 -> 29.59 GiB; with the shipped
-"fit" (3 kept now) 0.99 and 17.166 s. It costs the 64B on v4-256, whose
-reduce-scatters were already beside compute, the pass: 15.971 -> 16.107 s.
+[Note: the gradient apart from the chain] libtpu fuses the token add into the matmul that makes the gradient: the next
+weight's gradient matmul then waits for the previous reduce-scatter, and where no recomputed forward runs beside them
+(blocks that keep their activations) libtpu keeps each reduce-scatter's first torus stage synchronous. Where the
+reduce-scatter is staged (more than one torus stage: by default slices of more than 64 chips) the gradient goes through
+an optimization barrier first, so the add is a pass of its own that libtpu fuses into the asynchronous reduce-scatter
+([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py) and the matmul waits for nothing; the chain's order
+and memory bound stay. Only a reduce-scatter that follows the chain gets it: off the chain the token is a folded zero
+and the barrier would only cost the pass (measured: 0.88 -> 0.95 of the bytes beside compute for the 128B on v4-512; the
+64B on v4-256, already beside compute, pays the pass).
 """
 from __future__ import annotations
 
@@ -90,12 +52,11 @@ from . import auto
 
 REDUCE_SUM = "sum"
 REDUCE_MAX = "max"
-# [Note: 2-D reduce-scatter] libtpu 0.0.21 compiles a reduce-scatter of a 1-D operand (our flat
-# buckets) as an all-reduce of the whole buffer followed by a slice: twice the bytes on the ring.
-# On v5e and v6e a 2-D operand with at least 8 rows per shard stays a reduce-scatter (compiled
-# and checked: tests/test_tpu_compile_matrix.py); v4 turns many into all-reduces (torus.py). So a
-# flat buffer whose shard divides into such rows is scattered as [rows, RS_LANES]: row-major,
-# each device's rows are exactly its flat shard, so the result is the same.
+# [Note: 2-D reduce-scatter] libtpu 0.0.21 compiles a reduce-scatter of a 1-D operand (our flat buckets) as an
+# all-reduce of the whole buffer followed by a slice: twice the bytes on the ring. On v5e and v6e a 2-D operand with at
+# least 8 rows per shard stays a reduce-scatter (compiled and checked: tests/test_tpu_compile_matrix.py); v4 turns many
+# into all-reduces (torus.py). So a flat buffer whose shard divides into such rows is scattered as [rows, RS_LANES]:
+# row-major, each device's rows are exactly its flat shard, so the result is the same.
 RS_LANES = 128
 RS_MIN_ROWS = 8
 
@@ -222,10 +183,9 @@ class XlaCollectives(Collectives):
 
     @contextlib.contextmanager
     def loop_body(self, constants: Sequence[torch.Tensor]):
-        """While a loop body is traced: its collectives start from a fresh token, and the token
-        outside is put back after (a token made in the body must not be what the program after
-        the loop reads); the per-device constants are read from `constants` (`loop_constants`'s
-        order)."""
+        """While a loop body is traced: its collectives start from a fresh token, and the token outside is put back
+        after (a token made in the body must not be what the program after the loop reads); the per-device constants are
+        read from `constants` (`loop_constants`'s order)."""
         device = str(self.device)
         saved = self._xlac._get_all_reduce_token(device)
         self._xlac._set_all_reduce_token(device, None)

@@ -70,11 +70,8 @@ def to_global(t: torch.Tensor, mesh, spec: tuple, shape: torch.Size) -> torch.Te
 
 
 class ToLocal(torch.autograd.Function):
-    """`to_local` whose gradient goes back to the global layout.
-
-    For a replicated input every device used the whole tensor, so its global
-    gradient is the sum of the per-device gradients (`sum_replicas`).
-    """
+    """`to_local` whose gradient goes back to the global layout. For a replicated input every device used the whole
+    tensor, so its global gradient is the sum of the per-device gradients (`sum_replicas`)."""
 
     @staticmethod
     def forward(ctx, t, mesh, spec, sum_replicas):
@@ -90,12 +87,8 @@ class ToLocal(torch.autograd.Function):
 
 
 class MeanOverDevices(torch.autograd.Function):
-    """Per-device values -> their mean, one global (replicated) tensor.
-
-    The sum is an all-reduce the engine issues inside the region, so the
-    partitioner has nothing to add; each device's gradient is 1/D of the
-    incoming one.
-    """
+    """Per-device values -> their mean, one global (replicated) tensor. The sum is an all-reduce the engine issues
+    inside the region, so the partitioner has nothing to add; each device's gradient is 1/D of the incoming one."""
 
     @staticmethod
     def forward(ctx, t, comm, mesh):
@@ -119,5 +112,3 @@ class ToGlobal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return to_local(grad, ctx.mesh, ctx.spec), None, None, None
-
-

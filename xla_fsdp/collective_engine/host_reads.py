@@ -1,23 +1,17 @@
 """Host reads of device values inside the manual region: a Python error that names the line.
 
-[Note: host reads in the manual region] Inside the single controller's
-manual-sharding region (manual_region.py) every tensor is a per-device
-piece. Reading one back to the host (`bool(t)`, `t.item()`, `t.tolist()`,
-`int(t)`, `print(t)`, `t.cpu()`) makes torch_xla compile and run the pending
-graph up to that tensor as a program of its own, whose result is still
-manual-sharded with no way back to a global value: XLA's SPMD partitioner
-then aborts the process (`F hlo_sharding.cc ... Check failed: !IsManual()`),
-with no Python traceback. Hugging Face models do this in their mask code
-(`masking_utils._ignore_causal_mask_sdpa` reads whether the attention mask
-is all ones).
+[Note: host reads in the manual region] Inside the single controller's manual-sharding region (manual_region.py) every
+tensor is a per-device piece. Reading one back to the host (`bool(t)`, `t.item()`, `t.tolist()`, `int(t)`, `print(t)`,
+`t.cpu()`) makes torch_xla compile and run the pending graph up to that tensor as a program of its own, whose result is
+still manual-sharded with no way back to a global value: XLA's SPMD partitioner then aborts the process (`F
+hlo_sharding.cc ... Check failed: !IsManual()`), with no Python traceback. Hugging Face models do this in their mask
+code (`masking_utils._ignore_causal_mask_sdpa` reads whether the attention mask is all ones).
 
-While a region runs, the Python entry points of such reads on XLA tensors
-raise `HostReadInManualRegion` instead, naming the line that read and the
-fixes; so does `t.to("cpu")` (the methods are replaced only while a region
-runs, so `to` costs nothing elsewhere). Not seen here (they still abort):
-reads made in C++ (`torch.equal`, boolean-mask indexing, `nonzero`). Hugging Face's mask code is steered off its reads by
-`xla_fsdp.integrations.transformers` (its `is_tracing` is true inside the
-region).
+While a region runs, the Python entry points of such reads on XLA tensors raise `HostReadInManualRegion` instead, naming
+the line that read and the fixes; so does `t.to("cpu")` (the methods are replaced only while a region runs, so `to`
+costs nothing elsewhere). Not seen here (they still abort): reads made in C++ (`torch.equal`, boolean-mask indexing,
+`nonzero`). Hugging Face's mask code is steered off its reads by `xla_fsdp.integrations.transformers` (its `is_tracing`
+is true inside the region).
 """
 from __future__ import annotations
 

@@ -1,26 +1,20 @@
 """The single-controller runtime's boundary: global tensors outside, per-device tensors inside.
 
-[Note: single-controller runtime] Under torch_xla's SPMD runtime one process
-drives every device of the host. The collective engine runs there unchanged,
-per device, inside an SPMD *manual-sharding region* (torch_xla's counterpart
-of JAX's `shard_map`): at the root unit's forward every input is turned into
-its per-device piece (`SPMDFullToShardShape`), every unit gathers its
-parameters and reduce-scatters their gradients with the same explicit pinned
-collectives as one process per chip, and the root's outputs are turned back
-into global tensors (`SPMDShardToFullShape`). The partitioner treats the
-region as partitioned already and inserts no collective of its own there, so
-the program holds exactly the engine's schedule.
+[Note: single-controller runtime] Under torch_xla's SPMD runtime one process drives every device of the host. The
+collective engine runs there unchanged, per device, inside an SPMD *manual-sharding region* (torch_xla's counterpart of
+JAX's `shard_map`): at the root unit's forward every input is turned into its per-device piece (`SPMDFullToShardShape`),
+every unit gathers its parameters and reduce-scatters their gradients with the same explicit pinned collectives as one
+process per chip, and the root's outputs are turned back into global tensors (`SPMDShardToFullShape`). The partitioner
+treats the region as partitioned already and inserts no collective of its own there, so the program holds exactly the
+engine's schedule.
 
-What the user sees is global. A parameter is one tensor of shape
-`[N * rows_per_rank, *rest]` (padded on dim 0) sharded on dim 0 over the
-mesh's "fsdp" axis; any optimizer steps on it without communication. The
-model takes the global batch and returns global outputs (`ManualRegion`
-states the rules).
+What the user sees is global. A parameter is one tensor of shape `[N * rows_per_rank, *rest]` (padded on dim 0) sharded
+on dim 0 over the mesh's "fsdp" axis; any optimizer steps on it without communication. The model takes the global batch
+and returns global outputs (`ManualRegion` states the rules).
 
-Gradient scale: the output rules make the root's result a mean over devices
-(scalars) or a batch concatenation (whose loss the user averages over the
-global batch), so each device's gradient already carries its 1/D share and
-the engine's reduce-scatter sums instead of averaging.
+Gradient scale: the output rules make the root's result a mean over devices (scalars) or a batch concatenation (whose
+loss the user averages over the global batch), so each device's gradient already carries its 1/D share and the engine's
+reduce-scatter sums instead of averaging.
 """
 from __future__ import annotations
 
@@ -53,13 +47,9 @@ def in_manual_region() -> bool:
 
 @dataclass(frozen=True)
 class DevicePlacement:
-    """The mesh of the single-controller runtime and the sharding groups laid on it.
-
-    `shard_groups[i]` lists the device ids along the "fsdp" axis: they split
-    each parameter among themselves. Devices at the same position of
-    different groups hold the same shard (hybrid sharding). The batch is
-    split over every device of the mesh.
-    """
+    """The mesh of the single-controller runtime and the sharding groups laid on it. `shard_groups[i]` lists the device
+    ids along the "fsdp" axis: they split each parameter among themselves. Devices at the same position of different
+    groups hold the same shard (hybrid sharding). The batch is split over every device of the mesh."""
 
     mesh: Any  # torch_xla.distributed.spmd.Mesh
     shard_groups: Tuple[Tuple[int, ...], ...]
@@ -93,10 +83,6 @@ class DevicePlacement:
     @property
     def num_devices(self) -> int:
         return int(np.prod(self.mesh.mesh_shape))
-
-    @property
-    def shard_degree(self) -> int:
-        return len(self.shard_groups[0])
 
     def spec(self, kind: str, ndim: int) -> tuple:
         """Partition spec of a `kind` ("param", "batch" or "replicated") tensor of `ndim` dims."""
@@ -135,23 +121,17 @@ def _is_kv_cache(x) -> bool:
 class ManualRegion:
     """Runs a root unit's forward per device; see [Note: single-controller runtime].
 
-    Inputs: the batch size is dim 0 of the first tensor argument (with at
-    least one dim). A tensor argument whose dim 0 equals it is *batched* and
-    split on dim 0 over every device; any other tensor (a mask broadcast over
-    the batch, a position table, a 0-dim scalar) reaches every device whole.
-    `is_batched_input(path, tensor)` overrides the rule per argument.
+    Inputs: the batch size is dim 0 of the first tensor argument (with at least one dim). A tensor argument whose dim 0
+    equals it is *batched* and split on dim 0 over every device; any other tensor (a mask broadcast over the batch, a
+    position table, a 0-dim scalar) reaches every device whole. `is_batched_input(path, tensor)` overrides the rule.
 
-    Outputs: a tensor whose dim 0 is the per-device batch is concatenated
-    over devices back to the global batch; any other floating tensor (a
-    loss, an auxiliary loss vector) is averaged over devices; Hugging Face
-    KV caches (per-device tensors, used for generation only) become None.
-    Other outputs are refused by name.
+    Outputs: a tensor whose dim 0 is the per-device batch is concatenated over devices back to the global batch; any
+    other floating tensor (a loss, an auxiliary loss vector) is averaged over devices; Hugging Face KV caches
+    (per-device tensors, used for generation only) become None. Other outputs are refused by name.
 
-    Buffers reach every device whole; a forward that updates a buffer in
-    place (BatchNorm running statistics) would give each device its own
-    value, so it is refused, naming a runtime that keeps torch_xla's
-    per-replica statistics here ([Note: buffers updated in place]).
-    """
+    Buffers reach every device whole; a forward that updates a buffer in place (BatchNorm running statistics) would give
+    each device its own value, so it is refused, naming a runtime that keeps torch_xla's per-replica statistics here
+    ([Note: buffers updated in place])."""
 
     def __init__(self, placement: DevicePlacement, comm, is_batched_input: Optional[BatchedInputFn] = None):
         self.placement = placement
@@ -283,14 +263,12 @@ class ManualRegion:
         return tree_unflatten(result, spec)
 
 
-# [Note: buffers updated in place]
-# torch_xla's BatchNorm under one process per device is per replica: each replica updates its
-# own running statistics from its own batch shard, and each holds a different value. In the
-# single-controller runtime a buffer is one replicated global tensor; a per-device value would
-# need another shape (and other state-dict keys) than the module's, and averaging the devices'
-# updates would be a third semantics (neither torch_xla's nor SyncBatchNorm's: the running
-# variance would miss the spread between the devices' means). So the region refuses, and says
-# which runtime on this machine keeps torch_xla's semantics.
+# [Note: buffers updated in place] torch_xla's BatchNorm under one process per device is per replica: each replica
+# updates its own running statistics from its own batch shard, and each holds a different value. In the
+# single-controller runtime a buffer is one replicated global tensor; a per-device value would need another shape (and
+# other state-dict keys) than the module's, and averaging the devices' updates would be a third semantics (neither
+# torch_xla's nor SyncBatchNorm's: the running variance would miss the spread between the devices' means). So the region
+# refuses, and says which runtime on this machine keeps torch_xla's semantics.
 def _per_replica_buffers_path() -> str:
     """Where per-replica buffers run on this machine: one process per chip on a TPU; on CPU,
     where one process per device hangs, only one device."""
@@ -345,4 +323,3 @@ def _steered_is_tracing(original: Callable) -> Callable:
         is_tracing.xla_fsdp_original = original
         _STEERED[id(original)] = is_tracing
     return _STEERED[id(original)]
-

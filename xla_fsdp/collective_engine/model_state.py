@@ -1,37 +1,28 @@
 """Model state dicts of the collective engine's units: keys, shapes, values and loads.
 
-[Note: state dicts of the single controller] There each parameter is one global
-tensor padded on dim 0 to a multiple of the sharding group size ([Note: dim-0
-sharding]), and the optimizer holds that tensor, so it stays registered. A hook
-on each module holding a padded parameter cuts the padding rows off in
-`state_dict()` (a view of the real rows) and `load_state_dict()` pads a full
-tensor again before the usual in-place copy (which keeps the sharding); a padded
-tensor still loads as it is. The hooks sit on the modules that own the
-parameters, so keys are those the module writes whatever wrappers rename later,
-and hold the records weakly. With one process per device `state_dict()` stays
-each rank's shard, described by `shard_metadata` (torch_xla's flow).
+[Note: state dicts of the single controller] There each parameter is one global tensor padded on dim 0 to a multiple of
+the sharding group size ([Note: dim-0 sharding]), and the optimizer holds that tensor, so it stays registered. A hook on
+each module holding a padded parameter cuts the padding rows off in `state_dict()` (a view of the real rows) and
+`load_state_dict()` pads a full tensor again before the usual in-place copy (which keeps the sharding); a padded tensor
+still loads as it is. The hooks sit on the modules that own the parameters, so keys are those the module writes whatever
+wrappers rename later, and hold the records weakly. With one process per device `state_dict()` stays each rank's shard,
+described by `shard_metadata` (torch_xla's flow).
 
-[Note: state-dict keys] A module's tree name is not always its state-dict
-prefix: torch's `CheckpointWrapper` / `OffloadWrapper` register the wrapped
-module as `_checkpoint_wrapped_module` and strip that part from keys again.
-`names(model)` mirrors `state_dict()`, and `check_against_state_dict` refuses,
-naming the key, anything that does not match `model.state_dict()`'s keys.
+[Note: state-dict keys] A module's tree name is not always its state-dict prefix: torch's `CheckpointWrapper` /
+`OffloadWrapper` register the wrapped module as `_checkpoint_wrapped_module` and strip that part from keys again.
+`names(model)` mirrors `state_dict()`, and `check_against_state_dict` refuses, naming the key, anything that does not
+match `model.state_dict()`'s keys.
 
-[Note: loading into sharded parameters] A `fully_shard` unit's `state_dict()`
-values are `StateTensor`s (whole global tensors with DTensor's `full_tensor()`,
-`to_local()`, `device_mesh`, `placements`; plain tensors to pickle, and to DCP on one
-host; defined in optimizer_state.py).
-Loading keeps every parameter a dim-0 sharded global tensor whatever arrives:
-a CPU tensor is copied in place; an unsharded XLA tensor is copied, then marked
-sharded again; `distribute_tensor(...)`'s XLAShardedTensor gives its global
-tensor; with `assign=True` each unit takes the assigned tensor into its own
-sharded parameter afterwards (materializing a meta one). On several hosts a value
-`dcp.load` filled host by host ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py)
-becomes its parameter's data directly, built from each host's rows.
+[Note: loading into sharded parameters] A `fully_shard` unit's `state_dict()` values are `StateTensor`s (global
+tensors with DTensor's surface: optimizer_state.py). Loading keeps every parameter a dim-0 sharded global tensor
+whatever arrives: a CPU tensor is copied in place; an unsharded XLA tensor is copied, then marked sharded again;
+`distribute_tensor(...)`'s XLAShardedTensor gives its global tensor; with `assign=True` each unit takes the assigned
+tensor into its own sharded parameter afterwards (materializing a meta one). On several hosts a value `dcp.load` filled
+host by host ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py) becomes its parameter's data, built from each host's
+rows.
 
-`check_load` is the one check of what is loaded against the model: every key
-one side lacks and every shape that differs, in one message, before anything
-is written.
+`check_load` is the one check of what is loaded against the model: every key one side lacks and every shape that
+differs, in one message, before anything is written.
 """
 from __future__ import annotations
 
@@ -307,10 +298,9 @@ def _loaded_rows(value) -> bool:
 
 
 def _take_loaded_rows(root: nn.Module, values: dict) -> dict:
-    """Values `dcp.load` read host by host ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py): each
-    parameter takes the global tensor built from this host's rows as its data and is its own value
-    (its copy_ onto itself does nothing); a key that is no parameter gets the tensor's real rows.
-    Every host builds the same tensors in the same order."""
+    """Values `dcp.load` read host by host ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py): each parameter takes the
+    global tensor built from this host's rows as its data and is its own value (its copy_ onto itself does nothing); a
+    key that is no parameter gets the tensor's real rows. Every host builds the same tensors in the same order."""
     loaded = [k for k, v in values.items() if _loaded_rows(v)]
     if not loaded:
         return values
@@ -352,12 +342,11 @@ def _sharding_spec(t: torch.Tensor) -> str:
 
 
 def _adopt(unit, specs) -> None:
-    """After a load: each record's sharded parameter holds the value registered in its place
-    (assign=True put a new tensor there), sharded on dim 0 on the unit's devices. An in-place
-    copy from an XLA tensor without sharding (or a replicated one: `set_state_dict` of a full
-    state dict moves each value to the device whole), or DCP's in-place load into the
-    unpadded view `state_dict()` gave of a padded parameter, leaves the parameter unsharded or
-    replicated; it is placed again, through the host, sharded on dim 0."""
+    """After a load: each record's sharded parameter holds the value registered in its place (assign=True put a new
+    tensor there), sharded on dim 0 on the unit's devices. An in-place copy from an XLA tensor without sharding (or a
+    replicated one: `set_state_dict` of a full state dict moves each value to the device whole), or DCP's in-place load
+    into the unpadded view `state_dict()` gave of a padded parameter, leaves the parameter unsharded or replicated; it
+    is placed again, through the host, sharded on dim 0."""
     import torch_xla
 
     state = state_of(unit)

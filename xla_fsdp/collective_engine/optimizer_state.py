@@ -1,39 +1,32 @@
 """Optimizer state dicts of the collective engine's parameters, and loads that keep the sharding.
 
-[Note: optimizer state of the single controller] The optimizer holds the single controller's
-padded global tensors ([Note: state dicts of the single controller]), so its state is padded on
-dim 0 too (AdamW's moments of a (10, 16) weight at 4 devices: (12, 16)). As `model.state_dict()`
-does, `optimizer.state_dict()` cuts the padding rows off: every state tensor shaped like its
-padded parameter becomes the parameter's real rows in the unwrapped shape, a row factor
-(Adafactor's `exp_avg_sq_row`) its real rows; the result loads into the unwrapped model's
-optimizer. `optimizer.load_state_dict()` pads such tensors again and places them sharded as
-their parameter; a padded state (one saved before) loads as it is. Other state is left as the
-optimizer keeps it, as checkpoints keep it: scalars, and tensors computed over the padded
-parameter as a whole (Adafactor's column factor, a mean over the rows padding included). For a
-0-dim parameter (one row padded to one per device) a 0-dim state tensor is the parameter's,
-except the counters named in SCALAR_STATE, which every shape of parameter has.
+[Note: optimizer state of the single controller] The optimizer holds the single controller's padded global tensors
+([Note: state dicts of the single controller]), so its state is padded on dim 0 too (AdamW's moments of a (10, 16)
+weight at 4 devices: (12, 16)). As `model.state_dict()` does, `optimizer.state_dict()` cuts the padding rows off: every
+state tensor shaped like its padded parameter becomes the parameter's real rows in the unwrapped shape, a row factor
+(Adafactor's `exp_avg_sq_row`) its real rows; the result loads into the unwrapped model's optimizer.
+`optimizer.load_state_dict()` pads such tensors again and places them sharded as their parameter; a padded state (one
+saved before) loads as it is. Other state is left as the optimizer keeps it, as checkpoints keep it: scalars, and
+tensors computed over the padded parameter as a whole (Adafactor's column factor, a mean over the rows padding
+included). For a 0-dim parameter (one row padded to one per device) a 0-dim state tensor is the parameter's, except the
+counters named in SCALAR_STATE, which every shape of parameter has.
 
-[Note: loaded optimizer state keeps the sharding] torch's `Optimizer.load_state_dict` moves
-every state tensor to its parameter's device (`value.to(param.device)`). For a `fully_shard`
-parameter that is `xla:0`, and what arrives is an XLA tensor without sharding: a replicated
-copy on every device, and a step that is no longer the one the model was compiled with. That
-happens on every resume through `set_state_dict` or a plain `optimizer.load_state_dict`. So
-such an optimizer gets a load post-hook that marks every state tensor shaped like its
-parameter (the global, possibly padded shape) with that parameter's sharding (padded state
+[Note: loaded optimizer state keeps the sharding] torch's `Optimizer.load_state_dict` moves every state tensor to its
+parameter's device (`value.to(param.device)`): for a `fully_shard` parameter `xla:0`, so on every resume (through
+`set_state_dict` or a plain `optimizer.load_state_dict`) an XLA tensor without sharding arrives, a replicated copy on
+every device and a step that is no longer the one compiled. So such an optimizer gets a load post-hook that marks every
+state tensor shaped like its parameter (the global, possibly padded shape) with that parameter's sharding (padded state
 arrives padded and placed by the pre-hook above, and is left alone).
 
-No hook reaches an optimizer at its construction, so one global optimizer-step pre-hook (the
-only one) attaches these hooks at the first step of an optimizer holding such a parameter
-(`set_state_dict` makes one step to create the state before it loads). A state loaded before
-that step (a resume) arrives unpadded or unsharded; torch_xla keeps such a freshly moved tensor
-on the host until it is first used, so the same hook places it before the step reads it: no
-device ever holds an unsharded copy. Our own checkpoints attach the hooks before they read or
-write (`prepare`), and read the padded tensors themselves (`held_state_dict`).
+No hook reaches an optimizer at its construction, so one global optimizer-step pre-hook attaches them at the first step
+of an optimizer holding such a parameter (`set_state_dict` makes one step to create the state before it loads). A state
+loaded before that step (a resume) arrives unpadded or unsharded; torch_xla keeps such a freshly moved tensor on the
+host until first used, so the same hook places it before the step reads it: no device holds an unsharded copy. Our own
+checkpoints attach the hooks before they read or write (`prepare`), and read the padded tensors (`held_state_dict`).
 
-`StateTensor`, the value both state dicts of a `fully_shard` model give, lives here (the lower of
-the two modules): on several hosts the state tensors shaped like their parameter are StateTensors
-too, so DCP writes and reads each host's rows of them ([Note: DCP across hosts] in
-xla_fsdp/fsdp/dcp.py); on one host optimizer state dicts are as before.
+`StateTensor`, the value both state dicts of a `fully_shard` model give, lives here (the lower of the two modules): on
+several hosts the state tensors shaped like their parameter are StateTensors too, so DCP writes and reads each host's
+rows of them ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py); on one host optimizer state dicts are as before.
 """
 from __future__ import annotations
 
@@ -137,8 +130,7 @@ class StateTensor(torch.Tensor):
 
 
 def install() -> None:
-    """The global optimizer-step pre-hook (once per process): a unit built over sharded
-    parameters installs it."""
+    """The global optimizer-step pre-hook (once per process): a unit built over sharded parameters installs it."""
     if not _STEP_HOOK:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -159,17 +151,12 @@ def _before_step(optimizer, args, kwargs) -> None:
 
 def _padded_params(optimizer) -> Dict[int, Tuple[torch.Tensor, object, object]]:
     """state_dict numbering -> (parameter, record, comm) for the optimizer's padded parameters."""
-    out, index, seen = {}, 0, set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            entry = _PADDED.get(p)
-            rec = entry[0]() if entry is not None else None
-            if rec is not None and rec.sharded is p:
-                out[index] = (p, rec, entry[1])
-            index += 1
+    out = {}
+    for index, p in _params(optimizer).items():
+        entry = _PADDED.get(p)
+        rec = entry[0]() if entry is not None else None
+        if rec is not None and rec.sharded is p:
+            out[index] = (p, rec, entry[1])
     return out
 
 
@@ -196,8 +183,8 @@ def prepare(optimizer) -> None:
 
 
 def shard_like_params(optimizer) -> None:
-    """Place each state tensor shaped like its (sharded) parameter but not sharded like it
-    (a CPU tensor, an XLA tensor without sharding or replicated) sharded like the parameter."""
+    """Place each state tensor shaped like its (sharded) parameter but not sharded like it (a CPU tensor, an XLA
+    tensor without sharding or replicated) sharded like the parameter."""
     import torch_xla
 
     for group in optimizer.param_groups:
@@ -233,8 +220,8 @@ def _held():
 
 
 def held_state_dict(optimizer) -> dict:
-    """`optimizer.state_dict()` as the optimizer holds it (the single controller's padded global
-    tensors): what checkpoints write, row by row."""
+    """`optimizer.state_dict()` as the optimizer holds it (the single controller's padded global tensors): what
+    checkpoints write, row by row."""
     prepare(optimizer)
     with _held():
         return optimizer.state_dict()
@@ -337,16 +324,10 @@ def _take_loaded_rows(optimizer, state_dict) -> Optional[dict]:
 
 
 def _saved_keys(optimizer, state_dict) -> Dict[object, int]:
-    """The loaded state's keys -> our numbering of the optimizer's parameters, paired as
-    torch's `load_state_dict` pairs them (group by group, in order): the keys are numbers in
-    `optimizer.state_dict()`, parameter names in torch.distributed.checkpoint's
-    `get_state_dict` / `set_state_dict`."""
-    out, index, seen = {}, {}, set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                index[id(p)] = len(seen)
-                seen.add(id(p))
+    """The loaded state's keys -> our numbering of the optimizer's parameters, paired as torch's `load_state_dict` pairs
+    them (group by group, in order): the keys are numbers in `optimizer.state_dict()`, parameter names in
+    torch.distributed.checkpoint's `get_state_dict` / `set_state_dict`."""
+    out, index = {}, {id(p): i for i, p in _params(optimizer).items()}
     for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", ())):
         for p, key in zip(group["params"], saved.get("params", ())):
             out.setdefault(key, index[id(p)])

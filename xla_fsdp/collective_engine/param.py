@@ -1,34 +1,22 @@
 """`FSDPParam`: the record of one sharded parameter.
 
-[Note: dim-0 sharding] A parameter of shape (d0, *rest) is viewed as d0 rows
-(a 0-d parameter as one row), padded with zero rows to `rows_per_rank * N`, and
-rank r keeps rows [r*rows_per_rank, (r+1)*rows_per_rank). Every rank holds the
-same shard shape, so one flat all-gather of the concatenated shards of a unit
-rebuilds every parameter. Padding rows carry zero gradients, so optimizers
-leave them at zero and norms are unaffected.
+[Note: dim-0 sharding] A parameter of shape (d0, *rest) is viewed as d0 rows (a 0-d parameter as one row), padded
+with zero rows to `rows_per_rank * N`, and rank r keeps rows [r*rows_per_rank, (r+1)*rows_per_rank). Every rank
+holds the same shard shape, so one flat all-gather of the concatenated shards of a unit rebuilds every parameter.
+Padding rows carry zero gradients, so optimizers leave them at zero and norms are unaffected.
 
 [Note: shards in whole tiles]
-A TPU lays a bf16 matrix out in tiles of 16 rows (8 sublanes, two rows
-packed in each) by 128 lanes. A shard whose row count is not a multiple of
-16 cannot be viewed as the flat [n, 128] buffer the collectives move without
-a relayout, and libtpu generates that relayout as one huge kernel: GPT-2's
-50,257-row embedding over 4 chips is 12,565 rows a chip, and in the 2-layer
-copy of the scanned 2B GPT-2 for v4-8 the two reshapes of its shard took
-2.85 s of register allocation each, the whole compile 78.4 s (rounded to
-12,568 rows, a multiple of 8 only: 73.5 s). So on XLA a matrix (2-D or more)
-whose rows per shard are not a multiple of 16 gets zero rows up to one, when
-that adds at most 1/32 of its rows: 12,576 rows a chip, the same compile
-48.7 s, the projected step unchanged (libtpu 0.0.21 deviceless, 2026-11-29,
-docs/scan.md). The bound keeps the bytes: padding also costs every
-collective the rows' bytes and, where the rows divided evenly, a copy of the
-gathered parameter to cut them off; with a 1/8 bound the blog's 64B on
-v4-256, whose 9,216-row weights are 72 rows a chip (80 with the padding),
-sent 7.5% more bytes and projected 16.581 s against 16.107. Only the stored
-shards grow; the gathered parameter, state dicts and checkpoints are the
-real rows. Per-rank files saved by `state_dict()` under one process per chip
-(torch_xla's flow) hold the shards as stored, so one written before this
-rule holds fewer rows of a padded table than the model now shards (loading
-one was not tried); `consolidate_sharded_model_checkpoints` reads either.
+A TPU lays a bf16 matrix out in tiles of 16 rows (8 sublanes, two rows packed in each) by 128 lanes. A shard whose
+row count is not a multiple of 16 cannot be viewed as the flat [n, 128] buffer the collectives move without a
+relayout, which libtpu generates as one huge kernel (GPT-2's 50,257-row embedding over 4 chips: 12,565 rows a chip,
+seconds of register allocation per reshape; docs/scan.md). So on XLA a matrix (2-D or more) whose rows per shard
+are not a multiple of 16 gets zero rows up to one, when that adds at most 1/32 of its rows. The bound keeps the
+bytes: padding also costs every collective the rows' bytes and, where the rows divided evenly, a copy of the
+gathered parameter to cut them off (with a 1/8 bound the 64B on v4-256 sent 7.5% more bytes and projected slower).
+Only the stored shards grow; the gathered parameter, state dicts and checkpoints are the real rows. Per-rank files
+saved by `state_dict()` under one process per chip (torch_xla's flow) hold the shards as stored, so one written
+before this rule holds fewer rows of a padded table than the model now shards (loading one was not tried);
+`consolidate_sharded_model_checkpoints` reads either.
 """
 from __future__ import annotations
 
@@ -83,9 +71,9 @@ class FSDPParam:
 
     @classmethod
     def stack_of(cls, per_layer: List["FSDPParam"], sites: List[ParamSite], data: torch.Tensor) -> "FSDPParam":
-        """The record of `per_layer` (one parameter of each scanned layer) stored as one stack
-        `data`: (d0, L, *rest), the layers on dim 1, sharded on dim 0 with each layer's own rows per
-        shard ([Note: the collectives engine's stored stacks] in stacked_units.py)."""
+        """The record of `per_layer` (one parameter of each scanned layer) stored as one stack `data`: (d0, L, *rest),
+        sharded on dim 0 with each layer's own rows per shard ([Note: the collectives engine's stored stacks] in
+        stacked_units.py)."""
         first = per_layer[0]
         rec = cls.__new__(cls)
         rec.sites, rec.requires_grad, rec.orig_dtype = sites, first.requires_grad, first.orig_dtype
@@ -119,15 +107,10 @@ class FSDPParam:
         return torch.cat([rows, rows.new_zeros(pad, *self.row_shape)]) if pad else rows
 
     def _local_rows(self, full: torch.Tensor, rank: int, device: torch.device) -> torch.Tensor:
-        """This rank's padded rows on `device`, in memory of their own.
-
-        One copy of the rows is made, never two: the full tensor is about to
-        be freed, so the shard must not be a view of it, but a move to another
-        device copies already, and a clone before it would put a second copy of
-        the shard (the whole parameter at world size 1) in host memory at the
-        peak. On XLA:CPU the clone is the copy and the move is free (see
-        [Note: XLA:CPU shards without a transfer]).
-        """
+        """This rank's padded rows on `device`, in memory of their own. One copy of the rows is made, never two:
+        the full tensor is about to be freed, so the shard must not be a view of it, but a move to another device
+        copies already, and a clone before it would put a second copy of the shard in host memory at the peak. On
+        XLA:CPU the clone is the copy and the move is free ([Note: XLA:CPU shards without a transfer])."""
         local = self.local_rows(full, rank)
         if local.is_meta:  # traced for the ahead-of-time check: a placeholder ([Note: abstract tracing])
             return abstract.to_device(local, device)
@@ -153,9 +136,8 @@ class FSDPParam:
                 self.sharded.copy_(shard.to(self.sharded.device))
 
     def materialize_on(self, comm) -> None:
-        """A meta shard (kept by `keep_meta`) -> uninitialized storage on the device, sharded as
-        usual; a new parameter object (no optimizer holds the meta one). Each device allocates
-        its own rows only: the empty tensor is created on the device, never on the host."""
+        """A meta shard (kept by `keep_meta`) -> uninitialized storage on the device, sharded as usual; a new
+        parameter object (no optimizer holds the meta one). Created on the device, never on the host."""
         if not self.sharded.is_meta:
             return
         if comm.is_single_controller:
@@ -172,11 +154,8 @@ class FSDPParam:
         self.register(self.sharded)
 
     def unpad(self, padded_rows: torch.Tensor) -> torch.Tensor:
-        """(padded_rows, *row_shape) -> the full parameter, its own base tensor.
-
-        The clone makes every full parameter a base of its own, so a saved view
-        of it points back to it (see [Note: freeing gathered parameters]).
-        """
+        """(padded_rows, *row_shape) -> the full parameter, a base tensor of its own (the clone), so a saved view of
+        it points back to it ([Note: freeing gathered parameters])."""
         return padded_rows[: self.rows].reshape(self.orig_shape).clone()
 
     def pad_grad(self, grad: torch.Tensor) -> torch.Tensor:
@@ -203,15 +182,11 @@ def _whole_tiles(rows_per_rank: int) -> int:
     return rows_per_rank + extra if extra * MAX_EXTRA <= rows_per_rank else rows_per_rank
 
 
-# [Note: XLA:CPU shards without a transfer] On XLA:CPU "device" memory is host
-# memory, and `.to(xla)` costs two copies: torch_xla stages a contiguous copy
-# of the source, then PJRT copies that into the device buffer asynchronously
-# and frees the staging copy later. While the full parameter is alive that is
-# three times the parameter (measured: GPT-2's 196 MiB embedding peaked at
-# +590 MiB, an extra embedding on top of the deferred model's peak at world
-# size 1). Handing PJRT a tensor we own alone through DLPack makes that tensor
-# the device buffer without any copy; nothing else may hold it, because XLA
-# may write updated parameters into a donated buffer in place.
+# [Note: XLA:CPU shards without a transfer] On XLA:CPU "device" memory is host memory, and `.to(xla)` costs two copies:
+# torch_xla stages a contiguous copy of the source, then PJRT copies that into the device buffer asynchronously and
+# frees the staging copy later; while the full parameter is alive that is three times the parameter (measured: GPT-2's
+# 196 MiB embedding peaked at +590 MiB). Handing PJRT a tensor we own alone through DLPack makes it the device buffer
+# without any copy; nothing else may hold it, because XLA may write updated parameters into a donated buffer in place.
 
 
 def _hands_over_host_memory(tensor: torch.Tensor, device: torch.device) -> bool:

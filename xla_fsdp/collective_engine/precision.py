@@ -2,19 +2,16 @@
 leaves weights and inputs in different precisions.
 
 [Note: every unit casts its own inputs]
-A unit with a compute dtype casts the floating tensors it is called with to that dtype, root
-or not, as torch_xla's XlaFullyShardedDataParallel (`forward`) and FSDP2's
-`cast_forward_inputs` do. Code written for torch_xla's FSDP nests bf16 units inside an fp32
-root (only the transformer blocks in bf16); their inputs then arrive in fp32 and must be cast
-where they enter the unit, or its bf16 weights meet fp32 activations. A cast of a tensor that
-already has the dtype is no operation, so units of one dtype record the same program as a
-cast at the root alone.
+A unit with a compute dtype casts the floating tensors it is called with to that dtype, root or not, as torch_xla's
+XlaFullyShardedDataParallel (`forward`) and FSDP2's `cast_forward_inputs` do. Code written for torch_xla's FSDP nests
+bf16 units inside an fp32 root (only the transformer blocks in bf16); their inputs then arrive in fp32 and must be cast
+where they enter the unit, or its bf16 weights meet fp32 activations. A cast of a tensor that already has the dtype is
+no operation, so units of one dtype record the same program as a cast at the root alone.
 
-The opposite nesting, a unit computing in fp32 (no compute dtype) inside one that computes in
-bf16, gets bf16 inputs and has fp32 weights: torch_xla records the mixed matmul, XLA:CPU
-refuses it at compile ("mixed precision is disallowed") and a TPU runs it in mixed precision.
-torch_xla's FSDP does the same, so it is kept, with a warning at wrap time that names the
-units and the fix.
+The opposite nesting, a unit computing in fp32 (no compute dtype) inside one that computes in bf16, gets bf16 inputs and
+has fp32 weights: torch_xla records the mixed matmul, XLA:CPU refuses it at compile ("mixed precision is disallowed")
+and a TPU runs it in mixed precision. torch_xla's FSDP does the same, so it is kept, with a warning at wrap time that
+names the units and the fix.
 """
 from __future__ import annotations
 
@@ -39,9 +36,7 @@ def cast_inputs(mixed_precision: MixedPrecision, args, kwargs):
     dtype = mixed_precision.compute_dtype
 
     def cast(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(dtype)
-        return x
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     return tree_map(cast, args), tree_map(cast, kwargs)
 

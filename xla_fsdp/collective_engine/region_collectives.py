@@ -15,27 +15,18 @@ from . import auto, ring, torus
 from .collectives import REDUCE_SUM, XlaCollectives, as_rows
 from .conversions import ToLocal, to_global, to_local
 
-# [Note: channel ids] Inside a manual-sharding region a collective runs
-# across the partitions of one SPMD program, which XLA expresses with a
-# channel id and global device ids (`use_global_device_ids`). Without them XLA
-# reads the groups as replica ids, and an SPMD program has one replica. The
-# channel id only marks the collective as cross-partition (one program,
-# nothing to pair up), so every collective carries the same one and the
-# traced graph stays identical from step to step.
+# [Note: channel ids] Inside a manual-sharding region a collective runs across the partitions of one SPMD program,
+# which XLA expresses with a channel id and global device ids (`use_global_device_ids`); without them XLA reads the
+# groups as replica ids, and an SPMD program has one replica. The channel id only marks the collective as
+# cross-partition (nothing to pair up), so every collective carries the same one and the graph stays identical.
 SPMD_CHANNEL_ID = 1
 
-# [Note: no pinning in one program] `pin_layout_in_collective_ops` exists so
-# that separately compiled per-process programs agree on the memory layout of
-# what they exchange. The single-controller runtime compiles ONE program for
-# every device, so there is nothing to agree on, and pinning does harm on a
-# TPU: libtpu refuses a module that mixes layout-constrained and
-# unconstrained all-reduces ("HloModule has a mix of layout constrained and
-# unconstrained AllReduce instructions"; a reduce-scatter counts, it becomes
-# an all-reduce), and torch_xla 2.9 has no pinned cross-partition all-reduce
-# while the SPMD partitioner adds unpinned ones of its own. Pinned collectives
-# are also never made asynchronous by the TPU compiler. So this runtime issues
-# every collective unpinned, whatever the option says (checked by compiling
-# the step for v4-8 and v5e-8 in tests/test_tpu_compile_matrix.py).
+# [Note: no pinning in one program] `pin_layout_in_collective_ops` makes separately compiled per-process programs
+# agree on the layout of what they exchange. The single controller compiles ONE program, so there is nothing to
+# agree on, and pinning harms on a TPU: libtpu refuses a module that mixes layout-constrained and unconstrained
+# all-reduces (a reduce-scatter counts), torch_xla 2.9 has no pinned cross-partition all-reduce while the SPMD
+# partitioner adds unpinned ones, and pinned collectives are never made asynchronous. So this runtime issues every
+# collective unpinned, whatever the option says (compiled for v4-8 and v5e-8 in tests/test_tpu_compile_matrix.py).
 
 
 def _torus_known() -> bool:
@@ -47,14 +38,10 @@ def _torus_known() -> bool:
 
 
 class SpmdCollectives(XlaCollectives):
-    """The same collectives between the devices of one process, inside manual-sharding regions,
-    unpinned ([Note: no pinning in one program]).
-
-    The single-controller runtime ([Note: single-controller runtime] in
-    manual_region.py). Groups are device ids; parameters are global tensors
-    and `local_view` gives a device's piece inside the region. Gradients
-    arrive pre-scaled by the region's output rules, so reduce-scatters sum.
-    """
+    """The same collectives between the devices of one process, inside manual-sharding regions, unpinned ([Note:
+    no pinning in one program]; [Note: single-controller runtime] in manual_region.py). Groups are device ids;
+    parameters are global tensors and `local_view` gives a device's piece inside the region. Gradients arrive
+    pre-scaled by the region's output rules, so reduce-scatters sum."""
 
     _channel = (SPMD_CHANNEL_ID, True)
 
@@ -205,6 +192,5 @@ class SpmdCollectives(XlaCollectives):
         groups, count = self._group(group)
         if count == 1:
             return tensor
-        # torch_xla 2.9 has no layout-pinned cross-partition all-reduce; pinning guards
-        # separately compiled programs, and here one program serves every device
+        # [Note: no pinning in one program]
         return self._xlac._xla_spmd_all_reduce(op, tensor, 1.0, groups)

@@ -1,41 +1,29 @@
 """An XLA While loop inside the single controller's manual region.
 
 [Note: a loop in the manual region]
-torch_xla's scan builds its While from tensors it makes itself (the trip
-counter, the stacked outputs) and from the data the body captured (scalars
-such as `0.5` or a norm's epsilon become device data, "hoisted" into loop
-operands). Inside the region the loop's carry is per-device (manual
-sharding), and the SPMD partitioner then marks the captured scalars manual
-inside the body too; with the operands outside left replicated it aborts the
-process (`Check failed: !IsManual()` in HandleTuple, measured on XLA:CPU with
-torch_xla 2.9). So this module builds the loop itself and marks every
-operand manual: what is replicated is the same on every device, so each
-device's piece is the whole tensor. A captured tensor split over the devices
-(a global tensor read with `to_local` inside the body) cannot be marked so
+torch_xla's scan builds its While from tensors it makes itself (the trip counter, the stacked outputs) and from
+the data the body captured (scalars such as `0.5` or a norm's epsilon become device data, hoisted into loop
+operands). Inside the region the loop's carry is per-device (manual sharding), and the SPMD partitioner then marks
+the captured scalars manual inside the body too; with the operands outside left replicated it aborts the process
+(`Check failed: !IsManual()` in HandleTuple, torch_xla 2.9). So this module builds the loop itself and marks every
+operand manual: what is replicated is the same on every device, so each device's piece is the whole tensor. A
+captured tensor split over the devices (a global tensor read with `to_local` inside the body) cannot be marked so
 and is refused; pass its local piece in the carry instead.
 
-The body is traced once, lazily, with placeholder inputs (any engine code may
-run in it, explicit collectives included); torch's RNG state must not be used
-in it (a scanned layer draws from keys, layer_scan/keyed_random.py).
+The body is traced once, lazily, with placeholder inputs (any engine code may run in it, explicit collectives
+included); torch's RNG state must not be used in it (a scanned layer draws from keys, layer_scan/keyed_random.py).
 
 [Note: the loop's output buffers]
-Each trip writes its outputs into one buffer of all trips, in place, and
-every slice is written before anything reads it, so what the buffer holds
-first never matters. On XLA:CPU it starts as zeros. For a TPU it is libtpu's
-`AllocateBuffer` custom call, memory that nothing writes first: zeros cost a
-write of the whole buffer every step (for the 2B GPT-2's v4 step 3.6 GB of
-saved layer inputs and 2 GB of stacked gradients per chip; libtpu's own
-estimate for the first is 15.8 M cycles). It is made from the loop's first
-carry, so that it is allocated when the loop starts: made from a constant,
-libtpu allocated it early and the 2B's peak HBM grew by 1.8 GB.
+Each trip writes its outputs into one buffer of all trips, in place, and every slice is written before anything
+reads it, so what the buffer holds first never matters. On XLA:CPU it starts as zeros. For a TPU it is libtpu's
+`AllocateBuffer` custom call, memory nothing writes first: zeros would cost a write of the whole buffer every step (GBs
+of saved layer inputs and stacked gradients per chip). It is made from the loop's first carry, so that it is allocated
+when the loop starts: made from a constant, libtpu allocated it early and the 2B's peak HBM grew by 1.8 GB.
 
 [Note: the loop's 32-bit indices]
-The trip counter and every index the loop computes are s32. A TPU has no
-64-bit integer unit: libtpu emulates each s64 scalar op with pairs of u32
-ops, and an s64 remainder (the shifted reads' (i + k) mod L) with a long
-division, about 140 scalar ops each. With s64 indices the 2B GPT-2's loop
-bodies each held about 1,700 such ops at their top level (libtpu's
-optimized program, 2026-12-01), compiled and scheduled with the body. The
+The trip counter and every index the loop computes are s32. A TPU has no 64-bit integer unit: libtpu emulates
+each s64 scalar op with pairs of u32 ops, and an s64 remainder (the shifted reads' (i + k) mod L) with a long
+division of about 140 scalar ops (with s64 indices the 2B GPT-2's loop bodies each held about 1,700 such ops). The
 shifted index is one add, one compare and one select instead.
 """
 from __future__ import annotations
@@ -48,10 +36,9 @@ Body = Callable[[List[torch.Tensor], List[torch.Tensor]], Tuple[List[torch.Tenso
 
 
 def _manual(t: torch.Tensor, mesh, data: bool = False) -> torch.Tensor:
-    """`t` as a loop operand inside the region: marked manual. Data made outside the region
-    (`data`: the trip counter, the output buffers, what the body captured) is replicated and
-    taken in through the region's entry, which XLA cannot simplify away (a marked `t * 1`
-    becomes `t` again, replicated)."""
+    """`t` as a loop operand inside the region: marked manual. Data made outside the region (`data`: the trip counter,
+    the output buffers, what the body captured) is replicated and taken in through the region's entry, which XLA cannot
+    simplify away (a marked `t * 1` becomes `t` again, replicated)."""
     import torch_xla
     import torch_xla.distributed.spmd as xs
 

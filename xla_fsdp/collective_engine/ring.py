@@ -1,58 +1,42 @@
 """The reduce-scatter and the all-gather as rings of neighbour exchanges ([Note: ring reduce-scatter]).
 
 [Note: ring reduce-scatter]
-libtpu 0.0.21 never runs a reduce-scatter asynchronously: whatever its flags, the gradient
-reduce-scatters (a third of the 2B step's collective bytes on v4-8) block the TensorCore. It
-does run collective-permutes asynchronously, with matmuls scheduled between start and done.
-A reduce-scatter over k devices is k-1 such permutes around a ring: the device at ring position
-p starts from its chunk p-1, and at each step passes what it holds to p+1 and adds its own copy
-of the chunk it received, so after k-1 steps it holds chunk p summed over the ring. Each device
-sends (k-1)/k of the buffer, the ideal ring bytes. On a torus slice one ring per axis, slowest
-axis first (torus.py's stages), leaves device (z, y, x) with chunk z*Y*X + y*X + x: the flat
-reduce-scatter's result.
+libtpu never runs a reduce-scatter asynchronously (the gradient reduce-scatters block the TensorCore), but it runs
+collective-permutes asynchronously, with matmuls between start and done. A reduce-scatter over k devices is k-1 such
+permutes around a ring: the device at ring position p starts from its chunk p-1, and at each step passes what it holds
+to p+1 and adds its own copy of the chunk it received, so after k-1 steps it holds chunk p summed over the ring; each
+device sends (k-1)/k of the buffer. On a torus, one ring per axis, slowest axis first (torus.py's stages), leaves device
+(z, y, x) with chunk z*Y*X + y*X + x: the flat reduce-scatter's result.
 
-torch_xla 2.9's `collective_permute` carries no channel id, so inside our one SPMD program its
-pairs would name replicas (libtpu aborts on such a module). The GSPMD partitioner, though,
-turns a rotation of a tensor sharded along a mesh axis (a concatenation of its last slice and
-the rest) into one collective-permute with a channel id over that axis. So each step leaves the
-manual region for the rotation and comes back: the custom calls at the border move no data.
-Chunk choices depend on the device's coordinate: each device reads its row of a small table of
-chunk orders as data ([Note: rank as data]), and each step takes its chunk by a one-index gather
-(a dynamic slice the compiler fuses into the add). One gather of all k chunks per ring, lining
-them up first, copied whole buffers, and libtpu split it into thousands of small gathers.
+torch_xla 2.9's `collective_permute` carries no channel id, so inside our one SPMD program its pairs would name replicas
+(libtpu aborts on such a module). The GSPMD partitioner, though, turns a rotation of a tensor sharded along a mesh axis
+(a concatenation of its last slice and the rest) into one collective-permute with a channel id over that axis. So each
+step leaves the manual region for the rotation and comes back (the custom calls at the border move no data). Chunk
+choices depend on the device's coordinate: each device reads its row of a small table of chunk orders as data ([Note:
+rank as data]), and each step takes its chunk by a one-index gather (a dynamic slice fused into the add); one gather of
+all k chunks per ring copied whole buffers, and libtpu split it into thousands of small gathers.
 
-The all-gather (`all_gather_impl="ring"`) is the same rings run backwards, fastest axis first:
-each step passes on what a device received last, and one-index gathers concatenate the received
-chunks in device order.
+The all-gather (`all_gather_impl="ring"`) is the same rings run backwards, fastest axis first: each step passes on
+what a device received last, and one-index gathers concatenate the received chunks in device order.
 
 [Note: rings within each slice]
-On a job of several slices (HSDP: one shard group per slice, [Note: HSDP across slices] in
-runtime/slices.py) the rings run within each slice, every slice's at once: the ring mesh gains
-an outer axis over the slices, along which nothing rotates, so each permute's pairs stay inside
-a slice (ICI) and each slice's devices read the same chunk orders.
+On a job of several slices (HSDP: one shard group per slice, [Note: HSDP across slices] in runtime/slices.py) the
+rings run within each slice, every slice's at once: the ring mesh gains an outer axis over the slices, along which
+nothing rotates, so each permute's pairs stay inside a slice (ICI) and each slice's devices read the same orders.
 
 [Note: a trip's slice, held]
-A scanned loop's trip gathers the next layer from its slice of the stored stacks, and the ring
-reads that slice twice: its first send, and this device's own rows of the gathered weight. libtpu
-may then compute the slice once for each reader: with the loop's indices in s32 ([Note: the
-loop's 32-bit indices] in region_loop.py) it did, for every weight of the 2B GPT-2's layer in
-both loops (4 GB more of HBM traffic a step, PROJECTED 6 ms on v4, 2026-12-01). So the trips
-(scan_loop.py) pass the slices through the engine's optimization barrier: written once, read by
-both.
+A scanned loop's trip gathers the next layer from its slice of the stored stacks, and the ring reads that slice twice:
+its first send, and this device's own rows of the gathered weight. libtpu may then compute the slice once per reader
+(with the loop's indices in s32, [Note: the loop's 32-bit indices] in region_loop.py, it did: 4 GB more HBM traffic a
+step for the 2B GPT-2). So the trips (scan_loop.py) pass the slices through the engine's optimization barrier.
 
 [Note: ring gathers in the shard's shape]
-A parameter gathered alone ([Note: gathering rows]) used to travel flat: its [rows, cols] shard
-copied into a 1-D buffer viewed as [n, 128], the gathered buffer copied back into [rows * N,
-cols]. On a TPU both are relayouts (a 2-D array's (8, 128) tiles hold 8 rows of 128 columns;
-the flat view's tiles hold 1024 consecutive elements), two copies of every gathered weight per
-gather, each a kernel libtpu compiles. When the shard is whole tiles (its last dim a multiple of
-128, its rows of 8 for 32-bit and 16 for 16-bit types) the ring now passes it in its own shape and
-concatenates the received shards along dim 0, where whole tiles line up: no copy. Compiled by
-libtpu 0.0.21 (deviceless, 2026-11-30) for the 2B GPT-2 on v4-8, kernel, 32 x 1024 per chip:
-the scanned step's libtpu compile 45.5 -> 40.7 s (host CPU 90 -> 82 s), PROJECTED 2.435 ->
-2.410 s; the unscanned step 104 -> 82 s (single runs), 2.426 -> 2.401 s, 19.05 -> 17.43 GiB; every
-collective byte still asynchronous. The reduce-scatter rings were tried the same way and kept
-flat: 2.447 s against 2.410 and no faster to compile.
+A parameter gathered alone ([Note: gathering rows]) traveling flat would be copied into a 1-D buffer viewed as [n, 128]
+and back into [rows * N, cols]: on a TPU both are relayouts (a 2-D array's (8, 128) tiles hold 8 rows of 128 columns,
+the flat view's 1024 consecutive elements), two copies of every gathered weight per gather. When the shard is whole
+tiles (its last dim a multiple of 128, its rows of 8 for 32-bit and 16 for 16-bit types) the ring passes it in its own
+shape and concatenates the received shards along dim 0, where whole tiles line up: no copy (measured: 2B GPT-2 on v4-8,
+19.05 -> 17.43 GiB). The reduce-scatter rings stay flat: in their shape they were slower and no faster to compile.
 """
 from __future__ import annotations
 
@@ -102,14 +86,12 @@ def gather_orders(shape: Sequence[int]) -> np.ndarray:
 
 
 class TorusRings:
-    """Reduce-scatters and all-gathers over every device of a slice of `shape` (x first; device
-    id x + X*(y + Y*z)), one ring per axis longer than 1.
-
-    Buffers travel as rows of LANES: a 1-D array whose length is a multiple of TILE is the same
-    bytes as its [rows, LANES] view on a TPU, while a 1-D array viewed as [k, m] or [1, 1, 1, m]
-    is copied into another tiling, and libtpu takes minutes to compile each such copy of a large
-    buffer. So each device's chunk is zero-padded to a multiple of TILE once, and every view the
-    ring takes after that only adds or splits leading dimensions."""
+    """Reduce-scatters and all-gathers over every device of a slice of `shape` (x first; device id x + X*(y + Y*z)), one
+    ring per axis longer than 1. Buffers travel as rows of LANES: a 1-D array whose length is a multiple of TILE is the
+    same bytes as its [rows, LANES] view on a TPU, while a 1-D array viewed as [k, m] or [1, 1, 1, m] is copied into
+    another tiling, and libtpu takes minutes to compile each such copy of a large buffer. So each device's chunk is
+    zero-padded to a multiple of TILE once, and every view the ring takes after that only adds or splits leading
+    dimensions."""
 
     def __init__(self, shape: Sequence[int], slices: int = 1):
         import torch_xla.distributed.spmd as xs
@@ -125,9 +107,8 @@ class TorusRings:
             self._axes, self._dims = AXES, (0, 1, 2)
             self.mesh = xs.Mesh(np.arange(self.devices), grid, AXES)
             return
-        # [Note: rings within each slice]: an outer mesh axis over the slices (consecutive blocks of
-        # device ids), along which nothing rotates; the torus axes of one device are left out, as
-        # torch_xla shards at most 5 dims
+        # [Note: rings within each slice]: an outer mesh axis over the slices (consecutive blocks of device ids), along
+        # which nothing rotates; the torus axes of one device are left out, as torch_xla shards at most 5 dims
         kept = [d for d in range(3) if grid[d] > 1]
         self._axes = (SLICE_AXIS,) + tuple(AXES[d] for d in kept)
         self._dims = tuple(kept.index(d) + 1 if d in kept else -1 for d in range(3))
@@ -201,18 +182,16 @@ class TorusRings:
 
 
 # [Note: which ring a permute belongs to]
-# Both rings move data with the same rotation, which the partitioner turns into one
-# collective-permute per step. torch_xla writes the Python line that issued each op into the
-# program's metadata (XLA_HLO_DEBUG=1, as the check traces), so each ring issues its rotation
-# from a function of its own, and the check (xla_fsdp/tpu/hlo_source.py's RING_STEPS, which
-# names these two) tells a gradient's permute from a parameter's.
+# Both rings move data with the same rotation, which the partitioner turns into one collective-permute per step.
+# torch_xla writes the Python line that issued each op into the program's metadata (XLA_HLO_DEBUG=1, as the check
+# traces), so each ring issues its rotation from a function of its own, and the check (xla_fsdp/tpu/hlo_source.py's
+# RING_STEPS, which names these two) tells a gradient's permute from a parameter's.
 def _summing_step(parts, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
 def _gathering_step(parts, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim)
-
 
 
 def _pick(chunks: torch.Tensor, order: torch.Tensor, at: int) -> torch.Tensor:
@@ -222,9 +201,8 @@ def _pick(chunks: torch.Tensor, order: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def whole_tiles(shape: Sequence[int], itemsize: int) -> bool:
-    """Whether a shard of rows of `shape` is whole (8, LANES) tiles of 32-bit words (16 rows of
-    bf16): then a ring can gather it in its own shape ([Note: ring gathers in the shard's
-    shape])."""
+    """Whether a shard of rows of `shape` is whole (8, LANES) tiles of 32-bit words (16 rows of bf16): then a ring can
+    gather it in its own shape ([Note: ring gathers in the shard's shape])."""
     return len(shape) >= 2 and shape[-1] % LANES == 0 and shape[-2] % (8 * max(1, 4 // itemsize)) == 0
 
 

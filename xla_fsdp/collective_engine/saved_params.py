@@ -1,16 +1,13 @@
 """Full parameters saved for backward, replaced by tokens while a unit that reshards runs.
 
-[Note: freeing gathered parameters] Autograd normally keeps every tensor an op
-saves for backward, which would keep each unit's full parameters alive from
-forward to backward. While a unit that reshards runs its forward, a
-saved-tensor hook replaces any saved full parameter (or a view of one) by a
-small token. In backward a hook on the unit's outputs gathers the parameters
-again (behind an optimization barrier tied to the incoming gradient, so XLA
-can neither merge this gather with the forward one nor hoist it), and the
-token unpacks to the fresh copy (re-applying the view). The reduce-scatter of
-the unit's gradients runs in the backward of `_GatherParams`, after which the
-copy is dropped. On CPU the forward copy's storage is released at once, so a
-saved tensor that escaped the hook fails loudly instead of silently costing memory.
+[Note: freeing gathered parameters] Autograd normally keeps every tensor an op saves for backward, which would keep each
+unit's full parameters alive from forward to backward. While a unit that reshards runs its forward, a saved-tensor hook
+replaces any saved full parameter (or a view of one) by a small token. In backward a hook on the unit's outputs gathers
+the parameters again (behind an optimization barrier tied to the incoming gradient, so XLA can neither merge this gather
+with the forward one nor hoist it), and the token unpacks to the fresh copy (re-applying the view). The reduce-scatter
+of the unit's gradients runs in the backward of `_GatherParams`, after which the copy is dropped. On CPU the forward
+copy's storage is released at once, so a saved tensor that escaped the hook fails loudly instead of silently costing
+memory.
 """
 from __future__ import annotations
 

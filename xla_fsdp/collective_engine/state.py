@@ -1,44 +1,29 @@
 """`FSDPState`: what a unit does around its module's forward and backward.
 
-[Note: prefetch] XLA overlaps a collective with compute only when neither
-depends on the other. A unit's gather is tied (optimization barrier) to its
-own input, which is the previous unit's output, so without prefetch nothing
-can run beside it. The root records the order its units ran in; next step,
-unit k starts unit k+1's gather tied to *its own* input (forward_prefetch),
-so it runs during unit k's compute, and no earlier: at most two units' full
-parameters are alive. In backward, unit k's incoming gradient also starts the
-re-gather of the unit whose backward comes next (BACKWARD_PRE), or unit k's
-reduced gradients do (BACKWARD_POST: less overlap, less memory). Early gathers
-are plain tensors and are wired into autograd by the unit that uses them: a
-checkpointed unit's first forward runs without autograd and still prefetches,
-and its recomputation in backward takes the re-gather started for it instead
-of gathering again. Measured on the traced program (bench/overlap.py,
-tests/test_overlap.py).
+[Note: prefetch] XLA overlaps a collective with compute only when neither depends on the other. A unit's gather is tied
+(optimization barrier) to its own input, which is the previous unit's output, so without prefetch nothing can run beside
+it. The root records the order its units ran in; next step, unit k starts unit k+1's gather tied to *its own* input
+(forward_prefetch), so it runs during unit k's compute, and no earlier: at most two units' full parameters are alive. In
+backward, unit k's incoming gradient also starts the re-gather of the unit whose backward comes next (BACKWARD_PRE), or
+unit k's reduced gradients do (BACKWARD_POST: less overlap, less memory). Early gathers are plain tensors wired into
+autograd by the unit that uses them: a checkpointed unit's first forward runs without autograd and still prefetches, and
+its recomputation takes the re-gather started for it (checked on the traced program: tests/test_overlap.py).
 
-[Note: the first gather of a step] A unit whose own gather was not started
-early (the root, every step) would issue two gathers tied to the same input:
-its own and the one it prefetches. For the root neither has a matmul before
-it, so both could be hoisted to the start of the program, and the first has
-no work beside it. When both units gather as one flat bucket
-(`flatten_parameters=True`), one collective serves both (`gather_together`):
-one launch less and one exposed gather instead of two, for no extra copy.
-With the default buckets each large parameter is gathered in place, and
-joining them would copy both units' parameters out of a flat buffer every
-step (measured: 6% step time on XLA:CPU), so they gather separately, as do
-units whose collectives differ (groups, device, compute dtype). If the root
-computed much before its first child (in decoders it only looks up
-embeddings), the joined gather could not overlap that.
+[Note: the first gather of a step] A unit whose own gather was not started early (the root, every step) would issue two
+gathers tied to the same input: its own and the one it prefetches. For the root neither has a matmul before it, so both
+could be hoisted to the start of the program, and the first has no work beside it. When both units gather as one flat
+bucket (`flatten_parameters=True`), one collective serves both (`gather_together`): one launch less and one exposed
+gather instead of two, for no extra copy. With the default buckets each large parameter is gathered in place, and
+joining them would copy both units' parameters out of a flat buffer every step (measured: 6% step time on XLA:CPU), so
+they gather separately, as do units whose collectives differ (groups, device, compute dtype). If the root computed much
+before its first child (in decoders it only looks up embeddings), the joined gather could not overlap that.
 
-[Note: a unit of several modules] FSDP2's `fully_shard([a, b])` makes one
-unit of several modules: one group, gathered by one collective. The first
-of them to run its forward gathers the group and leaves it registered; the
-others compute with it; after the last of them the unit frees it (or keeps
-it for backward) as a one-module unit does after its forward. If a pass ends
-before all of them ran (the root's forward returns), the root frees it
-then. The backward is a one-module unit's: the first incoming gradient of
-any of their outputs gathers again, and the reduce-scatter runs once every
-gradient of the group has arrived. A recomputation (activation
-checkpointing) re-runs each module's forward on its own.
+[Note: a unit of several modules] FSDP2's `fully_shard([a, b])` makes one unit of several modules: one group, gathered
+by one collective. The first of them to run its forward gathers the group and leaves it registered; the others compute
+with it; after the last of them the unit frees it (or keeps it for backward) as a one-module unit does after its
+forward. If a pass ends before all of them ran (the root's forward returns), the root frees it then. The backward is a
+one-module unit's: the first incoming gradient of any of their outputs gathers again, and the reduce-scatter runs once
+every gradient of the group has arrived. A recomputation (activation checkpointing) re-runs each module's forward.
 """
 from __future__ import annotations
 
@@ -58,6 +43,7 @@ from .param_group import FSDPParamGroup, gather_together
 from .precision import cast_inputs
 from ..class_swap import original_class
 from ..unit_state import state_of, units
+
 
 class _Span:
     """A unit of several modules between its first module's forward and its last's: the gathered
@@ -147,9 +133,8 @@ class FSDPState:
 
     def forward(self, run: Callable, args: Tuple, kwargs: Dict, module: Optional[torch.nn.Module] = None) -> Any:
         if self.unsharded is not None and self.unshard_feeds_forward:
-            # FSDP2: the forward's own gather (wired into autograd) replaces them; with or without
-            # autograd, since a unit computing outside the engine would leave the units below it
-            # outside the single controller's region
+            # FSDP2: the forward's own gather (wired into autograd) replaces them; with or without autograd, since a
+            # unit computing outside the engine would leave the units below it outside the single controller's region
             self.reshard()
         if self.unsharded is not None:
             if torch.is_grad_enabled() and any(p.requires_grad for p in self.group.params):

@@ -1,38 +1,28 @@
 """The reduce-scatter split by the TPU slice's torus axes ([Note: one reduce-scatter per torus axis]).
 
 [Note: one reduce-scatter per torus axis]
-On v4 slices libtpu 0.0.21 compiles many of our reduce-scatters over the whole slice as an
-all-reduce of the whole buffer (its all-reduce emitter) plus a slice: twice the bytes. On slices
-whose chips span three ICI axes (v4-32 and larger) every one; on v4-8 (2x2) 58 of the 97 of the
-2B step, by what surrounds them (alone, the same buffer stays a reduce-scatter). A
-reduce-scatter whose group lies along ONE axis stays a reduce-scatter (libtpu's reduce-scatter
-emitter; tests/test_tpu_large_slice.py). So on these slices the single controller reduces in
-stages, one per axis, slowest-varying first: on a 2x2x4 slice (device id = x + 2y + 4z) a
-reduce-scatter over the 4 chips of each z-line leaves each chip a quarter of the buffer; one
-over each y-pair halves that; one over each x-pair halves it again. Rank r = (z, y, x) ends
-with chunk z*4 + y*2 + x = r summed over all 16 chips: the flat reduce-scatter's result. Bytes
-each chip sends: 3/4 + 1/8 + 1/16 = 15/16 of the buffer, the ring reduce-scatter's (N-1)/N.
+On v4 slices libtpu compiles many of our reduce-scatters over the whole slice as an all-reduce of the whole buffer plus
+a slice: twice the bytes (every one on slices spanning three ICI axes; many on v4-8). A reduce-scatter whose group lies
+along ONE axis stays a reduce-scatter (tests/test_tpu_large_slice.py). So on these slices the single controller reduces
+in stages, one per axis, slowest-varying first: on a 2x2x4 slice (device id = x + 2y + 4z) a reduce-scatter over each
+z-line of 4 chips leaves each chip a quarter of the buffer, one over each y-pair halves that, one over each x-pair
+halves it again. Rank r = (z, y, x) ends with chunk z*4 + y*2 + x = r summed over all 16 chips, the flat
+reduce-scatter's result, and each chip sends 3/4 + 1/8 + 1/16 = 15/16 of the buffer, the ring's (N-1)/N.
 
-Applied by `reduce_scatter_stages="axes"` (and by "auto" where rings do not apply: [Note: rings
-by default on a TPU] in auto.py) only where it is known to be right and to pay: the single
-controller, one shard group that is every device of the slice in device-id order, a slice
-spanning at least two ICI axes. `reduce_scatter_stages="flat"` turns it off.
+Applied by `reduce_scatter_stages="axes"` (and by "auto" where rings do not apply: [Note: rings by default on a TPU] in
+auto.py) only where it is known to be right and to pay: the single controller, one shard group of every device of the
+slice in device-id order, a slice spanning at least two ICI axes. "flat" turns it off.
 
 [Note: staged on 2-D slices]
-On 2-D slices (v5e, v6e) too. v6e-8 keeps its flat 2-D reduce-scatters ([Note: 2-D
-reduce-scatter] in collectives.py; the default rings them there in any case), but on v6e-256
-(16 x 16) libtpu 0.0.21 compiles every flat one over the 256 chips as an all-reduce plus a
-slice, synchronous: Llama 3 8B at 4 x 8192 per chip, 2-layer copy, 25 of its
-33 synchronous collectives (2.97 GB). Staged, one reduce-scatter over each 16-chip line, they
-stay reduce-scatters: PROJECTED step 0.3676 s against 0.3814 (-3.6%), libtpu compile 52 s
-against 78 s (deviceless, 2026-11-29; the 32-layer program in docs/performance.md). The
-reduce-scatter rings of 3-D pods ([Note: reduce-scatter rings on pods] in auto.py) stay off
-2-D slices: there they were measured slower to compile (195 s for the 2-layer copy) for less.
-v5e/v6e slices of 16 to 128 chips were not compiled staged.
+On 2-D slices (v5e, v6e) too. v6e-8 keeps its flat 2-D reduce-scatters ([Note: 2-D reduce-scatter] in collectives.py;
+the default rings them there anyway), but on v6e-256 (16 x 16) libtpu compiles every flat one as a synchronous
+all-reduce plus a slice; staged, one per 16-chip line, they stay reduce-scatters (measured: a 2-layer Llama 3 8B copy
+3.6% shorter and faster to compile; the 32-layer program in docs/performance.md). The reduce-scatter rings of 3-D pods
+([Note: reduce-scatter rings on pods] in auto.py) stay off 2-D slices, where they compiled slower for less. v5e/v6e
+slices of 16 to 128 chips were not compiled staged.
 
-The slice's shape comes from the torus variable (`environment.TORUS`: "2x2x4", x first; two numbers, "16x16", for a
-2-D slice: the ahead-of-time check sets it for the slice it compiles for) or, on a TPU, from
-the runtime's device coordinates.
+The slice's shape comes from the torus variable (`environment.TORUS`: "2x2x4", x first; "16x16" for a 2-D slice; the
+ahead-of-time check sets it) or, on a TPU, from the runtime's device coordinates.
 """
 from __future__ import annotations
 
@@ -104,11 +94,9 @@ def slice_shape() -> Optional[Tuple[int, ...]]:
 
 
 def each_slice(one: List[Stage], slices: int, per_slice: int) -> List[Stage]:
-    """The stages of one slice (device ids 0 to per_slice - 1) run in every slice of a multislice
-    job at once: each stage's groups repeated with each slice's first device id added ([Note: HSDP
-    across slices]). Without them HSDP reduce-scattered each slice's gradients flat, which libtpu
-    kept synchronous: the 64B on 2 x v4-256 had 0.67 of its ICI bytes asynchronous against one
-    slice's 0.97 (PROJECTED, docs/pods.md)."""
+    """The stages of one slice (device ids 0 to per_slice - 1) run in every slice of a multislice job at once: each
+    stage's groups repeated with each slice's first device id added ([Note: HSDP across slices]). Flat, libtpu kept
+    them synchronous (64B on 2 x v4-256: 0.67 of the ICI bytes asynchronous against 0.97; docs/pods.md)."""
     return [([[d + s * per_slice for d in g] for s in range(slices) for g in groups], count)
             for groups, count in one]
 

@@ -1,16 +1,10 @@
 """Hugging Face `fsdp_config` JSON -> validated `FSDPConfig` -> engine keywords.
 
-Users bring the JSON they pass to the Hugging Face Trainer as
-`--fsdp_config fsdp_config.json` (see docs/DESIGN.md and the recipe notes).
-This module owns reading it, rejecting what would otherwise be silently
-ignored (misspelt keys, keys only the torch-FSDP path reads, contradictory
-combinations), and turning it into keyword arguments for
-`xla_fsdp.XlaFullyShardedDataParallel`. The keys and the checks on single
-values are in `schema.py`.
-
-The engine modules are imported lazily inside the functions that need them so
-that loading and validating a config never pulls in torch_xla or the engine.
-"""
+Users bring the JSON they pass to the Hugging Face Trainer as `--fsdp_config fsdp_config.json`. This module reads it,
+rejects what would otherwise be silently ignored (misspelt keys, keys only the torch-FSDP path reads, contradictory
+combinations), and turns it into keyword arguments for `xla_fsdp.XlaFullyShardedDataParallel`. The keys and the
+checks on single values are in `schema.py`. Engine modules are imported lazily, so loading a config never pulls in
+torch_xla."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +25,7 @@ from .schema import (_TOP_LEVEL_ALIASES, _TOP_LEVEL_KEYS, _TORCH_FSDP_ONLY_KEYS,
 def checkpointed_wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
     """`auto_wrapper_callable` for `xla_fsdp_grad_ckpt`: checkpoint the layer, then shard it.
 
-    A module-level function rather than a lambda so that engine options
-    holding it stay picklable and print by name.
-    """
+    A module-level function rather than a lambda so that engine options holding it stay picklable and print by name."""
     # lazy: the engine is not needed to load a config
     from xla_fsdp.activation_checkpoint import checkpoint_module
     from xla_fsdp.api import XlaFullyShardedDataParallel
@@ -45,10 +37,8 @@ def checkpointed_wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> 
 class FSDPConfig:
     """A validated Hugging Face `fsdp_config` for XLA FSDP.
 
-    Build it with `load_fsdp_config(path_or_dict)`; direct construction is
-    validated the same way (lists and dicts are normalized to tuples and
-    `XlaFSDPSettings`).
-    """
+    Build it with `load_fsdp_config(path_or_dict)`; direct construction is validated the same way (lists and dicts are
+    normalized to tuples and `XlaFSDPSettings`)."""
 
     xla: bool = False
     """HF key `xla`: use XLA FSDP. False is Hugging Face's torch-FSDP path, which this library does not run."""
@@ -94,9 +84,7 @@ class FSDPConfig:
                 f"xla_fsdp_settings must be a dict of engine keyword arguments, got "
                 f"{_type_name(self.xla_fsdp_settings)} {self.xla_fsdp_settings!r}"
             )
-        object.__setattr__(
-            self, "transformer_layer_cls_to_wrap", _layer_names(self.transformer_layer_cls_to_wrap)
-        )
+        object.__setattr__(self, "transformer_layer_cls_to_wrap", _layer_names(self.transformer_layer_cls_to_wrap))
         self._check_combinations()
 
     def _check_combinations(self) -> None:
@@ -158,8 +146,7 @@ class FSDPConfig:
                 f"{prefetch[0]} has no effect with xla_fsdp_v2 (the SPMD partitioner places the "
                 f"gathers itself); remove it or set xla_fsdp_v2 to false")
         if prefetch and not self.xla:
-            raise FSDPConfigError(f"{prefetch[0]} is given but xla is false, so it would be ignored; "
-                                  "set \"xla\": true")
+            raise FSDPConfigError(f"{prefetch[0]} is given but xla is false, so it would be ignored; set \"xla\": true")
         if self.xla_fsdp_settings.given() and not self.xla:
             raise FSDPConfigError(
                 "xla_fsdp_settings is given but xla is false, so it would be ignored; "
@@ -184,8 +171,8 @@ class FSDPConfig:
         from xla_fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
         if self.transformer_layer_cls_to_wrap:
-            # Names, not classes: the policy matches by class name, so the
-            # config does not need the model's module to be imported.
+            # Names, not classes: the policy matches by class name, so the config does not need the model's module to be
+            # imported.
             return functools.partial(
                 transformer_auto_wrap_policy,
                 transformer_layer_cls=set(self.transformer_layer_cls_to_wrap),
@@ -195,12 +182,9 @@ class FSDPConfig:
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `xla_fsdp.XlaFullyShardedDataParallel(module, **kwargs)`.
 
-        The settings (dtype names -> torch dtypes), `auto_wrap_policy` when a
-        policy is configured, and for `xla_fsdp_grad_ckpt` either
-        `auto_wrapper_callable=checkpointed_wrapper` (collectives engine) or
-        `activation_checkpointing=True` together with `engine="spmd"`
-        (`xla_fsdp_v2`).
-        """
+        The settings (dtype names -> torch dtypes), `auto_wrap_policy` when a policy is configured, and for
+        `xla_fsdp_grad_ckpt` either `auto_wrapper_callable=checkpointed_wrapper` (collectives engine) or
+        `activation_checkpointing=True` together with `engine="spmd"` (`xla_fsdp_v2`)."""
         if not self.xla:
             raise FSDPConfigError(
                 "this fsdp_config has xla: false, which selects Hugging Face's torch FSDP; "
@@ -213,10 +197,9 @@ class FSDPConfig:
         if self.xla_fsdp_v2:
             kwargs["engine"] = "spmd"
             if self.xla_fsdp_grad_ckpt:
-                # Under SPMD a unit is not an XlaFullyShardedDataParallel
-                # instance, so checkpointed_wrapper (which builds one) would be
-                # wrong; the SPMD engine checkpoints its units itself, keeping
-                # the compute-dtype casts inside the recomputation.
+                # Under SPMD a unit is not an XlaFullyShardedDataParallel instance, so checkpointed_wrapper (which
+                # builds one) would be wrong; the SPMD engine checkpoints its units itself, keeping the compute-dtype
+                # casts inside the recomputation.
                 kwargs["activation_checkpointing"] = True
             if self.scan_layers:
                 kwargs["scan_layers"] = self.scan_layers
@@ -234,9 +217,8 @@ class FSDPConfig:
     def check_model(self, model: torch.nn.Module) -> None:
         """Fail early if a layer class named in the config does not occur in `model`.
 
-        Otherwise the policy would wrap nothing and the whole model would be
-        one unit: it runs, but gathers every parameter at once.
-        """
+        Otherwise the policy would wrap nothing and the whole model would be one unit: it runs, but gathers every
+        parameter at once."""
         # Base-class names count too: the wrap policy matches along the MRO.
         present = sorted({cls.__name__ for m in model.modules() for cls in type(m).__mro__})
         for name in self.transformer_layer_cls_to_wrap:
@@ -307,9 +289,7 @@ def _canonical_top_level(raw: Mapping) -> dict[str, Any]:
         if bare in _TORCH_FSDP_ONLY_KEYS:
             raise FSDPConfigError(f"fsdp_config key {key!r} is not used by XLA FSDP: {_TORCH_FSDP_ONLY_KEYS[bare]}")
         if key in ENGINE_KEYWORDS:
-            raise FSDPConfigError(
-                f"fsdp_config key {key!r} is an engine option; move it into xla_fsdp_settings"
-            )
+            raise FSDPConfigError(f"fsdp_config key {key!r} is an engine option; move it into xla_fsdp_settings")
         raise FSDPConfigError(f"unknown key {key!r} in fsdp_config; {_suggest(key, list(valid))}")
     return out
 
@@ -317,9 +297,8 @@ def _canonical_top_level(raw: Mapping) -> dict[str, Any]:
 def load_fsdp_config(source: Union[str, os.PathLike, Mapping, FSDPConfig]) -> FSDPConfig:
     """Read a Hugging Face `fsdp_config` (JSON path or already-loaded dict) and validate it.
 
-    Raises `FSDPConfigError` (a ValueError) naming the offending key and the
-    fix; for a path, the message starts with the path.
-    """
+    Raises `FSDPConfigError` (a ValueError) naming the offending key and the fix; for a path, the message starts with
+    the path."""
     if isinstance(source, FSDPConfig):
         return source
     origin = "fsdp_config"
@@ -331,15 +310,11 @@ def load_fsdp_config(source: Union[str, os.PathLike, Mapping, FSDPConfig]) -> FS
         except FileNotFoundError:
             raise FileNotFoundError(f"fsdp_config file not found: {origin}") from None
         except json.JSONDecodeError as e:
-            raise FSDPConfigError(
-                f"{origin}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}"
-            ) from None
+            raise FSDPConfigError(f"{origin}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
     elif isinstance(source, Mapping):
         raw = source
     else:
-        raise TypeError(
-            f"load_fsdp_config takes a JSON path or a dict, got {type(source).__name__}"
-        )
+        raise TypeError(f"load_fsdp_config takes a JSON path or a dict, got {type(source).__name__}")
     if not isinstance(raw, Mapping):
         raise FSDPConfigError(f"{origin}: the top level must be a JSON object, got {_type_name(raw)}")
     try:

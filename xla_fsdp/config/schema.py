@@ -1,11 +1,8 @@
 """The `fsdp_config` key schema: which keys exist and the checks on their values.
 
-Owns the key lists (engine keywords, top-level keys and their aliases, keys
-only the torch-FSDP path reads), the dtype tables, `FSDPConfigError`, the
-small validators every check uses, and `XlaFSDPSettings` (the
-`xla_fsdp_settings` dict). Reading a file and checking keys against each
-other is `fsdp_config.py`. Imports nothing from the engines.
-"""
+Owns the key lists (engine keywords, top-level keys and their aliases, keys only the torch-FSDP path reads), the dtype
+tables, `FSDPConfigError`, the small validators every check uses, and `XlaFSDPSettings` (the `xla_fsdp_settings` dict).
+Reading a file and checking keys against each other is `fsdp_config.py`. Imports nothing from the engines."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,18 +14,17 @@ import torch
 
 from xla_fsdp.keywords import table as keyword_table
 
-# The keyword arguments of `xla_fsdp.XlaFullyShardedDataParallel` that a JSON file can express:
-# `xla_fsdp_settings` accepts exactly these. Both lists come from the front door's one keyword table
-# (xla_fsdp/keywords/table.py, which imports nothing, so config reads it at load).
+# The keyword arguments of `xla_fsdp.XlaFullyShardedDataParallel` that a JSON file can express: `xla_fsdp_settings`
+# accepts exactly these. Both lists come from the front door's one keyword table (xla_fsdp/keywords/table.py, which
+# imports nothing, so config reads it at load).
 ENGINE_KEYWORDS: tuple[str, ...] = keyword_table.JSON
 
-# The settings the SPMD engine (`xla_fsdp_v2`) acts on. The others schedule explicit collectives,
-# which under SPMD the XLA partitioner inserts itself, so giving them with xla_fsdp_v2 would be
-# silently ignored: they are refused.
+# The settings the SPMD engine (`xla_fsdp_v2`) acts on. The others schedule explicit collectives, which under SPMD the
+# XLA partitioner inserts itself, so giving them with xla_fsdp_v2 would be silently ignored: they are refused.
 SPMD_ENGINE_KEYWORDS: tuple[str, ...] = keyword_table.JSON_GSPMD
 
-# Engine keywords that take Python callables, which JSON cannot carry. Naming
-# the JSON key that replaces each is kinder than "unknown key".
+# Engine keywords that take Python callables, which JSON cannot carry. Naming the JSON key that replaces each is kinder
+# than "unknown key".
 _CALLABLE_KEYWORDS: dict[str, str] = {
     "auto_wrap_policy": (
         "use the top-level key fsdp_transformer_layer_cls_to_wrap (a list of "
@@ -44,8 +40,8 @@ _CALLABLE_KEYWORDS: dict[str, str] = {
     ),
 }
 
-# torch_xla constructor keywords that this engine does not take; users copying
-# settings from torch_xla examples deserve a precise reason.
+# torch_xla constructor keywords that this engine does not take; users copying settings from torch_xla examples deserve
+# a precise reason.
 _TORCH_XLA_ONLY_KEYWORDS: dict[str, str] = {
     "coalesce_all_gather_ops": (
         "is a torch_xla keyword that xla_fsdp does not take; remove it "
@@ -54,11 +50,7 @@ _TORCH_XLA_ONLY_KEYWORDS: dict[str, str] = {
 }
 
 # Canonical dtype names and the spellings accepted for each.
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,}
 _DTYPE_ALIASES: dict[str, str] = {
     "float32": "float32", "fp32": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -66,8 +58,8 @@ _DTYPE_ALIASES: dict[str, str] = {
 }
 _SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
-# Top-level keys. Newer Hugging Face versions strip the "fsdp_" prefix before
-# reading the dict, so both spellings reach us in the wild.
+# Top-level keys. Newer Hugging Face versions strip the "fsdp_" prefix before reading the dict, so both spellings reach
+# us in the wild.
 _TOP_LEVEL_KEYS = (
     "xla",
     "xla_fsdp_settings",
@@ -85,12 +77,12 @@ _TOP_LEVEL_ALIASES: dict[str, str] = {
     "forward_prefetch": "fsdp_forward_prefetch",
     "backward_prefetch": "fsdp_backward_prefetch",
 }
-# Hugging Face's (and accelerate's) spellings of `backward_prefetch`, case-insensitive;
-# NO_PREFETCH is the engine's None.
+# Hugging Face's (and accelerate's) spellings of `backward_prefetch`, case-insensitive; NO_PREFETCH is the engine's
+# None.
 BACKWARD_PREFETCH_CHOICES = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 
-# Keys that only Hugging Face's torch-FSDP path (xla false) reads. Accepting
-# them would let a user believe they had an effect on XLA FSDP.
+# Keys that only Hugging Face's torch-FSDP path (xla false) reads. Accepting them would let a user believe they had an
+# effect on XLA FSDP.
 _TORCH_FSDP_ONLY_HINT = (
     "it is read only by Hugging Face's torch FSDP path, which XLA FSDP does "
     "not use; remove it (engine options go in xla_fsdp_settings)"
@@ -126,9 +118,7 @@ def _type_name(value: Any) -> str:
 def _check_bool(key: str, value: Any) -> None:
     # bool is checked by exact type: JSON 0/1 or "true" would be ambiguous.
     if type(value) is not bool:
-        raise FSDPConfigError(
-            f"{key} must be a bool (true/false), got {_type_name(value)} {value!r}"
-        )
+        raise FSDPConfigError(f"{key} must be a bool (true/false), got {_type_name(value)} {value!r}")
 
 
 def _check_int(key: str, value: Any, minimum: int) -> None:
@@ -147,18 +137,13 @@ def _canonical_dtype(key: str, value: Any) -> str:
         )
     name = _DTYPE_ALIASES.get(value.lower())
     if name is None:
-        raise FSDPConfigError(
-            f"{key}: unknown dtype {value!r}; valid: " + ", ".join(_DTYPE_ALIASES)
-        )
+        raise FSDPConfigError(f"{key}: unknown dtype {value!r}; valid: " + ", ".join(_DTYPE_ALIASES))
     return name
 
 
 def _canonical_choice(key: str, value: Any, choices: tuple[str, ...], upper: bool) -> str:
     if not isinstance(value, str):
-        raise FSDPConfigError(
-            f"{key} must be a string, one of {', '.join(choices)}; got "
-            f"{_type_name(value)} {value!r}"
-        )
+        raise FSDPConfigError(f"{key} must be a string, one of {', '.join(choices)}; got {_type_name(value)} {value!r}")
     # Sharding strategies are written lowercase in `--fsdp full_shard`; accept both cases.
     normalized = value.upper() if upper else value
     if normalized not in choices:
@@ -177,10 +162,8 @@ _BOOL_SETTINGS = (
 class XlaFSDPSettings:
     """The `xla_fsdp_settings` dict: engine keyword arguments as JSON values.
 
-    Every field defaults to None, meaning "not given: use the engine's
-    default"; only given fields reach the engine, so this file never restates
-    (and can never contradict) the engine's defaults.
-    """
+    Every field defaults to None, meaning "not given: use the engine's default"; only given fields reach the engine, so
+    this file never restates (and can never contradict) the engine's defaults."""
 
     reshard_after_forward: Optional[bool] = None
     """Free gathered parameters after forward (FULL_SHARD) instead of keeping them to backward."""
@@ -215,24 +198,23 @@ class XlaFSDPSettings:
     reduce_scatter_bucket_size_mb: Optional[int] = None
     """Bucket gradients up to this many MiB per reduce-scatter; 0 disables bucketing."""
     all_gather_impl: Optional[str] = None
-    """How parameters are gathered: "auto" (rings for the single controller on a TPU, else
-    "all_gather"), "all_gather", "all_reduce" (of zero-padded shards) or "ring"."""
+    """How parameters are gathered: "auto" (rings for the single controller on a TPU, else "all_gather"), "all_gather",
+    "all_reduce" (of zero-padded shards) or "ring"."""
     reduce_scatter_stages: Optional[str] = None
-    """Single controller: "auto" (rings with the gathers' rings, else "axes"), "axes" (one
-    reduce-scatter per torus axis on v4/v5p slices), "flat", or "ring" (rings of neighbour
-    exchanges, which libtpu runs asynchronously)."""
+    """Single controller: "auto" (rings with the gathers' rings, else "axes"), "axes" (one reduce-scatter per torus axis
+    on v4/v5p slices), "flat", or "ring" (rings of neighbour exchanges, which libtpu runs asynchronously)."""
     token_chain: Optional[str] = None
     """"all", "gathers" or "off": which collectives wait on torch_xla's token ([Note: collectives off the chain])."""
     sharding_strategy: Optional[str] = None
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (case-insensitive; stored upper case)."""
     checkpoint_all_but_last: Optional[Union[int, str]] = None
-    """With xla_fsdp_grad_ckpt: the last this many checkpointed layers keep their activations
-    instead of recomputing them (faster, more HBM); 0 recomputes every one; "fit" keeps as many
-    as the chip's HBM holds, measured in the first step."""
+    """With xla_fsdp_grad_ckpt: the last this many checkpointed layers keep their activations instead of recomputing
+    them (faster, more HBM); 0 recomputes every one; "fit" keeps as many as the chip's HBM holds, measured in the first
+    step."""
     remat_policy: Optional[str] = None
-    """With xla_fsdp_grad_ckpt: what each checkpointed layer saves for its backward ("full",
-    "save_qkv_proj", "save_out_proj", "save_dot_except_mlp", "minimal", "none" and the offloaded
-    "full_offloaded", "qkv_proj_offloaded", "minimal_offloaded"; [Note: recomputation policies])."""
+    """With xla_fsdp_grad_ckpt: what each checkpointed layer saves for its backward ("full", "save_qkv_proj",
+    "save_out_proj", "save_dot_except_mlp", "minimal", "none" and the offloaded "full_offloaded", "qkv_proj_offloaded",
+    "minimal_offloaded"; [Note: recomputation policies])."""
 
     def __post_init__(self) -> None:
         where = "xla_fsdp_settings."
@@ -244,8 +226,8 @@ class XlaFSDPSettings:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _canonical_dtype(where + name, value))
-        # the choice lists live with the typed options; imported here so that
-        # loading a config stays free of package imports (tests/test_layout.py)
+        # the choice lists live with the typed options; imported here so that loading a config stays free of package
+        # imports (tests/test_layout.py)
         from ..options import ALL_GATHER_IMPLS, REDUCE_SCATTER_STAGES, TOKEN_CHAINS
 
         if self.all_gather_impl is not None:
@@ -279,10 +261,9 @@ class XlaFSDPSettings:
         self._check_strategy_against_reshard(where)
 
     def _check_sharding_groups(self, where: str) -> None:
-        # One JSON file is read by every process, so sharding_groups (the same
-        # for all) is the useful key; the engine derives each process's
-        # position from it and treats sharding_rank/sharding_world_size as
-        # assertions. Only what can be checked without knowing the rank is checked here.
+        # One JSON file is read by every process, so sharding_groups (the same for all) is the useful key; the engine
+        # derives each process's position from it and treats sharding_rank/sharding_world_size as assertions. Only what
+        # can be checked without knowing the rank is checked here.
         if self.sharding_world_size is not None:
             _check_int(where + "sharding_world_size", self.sharding_world_size, 1)
         if self.sharding_rank is not None:
@@ -332,9 +313,8 @@ class XlaFSDPSettings:
         object.__setattr__(self, "sharding_groups", tuple(tuple(g) for g in groups))
 
     def _check_strategy_against_reshard(self, where: str) -> None:
-        # FULL_SHARD means "reshard after forward", SHARD_GRAD_OP means "keep
-        # parameters gathered until backward"; stating the opposite flag too is
-        # a contradiction, not an override.
+        # FULL_SHARD means "reshard after forward", SHARD_GRAD_OP means "keep parameters gathered until backward";
+        # stating the opposite flag too is a contradiction, not an override.
         implied = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}.get(self.sharding_strategy)
         if implied is not None and self.reshard_after_forward is not None \
                 and self.reshard_after_forward != implied:
@@ -363,9 +343,7 @@ class XlaFSDPSettings:
                 )
             if key in _TORCH_XLA_ONLY_KEYWORDS:
                 raise FSDPConfigError(f"xla_fsdp_settings.{key} {_TORCH_XLA_ONLY_KEYWORDS[key]}")
-            raise FSDPConfigError(
-                f"unknown key {key!r} in xla_fsdp_settings; {_suggest(key, ENGINE_KEYWORDS)}"
-            )
+            raise FSDPConfigError(f"unknown key {key!r} in xla_fsdp_settings; {_suggest(key, ENGINE_KEYWORDS)}")
         return cls(**dict(settings))
 
     def given(self) -> dict[str, Any]:

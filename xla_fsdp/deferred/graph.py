@@ -1,28 +1,19 @@
 """The recorded initialization history of a deferred model, and its replay.
 
-[Note: storages, not tensors]
-Eager construction mutates memory through many aliases: ``weight.data``,
-``weight[0]``, ``weight[:, :k]``, the ``Parameter`` wrapping an ``empty``
-tensor.  Tracking each alias through its view ops is fragile, so the graph
-keys everything by *storage*: every op argument is recorded as a
-``TensorRef`` (storage id, dtype, size, stride, offset), which is exactly how
-an alias addresses memory.  At replay a ref becomes a real view with
-``Tensor.set_(storage, offset, size, stride)``, so an in-place op on any alias
-lands in the same bytes it did eagerly.  Pure view ops need no record at all.
+[Note: storages, not tensors] Eager construction mutates memory through many aliases: ``weight.data``, ``weight[0]``,
+``weight[:, :k]``, the ``Parameter`` wrapping an ``empty`` tensor. Tracking each alias through its view ops is fragile,
+so the graph keys everything by *storage*: every op argument is recorded as a ``TensorRef`` (storage id, dtype, size,
+stride, offset), which is exactly how an alias addresses memory. At replay a ref becomes a real view with
+``Tensor.set_(storage, offset, size, stride)``, so an in-place op on any alias lands in the same bytes it did eagerly.
+Pure view ops need no record at all.
 
-[Note: replay order and RNG]
-Events carry the global sequence number of their op.  Materializing a set of
-tensors replays the smallest set of events that determines their final bytes
-(every write to their storages, plus whatever those writes read, at the
-version they read it), in sequence order, drawing random numbers from torch's
-generators at replay time.  Eager construction also draws random numbers for
-tensors that end up unused (GPT-2's untied ``lm_head.weight`` is initialized
-twice, then replaced by the tied embedding).  When one call materializes
-everything still deferred, those orphan random ops are replayed as well, so
-the draws happen in eager order and the values equal eager construction
-bit for bit.  Partial calls skip them: they cannot match eager anyway, and
-replaying them would cost memory the caller is trying to save.
-"""
+[Note: replay order and RNG] Events carry the global sequence number of their op. Materializing a set of tensors replays
+the smallest set of events that determines their final bytes (every write to their storages, plus whatever those writes
+read, at the version they read it), in sequence order, drawing random numbers from torch's generators at replay time.
+Eager construction also draws random numbers for tensors that end up unused (GPT-2's untied ``lm_head.weight`` is
+initialized, then replaced by the tied embedding). When one call materializes everything still deferred, those orphan
+random ops are replayed too, so the draws happen in eager order and the values equal eager construction bit for bit.
+Partial calls skip them: they cannot match eager anyway, and would cost memory the caller is trying to save."""
 
 from __future__ import annotations
 
@@ -52,9 +43,8 @@ class TensorRef:
 class Constant:
     """A real tensor that a deferred op read (e.g. built by ``torch.tensor``).
 
-    Held by reference, not copied: a caller-provided pretrained tensor would
-    otherwise be duplicated.  ``version`` lets replay detect that it changed.
-    """
+    Held by reference, not copied: a caller-provided pretrained tensor would otherwise be duplicated.  ``version`` lets
+    replay detect that it changed."""
 
     tensor: torch.Tensor
     version: int
@@ -69,8 +59,7 @@ class Event:
     kwargs: dict
     reads: frozenset[int]
     writes: frozenset[int]
-    # (index among the flattened outputs, storage id, meta layout) for each
-    # output that owns fresh memory.
+    # (index among the flattened outputs, storage id, meta layout) for each output that owns fresh memory.
     creates: tuple[tuple[int, int, TensorRef, int], ...]
     random: bool
 
@@ -193,9 +182,7 @@ class InitGraph:
         try:
             out = event.func(*args, **kwargs)
         except Exception as exc:  # name the op; the original is chained
-            raise DeferredInitError(
-                f"deferred_init({self.label}): replaying {event.func} failed: {exc}"
-            ) from exc
+            raise DeferredInitError(f"deferred_init({self.label}): replaying {event.func} failed: {exc}") from exc
         flat_out, _ = tree_flatten(out)
         for index, sid, layout, nbytes in event.creates:
             if flat_out[index].is_meta:
@@ -221,9 +208,7 @@ class InitGraph:
             storage = const.tensor.untyped_storage()
         else:
             storage = real[ref.storage]
-        return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(
-            storage, ref.offset, ref.size, ref.stride
-        )
+        return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(storage, ref.offset, ref.size, ref.stride)
 
 
 def _own_storage(out: torch.Tensor, layout: TensorRef, nbytes: int) -> torch.UntypedStorage:
@@ -236,8 +221,7 @@ def _own_storage(out: torch.Tensor, layout: TensorRef, nbytes: int) -> torch.Unt
         and out.dtype == layout.dtype
     ):
         return storage
-    # A real kernel chose a different layout than the meta kernel; later refs
-    # address the meta layout, so copy into it.
+    # A real kernel chose a different layout than the meta kernel; later refs address the meta layout, so copy into it.
     fresh = torch.empty(nbytes, dtype=torch.uint8, device=out.device).untyped_storage()
     torch.empty(0, dtype=layout.dtype, device=out.device).set_(
         fresh, layout.offset, layout.size, layout.stride

@@ -1,12 +1,9 @@
 """Deferred construction of modules and their later materialization.
 
-``deferred_init`` returns the module its function built, with every parameter
-and buffer a meta tensor of the right shape, dtype, class and
-``requires_grad``, and a recorded history (``InitGraph``) behind it.
-``materialize_module`` replays that history for the tensors it visits and
-swaps real tensors in.  Module-level bookkeeping lives in a weak side table,
-never on the tensors themselves.
-"""
+``deferred_init`` returns the module its function built, with every parameter and buffer a meta tensor of the right
+shape, dtype, class and ``requires_grad``, and a recorded history (``InitGraph``) behind it. ``materialize_module``
+replays that history for the tensors it visits and swaps real tensors in.  Module-level bookkeeping lives in a weak side
+table, never on the tensors themselves."""
 
 from __future__ import annotations
 
@@ -28,8 +25,8 @@ M = TypeVar("M", bound=nn.Module)
 class _Entry:
     graph: InitGraph
     ref: TensorRef
-    # The meta storage the tensor had when recording ended; a different one
-    # at materialization means someone replaced it (``.to()``, ``.data =``).
+    # The meta storage the tensor had when recording ended; a different one at materialization means someone replaced it
+    # (``.to()``, ``.data =``).
     storage_address: int
     replacement: Optional[torch.Tensor] = None
 
@@ -37,19 +34,15 @@ class _Entry:
 # tensor -> _Entry, for every deferred tensor ever handed out (weakly held).
 _ENTRIES = WeakTensorKeyDictionary()
 # graph -> {tensor -> _Entry} for the tensors of that graph still deferred.
-_PENDING: "weakref.WeakKeyDictionary[InitGraph, WeakTensorKeyDictionary]" = (
-    weakref.WeakKeyDictionary()
-)
+_PENDING: "weakref.WeakKeyDictionary[InitGraph, WeakTensorKeyDictionary]" = (weakref.WeakKeyDictionary())
 
 
 def deferred_init(module_fn: Callable[..., M], *args, **kwargs) -> M:
     """Build ``module_fn(*args, **kwargs)`` without allocating tensor memory.
 
-    Every parameter and buffer of the returned module is a meta tensor whose
-    construction (factory op, in-place init, copies, ties) was recorded, so
-    ``materialize_module`` can later reproduce it on the host.  Tensors the
-    constructor built from Python data (``torch.tensor([...])``) stay real.
-    """
+    Every parameter and buffer of the returned module is a meta tensor whose construction (factory op, in-place init,
+    copies, ties) was recorded, so ``materialize_module`` can later reproduce it on the host.  Tensors the constructor
+    built from Python data (``torch.tensor([...])``) stay real."""
     label = getattr(module_fn, "__qualname__", None) or repr(module_fn)
     graph = InitGraph(label)
     mode = RecordingMode(graph)
@@ -90,12 +83,10 @@ def is_deferred(obj) -> bool:
     if isinstance(obj, nn.Module):
         return any(is_deferred(t) for t in (*obj.parameters(), *obj.buffers()))
     if isinstance(obj, torch.Tensor):
-        # A placeholder stays deferred even after a tied alias elsewhere was
-        # materialized: the module holding it still has no real tensor.
+        # A placeholder stays deferred even after a tied alias elsewhere was materialized: the module holding it still
+        # has no real tensor.
         return obj in _ENTRIES
-    raise TypeError(
-        f"is_deferred expects a torch.Tensor or nn.Module, got {type(obj).__name__}."
-    )
+    raise TypeError(f"is_deferred expects a torch.Tensor or nn.Module, got {type(obj).__name__}.")
 
 
 def materialize_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -115,12 +106,9 @@ def materialize_module(
 ) -> None:
     """Replace the deferred tensors of ``module`` and its descendants by real ones.
 
-    torchdistx semantics: every descendant is visited; ``check_fn(m)`` False
-    only leaves ``m``'s *own* parameters and buffers deferred.  All tensors
-    visited are replayed together, in recorded order, so tensors that share
-    storage (tied weights, views) come back sharing it, and a call covering a
-    whole model reproduces eager construction exactly.
-    """
+    torchdistx semantics: every descendant is visited; ``check_fn(m)`` False only leaves ``m``'s *own* parameters and
+    buffers deferred.  All tensors visited are replayed together, in recorded order, so tensors that share storage (tied
+    weights, views) come back sharing it, and a call covering a whole model reproduces eager construction exactly."""
     targets = []  # (qualified name, owning dict, key, tensor, entry)
 
     def visit(mod: nn.Module, prefix: str) -> None:

@@ -1,14 +1,10 @@
 """Giving meta-device modules storage: `to_empty` then the module's own `reset_parameters()`.
 
-What PyTorch's FSDP (both versions) and torch_xla's do for a model built
-under `torch.device("meta")` when no `param_init_fn` is given. Every module is
-checked before any is touched: one without `reset_parameters()` is an error
-naming it, and the unit stays on the meta device. Parameters tied across
-modules stay tied (`to_empty` alone would give each module its own copy).
-Values are drawn from the global RNG, unit by unit: statistically what the
-eager constructor gives, not bit-equal to it (`xla_fsdp.deferred_init`
-replays the constructor exactly).
-"""
+What PyTorch's FSDP (both versions) and torch_xla's do for a model built under `torch.device("meta")` when no
+`param_init_fn` is given. Every module is checked before any is touched: one without `reset_parameters()` is an error
+naming it, and the unit stays on the meta device. Parameters tied across modules stay tied (`to_empty` alone would give
+each module its own copy). Values are drawn from the global RNG, unit by unit: statistically what the eager constructor
+gives, not bit-equal to it (`xla_fsdp.deferred_init` replays the constructor exactly)."""
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Tuple

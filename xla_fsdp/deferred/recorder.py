@@ -1,12 +1,9 @@
 """Runs a constructor on the meta device while recording every op.
 
-A ``TorchDispatchMode`` sees each aten op below autograd.  Factory ops
-(``empty``, ``randn``, ``arange`` ...) are redirected to ``device="meta"``, so
-no memory is allocated, and every op that creates or writes memory reachable
-from a meta tensor is appended to an ``InitGraph`` (see the notes there).
-Ops whose tensor inputs are all real run for real: their data is already in
-memory and nothing needs deferring.
-"""
+A ``TorchDispatchMode`` sees each aten op below autograd.  Factory ops (``empty``, ``randn``, ``arange`` ...) are
+redirected to ``device="meta"``, so no memory is allocated, and every op that creates or writes memory reachable from a
+meta tensor is appended to an ``InitGraph`` (see the notes there). Ops whose tensor inputs are all real run for real:
+their data is already in memory and nothing needs deferring."""
 
 from __future__ import annotations
 
@@ -22,13 +19,9 @@ from .graph import DeferredInitError, Event, InitGraph, TensorRef
 
 aten = torch.ops.aten
 
-# Ops that hand tensor *values* back to Python.  A deferred tensor has no
-# values yet, so a constructor that branches on them cannot be recorded.
-_DATA_READS = {
-    aten._local_scalar_dense.default,
-    aten.equal.default,
-    aten.is_nonzero.default,
-}
+# Ops that hand tensor *values* back to Python.  A deferred tensor has no values yet, so a constructor that branches on
+# them cannot be recorded.
+_DATA_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default,}
 
 # Metadata-only ops: they change which storage a tensor uses, never bytes.
 _METADATA_ONLY = {aten.set_.source_Tensor, aten.set_.source_Storage,
@@ -43,8 +36,7 @@ def caller_location() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not (path.startswith(_TORCH_DIR) or path.startswith(_PACKAGE_DIR)
-                or path.startswith("<")):
+        if not (path.startswith(_TORCH_DIR) or path.startswith(_PACKAGE_DIR) or path.startswith("<")):
             owner = frame.f_locals.get("self")
             name = frame.f_code.co_name
             if isinstance(owner, torch.nn.Module):
@@ -61,8 +53,8 @@ class RecordingMode(TorchDispatchMode):
         super().__init__()
         self.graph = graph
         self._seq = 0
-        # storage address -> storage id.  The storage objects are held so that
-        # an address cannot be reused by a later allocation while recording.
+        # storage address -> storage id.  The storage objects are held so that an address cannot be reused by a later
+        # allocation while recording.
         self._storage_ids: dict[int, int] = {}
         self._held: list[torch.UntypedStorage] = []
         self._constants: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
@@ -80,8 +72,7 @@ class RecordingMode(TorchDispatchMode):
         return sid
 
     def ref(self, tensor: torch.Tensor, sid: int) -> TensorRef:
-        return TensorRef(sid, tensor.dtype, tuple(tensor.shape),
-                         tuple(tensor.stride()), tensor.storage_offset())
+        return TensorRef(sid, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
     def _constant_ref(self, tensor: torch.Tensor) -> TensorRef:
         key = (id(tensor), tensor._version)
@@ -135,10 +126,9 @@ class RecordingMode(TorchDispatchMode):
             recorded["device"] = torch.get_default_device()
         meta_kwargs = dict(recorded, device=torch.device("meta"))
         out = self._run_meta(func, args, meta_kwargs)
-        # Pin what the kernel resolved from global defaults at construction
-        # time (default dtype: Hugging Face sets it for `torch_dtype`).
-        if ("dtype" in schema_args and recorded.get("dtype") is None
-                and isinstance(out, torch.Tensor)):
+        # Pin what the kernel resolved from global defaults at construction time (default dtype: Hugging Face sets it
+        # for `torch_dtype`).
+        if ("dtype" in schema_args and recorded.get("dtype") is None and isinstance(out, torch.Tensor)):
             recorded["dtype"] = out.dtype
         self._append(func, args, recorded, out, writes=frozenset(), reads=frozenset())
         return out
@@ -174,8 +164,7 @@ class RecordingMode(TorchDispatchMode):
         if real_inputs:
             args, kwargs = tree_map(_to_meta, (args, kwargs))
         out = self._run_meta(func, args, kwargs)
-        self._append(func, ref_args, ref_kwargs, out, frozenset(writes),
-                     frozenset(reads))
+        self._append(func, ref_args, ref_kwargs, out, frozenset(writes), frozenset(reads))
         return out
 
     def _written_storages(self, func, args, kwargs) -> set[int]:
@@ -217,8 +206,7 @@ class RecordingMode(TorchDispatchMode):
         for index, t in enumerate(flat_out):
             if isinstance(t, torch.Tensor) and t.is_meta and self.storage_id(t) is None:
                 sid = self._claim(t)
-                creates.append((index, sid, self.ref(t, sid),
-                                t.untyped_storage().nbytes()))
+                creates.append((index, sid, self.ref(t, sid), t.untyped_storage().nbytes()))
         if not creates and not writes:
             return  # a view or a read: addressed by refs, needs no replay
         self._seq += 1
@@ -232,11 +220,9 @@ class RecordingMode(TorchDispatchMode):
 def _replay_devices(tree):
     """Map ``device="meta"`` in recorded arguments to the default device.
 
-    Deferred tensors are meta while recording, so constructor code that
-    follows them (``torch.arange(n, device=self.weight.device)``, the value
-    tensor of ``weight[idx] = 0``) names the meta device; at replay those
-    tensors live on the real device, and so must whatever follows them.
-    """
+    Deferred tensors are meta while recording, so constructor code that follows them (``torch.arange(n,
+    device=self.weight.device)``, the value tensor of ``weight[idx] = 0``) names the meta device; at replay those
+    tensors live on the real device, and so must whatever follows them."""
     def swap(x):
         if isinstance(x, torch.device) and x.type == "meta":
             return torch.get_default_device()

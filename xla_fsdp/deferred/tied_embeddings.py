@@ -1,19 +1,16 @@
 """Tied embeddings that `Module.to(xla)` untied, found when a model is wrapped.
 
-[Note: ties lost on the way to the device]
-On torch_xla 2.9 `Module.to(xla_device)` gives every module its own new Parameter (XLA tensors
-cannot take a CPU tensor's storage in place), so a weight registered in two modules becomes two
-weights: a Hugging Face model's `lm_head.weight` is no longer `wte.weight` (checked on XLA:CPU
-with GPT-2; transformers' Trainer re-ties after its own `.to()` for this reason). Trained that
-way, the output projection and the embedding learn apart, from equal values: the first loss is
-the same, every gradient of the embedding after it is not (the embedding's misses the head's
-part), a silent difference from the same script on a GPU.
+[Note: ties lost on the way to the device] On torch_xla 2.9 `Module.to(xla_device)` gives every module its own new
+Parameter (XLA tensors cannot take a CPU tensor's storage in place), so a weight registered in two modules becomes two
+weights: a Hugging Face model's `lm_head.weight` is no longer `wte.weight` (checked on XLA:CPU with GPT-2; transformers'
+Trainer re-ties after its own `.to()` for this reason). Trained that way, the output projection and the embedding learn
+apart, from equal values: the first loss is the same, every gradient of the embedding after it is not (the embedding's
+misses the head's part), a silent difference from the same script on a GPU.
 
-Wrapping moves a CPU model itself and keeps its ties. For a model moved before wrapping whose
-config says its embeddings are tied (`config.tie_word_embeddings`), the wrapper re-ties them
-with the model's own `tie_weights()` when the two weights are still equal, with a warning, and
-refuses them when they differ (trained apart: which one to keep is the user's call).
-"""
+Wrapping moves a CPU model itself and keeps its ties. For a model moved before wrapping whose config says its embeddings
+are tied (`config.tie_word_embeddings`), the wrapper re-ties them with the model's own `tie_weights()` when the two
+weights are still equal, with a warning, and refuses them when they differ (trained apart: which one to keep is the
+user's call)."""
 from __future__ import annotations
 
 import warnings

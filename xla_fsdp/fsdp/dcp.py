@@ -1,53 +1,34 @@
-"""`torch.distributed.checkpoint` (DCP) for FSDP2 scripts: storage at local paths and fsspec URLs,
-and each host's rows as DCP's chunks on a pod.
+"""`torch.distributed.checkpoint` (DCP) for FSDP2 scripts: storage at local paths and fsspec URLs, and each host's rows
+as DCP's chunks on a pod.
 
-[Note: DCP checkpoints of fully_shard models] On one host DCP needs nothing from
-this package to save and load a `fully_shard` model: `model.state_dict()` and
-`optimizer.state_dict()` have the unwrapped model's keys and shapes ([Note: state
-dicts of the single controller], [Note: optimizer state of the single controller]),
-so a checkpoint holds whole tensors, and loads at any device count, into an
-unwrapped model, or through `dcp_to_torch_save`. One process drives every chip,
-so DCP sees a world of one and writes one file per save. Loads keep the sharding
-([Note: loading into sharded parameters], [Note: loaded optimizer state keeps the
-sharding]). Several hosts: [Note: DCP across hosts] below.
+[Note: DCP checkpoints of fully_shard models] On one host DCP needs nothing from this package to save and load a
+`fully_shard` model: `model.state_dict()` and `optimizer.state_dict()` have the unwrapped model's keys and shapes
+([Note: state dicts of the single controller], [Note: optimizer state of the single controller]), so a checkpoint holds
+whole tensors and loads at any device count, into an unwrapped model, or through `dcp_to_torch_save`. DCP sees a world
+of one and writes one file per save. Loads keep the sharding ([Note: loading into sharded parameters],
+[Note: loaded optimizer state keeps the sharding]).
 
-What this file adds is where the files go. `dcp.save(state, checkpoint_id=path)`
-picks torch's writer from the path; for a URL that is fsspec's default file
-system class, which for `gs://` under a local emulator stalls (see
-xla_fsdp/checkpoint/filesystems.py) and for a missing bucket fails at the first
-write. `storage_writer(path)` / `storage_reader(path)` give DCP the file system
-our own checkpoints use: a plain path is torch's `FileSystemWriter` /
-`FileSystemReader` (metadata written last, renamed into place: a save killed
-midway leaves no `.metadata`); a URL is torch's `FsspecWriter` / `FsspecReader`
-over `xla_fsdp.checkpoint.filesystems.filesystem_for(scheme)`, with the bucket
-checked before the first write. `is_complete(path)` says whether a save finished.
-Both writers delete an older save's `.metadata` in the same place before any host
-writes data (on the coordinator, in `prepare_global_plan`, which every host waits
-for): a save killed midway over a complete checkpoint must not leave the old
-metadata pointing into half-overwritten files.
+What this file adds is where the files go. For a URL, `dcp.save(state, checkpoint_id=path)` picks fsspec's default file
+system class, which stalls for `gs://` under a local emulator (xla_fsdp/checkpoint/filesystems.py) and fails for a
+missing bucket only at the first write. `storage_writer(path)` / `storage_reader(path)` give DCP the file system our own
+checkpoints use: torch's `FileSystemWriter` / `FileSystemReader` for a plain path (metadata renamed into place last),
+its `FsspecWriter` / `FsspecReader` over `filesystems.filesystem_for(scheme)` for a URL, with the bucket checked first.
+`is_complete(path)` says whether a save finished. Both writers delete an older save's `.metadata` before any host writes
+data (on the coordinator, in `prepare_global_plan`, which every host waits for): a save killed midway over a complete
+checkpoint must not leave the old metadata pointing into half-overwritten files.
 
-[Note: DCP across hosts] On a pod one process per host is one DCP rank, and a
-plain tensor is one DCP treats as replicated: it would write each whole tensor
-from one host, which needs every other host's rows (a host cannot read the
-shards on another host's chips). So on several hosts the `StateTensor`s of
-model and optimizer state dicts (the optimizer's: state shaped like its
-parameter) answer DCP's checkpoint protocol, as DTensor does, with `HostChunks`:
-- saving, each host's chunks are the rows of the global tensor its own devices
-  hold, each row once across hosts (`host_shards.pieces_to_write`: [Note: who
-  writes a row]), moved to host memory only when DCP writes them ([Note: one
-  tensor in host memory at a time]); DCP's metadata records every chunk and
-  the file of the host that wrote it;
-- loading, each host's chunks are the rows its devices need under the model's
-  layout now (any host or device count: DCP reads the overlap of saved and
-  wanted chunks). DCP reads them into host buffers; the load that follows
-  (`set_state_dict`, `model.load_state_dict`, `optimizer.load_state_dict`)
-  builds each global tensor from them with its parameter's sharding
-  (`host_shards.ShardReader`), every host in the same order. Until then the
-  state dict's tensors keep their old values (on one host DCP writes into them
-  in place); `full_tensor()` gives the loaded ones.
-A checkpoint of either kind loads anywhere: into one host (the chunks cover
-whole tensors), several, or a plain CPU model through DCP alone.
-"""
+[Note: DCP across hosts] On a pod one process per host is one DCP rank, and DCP treats a plain tensor as replicated: it
+would write each whole tensor from one host, which cannot read the shards on other hosts' chips. So on several hosts the
+`StateTensor`s of model and optimizer state dicts answer DCP's checkpoint protocol, as DTensor does, with `HostChunks`:
+- saving, each host's chunks are the rows its own devices hold, each row once across hosts
+  (`host_shards.pieces_to_write`: [Note: who writes a row]), moved to host memory only when DCP writes them
+  ([Note: one tensor in host memory at a time]);
+- loading, each host's chunks are the rows its devices need under the current layout (any host or device count). DCP
+  reads them into host buffers; the load that follows (`set_state_dict`, `model.load_state_dict`,
+  `optimizer.load_state_dict`) builds each global tensor with its parameter's sharding (`host_shards.ShardReader`),
+  every host in the same order. Until then the state dict's tensors keep their old values; `full_tensor()` gives the
+  loaded ones.
+A checkpoint of either kind loads anywhere: one host, several, or a plain CPU model through DCP alone."""
 from __future__ import annotations
 
 import os
@@ -61,8 +42,8 @@ METADATA = ".metadata"  # DCP writes it last: its presence marks a complete chec
 
 
 class _ForgetsOldMetadata:
-    """A DCP writer that deletes the `.metadata` of an earlier save to its path before any data is
-    written (see the module docstring)."""
+    """A DCP writer that deletes the `.metadata` of an earlier save to its path before any data is written (see the
+    module docstring)."""
 
     def prepare_global_plan(self, plans):
         plans = super().prepare_global_plan(plans)
@@ -98,8 +79,8 @@ def _fsspec_classes():
 
 
 def storage_writer(path: Union[str, os.PathLike], **kwargs):
-    """A DCP StorageWriter for `path`: `dcp.save(state, storage_writer=storage_writer(path))`.
-    Keywords go to torch's FileSystemWriter / FsspecWriter (e.g. `thread_count`)."""
+    """A DCP StorageWriter for `path`: `dcp.save(state, storage_writer=storage_writer(path))`. Keywords go to torch's
+    FileSystemWriter / FsspecWriter (e.g. `thread_count`)."""
     if is_url(path):
         return _fsspec_classes()[0](os.fspath(path), **kwargs)
     from torch.distributed.checkpoint import FileSystemWriter
@@ -164,8 +145,8 @@ class HostChunks:
         return items
 
     def chunk_list(self, value) -> list:
-        """The rows of `value` this host's devices hold (in its source's layout), as DCP's chunks;
-        DCP will read them into buffers `tensor_shard` hands out."""
+        """The rows of `value` this host's devices hold (in its source's layout), as DCP's chunks; DCP will read them
+        into buffers `tensor_shard` hands out."""
         from ..checkpoint.host_shards import device_rows, is_sharded
 
         view = self.view()

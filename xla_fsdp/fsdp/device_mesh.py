@@ -1,24 +1,18 @@
 """The mesh `fully_shard` shards over, and the `DeviceMesh` its parameters report.
 
-[Note: FSDP2 meshes on the single controller] FSDP2 scripts build a mesh over
-processes (`init_device_mesh("cuda", (world_size,))`: one rank per GPU). Here
-one process drives every chip of its host, so a process is not a device: a
-1-D `DeviceMesh("xla", ...)` whose size is the number of processes means
-"shard over every device of those processes", and one whose size is the
-number of devices means the devices themselves. A 2-D mesh is HSDP
-(torchtitan's `dp_replicate` x `dp_shard`): dim 0 replicates, dim 1 shards,
-and its size is again the devices or the processes (then each process entry
-stands for that host's devices, laid along the shard dim). Anything else does
-not cover the job, or is 3-D, and is refused. Parameters report a
-`DeviceMesh("xla", ...)` over the devices built without a process group, 1-D
-(`"fsdp"`) or 2-D (the names the script gave), which is what
-`distribute_tensor(full, p.device_mesh, p.placements)` needs.
+[Note: FSDP2 meshes on the single controller] FSDP2 scripts build a mesh over processes
+(`init_device_mesh("cuda", (world_size,))`: one rank per GPU). Here one process drives every chip of its host, so a
+process is not a device: a 1-D `DeviceMesh("xla", ...)` of the number of processes means "shard over every device of
+those processes", and one of the number of devices means the devices themselves. A 2-D mesh is HSDP (torchtitan's
+`dp_replicate` x `dp_shard`): dim 0 replicates, dim 1 shards, and its size is again the devices or the processes (then
+each process entry stands for that host's devices, laid along the shard dim). Anything else does not cover the job, or
+is 3-D, and is refused. Parameters report a `DeviceMesh("xla", ...)` over the devices built without a process group, 1-D
+(`"fsdp"`) or 2-D (the names the script gave), which is what `distribute_tensor(full, p.device_mesh, p.placements)`
+needs.
 
-[Note: FSDP2 meshes across slices] On a job that spans slices ([Note: HSDP across slices] in
-runtime/slices.py) no parameter is sharded across slices: a 1-D mesh (or none) means HSDP with
-one replica per slice (parameters then report a 2-D mesh, `Replicate()` then `Shard(0)`), and a
-2-D mesh's replicate dim must be a multiple of the slices.
-"""
+[Note: FSDP2 meshes across slices] On a job that spans slices ([Note: HSDP across slices] in runtime/slices.py) no
+parameter is sharded across slices: a 1-D mesh (or none) means HSDP with one replica per slice (parameters then report a
+2-D mesh, `Replicate()` then `Shard(0)`), and a 2-D mesh's replicate dim must be a multiple of the slices."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,9 +32,9 @@ def _devices_and_processes() -> Tuple[int, int]:
 
 @dataclasses.dataclass
 class ShardMesh:
-    """What `fully_shard` shards over: torch_xla's mesh (the engine's: an "fsdp" axis, after a
-    "replicate" axis under HSDP), the `DeviceMesh` its parameters report, and the collectives every
-    unit over it shares (the first unit's, set when it is built). One per shape, for the process."""
+    """What `fully_shard` shards over: torch_xla's mesh (the engine's: an "fsdp" axis, after a "replicate" axis under
+    HSDP), the `DeviceMesh` its parameters report, and the collectives every unit over it shares (the first unit's, set
+    when it is built). One per shape, for the process."""
 
     xla: Any
     device_mesh: Any
@@ -130,8 +124,8 @@ _meshes: dict = {}
 
 
 def device_mesh(devices: int, shape: Optional[Tuple[int, ...]] = None, names: Tuple[str, ...] = ("fsdp",)):
-    """A DeviceMesh("xla") over `devices` devices (1-D "fsdp", or `shape` with `names`), made without
-    a process group."""
+    """A DeviceMesh("xla") over `devices` devices (1-D "fsdp", or `shape` with `names`), made without a process
+    group."""
     shape = shape or (devices,)
     key = (shape, names)
     if key not in _meshes:

@@ -1,16 +1,12 @@
 """`fully_shard`: PyTorch FSDP2's entry point, on the collective engine's single controller.
 
-[Note: fully_shard on XLA] `fully_shard(module, ...)` turns `module` into an
-`FSDPModule` in place: its parameters not already owned by a unit below it
-become one unit of the collective engine ([Note: single-controller runtime]),
-held as `ShardedParameter`s ([Note: FSDP2 parameters on XLA]). Applied
-bottom-up (layers, then the root), the root's forward runs every device's
-share of the batch inside one SPMD manual-sharding region, where each unit
-all-gathers just in time and reduce-scatters its gradients, exactly as
-`XlaFullyShardedDataParallel(..., auto_wrap_policy=...)` would. FSDP2's
-arguments map onto the engine's options (`_engine_keywords`); whatever has
-no meaning here is refused by name rather than ignored.
-"""
+[Note: fully_shard on XLA] `fully_shard(module, ...)` turns `module` into an `FSDPModule` in place: its parameters not
+already owned by a unit below it become one unit of the collective engine ([Note: single-controller runtime]), held as
+`ShardedParameter`s ([Note: FSDP2 parameters on XLA]). Applied bottom-up (layers, then the root), the root's forward
+runs every device's share of the batch inside one SPMD manual-sharding region, where each unit all-gathers just in time
+and reduce-scatters its gradients, exactly as `XlaFullyShardedDataParallel(..., auto_wrap_policy=...)` would. FSDP2's
+arguments map onto the engine's options (`_engine_keywords`); whatever has no meaning here is refused by name rather
+than ignored."""
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Union
@@ -29,10 +25,9 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
                 offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None):
     """Shard `module`'s parameters on dim 0 over every device (see [Note: fully_shard on XLA]).
 
-    Same signature and meaning as `torch.distributed.fsdp.fully_shard`; returns `module`,
-    now an instance of `FSDPModule`. A list of modules becomes one unit ([Note: a unit of several
-    modules]): their parameters are gathered together; each module becomes an `FSDPModule`.
-    """
+    Same signature and meaning as `torch.distributed.fsdp.fully_shard`; returns `module`, now an instance of
+    `FSDPModule`. A list of modules becomes one unit ([Note: a unit of several modules]): their parameters are gathered
+    together; each module becomes an `FSDPModule`."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         _check_module(m)
@@ -102,8 +97,7 @@ def _check_module(module) -> None:
                          "use one of the two APIs for the whole model")
     from ..collective_engine.sharded_param import ShardedParameter
 
-    owned = [n for n, p in module.named_parameters() if isinstance(p, ShardedParameter)
-             and not _inside_unit(module, n)]
+    owned = [n for n, p in module.named_parameters() if isinstance(p, ShardedParameter) and not _inside_unit(module, n)]
     if owned:
         raise ValueError(
             f"fully_shard({name}) after its parent: {owned[0]!r} is already sharded by an enclosing "
@@ -112,8 +106,7 @@ def _check_module(module) -> None:
 
 
 def _check_disjoint(modules: List[nn.Module]) -> None:
-    """A list's modules must be distinct and none inside another (their parameters would belong to
-    one unit twice)."""
+    """A list's modules must be distinct and none inside another (their parameters would belong to one unit twice)."""
     if not modules:
         raise ValueError("fully_shard([]) got no module; pass a module or a non-empty list of modules")
     for i, a in enumerate(modules):
@@ -125,10 +118,10 @@ def _check_disjoint(modules: List[nn.Module]) -> None:
 
 
 def _ignored(modules: List[nn.Module], ignored_params) -> frozenset:
-    """The ids of `ignored_params`, each checked to be a parameter of the modules. An ignored parameter
-    is not sharded and its gradient is not reduce-scattered: it stays one replicated tensor, every
-    device computes with the whole of it, and its gradient is that of the process's whole batch
-    (the sum over its devices), as a GPU rank's is of its own batch."""
+    """The ids of `ignored_params`, each checked to be a parameter of the modules. An ignored parameter is not sharded
+    and its gradient is not reduce-scattered: it stays one replicated tensor, every device computes with the whole of
+    it, and its gradient is that of the process's whole batch (the sum over its devices), as a GPU rank's is of its own
+    batch."""
     if not ignored_params:
         return frozenset()
     ids = {id(p) for m in modules for p in m.parameters()}
@@ -152,8 +145,8 @@ def _inside_unit(module: nn.Module, param_name: str) -> bool:
 
 
 def _enter_spmd(module: nn.Module) -> None:
-    """fully_shard runs on the single controller: turn the SPMD runtime on if nothing stands in
-    the way, else say what to do."""
+    """fully_shard runs on the single controller: turn the SPMD runtime on if nothing stands in the way, else say what
+    to do."""
     import torch_xla.runtime as xr
 
     if xr.is_spmd():

@@ -1,16 +1,12 @@
 """`FSDPModule`: the class `fully_shard` mixes into a module, with FSDP2's methods.
 
-A methods-only front door over the unit's engine state ([Note: one engine state
-per unit]), as PyTorch's `FSDPModule` is over its `FSDPState`: the collective
-engine on the single controller does the work (gathers just in time, prefetch,
-reduce-scatter, state dicts in the unwrapped shapes); `UnitMethods` gives it the
-forward and the methods both front doors share (`unshard`, `reshard`,
-`set_requires_gradient_sync`, `device_mesh`). What FSDP2 adds lives here: meta
-modules kept on the meta device until `to_empty()`, FSDP2's names for prefetch
-and gradient reduction, the root's output dtype, CPU offload and the step cut.
-It is not an `XlaFullyShardedDataParallel`: torch_xla's methods (`no_sync`,
-`summon_full_params`, `get_shard_metadata`, `.module`) are not FSDP2's.
-"""
+A methods-only front door over the unit's engine state ([Note: one engine state per unit]), as PyTorch's `FSDPModule` is
+over its `FSDPState`: the collective engine on the single controller does the work (gathers just in time, prefetch,
+reduce-scatter, state dicts in the unwrapped shapes); `UnitMethods` gives it the forward and the methods both front
+doors share (`unshard`, `reshard`, `set_requires_gradient_sync`, `device_mesh`). What FSDP2 adds lives here: meta
+modules kept on the meta device until `to_empty()`, FSDP2's names for prefetch and gradient reduction, the root's output
+dtype, CPU offload and the step cut. It is not an `XlaFullyShardedDataParallel`: torch_xla's methods (`no_sync`,
+`summon_full_params`, `get_shard_metadata`, `.module`) are not FSDP2's."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,16 +50,14 @@ class FSDPModule(UnitMethods):
             offload.after_forward(self, out)
         dtype = state.mp_policy.output_dtype
         if outermost and dtype is not None:
-            out = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-                           out)
+            out = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, out)
         return out
 
     # -- storage -----------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True):
-        """FSDP2's meta-device flow: give every sharded parameter (of this unit and the units in
-        it) uninitialized storage on the chips, each chip its own rows only (host memory under
-        CPUOffloadPolicy), and every other tensor storage on `device`, as nn.Module.to_empty does. Then initialize, e.g.
-        `model.reset_parameters()`."""
+        """FSDP2's meta-device flow: give every sharded parameter (of this unit and the units in it) uninitialized
+        storage on the chips, each chip its own rows only (host memory under CPUOffloadPolicy), and every other tensor
+        storage on `device`, as nn.Module.to_empty does. Then initialize, e.g. `model.reset_parameters()`."""
         from ..collective_engine import model_state, optimizer_state
 
         for unit in _units(self, recurse):
@@ -101,37 +95,34 @@ class FSDPModule(UnitMethods):
             state.options = dataclasses.replace(state.options, reshard=reshard)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Accepted, no effect: the parameters gathered in backward are buffers of the step's XLA
-        program and die with it; nothing stays gathered between steps to keep or free."""
+        """Accepted, no effect: the parameters gathered in backward are buffers of the step's XLA program and die with
+        it; nothing stays gathered between steps to keep or free."""
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        """Start these units' gathers when this unit's forward starts (tied to its input), in place
-        of the engine's default of the unit that ran next last step."""
-        state_of(self).forward_prefetch_targets = [_unit_state(m, "set_modules_to_forward_prefetch")
-                                                   for m in modules]
+        """Start these units' gathers when this unit's forward starts (tied to its input), in place of the engine's
+        default of the unit that ran next last step."""
+        state_of(self).forward_prefetch_targets = [_unit_state(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Start these units' backward re-gathers when this unit's backward starts."""
-        state_of(self).backward_prefetch_targets = [_unit_state(m, "set_modules_to_backward_prefetch")
-                                                    for m in modules]
+        state_of(self).backward_prefetch_targets = [_unit_state(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted, no effect: every backward finishes its reduce-scatters inside the step's
-        program; gradients held back by set_requires_gradient_sync(False) are folded into the
-        next backward that syncs."""
+        """Accepted, no effect: every backward finishes its reduce-scatters inside the step's program; gradients held
+        back by set_requires_gradient_sync(False) are folded into the next backward that syncs."""
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Accepted, no effect: under HSDP every backward that reduces also all-reduces over the
-        replicate dim; skipping it for some micro-batches and doing it on the last gives the same
-        gradients (the all-reduce is linear), so only the traffic differs."""
+        """Accepted, no effect: under HSDP every backward that reduces also all-reduces over the replicate dim; skipping
+        it for some micro-batches and doing it on the last gives the same gradients (the all-reduce is linear), so only
+        the traffic differs."""
 
     def set_post_optim_event(self, event) -> None:
-        """Accepted, no effect: XLA orders the next forward's gathers after the optimizer step by
-        data dependencies; there are no streams to synchronize."""
+        """Accepted, no effect: XLA orders the next forward's gathers after the optimizer step by data dependencies;
+        there are no streams to synchronize."""
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Reduced gradients are the sum over processes divided by `factor` (default: the number
-        of processes, so that the gradient is that of the mean loss over every process's batch)."""
+        """Reduced gradients are the sum over processes divided by `factor` (default: the number of processes, so that
+        the gradient is that of the mean loss over every process's batch)."""
         if not factor or factor <= 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
         from .device_mesh import process_count
@@ -165,10 +156,9 @@ class FSDPModule(UnitMethods):
 
     # -- state dicts --------------------------------------------------------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """nn.Module's, for values of any kind FSDP2 scripts produce (CPU tensors, XLA tensors,
-        `distribute_tensor` results, parameters of another sharded model); the parameters stay
-        sharded, and with `assign=True` the sharded parameters take the values ([Note: loading
-        into sharded parameters])."""
+        """nn.Module's, for values of any kind FSDP2 scripts produce (CPU tensors, XLA tensors, `distribute_tensor`
+        results, parameters of another sharded model); the parameters stay sharded, and with `assign=True` the sharded
+        parameters take the values ([Note: loading into sharded parameters])."""
         from ..collective_engine.model_state import load_into
 
         return load_into(self, state_dict, strict, assign)
@@ -179,8 +169,8 @@ def _units(module: nn.Module, recurse: bool) -> List[nn.Module]:
 
 
 def _meta_params(unit: nn.Module) -> List[str]:
-    """The unit's parameters without storage (built on meta, not yet given any), by name. Under
-    the check's trace an offloaded host parameter is a meta tensor by design."""
+    """The unit's parameters without storage (built on meta, not yet given any), by name. Under the check's trace an
+    offloaded host parameter is a meta tensor by design."""
     state = state_of(unit)
     offloaded = state.offload is not None and abstract.active()
     return [rec.fqn for rec in state.group.params
@@ -190,6 +180,5 @@ def _meta_params(unit: nn.Module) -> List[str]:
 def _unit_state(module, what: str):
     state = state_of(module)
     if not isinstance(module, FSDPModule) or state is None:
-        raise ValueError(f"{what} expects modules that fully_shard was applied to; "
-                         f"{type(module).__name__} is not one")
+        raise ValueError(f"{what} expects modules that fully_shard was applied to; {type(module).__name__} is not one")
     return state

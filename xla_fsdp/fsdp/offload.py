@@ -1,21 +1,16 @@
 """`CPUOffloadPolicy`: parameters, gradients and optimizer state in host memory.
 
-[Note: CPU offload on the single controller] As FSDP2 does on GPUs, the
-parameter the optimizer holds is a host tensor (here the whole padded global
-parameter of this host, `ShardedParameter` on the CPU). Each step:
-- the root's forward first places every offloaded parameter on the chips,
-  sharded on dim 0 (a fresh leaf tensor, which the unit gathers from), so
-  each chip receives only its rows;
-- at the end of backward the step's program runs, the gradients come back to
-  the host parameters' `.grad` (added to any gradient already there), and the
-  host parameters are registered again;
+[Note: CPU offload on the single controller] As FSDP2 does on GPUs, the parameter the optimizer holds is a host
+tensor (here the whole padded global parameter of this host, `ShardedParameter` on the CPU). Each step:
+- the root's forward first places every offloaded parameter on the chips, sharded on dim 0 (a fresh leaf tensor, which
+  the unit gathers from), so each chip receives only its rows;
+- at the end of backward the step's program runs, the gradients come back to the host parameters' `.grad` (added to
+  any gradient already there), and the host parameters are registered again;
 - the optimizer steps on the host, so its state lives there too.
-A forward without autograd (evaluation) registers the host parameters again
-right after it. Per step this moves every offloaded parameter to the chips
-and its gradient back: 2 x 4 bytes per float32 parameter element (padding
-rows included), the cost `docs/fsdp2.md` states. The chips hold the
-parameters only while the step runs, and no optimizer state.
-"""
+A forward without autograd (evaluation) registers the host parameters again right after it. Per step this moves every
+offloaded parameter to the chips and its gradient back: 2 x 4 bytes per float32 parameter element (padding rows
+included), the cost `docs/fsdp2.md` states. The chips hold the parameters only while the step runs, and no optimizer
+state."""
 from __future__ import annotations
 
 import weakref
@@ -108,8 +103,8 @@ class HostOffload:
         self._pending = False
         records = [(unit, rec) for unit, rec in self._records(root) if id(rec) in self._hosts]
         if abstract.active():
-            # [Note: abstract tracing] nothing can be read: the gradients stay outputs of the traced
-            # step (held until the next step), as a real run's transfers to the host make them
+            # [Note: abstract tracing] nothing can be read: the gradients stay outputs of the traced step (held until
+            # the next step), as a real run's transfers to the host make them
             self._traced_grads = [rec.sharded.grad for _, rec in records if rec.sharded.grad is not None]
             for _, rec in records:
                 rec.sharded = self._hosts.pop(id(rec))

@@ -1,8 +1,7 @@
 """FSDP2's policy objects: `MixedPrecisionPolicy`, `OffloadPolicy`, `CPUOffloadPolicy`.
 
-The same names, fields and defaults as `torch.distributed.fsdp`'s, so a script
-may pass either ours or PyTorch's; `as_mp_policy` / `as_offload_policy` read both.
-"""
+The same names, fields and defaults as `torch.distributed.fsdp`'s, so a script may pass either ours or PyTorch's;
+`as_mp_policy` / `as_offload_policy` read both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,10 +12,9 @@ import torch
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """param_dtype: the dtype parameters are gathered and computed in (None: their own);
-    reduce_dtype: the dtype gradients are reduced in (None: param_dtype); output_dtype: the
-    root's floating outputs are cast to it (None: left alone); cast_forward_inputs: each unit
-    casts its floating inputs to param_dtype."""
+    """param_dtype: the dtype parameters are gathered and computed in (None: their own); reduce_dtype: the dtype
+    gradients are reduced in (None: param_dtype); output_dtype: the root's floating outputs are cast to it (None: left
+    alone); cast_forward_inputs: each unit casts its floating inputs to param_dtype."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -31,9 +29,9 @@ class OffloadPolicy:
 
 @dataclass
 class CPUOffloadPolicy(OffloadPolicy):
-    """Parameters, gradients and optimizer state live in host memory; each step moves the
-    parameters to the chips and the gradients back, and the optimizer steps on the host.
-    pin_memory: accepted for PyTorch's signature (XLA's host transfers do not use it)."""
+    """Parameters, gradients and optimizer state live in host memory; each step moves the parameters to the chips and
+    the gradients back, and the optimizer steps on the host. pin_memory: accepted for PyTorch's signature (XLA's host
+    transfers do not use it)."""
 
     pin_memory: bool = True
 

@@ -1,20 +1,13 @@
 """The process group line of an FSDP2 script on XLA: `dist.init_process_group("gloo", init_method="xla://")`.
 
-[Note: xla:// enters the single controller] FSDP2 scripts initialize the
-process group before they build the model, and torch_xla's `xla://`
-rendezvous starts the XLA runtime to learn the rank and world size. Started
-that way the runtime runs one process per device, and turning the SPMD
-runtime on afterwards (as `fully_shard` must) crashes it. So once
-`xla_fsdp.fsdp` is imported, the `xla://` rendezvous first enters the single
-controller (torch_xla's SPMD mode) and then runs torch_xla's own handler,
-which under SPMD numbers one member per host (process index and count):
-`dist.get_rank()` / `get_world_size()` count processes, as FSDP2 scripts
-assume. On one host the store is an in-process one (no port to collide on);
-virtual hosts (`environment.VIRTUAL_HOSTS`, tests) meet over MASTER_ADDR/MASTER_PORT
-as their hosts' group does, one member per virtual host.
-Nothing happens at import; only that rendezvous changes (and, on a machine
-without CUDA, the devices gloo groups serve: `_gloo_on_the_host_only`).
-"""
+[Note: xla:// enters the single controller] FSDP2 scripts initialize the process group before they build the model, and
+torch_xla's `xla://` rendezvous starts the XLA runtime to learn the rank and world size. Started that way the runtime
+runs one process per device, and turning the SPMD runtime on afterwards (as `fully_shard` must) crashes it. So once
+`xla_fsdp.fsdp` is imported, the `xla://` rendezvous first enters the single controller (torch_xla's SPMD mode) and then
+runs torch_xla's own handler, which under SPMD numbers one member per host: `dist.get_rank()` / `get_world_size()` count
+processes, as FSDP2 scripts assume. On one host the store is an in-process one (no port to collide on); virtual hosts
+(`environment.VIRTUAL_HOSTS`, tests) meet over MASTER_ADDR/MASTER_PORT. Nothing happens at import; only that rendezvous
+changes (and, on a machine without CUDA, the devices gloo groups serve: `_gloo_on_the_host_only`)."""
 from __future__ import annotations
 
 
@@ -37,8 +30,8 @@ def install() -> None:
         from ..runtime.choice import enter_single_controller
 
         if not xr.is_spmd() and runtime_started():
-            # one process per chip (xmp.spawn, xla_spawn --per_chip): torch_xla's own meaning;
-            # fully_shard then refuses by name
+            # one process per chip (xmp.spawn, xla_spawn --per_chip): torch_xla's own meaning; fully_shard then refuses
+            # by name
             yield from (theirs(url, **kwargs) if timeout is None else theirs(url, timeout, **kwargs))
             return
         enter_single_controller()
@@ -52,8 +45,8 @@ def install() -> None:
                                        **({} if timeout is None else {"timeout": timeout}))
             return
         if xr.process_count() == 1:
-            # one host: a store in this process, not torch_xla's TCP store on its fixed port
-            # (12355), which two jobs on one machine would both try to bind
+            # one host: a store in this process, not torch_xla's TCP store on its fixed port (12355), which two jobs on
+            # one machine would both try to bind
             yield dist.HashStore(), 0, 1
             return
         if timeout is None:
@@ -83,10 +76,9 @@ def runtime_started() -> bool:
 
 
 def _gloo_on_the_host_only() -> None:
-    """Without CUDA, "gloo" groups serve the CPU only. torch registers gloo for "cpu" and "cuda"
-    whatever the machine has, and its state-dict helpers move tensors that live on neither
-    (XLA) to the group's first device type, which is CUDA: `set_state_dict(...,
-    StateDictOptions(broadcast_from_rank0=True))` then fails with "Found no NVIDIA driver".
+    """Without CUDA, "gloo" groups serve the CPU only. torch registers gloo for "cpu" and "cuda" whatever the machine
+    has, and its state-dict helpers move tensors that live on neither (XLA) to the group's first device type, which is
+    CUDA: `set_state_dict(..., StateDictOptions(broadcast_from_rank0=True))` then fails with "Found no NVIDIA driver".
     The rendezvous runs before the group's backends are made, so this reaches the group."""
     import torch
     from torch.distributed import Backend

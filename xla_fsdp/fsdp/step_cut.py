@@ -1,25 +1,16 @@
 """The graph cut of a training step, for FSDP2 loops written for GPUs (no `torch_xla.sync()`).
 
-[Note: the step cut] torch_xla traces lazily: nothing runs until something
-cuts the graph, which XLA training loops do once per step with
-`torch_xla.sync()` (or `xm.mark_step()`). A loop written for GPUs has no such
-line, so its pending graph grows by one step per iteration: each step
-compiles a program longer than the last, and reading a parameter after N
-steps (a state dict, `full_tensor()`) compiles N steps for that parameter
-alone. So when an optimizer steps over `fully_shard` parameters and nothing
-cut the graph since the previous step, the step is cut right after
-`optimizer.step()` returns: one program per step, the same one every step,
-and the parameters after a step are device data that a save reads at once.
+[Note: the step cut] torch_xla traces lazily: nothing runs until something cuts the graph, which XLA training loops do
+once per step with `torch_xla.sync()` (or `xm.mark_step()`). A loop written for GPUs has no such line, so its pending
+graph grows by one step per iteration: each step compiles a longer program, and reading a parameter after N steps
+compiles N steps for it alone. So when an optimizer steps over `fully_shard` parameters and nothing cut the graph since
+the previous step, the step is cut right after `optimizer.step()` returns: one program per step, the same every step.
 
-A loop that cuts by itself gets no cut of ours. Whether it does is read off
-torch_xla's count of graph cuts ("MarkStep", which `torch_xla.sync()`,
-`xm.mark_step()` and `xm.optimizer_step(..., barrier=True)` advance and
-reading a value does not): if the count moved between two optimizer steps,
-the loop cuts, and we leave it alone. The first step gives no such
-evidence (a loop's own cut comes after `optimizer.step()`), so its decision
-waits until the loop shows its hand: the root module's next forward, or a
-state dict taken before it, cuts the first step if the loop did not.
-"""
+A loop that cuts by itself gets no cut of ours: if torch_xla's count of graph cuts ("MarkStep", which
+`torch_xla.sync()`, `xm.mark_step()` and `xm.optimizer_step(..., barrier=True)` advance and reading a value does not)
+moved between two optimizer steps, the loop cuts. The first step gives no such evidence (a loop's own cut comes after
+`optimizer.step()`), so the root module's next forward, or a state dict taken before it, cuts the first step if the loop
+did not."""
 from __future__ import annotations
 
 from typing import Optional
@@ -75,14 +66,14 @@ def _after_step(optimizer, args, kwargs) -> None:
 
 
 def before_state_dict(module, prefix, keep_vars) -> None:
-    """State-dict pre-hook of every fully_shard unit: a state dict reads every parameter, so the
-    first step is settled first."""
+    """State-dict pre-hook of every fully_shard unit: a state dict reads every parameter, so the first step is settled
+    first."""
     settle()
 
 
 def settle() -> None:
-    """Before the root's forward and before a state dict: cut the first step if the loop did not
-    (see [Note: the step cut]). Cheap when there is nothing to decide."""
+    """Before the root's forward and before a state dict: cut the first step if the loop did not (see
+    [Note: the step cut]). Cheap when there is nothing to decide."""
     if not _Cuts.undecided:
         return
     _Cuts.undecided = False

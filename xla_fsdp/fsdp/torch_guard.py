@@ -1,14 +1,10 @@
 """PyTorch's own `fully_shard` on an XLA model: an error that names ours.
 
-torch 2.9's `torch.distributed.fsdp.fully_shard` fails on XLA modules deep in
-its setup (no default process group, or no device handle for "xla"), with
-messages that do not say what to use instead. Once `xla_fsdp.fsdp` is
-imported, the helpers it calls first (building the default mesh, finding
-the mesh's device, moving the parameters to it) check for XLA and raise an error that names
-`xla_fsdp.fsdp.fully_shard`; everything else reaches PyTorch's code unchanged.
-The helpers are looked up in their module at call time, so this holds however
-the script imported PyTorch's `fully_shard`.
-"""
+torch 2.9's `torch.distributed.fsdp.fully_shard` fails on XLA modules deep in its setup (no default process group, or no
+device handle for "xla"), with messages that do not say what to use instead. Once `xla_fsdp.fsdp` is imported, the
+helpers it calls first (building the default mesh, finding the mesh's device, moving the parameters to it) check for XLA
+and raise an error that names `xla_fsdp.fsdp.fully_shard`; everything else reaches PyTorch's code unchanged. The helpers
+are looked up in their module at call time, so this holds however the script imported PyTorch's `fully_shard`."""
 from __future__ import annotations
 
 _MESSAGE = ("torch.distributed.fsdp.fully_shard does not run on XLA devices in torch 2.9; use "

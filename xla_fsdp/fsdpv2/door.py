@@ -1,33 +1,27 @@
 """torch_xla 2.9's `SpmdFullyShardedDataParallel` (FSDPv2) on the GSPMD engine.
 
-[Note: FSDPv2 on the GSPMD engine]
-torch_xla's FSDPv2 is a wrapper module: it marks every parameter of its module that carries no
-sharding yet as split over the mesh axis "fsdp", marks its output as split along the batch
-(`shard_output`), and nests: `auto_wrap_policy` picks units, each wrapped by
-`auto_wrapper_callable(unit, mesh=, shard_output=)` (default: the class itself). Ours trains the
-same way with the model as its own wrapper ([Note: no wrapper module] in xla_fsdp/api.py):
+[Note: FSDPv2 on the GSPMD engine] torch_xla's FSDPv2 is a wrapper module: it marks every parameter of its module that
+carries no sharding yet as split over the mesh axis "fsdp", marks its output as split along the batch (`shard_output`),
+and nests: `auto_wrap_policy` picks units, each wrapped by `auto_wrapper_callable(unit, mesh=, shard_output=)` (default:
+the class itself). Ours trains the same way with the model as its own wrapper ([Note: no wrapper module] in
+xla_fsdp/api.py):
 
-- the root call runs the GSPMD engine once (`apply_spmd_fsdp`) with the units the policy picks and
-  the batch split over "fsdp" and `extra_data_axis` (torch_xla's axes; other mesh axes hold
-  replicas). The engine calls the `auto_wrapper_callable` on each unit, and this class called from
-  inside it (torch_xla's `FSDPv2(checkpoint_module(m), *args, **kwargs)`) records the unit
-  instead of sharding it a second time;
-- then the root and each recorded unit become instances of this class (so of
-  `XlaFullyShardedDataParallel`) and run their `shard_output` after each forward (outputs.py);
-- torch_xla's `checkpoint_module` on the root or a recorded unit becomes the engine's own
-  recomputation (xla_fsdp/activation_checkpoint.py: the parameters are its inputs, Hugging Face KV
-  caches are dropped, the recomputation waits behind an optimization barrier).
+- the root call runs the GSPMD engine once (`apply_spmd_fsdp`) with the units the policy picks and the batch split over
+  "fsdp" and `extra_data_axis` (torch_xla's axes; other mesh axes hold replicas). The engine calls the
+  `auto_wrapper_callable` on each unit, and this class called from inside it (torch_xla's `FSDPv2(checkpoint_module(m),
+  *args, **kwargs)`) records the unit instead of sharding it a second time;
+- then the root and each recorded unit become instances of this class (so of `XlaFullyShardedDataParallel`) and run
+  their `shard_output` after each forward (outputs.py);
+- torch_xla's `checkpoint_module` on the root or a recorded unit becomes the engine's own recomputation
+  (xla_fsdp/activation_checkpoint.py).
 
-Differences that change no value: parameters are split on dim 0 (torch_xla splits each one's
-largest dim); the engine also pins activations inside units to the batch split ([Note: why
-annotate activations]); torch_xla's per-wrapper backward optimization barrier is not placed;
-state-dict keys are the model's own (torch_xla's gain `_orig_module.` per wrapper). torch_xla's
-nesting, children wrapped first and then the root, runs as torch_xla's does: the root's engine run
-takes the children as they are and shards what they leave (`applied_units`). What the engine
-cannot do torch_xla's way is refused by name: children over another mesh or batch split, children
-and a root policy together, an inner call with its own `auto_wrap_policy`, mesh or
-`extra_data_axis`, and torch_xla's own FSDP wrappers inside.
-"""
+Differences that change no value: parameters are split on dim 0 (torch_xla splits each one's largest dim); the engine
+also pins activations inside units to the batch split ([Note: why annotate activations]); torch_xla's per-wrapper
+backward optimization barrier is not placed; state-dict keys are the model's own (no `_orig_module.` per wrapper).
+torch_xla's nesting (children wrapped first, then the root) works: the root's engine run takes the children as they are
+and shards what they leave (`applied_units`). What the engine cannot do torch_xla's way is refused by name: children
+over another mesh or batch split, children and a root policy together, an inner call with its own `auto_wrap_policy`,
+mesh or `extra_data_axis`, and torch_xla's own FSDP wrappers inside."""
 from __future__ import annotations
 
 import difflib
@@ -52,12 +46,10 @@ _building = threading.local()  # .root: the root call whose auto_wrapper_callabl
 
 
 class SpmdFullyShardedDataParallel(GspmdFullyShardedDataParallel):
-    """torch_xla's `SpmdFullyShardedDataParallel(module, mesh=None, shard_output=None,
-    auto_wrap_policy=None, auto_wrapper_callable=None, extra_data_axis=None)` on the GSPMD engine
-    ([Note: FSDPv2 on the GSPMD engine]). `mesh` defaults to torch_xla's global mesh
-    (`xs.set_global_mesh`) and needs an axis named "fsdp"; the batch is split over "fsdp" and
-    `extra_data_axis`. Returns `module` itself; `.module` is the model too.
-    """
+    """torch_xla's `SpmdFullyShardedDataParallel(module, mesh=None, shard_output=None, auto_wrap_policy=None,
+    auto_wrapper_callable=None, extra_data_axis=None)` on the GSPMD engine ([Note: FSDPv2 on the GSPMD engine]). `mesh`
+    defaults to torch_xla's global mesh (`xs.set_global_mesh`) and needs an axis named "fsdp"; the batch is split over
+    "fsdp" and `extra_data_axis`. Returns `module` itself; `.module` is the model too."""
 
     def __new__(cls, module: nn.Module = None, mesh=None, shard_output: Optional[Callable] = None,
                 auto_wrap_policy: Optional[Callable] = None, auto_wrapper_callable: Optional[Callable] = None,
@@ -69,14 +61,13 @@ class SpmdFullyShardedDataParallel(GspmdFullyShardedDataParallel):
             return root.inner_call(module, mesh, shard_output, auto_wrap_policy, extra_data_axis)
         if isinstance(module, nn.Module):
             retie(module)  # [Note: ties lost on the way to the device]
-        return _Root(module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable,
-                     extra_data_axis).apply(cls)
+        return _Root(module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable, extra_data_axis).apply(cls)
 
     def __init__(self, *args, **kwargs):  # noqa: D107 - made in __new__
         pass
 
-    # torch_xla's wrapper keeps the module it wraps and its mesh under these names, and scripts read
-    # them; here the model is its own wrapper
+    # torch_xla's wrapper keeps the module it wraps and its mesh under these names, and scripts read them; here the
+    # model is its own wrapper
     @property
     def _orig_module(self) -> nn.Module:
         return self
@@ -156,8 +147,8 @@ class _Root:
         return result
 
     def inner_call(self, module, mesh, shard_output, policy, extra_data_axis) -> nn.Module:
-        """`SpmdFullyShardedDataParallel(unit, ...)` inside the root's auto_wrapper_callable:
-        record the unit (the root's engine run shards it)."""
+        """`SpmdFullyShardedDataParallel(unit, ...)` inside the root's auto_wrapper_callable: record the unit (the
+        root's engine run shards it)."""
         _check_module(module)
         _check_callables(shard_output=shard_output)
         if policy is not None:
@@ -180,10 +171,10 @@ class _Root:
 
 
 def _wrapped_children(module: nn.Module, mesh, batch_axes, policy) -> List[nn.Module]:
-    """Modules inside `module` an earlier call of this class sharded as its root, outermost first
-    (torch_xla's nesting: `model.fc1 = FSDPv2(model.fc1, mesh=mesh)`, ..., then `FSDPv2(model,
-    mesh=mesh)`): the root's call takes them as they are and shards what they leave. Any other
-    wrapper inside is refused, and so is a child over another mesh or batch split."""
+    """Modules inside `module` an earlier call of this class sharded as its root, outermost first (torch_xla's nesting:
+    `model.fc1 = FSDPv2(model.fc1, mesh=mesh)`, ..., then `FSDPv2(model, mesh=mesh)`): the root's call takes them as
+    they are and shards what they leave. Any other wrapper inside is refused, and so is a child over another mesh or
+    batch split."""
     children, taken, other = [], set(), []
     for name, m in module.named_modules():
         if m is module or id(m) in taken:

@@ -1,11 +1,10 @@
 """`shard_output`: what torch_xla's FSDPv2 calls on each wrapped module's output.
 
-torch_xla's wrapper runs `shard_output(output, mesh)` after the module's forward, for the root and
-for every auto-wrapped unit, and ignores what it returns (it annotates in place). Its default marks
-the output, or the first element of a tuple output, as split on dim 0 over the batch axes, and
-refuses any other output. Both only annotate: values never change. The GSPMD engine has already
-annotated the same tensors along the batch when the hook runs, so with the default the annotation
-is the same one; a user's `shard_output` (Hugging Face's marks `output.logits`) overrides it.
+torch_xla's wrapper runs `shard_output(output, mesh)` after the module's forward, for the root and for every
+auto-wrapped unit, and ignores what it returns (it annotates in place). Its default marks the output, or the first
+element of a tuple output, as split on dim 0 over the batch axes, and refuses any other output. Both only annotate:
+values never change. The GSPMD engine has already annotated the same tensors along the batch when the hook runs, so with
+the default the annotation is the same one; a user's `shard_output` (Hugging Face's marks `output.logits`) overrides it.
 """
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ ShardOutput = Callable[[Any, Any], Any]
 
 
 def output_spec(tensor: torch.Tensor, batch_axes: Sequence[str]) -> tuple:
-    """torch_xla's default spec: dim 0 over the batch axes (`(extra_data_axis, "fsdp")` or
-    `"fsdp"`), the rest replicated; a 0-dim tensor replicated."""
+    """torch_xla's default spec: dim 0 over the batch axes (`(extra_data_axis, "fsdp")` or `"fsdp"`), the rest
+    replicated; a 0-dim tensor replicated."""
     if tensor.dim() == 0:
         return ()
     first = batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes)
@@ -50,8 +49,8 @@ def default_shard_output(output: Any, mesh, batch_axes: Sequence[str], owner: st
 
 
 def install(unit: nn.Module, shard_output: Optional[ShardOutput], mesh, batch_axes: Sequence[str]) -> None:
-    """Run `shard_output` (torch_xla's default when None) on `unit`'s output after each forward,
-    after the engine's own output annotation (a hook registered later runs later)."""
+    """Run `shard_output` (torch_xla's default when None) on `unit`'s output after each forward, after the engine's own
+    output annotation (a hook registered later runs later)."""
     owner = original_class(unit).__name__
 
     def hook(module: nn.Module, args, output):

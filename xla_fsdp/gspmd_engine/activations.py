@@ -1,25 +1,20 @@
 """Activation shardings and activation checkpointing for SPMD units.
 
 [Note: why annotate activations]
-With only the parameters annotated, GSPMD propagates the dim-0 parameter
-sharding into the activations (e.g. a row-sharded embedding makes the
-hidden states look sharded on a feature dim) and later has to undo it with a
-full rematerialization ("Involuntary full rematerialization" in the XLA log).
-Pinning every unit's inputs and outputs, and their gradients, to a batch-dim
-sharding leaves the partitioner one consistent choice: gather the parameter,
-keep the batch split. Annotations never change values, only layouts.
+With only the parameters annotated, GSPMD propagates the dim-0 parameter sharding into the activations (e.g. a
+row-sharded embedding makes the hidden states look sharded on a feature dim) and later has to undo it with a full
+rematerialization ("Involuntary full rematerialization" in the XLA log). Pinning every unit's inputs and outputs, and
+their gradients, to a batch-dim sharding leaves the partitioner one consistent choice: gather the parameter, keep the
+batch split. Annotations never change values, only layouts.
 
-Unit boundaries alone are not enough inside a unit. The weight gradient of
-`x @ W` with W sharded on dim 0 is local if `x` is split on its feature dim,
-so propagating backwards from the gradient's sharding GSPMD moved GPT-2's
-attention output (an unannotated chain of reshapes and transposes) to a
-feature split: 4 all-to-alls and an activation-sized all-reduce per block.
-So the inputs of every module that owns parameters are pinned to the batch
-split too (the matmul's input is then fixed and the weight is gathered).
+Unit boundaries alone are not enough inside a unit. The weight gradient of `x @ W` with W sharded on dim 0 is local if
+`x` is split on its feature dim, so propagating backwards from the gradient's sharding GSPMD moved GPT-2's attention
+output (an unannotated chain of reshapes and transposes) to a feature split: 4 all-to-alls and an activation-sized
+all-reduce per block. So the inputs of every module that owns parameters are pinned to the batch split too (the matmul's
+input is then fixed and the weight is gathered).
 
-Only tensors whose dim 0 equals the batch size seen at the root are
-annotated; anything else (masks broadcast over the batch, position tables)
-is left to propagation.
+Only tensors whose dim 0 equals the batch size seen at the root are annotated; anything else (masks broadcast over the
+batch, position tables) is left to propagation.
 """
 
 from __future__ import annotations
@@ -56,34 +51,27 @@ class BatchSharding:
         return self.spec(tensor)[0] if self._applies(tensor) else None
 
     def _applies(self, tensor: Any) -> bool:
-        return (
-            isinstance(tensor, torch.Tensor)
-            and tensor.dim() > 0
-            and self.batch_size is not None
-            and tensor.shape[0] == self.batch_size
-        )
+        return (isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and self.batch_size is not None
+                and tensor.shape[0] == self.batch_size)
 
     def root_inputs(self, module: nn.Module, args: Tuple, kwargs: Dict) -> None:
         """Forward pre-hook of the root: shards batch inputs in place."""
-        first = next(
-            (t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0), None
-        )
+        first = next((t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0),
+                     None)
         self.batch_size = None if first is None else int(first.shape[0])
         shards = data_degree(self.mesh, self.axes)
         if self.batch_size is not None and self.batch_size % shards != 0:
             if not self._warned:
-                warnings.warn(
-                    f"batch size {self.batch_size} is not divisible by the {shards} "
-                    "shards of the batch (devices of its mesh axes); activations are "
-                    "left unannotated and the partitioner may replicate them. Use a "
-                    "global batch that is a multiple of the device count."
-                )
+                warnings.warn(f"batch size {self.batch_size} is not divisible by the {shards} "
+                              "shards of the batch (devices of its mesh axes); activations are "
+                              "left unannotated and the partitioner may replicate them. Use a "
+                              "global batch that is a multiple of the device count.")
                 self._warned = True
             self.batch_size = None
             return
         for tensor in list(args) + list(kwargs.values()):
-            # In place: the inputs are usually device data, and sharding the data
-            # itself means each device only receives its slice.
+            # In place: the inputs are usually device data, and sharding the data itself means each device only
+            # receives its slice.
             if self._applies(tensor) and not is_sharded(tensor):
                 xs.mark_sharding(tensor, self.mesh, self.spec(tensor))
 
@@ -97,8 +85,7 @@ class BatchSharding:
         if isinstance(tree, list):
             return [self.annotate(t) for t in tree]
         if isinstance(tree, dict):
-            # Model outputs (dict subclasses) cannot always be rebuilt; annotate
-            # their tensors in place (forward only).
+            # Model outputs (dict subclasses) cannot always be rebuilt; annotate their tensors in place (forward only).
             for value in tree.values():
                 if self._applies(value):
                     xs.mark_sharding(value, self.mesh, self.spec(value))
@@ -112,15 +99,11 @@ class BatchSharding:
 
 
 class CheckpointedForward:
-    """A unit's forward run under xla_fsdp's activation checkpoint, the
-    collectives engine's (xla_fsdp/activation_checkpoint.py), recomputation
-    behind an optimization barrier included ([Note: recompute barrier]).
-
-    Not torch_xla's checkpoint, which gave a unit fed only data (the first
-    layer) no parameter gradients ([Note: parameters as checkpoint inputs]) and
-    updated BatchNorm statistics a second time in the recomputation ([Note: what
-    a recomputation sees]).
-    """
+    """A unit's forward run under xla_fsdp's activation checkpoint, the collectives engine's
+    (xla_fsdp/activation_checkpoint.py), recomputation behind an optimization barrier included ([Note: recompute
+    barrier]). Not torch_xla's checkpoint, which gave a unit fed only data (the first layer) no parameter gradients
+    ([Note: parameters as checkpoint inputs]) and updated BatchNorm statistics a second time in the recomputation
+    ([Note: what a recomputation sees])."""
 
     def __init__(self, unit: nn.Module, inner: Callable[..., Any], own_view: Optional[ComputeView]):
         self.unit = unit
@@ -129,8 +112,7 @@ class CheckpointedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         def run(*a: Any, **k: Any) -> Any:
-            # The unit's own parameter views are set by hooks around __call__,
-            # which the recompute in backward does not go through.
+            # The unit's own parameter views are set by hooks around __call__, which the recompute does not go through.
             if self.own_view is not None:
                 self.own_view.enter()
             try:

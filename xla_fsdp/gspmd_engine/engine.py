@@ -1,25 +1,17 @@
 """The SPMD engine (`engine="spmd"`, Hugging Face's `xla_fsdp_v2`).
 
-FSDP expressed as shardings: every parameter is sharded on dim 0 over the
-mesh axis "fsdp" and the XLA SPMD partitioner inserts the all-gathers and
-reduce-scatters (see [Note: SPMD sharding layout] in xla_fsdp/runtime/mesh.py). The
-module is changed in place, so parameter names and state-dict keys are the
-unwrapped model's. The steps, in order:
+FSDP expressed as shardings: every parameter is sharded on dim 0 over the mesh axis "fsdp" and the XLA SPMD partitioner
+inserts the all-gathers and reduce-scatters (see [Note: SPMD sharding layout] in xla_fsdp/runtime/mesh.py). The module
+is changed in place, so parameter names and state-dict keys are the unwrapped model's. The steps, in order:
 
-1. find the units (auto-wrap policy), innermost first; apply
-   `auto_wrapper_callable` to each non-root unit;
-2. per unit: materialize meta tensors (`param_init_fn`), move its tensors to
-   the XLA device and shard its parameters;
-3. install the compute views: each module computes with a compute-dtype
-   and/or gathered (replicated-annotated) copy of its parameters
-   ([Note: gathering parameters by annotation] in params.py);
-4. give layer norms a batch-partitionable forward ([Note: why the SPMD
-   engine rewrites LayerNorm] in norms.py);
+1. find the units (auto-wrap policy), innermost first; apply `auto_wrapper_callable` to each non-root unit;
+2. per unit: materialize meta tensors (`param_init_fn`), move its tensors to the XLA device and shard its parameters;
+3. install the compute views: each module computes with a compute-dtype and/or gathered (replicated-annotated) copy of
+   its parameters ([Note: gathering parameters by annotation] in params.py);
+4. give layer norms a batch-partitionable forward ([Note: why the SPMD engine rewrites LayerNorm] in norms.py);
 5. checkpoint every non-root unit if asked;
-6. annotate activations on the batch dim ([Note: why annotate activations]
-   in activations.py):
-   the inputs and outputs of every unit and the inputs of every module that
-   owns parameters.
+6. annotate activations on the batch dim ([Note: why annotate activations] in activations.py): the inputs and outputs
+   of every unit and the inputs of every module that owns parameters.
 """
 
 from __future__ import annotations
@@ -52,8 +44,7 @@ from xla_fsdp.gspmd_engine.units import (
     unit_tensors,
 )
 
-# Roots already handled: a second application would stack a second set of
-# hooks (double casts and annotations). Weak, so models can be freed.
+# Roots already handled: a second application would stack a second set of hooks (double casts and annotations).
 _applied: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
@@ -67,31 +58,23 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
 
     Args:
       module: the model; may hold meta tensors (see `param_init_fn`).
-      mesh: a mesh with an axis named "fsdp"; default a 1-D mesh over every
-        device of this process.
-      compute_dtype: dtype parameters are cast to for forward/backward math;
-        the Parameters (and gradients, optimizer state) stay in their dtype.
+      mesh: a mesh with an axis named "fsdp"; default a 1-D mesh over every device of this process.
+      compute_dtype: dtype parameters are cast to for forward/backward math; the Parameters (and gradients,
+        optimizer state) stay in their dtype.
       buffer_dtype: dtype floating buffers are stored in.
-      auto_wrap_policy: `policy(module=, recurse=, unwrapped_params=) -> bool`
-        choosing the units (torch_xla / xla_fsdp.wrap protocol).
-      auto_wrapper_callable: `fn(unit) -> module` applied to every non-root
-        unit before sharding; if it returns a different module, that module is
-        installed under the unit's name (and its parameter names are used).
-      param_init_fn: `fn(unit)` called for each unit that still has meta
-        tensors, before they are sharded; default: `to_empty` on the host and
-        `reset_parameters()`.
+      auto_wrap_policy: `policy(module=, recurse=, unwrapped_params=) -> bool` choosing the units (torch_xla /
+        xla_fsdp.wrap protocol).
+      auto_wrapper_callable: `fn(unit) -> module` applied to every non-root unit before sharding; if it returns a
+        different module, that module is installed under the unit's name (and its parameter names are used).
+      param_init_fn: `fn(unit)` called for each unit that still has meta tensors, before they are sharded; default:
+        `to_empty` on the host and `reset_parameters()`.
       activation_checkpointing: recompute every non-root unit in backward.
-      gather_params: make every module compute with a replicated view of its
-        parameters, forcing FSDP's all-gather / reduce-scatter pattern instead
-        of letting GSPMD choose ([Note: gathering parameters by annotation]).
-      scan_layers: run each nn.ModuleList of identical units as one XLA While
-        loop ([Note: scanning the layers of a ModuleList] in scan.py); with
-        activation_checkpointing each layer is recomputed inside the loop. True
-        stores each parameter of the scanned layers once, stacked ([Note:
-        parameters stored stacked] in stacked.py); "per_step" keeps per-layer
-        parameters and stacks them every step (for optimizers with per-tensor
-        statistics other than Hugging Face's Adafactor, which runs per layer on
-        stored stacks).
+      gather_params: make every module compute with a replicated view of its parameters, forcing FSDP's all-gather /
+        reduce-scatter pattern instead of letting GSPMD choose ([Note: gathering parameters by annotation]).
+      scan_layers: run each nn.ModuleList of identical units as one XLA While loop ([Note: scanning the layers of a
+        ModuleList]), each layer recomputed inside it with activation_checkpointing. True stores each parameter of
+        the layers once, stacked ([Note: parameters stored stacked]); "per_step" stacks per-layer parameters every
+        step (for optimizers with per-tensor statistics other than Hugging Face's Adafactor).
       applied_units: submodules this engine sharded on their own, same mesh and batch axes (torch_xla's
         FSDPv2 nesting): left as they are; the root takes what they leave.
       remat_policy: what each checkpointed unit saves ([Note: recomputation policies]); default "full".
@@ -149,9 +132,8 @@ def _checked_mesh(module: nn.Module, mesh: Optional[xs.Mesh], batch_axes: Option
     """The mesh to shard over, once SPMD mode, a first application and the batch axes are checked."""
     check_spmd_came_first("the SPMD engine")
     if module in _applied:
-        raise ValueError(
-            f"{type(module).__name__} is already sharded by the SPMD engine; apply it once, to the root model."
-        )
+        raise ValueError(f"{type(module).__name__} is already sharded by the SPMD engine; apply it once, to the root "
+                         "model.")
     if mesh is not None:
         from xla_fsdp.runtime.slices import check_within_slices
 
@@ -159,10 +141,8 @@ def _checked_mesh(module: nn.Module, mesh: Optional[xs.Mesh], batch_axes: Option
     mesh = resolve_mesh(mesh)
     unknown = [a for a in batch_axes or () if a not in mesh.axis_names]
     if unknown or batch_axes is not None and not batch_axes:
-        raise ValueError(
-            f"batch_axes {batch_axes!r} must name axes of the mesh "
-            f"{tuple(mesh.axis_names)} (at least one); default: all of them."
-        )
+        raise ValueError(f"batch_axes {batch_axes!r} must name axes of the mesh "
+                         f"{tuple(mesh.axis_names)} (at least one); default: all of them.")
     return mesh
 
 
@@ -187,19 +167,16 @@ def _param_owners(root: nn.Module, exclude: List[nn.Module]) -> List[nn.Module]:
     return [m for m in root.modules() if id(m) not in skip and owns_parameters(m)]
 
 
-def _apply_wrapper(
-    root: nn.Module, units: List[nn.Module], wrapper: Callable[[nn.Module], nn.Module]
-) -> List[nn.Module]:
+def _apply_wrapper(root: nn.Module, units: List[nn.Module],
+                   wrapper: Callable[[nn.Module], nn.Module]) -> List[nn.Module]:
     """Runs `wrapper` on each non-root unit and installs what it returns."""
     parents = {child: (parent, name) for parent in root.modules() for name, child in parent.named_children()}
     wrapped: List[nn.Module] = []
     for unit in units[:-1]:
         result = wrapper(unit)
         if not isinstance(result, nn.Module):
-            raise TypeError(
-                f"auto_wrapper_callable returned {type(result).__name__} for unit "
-                f"{type(unit).__name__}; it must return an nn.Module."
-            )
+            raise TypeError(f"auto_wrapper_callable returned {type(result).__name__} for unit "
+                            f"{type(unit).__name__}; it must return an nn.Module.")
         if result is not unit:
             parent, name = parents[unit]
             setattr(parent, name, result)

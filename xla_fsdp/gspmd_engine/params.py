@@ -1,35 +1,26 @@
-"""What a module computes with: a gathered, compute-dtype view of its sharded
-parameters (the SPMD engine's unshard, written as a sharding).
+"""What a module computes with: a gathered, compute-dtype view of its sharded parameters (the SPMD engine's unshard,
+written as a sharding).
 
 [Note: gathering parameters by annotation]
-Sharding a weight on dim 0 and the activations on the batch does not make
-GSPMD do FSDP: for `x @ W` with W split on its contracting dim the
-partitioner may instead move `x` to a contracting-dim split (all-to-all) and
-all-reduce partial sums, i.e. tensor parallelism with activation traffic.
-So, with `gather_params=True`, for the length of each module's own forward,
-every parameter is swapped for a view annotated as replicated
-(`ShardedView`): the forward must
-all-gather the weight, and the view's gradient is annotated with the
-Parameter's dim-0 sharding, so the backward reduce-scatters it. That is FSDP
-exactly, and leaves activations batch-sharded end to end. It is off by
-default: with the batch annotations (activations.py) GSPMD already
-gathers the blocks' weights and keeps their activations on the batch split,
-and where it may choose (embedding lookup, LM head) it picks vocab-parallel
-forms that move activations instead of the embedding table; on the CPU
-benchmark both settings measure the same within noise (bench/spmd_step.py).
-Turn it on where weight traffic must stay independent of batch and sequence
-length (large activations) or to get exactly FSDP's collectives.
+Sharding a weight on dim 0 and the activations on the batch does not make GSPMD do FSDP: for `x @ W` with W split on its
+contracting dim the partitioner may instead move `x` to a contracting-dim split (all-to-all) and all-reduce partial
+sums, i.e. tensor parallelism with activation traffic. So, with `gather_params=True`, for the length of each module's
+own forward, every parameter is swapped for a view annotated as replicated (`ShardedView`): the forward must all-gather
+the weight, and the view's gradient is annotated with the Parameter's dim-0 sharding, so the backward reduce-scatters
+it. That is FSDP exactly, and leaves activations batch-sharded end to end. It is off by default: with the batch
+annotations (activations.py) GSPMD already gathers the blocks' weights and keeps their activations on the batch split,
+and where it may choose (embedding lookup, LM head) it picks vocab-parallel forms that move activations instead of the
+table; on the CPU benchmark both settings measure the same. Turn it on where weight traffic must stay independent of
+batch and sequence length (large activations) or to get exactly FSDP's collectives.
 
 [Note: casting sharded parameters]
-With a compute dtype the view is `param.to(compute_dtype)` before the
-replicated annotation. The cast is differentiable, so the gradient lands on
-the fp32 Parameter in fp32, and because the cast precedes the gather the
-partitioner gathers the low-precision copy (half the bytes).
+With a compute dtype the view is `param.to(compute_dtype)` before the replicated annotation. The cast is differentiable,
+so the gradient lands on the fp32 Parameter in fp32, and because the cast precedes the gather the partitioner gathers
+the low-precision copy (half the bytes).
 
-The swap writes `module._parameters[name]` directly, the same trick PyTorch
-FSDP2 uses, because `setattr` refuses a non-Parameter. It is per module
-owning the tensor, not per unit, so a checkpointed unit recomputes (and
-re-gathers) the same views in backward.
+The swap writes `module._parameters[name]` directly, the same trick PyTorch FSDP2 uses, because `setattr` refuses a
+non-Parameter. It is per module owning the tensor, not per unit, so a checkpointed unit recomputes (and re-gathers) the
+same views in backward.
 """
 
 from __future__ import annotations
@@ -90,15 +81,11 @@ def cast_floating(tree, dtype: torch.dtype):
     return tree
 
 
-def install_compute_views(
-    root: nn.Module, dtype: Optional[torch.dtype], mesh: xs.Mesh, gather: bool
-) -> Tuple[List[RemovableHandle], Dict[nn.Module, ComputeView]]:
-    """Installs views on every module under `root` owning parameters; with a
-    compute dtype, also casts root's floating inputs.
-
-    Returns the hook handles and the per-module views (the checkpoint wrapper
-    re-enters a unit's own view during recompute, which runs outside hooks).
-    """
+def install_compute_views(root: nn.Module, dtype: Optional[torch.dtype], mesh: xs.Mesh,
+                          gather: bool) -> Tuple[List[RemovableHandle], Dict[nn.Module, ComputeView]]:
+    """Installs views on every module under `root` owning parameters; with a compute dtype, also casts root's floating
+    inputs. Returns the hook handles and the per-module views (the checkpoint wrapper re-enters a unit's own view during
+    recompute, which runs outside hooks)."""
     handles: List[RemovableHandle] = []
     views: Dict[nn.Module, ComputeView] = {}
     if dtype is None and not gather:

@@ -1,43 +1,29 @@
 """Hugging Face Trainer on xla_fsdp: `xla_fsdp.integrations.transformers.enable()`.
 
-After `enable()`, a `transformers.Trainer` run with `--fsdp
---fsdp_config cfg.json`, where `cfg.json` holds `"xla": true`, wraps the model
-with xla_fsdp's collective engine instead of torch_xla's FSDP (with
-`"xla_fsdp_v2": true`, with xla_fsdp's GSPMD engine instead of torch_xla's
-FSDPv2). Nothing in transformers is edited; these names are replaced, each the
-narrowest point that serves (transformers 5.23; other versions are refused):
+After `enable()`, a `transformers.Trainer` run with `--fsdp --fsdp_config cfg.json`, where `cfg.json` holds
+`"xla": true`, wraps the model with xla_fsdp's collective engine instead of torch_xla's FSDP (with
+`"xla_fsdp_v2": true`, with xla_fsdp's GSPMD engine instead of torch_xla's FSDPv2). Nothing in transformers is edited;
+these names are replaced, each the narrowest point that serves (transformers 5.23; other versions are refused):
 
-- `transformers.trainer.wrap_model_xla_fsdp`: wraps with the config's
-  `xla_fsdp_settings` (dtype strings already converted by TrainingArguments),
-  the layer classes or size threshold, and `xla_fsdp_grad_ckpt` as
-  `FSDP(checkpoint_module(layer))`; a second call (a second `train()`)
-  returns the model as it is.
-- `transformers.trainer.save_tpu_checkpoint`: gathers the full model (every
-  rank) and writes a `save_pretrained` directory on the main process, instead
-  of per-rank files consolidated by torch_xla's function (which cannot read
-  xla_fsdp's shards).
-- `Trainer._clip_grad_norm` / `Trainer._get_grad_norm`: the norm over all
-  shards (`model.clip_grad_norm_`), and marks the gradients synced, because
-  Accelerate would otherwise all-reduce (sum) every rank's *different*
-  shard gradients before the optimizer step on XLA.
-- `Trainer.__init__`: refuses a URL `output_dir` (gs://...) by name before
-  transformers makes a local folder of it (`./gs:/...`): the Trainer writes
-  with os and shutil, so a bucket needs a mount (gcsfuse); and turns
-  `dataloader_pin_memory` off under the SPMD runtime, where torch's
-  pin_memory fails and the Trainer would end at step 0.
-- `Trainer._load_optimizer_and_scheduler`: refuses per-rank optimizer files
-  of another world size, which transformers skips without a word (use
-  `xla_fsdp.checkpoint` to reshard).
-- `Trainer.compute_loss`: under the single controller, divides
-  `num_items_in_batch` by the devices the batch is split over before the
-  model sees it; `Trainer.get_optimizer_cls_and_kwargs`: no fused AdamW on
-  XLA; and transformers' `is_tracing` (true inside the collective engine's
-  per-device region). `enable()` also turns on the SPMD runtime under
+- `transformers.trainer.wrap_model_xla_fsdp`: wraps with the config's `xla_fsdp_settings` (dtype strings already
+  converted by TrainingArguments), the layer classes or size threshold, and `xla_fsdp_grad_ckpt` as
+  `FSDP(checkpoint_module(layer))`; a second call (a second `train()`) returns the model as it is.
+- `transformers.trainer.save_tpu_checkpoint`: gathers the full model (every rank) and writes a `save_pretrained`
+  directory on the main process (torch_xla's consolidation cannot read xla_fsdp's shards).
+- `Trainer._clip_grad_norm` / `Trainer._get_grad_norm`: the norm over all shards (`model.clip_grad_norm_`), and marks
+  the gradients synced, because Accelerate would otherwise all-reduce (sum) every rank's *different* shard gradients
+  before the optimizer step on XLA.
+- `Trainer.__init__`: refuses a URL `output_dir` (gs://...) before transformers makes a local folder `./gs:/...` of it
+  (the Trainer writes with os and shutil: a bucket needs a gcsfuse mount); and turns `dataloader_pin_memory` off under
+  the SPMD runtime, where torch's pin_memory fails and the Trainer would end at step 0.
+- `Trainer._load_optimizer_and_scheduler`: refuses per-rank optimizer files of another world size, which transformers
+  skips without a word (use `xla_fsdp.checkpoint` to reshard).
+- `Trainer.compute_loss`: under the single controller, divides `num_items_in_batch` by the devices the batch is split
+  over before the model sees it; `Trainer.get_optimizer_cls_and_kwargs`: no fused AdamW on XLA; and transformers'
+  `is_tracing` (true inside the collective engine's per-device region). `enable()` also turns on the SPMD runtime under
   the single controller (`environment.runtime`). Why: transformers_runtime.py.
 
-Gradient accumulation goes through Accelerate's `no_sync(model)`, which calls
-the model's `no_sync()`.
-"""
+Gradient accumulation goes through Accelerate's `no_sync(model)`, which calls the model's `no_sync()`."""
 from __future__ import annotations
 
 import functools
@@ -128,7 +114,7 @@ def wrap_model(model, args, is_fsdp_xla_v2_enabled: bool):
                              "partitioner places the gathers itself); remove it or set xla_fsdp_v2 to false")
         settings = dict(args.xla_fsdp_config)
         extra = sorted(set(settings) - {"compute_dtype", "buffer_dtype"})
-        if extra:  # the SPMD engine takes these two only; the others were dropped silently until 2026-11-29
+        if extra:  # the SPMD engine takes these two only
             raise ValueError(f"fsdp_config xla_fsdp_settings {extra} have no effect with xla_fsdp_v2 (the SPMD "
                              "partitioner places the collectives); remove them or set xla_fsdp_v2 to false")
         return FSDP(model, engine="spmd", activation_checkpointing=grad_ckpt, **settings, **kwargs)
@@ -138,8 +124,8 @@ def wrap_model(model, args, is_fsdp_xla_v2_enabled: bool):
 
 
 def _prefetch_kwargs(config) -> Dict[str, Any]:
-    """fsdp_config's forward_prefetch / backward_prefetch (Hugging Face's names and spellings,
-    "fsdp_" prefix already stripped by TrainingArguments) as engine keywords, checked."""
+    """fsdp_config's forward_prefetch / backward_prefetch (Hugging Face's names and spellings, "fsdp_" prefix already
+    stripped by TrainingArguments) as engine keywords, checked."""
     from xla_fsdp.config import FSDPConfig
 
     forward, backward = config.get("forward_prefetch"), config.get("backward_prefetch")
@@ -221,9 +207,9 @@ def _trainer_init(self, *args, **kwargs):
 
 
 def _no_pinned_memory_under_spmd(args) -> None:
-    """Under the SPMD runtime torch's `pin_memory` asks for a PrivateUse1 hooks interface that
-    torch_xla 2.9 does not register: the data loader's thread raises, and the Trainer ends at
-    step 0 saying the epoch had no sample. Pinned host memory buys XLA's transfers nothing."""
+    """Under the SPMD runtime torch's `pin_memory` asks for a PrivateUse1 hooks interface that torch_xla 2.9 does not
+    register: the data loader's thread raises, and the Trainer ends at step 0 saying the epoch had no sample. Pinned
+    host memory buys XLA's transfers nothing."""
     import torch_xla.runtime as xr
 
     if getattr(args, "dataloader_pin_memory", False) and xr.is_spmd():

@@ -1,23 +1,17 @@
 """What `xla_fsdp.integrations.transformers.enable()` sets up beyond the four replaced functions.
 
-- The single controller's runtime: under the single controller (`environment.runtime`)
-  (launch/xla_spawn.py sets it, e.g. `--num_cores 4` on CPU) torch_xla's SPMD
-  runtime is turned on (`xr.use_spmd()`) before any device use, so an
-  unchanged Trainer script sees one process and the engine shards over the
-  host's devices. Too late (tensors already on an XLA device without SPMD)
-  is an error that names the fix.
-- transformers' `is_tracing` is true inside the collective engine's
-  per-device region ([Note: host reads in the manual region] in
-  collective_engine/host_reads.py): its mask code then builds the causal
+- The single controller's runtime: under the single controller (`environment.runtime`) (launch/xla_spawn.py sets it,
+  e.g. `--num_cores 4` on CPU) torch_xla's SPMD runtime is turned on (`xr.use_spmd()`) before any device use, so an
+  unchanged Trainer script sees one process and the engine shards over the host's devices. Too late (tensors already on
+  an XLA device without SPMD) is an error that names the fix.
+- transformers' `is_tracing` is true inside the collective engine's per-device region
+  ([Note: host reads in the manual region] in collective_engine/host_reads.py): its mask code then builds the causal
   (and padding) mask from the attention mask without reading its values.
-- transformers 5.23's default optimizer, `adamw_torch_fused`, has no XLA
-  kernel: on an XLA device the Trainer gets `torch.optim.AdamW` unfused
-  (the same update), with a warning.
-- `num_items_in_batch` (the global count of label tokens the Trainer passes
-  to models whose loss sums over tokens) is divided by the devices the
-  batch is split over: each device's loss is then its sum over the global
-  count times D, and the region's mean over devices is the global loss.
-"""
+- transformers 5.23's default optimizer, `adamw_torch_fused`, has no XLA kernel: on an XLA device the Trainer gets
+  `torch.optim.AdamW` unfused (the same update), with a warning.
+- `num_items_in_batch` (the global count of label tokens the Trainer passes to models whose loss sums over tokens) is
+  divided by the devices the batch is split over: each device's loss is then its sum over the global count times D, and
+  the region's mean over devices is the global loss."""
 from __future__ import annotations
 
 import logging
@@ -68,8 +62,8 @@ def unfused_adamw(get_optimizer_cls_and_kwargs: Callable) -> Callable:
 
 
 def batch_split(model) -> int:
-    """How many devices the collective engine splits each batch over in this process (1 unless the
-    single controller runs it)."""
+    """How many devices the collective engine splits each batch over in this process (1 unless the single controller
+    runs it)."""
     from ..unit_state import state_of
 
     state = state_of(model)

@@ -1,12 +1,8 @@
-"""The front door's keywords: torch_xla's FSDPv1 list plus ours, what each does here, and the
-typed options they become.
+"""The front door's keywords: torch_xla's FSDPv1 list plus ours, what each does here, and the typed options they become.
 
-Every keyword of torch_xla 2.9's `XlaFullyShardedDataParallel` is accepted
-(`tests/test_keywords.py` reads its signature and fails on one that is not
-classified below). Those with no counterpart here have a documented
-behaviour (`NO_EFFECT`) or are refused when set (`REFUSED`); nothing is
-silently ignored that would change results.
-"""
+Every keyword of torch_xla 2.9's `XlaFullyShardedDataParallel` is accepted (`tests/test_keywords.py` reads its signature
+and fails on one that is not classified below). Those with no counterpart here have a documented behaviour (`NO_EFFECT`)
+or are refused when set (`REFUSED`); nothing is silently ignored that would change results."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -36,8 +32,7 @@ def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError(f"engine={kw['engine']!r} is not valid; use one of {ENGINES}")
     for name in REFUSED:
         if kw[name] != DEFAULTS[name]:
-            raise ValueError(f"{name} is a debugging switch of torch_xla's FSDP that xla_fsdp does not have; "
-                             "drop it")
+            raise ValueError(f"{name} is a debugging switch of torch_xla's FSDP that xla_fsdp does not have; drop it")
     if not isinstance(kw["shard_param_on_dim_0"], bool):
         # torch_xla tests its truth; a string such as "false" would then mean True
         raise TypeError(f"shard_param_on_dim_0={kw['shard_param_on_dim_0']!r} is not a bool; pass True or False "

@@ -1,12 +1,10 @@
-"""The one table of the front door's keywords: each keyword's default, whose it is, the doors that
-take it, and what it does here. Every list of keywords elsewhere is read off it: the front door's
-defaults and checks (resolve.py), what the GSPMD engine acts on, the fsdp_config's
-`xla_fsdp_settings` keys and the ones `xla_fsdp_v2` takes (config/schema.py); tests/test_keywords.py
-holds torch_xla's signature and docs/migration.md's tables to it.
+"""The one table of the front door's keywords: each keyword's default, whose it is, the doors that take it, and what it
+does here. Every list of keywords elsewhere is read off it: the front door's defaults and checks (resolve.py), what the
+GSPMD engine acts on, the fsdp_config's `xla_fsdp_settings` keys and the ones `xla_fsdp_v2` takes (config/schema.py);
+tests/test_keywords.py holds torch_xla's signature and docs/migration.md's tables to it.
 
-It imports nothing, so that the config package, whose module-level imports stay inside it
-(tests/test_layout.py), reads it without loading torch or an engine.
-"""
+It imports nothing, so that the config package, whose module-level imports stay inside it (tests/test_layout.py), reads
+it without loading torch or an engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +47,8 @@ KEYWORDS: Tuple[Keyword, ...] = (
     _t("sharding_groups", None, json=True),
     _t("sharding_rank", None, json=True),
     _t("sharding_world_size", None, json=True),
-    # torch_xla's False flattens each parameter before sharding it; the consolidated model is the same
-    # either way, which is all its users see (torch_xla_files.py reads torch_xla's files of both kinds)
+    # torch_xla's False flattens each parameter before sharding it; the consolidated model is the same either way, which
+    # is all its users see (torch_xla_files.py reads torch_xla's files of both kinds)
     _t("shard_param_on_dim_0", False, json=True, gspmd=True,
        effect="no effect: parameters are always sharded on dim 0 here, unflattened"),
     _t("pin_layout_in_collective_ops", True, json=True),
@@ -97,6 +95,6 @@ NO_EFFECT: Dict[str, str] = {k.name: k.effect.removeprefix("no effect: ") for k 
 REFUSED_WHEN_SET: Tuple[str, ...] = tuple(k.name for k in KEYWORDS if k.effect == REFUSED)
 GSPMD: Tuple[str, ...] = tuple(k.name for k in KEYWORDS if k.gspmd)
 JSON: Tuple[str, ...] = tuple(k.name for k in KEYWORDS if k.json)
-# the `xla_fsdp_settings` keys the GSPMD engine (`xla_fsdp_v2`) acts on; the others schedule explicit
-# collectives, which the XLA partitioner inserts itself there
+# the `xla_fsdp_settings` keys the GSPMD engine (`xla_fsdp_v2`) acts on; the others schedule explicit collectives, which
+# the XLA partitioner inserts itself there
 JSON_GSPMD: Tuple[str, ...] = tuple(k.name for k in KEYWORDS if k.json and k.gspmd and not k.effect)

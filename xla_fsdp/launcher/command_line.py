@@ -1,19 +1,18 @@
-"""xla_spawn's command line: its flags, how a command splits into them, the script and the
-script's own arguments; its exit codes and how it reports (one line on stderr, `xla_spawn: ...`)."""
+"""xla_spawn's command line: its flags, how a command splits into them, the script and the script's own arguments; its
+exit codes and how it reports (one line on stderr, `xla_spawn: ...`)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Optional
 
-from xla_fsdp.runtime import environment
 from xla_fsdp.runtime.environment import RUNTIME as RUNTIME_ENV  # noqa: F401 (the launcher's modules import it here)
 from xla_fsdp.runtime.environment import SCRIPT_MARKER as RUNTIME_MARKER
 from xla_fsdp.runtime.environment import SINGLE_CONTROLLER
 
 PROG = "xla_spawn"
-# CPU devices are virtual, so any count works; the cap only catches typos
-# (e.g. 400 for 4) before they build hundreds of device threads.
+# CPU devices are virtual, so any count works; the cap only catches typos (e.g. 400 for 4) before they build hundreds of
+# device threads.
 CPU_MAX_DEVICES = 64
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -23,7 +22,6 @@ QUIET_XLA_LOG_LEVEL = "2"  # TensorFlow's convention: 2 hides INFO and WARNING, 
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
 TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
                  "TPU_PROCESS_BOUNDS", "TPU_SKIP_MDS_QUERY")
-TORCH_XLA_SPMD_ENV = environment.TORCH_XLA_SPMD
 
 
 class UsageError(Exception):
@@ -37,10 +35,8 @@ def log(message: str) -> None:
 def split_argv(argv: list[str]) -> tuple[list[str], Optional[str], list[str]]:
     """Split ``argv`` into launcher flags, the script path and the script's args.
 
-    The script path is the first token that is neither a flag nor the value of
-    ``--num_cores``; nothing after it is looked at, so a script flag that
-    shares a launcher flag's name is never taken by the launcher.
-    """
+    The script path is the first token that is neither a flag nor the value of ``--num_cores``; nothing after it is
+    looked at, so a script flag that shares a launcher flag's name is never taken by the launcher."""
     launcher: list[str] = []
     i = 0
     while i < len(argv):

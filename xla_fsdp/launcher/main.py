@@ -1,5 +1,5 @@
-"""`python launch/xla_spawn.py [--num_cores N] [--spmd | --per_chip] SCRIPT ARGS...`: the
-launcher's steps in order (launch/xla_spawn.py's docstring says what each choice means)."""
+"""`python launch/xla_spawn.py [--num_cores N] [--spmd | --per_chip] SCRIPT ARGS...`: the launcher's steps in order
+(launch/xla_spawn.py's docstring says what each choice means)."""
 from __future__ import annotations
 
 import os
@@ -21,8 +21,8 @@ from xla_fsdp.launcher.single_controller import (choose_spmd, cpu_replicas, decl
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Launch as `python launch/xla_spawn.py *argv` (default: this process's arguments); returns the
-    exit status: the script's, 1 when it failed, 2 for a usage error, 130 when interrupted."""
+    """Launch as `python launch/xla_spawn.py *argv` (default: this process's arguments); returns the exit status: the
+    script's, 1 when it failed, 2 for a usage error, 130 when interrupted."""
     own_process = argv is None  # `python launch/xla_spawn.py ...`, not a call from Python code
     argv = sys.argv[1:] if argv is None else argv
     quiet_xla_logs()
@@ -33,8 +33,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("the training script path is missing (e.g. launch/run_clm.py)")
     try:
         if not Path(script).is_file():
-            raise UsageError(f"training script not found: {script} "
-                             f"(working directory: {os.getcwd()})")
+            raise UsageError(f"training script not found: {script} (working directory: {os.getcwd()})")
         device, source = detect_device(os.environ)
         if device == "TPU" and own_process:
             _start_with_faster_allocator()
@@ -51,8 +50,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _plan(options, script: str, device: str):
-    """The runtime and the device count the flags, the environment and the script ask for, and
-    what this device can run: (plan, single controller?, devices, the slice's chips or 0)."""
+    """The runtime and the device count the flags, the environment and the script ask for, and what this device can run:
+    (plan, single controller?, devices, the slice's chips or 0)."""
     spmd, why = choose_spmd(options, script, device, os.environ)
     counts = device_counts(device, spmd, os.environ)
     num_cores = parse_num_cores(options.num_cores, counts, spmd)
@@ -70,9 +69,9 @@ def _plan(options, script: str, device: str):
 
 
 def _set_environment(plan, device: str, chips: int) -> None:
-    """The environment the script (and its replicas) start in: the plan's variables, libtpu's flags
-    on a TPU (their budget depends on the slice: [Note: rings by default on a TPU]), and this
-    host's folder of the compile cache under the single controller (replicas choose their own)."""
+    """The environment the script (and its replicas) start in: the plan's variables, libtpu's flags on a TPU (their
+    budget depends on the slice: [Note: rings by default on a TPU]), and this host's folder of the compile cache under
+    the single controller (replicas choose their own)."""
     os.environ.update(plan.env)
     if device == "TPU":
         if chips and not libtpu_flags.chips_of(os.environ):
@@ -90,8 +89,8 @@ def _set_environment(plan, device: str, chips: int) -> None:
 
 
 def _run(script: str, script_args, plan, spmd: bool, num_cores: int) -> int:
-    """Run the script as it is written: a self-starting script's own start, a plain script once
-    as __main__ under the single controller, else its entry point in this process or spawned."""
+    """Run the script as it is written: a self-starting script's own start, a plain script once as __main__ under the
+    single controller, else its entry point in this process or spawned."""
     from xla_fsdp.runtime.choice import enter_single_controller
     from xla_fsdp.runtime.self_starting import entry_calls
 
@@ -123,10 +122,10 @@ def _run(script: str, script_args, plan, spmd: bool, num_cores: int) -> int:
 
 
 def _start_with_faster_allocator() -> None:
-    """[Note: libtpu's compile and the host's malloc] (xla_fsdp/runtime/allocator.py): on a TPU the
-    job's first step is a libtpu compile, which took 0.82x the time with jemalloc (docs/scan.md).
-    Start this command again with one preloaded when the host has one (the replicas inherit it);
-    returns when there is none, it is chosen already, or the malloc variable says `system`."""
+    """[Note: libtpu's compile and the host's malloc] (xla_fsdp/runtime/allocator.py): on a TPU the job's first step is
+    a libtpu compile, faster with jemalloc (docs/scan.md). Start this command again with one preloaded when the host has
+    one (the replicas inherit it); returns when there is none, it is chosen already, or the malloc variable says
+    `system`."""
     from xla_fsdp.runtime import allocator
 
     try:

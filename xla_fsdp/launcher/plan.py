@@ -1,6 +1,6 @@
-"""What the launcher will do, decided before the script is imported: the PJRT device and how
-many of it (`--num_cores`), the `LaunchPlan`, and the environment set before anything starts
-XLA (XLA's log level; on a TPU, libtpu's async-collective flags and the slice's chip count)."""
+"""What the launcher will do, decided before the script is imported: the PJRT device and how many of it (`--num_cores`),
+the `LaunchPlan`, and the environment set before anything starts XLA (XLA's log level; on a TPU, libtpu's
+async-collective flags and the slice's chip count)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,17 +14,16 @@ from xla_fsdp.launcher.command_line import (CPU_MAX_DEVICES, QUIET_XLA_LOG_LEVEL
 
 
 def quiet_xla_logs() -> None:
-    """Keep XLA's C++ warnings out of the job's output (one "GSPMD sharding propagation is
-    going to be deprecated" per compile, which no user can act on); errors still print.
-    A TF_CPP_MIN_LOG_LEVEL the user set wins (0 shows everything)."""
+    """Keep XLA's C++ warnings out of the job's output (one "GSPMD sharding propagation is going to be deprecated" per
+    compile, which no user can act on); errors still print. A TF_CPP_MIN_LOG_LEVEL the user set wins (0 shows
+    everything)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_XLA_LOG_LEVEL)
 
 
 def async_collective_flags() -> None:
-    """On a TPU, before libtpu starts and in the environment the replicas inherit: the
-    async-collective libtpu flags (xla_fsdp.tpu.libtpu_flags), unless the user set
-    LIBTPU_INIT_ARGS (theirs win, whole). Importing xla_fsdp sets them (that import is the
-    one place they are set); this only says so."""
+    """On a TPU, before libtpu starts and in the environment the replicas inherit: the async-collective libtpu flags
+    (xla_fsdp.tpu.libtpu_flags), unless the user set LIBTPU_INIT_ARGS (theirs win, whole). Importing xla_fsdp sets them
+    (that import is the one place they are set); this only says so."""
     from xla_fsdp.tpu import libtpu_flags
 
     users = libtpu_flags.users_own(os.environ)  # not the flags an earlier import of xla_fsdp set
@@ -51,10 +50,9 @@ def detect_device(environ: Mapping[str, str], dev_root: str = "/dev") -> tuple[s
     if environment.get(environment.PJRT_DEVICE, environ):
         return environment.get(environment.PJRT_DEVICE, environ).upper(), "from environment"
     dev = Path(dev_root)
-    # TPU v4 exposes /dev/accel<n>; v5e/v6e expose /dev/vfio/<n> (plus the
-    # /dev/vfio/vfio control node, which any VFIO host has).
-    has_tpu_files = any(dev.glob("accel*")) or any(
-        p.name.isdigit() for p in dev.glob("vfio/*"))
+    # TPU v4 exposes /dev/accel<n>; v5e/v6e expose /dev/vfio/<n> (plus the /dev/vfio/vfio control node, which any VFIO
+    # host has).
+    has_tpu_files = any(dev.glob("accel*")) or any(p.name.isdigit() for p in dev.glob("vfio/*"))
     has_tpu_env = any(environment.get(name, environ) for name in TPU_ENV_HINTS)
     return ("TPU" if has_tpu_files or has_tpu_env else "CPU"), "detected"
 
@@ -62,9 +60,8 @@ def detect_device(environ: Mapping[str, str], dev_root: str = "/dev") -> tuple[s
 def tpu_local_device_count() -> int:
     """Devices PJRT will use on this TPU host (one process per chip).
 
-    Reads the PCI bus and the topology variables only; the XLA runtime is not
-    started, so ``xmp.spawn`` can still run afterwards.
-    """
+    Reads the PCI bus and the topology variables only; the XLA runtime is not started, so ``xmp.spawn`` can still run
+    afterwards."""
     from torch_xla._internal import tpu  # TPU-only path; slow import.
 
     try:
@@ -104,8 +101,7 @@ def device_counts(device: str, spmd: bool, environ: Mapping[str, str],
         # SPMD drives every addressable device from one process.
         valid = (every,) if spmd else tuple(sorted({1, every}))
         return DeviceCounts("TPU", valid, every)
-    raise UsageError(f"PJRT_DEVICE={device} is not supported by this launcher; "
-                     "use PJRT_DEVICE=CPU or PJRT_DEVICE=TPU")
+    raise UsageError(f"PJRT_DEVICE={device} is not supported by this launcher; use PJRT_DEVICE=CPU or PJRT_DEVICE=TPU")
 
 
 def parse_num_cores(text: Optional[str], counts: DeviceCounts, spmd: bool) -> int:
@@ -153,7 +149,6 @@ def make_plan(device: str, num_cores: int, spmd: bool) -> LaunchPlan:
     if num_cores == 1:
         if device == "TPU":
             # One process on one chip, as xmp.spawn(nprocs=1) would configure it.
-            env.update(TPU_VISIBLE_CHIPS="0", TPU_CHIPS_PER_PROCESS_BOUNDS="1,1,1",
-                       TPU_PROCESS_BOUNDS="1,1,1")
+            env.update(TPU_VISIBLE_CHIPS="0", TPU_CHIPS_PER_PROCESS_BOUNDS="1,1,1", TPU_PROCESS_BOUNDS="1,1,1")
         return LaunchPlan(device, num_cores, False, env)
     return LaunchPlan(device, num_cores, True, env)

@@ -1,7 +1,7 @@
-"""Running the script once the plan is made: its `_mp_fn(index)` (imported by path, here or in
-one spawned process per chip), its own `__main__` with its xmp.spawn / torch_xla.launch routed
-to the plan (xla_fsdp.runtime.self_starting), or, on the single controller, a plain script as
-`python script.py` runs it. A replica's failure is a traceback and exit 1."""
+"""Running the script once the plan is made: its `_mp_fn(index)` (imported by path, here or in one spawned process
+per chip), its own `__main__` with its xmp.spawn / torch_xla.launch routed to the plan
+(xla_fsdp.runtime.self_starting), or, on the single controller, a plain script as `python script.py` runs it. A
+replica's failure is a traceback and exit 1."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +24,8 @@ from xla_fsdp.launcher.plan import LaunchPlan
 class ScriptEntry:
     """The script's ``_mp_fn``, loadable in this process or in a spawned replica.
 
-    Picklable (paths and strings only), so spawned replicas import the script
-    themselves instead of receiving a function object.
-    """
+    Picklable (paths and strings only), so spawned replicas import the script themselves instead of receiving a function
+    object."""
 
     script: str
     args: tuple[str, ...]
@@ -34,13 +33,11 @@ class ScriptEntry:
     def load(self) -> Callable[[int], object]:
         path = Path(self.script)
         sys.argv = [self.script, *self.args]
-        # What `python train.py` would do: the script's folder comes first, so
-        # its sibling modules import.
+        # What `python train.py` would do: the script's folder comes first, so its sibling modules import.
         sys.path.insert(0, str(path.resolve().parent))
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
-        # Registered under its own name so objects the script pickles (e.g. for
-        # DataLoader workers) can be found again.
+        # Registered under its own name so objects the script pickles (e.g. for DataLoader workers) can be found again.
         sys.modules[path.stem] = module
         spec.loader.exec_module(module)
         fn = getattr(module, ENTRY_POINT, None)
@@ -108,8 +105,7 @@ def run_as_main(entry: "ScriptEntry") -> int:
 def run_in_process(fn: Callable[[int], object]) -> int:
     """Call ``fn(0)`` here; a failure becomes a traceback and exit 1.
 
-    KeyboardInterrupt is left to main(), which owns the exit-130 path.
-    """
+    KeyboardInterrupt is left to main(), which owns the exit-130 path."""
     try:
         fn(0)
     except SystemExit as exc:
@@ -121,9 +117,9 @@ def run_in_process(fn: Callable[[int], object]) -> int:
 
 
 def exit_code(exc: SystemExit) -> int:
-    """The process exit status `sys.exit(exc.code)` would give; its message (a code that is
-    not an int: `sys.exit("--block_size ...")`, a user's mistake the job named) is printed to
-    stderr as Python prints it, so the launcher never swallows what the job said."""
+    """The process exit status `sys.exit(exc.code)` would give; its message (a code that is not an int:
+    `sys.exit("--block_size ...")`, a user's mistake the job named) is printed to stderr as Python prints it, so the
+    launcher never swallows what the job said."""
     from xla_fsdp.runtime.self_starting import exit_status
 
     if exc.code is not None and not isinstance(exc.code, int):
@@ -133,13 +129,13 @@ def exit_code(exc: SystemExit) -> int:
 
 def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = None,
                 start_method: str = "spawn") -> int:
-    """One process per chip through torch_xla's spawn (`spawn`: its original, when a
-    self-starting script's calls are routed); `entry(index, *args)` is each replica's body
-    (picklable). A message the replicas exit with is printed once, naming the replicas.
+    """One process per chip through torch_xla's spawn (`spawn`: its original, when a self-starting script's calls are
+    routed); `entry(index, *args)` is each replica's body (picklable). A message the replicas exit with is printed once,
+    naming the replicas.
 
-    SIGINT stops the replicas. SIGTERM (a spot VM's preemption, a maintenance event) is passed on
-    to them and waited for: a job that saves on it (run_clm, `xla_fsdp.checkpoint.Preemption`)
-    saves at the end of its step and exits EXIT_PREEMPTED, and so does the launcher."""
+    SIGINT stops the replicas. SIGTERM (a spot VM's preemption, a maintenance event) is passed on to them and waited
+    for: a job that saves on it (run_clm, `xla_fsdp.checkpoint.Preemption`) saves at the end of its step and exits
+    EXIT_PREEMPTED, and so does the launcher."""
     import tempfile
 
     from xla_fsdp.runtime.self_starting import EXIT_PREEMPTED, ReplicaCall, preempted_replicas, replica_messages
@@ -150,8 +146,8 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
         spawn = xmp.spawn
 
     def stop_replicas(signum, frame):
-        # Replicas may not have seen the signal (e.g. `kill -INT <launcher>`);
-        # terminate them so the pool's shutdown cannot wait on them forever.
+        # Replicas may not have seen the signal (e.g. `kill -INT <launcher>`); terminate them so the pool's shutdown
+        # cannot wait on them forever.
         for child in multiprocessing.active_children():
             child.terminate()
         raise KeyboardInterrupt
@@ -188,8 +184,7 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
                 log(f"replica{'s' if len(replicas) > 1 else ''} {', '.join(map(str, replicas))} exited with "
                     "the message above; the other replicas were stopped")
             if not said:
-                log(f"a replica failed ({type(exc).__name__}); its message is above. "
-                    "The other replicas were stopped.")
+                log(f"a replica failed ({type(exc).__name__}); its message is above. The other replicas were stopped.")
             return EXIT_FAILED
         preempted = preempted_replicas(messages)
     if preempted:
@@ -200,9 +195,9 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
 
 
 def run_self_starting(script: str, args: tuple[str, ...], plan: LaunchPlan) -> int:
-    """Run `script` as `python script.py args` would, its xmp.spawn / torch_xla.launch routed to
-    `plan`: torch_xla's own spawn, one process per chip (plan.spawn), else `fn(0, *args)` here.
-    torch_xla's `nprocs=1` path also calls `fn(0, *args)` in the calling process."""
+    """Run `script` as `python script.py args` would, its xmp.spawn / torch_xla.launch routed to `plan`: torch_xla's own
+    spawn, one process per chip (plan.spawn), else `fn(0, *args)` here. torch_xla's `nprocs=1` path also calls
+    `fn(0, *args)` in the calling process."""
     from xla_fsdp.runtime import self_starting
 
     original = []  # torch_xla's own spawn, set when the hooks are in
@@ -213,10 +208,8 @@ def run_self_starting(script: str, args: tuple[str, ...], plan: LaunchPlan) -> i
         self_starting.check_callable(fn, fn_args, caller)
         started.append(caller)
         if plan.spawn:
-            log(f"{caller}: spawning {plan.num_cores} replicas of {self_starting.describe(fn)} "
-                "(one process per chip)")
-            code = run_spawned(fn, fn_args, spawn=original[0],
-                               start_method=start_method)
+            log(f"{caller}: spawning {plan.num_cores} replicas of {self_starting.describe(fn)} (one process per chip)")
+            code = run_spawned(fn, fn_args, spawn=original[0], start_method=start_method)
             if code:
                 raise SystemExit(code)
             return None

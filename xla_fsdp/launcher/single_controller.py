@@ -1,6 +1,6 @@
-"""One process driving every local device (the single controller) or one process per chip:
-what the flags, the environment and the script's own declaration (xla_fsdp.runtime.choice) ask
-for, and what this device can run ([Note: no silent world on CPU])."""
+"""One process driving every local device (the single controller) or one process per chip: what the flags, the
+environment and the script's own declaration (xla_fsdp.runtime.choice) ask for, and what this device can run
+([Note: no silent world on CPU])."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -18,10 +18,10 @@ def asked_runtime(environ: Mapping[str, str]):
 
 
 def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
-    """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip
-    win; then the environment (`environment.runtime`: ours, then torch_xla's SPMD variable); then, on a TPU slice (one
-    host or several), what the script declares (xla_fsdp.runtime.choice). On CPU, several
-    devices and no choice here: cpu_replicas()."""
+    """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip win; then the
+    environment (`environment.runtime`: ours, then torch_xla's SPMD variable); then, on a TPU slice (one host or
+    several), what the script declares (xla_fsdp.runtime.choice). On CPU, several devices and no choice here:
+    cpu_replicas()."""
     from xla_fsdp.runtime import choice as runtime_choice
 
     try:
@@ -47,9 +47,9 @@ def per_chip_asked(options, environ: Mapping[str, str]) -> bool:
 
 
 def refuse_single_controller_only(script: str, device: str) -> None:
-    """One process per device was asked for (--per_chip, the runtime variable) a script that runs only
-    on the single controller: FSDP2's `fully_shard` (xla_fsdp.fsdp) refuses one process per chip,
-    so say so before starting any replica."""
+    """One process per device was asked for (--per_chip, the runtime variable) a script that runs only on the single
+    controller: FSDP2's `fully_shard` (xla_fsdp.fsdp) refuses one process per chip, so say so before starting any
+    replica."""
     from xla_fsdp.runtime import choice as runtime_choice
 
     try:
@@ -69,14 +69,12 @@ def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str
     """Several CPU devices and no --spmd / runtime variable asking for the single controller: (True, why) when the
     script declares the single controller; otherwise a UsageError that says why not and what works.
 
-    [Note: no silent world on CPU] One process per CPU device (torch_xla's xmp.spawn, threads on
-    CPU) hangs in explicit collectives, so on CPU N > 1 devices exist only as the single
-    controller, where a script sees xr.world_size() == 1 and ordinal 0. A script written for one
-    process per device (torch_xla's FSDP examples: DistributedSampler(num_replicas=xr.world_size()),
-    lr scaled by the world) would run there as ONE replica of N, with one Nth of the global batch
-    it was written for; before this check it even ran on one device of the N it was told about.
-    So it runs at N > 1 only when someone said it is built for one controller.
-    """
+    [Note: no silent world on CPU] One process per CPU device (torch_xla's xmp.spawn, threads on CPU) hangs in explicit
+    collectives, so on CPU N > 1 devices exist only as the single controller, where a script sees xr.world_size() == 1
+    and ordinal 0. A script written for one process per device (torch_xla's FSDP examples:
+    DistributedSampler(num_replicas=xr.world_size()), lr scaled by the world) would silently run there as ONE replica of
+    N, with one Nth of the global batch it was written for. So it runs at N > 1 only when someone said it is built for
+    one controller."""
     if options.per_chip:
         asked = "--per_chip asks for one process per device"
     elif environment.get(RUNTIME_ENV, environ):

@@ -1,28 +1,20 @@
 """Random numbers inside a scanned layer: dropout drawn from per-layer, per-sequence keys.
 
 [Note: dropout under scan]
-A scanned loop runs one traced layer for every layer, so whatever random
-numbers the layer draws must differ per trip, and a backward body that
-recomputes the layer must draw the same ones the forward did. torch_xla 2.9's
-`scan` means to give each trip its own copy of the lazy RNG seed, but under
-the SPMD engine its seed detection does not fire: measured on XLA:CPU, every
-layer of a scanned model applied the same dropout mask (a 4-layer stack of
-`h + dropout(1)` gave only 0 or 8, never 2, 4 or 6), and the backward scan
-would draw fresh seeds for a recomputed layer in any case. (Random bits drawn
-by XLA's generator are also drawn at the global batch's shape on every chip
-unless libtpu is told otherwise: [Note: random bits per chip].)
+A scanned loop runs one traced layer for every layer, so whatever random numbers the layer draws must differ per trip,
+and a backward body that recomputes the layer must draw the same ones the forward did. torch_xla 2.9's `scan` means to
+give each trip its own copy of the lazy RNG seed, but under the SPMD engine its seed detection does not fire (on XLA:CPU
+every layer of a scanned model applied the same dropout mask), and the backward scan would draw fresh seeds for a
+recomputed layer in any case. (Random bits drawn by XLA's generator are also drawn at the global batch's shape on every
+chip unless libtpu is told otherwise: [Note: random bits per chip].)
 
-So the loop carries one int32 key per layer and sequence, drawn from torch's
-RNG each call (so each step differs) and split over the devices as the batch
-is, and while the body is traced a function mode replaces dropout with a
-counter-based one: every element's keep bit is a hash of (its sequence's
-key, which dropout call in the layer, its index on each other dim). The mask is a
-pure function of the key, so a recomputed backward rebuilds it exactly, and
-it is element-wise over iotas, so the partitioner shards it like the
-activation it multiplies. Dropout inside `scaled_dot_product_attention` is
-computed the same way on the attention weights. Any other random draw in the
-body (`torch.rand`, `bernoulli`, channel dropout, ...) is refused with the
-reason instead of repeating across layers.
+So the loop carries one int32 key per layer and sequence, drawn from torch's RNG each call (so each step differs) and
+split over the devices as the batch is, and while the body is traced a function mode replaces dropout with a
+counter-based one: every element's keep bit is a hash of (its sequence's key, which dropout call in the layer, its index
+on each other dim). The mask is a pure function of the key, so a recomputed backward rebuilds it exactly, and it is
+element-wise over iotas, so the partitioner shards it like the activation it multiplies. Dropout inside
+`scaled_dot_product_attention` is computed the same way on the attention weights. Any other random draw in the body
+(`torch.rand`, `bernoulli`, channel dropout, ...) is refused with the reason instead of repeating across layers.
 """
 
 from __future__ import annotations
@@ -65,17 +57,12 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_from_key(key: torch.Tensor, salt: int, like: torch.Tensor) -> torch.Tensor:
-    """Floats in [0, 1) shaped like `like`, a pure function of (key, salt, element index).
-
-    `key` holds one int32 per sequence of the batch; when `like`'s dim 0 is the
-    batch, each sequence starts from its own key and the index enters from dim
-    1 on. The keys are split over the devices as the batch is, so nothing
-    about the batch is replicated (an iota over the batch dim was: on the 64B
-    GPT-2 for v4-256 the partitioner replicated it with two small all-reduces
-    per trip). Any
-    other shape hashes every dim's index from the first sequence's key. One
-    dim at a time, so no int32 index overflows however large the tensor.
-    """
+    """Floats in [0, 1) shaped like `like`, a pure function of (key, salt, element index). `key` holds one int32 per
+    sequence of the batch; when `like`'s dim 0 is the batch, each sequence starts from its own key and the index enters
+    from dim 1 on. The keys are split over the devices as the batch is, so nothing about the batch is replicated (an
+    iota over the batch dim was: on the 64B GPT-2 for v4-256 the partitioner replicated it with two small all-reduces
+    per trip). Any other shape hashes every dim's index from the first sequence's key. One dim at a time, so no int32
+    index overflows however large the tensor."""
     salted = key.to(torch.int32) ^ _i32(salt * 0x27D4EB2F + 0x165667B1)
     if like.dim() >= 1 and like.shape[0] == key.shape[0]:
         bits = _mix(salted.view([-1] + [1] * (like.dim() - 1)))
@@ -102,9 +89,8 @@ def keyed_dropout(x: torch.Tensor, p: float, key: torch.Tensor, salt: int) -> to
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
-def _attention(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, drop: Callable
-) -> torch.Tensor:
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+               drop: Callable) -> torch.Tensor:
     """scaled_dot_product_attention written out, its dropout from the layer's key."""
     length, source = query.size(-2), key.size(-2)
     if enable_gqa and key.size(-3) != query.size(-3):
@@ -127,39 +113,19 @@ def _attention(
 
 # random functions a scanned layer may not call (each would repeat across layers), with their names
 _REFUSED: Dict[Any, str] = {
-    torch.rand: "torch.rand",
-    torch.rand_like: "torch.rand_like",
-    torch.randn: "torch.randn",
-    torch.randn_like: "torch.randn_like",
-    torch.randint: "torch.randint",
-    torch.randint_like: "torch.randint_like",
-    torch.randperm: "torch.randperm",
-    torch.bernoulli: "torch.bernoulli",
-    torch.normal: "torch.normal",
-    torch.multinomial: "torch.multinomial",
-    torch.poisson: "torch.poisson",
-    torch.rrelu: "torch.rrelu",
-    F.rrelu: "F.rrelu",
-    torch.Tensor.bernoulli: "Tensor.bernoulli",
-    torch.Tensor.bernoulli_: "Tensor.bernoulli_",
-    torch.Tensor.uniform_: "Tensor.uniform_",
-    torch.Tensor.normal_: "Tensor.normal_",
-    torch.Tensor.random_: "Tensor.random_",
-    torch.Tensor.exponential_: "Tensor.exponential_",
-    torch.Tensor.geometric_: "Tensor.geometric_",
-    torch.Tensor.cauchy_: "Tensor.cauchy_",
-    torch.Tensor.log_normal_: "Tensor.log_normal_",
-    torch.Tensor.multinomial: "Tensor.multinomial",
-    F.alpha_dropout: "F.alpha_dropout",
-    F.feature_alpha_dropout: "F.feature_alpha_dropout",
-    F.dropout1d: "F.dropout1d",
-    F.dropout2d: "F.dropout2d",
-    F.dropout3d: "F.dropout3d",
-    F.gumbel_softmax: "F.gumbel_softmax",
-    torch.native_dropout: "torch.native_dropout",
-    torch.alpha_dropout: "torch.alpha_dropout",
-    torch.feature_dropout: "torch.feature_dropout",
-    torch.feature_alpha_dropout: "torch.feature_alpha_dropout",
+    torch.rand: "torch.rand", torch.rand_like: "torch.rand_like", torch.randn: "torch.randn",
+    torch.randn_like: "torch.randn_like", torch.randint: "torch.randint", torch.randint_like: "torch.randint_like",
+    torch.randperm: "torch.randperm", torch.bernoulli: "torch.bernoulli", torch.normal: "torch.normal",
+    torch.multinomial: "torch.multinomial", torch.poisson: "torch.poisson", torch.rrelu: "torch.rrelu",
+    F.rrelu: "F.rrelu", torch.Tensor.bernoulli: "Tensor.bernoulli", torch.Tensor.bernoulli_: "Tensor.bernoulli_",
+    torch.Tensor.uniform_: "Tensor.uniform_", torch.Tensor.normal_: "Tensor.normal_",
+    torch.Tensor.random_: "Tensor.random_", torch.Tensor.exponential_: "Tensor.exponential_",
+    torch.Tensor.geometric_: "Tensor.geometric_", torch.Tensor.cauchy_: "Tensor.cauchy_",
+    torch.Tensor.log_normal_: "Tensor.log_normal_", torch.Tensor.multinomial: "Tensor.multinomial",
+    F.alpha_dropout: "F.alpha_dropout", F.feature_alpha_dropout: "F.feature_alpha_dropout", F.dropout1d: "F.dropout1d",
+    F.dropout2d: "F.dropout2d", F.dropout3d: "F.dropout3d", F.gumbel_softmax: "F.gumbel_softmax",
+    torch.native_dropout: "torch.native_dropout", torch.alpha_dropout: "torch.alpha_dropout",
+    torch.feature_dropout: "torch.feature_dropout", torch.feature_alpha_dropout: "torch.feature_alpha_dropout",
 }
 
 
@@ -195,12 +161,10 @@ class KeyedRandom(TorchFunctionMode):
                 return _attention(*args, **kwargs, drop=self._drop)
             return func(*args, **kwargs)
         if func in _REFUSED and not _inactive(func, args, kwargs):
-            raise RuntimeError(
-                f"scan_layers: a layer of {self._where} calls {_REFUSED[func]} while it is "
-                "traced for the scanned loop; every layer would draw the same numbers. Dropout "
-                "(F.dropout, nn.Dropout, attention dropout) is supported; draw other random "
-                "numbers outside the layers, or turn scan_layers off for this model."
-            )
+            raise RuntimeError(f"scan_layers: a layer of {self._where} calls {_REFUSED[func]} while it is "
+                               "traced for the scanned loop; every layer would draw the same numbers. Dropout "
+                               "(F.dropout, nn.Dropout, attention dropout) is supported; draw other random "
+                               "numbers outside the layers, or turn scan_layers off for this model.")
         return func(*args, **kwargs)
 
     def _dropout(self, func, args, kwargs) -> torch.Tensor:
@@ -211,9 +175,7 @@ class KeyedRandom(TorchFunctionMode):
         if not training or p == 0:
             return x
         out = self._drop(x, p)
-        if inplace:
-            return x.copy_(out)
-        return out
+        return x.copy_(out) if inplace else out
 
 
 def _argument(args, kwargs, position: int, name: str, default: Any) -> Any:
@@ -235,6 +197,5 @@ def _inactive(func, args, kwargs) -> bool:
 
 def layer_keys(layers: int, hidden: torch.Tensor) -> torch.Tensor:
     """(layers, sequences) int32 keys for this call, from torch's RNG on the device (each step differs)."""
-    return torch.randint(
-        0, (1 << 31) - 1, (layers, hidden.shape[0] if hidden.dim() else 1), dtype=torch.int32, device=hidden.device
-    )
+    return torch.randint(0, (1 << 31) - 1, (layers, hidden.shape[0] if hidden.dim() else 1), dtype=torch.int32,
+                         device=hidden.device)

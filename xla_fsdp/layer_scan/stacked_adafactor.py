@@ -1,36 +1,25 @@
 """Hugging Face's Adafactor on stored stacks, one layer at a time as without scan.
 
 [Note: Adafactor on stored stacks]
-Adafactor keeps statistics over a whole tensor: the row and column factors of
-its second moment average over the last two dims, the update is clipped by
-its RMS, and with `scale_parameter` the step scales with the parameter's RMS.
-A stored stack (d0, L, *rest) holds L layers' parameters in one tensor
-([Note: parameters stored stacked]); run as it is, every one of those would
-mix the layers. The recipe trains with `--optim adafactor`, so instead of
-refusing it, the optimizer-step pre-hook of stored_stacks.py runs Adafactor's
-update on each stack itself, in the stack's own layout: every statistic is
-reduced over all dims but the layers' (a layer's dim k is the stack's dim k,
-or k + 1 past dim 0), so each layer gets the update Hugging Face's Adafactor
-gives that layer's parameter without scan (to rounding). Nothing is
-transposed but a >2-dim layer's small column factor. (Worked out on the
-layers-first view (L, d0, *rest) first, the 2B GPT-2's step for v4-8 was
-the same: libtpu folded the transposes, PROJECTED 2.448 s either way.) The stacks' gradients
-are then hidden from Adafactor's own step, which updates the other
-parameters, and put back after it.
+Adafactor keeps statistics over a whole tensor: the row and column factors of its second moment average over the last
+two dims, the update is clipped by its RMS, and with `scale_parameter` the step scales with the parameter's RMS. A
+stored stack (d0, L, *rest) holds L layers' parameters in one tensor ([Note: parameters stored stacked]); run as it is,
+every one of those would mix the layers. The recipe trains with `--optim adafactor`, so instead of refusing it, the
+optimizer-step pre-hook of stored_stacks.py runs Adafactor's update on each stack itself, in the stack's own layout:
+every statistic is reduced over all dims but the layers' (a layer's dim k is the stack's dim k, or k + 1 past dim 0), so
+each layer gets the update Hugging Face's Adafactor gives that layer's parameter without scan (to rounding). Nothing is
+transposed but a >2-dim layer's small column factor. The stacks' gradients are then hidden from Adafactor's own step,
+which updates the other parameters, and put back after it.
 
-The state keeps Adafactor's keys, laid out so that checkpoints treat it as
-they treat any state (checkpoint/holdings.py):
-- `exp_avg`, `exp_avg_sq` (the stack's shape) and `exp_avg_sq_row`
-  (d0, L, *rest[:-1]) keep the parameter's rows on dim 0 and the layers on
-  dim 1, as the stack does: they shard, pad and split per layer as rows.
-- `exp_avg_sq_col` (L, *col) and `RMS` (L,) are per layer, the layers on
-  dim 0: what Adafactor computes over a whole parameter (or, one process per
-  chip, over a shard), saved whole.
+The state keeps Adafactor's keys, laid out so that checkpoints treat it as any state (checkpoint/holdings.py):
+- `exp_avg`, `exp_avg_sq` (the stack's shape) and `exp_avg_sq_row` (d0, L, *rest[:-1]) keep the parameter's rows on dim
+  0 and the layers on dim 1, as the stack does: they shard, pad and split per layer as rows.
+- `exp_avg_sq_col` (L, *col) and `RMS` (L,) are per layer, the layers on dim 0: what Adafactor computes over a whole
+  parameter (or, one process per chip, over a shard), saved whole.
 - `step` is Adafactor's integer count.
 
-Only `transformers.optimization.Adafactor` itself is run this way (not a
-subclass, whose step may differ; torch.optim.Adafactor's rule differs), and
-without a closure (the gradients must exist when the hook runs).
+Only `transformers.optimization.Adafactor` itself is run this way (not a subclass, whose step may differ;
+torch.optim.Adafactor's rule differs), and without a closure (the gradients must exist when the hook runs).
 """
 
 from __future__ import annotations
@@ -100,8 +89,8 @@ def _init_state(state: dict, grad: torch.Tensor, dims: int, factored: bool, firs
 
 @torch.no_grad()
 def update_stack(optimizer, group: dict, p: torch.Tensor) -> None:
-    """Adafactor's step for stored stack `p` (its gradient set), per layer (see the note). It runs on
-    the stored layout: a layer's reductions are over every dim but the layers'."""
+    """Adafactor's step for stored stack `p` (its gradient set), per layer (see the note). It runs on the stored
+    layout: a layer's reductions are over every dim but the layers'."""
     grad = p.grad
     if grad.is_sparse:
         raise RuntimeError("Adafactor does not support sparse gradients.")
@@ -146,8 +135,8 @@ def update_stack(optimizer, group: dict, p: torch.Tensor) -> None:
 
 
 def step_stacks(optimizer) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Runs the update of every stored stack with a gradient and hides that gradient from
-    Adafactor's own step; returns (stack, gradient) to put back after it."""
+    """Runs the update of every stored stack with a gradient and hides that gradient from Adafactor's own step; returns
+    (stack, gradient) to put back after it."""
     hidden = []
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -1,11 +1,10 @@
-"""Scanned layers' parameters stored stacked: the record on the list's owner, its state-dict
-hooks and the optimizer-step hooks both engines share ([Note: parameters stored stacked] in
-layer_scan/gspmd/stacked.py; the collectives engine's layout in layer_scan/collective/stacked_units.py).
+"""Scanned layers' parameters stored stacked: the record on the list's owner, its state-dict hooks and the
+optimizer-step hooks both engines share ([Note: parameters stored stacked] in layer_scan/gspmd/stacked.py; the
+collectives engine's layout in layer_scan/collective/stacked_units.py).
 
-The owner of a scanned ModuleList `<attr>` holds a module `<attr>_scan` shaped like one layer,
-whose parameters are the layers' parameters stacked on dim 1: (d0, L, *rest). Its
-`state_dict()` names each layer's slice as the unscanned model does and `load_state_dict()`
-stacks those keys again (runtime/stored_keys.py), so checkpoints read and write either way.
+The owner of a scanned ModuleList `<attr>` holds a module `<attr>_scan` shaped like one layer, whose parameters are the
+layers' parameters stacked on dim 1: (d0, L, *rest). Its `state_dict()` names each layer's slice as the unscanned model
+does and `load_state_dict()` stacks those keys again (runtime/stored_keys.py), so checkpoints read and write either way.
 """
 
 from __future__ import annotations
@@ -39,10 +38,8 @@ class StackRecord:
 def check_store_name(owner: nn.Module, attr: str) -> None:
     store = attr + SUFFIX
     if store in owner._modules or hasattr(owner, store):
-        raise ValueError(
-            f"scan_layers: {type(owner).__name__} already has an attribute {store!r}, "
-            "where the stacked parameters of its layers would go"
-        )
+        raise ValueError(f"scan_layers: {type(owner).__name__} already has an attribute {store!r}, "
+                         "where the stacked parameters of its layers would go")
 
 
 def check_shared(root: nn.Module, layers: Sequence[nn.Module], where: str) -> None:
@@ -52,18 +49,14 @@ def check_shared(root: nn.Module, layers: Sequence[nn.Module], where: str) -> No
     for index, layer in enumerate(layers):
         for name, p in layer.named_parameters(remove_duplicate=False):
             if id(p) in inside:
-                raise ValueError(
-                    f"scan_layers: {where}.{index}.{name} is the same tensor as {inside[id(p)]}; shared "
-                    "weights cannot be stored stacked. Use scan_layers=\"per_step\" (stacks every step)."
-                )
+                raise ValueError(f"scan_layers: {where}.{index}.{name} is the same tensor as {inside[id(p)]}; shared "
+                                 "weights cannot be stored stacked. Use scan_layers=\"per_step\" (stacks every step).")
             inside[id(p)] = f"{where}.{index}.{name}"
     owned = {id(p) for layer in layers for p in layer.parameters()}
     for name, p in root.named_parameters(remove_duplicate=False):
         if id(p) in owned and not any(name.startswith(f"{where}.{i}.") for i in range(len(layers))):
-            raise ValueError(
-                f"scan_layers: {name} is also a parameter of {where}; weights tied to a layer "
-                "cannot be stored stacked. Use scan_layers=\"per_step\" (stacks every step)."
-            )
+            raise ValueError(f"scan_layers: {name} is also a parameter of {where}; weights tied to a layer "
+                             "cannot be stored stacked. Use scan_layers=\"per_step\" (stacks every step).")
     first = dict(layers[0].named_parameters())
     for index, layer in enumerate(layers[1:], start=1):
         for name, p in layer.named_parameters():
@@ -107,31 +100,19 @@ def _stack_on_load(owner: nn.Module, state, prefix, _meta, _strict, _missing, _u
             if len(present) == len(keys):
                 state[f"{prefix}{record.store}.{name}"] = stored_keys.stack_layers([state.pop(k) for k in keys])
             elif present:
-                errors.append(
-                    f"scan_layers: the state dict has {len(present)} of the {record.layers} layers' "
-                    f"{prefix}{record.attr}.<i>.{name} (missing {sorted(set(keys) - set(present))[:3]}); "
-                    "the stored stack is loaded whole"
-                )
+                errors.append(f"scan_layers: the state dict has {len(present)} of the {record.layers} layers' "
+                              f"{prefix}{record.attr}.<i>.{name} (missing {sorted(set(keys) - set(present))[:3]}); "
+                              "the stored stack is loaded whole")
 
 
-# Optimizers that update every element from its own gradient and state only: on a stored
-# stack they compute exactly what they compute per layer ([Note: parameters stored stacked]).
-# Hugging Face's Adafactor is run per layer ([Note: Adafactor on stored stacks]); others are refused.
+# Optimizers that update every element from its own gradient and state only: on a stored stack they compute exactly
+# what they compute per layer ([Note: parameters stored stacked]). Hugging Face's Adafactor is run per layer ([Note:
+# Adafactor on stored stacks]); others are refused.
 ELEMENTWISE = {
-    "torch.optim.sgd.SGD",
-    "torch.optim.adam.Adam",
-    "torch.optim.adamw.AdamW",
-    "torch.optim.adamax.Adamax",
-    "torch.optim.nadam.NAdam",
-    "torch.optim.radam.RAdam",
-    "torch.optim.adagrad.Adagrad",
-    "torch.optim.rmsprop.RMSprop",
-    "torch.optim.adadelta.Adadelta",
-    "torch.optim.asgd.ASGD",
-    "torch.optim.rprop.Rprop",
-    "torch_xla.amp.syncfree.sgd.SGD",
-    "torch_xla.amp.syncfree.adam.Adam",
-    "torch_xla.amp.syncfree.adamw.AdamW",
+    "torch.optim.sgd.SGD", "torch.optim.adam.Adam", "torch.optim.adamw.AdamW", "torch.optim.adamax.Adamax",
+    "torch.optim.nadam.NAdam", "torch.optim.radam.RAdam", "torch.optim.adagrad.Adagrad", "torch.optim.rmsprop.RMSprop",
+    "torch.optim.adadelta.Adadelta", "torch.optim.asgd.ASGD", "torch.optim.rprop.Rprop",
+    "torch_xla.amp.syncfree.sgd.SGD", "torch_xla.amp.syncfree.adam.Adam", "torch_xla.amp.syncfree.adamw.AdamW",
 }
 _checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> runs stacks itself
 _hidden: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> [(stack, grad)]
@@ -151,9 +132,8 @@ def install_optimizer_hooks() -> None:
 def _check_optimizer(optimizer, args, kwargs) -> None:
     if optimizer not in _checked:
         kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-        stacked = any(
-            getattr(p, "_xla_fsdp_stacked", False) for group in optimizer.param_groups for p in group["params"]
-        )
+        stacked = any(getattr(p, "_xla_fsdp_stacked", False) for group in optimizer.param_groups
+                      for p in group["params"])
         if stacked and kind not in ELEMENTWISE and kind != stacked_adafactor.KIND:
             raise TypeError(
                 f"scan_layers stores each parameter of the scanned layers stacked, and {kind} is not an "
@@ -165,11 +145,9 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
         _checked[optimizer] = stacked and kind == stacked_adafactor.KIND
     if _checked[optimizer]:
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
-            raise TypeError(
-                "scan_layers: Adafactor's step on stored stacks takes no closure (the stacks are "
-                "updated from their gradients before Adafactor's own step runs); call loss.backward() "
-                "and then optimizer.step()"
-            )
+            raise TypeError("scan_layers: Adafactor's step on stored stacks takes no closure (the stacks are "
+                            "updated from their gradients before Adafactor's own step runs); call loss.backward() "
+                            "and then optimizer.step()")
         _hidden[optimizer] = stacked_adafactor.step_stacks(optimizer)
 
 

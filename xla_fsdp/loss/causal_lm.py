@@ -1,11 +1,9 @@
 """A transformers causal LM whose loss never builds the whole logits ([Note: fused output loss]).
 
-`use_fused_loss(model)` gives one model instance a forward that, when `labels` are passed, runs
-the base model (GPT-2's `transformer`, Llama's `model`), then `fused_linear_cross_entropy` on its
-last hidden states and the output embedding, and returns the model's usual output with that loss
-and `logits=None`: code that reads the logits of a training forward fails at once instead of
-reading something else. Without labels the model's own forward runs (logits as usual).
-"""
+`use_fused_loss(model)` gives one model instance a forward that, when `labels` are passed, runs the base model (GPT-2's
+`transformer`, Llama's `model`), then `fused_linear_cross_entropy` on its last hidden states and the output embedding,
+and returns the model's usual output with that loss and `logits=None`: code that reads the logits of a training forward
+fails at once instead of reading something else. Without labels the model's own forward runs (logits as usual)."""
 from __future__ import annotations
 
 import torch
@@ -36,8 +34,8 @@ class FusedLossCausalLM:
                              f"build the model without the fused loss (run_clm without --fused_loss)")
         num_items = kwargs.get("num_items_in_batch")
         base_kwargs = {k: v for k, v in kwargs.items() if k not in _HEAD_ONLY}
-        # use_cache as the caller (or the config) says, as the model's own forward passes it: a cache
-        # also keeps transformers' mask code off a per-device read of the position ids
+        # use_cache as the caller (or the config) says, as the model's own forward passes it: a cache also keeps
+        # transformers' mask code off a per-device read of the position ids
         outputs = self.base_model(**base_kwargs)
         head = self.get_output_embeddings()
         loss = fused_linear_cross_entropy(outputs.last_hidden_state, head.weight, labels,

@@ -1,35 +1,26 @@
-"""The causal-LM loss without the whole [tokens, vocab] logits: output projection and cross
-entropy fused, a chunk of tokens at a time.
+"""The causal-LM loss without the whole [tokens, vocab] logits: output projection and cross entropy fused, a chunk of
+tokens at a time.
 
-[Note: fused output loss]
-Hugging Face's causal LMs compute `logits = lm_head(hidden)` for every token, then the loss
-casts them to f32: for the 2B GPT-2 at 32 x 1024 tokens per chip that is [32768, 50257],
-3.3 GB in bf16 and 6.6 GB in f32, plus the f32 gradient of the same size in backward, all
-alive together at the step's peak (the last block's backward has not started yet). That is
-memory every kept activation (`checkpoint_all_but_last`) competes with.
+[Note: fused output loss] Hugging Face's causal LMs compute `logits = lm_head(hidden)` for every token, then the loss
+casts them to f32: for the 2B GPT-2 at 32 x 1024 tokens per chip that is [32768, 50257], 3.3 GB in bf16 and 6.6 GB in
+f32, plus the f32 gradient of the same size in backward, all alive together at the step's peak (the last block's
+backward has not started yet). That is memory every kept activation (`checkpoint_all_but_last`) competes with.
 
-`fused_linear_cross_entropy` computes, chunk by chunk of tokens, the chunk's logits (f32), its
-log-sum-exp and loss, and right away the chunk's gradient: softmax minus the one-hot target,
-times the weight (the gradient of the hidden states) and into an f32 sum over chunks (the
-gradient of the weight). Only the gradients of the inputs survive into backward, which scales
-them by the incoming gradient; no chunk's logits outlive the chunk. The FLOPs are those of the
-unfused path (one projection forward, two in backward); the matmuls take the autocast dtype as
-`nn.Linear` would (the dtype transformers' own head computes in).
+`fused_linear_cross_entropy` computes, chunk by chunk of tokens, the chunk's logits (f32), its log-sum-exp and loss, and
+right away the chunk's gradient: softmax minus the one-hot target, times the weight (the gradient of the hidden states)
+and into an f32 sum over chunks (the gradient of the weight). Only the gradients of the inputs survive into backward,
+which scales them by the incoming gradient; no chunk's logits outlive the chunk. The FLOPs are those of the unfused path
+(one projection forward, two in backward); the matmuls take the autocast dtype as `nn.Linear` would (the dtype
+transformers' own head computes in).
 
-Equal to transformers' `ForCausalLMLoss` (labels shifted inside, -100 ignored, mean over the
-targets, or sum / `num_items_in_batch`) up to the order of f32 sums (tests/test_fused_loss.py).
-The loss is differentiable once (no double backward), as the gradient is computed in forward.
+Equal to transformers' `ForCausalLMLoss` (labels shifted inside, -100 ignored, mean over the targets, or sum /
+`num_items_in_batch`) up to the order of f32 sums (tests/test_fused_loss.py). The loss is differentiable once (no double
+backward), as the gradient is computed in forward.
 
-Measured (libtpu 0.0.21 deviceless, 2B GPT-2 on v4-8 with the Pallas kernel and 9 blocks kept,
-2026-11-27): no gain there. Peak HBM 29.69 GiB against 28.48 with transformers' loss, projected
-step 2.525 s against 2.532 s: that program's peak is in the backward, where the loss's buffers
-are long gone. Llama 3 8B (vocabulary 128,256) on v6e-256, one decoder layer, 4 x 8192 tokens
-per chip, the kernel: with transformers' loss it compiles at 17.46 GiB; with this one libtpu runs
-out of HBM (31.40 of 31.25 GiB): it keeps several 1 GB copies of the gathered [128256, 4096]
-head weight alive, one rematerialized per chunk's matmul of the unrolled loop. So run_clm keeps
-transformers' loss unless `--fused_loss` is given. A loop the compiler cannot unroll (a scan
-over chunks) is what this would need on XLA; not tried.
-"""
+On TPU it does not pay: where the step's peak is in the backward (2B GPT-2 on v4-8) the loss's buffers are long gone,
+and with a large vocabulary (Llama 3 8B) libtpu keeps a copy of the gathered head weight per chunk of the unrolled loop
+and runs out of HBM (docs/performance.md). So run_clm keeps transformers' loss unless `--fused_loss` is given; a loop
+the compiler cannot unroll (a scan over chunks) is what this would need on XLA."""
 from __future__ import annotations
 
 from typing import Optional
@@ -38,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
-# f32 logits per chunk: 512 MiB keeps the transient small against a layer's activations at the
-# job's shapes (2B GPT-2: 2,670 tokens of 50,257 classes, 13 chunks of 32,768 tokens per chip)
+# f32 logits per chunk: 512 MiB keeps the transient small against a layer's activations at the job's shapes (2B GPT-2:
+# 2,670 tokens of 50,257 classes, 13 chunks of 32,768 tokens per chip)
 CHUNK_BYTES = 512 << 20
 
 
@@ -51,8 +42,8 @@ def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Labels of the next token at each position, IGNORE_INDEX after the last (as transformers'
-    ForCausalLMLoss shifts them)."""
+    """Labels of the next token at each position, IGNORE_INDEX after the last (as transformers' ForCausalLMLoss shifts
+    them)."""
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
@@ -102,13 +93,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                bias: Optional[torch.Tensor] = None, num_items_in_batch=None,
                                chunk: Optional[int] = None) -> torch.Tensor:
-    """transformers' causal-LM loss of `hidden @ weight.T (+ bias)` against `labels` (unshifted,
-    as passed to the model), computed `chunk` tokens at a time ([Note: fused output loss]).
+    """transformers' causal-LM loss of `hidden @ weight.T (+ bias)` against `labels` (unshifted, as passed to the
+    model), computed `chunk` tokens at a time ([Note: fused output loss]).
 
-    hidden: [..., d]; weight: [vocab, d]; labels: hidden's leading shape. Mean over the targets
-    that are not -100, or their sum / `num_items_in_batch` when given (transformers' convention
-    for gradient accumulation).
-    """
+    hidden: [..., d]; weight: [vocab, d]; labels: hidden's leading shape. Mean over the targets that are not -100, or
+    their sum / `num_items_in_batch` when given (transformers' convention for gradient accumulation)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"fused loss: hidden states {tuple(hidden.shape)} and labels {tuple(labels.shape)} "
                          f"disagree; labels must have the hidden states' leading shape")

@@ -1,3 +1,2 @@
-"""Memory helpers both engines and the benchmarks use: handing freed host
-memory back to the operating system (`host.py`) and measuring the bytes
-autograd saves for backward (`activations.py`)."""
+"""Memory helpers the engines and the benchmarks use: freed host memory handed back to the OS, activation bytes,
+device HBM figures, "fit", and the recomputation policies (docs/DESIGN.md's layout table names each module)."""

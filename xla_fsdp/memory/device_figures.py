@@ -1,18 +1,15 @@
 """The HBM a training step needs on its device and what the device has, as the job can read them.
 
 [Note: where the memory figures come from] In order:
-- the fit variable (`environment.FIT_MEMORY`, {"peak": bytes, "limit": bytes}): handed in (the ahead-of-time check,
-  from the program it compiled; tests);
-- PJRT's own figures for the device (`xm.get_memory_info`: the peak bytes in use and the
-  limit), with one process per chip;
-- libtpu's compile log, under the single controller: torch_xla 2.9 gives no memory figures for
-  the SPMD virtual device ("MemoryInfo not supported for SPMD virtual device"), but libtpu states
-  every program's HBM as it compiles it ([Note: the HBM a TPU program needs] in
+- the fit variable (`environment.FIT_MEMORY`, {"peak": bytes, "limit": bytes}): handed in (the ahead-of-time
+  check, from the program it compiled; tests);
+- PJRT's own figures for the device (`xm.get_memory_info`: peak bytes in use and the limit), one process per chip;
+- libtpu's compile log, under the single controller: torch_xla 2.9 gives no memory figures for the SPMD virtual
+  device, but libtpu states every program's HBM as it compiles it ([Note: the HBM a TPU program needs] in
   tpu/compile_log.py): the largest program compiled since the first forward is the first step;
 - none (XLA:CPU has no allocator statistics and writes no libtpu log).
-Either figure of the first step stands for the later steps': that program's outputs include the
-optimizer state it creates (not aliased to any argument, so counted), which the later steps
-hold as arguments instead.
+Either figure of the first step stands for the later steps': that program's outputs include the optimizer state it
+creates (not aliased to any argument, so counted), which the later steps hold as arguments instead.
 """
 from __future__ import annotations
 

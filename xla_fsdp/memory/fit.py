@@ -1,34 +1,28 @@
 """How many checkpointed units keep their activations: `checkpoint_all_but_last="fit"`.
 
-[Note: keep what fits] Recomputing a unit costs one more forward of it in backward; keeping its
-activations costs HBM. How many units a chip can keep depends on the model, the batch, the slice,
-the optimizer and what the TPU compiler makes of the program, so no fixed count suits every job
-(the blog's pods have 6 to 16 GiB of v4's 30.75 left with every block recomputed, and a kept block
-costs 0.7 to 1.4 GiB). "fit" measures instead of guessing:
-- the first training step recomputes every checkpointed unit; each recomputation counts what the
-  unit would hold from forward to backward if it kept its activations (`kept_bytes.saved_bytes`:
-  the saved matmul and kernel outputs and its input; not its gathered weights, which the engine
-  re-gathers, nor elementwise results, which libtpu recomputes inside its fusions);
-- at the next forward of the root, the first step's peak and the device's limit
-  (device_figures.py, [Note: where the memory figures come from]) give the room: `HEADROOM` of
-  the limit less that peak. The last units whose measured bytes (times `SAVED_TO_KEPT`) fit in
-  it keep their activations from then on (at most all but one, as with a count);
+[Note: keep what fits] Recomputing a unit costs one more forward of it in backward; keeping its activations costs
+HBM. How many units a chip can keep depends on the model, the batch, the slice, the optimizer and what the TPU
+compiler makes of the program, so no fixed count suits every job (the blog's pods have 6 to 16 GiB of v4's 30.75
+left with every block recomputed, and a kept block costs 0.7 to 1.4 GiB). "fit" measures instead of guessing:
+- the first training step recomputes every checkpointed unit; each recomputation counts what the unit would hold
+  from forward to backward if it kept its activations (`kept_bytes.saved_bytes`: the saved matmul and kernel
+  outputs and its input; not its gathered weights, which the engine re-gathers, nor elementwise results, which
+  libtpu recomputes inside its fusions);
+- at the next forward of the root, the first step's peak and the device's limit ([Note: where the memory figures
+  come from] in device_figures.py) give the room: `HEADROOM` of the limit less that peak. The last units whose
+  measured bytes (times `SAVED_TO_KEPT`) fit in it keep their activations from then on (at most all but one);
 - every process and host takes the smallest count any of them found, so all run one program;
-- the count is kept beside the persistent compilation cache (`XLA_PERSISTENT_CACHE_PATH`), so a
-  restarted job, whose first step loads from the cache and compiles nothing (libtpu then logs no
-  HBM figures), chooses the same count and finds its later steps' program in the cache too.
-The step programs stay two, as without "fit": the first step's (which creates the optimizer
-state) and every later step's. The estimate leans high on purpose (`SAVED_TO_KEPT`): libtpu held
-0.16-1.03 of it a kept block on the blog's pods, and where the kept blocks outgrow HBM libtpu does
-not always rematerialize to fit (the 128B on v4-512 with 16 kept: refused, 31.91 GiB of 30.75), so
-a count too high stops the job when its second step compiles; `python -m xla_fsdp.aot` compiles
-that step before a slice is rented.
-Kept activations fill libtpu's scheduler budget for the whole backward; on pods xla_fsdp sets it to
-90% ([Note: the scheduler's budget on pods] in tpu/libtpu_flags.py), or the collectives lose the
-compute beside them (20B on v4-128, 14 kept: 0.86 of the bytes beside compute at 70%, 0.92 at 90%).
-Where no figures exist (XLA:CPU) every unit keeps recomputing, said once; the fit variable
-(`environment.FIT_MEMORY`) hands them in (`{"peak": bytes, "limit": bytes}`): the ahead-of-time check does, from its first
-compile of the job (docs/aot.md), and so do the tests.
+- the count is kept beside the persistent compilation cache (`XLA_PERSISTENT_CACHE_PATH`), so a restarted job,
+  whose first step loads from the cache and compiles nothing (libtpu then logs no HBM figures), chooses the same
+  count and finds its later steps' program in the cache too.
+The step programs stay two, as without "fit": the first step's (which creates the optimizer state) and every later
+step's. The estimate leans high on purpose (`SAVED_TO_KEPT`): where the kept blocks outgrow HBM libtpu does not
+always rematerialize to fit, so a count too high stops the job when its second step compiles; `python -m
+xla_fsdp.aot` compiles that step before a slice is rented. Kept activations fill libtpu's scheduler budget for the
+whole backward; on pods xla_fsdp sets it to 90% ([Note: the scheduler's budget on pods] in tpu/libtpu_flags.py),
+or the collectives lose the compute beside them. Where no figures exist (XLA:CPU) every unit keeps recomputing,
+said once; the fit variable (`environment.FIT_MEMORY`, `{"peak": bytes, "limit": bytes}`) hands them in: the
+ahead-of-time check does, from its first compile of the job (docs/aot.md), and so do the tests.
 """
 from __future__ import annotations
 
@@ -42,10 +36,9 @@ from .device_figures import MEMORY_ENV, Before, figures as device_figures
 
 FIT = "fit"
 HEADROOM = 0.95  # of the device's limit: allocator slack, the input pipeline's buffers
-# a kept unit's HBM by libtpu's account over what `saved_bytes` measures for it, on the blog's pods:
-# 0.16 (16B, 4 kept), 0.32 (32B, 7), 0.58-0.65 (20B, 14 and 21), 1.03 (128B, 10; with 16 kept it did
-# not fit and libtpu refused it rather than rematerialize); docs/performance.md. Kept at 1: a count
-# too high stops the job at its second step's compile, one too low costs a little speed
+# a kept unit's HBM by libtpu's account over what `saved_bytes` measures for it was 0.16 to 1.03 on the blog's pods
+# (docs/performance.md). Kept at 1: a count too high stops the job at its second step's compile, one too low costs
+# a little speed
 SAVED_TO_KEPT = 1.0
 STORED = "xla_fsdp_fit.json"  # beside the persistent compilation cache
 
@@ -58,8 +51,7 @@ def is_fit(value) -> bool:
 
 def keep_count(saved: Sequence[int], peak: int, limit: int, headroom: float = HEADROOM,
                saved_to_kept: float = SAVED_TO_KEPT) -> int:
-    """How many of the last units (in forward order; `saved[i]` what unit i would hold) keep their
-    activations within `headroom * limit - peak` bytes; at most all but one."""
+    """How many of the last units (`saved`: each one's bytes) keep activations within `headroom * limit - peak`."""
     room = headroom * limit - peak
     count = 0
     for size in reversed(list(saved)[1:]):  # the first unit always recomputes
@@ -70,14 +62,13 @@ def keep_count(saved: Sequence[int], peak: int, limit: int, headroom: float = HE
     return count
 
 
-# [Note: a policy per block] `remat_policy="fit"` chooses, per checkpointed unit, what it saves: with
-# the room "fit" measures, every unit from the last backwards gets the richest policy the room still
-# holds, "minimal" (every matmul's output), else "save_dot_except_mlp", else "save_qkv_proj", else
-# "full" (a policy costs the bytes of the outputs it saves, measured by role in the first step's
-# recomputations); then, from the last backwards, units holding "minimal" keep everything ("none")
-# while the rest of a whole unit's bytes fits. Saved matmul outputs cost a fraction of a kept unit
-# and skip most of its recomputed FLOPs, so the room goes to many units' matmuls before a few
-# units' whole activations. The first unit never keeps everything, as with a count.
+# [Note: a policy per block] `remat_policy="fit"` chooses, per checkpointed unit, what it saves: with the room "fit"
+# measures, every unit from the last backwards gets the richest policy the room still holds, "minimal" (every
+# matmul's output), else "save_dot_except_mlp", else "save_qkv_proj", else "full" (a policy costs the bytes of the
+# outputs it saves, measured by role in the first step's recomputations); then, from the last backwards, units
+# holding "minimal" keep everything ("none") while the rest of a whole unit's bytes fits. Saved matmul outputs cost a
+# fraction of a kept unit and skip most of its recomputed FLOPs, so the room goes to many units' matmuls before a
+# few units' whole activations. The first unit never keeps everything, as with a count.
 LADDER = ("minimal", "save_dot_except_mlp", "save_qkv_proj")
 _ROLES_OF = {"minimal": ("qkv", "out", "mlp", "other"), "save_dot_except_mlp": ("qkv", "out"),
              "save_qkv_proj": ("qkv",)}
@@ -105,8 +96,7 @@ def fit_policies(saved: Sequence[int], roles: Sequence[Dict[str, int]], room: fl
 
 
 class FitPlan:
-    """The root's "fit": bytes measured per unit in the first step, then the count, once (with
-    `policies`, each unit's policy too: [Note: a policy per block])."""
+    """The root's "fit": bytes measured per unit in the first step, then the count (and with `policies` each policy)."""
 
     def __init__(self, agree: Optional[Callable[[int], int]] = None, policies: bool = False):
         self.saved: Dict[int, int] = {}  # id(unit) -> what it would hold, measured in its recomputation
@@ -126,8 +116,7 @@ class FitPlan:
                 self.roles[id(unit)] = roles
 
     def resolve(self, units: List, read: Optional[Callable[[], Dict[str, int]]] = None) -> int:
-        """The count for this forward: 0 until every unit was measured in a step that ended (an
-        optimizer stepped since the first forward: not a micro-batch of it) and the figures exist."""
+        """The count for this forward: 0 until every unit was measured in a step that ended and the figures exist."""
         if self.count is not None:
             return self.count
         if self._before is None:  # before the first step: what the device holds without it

@@ -1,19 +1,15 @@
 """Saved activations that wait in the host's memory: the "offloaded" recomputation policies.
 
 [Note: host offload]
-A policy ending in "_offloaded" ([Note: recomputation policies] in remat_policy.py) moves what a
-checkpointed block saves for its backward (its input, and the matmul outputs the policy saves) to
-the host after the forward made it, and back before the backward reads it. The moves are
-`annotate_device_placement` custom calls (as torch_xla's `xla::place_to_host` / `place_to_device`)
-that libtpu's host-offload passes turn into asynchronous copies over PCIe, scheduled beside the
-compute (JAX's `offload_dst="pinned_host"` lowers to the same annotations; torchprime offloads
-a scanned decoder layer's input with them). Under scan the forward loop's saved stack is written
-to a host buffer one layer per trip and the backward loop reads it back a trip ahead.
-
-They are emitted only for a TPU (on one, or traced by the ahead-of-time check for one): XLA:CPU
-has no host memory space, so there the tensors stay where they are and the step computes the same
-values; tests/test_remat_policies.py reads the TPU-traced HLO for the annotations. The check
-counts the bytes that cross (`host_transfers` in tpu/step_time.py) and what a VM's host holds.
+A policy ending in "_offloaded" ([Note: recomputation policies] in remat_policy.py) moves what a checkpointed block
+saves for its backward (its input, and the matmul outputs the policy saves) to the host after the forward made it,
+and back before the backward reads it. The moves are `annotate_device_placement` custom calls (as torch_xla's
+`xla::place_to_host` / `place_to_device`) that libtpu's host-offload passes turn into asynchronous copies over
+PCIe, scheduled beside the compute (JAX's `offload_dst="pinned_host"` lowers to the same annotations). Under scan
+the forward loop's saved stack is written to a host buffer one layer per trip and the backward loop reads it back a
+trip ahead. They are emitted only for a TPU (on one, or traced by the check for one): XLA:CPU has no host memory
+space, so there the tensors stay where they are and the step computes the same values. The check counts the bytes
+that cross and what a VM's host holds ([Note: host transfers in libtpu's program] in tpu/host_transfers.py).
 """
 from __future__ import annotations
 
@@ -23,8 +19,8 @@ from xla_fsdp.abstract import tpu_target as _active
 
 
 def _placed(t: torch.Tensor, where: str) -> torch.Tensor:
-    """torch_xla's place_to_host / place_to_device, with api_version 1 (ORIGINAL): torch_xla's own
-    say 0, UNSPECIFIED, which XLA's HLO text parser refuses (the check hands libtpu HLO text)."""
+    """torch_xla's place_to_host / place_to_device, with api_version 1 (ORIGINAL): torch_xla's own say 0,
+    UNSPECIFIED, which XLA's HLO text parser refuses (the check hands libtpu HLO text)."""
     import torch_xla
 
     return torch_xla._XLAC._xla_custom_call([t], "annotate_device_placement", [list(t.shape)], [t.dtype], True,
@@ -67,8 +63,7 @@ def to_device(t: torch.Tensor) -> torch.Tensor:
 
 
 def graph_ops():
-    """(to host, to device) as ops an AOTAutograd graph can call (the GSPMD engine's scan); None
-    where the moves are not emitted."""
+    """(to host, to device) as ops an AOTAutograd graph (the GSPMD scan) can call; None where moves are not emitted."""
     if not _active():
         return None
     return _ops()

@@ -1,11 +1,9 @@
 """What a checkpointed unit would hold from forward to backward if it kept its activations.
 
-Autograd saves far more than a TPU program keeps: a GPT-2 block with transformers' `gelu_new`
-saves 30 bf16 values per token and hidden unit, nearly all of them elementwise intermediates
-that libtpu recomputes inside the fusions that read them; the TPU-compiled blocks held 6.4 (20B,
-v4-128) to 7.3 (2B, v4-8) (docs/performance.md). So only saved tensors made by work that is not
-cheap to redo count: matmul and kernel outputs and the unit's input, found by the autograd node
-that made each: 9.2 values for the tiny GPT-2 with the Pallas kernel, 11.0 for the 20B's block
+Autograd saves far more than a TPU program keeps: a GPT-2 block with transformers' `gelu_new` saves 30 bf16 values
+per token and hidden unit, nearly all elementwise intermediates that libtpu recomputes inside the fusions that read
+them; the TPU-compiled blocks held 6.4 to 7.3 (docs/performance.md). So only saved tensors made by work that is not
+cheap to redo count: matmul and kernel outputs and the unit's input, found by the autograd node that made each
 ([Note: keep what fits] in fit.py scales them by SAVED_TO_KEPT).
 """
 from __future__ import annotations
@@ -13,8 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator
 
-# autograd nodes (their op's name) that pass a tensor on unchanged in value: views, copies, casts,
-# layouts. A saved tensor they made costs what the op before them costs.
+# autograd nodes (their op's name) that pass a tensor on unchanged in value (views, copies, casts, layouts): a
+# saved tensor they made costs what the op before them costs
 _PASS_ON = frozenset("View Reshape ReshapeAlias UnsafeView Transpose Permute Expand Squeeze Unsqueeze T Split "
                      "SplitWithSizes Slice Select Clone ToCopy Contiguous AsStrided Alias Narrow Unbind Unfold "
                      "UnsafeSplit Chunk".split())
@@ -32,8 +30,7 @@ def _op(fn) -> str:
 
 
 def _held(fn) -> bool:
-    """Whether a kept unit holds a tensor made by autograd node `fn` (None: a leaf, the unit's
-    input): the outputs of matmuls, kernels and anything else not cheap to redo are held."""
+    """Whether a kept unit holds what autograd node `fn` made (None: a leaf, the unit's input): not cheap to redo."""
     for _ in range(64):
         if fn is None:
             return True
@@ -48,10 +45,10 @@ def _held(fn) -> bool:
 
 @contextlib.contextmanager
 def saved_bytes(module) -> Iterator[Dict[str, int]]:
-    """What a unit would hold from forward to backward if it kept its activations: bytes of the
-    tensors autograd saves inside the block that the TPU compiler keeps rather than recomputes
-    (`_held`), each storage once (a view counts as its base); `module`'s own parameters as
-    registered at the time (the gathered ones) left out. "autograd" is every saved byte."""
+    """What a unit would hold from forward to backward if it kept its activations: bytes of the tensors autograd
+    saves inside the block that the TPU compiler keeps rather than recomputes (`_held`), each storage once (a view
+    counts as its base); `module`'s own parameters as registered at the time (the gathered ones) left out.
+    "autograd" is every saved byte."""
     import torch
 
     seen, stats, weights = set(), {"bytes": 0, "autograd": 0}, []

@@ -1,10 +1,9 @@
 """What a checkpointed block saves for its backward: the recomputation policies (`remat_policy`).
 
 [Note: recomputation policies]
-A checkpointed block used to have two settings: recompute all of it in backward (it saves only
-its input) or keep all of it (no checkpoint). A policy names what it saves in between, by the
-role of the matmuls whose outputs it keeps; the rest is recomputed from those and the block's
-input. The names follow MaxText's `remat_policy` where one exists:
+Besides recomputing all of a checkpointed block in backward (it saves only its input) or keeping all of it, a
+policy names what it saves in between, by the role of the matmuls whose outputs it keeps; the rest is recomputed
+from those and the block's input. The names follow MaxText's `remat_policy` where one exists:
 
 | policy                | saves (besides the block's input)                            |
 |-----------------------|--------------------------------------------------------------|
@@ -16,24 +15,23 @@ input. The names follow MaxText's `remat_policy` where one exists:
 | "none"                | everything: the block is not recomputed                       |
 | "fit"                 | per block, what HBM holds ([Note: a policy per block], fit.py) |
 
-and "offload" variants whose saved tensors wait in the host's memory instead of HBM
-([Note: host offload] in host_offload.py): "full_offloaded" (the block's input),
-"qkv_proj_offloaded" and "minimal_offloaded" (the block's input and those outputs).
+and "offload" variants whose saved tensors wait in the host's memory instead of HBM ([Note: host offload] in
+host_offload.py): "full_offloaded" (the block's input), "qkv_proj_offloaded" and "minimal_offloaded" (the block's
+input and those outputs).
 
-No policy saves the MLP's last matmul (down_proj, the MLP's c_proj, fc2): in a pre-norm decoder
-only the residual sum reads its output, and that sum's backward reads no value, so a saved copy
-would be memory (and, offloaded, host traffic) that no backward uses.
+No policy saves the MLP's last matmul (down_proj, the MLP's c_proj, fc2): in a pre-norm decoder only the residual
+sum reads its output, and that sum's backward reads no value, so a saved copy would be memory (and, offloaded, host
+traffic) that no backward uses.
 
-Roles come from module names, as the decoders users bring name them: a matmul module (nn.Linear,
-transformers' Conv1D) below a module whose name says attention ("attn", "attention") is the
-output projection when its own name says so (o_proj, out_proj, c_proj, dense, wo), else one of
-q/k/v (q_proj, c_attn, query_key_value, ...); below one whose name says MLP ("mlp", "ffn",
-"feed_forward") it is the MLP's. A policy that names a role a block does not have is an error
-that lists the block's matmuls: saving nothing instead would be a silent full recompute.
+Roles come from module names, as the decoders users bring name them: a matmul module (nn.Linear, transformers'
+Conv1D) below a module whose name says attention ("attn", "attention") is the output projection when its own name
+says so (o_proj, out_proj, c_proj, dense, wo), else one of q/k/v (q_proj, c_attn, query_key_value, ...); below one
+whose name says MLP ("mlp", "ffn", "feed_forward") it is the MLP's. A policy that names a role a block does not
+have is an error that lists the block's matmuls: saving nothing instead would be a silent full recompute.
 
-Saving a matmul's output skips only the matmul: its backward needs its input and weight, not its
-output, so the recomputation still computes the input (what the input's own backward needs) and
-XLA drops the matmul itself, whose value nothing reads ([Note: saved outputs] in saved_outputs.py).
+Saving a matmul's output skips only the matmul: its backward needs its input and weight, not its output, so the
+recomputation still computes the input and XLA drops the matmul itself, whose value nothing reads ([Note: saved
+outputs] in saved_outputs.py).
 """
 from __future__ import annotations
 
@@ -109,8 +107,7 @@ _KEY = "_xla_fsdp_remat_policy"
 
 
 def set_policy(modules, policy) -> None:
-    """Give checkpointed `modules` (a module or several) their policy (a name or a RematPolicy; None:
-    leave them as they are)."""
+    """Give checkpointed `modules` (one or several) their policy (a name or a RematPolicy; None: no change)."""
     if policy is None:
         return
     for module in [modules] if isinstance(modules, nn.Module) else modules:
@@ -134,11 +131,8 @@ _MLP_OUT_NAMES = frozenset({"down_proj", "c_proj", "fc2", "w2", "dense_4h_to_h",
 
 
 def _is_matmul(module: nn.Module) -> bool:
-    if isinstance(module, nn.Linear):
-        return True
-    if type(module).__name__ == "Conv1D" and not any(True for _ in module.children()):  # transformers' GPT-2
-        return True
-    return False
+    return isinstance(module, nn.Linear) or (  # or transformers' GPT-2 Conv1D
+        type(module).__name__ == "Conv1D" and not any(True for _ in module.children()))
 
 
 def role(path: str) -> str:
@@ -175,14 +169,13 @@ def saved_modules(block: nn.Module, policy: RematPolicy, where: Optional[str] = 
     return [m for _, m, r in found if r in policy.saves]
 
 
-# What the step's blocks got, for the ahead-of-time check's report (aot/capture.py writes it): by
-# the block's class, where it runs and its policy's name, the blocks (by id) that ran so.
+# What the step's blocks got, for the ahead-of-time check's report (aot/capture.py writes it): by the block's
+# class, where it runs and its policy's name, the blocks (by id) that ran so.
 _APPLIED: Dict[Tuple[str, str, str], set] = {}
 
 
 def note_applied(blocks, policy: Optional[RematPolicy], where: str = "checkpointed") -> None:
-    """Record that `blocks` (a module or several alike) ran under `policy` (None: kept by
-    checkpoint_all_but_last); `where`: "checkpointed" or "scanned"."""
+    """Record that `blocks` ran under `policy` (None: kept by checkpoint_all_but_last), "checkpointed" or "scanned"."""
     blocks = [blocks] if isinstance(blocks, nn.Module) else list(blocks)
     name = policy.name if policy is not None else "kept (checkpoint_all_but_last)"
     key = (original_class(blocks[0]).__name__, where, name)

@@ -1,7 +1,7 @@
 """Measure activation memory: the bytes autograd saves for backward during a forward.
 
-This is what gradient checkpointing trades for compute, measured exactly on any
-backend (it does not depend on allocator behaviour or on XLA's scheduling).
+This is what gradient checkpointing trades for compute, measured exactly on any backend (independent of the
+allocator and of XLA's scheduling).
 """
 from __future__ import annotations
 
@@ -13,11 +13,8 @@ import torch
 
 @contextlib.contextmanager
 def saved_activation_bytes() -> Iterator[Dict[str, int]]:
-    """Count bytes of tensors saved for backward inside the block (each storage once).
-
-    Tensors saved by a checkpointed layer's recomputation run in backward are
-    not counted: only what stays alive between forward and backward.
-    """
+    """Count bytes of tensors saved for backward inside the block (each storage once): only what stays alive
+    between forward and backward, not what a checkpointed layer's recomputation saves in backward."""
     seen = set()
     stats = {"bytes": 0, "tensors": 0}
 

@@ -1,15 +1,13 @@
 """The outputs a recomputation policy saves, taken in the forward and handed to the recomputation.
 
 [Note: saved outputs]
-A checkpointed forward runs without autograd; hooks on the modules the policy names
-(`saved_modules` in remat_policy.py) keep their outputs, in call order. In backward the block
-runs again, and the same hooks replace each of those modules' recomputed output by the kept one
-(`_Kept`): what follows reads the forward's values, and the gradient reaching the kept value goes
-to the recomputed output, so the module's own backward (the matmul's: its input and weight)
-runs as without a policy. Nothing reads the recomputed output's value, so XLA drops the matmul
-that made it: the recomputation skips exactly the saved matmuls. The hooks count: a
-recomputation that calls the modules another number of times than the forward did is an error,
-not a mismatched pairing.
+A checkpointed forward runs without autograd; hooks on the modules the policy names (`saved_modules` in
+remat_policy.py) keep their outputs, in call order. In backward the block runs again, and the same hooks replace
+each of those modules' recomputed output by the kept one (`_Kept`): what follows reads the forward's values, and
+the gradient reaching the kept value goes to the recomputed output, so the module's own backward (the matmul's:
+its input and weight) runs as without a policy. Nothing reads the recomputed output's value, so XLA drops the
+matmul that made it: the recomputation skips exactly the saved matmuls. The hooks count: a recomputation that
+calls the modules another number of times than the forward did is an error, not a mismatched pairing.
 """
 from __future__ import annotations
 
@@ -21,11 +19,10 @@ import torch.nn as nn
 
 
 def as_output_of(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-    """`output`, computed from `module`'s weights by code that does not call it (the head-major
-    projections around the attention kernel: one einsum per head-major q, k, v or output), passed
-    through `module`'s forward hooks as if it had returned it: a policy that saves the module's
-    output saves this one ([Note: saved outputs]); several calls for one module (GPT-2's q, k and v
-    of its one c_attn) are saved one by one."""
+    """`output`, computed from `module`'s weights by code that does not call it (the head-major projections around
+    the attention kernel), passed through `module`'s forward hooks as if it had returned it, so a policy that saves
+    the module's output saves this one; several calls for one module (GPT-2's q, k and v of its one c_attn) are
+    saved one by one."""
     for hook in list(module._forward_hooks.values()):
         got = hook(module, inputs, output)
         if got is not None:
@@ -107,10 +104,10 @@ def substituting(modules: Sequence[nn.Module], kept: Sequence[torch.Tensor]) -> 
                            f"{len(kept)}; the block's forward must call them alike both times")
 
 
-# [Note: saved outputs under AOTAutograd] The GSPMD engine's scan traces the layer with AOTAutograd
-# and a partitioner decides what the forward saves (layer_scan/gspmd/scan_glue.py). There the hooks
-# mark the outputs to save with `saved_as`, an identity op the trace keeps as a node of its own
-# (the gradient passes through it unchanged), and the partitioner saves the marked nodes.
+# [Note: saved outputs under AOTAutograd] The GSPMD engine's scan traces the layer with AOTAutograd and a
+# partitioner decides what the forward saves (layer_scan/gspmd/scan_glue.py). There the hooks mark the outputs to
+# save with `saved_as`, an identity op the trace keeps as a node of its own (the gradient passes through it
+# unchanged), and the partitioner saves the marked nodes.
 _TAG_OP = None
 
 

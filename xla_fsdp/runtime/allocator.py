@@ -1,24 +1,18 @@
 """The host's memory allocator for processes that compile with libtpu.
 
-[Note: libtpu's compile and the host's malloc]
-libtpu's compiler allocates and frees small objects at a great rate from two or more threads.
-Under glibc's malloc about 14% of the compile's CPU samples were in the allocator
-(`_int_malloc`, `malloc_consolidate`, `_int_free`; `perf record` of the scanned 2B's compile
-for v4-8, 2026-11-30) and the two compile threads kept each other waiting: 1.5 cores busy of
-two. With jemalloc or tcmalloc preloaded the same program (the same optimized HLO) compiled in
-0.82x the time (compile medians 69.6 s against 84.9 s, 2026-11-30: docs/scan.md; mimalloc and glibc's own tunables
-did not help). TPU VM users commonly preload tcmalloc for the same reason.
+[Note: libtpu's compile and the host's malloc] libtpu's compiler allocates and frees small objects at a great rate from
+two or more threads: under glibc's malloc a large share of the compile's CPU time is in the allocator and the compile
+threads keep each other waiting. With jemalloc or tcmalloc preloaded the same program compiles in 0.82x the time
+(docs/scan.md). TPU VM users commonly preload tcmalloc for the same reason.
 
-`preload_environment` says what to add to a process's environment so that it starts with a
-faster allocator: the first of jemalloc and tcmalloc this host has (the system's packages,
-`apt install libjemalloc2` or `libtcmalloc-minimal4`), unless the process already preloads
-something or the malloc variable (`environment.MALLOC`) says otherwise: `system` keeps glibc's, a path names the
-library. A process can only change its allocator by starting again, so `restart_with` execs
-the same command with the library preloaded; the mark in the environment keeps it from doing
-so twice. `python -m xla_fsdp.aot` starts so (its traced child inherits the preload), and so
-does the launcher on a TPU (`launch/xla_spawn.py`; the replicas inherit it). Nothing
-changes what the program computes: the allocator only hands out memory.
-"""
+`preload_environment` says what to add to a process's environment so that it starts with a faster allocator: the first
+of jemalloc and tcmalloc this host has (the system's packages, `apt install libjemalloc2` or `libtcmalloc-minimal4`),
+unless the process already preloads something or the malloc variable (`environment.MALLOC`) says otherwise: `system`
+keeps glibc's, a path names the library. A process can only change its allocator by starting again, so `restart_with`
+execs the same command with the library preloaded; the mark in the environment keeps it from doing so twice.
+`python -m xla_fsdp.aot` starts so (its traced child inherits the preload), and so does the launcher on a TPU
+(`launch/xla_spawn.py`; the replicas inherit it). Nothing changes what the program computes: the allocator only hands
+out memory."""
 from __future__ import annotations
 
 import ctypes.util
@@ -50,8 +44,8 @@ def find_library(name: str) -> Optional[str]:
 
 
 def choose(environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """The library to preload, or None: glibc's malloc stays (asked for, nothing found, or the
-    process preloads something already)."""
+    """The library to preload, or None: glibc's malloc stays (asked for, nothing found, or the process preloads
+    something already)."""
     wanted = environment.get(ENV, environ) or "auto"
     if wanted == "system" or started_with(environ):
         return None
@@ -91,8 +85,8 @@ def in_use(environ: Mapping[str, str] = os.environ) -> str:
 
 
 def restart_with(argv: List[str], environ: Mapping[str, str] = os.environ) -> None:
-    """Exec `argv` (a command for this Python: [sys.executable, ...]) again with a faster allocator
-    when one is to be had; returns only when there is none (or it was chosen already)."""
+    """Exec `argv` (a command for this Python: [sys.executable, ...]) again with a faster allocator when one is to be
+    had; returns only when there is none (or it was chosen already)."""
     extra = preload_environment(environ)
     if not extra:
         return

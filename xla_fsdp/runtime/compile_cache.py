@@ -1,25 +1,16 @@
 """The persistent compilation cache: compiled programs kept on disk, so a restarted job compiles nothing.
 
-[Note: the persistent compilation cache] torch_xla 2.9 keys each compiled
-program by a hash of its HLO and the compile options, writes the executable
-under `XLA_PERSISTENT_CACHE_PATH`, and on a later run with the same program
-loads it instead of compiling (`torch_xla.runtime.initialize_cache`). The
-path is read once, when the first program is compiled, so it is chosen
-before that: by `run_clm --compile_cache DIR` (default: `compile_cache/`
-under a local `--output_dir`), or for any script under the launcher by
-the compile-cache variable (`environment.COMPILE_CACHE`) set to a folder. Each process gets a folder of its own: one per
-host under the single controller (`host-<i>`, as on a shared mount hosts
-must not write the same files), one per replica with one process per chip
-(`rank-<i>`). torch_xla counts what happened (`PersistentCacheHit`,
-`PersistentCacheMiss`, `PersistentCacheDeserializeFailure`); `summary()`
-says it in one line.
+[Note: the persistent compilation cache] torch_xla 2.9 keys each compiled program by a hash of its HLO and the compile
+options, writes the executable under `XLA_PERSISTENT_CACHE_PATH`, and on a later run with the same program loads it
+instead of compiling (`torch_xla.runtime.initialize_cache`). The path is read once, when the first program is compiled,
+so it is chosen before that: by `run_clm --compile_cache DIR` (default: `compile_cache/` under a local `--output_dir`),
+or for any script under the launcher by the compile-cache variable (`environment.COMPILE_CACHE`) set to a folder. Each
+process gets a folder of its own: one per host under the single controller (`host-<i>`, as on a shared mount hosts must
+not write the same files), one per replica with one process per chip (`rank-<i>`). torch_xla counts what happened
+(`PersistentCacheHit`, `PersistentCacheMiss`, `PersistentCacheDeserializeFailure`); `summary()` says it in one line.
 
-Measured on XLA:CPU (2026-11-28): the second run of the same program finds
-its key (the hash is the same: a `PersistentCacheDeserializeFailure`, not a
-`Miss`) but cannot load the executable, since torch_xla 2.9's CPU client
-does not deserialize executables; it compiles again. On a TPU the
-executable loads (torch_xla's own cache tests run there).
-"""
+On XLA:CPU a second run finds its key (a `PersistentCacheDeserializeFailure`, not a `Miss`) but compiles again:
+torch_xla 2.9's CPU client does not deserialize executables. On a TPU the executable loads."""
 from __future__ import annotations
 
 import os
@@ -43,8 +34,8 @@ def host_index() -> int:
 
 
 def too_late(path: str) -> bool:
-    """Whether this process compiled a program already, with the cache elsewhere or off (torch_xla
-    reads the setting at the first compile)."""
+    """Whether this process compiled a program already, with the cache elsewhere or off (torch_xla reads the setting at
+    the first compile)."""
     import torch_xla
 
     return bool(torch_xla._XLAC._xla_computation_cache_is_initialized()) and \
@@ -52,9 +43,9 @@ def too_late(path: str) -> bool:
 
 
 def enable(base: str, part: str) -> str:
-    """Keep compiled programs under `base`/`part` (created); returns that folder. Raises
-    CompileCacheError for a folder that cannot be written, or when a program was already compiled
-    in this process (the cache can no longer be chosen)."""
+    """Keep compiled programs under `base`/`part` (created); returns that folder. Raises CompileCacheError for a
+    folder that cannot be written, or when a program was already compiled in this process (the cache can no longer be
+    chosen)."""
     import torch_xla
     import torch_xla.runtime as xr
 

@@ -1,13 +1,11 @@
 """Every environment variable xla_fsdp reads, named and read here only.
 
-Other modules import the names below and ask `get` (or one of the typed readers) for a value;
-no other module spells an `XLA_FSDP_*` name or reads `XLA_FSDP_RUNTIME` / `XLA_USE_SPMD`
-(tests/test_environment.py holds both). `VARIABLES` is the table docs/environment.md shows:
-who sets each variable and what it means; those marked internal only pass a fact between
-xla_fsdp's own processes, and a user never sets them.
+Other modules import the names below and ask `get` (or one of the typed readers) for a value; no other module spells an
+`XLA_FSDP_*` name or reads `XLA_FSDP_RUNTIME` / `XLA_USE_SPMD` (tests/test_environment.py holds both). `VARIABLES` is
+the table docs/environment.md shows: who sets each variable and what it means; those marked internal only pass a fact
+between xla_fsdp's own processes, and a user never sets them.
 
-This module imports nothing but the standard library: the launcher reads it before torch.
-"""
+This module imports nothing but the standard library: the launcher reads it before torch."""
 from __future__ import annotations
 
 import json
@@ -106,9 +104,7 @@ VARIABLES = (
 
 
 # variables that chose something once and no longer do: set, they are refused with what to do instead
-REMOVED = {
-    "XLA_FSDP_ENGINE": "the engine is the fsdp_config's choice: set \"xla_fsdp_v2\": true for the GSPMD engine",
-}
+REMOVED = {"XLA_FSDP_ENGINE": "the engine is the fsdp_config's choice: set \"xla_fsdp_v2\": true for the GSPMD engine",}
 
 
 def refuse_removed(environ: Mapping[str, str] = os.environ) -> None:
@@ -129,16 +125,15 @@ def raw(name: str, environ: Mapping[str, str] = os.environ) -> Optional[str]:
 
 
 def torch_xla_flag(name: str, environ: Mapping[str, str] = os.environ) -> bool:
-    """A boolean variable of torch_xla's, read as torch_xla 2.9 reads it (`check_env_flag` in
-    torch_xla/utils/utils.py: exactly "true", or a positive integer), so that xla_fsdp and
-    torch_xla never disagree on whether SPMD is on."""
+    """A boolean variable of torch_xla's, read as torch_xla 2.9 reads it (`check_env_flag` in torch_xla/utils/utils.py:
+    exactly "true", or a positive integer), so that xla_fsdp and torch_xla never disagree on whether SPMD is on."""
     value = environ.get(name, "")
     return value == "true" or (value.isdigit() and int(value) > 0)
 
 
 def runtime(environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """The runtime the environment asks for: XLA_FSDP_RUNTIME, else torch_xla's XLA_USE_SPMD
-    (true: the single controller), else None. A value that is neither runtime is refused."""
+    """The runtime the environment asks for: XLA_FSDP_RUNTIME, else torch_xla's XLA_USE_SPMD (true: the single
+    controller), else None. A value that is neither runtime is refused."""
     asked = get(RUNTIME, environ).lower()
     if asked:
         if asked not in RUNTIMES:
@@ -192,8 +187,7 @@ def with_internal(environ: Mapping[str, str], **facts) -> str:
 
 
 def num_slices(environ: Mapping[str, str] = os.environ) -> int:
-    """How many slices the job spans (NUM_SLICES; 1 when unset). Anything but a positive integer is
-    refused by name."""
+    """How many slices the job spans (NUM_SLICES; 1 when unset). Anything but a positive integer is refused by name."""
     text = get(NUM_SLICES, environ)
     if not text:
         return 1

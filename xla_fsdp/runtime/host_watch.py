@@ -1,33 +1,25 @@
-"""Knowing that a host of the slice stopped answering: each host's heartbeat through the hosts'
-store, and agreements that wait for a silent host at most the host timeout
-(`environment.HOST_TIMEOUT`, seconds).
+"""Knowing that a host of the slice stopped answering: each host's heartbeat through the hosts' store, and agreements
+that wait for a silent host at most the host timeout (`environment.HOST_TIMEOUT`, seconds).
 
-[Note: a host that does not answer] The hosts agree through a gloo group ([Note: the hosts'
-group] in hosts.py). A host that dies between two agreements leaves the others in the next one:
-when its process is killed its connections close and gloo fails at once, naming a socket, not the
-host; when the machine is gone (or frozen) nothing closes, and gloo waits its timeout, 30 minutes
-by default. So every agreement first meets in the group's store (the TCPStore its rendezvous
-started, served by host 0): each host marks its arrival, and waits for the others' marks while
-their heartbeats go on. A background thread on every host bumps a counter in the store every
-few seconds (over a connection of its own, so a waiting host never holds it up); a host whose
-counter has not moved for the host timeout (default 300 s) did not answer, and the
-waiting hosts raise `HostLostError` naming it. A host that is alive but late (host 0 writing a
-large `save_pretrained` file while the others wait) keeps beating and is waited for, up to
-gloo's own 30 minutes. Host 0 serving the store, its death shows as the store failing, and is
+[Note: a host that does not answer] The hosts agree through a gloo group ([Note: the hosts' group] in hosts.py). A host
+that dies between two agreements leaves the others in the next one: a killed process closes its connections and gloo
+fails at once, naming a socket, not the host; a machine that is gone (or frozen) closes nothing, and gloo waits its
+timeout, 30 minutes by default. So every agreement first meets in the group's store (the TCPStore its rendezvous
+started, served by host 0): each host marks its arrival and waits for the others' marks while their heartbeats go on. A
+background thread on every host bumps a counter in the store every few seconds (over its own connection, so a waiting
+host never holds it up); a host whose counter has not moved for the host timeout (default 300 s) did not answer, and the
+waiting hosts raise `HostLostError` naming it. A host that is alive but late (host 0 writing a large `save_pretrained`
+file) keeps beating and is waited for, up to gloo's own 30 minutes. Host 0's death shows as the store failing, and is
 reported as host 0's.
 
-The arrival marks are what a dead host can be named by; the gloo operation that follows starts
-only when every host is there (a barrier too: host 0 must not leave, and perhaps exit with its
-store, before every host has seen the meeting complete). Its timeout is the host timeout as
-well, so a host that dies during one is reported within the bound too (named by its stopped
-heartbeat). A TCPStore client's calls have no timeout of their own: against a frozen host 0
-they would block forever, so this host makes them on a thread of their own and gives up after
-the bound.
+The gloo operation that follows the meeting starts only when every host is there (a barrier too: host 0 must not exit
+with its store before every host has seen the meeting complete); its timeout is the host timeout as well, so a host that
+dies during one is named by its stopped heartbeat within the bound. A TCPStore client's calls have no timeout of their
+own and would block forever against a frozen host 0, so they run on a thread of their own that is given up on after the
+bound.
 
-Nothing half-written is taken as a checkpoint: a host raises before the agreement that would
-have committed it, and only host 0 commits, after every host said its files are written
-([Note: atomic checkpoints] in checkpoint/save.py).
-"""
+Nothing half-written is taken as a checkpoint: a host raises before the agreement that would have committed it, and only
+host 0 commits, after every host said its files are written ([Note: atomic checkpoints] in checkpoint/save.py)."""
 from __future__ import annotations
 
 import queue
@@ -63,8 +55,7 @@ class HostLostError(RuntimeError):
 
     def __init__(self, hosts: Sequence[int], world: int, rank: int, why: str, timeout: float):
         self.hosts = tuple(hosts)
-        who = (f"host {self.hosts[0]}" if len(self.hosts) == 1 else
-               f"hosts {', '.join(map(str, self.hosts))}")
+        who = (f"host {self.hosts[0]}" if len(self.hosts) == 1 else f"hosts {', '.join(map(str, self.hosts))}")
         super().__init__(
             f"{who} of {world} {why}. This host (host {rank}) stops here rather than wait: nothing it was "
             "saving is taken for a checkpoint (a save in progress is left without its COMPLETE marker, as "
@@ -74,9 +65,9 @@ class HostLostError(RuntimeError):
 
 
 class _StoreCalls:
-    """Store calls on a daemon thread of their own: a TCPStore client's calls have no timeout, so
-    against a frozen store host (host 0 stopped, or its machine gone) they would block forever;
-    here they cost `timeout` seconds, and the stuck thread does not hold up the process's exit."""
+    """Store calls on a daemon thread of their own: a TCPStore client's calls have no timeout, so against a frozen store
+    host (host 0 stopped, or its machine gone) they would block forever; here they cost `timeout` seconds, and the stuck
+    thread does not hold up the process's exit."""
 
     def __init__(self, store, timeout: float):
         self._store = store
@@ -141,8 +132,8 @@ class HostWatch:
             raise self.lost([0], f"(which serves the hosts' store) did not answer ({type(e).__name__}: {e})") from e
 
     def meet(self) -> None:
-        """Return once every host has reached this agreement; raise `HostLostError` naming the hosts
-        whose heartbeat stopped for `timeout` seconds meanwhile."""
+        """Return once every host has reached this agreement; raise `HostLostError` naming the hosts whose heartbeat
+        stopped for `timeout` seconds meanwhile."""
         self._agreement += 1
         n = self._agreement
         count, mark = f"{_PREFIX}at/{n}", lambda r: f"{_PREFIX}at/{n}/{r}"
@@ -184,8 +175,8 @@ class HostWatch:
         return now - beats[r][1]
 
     def silent_hosts(self) -> List[int]:
-        """After a failed exchange: the hosts whose heartbeat stays still for `timeout` seconds
-        (watched that long at most; [] when every heartbeat goes on)."""
+        """After a failed exchange: the hosts whose heartbeat stays still for `timeout` seconds (watched that long at
+        most; [] when every heartbeat goes on)."""
         beats: Dict[int, Tuple[int, float]] = {}
         start = time.monotonic()
         while True:

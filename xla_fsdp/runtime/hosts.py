@@ -1,33 +1,26 @@
-"""The hosts of a slice as the SPMD runtimes see them: how many, which one this process is, which
-devices it addresses, and the group the hosts agree through (for files and data, never for tensors
-of the training step).
+"""The hosts of a slice as the SPMD runtimes see them: how many, which one this process is, which devices it addresses,
+and the group the hosts agree through (for files and data, never for tensors of the training step).
 
-Under the SPMD runtimes (the single controller, the GSPMD engine) one process per host drives every
-chip of its host, and all hosts run one program. On a pod `torch_xla.runtime.process_count()` is the
-host count; each process addresses only its own chips (`_xla_get_runtime_devices()`).
+Under the SPMD runtimes (the single controller, the GSPMD engine) one process per host drives every chip of its host,
+and all hosts run one program. On a pod `torch_xla.runtime.process_count()` is the host count; each process addresses
+only its own chips (`_xla_get_runtime_devices()`).
 
-[Note: the hosts' group] What hosts must agree on is host-side: "my files are written", "did
-anyone fail", a few small records (rows sent for an export, a virtual host's pieces). That is a gloo
-process group over the hosts, started with torch_xla's `xla://` rendezvous, which under SPMD numbers
-the members by process index and count and finds the master host from the TPU metadata, so a pod
-needs no extra configuration (torch_xla's own SPMD checkpointing uses the same group). XLA
-collectives are the wrong tool: they run inside the compiled program, on device tensors, and a
-"did every host write its file" would cost a compile and a device round trip, and could not run at
-all once a host's write failed. A host that stops answering is waited for at most
-the host timeout (`environment.HOST_TIMEOUT`) and named ([Note: a host that does not answer] in host_watch.py).
+[Note: the hosts' group] What hosts must agree on is host-side: "my files are written", "did anyone fail", a few small
+records (rows sent for an export, a virtual host's pieces). That is a gloo process group over the hosts, started with
+torch_xla's `xla://` rendezvous, which under SPMD numbers the members by process index and finds the master host from
+the TPU metadata, so a pod needs no extra configuration (torch_xla's own SPMD checkpointing uses the same group). XLA
+collectives are the wrong tool: they run inside the compiled program on device tensors, would cost a compile and a
+device round trip, and could not run at all once a host's write failed. A host that stops answering is waited for at
+most the host timeout (`environment.HOST_TIMEOUT`) and named ([Note: a host that does not answer] in host_watch.py).
 
-[Note: virtual hosts] torch_xla 2.9 cannot run one SPMD program across processes on XLA:CPU (its
-CPU client has no cross-process collectives; process_count() is 1). To prove the per-host code on
-one machine, `environment.VIRTUAL_HOSTS`=N and `environment.VIRTUAL_HOST_INDEX`=i make N processes act as
-N hosts of one slice: each runs the same SPMD program on all of its (virtual CPU) devices, but the
-checkpoint and data layers treat only block i of the devices (in global order, N equal blocks) as
-this host's, and the hosts form their gloo group over MASTER_ADDR/MASTER_PORT (default
-127.0.0.1:29531) exactly as pod hosts do over torch_xla's `xla://` rendezvous. Everything above
-this module is the production code path; only `HostView.devices` and the group's address differ.
-Where a virtual host must hand torch_xla data of devices that are not its own (torch_xla takes a
-shard for every device the process addresses), it gets them from the other hosts through the group
-(`HostGroup.exchange`); on a pod that call is never made.
-"""
+[Note: virtual hosts] torch_xla 2.9 cannot run one SPMD program across processes on XLA:CPU (no cross-process
+collectives; process_count() is 1). To prove the per-host code on one machine, `environment.VIRTUAL_HOSTS`=N and
+`environment.VIRTUAL_HOST_INDEX`=i make N processes act as N hosts of one slice: each runs the same SPMD program on all
+of its (virtual CPU) devices, but the checkpoint and data layers treat only block i of the devices (global order, N
+equal blocks) as this host's, and the hosts form their gloo group over MASTER_ADDR/MASTER_PORT (default 127.0.0.1:29531)
+as pod hosts do over `xla://`. Only `HostView.devices` and the group's address differ from the production path. Where a
+virtual host must hand torch_xla data of devices that are not its own (torch_xla takes a shard for every device the
+process addresses), it gets them from the other hosts (`HostGroup.exchange`); on a pod that call is never made."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -107,18 +100,18 @@ def _virtual_env() -> Tuple[int, int]:
 
 
 def virtual_group_address() -> str:
-    """Virtual hosts: where their gloo group meets (MASTER_ADDR/MASTER_PORT, default
-    127.0.0.1:29531), as `tcp://addr:port` ([Note: virtual hosts])."""
+    """Virtual hosts: where their gloo group meets (MASTER_ADDR/MASTER_PORT, default 127.0.0.1:29531), as
+    `tcp://addr:port` ([Note: virtual hosts])."""
     addr = environment.get(environment.MASTER_ADDR) or "127.0.0.1"
     port = int(environment.get(environment.MASTER_PORT) or DEFAULT_PORT)
     return f"tcp://{addr}:{port}"
 
 
 class HostGroup:
-    """The hosts agreeing on host-side facts (files written, batches read): a gloo group, one
-    member per host. One host: every call is local. Every agreement waits for a host that stopped
-    answering at most the host timeout (`environment.HOST_TIMEOUT`), then raises `HostLostError` naming it
-    ([Note: a host that does not answer] in host_watch.py)."""
+    """The hosts agreeing on host-side facts (files written, batches read): a gloo group, one member per host. One host:
+    every call is local. Every agreement waits for a host that stopped answering at most the host timeout
+    (`environment.HOST_TIMEOUT`), then raises `HostLostError` naming it ([Note: a host that does not answer] in
+    host_watch.py)."""
 
     def __init__(self, view: HostView, dist=None, watch=None):
         self.view = view
@@ -142,8 +135,8 @@ class HostGroup:
 
     def barrier(self) -> None:
         if self._dist is not None:
-            # gloo's barrier after the meeting: host 0, which serves the store, must not go on (and
-            # perhaps exit) before every host has seen the meeting complete
+            # gloo's barrier after the meeting: host 0, which serves the store, must not go on (and perhaps exit) before
+            # every host has seen the meeting complete
             self._agree(self._dist.barrier)
 
     def all_ok(self, ok: bool) -> bool:
@@ -172,8 +165,8 @@ class HostGroup:
         return out
 
     def exchange(self, mine: dict) -> dict:
-        """Virtual hosts only: the union of every host's {device: value}, so this process can hand
-        torch_xla a value for every device it drives ([Note: virtual hosts])."""
+        """Virtual hosts only: the union of every host's {device: value}, so this process can hand torch_xla a value for
+        every device it drives ([Note: virtual hosts])."""
         if not self.view.virtual:
             raise RuntimeError("HostGroup.exchange is the virtual-host test mode's; a pod host addresses only "
                                "its own devices")
@@ -187,10 +180,9 @@ _GROUP: Optional[HostGroup] = None
 
 
 def host_group(view: Optional[HostView] = None) -> HostGroup:
-    """The group over this slice's hosts, started on first use: gloo over torch_xla's `xla://`
-    rendezvous on a pod (process_count()/process_index() under SPMD), over MASTER_ADDR/MASTER_PORT
-    for virtual hosts. An already initialized torch.distributed default group of one member per host
-    is used as it is."""
+    """The group over this slice's hosts, started on first use: gloo over torch_xla's `xla://` rendezvous on a pod
+    (process_count()/process_index() under SPMD), over MASTER_ADDR/MASTER_PORT for virtual hosts. An already initialized
+    torch.distributed default group of one member per host is used as it is."""
     global _GROUP
     view = view or host_view()
     if _GROUP is not None and (_GROUP.world, _GROUP.rank) == (view.count, view.index):
@@ -220,16 +212,14 @@ def host_group(view: Optional[HostView] = None) -> HostGroup:
         dist.init_process_group("gloo", init_method="xla://", timeout=timeout)
     if _GROUP is not None and _GROUP._watch is not None:
         _GROUP._watch.close()
-    _GROUP = HostGroup(view, dist, HostWatch(store_of_default_group(), view.index, view.count,
-                                             timeout.total_seconds()))
+    _GROUP = HostGroup(view, dist, HostWatch(store_of_default_group(), view.index, view.count, timeout.total_seconds()))
     return _GROUP
 
 
-def global_tensor(shards: dict, sharding, shape, view: Optional[HostView] = None,
-                  group: Optional[HostGroup] = None):
-    """The global XLA tensor of `shape` with `sharding` (an OpSharding) from this host's
-    {device: shard} (each padded to the shard shape): what a pod host hands torch_xla for its own
-    devices; a virtual host first gets the other blocks' shards ([Note: virtual hosts])."""
+def global_tensor(shards: dict, sharding, shape, view: Optional[HostView] = None, group: Optional[HostGroup] = None):
+    """The global XLA tensor of `shape` with `sharding` (an OpSharding) from this host's {device: shard} (each padded to
+    the shard shape): what a pod host hands torch_xla for its own devices; a virtual host first gets the other blocks'
+    shards ([Note: virtual hosts])."""
     import torch_xla
 
     view = view or host_view()

@@ -1,21 +1,15 @@
-"""The device mesh and the partition specs laid on it (the SPMD engine uses
-them; they sit outside it so the collectives engine can share them).
+"""The device mesh and the partition specs laid on it (the SPMD engine uses them; they sit outside it so the collectives
+engine can share them).
 
-[Note: SPMD sharding layout]
-One process drives every device of the host. Parameters are sharded on
-dim 0 over the mesh axis "fsdp"; activations are sharded on the batch dim
-over every mesh axis (for the default 1-D mesh that is "fsdp" as well), which
-is the FSDP algorithm written as shardings: the partitioner inserts the
-gathers of parameters and the reductions of gradients back to the dim-0
-layout (and may pick other collectives for some ops unless gather_params
+[Note: SPMD sharding layout] One process drives every device of the host. Parameters are sharded on dim 0 over the mesh
+axis "fsdp"; activations are sharded on the batch dim over every mesh axis (for the default 1-D mesh that is "fsdp" as
+well), which is the FSDP algorithm written as shardings: the partitioner inserts the gathers of parameters and the
+reductions of gradients back to the dim-0 layout (and may pick other collectives for some ops unless gather_params
 forces the FSDP pattern; see gspmd_engine/params.py).
 
-A dim 0 that the device count does not divide is still sharded: XLA's tiled
-sharding pads the last shards internally (a [10, 3] weight on 4 devices keeps
-[3, 3] tiles, the last holding one real row), so the user-visible shape and
-the state dict stay those of the unwrapped model. Only 0-dim tensors stay
-replicated; they have no dim to split.
-"""
+A dim 0 that the device count does not divide is still sharded: XLA's tiled sharding pads the last shards internally (a
+[10, 3] weight on 4 devices keeps [3, 3] tiles, the last holding one real row), so the user-visible shape and the state
+dict stay those of the unwrapped model. Only 0-dim tensors stay replicated; they have no dim to split."""
 
 from __future__ import annotations
 
@@ -33,9 +27,9 @@ PartitionSpec = Tuple[object, ...]
 
 
 def build_fsdp_mesh() -> xs.Mesh:
-    """A 1-D mesh named "fsdp" over every device this process addresses; on a job that spans
-    slices, `("slice", "fsdp")`: parameters split within a slice, one replica per slice ([Note:
-    HSDP across slices] in slices.py)."""
+    """A 1-D mesh named "fsdp" over every device this process addresses; on a job that spans slices,
+    `("slice", "fsdp")`: parameters split within a slice, one replica per slice ([Note: HSDP across slices] in
+    slices.py)."""
     from xla_fsdp.runtime.slices import SLICE_AXIS, device_slices
 
     groups = device_slices()
@@ -78,8 +72,8 @@ def param_spec(tensor: torch.Tensor) -> PartitionSpec:
 
 
 def batch_spec(tensor: torch.Tensor, mesh: xs.Mesh, axes: Optional[Sequence[str]] = None) -> PartitionSpec:
-    """Batch (dim 0) over `axes`, default all mesh axes, so no device holds a
-    replica (torch_xla's FSDPv2 splits it over "fsdp" and its extra data axis)."""
+    """Batch (dim 0) over `axes`, default all mesh axes, so no device holds a replica (torch_xla's FSDPv2 splits it over
+    "fsdp" and its extra data axis)."""
     axes = tuple(mesh.axis_names) if axes is None else tuple(axes)
     first = axes[0] if len(axes) == 1 else axes
     return (first,) + (None,) * (tensor.dim() - 1)
@@ -88,14 +82,11 @@ def batch_spec(tensor: torch.Tensor, mesh: xs.Mesh, axes: Optional[Sequence[str]
 def annotate(tensor: torch.Tensor, mesh: xs.Mesh, spec: PartitionSpec) -> torch.Tensor:
     """Puts a sharding annotation on a fresh copy of `tensor` and returns it.
 
-    Runs for every parameter and unit boundary on every step, so it skips
-    `xs.mark_sharding`'s XLAShardedTensor wrapper (and, in
-    `mark_sharding_with_gradients`, a mesh re-parse per call); the OpSharding
-    itself is cached by the mesh. `* 1` makes a new IR value (exact, even for
-    -0.0 and NaN): annotating a clone of device data would collide with the
-    data's own sharding. A boolean tensor (a Hugging Face 4-D attention mask
-    passed to every layer) takes `| False`, since `* 1` would make it int64.
-    """
+    Runs for every parameter and unit boundary on every step, so it skips `xs.mark_sharding`'s XLAShardedTensor wrapper
+    (and, in `mark_sharding_with_gradients`, a mesh re-parse per call); the OpSharding itself is cached by the mesh.
+    `* 1` makes a new IR value (exact, even for -0.0 and NaN): annotating a clone of device data would collide with the
+    data's own sharding. A boolean tensor (a Hugging Face 4-D attention mask passed to every layer) takes `| False`,
+    since `* 1` would make it int64."""
     return annotate_with(tensor, mesh.get_op_sharding(spec))
 
 
@@ -107,8 +98,7 @@ def annotate_with(tensor: torch.Tensor, op_sharding) -> torch.Tensor:
 
 
 class ShardedView(torch.autograd.Function):
-    """Identity whose output is annotated `forward_spec` and whose gradient is
-    annotated `backward_spec`."""
+    """Identity whose output is annotated `forward_spec` and whose gradient is annotated `backward_spec`."""
 
     @staticmethod
     def forward(

@@ -1,6 +1,5 @@
-"""Which parameters hold zero rows after their real ones, and how many rows are real (torch only:
-the checkpoints read it without XLA). The SPMD engine pads ([Note: padded rows] in
-xla_fsdp/gspmd_engine/padded_rows.py)."""
+"""Which parameters hold zero rows after their real ones, and how many rows are real (torch only: the checkpoints read
+it without XLA). The SPMD engine pads ([Note: padded rows] in xla_fsdp/gspmd_engine/padded_rows.py)."""
 
 from __future__ import annotations
 

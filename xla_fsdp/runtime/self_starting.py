@@ -5,17 +5,12 @@ torch_xla's own training scripts end with
     if __name__ == "__main__":
         xmp.spawn(_mp_fn, args=(FLAGS,))      # or torch_xla.launch(_mp_fn, args=(FLAGS,))
 
-and their `_mp_fn(index, flags)` takes more than the index that
-`launch/xla_spawn.py` passes to the `_mp_fn(index)` of Hugging Face's
-convention. For such a script the launcher runs the script's own `__main__`
-(its own argument parsing, its own entry point) and routes its call to
-`xmp.spawn` / `torch_xla.launch` to the runtime the launcher chose
-(`hooked_entry_points`): one process per chip through torch_xla's own
-spawn, or `fn(0, *args)` in this process (one device, or the single
-controller). Which scripts start themselves is read from the syntax tree
-(`entry_calls`), before anything runs. torch_xla is imported only by the
-routing, never by the detection.
-"""
+and their `_mp_fn(index, flags)` takes more than the index that `launch/xla_spawn.py` passes to the `_mp_fn(index)` of
+Hugging Face's convention. For such a script the launcher runs the script's own `__main__` (its own argument parsing,
+its own entry point) and routes its call to `xmp.spawn` / `torch_xla.launch` to the runtime the launcher chose
+(`hooked_entry_points`): one process per chip through torch_xla's own spawn, or `fn(0, *args)` in this process (one
+device, or the single controller). Which scripts start themselves is read from the syntax tree (`entry_calls`), before
+anything runs. torch_xla is imported only by the routing, never by the detection."""
 from __future__ import annotations
 
 import ast
@@ -46,9 +41,8 @@ class Refused(Exception):
 
 
 def entry_calls(script: str) -> Tuple[str, ...]:
-    """The torch_xla entry points `script` calls anywhere ("xmp.spawn", "torch_xla.launch"),
-    read from its syntax tree through its import aliases; () when it calls none (or does not
-    parse: running it will say what is wrong)."""
+    """The torch_xla entry points `script` calls anywhere ("xmp.spawn", "torch_xla.launch"), read from its syntax tree
+    through its import aliases; () when it calls none (or does not parse: running it will say what is wrong)."""
     try:
         with open(script, encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=script)
@@ -102,8 +96,8 @@ def describe(fn: Callable) -> str:
 
 
 def check_callable(fn: Callable, args: tuple, caller: str) -> None:
-    """Refuse, by name, an `fn` that cannot take what torch_xla's entry points pass it: the
-    replica index, then `args`."""
+    """Refuse, by name, an `fn` that cannot take what torch_xla's entry points pass it: the replica index, then
+    `args`."""
     if not callable(fn):
         raise Refused(f"{caller}() was given {fn!r}, which is not a function; pass the function each "
                       "replica runs, e.g. xmp.spawn(_mp_fn, args=(flags,))")
@@ -122,8 +116,8 @@ def check_callable(fn: Callable, args: tuple, caller: str) -> None:
 
 
 def nprocs_asked(caller: str, nprocs: Optional[int], num_cores: int) -> None:
-    """torch_xla's `nprocs` against the launcher's --num_cores: None takes the launcher's count,
-    1 must agree with it; torch_xla accepts nothing else."""
+    """torch_xla's `nprocs` against the launcher's --num_cores: None takes the launcher's count, 1 must agree with it;
+    torch_xla accepts nothing else."""
     if nprocs is None:
         return
     if nprocs != 1:
@@ -137,21 +131,13 @@ def nprocs_asked(caller: str, nprocs: Optional[int], num_cores: int) -> None:
 class ReplicaCall:
     """`fn(index, *args)` in a replica process; any failure ends that process at once.
 
-    Picklable when `fn` is (a module-level function of the script), so torch_xla's
-    spawn can send it to each replica. Exiting with os._exit breaks the parent's
-    process pool, which then terminates the other replicas instead of leaving them
-    blocked in a collective this replica will never join.
-
-    A `sys.exit("message")` (a user's mistake the script named) is written to
-    `messages/replica-<index>` when the launcher gave a folder, so that the launcher
-    prints each message once for all replicas (`replica_messages`); else to stderr,
-    as Python prints it.
-
-    A replica that exits EXIT_PREEMPTED (it saved the checkpoint a SIGTERM asked for) returns
-    instead, leaving `messages/preempted-<index>`: every replica saved the same step, and the
-    first to leave must not break the pool while the others still write their part
-    (`preempted_replicas`; the launcher then exits EXIT_PREEMPTED).
-    """
+    Picklable when `fn` is (a module-level function of the script), so torch_xla's spawn can send it to each replica.
+    Exiting with os._exit breaks the parent's process pool, which then terminates the other replicas instead of leaving
+    them blocked in a collective this replica will never join. A `sys.exit("message")` is written to
+    `messages/replica-<index>` when the launcher gave a folder, so the launcher prints each message once for all
+    replicas (`replica_messages`); else to stderr. A replica that exits EXIT_PREEMPTED (it saved the checkpoint a
+    SIGTERM asked for) returns instead, leaving `messages/preempted-<index>`: the first to leave must not break the pool
+    while the others still write their part (`preempted_replicas`)."""
 
     def __init__(self, fn: Callable, args: tuple, messages: Optional[str] = None):
         self.fn, self.args, self.messages = fn, tuple(args), messages
@@ -197,8 +183,8 @@ class ReplicaCall:
 
 
 def exit_status(exc: SystemExit) -> int:
-    """The status `sys.exit(exc.code)` ends a process with: the int, 0 for None, else 1
-    (Python then prints the code, the script's message, to stderr)."""
+    """The status `sys.exit(exc.code)` ends a process with: the int, 0 for None, else 1 (Python then prints the code,
+    the script's message, to stderr)."""
     if exc.code is None:
         return 0
     return exc.code if isinstance(exc.code, int) else EXIT_FAILED
@@ -227,10 +213,8 @@ StartFn = Callable[[str, Callable, tuple, Optional[int], str], object]
 def hooked_entry_points(start: StartFn) -> Iterator[Callable]:
     """While the script runs, its `xmp.spawn(...)` and `torch_xla.launch(...)` call `start`.
 
-    Yields torch_xla's own spawn (for the one-process-per-chip route). The module
-    attributes are swapped, not wrapped, so `from ... import spawn` inside the
-    script binds the routed function too; they are restored afterwards.
-    """
+    Yields torch_xla's own spawn (for the one-process-per-chip route). The module attributes are swapped, not wrapped,
+    so `from ... import spawn` inside the script binds the routed function too; they are restored afterwards."""
     import torch_xla
     import torch_xla.distributed.xla_multiprocessing as xmp
     import torch_xla.torch_xla as txla

@@ -1,14 +1,12 @@
-"""Signals for code that runs off the main thread: torch_xla's spawn runs each replica's function on a
-thread of its process ([Note: a replica's signals]).
+"""Signals for code that runs off the main thread: torch_xla's spawn runs each replica's function on a thread of its
+process ([Note: a replica's signals]).
 
-[Note: a replica's signals] Python runs signal handlers on the main thread only, and only the main
-thread may install them. torch_xla's `xmp.spawn` (the launcher's one process per chip) calls the
-replica's function on a thread per device of a ProcessPoolExecutor worker, whose main thread waits
-for those threads. So a job there cannot install a SIGTERM handler itself. `listen_on_main_thread()`,
-called while the replica is unpickled (on the worker's main thread: xla_fsdp.runtime.self_starting's
-ReplicaCall), installs `deliver`, which hands each signal to the listeners that code on any thread
-registered (`listen`), and, with none, ends the process as the default handler would.
-"""
+[Note: a replica's signals] Python runs signal handlers on the main thread only, and only the main thread may install
+them. torch_xla's `xmp.spawn` (the launcher's one process per chip) calls the replica's function on a thread per device
+of a ProcessPoolExecutor worker, whose main thread waits for those threads. So a job there cannot install a SIGTERM
+handler itself. `listen_on_main_thread()`, called while the replica is unpickled (on the worker's main thread:
+xla_fsdp.runtime.self_starting's ReplicaCall), installs `deliver`, which hands each signal to the listeners that code on
+any thread registered (`listen`), and, with none, ends the process as the default handler would."""
 from __future__ import annotations
 
 import os

@@ -1,19 +1,16 @@
 """The slices of a multislice job: which devices each one holds.
 
-[Note: HSDP across slices]
-Cloud TPU Multislice joins slices over the data-center network (DCN), far slower than the
-chips' own links (ICI) within a slice. So a job on several slices shards parameters, gradients
-and optimizer state over the devices of its slice only and keeps one replica per slice: each
-parameter is gathered over ICI, and each gradient shard is all-reduced across slices once per
-step (hybrid sharding, HSDP). Every door does this by default when the job spans slices:
-run_clm and `XlaFullyShardedDataParallel` (the collective engine's sharding groups are the
-slices: HYBRID_SHARD), the GSPMD engine (a mesh `("slice", "fsdp")`, parameters split over
-"fsdp" only), FSDP2's `fully_shard` on a 1-D mesh (docs/pods.md).
+[Note: HSDP across slices] Cloud TPU Multislice joins slices over the data-center network (DCN), far slower than the
+chips' own links (ICI) within a slice. So a job on several slices shards parameters, gradients and optimizer state over
+the devices of its slice only and keeps one replica per slice: each parameter is gathered over ICI, and each gradient
+shard is all-reduced across slices once per step (hybrid sharding, HSDP). Every door does this by default when the job
+spans slices: run_clm and `XlaFullyShardedDataParallel` (the collective engine's sharding groups are the slices:
+HYBRID_SHARD), the GSPMD engine (a mesh `("slice", "fsdp")`, parameters split over "fsdp" only), FSDP2's `fully_shard`
+on a 1-D mesh (docs/pods.md).
 
-Which device is in which slice: on a TPU the runtime tells (each device's `slice_index`); the
-slices hold equal numbers of devices. On XLA:CPU `MEGASCALE_NUM_SLICES=S` splits the devices
-into S virtual slices of consecutive ids, which is how the tests prove the layout without a TPU.
-"""
+Which device is in which slice: on a TPU the runtime tells (each device's `slice_index`); the slices hold equal numbers
+of devices. On XLA:CPU `MEGASCALE_NUM_SLICES=S` splits the devices into S virtual slices of consecutive ids, which is
+how the tests prove the layout without a TPU."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -26,9 +23,8 @@ SLICE_AXIS = "slice"
 def slice_groups(num_devices: int, attributes: Optional[Sequence[dict]] = None) -> Tuple[Tuple[int, ...], ...]:
     """The global device ids of each slice, slice by slice (one group on one slice).
 
-    `attributes`: torch_xla's `xr.global_runtime_device_attributes()`, one dict per device id;
-    a `slice_index` in them places each device, else `MEGASCALE_NUM_SLICES` splits the ids into
-    consecutive blocks."""
+    `attributes`: torch_xla's `xr.global_runtime_device_attributes()`, one dict per device id; a `slice_index` in them
+    places each device, else `MEGASCALE_NUM_SLICES` splits the ids into consecutive blocks."""
     count = environment.num_slices()
     if attributes and "slice_index" in attributes[0]:
         by_slice = {}
@@ -71,8 +67,8 @@ def axis_groups(mesh, axis: str) -> Tuple[Tuple[int, ...], ...]:
 
 
 def check_within_slices(mesh, axis: str, who: str) -> None:
-    """A ValueError when the job spans slices and `mesh` splits parameters (`axis`) across them:
-    each gather would cross the data-center network ([Note: HSDP across slices])."""
+    """A ValueError when the job spans slices and `mesh` splits parameters (`axis`) across them: each gather would cross
+    the data-center network ([Note: HSDP across slices])."""
     if environment.num_slices() == 1:
         return
     slices = device_slices()

@@ -2,12 +2,10 @@
 
 A model whose repeated layers are scanned stores each of their parameters once, stacked
 ([Note: parameters stored stacked] in layer_scan/gspmd/stacked.py; the collectives engine's in
-layer_scan/collective/stacked_units.py). Its `state_dict()` names
-every layer's slice as the unscanned model does (`h.3.attn.c_attn.weight`), which is what
-Hugging Face, torch and a plain model load. The sharded checkpoints (xla_fsdp.checkpoint)
-store what the model holds instead: the stacked tensors, under their own names, sharded
-on dim 0. They ask for those names inside `stored_keys()`.
-"""
+layer_scan/collective/stacked_units.py). Its `state_dict()` names every layer's slice as the unscanned model does
+(`h.3.attn.c_attn.weight`), which is what Hugging Face, torch and a plain model load. The sharded checkpoints
+(xla_fsdp.checkpoint) store what the model holds instead: the stacked tensors, under their own names, sharded on dim 0.
+They ask for those names inside `stored_keys()`."""
 
 from __future__ import annotations
 
@@ -50,8 +48,8 @@ def stack_layers(tensors) -> torch.Tensor:
 
 def split(records, state: Dict[str, torch.Tensor], prefix: str) -> None:
     """Rewrites `state` (keys under `prefix`, the owner's) in place: each stored stack of `records`
-    (layer_scan.stored_stacks.StackRecord) becomes its layers' keys, placed where the layers' own keys
-    (their buffers) or the stack were, in the unscanned model's order."""
+    (layer_scan.stored_stacks.StackRecord) becomes its layers' keys, placed where the layers' own keys (their buffers)
+    or the stack were, in the unscanned model's order."""
     for record in records:
         listed, stored = f"{prefix}{record.attr}.", f"{prefix}{record.store}."
         old = dict(state)
@@ -69,16 +67,16 @@ def split(records, state: Dict[str, torch.Tensor], prefix: str) -> None:
                     name = f"{listed}{i}.{local}"
                     if local in record.names:
                         value = layer_slice(old[stored + local], i)
-                        # host tensors as tensors of their own: save_pretrained views each as flat (a strided
-                        # column of the stack cannot be); device tensors stay views (no copy on the device)
+                        # host tensors as tensors of their own: save_pretrained views each as flat (a strided column of
+                        # the stack cannot be); device tensors stay views (no copy on the device)
                         state[name] = value.contiguous() if value.device.type == "cpu" else value
                     elif name in old:
                         state[name] = old[name]
 
 
 def per_layer(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """A state dict keyed as the model holds it (stored stacks) -> keyed per layer, as
-    `model.state_dict()` gives it; unchanged for a model without stored stacks."""
+    """A state dict keyed as the model holds it (stored stacks) -> keyed per layer, as `model.state_dict()` gives it;
+    unchanged for a model without stored stacks."""
     out = dict(state)
     for name, module in model.named_modules():
         records = module.__dict__.get("_xla_fsdp_stacks")
@@ -88,9 +86,9 @@ def per_layer(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, tor
 
 
 def stacked(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The inverse of `per_layer`: a state dict keyed per layer -> keyed as the model holds it (each
-    stored stack from its layers' tensors, stacked as `stack_layers` does); keys of a layer set that is
-    not complete are left as they are (the caller's key check names them)."""
+    """The inverse of `per_layer`: a state dict keyed per layer -> keyed as the model holds it (each stored stack from
+    its layers' tensors, stacked as `stack_layers` does); keys of a layer set that is not complete are left as they are
+    (the caller's key check names them)."""
     out = dict(state)
     for stored, layers in stack_table(model).items():
         if all(k in out for k in layers):
@@ -99,8 +97,8 @@ def stacked(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch
 
 
 def stack_table(model: nn.Module) -> Dict[str, list]:
-    """Each stored stack's key -> its layers' keys (a checkpoint records it: consolidation writes
-    the layers' tensors, as `model.state_dict()` names them)."""
+    """Each stored stack's key -> its layers' keys (a checkpoint records it: consolidation writes the layers' tensors,
+    as `model.state_dict()` names them)."""
     out: Dict[str, list] = {}
     for owner_name, module in model.named_modules():
         prefix = f"{owner_name}." if owner_name else ""

@@ -1,22 +1,19 @@
 """libtpu's buffer assignment of a compiled program, read from the file it dumps.
 
 [Note: libtpu's buffer assignment]
-Given `xla_dump_to=DIR` as a compile option (`env_option_overrides`, a string; no TPU needed),
-libtpu 0.0.21 writes, among its dumps, `module_*.after_optimizations-buffer-assignment.txt`: every
-allocation of the program with its size and kind, and the HLO values placed in it:
+Given `xla_dump_to=DIR` as a compile option (`env_option_overrides`, a string; no TPU needed), libtpu 0.0.21 writes
+`module_*.after_optimizations-buffer-assignment.txt`: every allocation with its size and kind, and its HLO values:
 
     allocation 1: size 65536, parameter 1, shape |f32[128,128]| at ShapeIndex {}:
      value: <22 param.1 @0> (size=65536,offset=0): f32[128,128]{1,0:T(8,128)}
     allocation 16: size 102400, color 3, preallocated-temp:
      value: <21 ag.1 @3> (size=16384,offset=81920): f32[32,128]{1,0:T(8,128)S(3)}
 
-then, under "Used values:", each value's positions (the instructions it appears at) and uses
-(`name, operand i`). Kinds: `parameter N` (an argument, N its number in the entry computation),
-`maybe-live-out` (an output), `preallocated-temp` (the heap of temporaries, one per memory
-space), `constant`, `thread-local` (a reducer's scalars). `color N` is the memory space: 0 (no
-color printed) is HBM; the others (S(1), S(2), S(3), S(6) in the program's layouts) are the
-chip's on-core memories and semaphores, which do not count against HBM. Sizes are padded to the
-chip's tiles, as the chip holds them.
+then, under "Used values:", each value's positions (the instructions it appears at) and uses (`name, operand i`).
+Kinds: `parameter N` (entry argument N), `maybe-live-out` (an output), `preallocated-temp` (the heap of
+temporaries, one per memory space), `constant`, `thread-local` (a reducer's scalars). `color N` is the memory
+space: 0 (none printed) is HBM; the others (S(1), S(2), S(3), S(6)) are on-core memories and semaphores, which do
+not count against HBM. Sizes are padded to the chip's tiles.
 """
 from __future__ import annotations
 

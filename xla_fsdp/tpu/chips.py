@@ -1,12 +1,9 @@
 """Published per-chip figures of Cloud TPU generations: HBM, peak bf16 FLOP/s, ICI.
 
-The one table of chip facts: `xla_fsdp.metrics` (MFU peaks), the slice
-topologies, the step-time model and bench/ read it. Each figure names its
-source page. HBM capacity is kept in GiB (the docs print "GB"; what a program
-can use on the chip is a little less, so a plan that fits with a margin is
-what to aim at).
-ICI: the one-way bandwidth of one link and the number of links per chip; the
-docs give a per-chip total, which we split evenly over the chip's ports.
+The one table of chip facts: `xla_fsdp.metrics` (MFU peaks), the slice topologies, the step-time model and bench/
+read it. Each figure names its source page. HBM capacity is kept in GiB (the docs print "GB"; a program can use a
+little less, so aim at a plan that fits with a margin). ICI: the one-way bandwidth of one link and the links per
+chip; the docs give a per-chip total, which we split evenly over the chip's ports.
 """
 from __future__ import annotations
 
@@ -45,27 +42,18 @@ class Chip:
 
 
 CHIPS: Dict[str, Chip] = {
-    # V4_DOCS: "Peak compute per chip 275 teraflops (bf16)", "HBM2 capacity and bandwidth 32 GiB,
-    # 1200 GBps"; 3-D torus, 6 links. The v4 page gives no ICI figure: SCALING_BOOK, v4p row,
-    # 4.5e10 bytes/s one way per link.
-    # DCN: the v4 page gives none; assumed v5p's 50 Gbps per chip (4-chip hosts both; below).
+    # V4_DOCS: 275 TFLOPs bf16, HBM2 32 GiB at 1200 GBps; 3-D torus, 6 links. No ICI or DCN figure there: ICI from
+    # SCALING_BOOK's v4p row (4.5e10 bytes/s one way per link), DCN assumed v5p's 50 Gbps per chip (4-chip hosts both).
     "v4": Chip("v4", "TPU v4", 32 * GIB, 1200e9, 275e12, 4.5e10, 6, True, f"{V4_DOCS}; {SCALING_BOOK}",
                dcn_bytes_per_s=50e9 / 8),
-    # V5E_DOCS: "Peak compute per chip (bf16) 197 TFLOPs", "HBM2 capacity and bandwidth 16 GB,
-    # 819 GBps", "Bidirectional ICI bandwidth (per chip) 400 GBps" = 4 ports x 50 GB/s each way.
-    # DCN: V6E_DOCS's v5e column, "Per-host NIC configuration 2 x 100 Gbps NIC", "Chips per host 8".
-    # Host DRAM: V6E_DOCS's v5e column, "DRAM per host 512 GiB", "Chips per host 8".
+    # V5E_DOCS: 197 TFLOPs bf16, HBM2 16 GB at 819 GBps, bidirectional ICI 400 GBps per chip = 4 ports x 50 GB/s each
+    # way. DCN and host DRAM: V6E_DOCS's v5e column, 2 x 100 Gbps NIC and 512 GiB DRAM per host of 8 chips.
     "v5e": Chip("v5e", "TPU v5 lite", 16 * GIB, 819e9, 197e12, 5e10, 4, False, V5E_DOCS,
                 dcn_bytes_per_s=2 * 100e9 / 8 / 8, host_dram_bytes_per_chip=512 * GIB // 8),
-    # V5P_DOCS: "Peak compute per chip (bf16) 459 TFLOPs", "HBM2e capacity and bandwidth 95GB,
-    # 2765 GBps", "Interchip Interconnect BW 4800 Gbps" = 6 links x 100 GB/s.
-    # DCN: V5P_DOCS, "Data center network (DCN) bandwidth per chip (Gbps) 50".
+    # V5P_DOCS: 459 TFLOPs bf16, HBM2e 95 GB at 2765 GBps, ICI 4800 Gbps = 6 links x 100 GB/s; DCN 50 Gbps per chip.
     "v5p": Chip("v5p", "TPU v5", 95 * GIB, 2765e9, 459e12, 1e11, 6, True, V5P_DOCS, dcn_bytes_per_s=50e9 / 8),
-    # V6E_DOCS: "Peak compute per chip (bf16) 918 TFLOPs", "HBM capacity per chip 32 GB",
-    # "HBM bandwidth per chip 1640 GBps", "Bidirectional ICI bandwidth (per chip) 800 GBps" over
-    # "ICI ports per chip 4" = 100 GB/s each way per port.
-    # DCN: V6E_DOCS, "Per-host NIC configuration 4 x 200 Gbps NIC", "Chips per host 8".
-    # Host DRAM: V6E_DOCS, "DRAM per host 1536 GiB", "Chips per host 8".
+    # V6E_DOCS: 918 TFLOPs bf16, HBM 32 GB at 1640 GBps, bidirectional ICI 800 GBps per chip over 4 ports = 100 GB/s
+    # each way per port; 4 x 200 Gbps NIC and 1536 GiB DRAM per host of 8 chips.
     "v6e": Chip("v6e", "TPU v6 lite", 32 * GIB, 1640e9, 918e12, 1e11, 4, False, V6E_DOCS,
                 dcn_bytes_per_s=4 * 200e9 / 8 / 8, host_dram_bytes_per_chip=1536 * GIB // 8),
 }

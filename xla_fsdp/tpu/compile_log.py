@@ -1,10 +1,9 @@
 """libtpu's own account of a program's HBM, read from the log it writes while compiling.
 
 [Note: the HBM a TPU program needs]
-libtpu sizes what a program needs on the chip when it compiles it, and refuses a program that
-does not fit ("Ran out of memory in memory space hbm. Used ... of 30.75G hbm"). The number it
-sets against the chip is in its INFO log, written to `TPU_LOG_DIR` (default /tmp/tpu_logs) as
-the compile finishes:
+libtpu sizes what a program needs on the chip when it compiles it, and refuses a program that does not fit ("Ran
+out of memory in memory space hbm. Used ... of 30.75G hbm"). The figure it sets against the chip is in its INFO
+log, written to `TPU_LOG_DIR` (default /tmp/tpu_logs) as the compile finishes:
 
     Total hbm usage >= 18.59G:
         reserved          1.25G        (the runtime's own, outside the usable 30.75G of a v4 chip)
@@ -16,41 +15,32 @@ the compile finishes:
         HLO temp         11.12G (... Unpadded (6.57G) ..., 40.9% fragmentation (4.55G))
         overlays         76.03M
 
-So a chip needs program + arguments + the outputs that do not reuse an argument, out of the
-usable HBM libtpu prints. PJRT's compiled-memory statistics, which the check used before, add
-the buffer heap's fragmentation a second time: their temporaries are libtpu's "HLO temp" (which
-already holds the fragmentation) plus the fragmentation again (2B GPT-2 on v4-8, libtpu 0.0.21:
-scanned 15.67 GiB = 11.12 + 4.55; a 2-layer one 7.985 = 7.41 + 0.586; unscanned 11.33 =
-11.20 + 0.13). A While loop's buffers fragment the heap most, so the scanned programs looked
-4.5 GiB larger than they are (21.88 against libtpu's 17.34 GiB), and a program libtpu compiled
-could be reported as not fitting. The check now reports libtpu's figure and keeps PJRT's beside
-it; without the log (a libtpu that does not write it, `TPU_LOG_DIR` unwritable) it falls back to
-PJRT's and says so.
+So a chip needs program + arguments + the outputs that do not reuse an argument, out of the usable HBM libtpu
+prints. PJRT's compiled-memory statistics count the heap's fragmentation twice: their temporaries are libtpu's
+"HLO temp" (which already holds it) plus the fragmentation again. A While loop fragments the heap most, so a
+scanned program looked up to 4.5 GiB larger than it is and one libtpu compiled could be reported as not fitting.
+The check reports libtpu's figure with PJRT's beside it; without the log (a libtpu that writes none, `TPU_LOG_DIR`
+unwritable) it falls back to PJRT's and says so. Sizes in the log carry three or four significant digits
+("11.20G" is GiB).
 
-Sizes in the log carry three or four significant digits ("11.20G" is GiB): within 0.01 GiB.
-
-libtpu logs as glog does: INFO lines wait in a buffer until a later line finds 30 s gone since the
-last flush (`logbufsecs`), so the last lines of a long compile (the HBM block, the last stages)
-could still be in the buffer when the compile returned: read as soon as it returned, the log
-of the Llama 3 8B step for v6e-256 lacked them, and the check reported PJRT's count (34.42 GiB,
-"does not fit") instead of libtpu's 25.41 GiB (2026-11-30).
-`get_compiler` loads libtpu with `--logbuflevel=-1` (every line written as it is logged), in
-LIBTPU_INIT_ARGS for the load only, unless the user set a `logbuflevel` there; on a TPU
-xla_fsdp's own LIBTPU_INIT_ARGS carry it too (libtpu_flags.at_start).
+libtpu logs as glog does: INFO lines wait in a buffer until a later line finds 30 s gone since the last flush, so
+a long compile's last lines (the HBM block, the last stages) may not be in the file when the compile returns (the
+check then reported PJRT's "does not fit" for a step libtpu fitted). `get_compiler` loads libtpu with
+`--logbuflevel=-1` (every line written as it is logged), in LIBTPU_INIT_ARGS for the load only, unless the user
+set a `logbuflevel` there; on a TPU xla_fsdp's own LIBTPU_INIT_ARGS carry it too (libtpu_flags.at_start).
 
 [Note: where libtpu's compile time goes]
-The same log times the compile's stages, each as it ends:
+The same log times the compile's stages, each as it ends (the scanned 2B GPT-2 for v4-8):
 
     HLO_PASSES stage duration: 6.21289378425s
     BACKEND_PASSES stage duration: 1m7.34833860575s
     CODE_GENERATION stage duration: 4.40564704325s
     END_TO_END stage duration: 1m18.807875987s
 
-(the scanned 2B GPT-2 for v4-8, 2026-11-30). The HLO passes are the whole-program work
-(partitioning, fusion, layout, scheduling); the back end lowers each kernel to the chip's
-instructions, a few kernels at a time, one per compile thread, and is where a step with many or
-large kernels spends its compile; code generation packs the program. The check prints them
-beside its compile time, so a user whose compile is slow sees which part grows.
+The HLO passes are the whole-program work (partitioning, fusion, layout, scheduling); the back end lowers each
+kernel to the chip's instructions, a few at a time, one per compile thread, and is where a step with many or large
+kernels spends its compile; code generation packs the program. The check prints them beside its compile time, so a
+user whose compile is slow sees which part grows.
 """
 from __future__ import annotations
 
@@ -100,8 +90,7 @@ class ProgramHbm:
 
 @contextlib.contextmanager
 def unbuffered_log():
-    """LIBTPU_INIT_ARGS with `--logbuflevel=-1` while libtpu loads (it reads them then), restored
-    after, so nothing else (the user's own flags, libtpu_flags.users_own) sees it."""
+    """LIBTPU_INIT_ARGS with `--logbuflevel=-1` while libtpu loads (it reads them then), restored after."""
     from xla_fsdp.tpu.libtpu_flags import UNBUFFERED_LOG
 
     name = environment.LIBTPU_INIT_ARGS
@@ -153,12 +142,8 @@ def since(where: tuple) -> str:
 
 
 def compile_since(where: tuple, wait_s: float = 2.0) -> str:
-    """`since(where)` for a compile that just returned: when its stage lines are there but not
-    the last one (END_TO_END), read again for up to `wait_s` seconds. Once, in a full run of the
-    suite on this 2-core host (2026-12-01), a read right after a 0.2 s compile returned lacked
-    END_TO_END, though the log holds it, stamped 3.5 ms after CODE_GENERATION, with the log
-    unbuffered (`--logbuflevel=-1` among libtpu's arguments): libtpu's lines reach the file
-    some time after they are logged. In isolation the read never missed it."""
+    """`since(where)` for a compile that just returned, read again for up to `wait_s` s while its stages lack
+    END_TO_END: even unbuffered, libtpu's lines reach the file some time after they are logged."""
     text = since(where)
     deadline = time.monotonic() + wait_s
     while _waiting_for_the_last_stage(text) and time.monotonic() < deadline:
@@ -188,8 +173,7 @@ def duration_seconds(value: str) -> float:
 
 
 def stage_seconds(text: str) -> Dict[str, float]:
-    """The compile's stages by our names ([Note: where libtpu's compile time goes]), seconds each,
-    from the last compile in `text` (its log); {} without them."""
+    """The compile's stages by our names, seconds each, from the last compile in `text` (its log); {} without."""
     found: Dict[str, float] = {}
     for m in _STAGE.finditer(text):
         found[STAGES[m.group(1)]] = duration_seconds(m.group(2))

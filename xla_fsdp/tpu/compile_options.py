@@ -1,16 +1,11 @@
 """The serialized inputs libtpu's compile takes, and its optimized program read back as text.
 
-libtpu reads protos: the program as an HloModuleProto, the settings as a
-CompileOptionsProto. jaxlib (the release torch_xla 2.9's extras pin) writes
-both. Its HLO text parser keeps every attribute our programs depend on
-(`constrain_layout`, channel ids, `use_global_device_ids`, `sharding=`),
-which the StableHLO route does not.
-
-Two kinds of program:
-- one program per process (torch_xla's multi-process runtime, one chip
-  each): `per_process_options`, num_replicas = N, num_partitions = 1;
-- one SPMD program over the slice (single controller, GSPMD): `spmd_options`,
-  num_replicas = 1, num_partitions = N, the SPMD partitioner on.
+libtpu reads protos: the program as an HloModuleProto, the settings as a CompileOptionsProto; jaxlib (the release
+torch_xla 2.9's extras pin) writes both. Its HLO text parser keeps every attribute our programs depend on
+(`constrain_layout`, channel ids, `use_global_device_ids`, `sharding=`), which the StableHLO route does not.
+Two kinds of program: one per process (torch_xla's multi-process runtime, one chip each: `per_process_options`,
+N replicas, 1 partition), or one SPMD program over the slice (single controller, GSPMD: `spmd_options`, 1 replica,
+N partitions, the SPMD partitioner on).
 """
 from __future__ import annotations
 
@@ -35,10 +30,8 @@ def per_process_options(device_ids: Sequence[int], libtpu_flags: Flags = ()) -> 
 
 
 def spmd_options(device_ids: Sequence[int], libtpu_flags: Flags = (), propagate_output_sharding: bool = True) -> bytes:
-    """CompileOptionsProto for one SPMD program: partition p runs on device_ids[p]; the module
-    is partitioned by the TPU's own SPMD partitioner from its `sharding=` annotations. Outputs
-    keep the sharding the partitioner finds for them, as torch_xla compiles by default
-    (`propagate_output_sharding=False` replicates unannotated outputs: more HBM per chip)."""
+    """CompileOptionsProto for one SPMD program: partition p on device_ids[p], partitioned from its `sharding=`
+    annotations; outputs keep the partitioner's sharding, as torch_xla's default (else replicated: more HBM)."""
     return _options(device_ids, replicas=1, partitions=len(device_ids), spmd=True, libtpu_flags=libtpu_flags,
                     propagate_output_sharding=propagate_output_sharding)
 
@@ -65,9 +58,8 @@ def _options(device_ids: Sequence[int], replicas: int, partitions: int, spmd: bo
 
 
 def flag_overrides(flags: Flags) -> list:
-    """libtpu flags ({"xla_tpu_enable_async_collective_fusion": True} or pairs) -> the
-    (name, "value") string pairs of `env_option_overrides`; libtpu parses every value from a
-    string, as it would from LIBTPU_INIT_ARGS, and bools are spelled "true"/"false"."""
+    """libtpu flags ({"xla_tpu_enable_async_collective_fusion": True} or pairs) -> the (name, "value") string
+    pairs of `env_option_overrides`: libtpu parses every value from a string, bools spelled "true"/"false"."""
     pairs = flags.items() if isinstance(flags, Mapping) else flags
     out = []
     for name, value in pairs:
@@ -104,8 +96,7 @@ def hlo_proto_to_text(proto: bytes) -> str:
 
 
 def hlo_program_to_text(code: bytes, fmt: str) -> str:
-    """The program `PJRT_Executable_OptimizedProgram` returned, in its `fmt`, as HLO text.
-    libtpu 0.0.21 answers "hlo_with_config" (a serialized HloModuleProtoWithConfig)."""
+    """The program `PJRT_Executable_OptimizedProgram` returned in `fmt` (libtpu 0.0.21: "hlo_with_config") as text."""
     if fmt == "hlo":
         return hlo_proto_to_text(code)
     if fmt == "hlo_with_config":
@@ -117,9 +108,8 @@ def hlo_program_to_text(code: bytes, fmt: str) -> str:
 
 
 def assigned_devices(compile_options: bytes) -> Tuple[int, int, List[int]]:
-    """(num_replicas, num_partitions, device ids of the device assignment, [] if none) of a
-    serialized CompileOptionsProto: what `TpuCompiler.compile` checks against the topology
-    before libtpu sees it (libtpu aborts the whole process on a device id it does not have)."""
+    """(num_replicas, num_partitions, assigned device ids or []) of a serialized CompileOptionsProto, which
+    `TpuCompiler.compile` checks against the topology first (libtpu aborts the process on a device id it lacks)."""
     _, xc = _jaxlib()
     options = xc.CompileOptions.ParseFromString(compile_options)
     assignment = options.executable_build_options.device_assignment
@@ -134,10 +124,8 @@ def assigned_devices(compile_options: bytes) -> Tuple[int, int, List[int]]:
 
 
 def _message_field(data: bytes, number: int) -> bytes:
-    """The bytes of field `number` (a nested message) of a serialized protobuf message.
-    HloModuleProtoWithConfig (xla/xla.proto) is {HloModuleProto hlo_module = 1;
-    HloModuleConfigProto config = 2;} and jaxlib only parses the HloModuleProto, so we walk
-    the wire format ourselves rather than depend on protobuf for one field."""
+    """Field `number` (a nested message) of a serialized protobuf message: jaxlib parses only the HloModuleProto of
+    HloModuleProtoWithConfig, so we walk the wire format rather than depend on protobuf."""
     for field_number, wire_type, value in _fields(data):
         if field_number == number and wire_type == 2:
             return value
@@ -161,8 +149,7 @@ def _int64s(data: bytes, number: int) -> List[int]:
 
 
 def _fields(data: bytes) -> Iterator[Tuple[int, int, object]]:
-    """(field number, wire type, value) of each field of a serialized protobuf message:
-    an int for varints, bytes for length-delimited fields, None for fixed-width ones."""
+    """(field number, wire type, value) of each field of a serialized protobuf message (value None: fixed-width)."""
     pos = 0
     while pos < len(data):
         key, pos = _varint(data, pos)
@@ -188,5 +175,3 @@ def _varint(data: bytes, pos: int) -> Tuple[int, int]:
         if byte < 0x80:
             return value, pos
         shift += 7
-
-

@@ -1,22 +1,18 @@
 """What a multislice step sends between slices, read from libtpu's optimized program.
 
 [Note: DCN transfers in libtpu's program]
-Compiled for several slices (the topology option `num_slices`), libtpu 0.0.21 keeps the
-collectives within a slice as ICI collectives over slice-local device ids and turns each one
-that crosses slices into host transfers its megascale runtime handles: a `send` of this chip's
-buffer and a `recv` of the result (`is_host_transfer=true`, frontend attributes
-`_xla_host_transfer_handler_name="xla_megascale_runtime"`, `_xla_megascale_transfer_type`, e.g.
-ALL_REDUCE, and one `_xla_host_transfer_rendezvous` naming the pair), each waited for by a
-`send-done` / `recv-done`. The data leaves the chip for its host, crosses the data-center
-network (DCN) and comes back reduced. So one transfer's bytes are the send's buffer, its window
-runs from the send to its recv-done, and what the core computes in that window hides it.
+Compiled for several slices (the topology option `num_slices`), libtpu 0.0.21 keeps the collectives within a
+slice as ICI collectives over slice-local device ids and turns each one that crosses slices into host transfers
+its megascale runtime handles: a `send` of this chip's buffer and a `recv` of the result (`is_host_transfer=true`,
+`_xla_host_transfer_handler_name="xla_megascale_runtime"`, `_xla_megascale_transfer_type`, e.g. ALL_REDUCE, and
+one `_xla_host_transfer_rendezvous` naming the pair), each waited for by a `send-done` / `recv-done`. The data
+crosses the data-center network (DCN) through the host and comes back reduced: one transfer's bytes are the
+send's buffer, its window runs from the send to its recv-done, and what the core computes in it hides it.
 
-The projection charges each transfer on one serial DCN lane per chip (`ring_factor`: an
-all-reduce over S slices sends 2(S-1)/S of its buffer on a ring), at the chip's share of its host's
-DCN bandwidth (`Chip.dcn_bytes_per_s`, cited there, or the check's --dcn_gbps); where the lane
-has not finished by the recv-done, the core waits. Transfers inside While loops are not read
-(none of the shipped recipes puts a cross-slice collective in a loop body; a scanned job's
-would be missed, and the report says when a loop holds host transfers).
+The projection charges each transfer on one serial DCN lane per chip (`ring_factor`), at the chip's share of its
+host's DCN bandwidth (`Chip.dcn_bytes_per_s`, or the check's --dcn_gbps); where the lane has not finished by the
+recv-done, the core waits. Transfers inside While loops are not read (no shipped recipe puts a cross-slice
+collective in a loop body); the report says when a loop holds some.
 """
 from __future__ import annotations
 
@@ -48,8 +44,7 @@ class Transfer:
 
 
 def transfers(text: str) -> List[Transfer]:
-    """The entry computation's megascale transfers, in schedule order ([Note: DCN transfers in
-    libtpu's program])."""
+    """The entry computation's megascale transfers, in schedule order ([Note: DCN transfers in libtpu's program])."""
     comps = oh.computations(text)
     entry = comps.get("ENTRY", [])
     recv_of: Dict[str, str] = {}   # rendezvous -> the recv's name
@@ -84,10 +79,8 @@ def in_loops(text: str) -> int:
 
 
 def ring_factor(kind: str, slices: int) -> float:
-    """What one chip sends over DCN on a ring of S slices, per byte of its send buffer: an
-    all-reduce 2(S-1)/S (send and result alike), a reduce-scatter (S-1)/S (it sends the whole
-    input, receives its part), an all-gather S-1 (it sends its part, receives all of them; as
-    read in libtpu 0.0.21's programs, tests/test_multislice.py); anything else its buffer once."""
+    """What one chip sends over DCN on a ring of S slices per byte of its buffer: all-reduce 2(S-1)/S, reduce-scatter
+    (S-1)/S, all-gather S-1 (as read in libtpu 0.0.21's programs), else 1."""
     if slices <= 1:
         return 0.0
     return {"ALL_REDUCE": 2 * (slices - 1) / slices, "REDUCE_SCATTER": (slices - 1) / slices,
@@ -96,10 +89,8 @@ def ring_factor(kind: str, slices: int) -> float:
 
 def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[list] = None,
               core_seconds: float = 0.0) -> dict:
-    """The report's DCN figures: transfers, bytes per chip (buffers, and sent on the ring), the
-    share with compute (and a matmul) in their window, and with the projected step's `events`
-    (step_time's, in schedule order) the time the core waits for the DCN lane, and the step with
-    it (`core_seconds` plus that wait)."""
+    """The report's DCN figures: transfers, bytes per chip (buffers, and sent on the ring), the share with compute (and
+    a matmul) in their window; with step_time's `events`, the core's wait for the DCN lane and the step with it."""
     found = transfers(text)
     total = sum(t.bytes for t in found)
     sent = sum(t.bytes * ring_factor(t.kind, slices) for t in found)
@@ -114,17 +105,15 @@ def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[l
         k["bytes"] += t.bytes
     if events is not None and dcn_bytes_per_s and found:
         wait, first = _lane_wait(text, found, slices, dcn_bytes_per_s, events)
-        # where in the step the first transfer starts: libtpu 0.0.21 issues run_clm's cross-slice
-        # all-reduces after the backward, however early their data is ready (docs/pods.md)
+        # libtpu 0.0.21 issues run_clm's cross-slice all-reduces after the backward, however early (docs/pods.md)
         out.update(exposed_seconds=wait, projected_seconds=core_seconds + wait,
                    first_send_fraction=first / core_seconds if core_seconds else 0.0)
     return out
 
 
 def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, events: list) -> Tuple[float, float]:
-    """(seconds the core waits for one serial DCN lane, the core's time at the first send): each
-    transfer starts when sent (and the lane is free) and must land by its recv-done ([Note: DCN
-    transfers in libtpu's program])."""
+    """(seconds the core waits for one serial DCN lane, the core's time at the first send): each transfer starts
+    when sent (and the lane is free) and must land by its recv-done."""
     entry = oh.computations(text).get("ENTRY", [])
     place = {ins.name: pos for pos, ins in enumerate(entry)}
     whiles = [pos for pos, ins in enumerate(entry) if ins.opcode == "while"]

@@ -25,10 +25,8 @@ def _parameters(body: List[oh.Instruction]) -> Dict[int, str]:
 
 
 def _sliced_bytes(param: str, body: List[oh.Instruction], comps, depth: int = 0) -> Optional[float]:
-    """Bytes fused computation `body` reads of its parameter `param` when it only takes slices of it,
-    directly or through the fusions nested in it (a loop body's layer input: a dynamic-slice of
-    the saved stack of every layer's, inside the fusion that consumes it); None when some use
-    reads the whole parameter."""
+    """Bytes fused computation `body` reads of its parameter `param` when it only takes slices of it, directly or in
+    nested fusions (a loop body's dynamic-slice of the saved stack); None when a use reads all of it."""
     uses = [i for i in body if param in operand_names(i.rest)]
     if not uses:
         return None
@@ -52,9 +50,7 @@ def _sliced_bytes(param: str, body: List[oh.Instruction], comps, depth: int = 0)
 
 
 def fusion_bytes(ins: oh.Instruction, entry_shapes: Dict[str, str], comps) -> float:
-    """HBM bytes a fusion moves: each operand read once (or only the slices it takes, also inside
-    fusions nested in it), its result written once (or only the update, for an in-place
-    dynamic-update-slice)."""
+    """HBM bytes a fusion moves, as the module docstring says."""
     ops = operand_names(ins.rest)
     called = oh._CALLS.search(ins.rest)
     body = comps.get(called.group(1), []) if called else []

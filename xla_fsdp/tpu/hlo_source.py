@@ -1,9 +1,7 @@
-"""Where an instruction of a compiled program came from: the op and the Python line torch_xla
-wrote in its metadata (XLA_HLO_DEBUG=1, as the check traces), and the function that line is in.
-
-The optimized program keeps the metadata of the instructions it was made from (a fusion: its
-root's), so a kernel can be named by the layer or block that issued it, and a ring's
-collective-permute by the ring it belongs to ([Note: which ring a permute belongs to] in
+"""Where an instruction of a compiled program came from: the op and the Python line torch_xla wrote in its metadata
+(XLA_HLO_DEBUG=1, as the check traces), and the function that line is in. The optimized program keeps the metadata
+of the instructions it was made from (a fusion: its root's), so a kernel can be named by the layer or block that
+issued it, and a ring's collective-permute by its ring ([Note: which ring a permute belongs to] in
 xla_fsdp/collective_engine/ring.py).
 """
 from __future__ import annotations

@@ -1,20 +1,18 @@
 """What a step moves between HBM and the host's memory, read from libtpu's optimized program.
 
 [Note: host transfers in libtpu's program]
-An offloaded recomputation policy ([Note: host offload] in memory/host_offload.py) annotates
-saved activations for host memory. libtpu 0.0.21 places them in memory space 5 (layouts ending
-`S(5)`) and moves them with asynchronous instructions: a `dynamic-update-slice-start` into an S(5)
-buffer writes one layer's slice to the host (a scanned loop's saved stack, or libtpu's own
-unrolled copy of it), a `dynamic-slice-start` from one reads a slice back, and a `copy-start`
-whose destination or source is in S(5) moves a whole buffer (unscanned blocks). Each is
-waited for by its `-done`; what the core computes in between hides it.
+An offloaded recomputation policy ([Note: host offload] in memory/host_offload.py) annotates saved activations for
+host memory. libtpu 0.0.21 places them in memory space 5 (layouts ending `S(5)`) and moves them asynchronously: a
+`dynamic-update-slice-start` into an S(5) buffer writes one layer's slice to the host (a scanned loop's saved stack,
+or libtpu's unrolled copy of it), a `dynamic-slice-start` from one reads a slice back, and a `copy-start` whose
+destination or source is in S(5) moves a whole buffer (unscanned blocks). What the core computes before each
+`-done` hides the move.
 
-Read here: the bytes each way (a While body's moves once per trip), how many moves have a matmul
-scheduled beside them, and the host buffers the program makes in S(5) per chip (an upper bound: a host-side copy
-libtpu makes of a buffer counts beside the buffer). The PCIe
-time is PROJECTED at `PCIE_BYTES_PER_S` per chip, each direction on its own (PCIe is full
-duplex), and set beside the step: the step's projection does not charge the moves, so a move
-that outlasts the step's compute would lengthen it and the report says so.
+Read here: the bytes each way (a While body's once per trip), how many moves have a matmul beside them, and the
+host buffers the program makes in S(5) per chip (an upper bound: a host-side copy of a buffer counts beside it).
+The PCIe time is PROJECTED at `PCIE_BYTES_PER_S` per chip, each direction on its own (full duplex), and set beside
+the step: the step's projection does not charge the moves, so one that outlasts the step's compute would lengthen
+it, and the report says so.
 """
 from __future__ import annotations
 
@@ -89,9 +87,8 @@ _CREATORS = ("custom-call", "custom-call-done", "copy-done", "broadcast", "fusio
 
 
 def _buffers(comp: List[oh.Instruction]) -> int:
-    """Bytes of the host buffers `comp` makes: S(5) results of libtpu's AllocateBuffer, of its
-    host-side copies (HostExecute's done), of copies to the host and of fills; slice writes into a
-    buffer and the loops carrying it make none."""
+    """Bytes of the host buffers `comp` makes: S(5) results of AllocateBuffer, of host-side copies (HostExecute's done),
+    of copies to the host and of fills; not slice writes into a buffer or the loops carrying it."""
     return sum(b for ins in comp if ins.opcode in _CREATORS and HOST in ins.shape and not ins.shape.startswith("(")
                for b, host in _arrays(ins.shape) if host)
 

@@ -1,25 +1,21 @@
 """What a Pallas kernel (`tpu_custom_call` in libtpu's optimized program) costs the step-time model.
 
 [Note: charging Pallas kernels]
-A `tpu_custom_call` holds no HLO dots: its work is inside the serialized Mosaic module, so a
-model that counts dots would charge it nothing. It is charged here:
-- Which kernel: the module's body (base64 in the backend config) carries the names of the
-  Python functions that built it (Mosaic debug locations): `flash_attention_kernel`,
-  `flash_attention_dq_kernel`, `flash_attention_dkv_kernel` (jax's
-  jax/experimental/pallas/ops/tpu/flash_attention.py, the kernels torch_xla 2.9 calls), and
-  `below_or_on_diag` only when built causal (checked by compiling both: docs/attention.md).
-- FLOPs: 2 x B x H x Sq x Sk x D per matmul, for the kernel's matmuls (forward 2: QK^T and PV;
-  dq 3: QK^T recomputed, dO V^T, dS K; dkv 4: QK^T, P^T dO, dO V^T, dS^T Q), times the share of
-  its grid blocks that run: causal, a block (r, c) of block_q x block_k_major runs when
-  (r + 1) * block_q - 1 > c * block_k_major (jax's `below_or_on_diag`), at torch_xla's block
-  sizes (`xla_fsdp.attention.rules.SEQUENCE_BLOCKS`).
-- HBM bytes: each operand read and each result written once, except the operands streamed
-  against the other sequence axis (forward and dq: K and V, once per query block that runs;
-  dkv: everything but K and V, once per key block that runs).
-- Time: max(FLOPs / (share x MXU peak), bytes / HBM bandwidth). No published measurement of
-  these kernels' MXU share on v4/v5e is used: projections are given at 50% and at 100%.
-- Another Pallas kernel: the FLOPs of jax's `cost_estimate` in its backend config when it has
-  one, else its bytes only; `KernelCost.flops_known` says which.
+A `tpu_custom_call` holds no HLO dots (its work is inside the serialized Mosaic module), so a model that counts
+dots would charge it nothing. It is charged here:
+- Which kernel: the module's body (base64 in the backend config) names the Python functions that built it (Mosaic
+  debug locations): jax's `flash_attention_kernel`, `flash_attention_dq_kernel`, `flash_attention_dkv_kernel` (the
+  kernels torch_xla 2.9 calls), and `below_or_on_diag` only when built causal (docs/attention.md).
+- FLOPs: 2 x B x H x Sq x Sk x D per matmul (forward 2: QK^T and PV; dq 3: QK^T recomputed, dO V^T, dS K; dkv 4:
+  QK^T, P^T dO, dO V^T, dS^T Q), times the share of its grid blocks that run: causal, a block (r, c) of block_q x
+  block_k_major runs when (r + 1) * block_q - 1 > c * block_k_major (jax's `below_or_on_diag`), at torch_xla's
+  block sizes (`xla_fsdp.attention.rules.SEQUENCE_BLOCKS`).
+- HBM bytes: each operand read and each result written once, except the operands streamed against the other
+  sequence axis (forward and dq: K and V, once per query block that runs; dkv: all but K and V, once per key block).
+- Time: max(FLOPs / (share x MXU peak), bytes / HBM bandwidth). No published MXU share of these kernels on v4/v5e
+  is known, so projections are given at 50% and at 100%.
+- Another Pallas kernel: the FLOPs of jax's `cost_estimate` in its backend config when it has one, else its bytes
+  only; `KernelCost.flops_known` says which.
 """
 from __future__ import annotations
 

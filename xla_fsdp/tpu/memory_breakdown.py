@@ -1,24 +1,19 @@
 """What a TPU program's peak HBM is made of, from libtpu's buffer assignment and schedule.
 
 [Note: the peak HBM, broken down]
-libtpu sizes a program at: its arguments, its outputs that do not reuse an argument, and the
-program itself (the heap of temporaries, with its fragmentation, and the code) ([Note: the HBM a
-TPU program needs] in compile_log.py). The buffer assignment ([Note: libtpu's buffer
-assignment]) names every allocation, so each part is split further:
-- arguments, by what the job holds in them: the model's parameters, the optimizer's state,
-  gradients kept between steps, and other inputs (the batch, RNG state). The traced job lists
-  its tensors by kind with their shapes (xla_fsdp/aot/capture.py); an entry parameter of the
-  program takes the kind of a tensor of its dtype and shape (tensors of one shape have one size
-  per chip, so the sums are exact even where a parameter and its Adam moments share a shape);
-- the heap of temporaries at its fullest moment: every HBM value placed in it lives from the
-  instruction that defines it to the last one that reads it, in the order libtpu scheduled
-  them (a While loop's body and condition sit where the loop runs). At the instant the most
-  bytes are alive, each live value is one of: gathered parameters (an all-gather's result),
-  gradients (a reduce-scatter's or all-reduce's result, or what one reads), activations (made
-  by the forward and read by the backward: an instruction the job's own code issued, read by
-  one that autograd's engine issued, told apart by the source line torch_xla writes in each
-  instruction's metadata), or temporaries (the rest). What the heap holds beyond that instant's
-  live bytes is its fragmentation;
+libtpu sizes a program at its arguments, its outputs that do not reuse an argument, and the program itself (the
+heap of temporaries with its fragmentation, and the code) ([Note: the HBM a TPU program needs] in compile_log.py).
+The buffer assignment ([Note: libtpu's buffer assignment]) names every allocation, so each part is split further:
+- arguments, by what the job holds in them: parameters, optimizer state, gradients kept between steps, and other
+  inputs (the batch, RNG state). The traced job lists its tensors by kind with their shapes (aot/capture.py); an
+  entry parameter takes the kind of a tensor of its dtype and shape (tensors of one shape have one size per chip,
+  so the sums are exact even where a parameter and its Adam moments share a shape);
+- the heap of temporaries at its fullest moment: every HBM value in it lives from the instruction that defines it
+  to the last one that reads it, in libtpu's schedule (a While loop's body and condition where the loop runs). At
+  the instant the most bytes are alive, each live value is gathered parameters (an all-gather's result), gradients
+  (a reduce-scatter's or all-reduce's result, or what one reads), activations (made by the job's forward and read
+  by autograd's backward, told apart by the source line torch_xla writes in each instruction's metadata), or
+  temporaries (the rest). What the heap holds beyond that instant's live bytes is its fragmentation;
 - the program's code, constants and overlays: libtpu's program figure less the heap.
 The parts are summed and set against libtpu's own peak; what is not attributed is reported.
 """
@@ -44,8 +39,7 @@ _ARRAY = re.compile(r"(\w+)\[([0-9,]*)\]")
 
 
 def schedule(text: str, comps=None) -> List[str]:
-    """The optimized program's instructions in the order the chip runs them: the entry's, with a
-    While loop's condition and body (and a call's or conditional's computations) where it runs."""
+    """The program's instructions in run order: the entry's, with each loop's, call's or conditional's where it runs."""
     comps = comps if comps is not None else oh.computations(text)
     order: List[str] = []
 
@@ -64,9 +58,8 @@ def schedule(text: str, comps=None) -> List[str]:
 
 
 def _phase(rest: str) -> str:
-    """"backward" for an instruction autograd's engine issued (no Python source line: its
-    thread runs no Python; or a *_backward op), "optimizer" for torch.optim's, "engine" for
-    xla_fsdp's collective code, else "forward"."""
+    """"backward" for an instruction autograd's engine issued (no Python source line: its thread runs no Python;
+    or a *_backward op), "optimizer" for torch.optim's, "engine" for xla_fsdp's collective code, else "forward"."""
     where = hlo_source.source(rest)
     op = hlo_source.op_type(rest)
     if op.endswith("_backward"):
@@ -81,8 +74,7 @@ def _phase(rest: str) -> str:
 
 
 def _collective_labels(order: List[str], instrs, comps) -> Dict[str, str]:
-    """Instruction -> "gathered parameters" or "gradients" for the collectives' results and what
-    the engine's own code (or metadata-less bookkeeping: copies, bitcasts) makes from them."""
+    """Instruction -> "gathered parameters" / "gradients": collectives' results and what the engine makes of them."""
     labels: Dict[str, str] = {}
     for name in order:
         ins = instrs.get(name)
@@ -121,8 +113,7 @@ class Breakdown:
 
 
 def parameter_kinds(traced_text: str, tensors: List[dict]) -> Dict[int, str]:
-    """Entry parameter number -> what the job holds in it, matching each parameter's dtype and
-    shape in the traced module with the job's tensors listed by kind ({"kind", "dtype", "shape"})."""
+    """Entry parameter number -> what the job holds in it: the kind of a listed tensor of its dtype and shape."""
     wanted: Dict[Tuple[str, Tuple[int, ...]], List[str]] = {}
     for t in tensors:
         key = (TORCH_DTYPES.get(t["dtype"].replace("torch.", ""), t["dtype"]), tuple(t["shape"]))
@@ -140,9 +131,8 @@ def parameter_kinds(traced_text: str, tensors: List[dict]) -> Dict[int, str]:
 
 
 def _slots(ba: bam.BufferAssignment, heap, at: Dict[str, int]) -> List[Tuple[int, int, int, bam.Value]]:
-    """The heap's live ranges (start, end, bytes, the largest value) in schedule positions. Values the
-    heap simulator put at one offset of one allocation whose lives overlap (a loop's value and its
-    next iteration's, passed through the same buffer) are one buffer, counted once."""
+    """The heap's live ranges (start, end, bytes, the largest value) in schedule positions. Values at one offset of
+    one allocation whose lives overlap (a loop's value and its next iteration's) are one buffer, counted once."""
     by_slot: Dict[Tuple[int, int], List[Tuple[int, int, bam.Value]]] = {}
     for a in heap:
         for vid in a.values:
@@ -167,8 +157,7 @@ def _slots(ba: bam.BufferAssignment, heap, at: Dict[str, int]) -> List[Tuple[int
 
 
 def _output_values(ba: bam.BufferAssignment, outputs, order: List[str]) -> Dict[int, int]:
-    """Output allocation -> the position its returned value is made at (an output buffer may hold
-    temporaries earlier in the step: the returned value is the one the entry's root reads)."""
+    """Output allocation -> the position its returned value (the one the entry's root reads) is made at."""
     root = order[-1] if order else ""
     at = {name: i for i, name in enumerate(order)}
     out: Dict[int, int] = {}
@@ -182,9 +171,9 @@ def _output_values(ba: bam.BufferAssignment, outputs, order: List[str]) -> Dict[
 
 def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
               kinds: Optional[Dict[int, str]] = None, comps=None) -> Breakdown:
-    """Split `memory`'s peak (report.hbm_account's dict, libtpu's figures) by the buffer assignment
-    `ba` of the program `optimized`; `kinds`: entry parameter number -> ARGUMENT_KINDS or "other
-    inputs"; `comps`: `optimized_hlo.computations(optimized)` when the caller has it."""
+    """Split `memory`'s peak (report.hbm_account's dict, libtpu's figures) by the buffer assignment `ba` of the
+    program `optimized`; `kinds`: entry parameter number -> ARGUMENT_KINDS or "other inputs"; `comps`:
+    `optimized_hlo.computations(optimized)` when the caller has it."""
     kinds = kinds or {}
     comps = comps if comps is not None else oh.computations(optimized)
     order = schedule(optimized, comps)
@@ -214,8 +203,7 @@ def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
     for start, end, size, v in slots:
         if start <= best_at <= end:
             parts[_classify(v, (start, end), instrs, comps, labels, backward_from)] += size
-    # what the heap holds beyond its live bytes; negative would mean the liveness overcounts, and
-    # shows as such rather than being hidden
+    # what the heap holds beyond its live bytes (negative: the liveness overcounts, shown rather than hidden)
     parts["heap fragmentation"] = heap_bytes - best
     # the rest of libtpu's program figure: its code, constants and overlays
     parts["code and overlays"] = memory["libtpu_program"] - heap_bytes
@@ -247,10 +235,8 @@ def _classify(v: bam.Value, span: Tuple[int, int], instrs, comps, labels: Dict[s
 
 
 def _backward_from(order: List[str], instrs, comps) -> int:
-    """The schedule position where the backward starts: its first matmul (one autograd's engine
-    issued: no Python source line in its metadata, or a *_backward op); len(order) when there is
-    none. Its first instruction of any kind would not do: libtpu hoists what depends only on the
-    inputs (the loss gradient's mask of ignored labels) to the top of the step."""
+    """The schedule position of the backward's first matmul (len(order): none); not its first instruction, as libtpu
+    hoists what depends only on the inputs (the loss gradient's label mask) to the step's top."""
     for i, name in enumerate(order):
         ins = instrs.get(name)
         if ins is not None and _phase(ins.rest) == "backward" and oh._holds_matmul(ins, comps):

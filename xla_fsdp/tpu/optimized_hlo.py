@@ -1,14 +1,11 @@
 """Reading the TPU-optimized program: its collectives, in the order the chip runs them.
 
-libtpu's optimized module is scheduled: the entry computation's instructions
-appear in execution order. A collective is synchronous when it is one
-instruction (`all-gather`, `all-reduce`, ..., or a fusion wrapping one);
-asynchronous when it is a start/done pair (`all-gather-start` /
-`all-gather-done`, `async-start` / `async-done`, or libtpu's own
-`async-collective-start` / `async-collective-done` fusions), and then the
-instructions scheduled between start and done run beside it. Bytes are the
-largest buffer the collective touches (an all-gather's output, a
-reduce-scatter's input, an all-reduce's operand).
+libtpu's optimized module is scheduled: the entry computation's instructions appear in execution order. A
+collective is synchronous when it is one instruction (`all-gather`, `all-reduce`, ..., or a fusion wrapping one);
+asynchronous when it is a start/done pair (`all-gather-start` / `all-gather-done`, `async-start` / `async-done`, or
+libtpu's own `async-collective-start` / `async-collective-done` fusions), and then the instructions scheduled
+between start and done run beside it. Bytes are the largest buffer the collective touches (an all-gather's output,
+a reduce-scatter's input, an all-reduce's operand).
 """
 from __future__ import annotations
 
@@ -97,16 +94,13 @@ def computations(text: str) -> Dict[str, List[Instruction]]:
 
 
 # [Note: libtpu's reduce-scatter emitter]
-# libtpu writes a large reduce-scatter as a kCustom fusion named `all-reduce-scatter` that
-# holds an all-reduce of the whole buffer and a dynamic slice of this device's rows. The fusion
-# is not executed as an all-reduce: its backend config names the collective emitter, and it is
-# SingleInputAllReduceScatterFusion, the same emitter libtpu gives the reduce-scatters it keeps
-# as `reduce-scatter` instructions (all-reduces get RotatedPincerEmitter and ring strategies).
-# So a collective whose emitter is a reduce-scatter emitter counts as a reduce-scatter
-# ((n-1)/n of its input sent), whatever the instructions inside it say. An all-reduce at the
-# top level whose result a later instruction slices (`scatters_as_all_reduce`) is a real
-# all-reduce and counts twice that. Checked on hand-written modules in
-# tests/test_tpu_compiler.py (test_large_reduce_scatter_is_read_as_one).
+# libtpu writes a large reduce-scatter as a kCustom fusion named `all-reduce-scatter` holding an all-reduce of the
+# whole buffer and a dynamic slice of this device's rows. Its backend config names the collective emitter:
+# SingleInputAllReduceScatterFusion, the one libtpu gives the reduce-scatters it keeps as `reduce-scatter`
+# instructions (all-reduces get RotatedPincerEmitter and ring strategies). So a collective whose emitter is a
+# reduce-scatter emitter counts as a reduce-scatter ((n-1)/n of its input sent), whatever its instructions say. An
+# all-reduce at the top level whose result a later instruction slices (`scatters_as_all_reduce`) is a real
+# all-reduce and counts twice that (tests/test_tpu_compiler.py, test_large_reduce_scatter_is_read_as_one).
 _EMITTER = re.compile(r'"emitter":"(\w+)"')
 
 
@@ -144,8 +138,7 @@ _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 
 
 def _group_size(ins: Instruction, comps: Dict[str, List[Instruction]], depth: int = 0) -> int:
-    """Devices in the collective's first replica group, looking into what it calls; 0 when its
-    groups are empty (every device) or not found."""
+    """Devices in the first replica group, looking into what it calls; 0: every device, or not found."""
     m = _GROUPS_LIST.search(ins.rest)
     if m:
         return len([x for x in m.group(1).split(",") if x])
@@ -187,11 +180,10 @@ def _holds_matmul(ins: Instruction, comps: Dict[str, List[Instruction]]) -> bool
 
 
 # [Note: collectives inside While loops]
-# A scanned model (scan_layers) compiles to a While loop whose body gathers one layer's
-# parameters and reduce-scatters its gradients. The body is scheduled on its own, so its
-# collectives are read like the entry's (start/done pairs, work beside them) and counted once
-# per trip. torch_xla's scan writes no known_trip_count; its condition compares the loop
-# counter (tuple element 0) with a constant, which is the trip count.
+# A scanned model (scan_layers) compiles to a While loop whose body gathers one layer's parameters and
+# reduce-scatters its gradients. The body is scheduled on its own, so its collectives are read like the entry's and
+# counted once per trip. torch_xla's scan writes no known_trip_count; its condition compares the loop counter
+# (tuple element 0) with a constant, which is the trip count.
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CONDITION = re.compile(r"condition=%?([\w.\-]+)")
 _BODY_OF = re.compile(r"body=%?([\w.\-]+)")
@@ -230,8 +222,7 @@ def while_loops(text: str) -> List[dict]:
 
 
 def all_collectives(text: str) -> List[Collective]:
-    """The entry's collectives, then every While body's, repeated for each trip (a body whose
-    trip count is unknown counted once) ([Note: collectives inside While loops])."""
+    """The entry's collectives, then every While body's once per trip (once when the trip count is unknown)."""
     found = collectives(text)
     for loop in while_loops(text):
         inner = collectives(text, loop["body"])
@@ -240,13 +231,10 @@ def all_collectives(text: str) -> List[Collective]:
 
 
 def collectives(text: str, computation: str = "ENTRY") -> List[Collective]:
-    """One computation's collectives (default the entry's) in schedule order, each marked
-    synchronous or asynchronous, with the work scheduled beside the asynchronous ones.
-
-    A done is paired with its start through data: libtpu's done fusions read the start's
-    buffers through get-tuple-elements and the compute fusions it threads them through, so
-    every instruction carries the set of open starts it depends on.
-    """
+    """One computation's collectives (default the entry's) in schedule order, each marked synchronous or
+    asynchronous, with the work scheduled beside the asynchronous ones. A done is paired with its start through
+    data: libtpu's done fusions read the start's buffers through get-tuple-elements and the compute fusions it
+    threads them through, so every instruction carries the set of open starts it depends on."""
     comps = computations(text)
     entry = comps.get(computation, [])
     shapes = {ins.name: ins.shape for ins in entry}
@@ -290,9 +278,8 @@ _BOOKKEEPING = ("bitcast", "get-tuple-element", "tuple", "constant", "parameter"
 
 
 def ring_bytes(c: Collective, devices: int) -> float:
-    """Bytes one chip sends for `c` on a ring of its replica group (`devices` when the group is
-    every device): all-gather (n-1)/n of its result, reduce-scatter (n-1)/n of its operand,
-    all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it."""
+    """Bytes one chip sends for `c` on a ring of its replica group (`devices`: every device): all-gather (n-1)/n of its
+    result, reduce-scatter (n-1)/n of its operand, all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it."""
     n = c.group_size or devices
     if n <= 1:
         return 0.0
@@ -300,9 +287,8 @@ def ring_bytes(c: Collective, devices: int) -> float:
 
 
 def summarize(found: List[Collective], devices: int = 0) -> dict:
-    """Counts and bytes by kind, synchronous vs asynchronous, and the asynchronous bytes with
-    a matmul scheduled beside them; with `devices`, also the bytes each chip sends on a ring
-    (`ring_bytes`), in all and asynchronously with a matmul beside."""
+    """Counts and bytes by kind, sync vs async, and the async bytes with a matmul beside them; with `devices`, also the
+    bytes each chip sends on a ring (`ring_bytes`), in all and asynchronously with a matmul beside."""
     by_kind: Dict[str, dict] = {}
     for c in found:
         k = by_kind.setdefault(c.kind, {"sync": 0, "async": 0, "bytes": 0, "async_bytes": 0,
@@ -336,8 +322,7 @@ def summarize(found: List[Collective], devices: int = 0) -> dict:
 
 @dataclass
 class ScatterHeld:
-    """A reduce-scatter that libtpu compiled as an all-reduce of the whole buffer: how many
-    instructions of the schedule its full-size result stays live for."""
+    """A reduce-scatter libtpu compiled as an all-reduce of the whole buffer, and how long its result stays live."""
 
     name: str
     bytes: int
@@ -352,10 +337,9 @@ def _slices_dynamically(ins: Instruction, comps: Dict[str, List[Instruction]]) -
 
 
 def scatters_as_all_reduce(text: str) -> List[ScatterHeld]:
-    """The entry computation's all-reduces that stand for a reduce-scatter (a user cuts this
-    device's rows out of the result with a dynamic slice), with how long their full-size
-    results stay live ([Note: materialize the scattered shard] in
-    collective_engine/param_group.py keeps that to a few instructions)."""
+    """The entry computation's all-reduces that stand for a reduce-scatter (a user cuts this device's rows out of
+    the result with a dynamic slice), with how long their full-size results stay live ([Note: materialize the
+    scattered shard] in collective_engine/param_group.py keeps that to a few instructions)."""
     comps = computations(text)
     entry = comps.get("ENTRY", [])
     users: Dict[str, List[int]] = {}
@@ -371,8 +355,8 @@ def scatters_as_all_reduce(text: str) -> List[ScatterHeld]:
 
 
 def operand_names(rest: str) -> List[str]:
-    """The operands of an instruction, from the text after its opcode's "(" (shapes printed inline
-    with tiled layouts hold parentheses of their own, so the list ends at the matching ")")."""
+    """The operands of an instruction, from the text after its opcode's "(" (shapes printed inline with tiled
+    layouts hold parentheses of their own, so the list ends at the matching ")")."""
     depth = 0
     for i, ch in enumerate(rest):
         if ch in "({":

@@ -1,18 +1,14 @@
 """Tracing torch_xla's Pallas kernels on a host without a TPU, for libtpu's deviceless compiler.
 
 [Note: Pallas kernels in the ahead-of-time check]
-torch_xla turns a Pallas kernel into a `tpu_custom_call` by lowering it with jax
-(`trace_pallas`, torch_xla/experimental/custom_kernel.py:211-257): `jax.jit(kernel).lower(...)`
-lowers for jax's default backend, which on the check's CPU host is the CPU, and Pallas refuses:
-"Only interpret mode is supported on CPU backend". jax 0.7.1 can lower for a platform it does
-not run on: `jax.jit(kernel).trace(*args).lower(lowering_platforms=("tpu",))`. While the
-check traces a job (and only then: `install()` is called from the kernel's caller when
-`xla_fsdp.abstract.active()`), torch_xla's `trace_pallas` is replaced by `trace_for_tpu`,
-which does exactly that and hands torch_xla the same backend config it builds its custom call
-from; the Mosaic version is capped as on a TPU ([Note: Mosaic IR version for libtpu 0.0.21]
-in mosaic.py). The replacement is process-wide because torch_xla traces the backward kernels
-when autograd runs them, outside any call of ours; the traced process ends after the check.
-On a TPU torch_xla's own `trace_pallas` runs.
+torch_xla turns a Pallas kernel into a `tpu_custom_call` by lowering it with jax (`trace_pallas` in
+torch_xla/experimental/custom_kernel.py), for jax's default backend: on the check's CPU host the CPU, where Pallas
+refuses ("Only interpret mode is supported on CPU backend"). `trace_for_tpu` lowers for the TPU instead
+(`jax.jit(kernel).trace(*args).lower(lowering_platforms=("tpu",))`, jax 0.7.1) and hands torch_xla the same
+backend config, the Mosaic version capped as on a TPU ([Note: Mosaic IR version for libtpu 0.0.21] in mosaic.py).
+`install()` swaps it in only while the check traces a job (the kernel's caller calls it when
+`xla_fsdp.abstract.active()`), process-wide because torch_xla traces the backward kernels when autograd runs them,
+outside any call of ours; the traced process ends after the check. On a TPU torch_xla's own `trace_pallas` runs.
 """
 from __future__ import annotations
 

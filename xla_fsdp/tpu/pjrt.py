@@ -1,21 +1,16 @@
 """libtpu's compiler without a TPU: a ctypes binding to its PJRT C API.
 
-[Note: deviceless TPU compile] libtpu.so exports `GetPjrtApi()`, a table of C
-functions (`PJRT_Api`). Some of them compile for a slice that is not attached:
-`PJRT_TopologyDescription_Create` builds a slice from a topology name and
-create options (no client, no device), `PJRT_Compile` compiles a serialized
-HloModuleProto with a serialized CompileOptionsProto against it, and the
-executable it returns answers memory statistics, a cost analysis and its
-TPU-optimized program. We hand over HLO, not StableHLO: converting to
-StableHLO drops `constrain_layout`, which decides whether pinned collectives
-compile at all.
+[Note: deviceless TPU compile] libtpu.so exports `GetPjrtApi()`, a table of C functions (`PJRT_Api`). Some compile
+for a slice that is not attached: `PJRT_TopologyDescription_Create` builds a slice from a topology name and create
+options (no client, no device), `PJRT_Compile` compiles a serialized HloModuleProto with a serialized
+CompileOptionsProto against it, and the executable it returns answers memory statistics, a cost analysis and its
+TPU-optimized program. We hand over HLO, not StableHLO: converting to StableHLO drops `constrain_layout`, which
+decides whether pinned collectives compile at all.
 
-Table slots and argument layouts are those of openxla/xla
-`xla/pjrt/c/pjrt_c_api.h` at PJRT C API 0.75 (commit 885cdb03), the version
-libtpu 0.0.21 reports. Within major version 0 the header only appends:
-slots and fields keep their places, and every argument struct carries its
-size in `struct_size`, so a newer libtpu reads our structs and an older one
-is caught by the table size check in `TpuCompiler.__init__`.
+Table slots and argument layouts are those of openxla/xla `xla/pjrt/c/pjrt_c_api.h` at PJRT C API 0.75 (commit
+885cdb03), the version libtpu 0.0.21 reports. Within major version 0 the header only appends and every argument
+struct carries its size in `struct_size`, so a newer libtpu reads our structs and an older one is caught by the
+table size check in `TpuCompiler.__init__`.
 """
 from __future__ import annotations
 
@@ -33,8 +28,12 @@ from xla_fsdp.runtime import environment
 from xla_fsdp.tpu import compile_log
 from xla_fsdp.tpu.compile_log import ProgramHbm
 
-from xla_fsdp.tpu.pjrt_abi import (  # noqa: F401  (re-exported: callers name them from here)
-    INSTALL_HINT, LIBRARY_ENV, HEADER_VERSION, _SLOTS, _VERSION_OFFSET, _FIRST_SLOT_OFFSET, _ERROR_CODES, OptionValue, LibtpuMissing, TpuCompileError, _NamedValue, _ErrorDestroy, _ErrorMessage, _ErrorGetCode, _PluginInitialize, _TopologyCreate, _TopologyDestroy, _TopologyVersion, _TopologyDevices, _DeviceInt, _DeviceKind, _DeviceAttributes, _Program, _Compile, _ExecutableDestroy, _NumOutputs, _CostAnalysis, _OptimizedProgram, _MEMORY_FIELDS, _MemoryStats, _named_values, _read_named_values, _STRING, _INT64, _INT64_LIST, _FLOAT, _BOOL)
+from xla_fsdp.tpu.pjrt_abi import (  # callers name LibtpuMissing, TpuCompileError, ... from here
+    INSTALL_HINT, LIBRARY_ENV, HEADER_VERSION, _SLOTS, _VERSION_OFFSET, _FIRST_SLOT_OFFSET, OptionValue,
+    LibtpuMissing, TpuCompileError, _ErrorDestroy, _ErrorMessage, _ErrorGetCode, _PluginInitialize,
+    _TopologyCreate, _TopologyDestroy, _TopologyVersion, _TopologyDevices, _DeviceInt, _DeviceKind,
+    _DeviceAttributes, _Program, _Compile, _ExecutableDestroy, _NumOutputs, _CostAnalysis, _OptimizedProgram,
+    _MEMORY_FIELDS, _MemoryStats, _named_values, _read_named_values)
 
 # -- what callers get -------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -69,8 +68,7 @@ class MemoryStats:
 
     @property
     def total(self) -> int:
-        """Arguments + outputs (donated bytes counted once) + temporaries + code: the usual
-        estimate of the HBM a program needs per device."""
+        """Arguments + outputs (donated bytes once) + temporaries + code: the usual HBM estimate per device."""
         return self.argument_size + self.output_size - self.alias_size + self.temp_size + self.generated_code_size
 
 
@@ -91,8 +89,7 @@ class CompiledProgram:
 
 
 class Topology:
-    """A TPU slice by topology name (no devices attached). Frees itself on `close()`, at the end
-    of a `with` block, or when garbage-collected."""
+    """A TPU slice by topology name (no devices attached); freed by `close()`, a `with` block's end or the GC."""
 
     def __init__(self, compiler: "TpuCompiler", handle: int, name: str, options: Mapping[str, OptionValue]):
         self.name, self.options = name, dict(options)
@@ -132,8 +129,7 @@ class Topology:
 
 # -- the library --------------------------------------------------------------------------------
 def library_path() -> str:
-    """libtpu.so: $TPU_LIBRARY_PATH when set, else the one in the `libtpu` package (found without
-    importing it: its import sets TPU_LIBRARY_PATH as a side effect)."""
+    """libtpu.so: $TPU_LIBRARY_PATH, else the `libtpu` package's (found without importing it, which sets that)."""
     given = environment.raw(LIBRARY_ENV)
     if given:
         if not os.path.isfile(given):
@@ -149,12 +145,10 @@ def library_path() -> str:
 
 
 def _prepare_environment() -> None:
-    """Environment libtpu reads. We never open a TPU, so: no metadata server to ask for the
-    accelerator type (off a TPU VM the query waits on the network); no claim on
-    /tmp/libtpu_lockfile, which libtpu otherwise takes at initialization, so that a second
-    compiling process (or a training job on a TPU VM) is not refused; and no
-    TPU_ACCELERATOR_TYPE (GKE sets it in TPU pods): with it, libtpu looks for that chip's
-    config file during compile and aborts the process when it is missing."""
+    """Environment libtpu reads. We never open a TPU, so: no metadata server to ask for the accelerator type (off a
+    TPU VM the query waits on the network); no claim on /tmp/libtpu_lockfile, so that a second compiling process
+    (or a training job on a TPU VM) is not refused; and no TPU_ACCELERATOR_TYPE (GKE sets it in TPU pods): with it,
+    libtpu looks for that chip's config file during compile and aborts the process when it is missing."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     given = os.environ.pop(environment.TPU_ACCELERATOR_TYPE, None)
@@ -217,8 +211,7 @@ class TpuCompiler:
 
     # -- topology ---------------------------------------------------------------------------
     def topology(self, name: str, options: Mapping[str, OptionValue]) -> Topology:
-        """A slice by libtpu's topology name ("v4:2x2x1", "v5e:2x4") and create options
-        (`xla_fsdp.tpu.topology.parse_accelerator_type` gives both for "v4-8", "v5e-8", ...)."""
+        """A slice by libtpu's topology name and create options (`topology.parse_accelerator_type` gives both)."""
         values, keep = _named_values(options)
         encoded = name.encode()
         args = _TopologyCreate(0, None, encoded, len(encoded), C.addressof(values) if options else None,
@@ -256,9 +249,8 @@ class TpuCompiler:
 
     # -- compile ----------------------------------------------------------------------------
     def compile(self, topology: Topology, hlo_module_proto: bytes, compile_options: bytes) -> CompiledProgram:
-        """Compile a serialized HloModuleProto for `topology` with a serialized CompileOptionsProto
-        (`xla_fsdp.tpu.compile_options` builds both). Raises TpuCompileError carrying the
-        compiler's own message when libtpu refuses the program."""
+        """Compile a serialized HloModuleProto for `topology` with a serialized CompileOptionsProto (`compile_options`
+        builds both); TpuCompileError, with libtpu's own message, when it refuses."""
         if not isinstance(hlo_module_proto, bytes) or not isinstance(compile_options, bytes):
             raise TypeError("compile() takes the serialized HloModuleProto and CompileOptionsProto as bytes; "
                             "build them with xla_fsdp.tpu.compile_options (hlo_text_to_proto, spmd_options, ...)")
@@ -297,8 +289,7 @@ class TpuCompiler:
         return args.num_outputs
 
     def _optimized(self, executable: int) -> str:
-        """The TPU-optimized program as HLO text. Two calls, as the header asks: the first (no
-        buffer) says the size, the second fills our buffer."""
+        """The TPU-optimized program as HLO text: a first call (no buffer) says the size, a second fills our buffer."""
         program = _Program(C.sizeof(_Program), None, None, 0, None, 0)
         args = _OptimizedProgram(0, None, executable, C.addressof(program))
         self._call("PJRT_Executable_OptimizedProgram", args)
@@ -312,9 +303,8 @@ class TpuCompiler:
 
 
 def _check_devices(topology: Topology, compile_options: bytes) -> None:
-    """Refuse a device assignment the slice cannot hold before libtpu sees it: libtpu aborts the
-    process on a device id it lacks, and silently accepts more replicas than devices or one
-    device twice."""
+    """Refuse a device assignment the slice cannot hold before libtpu sees it: libtpu aborts on a device id it lacks,
+    and silently accepts more replicas than devices or one device twice."""
     from xla_fsdp.tpu.compile_options import assigned_devices
 
     replicas, partitions, ids = assigned_devices(compile_options)
@@ -335,8 +325,7 @@ _INITIALIZED: set = set()  # PJRT_Api tables whose plugin is initialized
 
 
 def get_compiler() -> TpuCompiler:
-    """The process-wide compiler (libtpu loads and initializes once per process). Raises
-    LibtpuMissing, naming the install command, when libtpu or jaxlib is not installed."""
+    """The process-wide compiler; LibtpuMissing, naming the install command, without libtpu or jaxlib."""
     global _COMPILER
     with _COMPILER_LOCK:
         if _COMPILER is None:

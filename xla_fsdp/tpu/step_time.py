@@ -1,36 +1,24 @@
 """A PROJECTED step time read off the TPU's own schedule (libtpu's optimized program).
 
-Nothing here is measured on a TPU. The optimized module's entry
-computation lists its instructions in the order the chip runs them; this
-walks that order on two clocks, the TensorCore's and the ICI's:
-- a compute instruction (a fusion, a lone dot / convolution, a copy, ...)
-  takes its roofline time, max(FLOPs / peak bf16 FLOP/s, HBM bytes / HBM
-  bandwidth), FLOPs from the dots and convolutions it holds (f32 operands at
-  HIGH / HIGHEST precision take 3 / 6 bf16 passes), bytes from its operands
-  and result (an operand it only slices counts as the slice; a result that
-  updates a slice of a buffer in place counts as the update);
-- a synchronous collective blocks the core: it starts when the core and the
-  ICI are both free and the core waits for it;
-- an asynchronous one starts on the ICI when the core reaches its start
-  (or when the ICI frees up) and runs beside the instructions scheduled
-  until its done, where the core waits for it if it has not finished;
-- a collective costs a latency plus the bytes one chip sends on a
-  bidirectional ring of its replica group at 2 x one ICI link's one-way
-  bandwidth: all-gather (n-1)/n of its result, reduce-scatter (n-1)/n of
-  its operand, all-reduce 2(n-1)/n, all-to-all (n-1)/n, a permute all of it;
-  on a slice whose axes wrap around (a torus), a collective over every chip
+Nothing here is measured on a TPU. The optimized module's entry computation lists its instructions in the order
+the chip runs them; this walks that order on two clocks, the TensorCore's and the ICI's:
+- a compute instruction (a fusion, a lone dot / convolution, a copy, ...) takes its roofline time, max(FLOPs /
+  peak bf16 FLOP/s, HBM bytes / HBM bandwidth), FLOPs from the dots and convolutions it holds (f32 operands at
+  HIGH / HIGHEST precision take 3 / 6 bf16 passes), bytes from its operands and result (an operand it only slices
+  counts as the slice; a result that updates a slice of a buffer in place counts as the update);
+- a synchronous collective starts when the core and the ICI are both free, and the core waits for it;
+- an asynchronous one starts on the ICI when the core reaches its start (or when the ICI frees up) and runs beside
+  the instructions scheduled until its done, where the core waits for it if it has not finished;
+- a collective costs a latency plus the bytes one chip sends on a bidirectional ring of its replica group
+  (`optimized_hlo.ring_bytes`) at 2 x one ICI link's one-way bandwidth; on a torus, a collective over every chip
   sends on 2 links per wrapped axis ([Note: links per collective]);
 - libtpu's `AllocateBuffer` writes nothing and costs nothing;
-- a Pallas kernel (`tpu_custom_call`) is charged its FLOPs and HBM bytes at a stated
-  share of MXU peak (`kernel_mxu_share`, default 0.5): [Note: charging Pallas kernels] in
-  kernel_cost.py. It is never free.
-The projection is the core's clock at the end. Not modeled: launch and host
-overheads, HBM contention between a collective and the compute beside it,
-on-chip memory (VMEM) reuse, how libtpu routes a collective over part of
-a torus. Chip
-figures come from `xla_fsdp.tpu.chips` (each names its source). Calibrate
-against a measured step (the blog's FSDPv1 2B on v4-8, 4.191 s) and print
-the ratio with every projection: `calibrated()`.
+- a Pallas kernel (`tpu_custom_call`) is never free: its FLOPs and HBM bytes are charged at a stated share of MXU
+  peak (`kernel_mxu_share`, default 0.5; [Note: charging Pallas kernels] in kernel_cost.py).
+The projection is the core's clock at the end. Not modeled: launch and host overheads, HBM contention between a
+collective and the compute beside it, VMEM reuse, how libtpu routes a collective over part of a torus. Chip figures
+come from `xla_fsdp.tpu.chips`. Every projection is printed with its calibration against a measured step (the
+blog's FSDPv1 2B on v4-8, 4.191 s): `calibrated()`.
 """
 from __future__ import annotations
 
@@ -43,29 +31,20 @@ from xla_fsdp.tpu.fusion_bytes import fusion_bytes
 from xla_fsdp.tpu.optimized_hlo import operand_names
 from xla_fsdp.tpu import optimized_hlo as oh
 
-# measured / projected for the one TPU step we have a measurement of: the blog's torch_xla FSDPv1
-# GPT-2 2B on v4-8 (32 x 1024 per chip, Adafactor, per-layer checkpointing) took 4.191 s; this
-# model projects that program, compiled with the blog's attention (GPT-2's "eager": its
-# transformers had no other) by bench/anchor_job.py under libtpu 0.0.21, at 3.668 s
-# (bench/blog_pairs.py --attn eager, 2026-11-27), and at 3.543 s since the model stopped charging
-# libtpu's sliced prefetches to the core ([Note: prefetches off the core]; the same program
-# compiled again, bench/results/calibration_2b_v4-8_2026-11-27.json). Earlier ratios: 1.142 (the
-# same program before that change), 1.035 (FSDPv1 with SDPA attention, f32 on XLA: a program the
-# blog never ran). The blog's other FSDPv1 steps check this ratio (docs/performance.md,
-# "The blog's table, compiled").
+# measured / projected for the one TPU step we have a measurement of: the blog's torch_xla FSDPv1 GPT-2 2B on v4-8
+# (32 x 1024 per chip, Adafactor, per-layer checkpointing, eager attention) took 4.191 s; this model projects that
+# program (bench/anchor_job.py, libtpu 0.0.21) at 3.543 s (bench/results/calibration_2b_v4-8_2026-11-27.json).
+# The blog's other FSDPv1 steps check this ratio (docs/performance.md, "The blog's table, compiled").
 CALIBRATION_RATIO = 4.191 / 3.5425  # 1.183
 CALIBRATION_SOURCE = "blog FSDPv1 2B v4-8, eager attention: measured 4.191 s / projected 3.543 s"
 COLLECTIVE_LATENCY_S = 10e-6  # per collective; an assumption, no published figure
 RING_LINKS = 2                # a bidirectional ring sends on two links at once
 F32_PASSES = {"default": 1, "high": 3, "highest": 6}
 # [Note: prefetches off the core]
-# libtpu's memory-space assignment moves buffers between HBM and the chip's alternate memory
-# (the S(3) memory space in the optimized program) with asynchronous DMAs the core does not
-# wait on: copy-start/copy-done, and "sliced prefetches", a copy cut into pieces, each a
-# slice-start/slice-done pair writing S(3). The model charges neither to the core's timeline.
-# Until 2026-11-27 it charged every slice-start as a serial op reading its whole operand:
-# 2,314 of them in the 2B v4-8 kernel program with 9 blocks kept, 131 GB of charged traffic
-# and 110 ms of its projected step for 15.5 GB actually moved.
+# libtpu's memory-space assignment moves buffers between HBM and the chip's alternate memory (S(3)) with
+# asynchronous DMAs the core does not wait on: copy-start/copy-done, and "sliced prefetches", a copy cut into
+# slice-start/slice-done pairs. The model charges neither to the core's timeline (charging each slice-start as a
+# serial read of its whole operand added 110 ms to a 2B v4-8 step, for 15.5 GB actually moved).
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
          "slice-start", "slice-done",
          "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency", "iota")
@@ -79,20 +58,14 @@ _WINDOW = re.compile(r"window=\{([^}]*)\}")
 
 
 # [Note: links per collective]
-# A chip has 6 ICI links on v4 (4 on v5e/v6e). A bidirectional ring along one axis uses 2 of
-# them, and that is what the model charges on a mesh: v4 slices below 64 chips (2x2x1 ...
-# 2x4x4) have no wraparound links, and the 2-link ring is what the calibration point (FSDPv1
-# 2B on v4-8) and the blog's 16B on v4-64 agree with (model error -0.2% there). v4 slices of
-# whole 4x4x4 cubes are tori (the docs: 4x4x4, 4x4x8, 4x8x8, ...; `topology.py` builds them
-# with wrap), and a collective over the whole torus can run rings along every wrapped axis at
-# once: 2 links per axis, 6 on v4-128 and up. Charged at 2 links there, FSDPv1's synchronous
-# all-reduces made the model 41% / 29% slower than the blog's measured 20B / 32B steps on
-# v4-128; at 6 links +11% / -1%, and FSDPv1's 64B on v4-256 and 128B on v4-512 (both compiled
-# after this rule) -3.6% and -1.5%, where 2 links would give +27% and +50%
-# (bench/results/blog_pairs_2026-11-26.json). A collective over
-# part of the slice (our per-axis reduce-scatters, sharding groups) keeps 2: which axes its
-# group spans is not read from the program. So does a collective-permute (each chip sends to
-# one neighbour).
+# A chip has 6 ICI links on v4 (4 on v5e/v6e). A bidirectional ring along one axis uses 2 of them, and that is what
+# the model charges on a mesh: v4 slices below 64 chips have no wraparound links, and the 2-link ring is what the
+# calibration point and the blog's 16B on v4-64 agree with (model error -0.2%). v4 slices of whole 4x4x4 cubes are
+# tori (`topology.py` builds them with wrap), and a collective over the whole torus can run rings along every
+# wrapped axis at once: 2 links per axis, 6 on v4-128 and up (measured: the blog's FSDPv1 steps from 20B on v4-128
+# to 128B on v4-512 within -4% to +11% at 6 links, +27% to +50% off at 2; bench/results/blog_pairs_2026-11-26.json).
+# A collective over part of the slice (our per-axis reduce-scatters, sharding groups) keeps 2: which axes its group
+# spans is not read from the program. So does a collective-permute (each chip sends to one neighbour).
 
 
 @dataclass
@@ -142,11 +115,10 @@ def _prod(xs) -> int:
 
 
 def _window_taps(rest: str, lhs_labels: str, lhs: List[int]) -> int:
-    """Input positions one output of a convolution reads per input feature. In each spatial
-    dimension the window spans `size` positions, of which only every lhs_dilate-th is an input
-    and at most the input's own extent are not padding. (XLA writes batched and outer-product
-    matmuls as convolutions whose windows are mostly dilation or padding:
-    `window={size=768 stride=767 lhs_dilate=768}`, `window={size=1x24 pad=0_0x23_23}`.)"""
+    """Input positions one output of a convolution reads per input feature. In each spatial dimension the window
+    spans `size` positions, of which only every lhs_dilate-th is an input and at most the input's own extent are not
+    padding (XLA writes batched and outer-product matmuls as convolutions whose windows are mostly dilation or
+    padding: `window={size=768 stride=767 lhs_dilate=768}`, `window={size=1x24 pad=0_0x23_23}`)."""
     m = _WINDOW.search(rest)
     if not m:
         return 1
@@ -205,8 +177,7 @@ def _computation_flops(name: str, comps, depth: int = 0) -> float:
 def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0,
                   mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE, kernels: Optional[list] = None
                   ) -> Tuple[float, float, float]:
-    """(seconds, FLOPs, HBM bytes) of one compute instruction of the entry computation; Pallas
-    kernels met on the way are appended to `kernels` as (KernelCost, times it runs)."""
+    """(seconds, FLOPs, HBM bytes) of one entry compute instruction; Pallas kernels met are appended to `kernels`."""
     op = ins.opcode
     if op in _FREE or (op == "custom-call" and ALLOCATE in ins.rest):
         return 0.0, 0.0, 0.0
@@ -259,10 +230,8 @@ def collective_seconds(c: oh.Collective, devices: int, chip, torus_axes: int = 0
 
 @dataclass
 class Event:
-    """One span of the projected step (seconds from its start): `lane` "compute" (an instruction
-    the core runs) or a collective's kind; for a collective, `start`-`end` is from the core
-    issuing it to the core having its result (an asynchronous one's done), `ici_start`-`ici_end`
-    its transfer on the ICI."""
+    """One span of the projected step (seconds): `lane` "compute" or a collective's kind; a collective's `start`-`end`
+    runs from the core issuing it to the core having its result, `ici_*` its ICI transfer."""
 
     lane: str
     name: str
@@ -280,10 +249,8 @@ class Event:
 
 def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_share: float,
           kernels: list, depth: int = 0, events: Optional[list] = None) -> Tuple[float, ...]:
-    """One scheduled computation on the chip's timeline: (end of the core's clock, compute,
-    sync, async, exposed seconds, FLOPs, HBM bytes). A While loop in it is its body walked the
-    same way, times its trip count ([Note: collectives inside While loops]). `events`, when given,
-    receives the computation's `Event`s (a loop's body once per trip)."""
+    """One scheduled computation on the chip's timeline: (core's clock at the end, compute, sync, async, exposed
+    seconds, FLOPs, HBM bytes), a While loop its body times its trips; `events` gets its `Event`s."""
     instrs = comps.get(name, [])
     shapes = {i.name: i.shape for i in instrs}
     found = oh.collectives(text, name)
@@ -354,10 +321,9 @@ def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_
 def estimate(text: str, chip, devices: Optional[int] = None, torus_axes: int = 0,
              kernel_mxu_share: float = kernel_cost.DEFAULT_MXU_SHARE, events: Optional[list] = None
              ) -> StepEstimate:
-    """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`);
-    `torus_axes`: the slice's axes that wrap around (`SliceSpec.torus_axes`; 0 for a mesh);
-    `kernel_mxu_share`: the share of MXU peak Pallas kernels are charged at; `events`, when
-    given, receives every `Event` of the projected step in schedule order."""
+    """Walk the optimized program `text` (libtpu's) on `chip` (`xla_fsdp.tpu.chips.Chip`); `torus_axes`: the slice's
+    axes that wrap around (`SliceSpec.torus_axes`; 0 for a mesh); `kernel_mxu_share`: the share of MXU peak Pallas
+    kernels are charged at; `events`, when given, receives every `Event` of the projected step in schedule order."""
     if not 0 < kernel_mxu_share <= 1:
         raise ValueError(f"kernel_mxu_share must be in (0, 1], got {kernel_mxu_share}")
     comps = oh.computations(text)

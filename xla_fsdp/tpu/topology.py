@@ -1,22 +1,15 @@
 """Cloud TPU accelerator types as users type them ("v4-8", "v5e-16", "v5litepod-8") -> slices.
 
-A slice says what libtpu's `PJRT_TopologyDescription_Create` needs (topology
-name and create options, the names JAX's `get_topology_desc` passes through)
-and what a report compares a program with (chips, hosts, chip figures).
-
+A slice says what libtpu's `PJRT_TopologyDescription_Create` needs (topology name and create options, the names
+JAX's `get_topology_desc` passes through) and what a report compares a program with (chips, hosts, chip figures).
 Counting, as in Cloud TPU accelerator types:
-- v4-N and v5p-N count TensorCores, two per chip: N/2 chips on a 3-D
-  torus, four chips per host. The two cores act as one "megacore" device,
-  so libtpu reports one device per chip. Slices of 64 chips and more are
-  whole 4x4x4 cubes and wrap around in every dimension (V4_DOCS).
-- v5e-N and v6e-N count chips on a 2-D grid. Up to 8 chips sit on one host
-  (v5e-8 / v6e-8: one VM with 8 chips); larger slices run one VM per 4 chips
-  (V5E_DOCS, V6E_DOCS tables: 4x4 = 4 VMs of 4 chips), which is what a
-  training job sees as processes. We pass no wraparound for these.
-
-`chips_per_host_bounds` sets how libtpu splits devices over processes; its
-default for "v5e:2x4" is two processes of 4, not the single 8-chip VM, so we
-always pass it.
+- v4-N and v5p-N count TensorCores, two per chip: N/2 chips on a 3-D torus, four per host. The two cores act as
+  one "megacore" device, so libtpu reports one device per chip. Slices of 64 chips and more are whole 4x4x4
+  cubes and wrap around in every dimension (V4_DOCS).
+- v5e-N and v6e-N count chips on a 2-D grid. Up to 8 chips sit on one host (one VM); larger slices run one VM,
+  i.e. one process, per 4 chips (V5E_DOCS, V6E_DOCS tables). We pass no wraparound for these.
+`chips_per_host_bounds` sets how libtpu splits devices over processes; its default for "v5e:2x4" is two processes
+of 4, not the single 8-chip VM, so we always pass it.
 """
 from __future__ import annotations
 
@@ -101,8 +94,7 @@ def known_types() -> Tuple[str, ...]:
 
 
 def parse_accelerator_type(text: str) -> SliceSpec:
-    """"v4-8", "v5e-16", "v5litepod-8", "v6e-256", ... -> its SliceSpec. An unknown type raises
-    ValueError listing the known ones."""
+    """"v4-8", "v5e-16", "v5litepod-8", ... -> its SliceSpec; an unknown type raises ValueError naming the known."""
     generation, _, count = text.strip().lower().partition("-")
     generation = _ALIASES.get(generation, generation)
     chip = CHIPS.get(generation)
@@ -133,9 +125,8 @@ def parse_accelerator_type(text: str) -> SliceSpec:
 
 
 def multislice(spec: SliceSpec, slices: int, dcn_gbps_per_host: Optional[float] = None) -> SliceSpec:
-    """`slices` slices of `spec`'s type, joined over DCN: libtpu's topology option `num_slices`
-    (libtpu 0.0.21 gives slices x chips devices; cross-slice collectives go through its megascale
-    runtime). `dcn_gbps_per_host`: the hosts' DCN bandwidth (Gbit/s) instead of the chip's figure."""
+    """`slices` slices of `spec`'s type, joined over DCN: libtpu's topology option `num_slices` (slices x chips
+    devices). `dcn_gbps_per_host`: the hosts' DCN bandwidth (Gbit/s) instead of the chip's figure."""
     if not isinstance(slices, int) or slices < 1:
         raise ValueError(f"--num_slices {slices!r}: expected a positive integer")
     if dcn_gbps_per_host is not None and not dcn_gbps_per_host > 0:

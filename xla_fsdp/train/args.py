@@ -1,9 +1,7 @@
 """Flags of run_clm: the names Hugging Face's run_clm.py users already type.
 
-Plain argparse, no HF Trainer. Boolean-valued flags accept the HF spellings
-(`--do_train`, `--do_train true`, `--adafactor false`). Unknown flags are an
-error naming the flag, so a typo never silently trains with a default.
-"""
+Plain argparse, no HF Trainer. Boolean-valued flags accept the HF spellings (`--do_train`, `--do_train true`,
+`--adafactor false`). Unknown flags are an error naming the flag, so a typo never silently trains with a default."""
 from __future__ import annotations
 
 import argparse
@@ -22,11 +20,11 @@ STRATEGY_OF_TOKEN = {
     "hybrid_shard": "HYBRID_SHARD",
 }
 OPTIMIZERS = ("adamw", "adamw_torch", "adafactor")
-# Above this many parameters the model is built deferred, so no host holds
-# the full unsharded fp32 model at once (the 2023 recipe ran hosts out of memory).
+# Above this many parameters the model is built deferred, so no host holds the full unsharded fp32 model at once (the
+# 2023 recipe ran hosts out of memory).
 DEFERRED_INIT_PARAMS = 1_000_000_000
-# transformers' two without extra kernels, and torch_xla's Pallas flash-attention kernel on a TPU
-# (xla_fsdp/attention; docs/attention.md)
+# transformers' two without extra kernels, and torch_xla's Pallas flash-attention kernel on a TPU (xla_fsdp/attention;
+# docs/attention.md)
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "pallas")
 
 
@@ -46,18 +44,18 @@ def _bool_flag(parser, name: str, help: str, default: bool = False) -> None:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        """One line, `run_clm.py: error: ...`, exit 2: argparse's own message without the usage
-        block, which for run_clm's flags fills a screen above the line that matters."""
+        """One line, `run_clm.py: error: ...`, exit 2: argparse's own message without the usage block, which for
+        run_clm's flags fills a screen above the line that matters."""
         # argparse says "unrecognized arguments: --foo"; keep that, add the fix.
         if "unrecognized arguments" in message:
             message += " (not a run_clm flag; see --help for the accepted flags)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-# [Note: run_clm's ranges] Each numeric flag's valid range, checked once in parse_args before any
-# file is read or the XLA runtime starts: flag -> (test, what the flag needs). None (not given)
-# always passes. A value outside it used to end the job late, as a ZeroDivisionError in the
-# batching or torch's optimizer complaining about "lr", or never (a negative weight decay trains).
+# [Note: run_clm's ranges] Each numeric flag's valid range, checked once in parse_args before any file is read or the
+# XLA runtime starts: flag -> (test, what the flag needs). None (not given) always passes. A value outside it would end
+# the job late (a ZeroDivisionError in the batching, torch's optimizer complaining about "lr") or never (a negative
+# weight decay trains).
 RANGES = {
     "per_device_train_batch_size": (lambda v: v >= 1, "at least 1 (sequences per device per step)"),
     "per_device_eval_batch_size": (lambda v: v >= 1, "at least 1 (sequences per device per eval step)"),
@@ -168,8 +166,7 @@ def _reporting_flags(p: argparse.ArgumentParser) -> None:
                         help="sharded checkpoints (model, optimizer, scheduler, RNG, data position) "
                              "into OUTPUT_DIR/checkpoint-<step>")
     report.add_argument("--save_steps", type=int, default=500)
-    report.add_argument("--save_total_limit", type=int, default=None,
-                        help="keep only the newest N checkpoints")
+    report.add_argument("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
     report.add_argument("--preemption_grace_s", type=float, default=25.0, metavar="S",
                         help="after SIGTERM the job saves a checkpoint at the end of the step and exits 75; a "
                              "second signal within S seconds does not cut the save short (Cloud TPU spot VMs "
@@ -223,10 +220,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("give --dataset_name or --train_file, not both")
     if not (args.do_train or args.do_eval):
         args.do_train = args.do_eval = True
-    # The embedded corpus is the no-argument demo (`make train`): it must show
-    # the loss falling within minutes on a 2-core CPU, so it gets a higher
-    # learning rate and one epoch (~110 steps at 4 devices x 8 x 128 tokens).
-    # Real datasets keep Hugging Face's defaults.
+    # The embedded corpus is the no-argument demo (`make train`): it must show the loss falling within minutes on a
+    # 2-core CPU, so it gets a higher learning rate and one epoch (~110 steps at 4 devices x 8 x 128 tokens). Real
+    # datasets keep Hugging Face's defaults.
     embedded = not (args.dataset_name or args.train_file)
     if args.learning_rate is None:
         args.learning_rate = 1e-3 if embedded else 5e-5
@@ -285,8 +281,8 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")  # as xla_fsdp/checkpoint/fil
 
 
 def _resume_problem(path: str):
-    """Why `path` cannot be resumed from (None: it can), read through its storage, so a
-    URL (gs://bucket/run/checkpoint-8) is checked in its bucket, not on the local disk."""
+    """Why `path` cannot be resumed from (None: it can), read through its storage, so a URL
+    (gs://bucket/run/checkpoint-8) is checked in its bucket, not on the local disk."""
     from xla_fsdp.checkpoint import format as fmt
     from xla_fsdp.checkpoint import storage
 

@@ -1,11 +1,8 @@
 """Training text, tokenizers and fixed-length block batching for run_clm.
 
-The embedded default corpus is Python's own reference documentation
-(`pydoc_data.topics`, ~460 KB of English prose and code shipped with every
-CPython), tokenized to bytes, so the job trains on real text on any machine
-with no download. Hugging Face datasets/tokenizers are used only when the
-user names them, and are optional dependencies.
-"""
+The embedded default corpus is Python's own reference documentation (`pydoc_data.topics`, ~460 KB of English prose and
+code shipped with every CPython), tokenized to bytes, so the job trains on real text on any machine with no download.
+Hugging Face datasets/tokenizers are used only when the user names them, and are optional dependencies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +36,8 @@ def embedded_documents() -> list[str]:
 
 
 def read_text_file(path: str) -> list[str]:
-    """A plain-text file, local or at a URL (gs://bucket/corpus.txt, through fsspec);
-    blank-line-separated paragraphs become documents."""
+    """A plain-text file, local or at a URL (gs://bucket/corpus.txt, through fsspec); blank-line-separated paragraphs
+    become documents."""
     from xla_fsdp.checkpoint import storage
 
     try:
@@ -103,8 +100,8 @@ def tokenize_stream(docs: list[str], tokenizer) -> torch.Tensor:
 
 
 def to_blocks(stream: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cut the stream into [num_blocks, block_size] rows, dropping the ragged tail
-    (as HF's run_clm `group_texts` does)."""
+    """Cut the stream into [num_blocks, block_size] rows, dropping the ragged tail (as HF's run_clm `group_texts`
+    does)."""
     n = stream.numel() // block_size
     if n == 0:
         raise ValueError(f"only {stream.numel()} tokens, fewer than one block of --block_size "
@@ -115,9 +112,8 @@ def to_blocks(stream: torch.Tensor, block_size: int) -> torch.Tensor:
 def split_stream(stream: torch.Tensor, eval_fraction: float = EVAL_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic train/eval split: the last `eval_fraction` of the stream is eval.
 
-    A contiguous tail (not a random sample of blocks) keeps eval text out of
-    every training block, so eval loss measures generalization.
-    """
+    A contiguous tail (not a random sample of blocks) keeps eval text out of every training block, so eval loss measures
+    generalization."""
     cut = int(stream.numel() * (1.0 - eval_fraction))
     return stream[:cut], stream[cut:]
 
@@ -158,17 +154,12 @@ def build_corpus(args, config_vocab_size: int) -> Corpus:
 
 
 class BlockBatches:
-    """Batches of blocks for one rank: a seeded shuffle per epoch, shared by
-    all ranks, each rank taking its own contiguous slice of every global batch.
+    """Batches of blocks for one rank: a seeded shuffle per epoch, shared by all ranks, each rank taking its own
+    contiguous slice of every global batch.
 
-    Under the SPMD runtimes on several hosts, `rows` (positions in every global
-    batch, `xla_fsdp.data.HostBatches.rows`) selects the rows this host reads
-    instead: the same global batches in the same order, only this host's rows
-    of each ([Note: per-host batches] in xla_fsdp/data/per_host.py).
-
-    An explicit generator (not torch's global RNG) keeps the order identical
-    across ranks even when ranks are threads of one process (XLA:CPU).
-    """
+    Under the SPMD runtimes on several hosts, `rows` (`xla_fsdp.data.HostBatches.rows`) selects the rows this host reads
+    of each global batch instead ([Note: per-host batches] in xla_fsdp/data/per_host.py). An explicit generator (not
+    torch's global RNG) keeps the order identical across ranks even when ranks are threads of one process (XLA:CPU)."""
 
     def __init__(self, blocks: torch.Tensor, global_batch: int, rank: int = 0,
                  world: int = 1, seed: int = 0, shuffle: bool = True, rows=None):
@@ -192,8 +183,8 @@ class BlockBatches:
         return self.blocks.shape[0] // self.global_batch
 
     def epoch(self, epoch: int):
-        """Yield this rank's [global_batch / world, block_size] batches for `epoch`
-        (with `rows`: [len(rows), block_size], those rows of each global batch)."""
+        """Yield this rank's [global_batch / world, block_size] batches for `epoch` (with `rows`: [len(rows),
+        block_size], those rows of each global batch)."""
         n = self.blocks.shape[0]
         if self.shuffle:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -205,6 +196,5 @@ class BlockBatches:
             if self.rows is not None:
                 yield self.blocks[order[b * self.global_batch + self.rows]]
                 continue
-            rows = order[b * self.global_batch + self.rank * local:
-                         b * self.global_batch + (self.rank + 1) * local]
+            rows = order[b * self.global_batch + self.rank * local: b * self.global_batch + (self.rank + 1) * local]
             yield self.blocks[rows]

@@ -1,11 +1,9 @@
 """The model families run_clm trains, keyed by the config's `model_type`.
 
-One row per family: which transformers config and causal-LM classes build it. Everything
-else run_clm needs from a model is read off the model itself: its decoder layer class is
-transformers' `_no_split_modules` (what Hugging Face's `--fsdp auto_wrap` wraps), so the
-per-layer wrapping and checkpointing code has no family names in it. Parameter and FLOP
-counts live in xla_fsdp/metrics.py.
-"""
+One row per family: which transformers config and causal-LM classes build it. Everything else run_clm needs from a model
+is read off the model itself: its decoder layer class is transformers' `_no_split_modules` (what Hugging Face's
+`--fsdp auto_wrap` wraps), so the per-layer wrapping and checkpointing code has no family names in it. Parameter and
+FLOP counts live in xla_fsdp/metrics.py."""
 from __future__ import annotations
 
 import json
@@ -29,8 +27,8 @@ FAMILIES = {
 
 
 def model_type_of(path: str) -> str:
-    """The `model_type` a config file declares; a file without one is GPT-2, as
-    `GPT2Config.from_json_file` has always read it here."""
+    """The `model_type` a config file declares; a file without one is GPT-2, as `GPT2Config.from_json_file` has always
+    read it here."""
     with open(path) as f:
         try:
             config = json.load(f)
@@ -56,8 +54,7 @@ def transformers_class(name: str):
 
 
 def decoder_layer_classes(model: torch.nn.Module) -> tuple[str, ...]:
-    """The model's transformer layer class names (transformers' `_no_split_modules`:
-    GPT2Block, LlamaDecoderLayer)."""
+    """The model's transformer layer class names (transformers' `_no_split_modules`: GPT2Block, LlamaDecoderLayer)."""
     names = tuple(getattr(model, "_no_split_modules", None) or ())
     if not names:
         raise SystemExit(f"{type(model).__name__} names no decoder layer class (_no_split_modules); "

@@ -1,9 +1,7 @@
 """run_clm end to end: flags -> data -> model -> engine -> loop -> report.
 
-Order matters on XLA: the SPMD mode must be switched on before the first
-device tensor exists, and the optimizer must be built from the parameters
-the engine returns (local shards), never from the unwrapped model.
-"""
+Order matters on XLA: the SPMD mode must be switched on before the first device tensor exists, and the optimizer must be
+built from the parameters the engine returns (local shards), never from the unwrapped model."""
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +41,7 @@ def device_facts(spmd: bool) -> dict:
         host = rank  # one process per device: each its own folder where every process writes
         leader = rank == 0
     kind = xm.xla_device_kind() if device_type == "TPU" else device_type
-    # On CPU the measured peak is the whole host's, so the host is the "chip";
-    # virtual CPU devices share its cores.
+    # On CPU the measured peak is the whole host's, so the host is the "chip"; virtual CPU devices share its cores.
     chips = dp if device_type != "CPU" else max(xr.process_count(), 1)
     return {"device_type": device_type, "device_kind": kind, "data_parallel": dp,
             "rank": rank, "world": world, "chips": chips, "leader": leader, "host": host}
@@ -55,8 +52,8 @@ def run(argv=None) -> dict:
     from xla_fsdp.checkpoint.preemption import Preemption
 
     args = parse_args(argv)
-    # from the start: a signal while the model is built is kept for the first step boundary ([Note: a
-    # signal becomes a checkpoint]). The check's traced job (per chip: ranks on threads, where no signal
+    # from the start: a signal while the model is built is kept for the first step boundary
+    # ([Note: a signal becomes a checkpoint]). The check's traced job (per chip: ranks on threads, where no signal
     # reaches) ends inside its second step and never asks: it listens to nothing
     listening = contextlib.nullcontext() if abstract.active() else Preemption(grace_s=args.preemption_grace_s)
     with listening as preempted:
@@ -65,8 +62,8 @@ def run(argv=None) -> dict:
         try:
             return _run(job, preempted)
         except HostLostError as e:
-            # the job cannot go on, and the process's teardown would wait in gloo's destructors for the
-            # host that is gone: say why and end here ([Note: a host that does not answer])
+            # the job cannot go on, and the process's teardown would wait in gloo's destructors for the host that is
+            # gone: say why and end here ([Note: a host that does not answer])
             print(f"run_clm: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
@@ -99,11 +96,10 @@ class Runtime:
 
 
 def _start(args) -> StartedJob:
-    """Everything before the first step, one stage at a time: the flags' files, the runtime, the
-    model and its engine, the batches; a mistake in any of them ends the job here, before anything
-    trains."""
-    # XLA's C++ warnings (one GSPMD deprecation notice per compile) are not the user's to act
-    # on; errors still print, and a TF_CPP_MIN_LOG_LEVEL the user set wins. Before torch_xla loads.
+    """Everything before the first step, one stage at a time: the flags' files, the runtime, the model and its engine,
+    the batches; a mistake in any of them ends the job here, before anything trains."""
+    # XLA's C++ warnings (one GSPMD deprecation notice per compile) are not the user's to act on; errors still print,
+    # and a TF_CPP_MIN_LOG_LEVEL the user set wins. Before torch_xla loads.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     config, corpus, fsdp_config = _inputs(args)
     rt = _runtime(args, fsdp_config)
@@ -113,8 +109,8 @@ def _start(args) -> StartedJob:
     if hosts is not None:
         from xla_fsdp.runtime.hosts import host_group
 
-        # the hosts' group from the start, not at the first save: a host lost in between is named
-        # at that save too ([Note: a host that does not answer])
+        # the hosts' group from the start, not at the first save: a host lost in between is named at that save too
+        # ([Note: a host that does not answer])
         host_group()
     facts = rt.facts
     ctx = loop.StepContext(rt.device, wrapped.mesh, bf16=args.bf16,
@@ -137,9 +133,8 @@ def _start(args) -> StartedJob:
 
 
 def _inputs(args):
-    """The model config, the corpus (None when traced for the check) and the fsdp_config, read
-    and checked before the XLA runtime starts: their errors come in seconds, not after device
-    setup."""
+    """The model config, the corpus (None when traced for the check) and the fsdp_config, read and checked before the
+    XLA runtime starts: their errors come in seconds, not after device setup."""
     if not abstract.active():  # the ahead-of-time check writes nothing
         check_output_dir(args)
     config = load_config(args.config_name, args.attn_implementation)
@@ -164,8 +159,8 @@ def _inputs(args):
 
 
 def _runtime(args, fsdp_config) -> Runtime:
-    """The engine and the runtime (environment.runtime, via single_controller), the device, and the
-    compile cache before the first program is compiled."""
+    """The engine and the runtime (environment.runtime, via single_controller), the device, and the compile cache before
+    the first program is compiled."""
     engine = selected_engine(fsdp_config)
     spmd = single_controller(engine)  # one process drives every device of the host
 
@@ -185,8 +180,8 @@ def _runtime(args, fsdp_config) -> Runtime:
 
 
 def _model(args, config, fsdp_config, rt: Runtime):
-    """The model built (deferred where it is large or traced) and handed to its engine; the
-    attention kernel's layout where it runs. Returns (wrapped, deferred)."""
+    """The model built (deferred where it is large or traced) and handed to its engine; the attention kernel's layout
+    where it runs. Returns (wrapped, deferred)."""
     # traced for the ahead-of-time check: never build parameters on the host ([Note: abstract tracing])
     deferred = wants_deferred_init(config, args.deferred_init or abstract.active())
     model = build_model(config, deferred)
@@ -204,8 +199,8 @@ def _model(args, config, fsdp_config, rt: Runtime):
         global_tensors = rt.spmd and wrapped.engine != "collectives"
         attention.use_mesh(wrapped.mesh if global_tensors else None)
         if not global_tensors:
-            # [Note: head-major projections]; under the GSPMD partitioner (global tensors) libtpu's
-            # check of the kernel's operand shardings fails on them, so transformers' own run there
+            # [Note: head-major projections]; under the GSPMD partitioner (global tensors) libtpu's check of the
+            # kernel's operand shardings fails on them, so transformers' own run there
             from xla_fsdp.attention import gpt2_heads, llama_heads
             gpt2_heads.use_head_major(wrapped.model)
             llama_heads.use_head_major(wrapped.model)  # [Note: head-major Llama projections]
@@ -232,8 +227,7 @@ def _first_report(args, config, corpus, wrapped, rt: Runtime, meter, micro_batch
         f"global batch {global_batch} x {args.block_size} tokens, optim {args.optim} "
         f"lr {args.learning_rate:g}")
     log(f"run_clm: data {corpus.source}: {corpus.train.shape[0]} train / {corpus.eval.shape[0]} eval blocks")
-    log(f"run_clm: peak {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {meter.chips} "
-        f"({meter.peak.source})")
+    log(f"run_clm: peak {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS per chip x {meter.chips} ({meter.peak.source})")
     return report
 
 
@@ -264,11 +258,11 @@ def _run(job: StartedJob, preempted) -> dict:
 
 
 def _compile_cache(args, spmd: bool, facts: dict, log):
-    """The persistent compilation cache's folder for this process, or None ([Note: the persistent
-    compilation cache]): --compile_cache, else the compile-cache variable, else compile_cache/ under a
-    local --output_dir; one folder per host under the single controller, per replica otherwise.
-    The default is skipped, with a line saying why, in a process that compiled before the job
-    started (run() called from a notebook or a test); one asked for by name ends the job then."""
+    """The persistent compilation cache's folder for this process, or None ([Note: the persistent compilation cache]):
+    --compile_cache, else the compile-cache variable, else compile_cache/ under a local --output_dir; one folder per
+    host under the single controller, per replica otherwise. The default is skipped, with a line saying why, in a
+    process that compiled before the job started (run() called from a notebook or a test); one asked for by name ends
+    the job then."""
     from xla_fsdp.checkpoint.filesystems import is_url
     from xla_fsdp.runtime import compile_cache
 
@@ -290,10 +284,9 @@ def _compile_cache(args, spmd: bool, facts: dict, log):
 
 
 def _host_batches(spmd: bool, mesh):
-    """Under SPMD on several hosts (or virtual hosts), what splits each global batch by host
-    ([Note: per-host batches]); None with one host (the whole batch is copied and annotated,
-    as ever) and with one process per chip. Positions stay step-derived: every host skips the
-    same global batches on resume, each reading its own rows of the next."""
+    """Under SPMD on several hosts (or virtual hosts), what splits each global batch by host ([Note: per-host batches]);
+    None with one host (the whole batch is copied and annotated, as ever) and with one process per chip. Positions stay
+    step-derived: every host skips the same global batches on resume, each reading its own rows of the next."""
     if not spmd or mesh is None or abstract.active():  # the ahead-of-time check traces whole batches
         return None
     from xla_fsdp.data import HostBatches
@@ -374,9 +367,9 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
 
 
 def _trace_steps(model, micro_batch, ctx, args, config, facts) -> None:
-    """Under the ahead-of-time check: training steps on token ids of the right shape,
-    nothing read back, logged or saved; the check ends the process inside the second
-    step's graph cut ([Note: two traced steps] in xla_fsdp/aot/capture.py)."""
+    """Under the ahead-of-time check: training steps on token ids of the right shape, nothing read back, logged or
+    saved; the check ends the process inside the second step's graph cut ([Note: two traced steps] in
+    xla_fsdp/aot/capture.py)."""
     optimizer = loop.make_optimizer(model.parameters(), args)
     scheduler = loop.make_scheduler(optimizer, args.warmup_steps, max(args.max_steps, 2))
     local = micro_batch // facts["world"]

@@ -1,9 +1,7 @@
 """The training and evaluation loops of run_clm, written for lazy XLA tensors.
 
-One `torch_xla.sync()` per step cuts the graph; the loss is copied to the
-host only at logging steps, because every host read waits for the device
-and would serialize the otherwise asynchronous step pipeline.
-"""
+One `torch_xla.sync()` per step cuts the graph; the loss is copied to the host only at logging steps, because every host
+read waits for the device and would serialize the otherwise asynchronous step pipeline."""
 from __future__ import annotations
 
 import math
@@ -18,28 +16,25 @@ import torch
 
 from xla_fsdp.metrics import ThroughputMeter
 
-# Steps excluded from throughput: step 1 compiles the forward/backward graph,
-# step 2 compiles again because the optimizer state now exists.
+# Steps excluded from throughput: step 1 compiles the forward/backward graph, step 2 compiles again because the
+# optimizer state now exists.
 WARMUP_STEPS = 2
 
 
 def make_optimizer(params, args):
     """AdamW (HF default) or Adafactor (the 2023 recipe's `--optim adafactor`).
 
-    Adafactor is Hugging Face's, configured as HF Trainer does for
-    `--optim adafactor` (fixed lr, no parameter scaling). torch.optim.Adafactor
-    is not usable on XLA: it calls `.item()` on every parameter's norm each
-    step, and every host read there cuts and runs a separate small graph.
-    """
+    Adafactor is Hugging Face's, configured as HF Trainer does for `--optim adafactor` (fixed lr, no parameter scaling).
+    torch.optim.Adafactor is not usable on XLA: it calls `.item()` on every parameter's norm each step, and every host
+    read there cuts and runs a separate small graph."""
     params = list(params)
     if args.optim == "adafactor":
         from transformers.optimization import Adafactor
         return Adafactor(params, lr=args.learning_rate, weight_decay=args.weight_decay,
                          scale_parameter=False, relative_step=False, warmup_init=False)
-    # foreach=False: the per-tensor loop traces to the same XLA graph and
-    # avoids foreach kernels' host-side grouping by device and dtype.
-    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
-                             foreach=False)
+    # foreach=False: the per-tensor loop traces to the same XLA graph and avoids foreach kernels' host-side grouping by
+    # device and dtype.
+    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, foreach=False)
 
 
 def make_scheduler(optimizer, warmup_steps: int, total_steps: int):
@@ -76,13 +71,10 @@ class StepContext:
     def replica_mean(self, value: torch.Tensor) -> torch.Tensor:
         """`value` averaged over the data-parallel replicas.
 
-        With one process per device (the collectives engine) each replica
-        computes the loss of its own micro-batch (or eval slice); the logged
-        figure must be the global one. Under SPMD one graph already computes
-        the global loss, and `replicas` is 1. Called only where the value is
-        read anyway (logging steps, end of eval), so the all-reduce adds no
-        collective to the training step's graph.
-        """
+        With one process per device (the collectives engine) each replica computes the loss of its own micro-batch (or
+        eval slice); the logged figure must be the global one. Under SPMD one graph already computes the global loss,
+        and `replicas` is 1. Called only where the value is read anyway (logging steps, end of eval), so the all-reduce
+        adds no collective to the training step's graph."""
         if self.replicas <= 1:
             return value
         import torch_xla.core.xla_model as xm
@@ -125,14 +117,12 @@ def _clip(model, max_norm: float):
 
 
 def train_step(model, optimizer, scheduler, micro_batches, ctx: StepContext, max_grad_norm: float):
-    """One optimizer step over `micro_batches` (--gradient_accumulation_steps of them), traced
-    lazily and cut by one sync; returns the step's loss (their mean) as a device tensor.
+    """One optimizer step over `micro_batches` (--gradient_accumulation_steps of them), traced lazily and cut by one
+    sync; returns the step's loss (their mean) as a device tensor.
 
-    Gradients accumulate the XLA-friendly way: each micro-batch's backward reduce-scatters
-    and the shard gradients add up (1/N memory, a collective per micro-batch), in the same
-    graph as the optimizer step. `model.no_sync()` would skip those collectives at the cost
-    of full-size gradients on every device.
-    """
+    Gradients accumulate the XLA-friendly way: each micro-batch's backward reduce-scatters and the shard gradients add
+    up (1/N memory, a collective per micro-batch), in the same graph as the optimizer step. `model.no_sync()` would skip
+    those collectives at the cost of full-size gradients on every device."""
     loss = 0.0
     for batch in micro_batches:
         input_ids = ctx.to_device(batch)
@@ -163,19 +153,14 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
           stop=None, profile=None, on_log=None) -> TrainResult:
     """Run optimizer steps `start_step`..`total_steps` over `batches` (a `BlockBatches`).
 
-    The loss is read on the first step, every `--logging_steps` and on the
-    last step; throughput windows close at those reads. `save(step)`, if
-    given, is called per `--save_strategy` and after the last step. A resumed
-    run (`start_step` > 0) skips the batches the saved run already used, so
-    it sees the same data in the same order. `stop()`, if given, is asked before
-    the first step and after every step (every host the same answer): True ends the
-    loop there, saved as after the last step (`result.preempted`). Stopped before the
-    first step ends or right after it, nothing is saved: a signal that came while the
-    job was set up or compiled its first step (minutes on a TPU, maybe the whole grace
-    period) leaves at most one step to redo. `profile` (a `xla_fsdp.profiling.ProfileSteps`) is told
-    before and after each step. `on_log(record)`, if given, gets each logging step's record (also
-    kept in `result.logged`: [Note: one record per log]).
-    """
+    The loss is read on the first step, every `--logging_steps` and on the last step; throughput windows close at those
+    reads. `save(step)`, if given, is called per `--save_strategy` and after the last step. A resumed run (`start_step`
+    > 0) skips the batches the saved run already used, so it sees the same data in the same order. `stop()`, if given,
+    is asked before the first step and after every step (every host the same answer): True ends the loop there, saved as
+    after the last step (`result.preempted`); stopped before or right after the first step, nothing is saved (at most
+    one step to redo, and the grace period may be spent compiling it). `profile` (a `xla_fsdp.profiling.ProfileSteps`)
+    is told before and after each step. `on_log(record)`, if given, gets each logging step's record (also kept in
+    `result.logged`: [Note: one record per log])."""
     result = TrainResult()
     started = time.perf_counter()
     model.train()
@@ -235,19 +220,18 @@ def train(model, optimizer, scheduler, batches, total_steps: int, ctx: StepConte
     return result
 
 
-# [Note: one record per log] Each logging step's figures are one record, kept in metrics.json's
-# "logged" and handed to the reporters (--report_to tensorboard), so both say the same values: step,
-# loss, learning_rate, memory_bytes (device memory in use on a TPU where PJRT reports it, the process's resident memory on
-# CPU), grad_norm (before clipping; with --max_grad_norm > 0 and a reporter), and, after the warm-up
-# steps, tokens_per_s, step_time_s and mfu of the window that ends there.
+# [Note: one record per log] Each logging step's figures are one record, kept in metrics.json's "logged" and handed to
+# the reporters (--report_to tensorboard), so both say the same values: step, loss, learning_rate, memory_bytes (device
+# memory in use on a TPU where PJRT reports it, the process's resident memory on CPU), grad_norm (before clipping; with
+# --max_grad_norm > 0 and a reporter), and, after the warm-up steps, tokens_per_s, step_time_s and mfu of the window
+# that ends there.
 def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, meter, warm: bool,
             grad_norm=None) -> str:
-    """Read the loss (the one host read: it waits for this step), close the
-    throughput window, keep the step's record, and return the log line."""
+    """Read the loss (the one host read: it waits for this step), close the throughput window, keep the step's record,
+    and return the log line."""
     value = loss.item()
     if not math.isfinite(value):
-        raise FloatingPointError(f"loss is {value} at step {step}; lower --learning_rate "
-                                 f"or raise --warmup_steps")
+        raise FloatingPointError(f"loss is {value} at step {step}; lower --learning_rate or raise --warmup_steps")
     result.losses.append([step, value])
     lr = scheduler.get_last_lr()[0]
     record = {"step": step, "loss": value, "learning_rate": lr}
@@ -268,9 +252,9 @@ def _record(result: TrainResult, step: int, total_steps: int, loss, scheduler, m
 
 
 def memory_in_use() -> Optional[int]:
-    """Bytes in use: the device's on a TPU, else this process's resident memory. None where the
-    device cannot say: the SPMD runtime's virtual device has no allocator figures (PJRT raises, as
-    xla_fsdp/memory/device_figures.py meets too), and a log line must not end the job."""
+    """Bytes in use: the device's on a TPU, else this process's resident memory. None where the device cannot say: the
+    SPMD runtime's virtual device has no allocator figures (PJRT raises, as xla_fsdp/memory/device_figures.py meets
+    too), and a log line must not end the job."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr

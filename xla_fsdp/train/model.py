@@ -1,10 +1,8 @@
 """Model construction and the one place run_clm hands the model to an engine.
 
-`wrap_model` is the only function that knows which engine runs: the
-collectives engine, the SPMD engine, or (no `--fsdp`) plain replication.
-Everything that needs a sharding decision (the batch layout, the optimizer's
-parameters) asks the object it returns.
-"""
+`wrap_model` is the only function that knows which engine runs: the collectives engine, the SPMD engine, or (no
+`--fsdp`) plain replication. Everything that needs a sharding decision (the batch layout, the optimizer's parameters)
+asks the object it returns."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,23 +16,17 @@ from xla_fsdp.train.args import DEFERRED_INIT_PARAMS
 from xla_fsdp.runtime import environment
 
 
-# [Note: eager attention on XLA]
-# transformers builds GPT-2 with "sdpa" attention unless told otherwise, and torch 2.9 lowers
-# scaled_dot_product_attention on an XLA device to its math decomposition, which casts bf16
-# queries, keys and values to f32 first: the [batch, heads, seq, seq] scores, their softmax and
-# dropout all live in f32, plus a layout copy of the scores and a fully-masked-row check.
-# GPT-2's "eager" attention (the only one the torch_xla FSDP blog's transformers had) keeps
-# both attention matmuls in bf16. Measured on libtpu's TPU-compiled program (deviceless,
-# 2B GPT-2 on v4-8, 32 x 1024 per chip, bench/results/goal_2b_v4-8_eager_2026-11-27.json
-# and goal_2b_v4-8_2026-11-26.json): our default's PROJECTED step 3.261 s with eager
-# against 3.703 s with sdpa, peak HBM 22.22 against 21.79 GiB. `--attn_implementation eager`
-# picks it; the default stays transformers' own, so run_clm trains the model transformers
+# [Note: eager attention on XLA] transformers builds GPT-2 with "sdpa" attention unless told otherwise, and torch 2.9
+# lowers scaled_dot_product_attention on an XLA device to its math decomposition, which casts bf16 queries, keys and
+# values to f32 first: the [batch, heads, seq, seq] scores, their softmax and dropout all live in f32. GPT-2's "eager"
+# attention keeps both attention matmuls in bf16 (about 12% faster on the TPU-compiled 2B GPT-2 step on v4-8).
+# `--attn_implementation eager` picks it; the default stays transformers' own, so run_clm trains the model transformers
 # would build.
 def load_config(path: str, attn_implementation: str | None = None):
-    """The transformers config of `--config_name`, of the class its `model_type` names
-    (GPT2Config, LlamaConfig: xla_fsdp/train/families.py); other model types are refused by name.
-    `attn_implementation` ("eager" / "sdpa" / "pallas") overrides transformers' choice; "pallas"
-    registers the kernel with transformers and refuses a config with attention dropout."""
+    """The transformers config of `--config_name`, of the class its `model_type` names (GPT2Config, LlamaConfig:
+    xla_fsdp/train/families.py); other model types are refused by name. `attn_implementation` ("eager" / "sdpa" /
+    "pallas") overrides transformers' choice; "pallas" registers the kernel with transformers and refuses a config with
+    attention dropout."""
     try:
         family = families.family(families.model_type_of(path))
     except ValueError as e:
@@ -59,12 +51,11 @@ def wants_deferred_init(config, forced: bool) -> bool:
 
 
 def build_model(config, deferred: bool) -> torch.nn.Module:
-    """A randomly initialized causal LM of the config's family (`GPT2LMHeadModel`,
-    `LlamaForCausalLM`), on the host or deferred.
+    """A randomly initialized causal LM of the config's family (`GPT2LMHeadModel`, `LlamaForCausalLM`), on the host or
+    deferred.
 
-    Deferred: no parameter storage until the engine materializes each unit
-    right after wrapping it, so no host ever holds the whole fp32 model.
-    """
+    Deferred: no parameter storage until the engine materializes each unit right after wrapping it, so no host ever
+    holds the whole fp32 model."""
     model_class = families.transformers_class(families.family(config.model_type).model_class)
     if deferred:
         import xla_fsdp  # lazy: the deferred-init module is optional for small runs
@@ -73,9 +64,9 @@ def build_model(config, deferred: bool) -> torch.nn.Module:
 
 
 def selected_engine(fsdp_config) -> str:
-    """"spmd" (the GSPMD engine) when the fsdp config says xla_fsdp_v2; else "collectives". The
-    runtime is a separate choice (`single_controller`). A variable that once chose the engine is
-    refused by name (`environment.refuse_removed`)."""
+    """"spmd" (the GSPMD engine) when the fsdp config says xla_fsdp_v2; else "collectives". The runtime is a separate
+    choice (`single_controller`). A variable that once chose the engine is refused by name
+    (`environment.refuse_removed`)."""
     try:
         environment.refuse_removed()
     except ValueError as e:
@@ -88,9 +79,8 @@ def selected_engine(fsdp_config) -> str:
 def single_controller(engine: str) -> bool:
     """Whether this process drives every device of its host (torch_xla's SPMD runtime).
 
-    Always for the GSPMD engine; for the collective engine when the environment asks for it
-    (`environment.runtime`: the launcher exports it, or torch_xla's SPMD variable is true).
-    """
+    Always for the GSPMD engine; for the collective engine when the environment asks for it (`environment.runtime`: the
+    launcher exports it, or torch_xla's SPMD variable is true)."""
     try:
         runtime = environment.runtime()
     except ValueError as e:
@@ -120,18 +110,17 @@ class Wrapped:
 
     @property
     def reduces_grads(self) -> bool:
-        """Whether the engine (or the SPMD partitioner) already reduces gradients
-        across data-parallel ranks; if not, the loop all-reduces them."""
+        """Whether the engine (or the SPMD partitioner) already reduces gradients across data-parallel ranks; if not,
+        the loop all-reduces them."""
         return self.engine != "none" or self.mesh is not None
 
 
 def engine_kwargs(args, fsdp_config, layer_classes=("GPT2Block",)) -> dict:
-    """Engine keyword arguments from `--fsdp_config` and the `--fsdp` string;
-    `layer_classes`: the model's decoder layer classes, for a bare `auto_wrap`."""
+    """Engine keyword arguments from `--fsdp_config` and the `--fsdp` string; `layer_classes`: the model's decoder layer
+    classes, for a bare `auto_wrap`."""
     kwargs = dict(fsdp_config.engine_kwargs()) if fsdp_config is not None else {}
     if args.auto_wrap and "auto_wrap_policy" not in kwargs:
-        # HF's `--fsdp auto_wrap` without a policy wraps the model's
-        # no-split layer class: GPT2Block, LlamaDecoderLayer.
+        # HF's `--fsdp auto_wrap` without a policy wraps the model's no-split layer class: GPT2Block, LlamaDecoderLayer.
         from xla_fsdp.wrap import transformer_auto_wrap_policy
         import functools
         kwargs["auto_wrap_policy"] = functools.partial(
@@ -142,11 +131,11 @@ def engine_kwargs(args, fsdp_config, layer_classes=("GPT2Block",)) -> dict:
 
 
 def wrap_model(model: torch.nn.Module, args, fsdp_config, device, engine: str, spmd: bool) -> Wrapped:
-    """Hand `model` to `engine` ("spmd" or "collectives"; `spmd`: the single-controller
-    runtime is on); the only engine-specific code in run_clm."""
+    """Hand `model` to `engine` ("spmd" or "collectives"; `spmd`: the single-controller runtime is on); the only
+    engine-specific code in run_clm."""
     if args.gradient_checkpointing:
-        # Not HF's gradient_checkpointing_enable(): torch.utils.checkpoint has no
-        # XLA device module, and XLA's CSE would undo a plain recompute anyway.
+        # Not HF's gradient_checkpointing_enable(): torch.utils.checkpoint has no XLA device module, and XLA's CSE would
+        # undo a plain recompute anyway.
         from xla_fsdp import checkpoint_module
         for layer in families.decoder_layers(model):
             checkpoint_module(layer)
@@ -174,8 +163,8 @@ def wrap_model(model: torch.nn.Module, args, fsdp_config, device, engine: str, s
         kwargs.setdefault("mesh", mesh)
     else:
         kwargs.pop("engine", None)
-    # The engine places each unit on the device itself (after materializing
-    # it, if deferred); moving the model first would untie lm_head from wte.
+    # The engine places each unit on the device itself (after materializing it, if deferred); moving the model first
+    # would untie lm_head from wte.
     wrapped = xla_fsdp.XlaFullyShardedDataParallel(model, **kwargs)
     if engine == "collectives" and spmd:
         mesh = wrapped.device_mesh  # the batch is split over the devices the engine placed

@@ -1,5 +1,5 @@
-"""run_clm's --output_dir: checked before the runtime starts, left as found when a start fails,
-and where metrics.json is written (a local path or a bucket URL)."""
+"""run_clm's --output_dir: checked before the runtime starts, left as found when a start fails, and where metrics.json
+is written (a local path or a bucket URL)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,10 +11,9 @@ from xla_fsdp import abstract
 
 
 def check_output_dir(args) -> None:
-    """Hugging Face's run_clm semantics: a non-empty --output_dir is refused unless
-    --overwrite_output_dir is given, or it holds a checkpoint to resume from (which,
-    without --resume_from_checkpoint, is then resumed: the preempted job's restart).
-    A URL (gs://bucket/run) is checked through its fsspec file system, bucket included."""
+    """Hugging Face's run_clm semantics: a non-empty --output_dir is refused unless --overwrite_output_dir is given, or
+    it holds a checkpoint to resume from (which, without --resume_from_checkpoint, is then resumed: the preempted job's
+    restart). A URL (gs://bucket/run) is checked through its fsspec file system, bucket included."""
     d = args.output_dir
     st = output_storage(d)
     if st.exists(d) and not st.isdir(d):
@@ -45,8 +44,8 @@ def check_output_dir(args) -> None:
 
 
 def output_storage(d):
-    """The storage --output_dir lives on: the local disk, or the fsspec file system of a URL
-    (never a local folder named `gs:`). A missing file system or bucket ends the job here."""
+    """The storage --output_dir lives on: the local disk, or the fsspec file system of a URL (never a local folder named
+    `gs:`). A missing file system or bucket ends the job here."""
     from xla_fsdp.checkpoint import storage
 
     try:
@@ -68,11 +67,10 @@ def write_metrics(report: dict, output_dir: str) -> str:
 
 @contextlib.contextmanager
 def written_only_on_success(output_dir: str):
-    """[Note: a start that fails writes nothing] A job that ends before its first step (a
-    mistake in its flags or files found after the runtime started: an engine keyword the model
-    cannot take, a batch the text cannot fill) leaves --output_dir as it found it: the folder, or
-    the compile_cache/ folder in it, removed when this run made them. Local paths only (the
-    compile cache lives only under a local --output_dir); a bucket is never touched."""
+    """[Note: a start that fails writes nothing] A job that ends before its first step (a mistake in its flags or files
+    found after the runtime started: an engine keyword the model cannot take, a batch the text cannot fill) leaves
+    --output_dir as it found it: the folder, or the compile_cache/ folder in it, removed when this run made them. Local
+    paths only (the compile cache lives only under a local --output_dir); a bucket is never touched."""
     from xla_fsdp.checkpoint.filesystems import is_url
 
     made = []

@@ -1,21 +1,15 @@
 """GPT-2's learned position embeddings read as a slice where transformers reads 0, 1, ..., T-1.
 
-[Note: position embeddings as a slice]
-Called without `position_ids` and without a cache, transformers' `GPT2Model` builds the
-positions `arange(T)[None]` and looks them up in `wpe` as it looks up tokens: a gather, whose
-gradient is a scatter-add of the [batch, T, hidden] gradient into the [n_positions, hidden]
-table. On a TPU that scatter is a kernel of its own that libtpu is slow to compile: in the
-scanned 2B GPT-2's step for v4-8, the position table's scatter was about 4 s of the kernels'
-compile time, its largest single kernel (libtpu's kernel dumps, 2026-11-30; docs/scan.md).
-The rows it reads are the table's first T rows in order, so here the lookup is
-`wpe.weight[:T][None]`: the same values, and its gradient is the batch's sum written into the
-first T rows (a reduction and a pad, no scatter).
+[Note: position embeddings as a slice] Called without `position_ids` and without a cache, transformers' `GPT2Model`
+builds the positions `arange(T)[None]` and looks them up in `wpe` as it looks up tokens: a gather, whose gradient is a
+scatter-add of the [batch, T, hidden] gradient into the [n_positions, hidden] table. On a TPU that scatter is a kernel
+libtpu is slow to compile (about 4 s, the largest single kernel of the scanned 2B GPT-2's step). The rows it reads are
+the table's first T rows in order, so here the lookup is `wpe.weight[:T][None]`: the same values, and its gradient is
+the batch's sum written into the first T rows (a reduction and a pad, no scatter).
 
-Only that call takes the slice: `GPT2Model.forward` called with neither `position_ids` nor
-`past_key_values` (the training step; a cache, even an empty one passed in, or explicit
-positions run transformers' own lookup), checked on the bound arguments, and a lookup whose
-positions are not the [1, T] row transformers builds there falls back to the gather.
-"""
+Only that call takes the slice: `GPT2Model.forward` called with neither `position_ids` nor `past_key_values` (the
+training step; a cache, even an empty one, or explicit positions run transformers' own lookup), checked on the bound
+arguments; a lookup whose positions are not the [1, T] row transformers builds there falls back to the gather."""
 from __future__ import annotations
 
 import inspect
@@ -58,8 +52,8 @@ def _after(model: nn.Module, args, kwargs, output):
 
 
 def use_sliced_positions(model: nn.Module) -> int:
-    """Give every transformers `GPT2Model` in `model` the sliced position lookup (before or after
-    wrapping: the embedding's class changes, not its parameter); returns how many."""
+    """Give every transformers `GPT2Model` in `model` the sliced position lookup (before or after wrapping: the
+    embedding's class changes, not its parameter); returns how many."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Model
 
     count = 0

@@ -1,8 +1,7 @@
 """run_clm's --report_to: where each logging step's record goes besides the log and metrics.json
-([Note: one record per log] in loop.py). "tensorboard" writes Hugging Face's layout: event files
-under --logging_dir (default OUTPUT_DIR/runs/<date>_<host>), one scalar per figure named
-train/<figure>; "none" (the default) writes nothing. Only the process that writes metrics.json
-reports."""
+([Note: one record per log] in loop.py). "tensorboard" writes Hugging Face's layout: event files under --logging_dir
+(default OUTPUT_DIR/runs/<date>_<host>), one scalar per figure named train/<figure>; "none" (the default) writes
+nothing. Only the process that writes metrics.json reports."""
 from __future__ import annotations
 
 import datetime

@@ -1,13 +1,12 @@
-"""Where a run_clm job goes on from and how it stops for a signal: the checkpoint it resumes
-(--resume_from_checkpoint, or the newest complete one in --output_dir: Hugging Face's semantics),
-its saves (`Saves`), and the exit after the save a SIGTERM asked for ([Note: a signal becomes a checkpoint] in
-xla_fsdp/checkpoint/preemption.py)."""
+"""Where a run_clm job goes on from and how it stops for a signal: the checkpoint it resumes (--resume_from_checkpoint,
+or the newest complete one in --output_dir: Hugging Face's semantics), its saves (`Saves`), and the exit after the save
+a SIGTERM asked for ([Note: a signal becomes a checkpoint] in xla_fsdp/checkpoint/preemption.py)."""
 from __future__ import annotations
 
 
 def resume(model, optimizer, scheduler, args, log) -> int:
-    """Load --resume_from_checkpoint (a path, or 'auto': the newest complete one in
-    --output_dir); returns the step to continue from (0: a fresh start)."""
+    """Load --resume_from_checkpoint (a path, or 'auto': the newest complete one in --output_dir); returns the step to
+    continue from (0: a fresh start)."""
     from xla_fsdp.checkpoint import latest_checkpoint, load_checkpoint
 
     path = args.resume_from_checkpoint
@@ -16,8 +15,7 @@ def resume(model, optimizer, scheduler, args, log) -> int:
     if path == "auto":
         path = latest_checkpoint(args.output_dir)
         if path is None:
-            log(f"run_clm: --resume_from_checkpoint auto: no complete checkpoint in {args.output_dir}; "
-                "starting fresh")
+            log(f"run_clm: --resume_from_checkpoint auto: no complete checkpoint in {args.output_dir}; starting fresh")
             return 0
     got = load_checkpoint(path, model, optimizer, extra_state={"scheduler": scheduler})
     step = int(got["extra"]["data_position"])
@@ -40,9 +38,8 @@ def exit_preempted(preempted: dict, log) -> None:
 
 
 class Saves:
-    """run_clm's checkpoints: the manager opened at the first save (a job that saves nothing never
-    opens --output_dir), written beside training unless --save_async false ([Note: saves beside
-    training] in xla_fsdp/checkpoint/save.py)."""
+    """run_clm's checkpoints: the manager opened at the first save (a job that saves nothing never opens --output_dir),
+    written beside training unless --save_async false ([Note: saves beside training] in xla_fsdp/checkpoint/save.py)."""
 
     def __init__(self, args, model, optimizer, scheduler):
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler

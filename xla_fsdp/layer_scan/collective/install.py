@@ -1,5 +1,5 @@
-"""Which ModuleLists the collectives engine scans, checked at wrap time, and their swap for a
-ScannedLayers run by the loop of scan_loop.py ([Note: scanning units of the collectives engine])."""
+"""Which ModuleLists the collectives engine scans, checked at wrap time, and their swap for a ScannedLayers run by the
+loop of scan_loop.py ([Note: scanning units of the collectives engine])."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -11,8 +11,8 @@ from xla_fsdp.unit_state import state_of
 
 
 def unit_template(layer: nn.Module) -> nn.Module:
-    """A hook-free copy of unit `layer` with meta tensors and its own class's forward (the engine's
-    state stays on the real layer)."""
+    """A hook-free copy of unit `layer` with meta tensors and its own class's forward (the engine's state stays on the
+    real layer)."""
     from xla_fsdp.class_swap import original_class
     from xla_fsdp.layer_scan.find import _template
     from xla_fsdp.unit_state import _KEY
@@ -56,14 +56,14 @@ def check_layers(layers: Sequence[nn.Module], where: str) -> None:
 
 
 def stores(mode, comm) -> bool:
-    """Whether scan_layers=`mode` stores the shards stacked: True on the single controller; one
-    process per device and "per_step" stack them every step."""
+    """Whether scan_layers=`mode` stores the shards stacked: True on the single controller; one process per device and
+    "per_step" stack them every step."""
     return mode is True and comm.is_single_controller
 
 
 def find(root: nn.Module, comm, mode=True):
-    """The ModuleLists of `root` whose children are identical units, checked (before `install`),
-    for stored stacks too where `mode` stores them."""
+    """The ModuleLists of `root` whose children are identical units, checked (before `install`), for stored stacks too
+    where `mode` stores them."""
     from xla_fsdp.layer_scan.find import find_layer_lists
     from xla_fsdp.layer_scan.stored_stacks import check_shared
     from xla_fsdp.unit_state import units
@@ -84,15 +84,14 @@ def find(root: nn.Module, comm, mode=True):
 
 
 def install(root: nn.Module, found, mode=True) -> None:
-    """Swap each found ModuleList for a ScannedLayers run by this engine's loop; where `mode`
-    stores them, its shards become stored stacks ([Note: the collectives engine's stored stacks])."""
+    """Swap each found ModuleList for a ScannedLayers run by this engine's loop; where `mode` stores them, its shards
+    become stored stacks ([Note: the collectives engine's stored stacks])."""
     from xla_fsdp.layer_scan.scanned_list import ScannedLayers, ScanSettings, no_cache_by_default
     from xla_fsdp.layer_scan.collective.stacked_units import layer_params, store, template_with
 
     for owner, name, layers, where in found:
-        # the template is made at the first call, from layer 0 as it is then: what was mixed into its
-        # modules after wrapping (run_clm's head-major GPT-2 attention, [Note: head-major projections])
-        # runs in the loop too
+        # the template is made at the first call, from layer 0 as it is then: what was mixed into its modules after
+        # wrapping (run_clm's head-major GPT-2 attention, [Note: head-major projections]) runs in the loop too
         settings = ScanSettings(run_loop, make_template=unit_template)
         container = None
         if stores(mode, state_of(layers[0]).group.comm):
@@ -106,8 +105,8 @@ def install(root: nn.Module, found, mode=True) -> None:
             scanned._scan_store.append(container)
     no_cache_by_default(root)
     if type(root).__module__.startswith("transformers."):
-        # without a cache transformers' mask code reads tensor values on the host, which the
-        # single controller's region cannot; steered as enable() steers it for the Trainer
+        # without a cache transformers' mask code reads tensor values on the host, which the single controller's
+        # region cannot; steered as enable() steers it for the Trainer
         from xla_fsdp.collective_engine.manual_region import steer_is_tracing
 
         steer_is_tracing()

@@ -1,41 +1,28 @@
 """Scanned layers on the collectives engine: one XLA While loop per pass, one layer ahead.
 
 [Note: scanning units of the collectives engine]
-With `scan_layers` a ModuleList of identical units runs as two While loops
-(forward, and backward with each layer recomputed) built by torch_xla's
-forward-only `_scan_impl_pytree`, whose body is traced lazily: the body holds
-the engine's own explicit collectives, as an unscanned unit's forward and
-backward do.
+With `scan_layers` a ModuleList of identical units runs as two While loops (forward, and backward with each layer
+recomputed) built by collective_engine/region_loop.py, whose body is traced lazily: the body holds the engine's own
+explicit collectives, as an unscanned unit's forward and backward do.
 
-- Forward, trip i: the carry holds layer i's gathered parameters (compute
-  dtype); the body runs the layer and gathers layer i+1's shards into the
-  carry. The gather does not depend on the layer's compute, so they can run
-  side by side (FSDP's forward prefetch, written into the loop).
-- Backward, trip i (last layer first): the carry holds layer i's gathered
-  parameters and the gradient of its output; the body recomputes the layer
-  from its saved input, takes the gradients (`torch.autograd.grad`),
-  reduce-scatters the parameters' gradients with the unit's own buckets and
-  gathers layer i-1's shards into the carry.
-- A chip holds two layers' full parameters at a time, as with prefetch. The
-  trip after the last (before the first) gathers a layer it does not use:
-  one layer's gather bytes per pass more than unscanned.
-- The loop reads its layers' shards from one stack per parameter in the
-  compute dtype, made when the loop starts (forward and backward each make
-  their own; it lives for that loop only): on the single controller a view
-  of the stored stack ([Note: the collectives engine's stored stacks] in
-  stacked_units.py), whose gradient leaves the backward loop as one stack;
-  with one process per device or "per_step" the layers' own parameters,
-  stacked (and their gradients sliced back) every step.
-- Each layer is recomputed in backward: scan needs activation checkpointing
-  on the scanned units (`activation_checkpointing=True`, fsdp_config
-  `xla_fsdp_grad_ckpt`), and refuses without it.
-- Dropout inside the loop draws its masks from a key per layer and sequence
-  ([Note: dropout under scan] in layer_scan/keyed_random.py), so a
-  recomputed layer draws the mask its forward drew.
-- torch_xla threads a token through its collectives; a collective traced in
-  the body must not leave a body value as the token the program after the
-  loop reads: `Collectives.loop_body` starts each body from a fresh token and
-  puts the one outside back.
+- Forward, trip i: the carry holds layer i's gathered parameters (compute dtype); the body runs the layer and gathers
+  layer i+1's shards into the carry. The gather does not depend on the layer's compute, so they can run side by side
+  (FSDP's forward prefetch, written into the loop).
+- Backward, trip i (last layer first): the carry holds layer i's gathered parameters and the gradient of its output; the
+  body recomputes the layer from its saved input, takes the gradients (`torch.autograd.grad`), reduce-scatters the
+  parameters' gradients with the unit's own buckets and gathers layer i-1's shards into the carry.
+- A chip holds two layers' full parameters at a time, as with prefetch. The trip after the last (before the first)
+  gathers a layer it does not use: one layer's gather bytes per pass more than unscanned.
+- The loop reads its layers' shards from one stack per parameter in the compute dtype, made when each loop starts: on
+  the single controller a view of the stored stack ([Note: the collectives engine's stored stacks] in
+  stacked_units.py), whose gradient leaves the backward loop as one stack; with one process per device or "per_step"
+  the layers' own parameters, stacked (and their gradients sliced back) every step.
+- Each layer is recomputed in backward: scan needs activation checkpointing on the scanned units
+  (`activation_checkpointing=True`, fsdp_config `xla_fsdp_grad_ckpt`), and refuses without it.
+- Dropout inside the loop draws its masks from a key per layer and sequence ([Note: dropout under scan] in
+  layer_scan/keyed_random.py), so a recomputed layer draws the mask its forward drew.
+- `Collectives.loop_body` starts each body from a fresh token and puts the one outside back: the program after the
+  loop must not read a body value as torch_xla's collective token.
 """
 from __future__ import annotations
 
@@ -115,8 +102,7 @@ def _stack(plan: _Plan, shards: Sequence[torch.Tensor], order: Sequence[int]) ->
 
 
 def _layer_views(plan: _Plan, stacks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Per stored stack (this device's (rows, L, *rest)), its layers as (L, rows, *rest) in the
-    compute dtype."""
+    """Per stored stack (this device's (rows, L, *rest)), its layers as (L, rows, *rest) in the compute dtype."""
     out = []
     with torch.no_grad():
         for s in stacks:

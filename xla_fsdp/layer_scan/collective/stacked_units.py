@@ -1,40 +1,27 @@
 """Scanned units' shards stored stacked on the collectives engine (single controller).
 
 [Note: the collectives engine's stored stacks]
-Stacking every layer's shard when each loop starts and slicing the reduced
-gradients back per layer leaves an O(depth) part in the step's program:
-a cast and a copy per layer and parameter before each loop, a slice per
-layer after backward, and the clipping norm and optimizer update once per
-layer and parameter. In the 2B GPT-2 for v4-8 that was 3,011 of the step's
-top-level operations (668 slices, 220 norms, 147 AdamW updates, 144 casts),
-and on XLA:CPU trace + compile at 48 layers was 4.84x that at 2. So on the
-single controller `scan_layers=True` stores each parameter of the scanned
-layers once, as the SPMD engine does ([Note: parameters stored stacked]):
-the 2B's step then holds 493 such operations and compiles for v4-8 in 6.7 +
-48.1 s instead of 7.8 + 66.3 (libtpu 0.0.21 deviceless, PROJECTED step
-2.435 s against 2.470), and XLA:CPU's 48 layers take 1.13x the 2 layers'
-time (docs/scan.md, 2026-11-29).
+Stacking every layer's shard when each loop starts and slicing the reduced gradients back per layer leaves an O(depth)
+part in the step's program: a cast and a copy per layer and parameter before each loop, a slice per layer after
+backward, and the clipping norm and optimizer update once per layer and parameter. So on the single controller
+`scan_layers=True` stores each parameter of the scanned layers once, as the SPMD engine does ([Note: parameters stored
+stacked]) (measured: the 2B GPT-2's step 3,011 -> 493 top-level operations, XLA:CPU trace + compile at 48 layers 4.84x
+-> 1.13x that at 2; docs/scan.md).
 
-- Layout: layer i's parameter (d0, *rest) is column i of the stored
-  (d0, L, *rest), sharded on dim 0 with the layer's own rows per shard
-  (its padding and [Note: shards in whole tiles] included). A device's
-  piece is (rows_per_rank, L, *rest); its `movedim(1, 0)` is the stack the
-  loop slices, each slice exactly the layer's own shard, so the loop's
-  gathers and reduce-scatters are the per-layer ones
-  ([Note: scanning units of the collectives engine]).
-- The stacks live on `<list>_scan` (a copy of one layer's modules, no
-  buffers), right after the list; it is a unit of its own (a group of the
-  stacked records, never run), so the state-dict, checkpoint, clipping and
-  region code see its parameters as any unit's. The layers stay units with
-  empty groups (their checkpointing, prefetch and sync switches), and layer
-  0's records, without storage, give the loop its sizes and buckets.
-- `state_dict()` names each layer's rows as the unscanned model does and
-  `load_state_dict()` stacks such keys (layer_scan/stored_stacks.py); the
-  optimizer holds one tensor per name, so only element-wise optimizers and
-  Hugging Face's Adafactor (run per layer: [Note: Adafactor on stored stacks])
-  are accepted ("per_step" keeps per-layer parameters for the others).
-- One process per device keeps per-layer parameters (stacked every step):
-  its per-rank state dicts and shard metadata are per layer.
+- Layout: layer i's parameter (d0, *rest) is column i of the stored (d0, L, *rest), sharded on dim 0 with the layer's
+  own rows per shard (its padding and [Note: shards in whole tiles] included). A device's piece is (rows_per_rank, L,
+  *rest); its `movedim(1, 0)` is the stack the loop slices, each slice exactly the layer's own shard, so the loop's
+  gathers and reduce-scatters are the per-layer ones ([Note: scanning units of the collectives engine]).
+- The stacks live on `<list>_scan` (a copy of one layer's modules, no buffers), right after the list; it is a unit of
+  its own (a group of the stacked records, never run), so the state-dict, checkpoint, clipping and region code see its
+  parameters as any unit's. The layers stay units with empty groups (their checkpointing, prefetch and sync switches),
+  and layer 0's records, without storage, give the loop its sizes and buckets.
+- `state_dict()` names each layer's rows as the unscanned model does and `load_state_dict()` stacks such keys
+  (layer_scan/stored_stacks.py); the optimizer holds one tensor per name, so only element-wise optimizers and Hugging
+  Face's Adafactor (run per layer: [Note: Adafactor on stored stacks]) are accepted ("per_step" keeps per-layer
+  parameters for the others).
+- One process per device keeps per-layer parameters (stacked every step): its per-rank state dicts and shard metadata
+  are per layer.
 """
 from __future__ import annotations
 
@@ -51,8 +38,8 @@ from xla_fsdp.collective_engine.param_group import FSDPParamGroup
 
 
 def refuse_unstackable(layers: Sequence[nn.Module], where: str) -> None:
-    """What stored stacks cannot hold, refused at wrap time with the way out (weights shared inside or
-    across layers: layer_scan.stored_stacks.check_shared)."""
+    """What stored stacks cannot hold, refused at wrap time with the way out (weights shared inside or across layers:
+    layer_scan.stored_stacks.check_shared)."""
     for rec in state_of(layers[0]).group.params:
         if not rec.orig_shape:
             raise ValueError(f"scan_layers: {where}.0.{rec.fqn} is a 0-dim parameter; stored stacks keep "
@@ -75,8 +62,8 @@ def _stacked_data(per_layer: List[FSDPParam], comm) -> torch.Tensor:
 
 
 def store(owner: nn.Module, attr: str, layers: Sequence[nn.Module], container: nn.Module):
-    """Moves the shards of `layers` (units) into `container` (a hook-free copy of layer 0) as stored
-    stacks; returns the container's unit state, whose `loop_group` holds layer 0's records."""
+    """Moves the shards of `layers` (units) into `container` (a hook-free copy of layer 0) as stored stacks; returns
+    the container's unit state, whose `loop_group` holds layer 0's records."""
     from xla_fsdp.collective_engine.model_state import register as register_padding
     from xla_fsdp.collective_engine.state import FSDPState
 
@@ -117,8 +104,8 @@ def store(owner: nn.Module, attr: str, layers: Sequence[nn.Module], container: n
 
 
 def template_with(make, records: Sequence[FSDPParam]):
-    """`make` (layer 0 -> the loop's template) whose template gets meta parameters in place of the
-    ones layer 0 no longer holds (what `functional_call` replaces)."""
+    """`make` (layer 0 -> the loop's template) whose template gets meta parameters in place of the ones layer 0 no
+    longer holds (what `functional_call` replaces)."""
     def made(layer: nn.Module) -> nn.Module:
         template = make(layer)
         for rec in records:
@@ -131,10 +118,9 @@ def template_with(make, records: Sequence[FSDPParam]):
 
 
 def layer_params(scanned, index: int):
-    """Layer `index`'s parameters by name, for a call with a KV cache (generation), which runs the
-    layers one by one: gathered from its column of the stored stacks in the compute dtype, as
-    its own unit would gather them; the whole stacks' column while they are unsharded
-    (summon_full_params)."""
+    """Layer `index`'s parameters by name, for a call with a KV cache (generation), which runs the layers one by one:
+    gathered from its column of the stored stacks in the compute dtype, as its own unit would gather them; the whole
+    stacks' column while they are unsharded (summon_full_params)."""
     state = state_of(scanned._scan_store[0])
     loop = state.loop_group
     if state.unsharded is not None:

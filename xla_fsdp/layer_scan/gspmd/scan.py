@@ -1,13 +1,10 @@
 """The SPMD engine's loop for scanned layers (`scan_layers`, engine="spmd").
 
-The layers' ModuleList becomes a `ScannedLayers` (layer_scan/scanned_list.py,
-[Note: scanning the layers of a ModuleList]); its first call runs this
-engine's loop: torch_xla's `scan` over their stacked parameters, traced once
-with AOTAutograd. What stays per layer under FSDP: each layer's parameters
-are stacked on a new dim (stored stacked, or stacked every step with
-"per_step"), the loop body slices one layer's shards, and the partitioner
-gathers them inside the body and reduce-scatters their gradients there, so a
-chip holds one layer's full parameters at a time, as without scan.
+The layers' ModuleList becomes a `ScannedLayers` (layer_scan/scanned_list.py, [Note: scanning the layers of a
+ModuleList]); its first call runs this engine's loop: torch_xla's `scan` over their stacked parameters, traced once with
+AOTAutograd. What stays per layer under FSDP: each layer's parameters are stacked on a new dim (stored stacked, or
+stacked every step with "per_step"), the loop body slices one layer's shards, and the partitioner gathers them inside
+the body and reduce-scatters their gradients there, so a chip holds one layer's full parameters at a time.
 """
 
 from __future__ import annotations
@@ -33,16 +30,9 @@ ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
 class ScanSettings(_Shared):
     """What every scanned ModuleList of one model shares on the SPMD engine."""
 
-    def __init__(
-        self,
-        mesh: xs.Mesh,
-        compute_dtype: Optional[torch.dtype],
-        annotate: ScanAnnotate,
-        recompute: bool,
-        stored: bool = True,
-        batch_entry: Optional[Callable[[torch.Tensor], Any]] = None,
-        policy: Optional[RematPolicy] = None,
-    ):
+    def __init__(self, mesh: xs.Mesh, compute_dtype: Optional[torch.dtype], annotate: ScanAnnotate, recompute: bool,
+                 stored: bool = True, batch_entry: Optional[Callable[[torch.Tensor], Any]] = None,
+                 policy: Optional[RematPolicy] = None):
         super().__init__(gspmd_loop, compute_dtype, stacked_view)
         self.mesh = mesh
         self.batch_entry = batch_entry  # the mesh axes of a batch tensor's dim 0, else None
@@ -83,9 +73,8 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
         stacked[name] = stack
     for name in buffer_names:
         stacked[name] = torch.stack([layer.get_buffer(name) for layer in run.layers])
-    # The other arguments' tensors (mask, positions, rotary tables) enter the loop as
-    # per-trip inputs, the same for every trip: AOTAutograd traces the layer with fake
-    # tensors and refuses real ones captured from outside.
+    # The other arguments' tensors (mask, positions, rotary tables) enter the loop as per-trip inputs, the same for
+    # every trip: AOTAutograd traces the layer with fake tensors and refuses real ones captured from outside.
     layers = len(run.layers)
     where = [i for i, t in enumerate(others) if isinstance(t, torch.Tensor)]
     repeated = [others[i].unsqueeze(0).expand(layers, *others[i].shape) for i in where]
@@ -130,9 +119,8 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
 
 
 def install_scans(root: nn.Module, found: Found, settings: ScanSettings) -> None:
-    """Swaps each found ModuleList for a ScannedLayers (after the engine's own
-    hooks are in place: those are the ones a scanned layer may carry); no KV
-    cache by default (`no_cache_by_default`)."""
+    """Swaps each found ModuleList for a ScannedLayers (after the engine's own hooks are in place: those are the ones a
+    scanned layer may carry); no KV cache by default (`no_cache_by_default`)."""
     for owner, name, layers, where in found:
         scanned = ScannedLayers(layers, settings, where)
         scanned.template()  # from a layer that still holds its parameters

@@ -1,5 +1,5 @@
-"""Glue between scan_layers and torch_xla 2.9's `scan`: the per-layer recompute partitioner
-and the gradient sharding of scan's backward without JAX."""
+"""Glue between scan_layers and torch_xla 2.9's `scan`: the per-layer recompute partitioner and the gradient sharding of
+scan's backward without JAX."""
 
 from __future__ import annotations
 
@@ -7,22 +7,20 @@ import torch
 
 
 def recompute_partition(joint_module, _joint_inputs, *, num_fwd_outputs, **_ignored):
-    """AOTAutograd partitioner that saves only the layer's inputs: the
-    backward body recomputes the whole layer (per-layer checkpointing)."""
+    """AOTAutograd partitioner that saves only the layer's inputs: the backward body recomputes the whole layer
+    (per-layer checkpointing)."""
     from torch._functorch import partitioners as p
 
-    saved = [
-        n for n in joint_module.graph.nodes if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))
-    ]
+    saved = [n for n in joint_module.graph.nodes
+             if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))]
     return p._extract_fwd_bwd_modules(joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
 
 
 def policy_partition(joint_module, _joint_inputs, *, num_fwd_outputs, offload: bool = False, **_ignored):
-    """AOTAutograd partitioner of a recomputation policy ([Note: recomputation policies] in
-    memory/remat_policy.py): saves the layer's inputs and the nodes the policy's hooks marked
-    (`saved_as`, [Note: saved outputs under AOTAutograd]); the backward recomputes the rest. With
-    `offload` the marked values (the layer's input among them) go to host memory after the forward
-    and come back in the backward ([Note: host offload])."""
+    """AOTAutograd partitioner of a recomputation policy ([Note: recomputation policies] in memory/remat_policy.py):
+    saves the layer's inputs and the nodes the policy's hooks marked (`saved_as`, [Note: saved outputs under
+    AOTAutograd]); the backward recomputes the rest. With `offload` the marked values (the layer's input among them) go
+    to host memory after the forward and come back in the backward ([Note: host offload])."""
     from torch._functorch import partitioners as p
 
     from xla_fsdp.memory import host_offload
@@ -43,8 +41,8 @@ def policy_partition(joint_module, _joint_inputs, *, num_fwd_outputs, offload: b
 
 
 def _move(fwd, bwd, names, to_host, to_device) -> None:
-    """The saved values named `names` leave the forward graph through `to_host` and enter the
-    backward graph through `to_device`."""
+    """The saved values named `names` leave the forward graph through `to_host` and enter the backward graph through
+    `to_device`."""
     out = next(n for n in fwd.graph.nodes if n.op == "output")
     values = list(out.args[0])
     for i, v in enumerate(values):
@@ -65,14 +63,13 @@ def _move(fwd, bwd, names, to_host, to_device) -> None:
 
 
 # [Note: scan's backward without JAX]
-# Under SPMD, torch_xla 2.9's scan gives each gradient of the loop the sharding of the input it
-# belongs to (`_backward_shard_alike`) with `shard_as`, which lowers JAX's `shard_alike`
-# through torchax. torch_xla's wheel vendors torchax 0.0.6, whose package imports flax, so on
-# a machine without flax the first backward fails ("Jax is required for this feature"). On
-# first use, scan_layers points torch_xla's scan module at `shard_like` instead: a gradient
-# takes its input's sharding annotation when the input has one (the hidden state, batch
-# sharded), and is left to the partitioner's propagation otherwise (a stacked parameter's
-# slice carries no annotation of its own, so shard_alike constrained nothing there either).
+# Under SPMD, torch_xla 2.9's scan gives each gradient of the loop the sharding of the input it belongs to
+# (`_backward_shard_alike`) with `shard_as`, which lowers JAX's `shard_alike` through torchax. torch_xla's wheel vendors
+# torchax 0.0.6, whose package imports flax, so on a machine without flax the first backward fails ("Jax is required for
+# this feature"). On first use, scan_layers points torch_xla's scan module at `shard_like` instead: a gradient takes its
+# input's sharding annotation when the input has one (the hidden state, batch sharded), and is left to the partitioner's
+# propagation otherwise (a stacked parameter's slice carries no annotation of its own, so shard_alike constrained
+# nothing there either).
 def shard_like(inputs, grads):
     """`shard_as(inputs, grads)` of torch_xla's scan, without JAX: (inputs, annotated grads)."""
     import torch_xla
