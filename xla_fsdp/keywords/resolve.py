@@ -14,7 +14,7 @@ from . import table as keyword_table
 from ..options import FSDPOptions, ShardingStrategy
 from ..runtime import environment
 
-# every list of keywords comes from the one table (keyword_table.py)
+# every list of keywords comes from the one table (keywords/table.py)
 DEFAULTS: Dict[str, Any] = keyword_table.DEFAULTS
 # torch_xla keywords accepted with no effect, and why (docs/migration.md, "Keyword by keyword")
 NO_EFFECT: Dict[str, str] = keyword_table.NO_EFFECT
