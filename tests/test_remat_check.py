@@ -56,6 +56,10 @@ def test_scanned_offload_compiles_and_is_reported(tmp_path, base):
     assert h["to_host_bytes"] == want and h["to_device_bytes"] == want, h
     assert h["host_buffer_bytes"] == want and h["moves"] == 2 * 7 * layers, h
     assert h["with_matmul"] > 0 and h["pcie_seconds"] > 0, h
+    # the step charged with the moves: never shorter than the core's step or the busier direction's PCIe time
+    assert h["exposed_seconds"] >= 0, h
+    assert h["projected_seconds"] == pytest.approx(max(r["projection"]["projected_seconds"] + h["exposed_seconds"],
+                                                       h["pcie_seconds"])), h
 
 
 # -m slow: the GSPMD engine's unscanned offload (copies to the host) through libtpu; both engines' scanned

@@ -176,14 +176,15 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     found = optimized_hlo.all_collectives(compiled.optimized_hlo)  # While bodies once per trip
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
     result["while_loops"] = optimized_hlo.while_loops(compiled.optimized_hlo)
-    events = [] if spec.slices > 1 else None
+    events = [] if spec.slices > 1 or host_transfers.HOST in compiled.optimized_hlo else None
     result["projection"] = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips,
                                                   spec.torus_axes, events=events).as_dict()
     if spec.slices > 1:  # [Note: DCN transfers in libtpu's program]
         result["dcn"] = dcn.summarize(compiled.optimized_hlo, spec.slices, spec.dcn_bytes_per_s, events,
                                       result["projection"]["projected_seconds"])
     if host_transfers.HOST in compiled.optimized_hlo:  # [Note: host transfers in libtpu's program]
-        result["host_transfers"] = host_transfers.summarize(compiled.optimized_hlo, spec)
+        result["host_transfers"] = host_transfers.summarize(compiled.optimized_hlo, spec, events,
+                                                            result["projection"]["projected_seconds"])
     if result["projection"]["kernel_calls"]:  # Pallas kernels: also at full MXU peak ([Note: charging Pallas kernels])
         at_peak = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips, spec.torus_axes,
                                      kernel_mxu_share=1.0)

@@ -111,13 +111,12 @@ def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[l
     return out
 
 
-def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, events: list) -> Tuple[float, float]:
-    """(seconds the core waits for one serial DCN lane, the core's time at the first send): each transfer starts
-    when sent (and the lane is free) and must land by its recv-done."""
-    entry = oh.computations(text).get("ENTRY", [])
+def core_clock(entry: list, events: list) -> List[float]:
+    """The core's PROJECTED time when each entry position is reached (one more for the end), from step_time's
+    `events`; a While loop's position is reached when its last trip's events end."""
     place = {ins.name: pos for pos, ins in enumerate(entry)}
     whiles = [pos for pos, ins in enumerate(entry) if ins.opcode == "while"]
-    clock = [0.0] * (len(entry) + 1)  # the core's time when the instruction at each position is reached
+    clock = [0.0] * (len(entry) + 1)
     last = -1
     for e in events:
         if e.trip >= 0:  # a loop body's: the loop after the last entry instruction seen ends then
@@ -131,11 +130,26 @@ def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, event
             clock[pos + 1] = max(clock[pos + 1], e.end)
     for pos in range(1, len(clock)):
         clock[pos] = max(clock[pos], clock[pos - 1])
-    lane = shift = 0.0
-    for t in sorted(found, key=lambda t: t.position):
-        start = max(lane, clock[t.position] + shift)
-        lane = start + t.bytes * ring_factor(t.kind, slices) / rate
-        needed = clock[t.done_position] + shift if t.done_position >= 0 else lane
-        if lane > needed:
-            shift += lane - needed
-    return shift, clock[min(t.position for t in found)]
+    return clock
+
+
+def lane_wait(clock: List[float], jobs: List[Tuple[int, int, float, int]]) -> float:
+    """Seconds the core waits for serial lanes: each job (start position, done position or -1, seconds, lane) starts
+    when issued and its lane is free, and must end by its done; a late one delays the core, and all after it."""
+    lanes: Dict[int, float] = {}
+    shift = 0.0
+    for start_pos, done_pos, seconds, lane in sorted(jobs):
+        start = max(lanes.get(lane, 0.0), clock[start_pos] + shift)
+        lanes[lane] = start + seconds
+        needed = clock[done_pos] + shift if done_pos >= 0 else lanes[lane]
+        if lanes[lane] > needed:
+            shift += lanes[lane] - needed
+    return shift
+
+
+def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, events: list) -> Tuple[float, float]:
+    """(seconds the core waits for one serial DCN lane, the core's time at the first send): each transfer starts
+    when sent (and the lane is free) and must land by its recv-done."""
+    clock = core_clock(oh.computations(text).get("ENTRY", []), events)
+    jobs = [(t.position, t.done_position, t.bytes * ring_factor(t.kind, slices) / rate, 0) for t in found]
+    return lane_wait(clock, jobs), clock[min(t.position for t in found)]

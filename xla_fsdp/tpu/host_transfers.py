@@ -10,17 +10,18 @@ destination or source is in S(5) moves a whole buffer (unscanned blocks). What t
 
 Read here: the bytes each way (a While body's once per trip), how many moves have a matmul beside them, and the
 host buffers the program makes in S(5) per chip (an upper bound: a host-side copy of a buffer counts beside it).
-The PCIe time is PROJECTED at `PCIE_BYTES_PER_S` per chip, each direction on its own (full duplex), and set beside
-the step: the step's projection does not charge the moves, so one that outlasts the step's compute would lengthen
-it, and the report says so.
+The PCIe time is PROJECTED at `PCIE_BYTES_PER_S` per chip, each direction a serial lane of its own (full duplex).
+With step_time's events the check charges the moves as the DCN's transfers are charged (dcn.lane_wait): each move of
+the entry starts at its start and must end by its done, or the core waits; a While body's, each trip, within the
+trip's core time; and the step is at least the busier direction's whole PCIe time (`projected_seconds`).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from xla_fsdp.tpu import optimized_hlo as oh
+from xla_fsdp.tpu import dcn, optimized_hlo as oh
 
 HOST = "S(5)"
 # The JAX scaling book ("How to think about TPUs", its worked problem on a v6e's PCIe: 1.5e10
@@ -110,9 +111,35 @@ def read(text: str, step_seconds: float = 0.0) -> HostTransfers:
     return out
 
 
-def summarize(text: str, spec) -> dict:
-    """`read` for the check's report, with the slice's host facts beside it."""
+def _entry_jobs(text: str) -> List[tuple]:
+    """The entry's moves as lane jobs: (start position, done position, PCIe seconds, 0 to the host / 1 back)."""
+    entry = oh.computations(text).get("ENTRY", [])
+    jobs = []
+    for pos, ins in enumerate(entry):
+        move = _move(ins)
+        if move is not None:
+            done = next((p for p in range(pos + 1, len(entry)) if ins.name in entry[p].operands), -1)
+            jobs.append((pos, done, move[0] / PCIE_BYTES_PER_S, 0 if move[1] else 1))
+    return jobs
+
+
+def summarize(text: str, spec, events: Optional[list] = None, core_seconds: float = 0.0) -> dict:
+    """`read` for the check's report, with the slice's host facts beside it; with step_time's `events`, the core's
+    wait for the PCIe lanes and the step with it ([Note: host transfers in libtpu's program])."""
     moved = read(text).as_dict()
+    if events is not None:
+        comps = oh.computations(text)
+        entry = comps.get("ENTRY", [])
+        clock = dcn.core_clock(entry, events)
+        wait = dcn.lane_wait(clock, _entry_jobs(text))
+        for loop in oh.while_loops(text):  # a trip's moves in the busier direction against the trip's core time
+            trips = loop["trip_count"] or 1
+            trip = HostTransfers()
+            _read(comps.get(loop["body"], []), comps, 1, trip)
+            pcie = max(trip.to_host_bytes, trip.to_device_bytes) / PCIE_BYTES_PER_S
+            core = (clock[loop["position"] + 1] - clock[loop["position"]]) / trips
+            wait += trips * max(pcie - core, 0.0)
+        moved.update(exposed_seconds=wait, projected_seconds=max(core_seconds + wait, moved["pcie_seconds"]))
     moved.update(chips_per_host=spec.chips_per_host, host_dram_bytes_per_chip=spec.chip.host_dram_bytes_per_chip,
                  pcie_bytes_per_s=PCIE_BYTES_PER_S)
     return moved
@@ -137,8 +164,10 @@ def describe(h, projection) -> List[str]:
     compute = projection["compute_seconds"] if projection else 0.0
     lines.append(f"  PROJECTED {h['pcie_seconds']:.3f} s on PCIe, the busier direction at "
                  f"{h['pcie_bytes_per_s'] / 1e9:.0f} GB/s per chip ({PCIE_SOURCE}); the step's compute is "
-                 f"{compute:.3f} s" + ("" if h["pcie_seconds"] <= compute else
-                                      ": the moves outlast it, and the projection does not charge them"))
+                 f"{compute:.3f} s" + ("" if h["pcie_seconds"] <= compute else ": the moves outlast it"))
+    if "projected_seconds" in h:
+        lines.append(f"  PROJECTED step with the host moves: {h['projected_seconds']:.3f} s (the core waits "
+                     f"{h['exposed_seconds']:.3f} s for them; at least the busier direction's PCIe time)")
     if h.get("in_loops"):
         lines.append(f"  moves inside While loops of unknown trip count ({', '.join(h['in_loops'])}) counted once")
     return lines
