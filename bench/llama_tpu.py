@@ -92,7 +92,9 @@ def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, tim
            "recompute": r.get("recompute")}
     if r.get("compiles"):
         p, c = r["projection"], r["collectives"]
-        row.update(peak_gib=r["memory"]["peak"] / 2 ** 30, projected_s=p["projected_seconds"],
+        # with host moves, the step they leave the core ([Note: host transfers in libtpu's program])
+        step = (r.get("host_transfers") or {}).get("projected_seconds", p["projected_seconds"])
+        row.update(peak_gib=r["memory"]["peak"] / 2 ** 30, projected_s=step,
                    projected_s_kernels_at_peak=p.get("projected_seconds_kernels_at_peak"),
                    sync=c["sync"], sent_gb=c["sent_per_chip"] / 1e9, host=r.get("host_transfers"))
     else:
