@@ -73,6 +73,6 @@ def test_unscanned_offload_on_the_gspmd_engine_is_reported(tmp_path):
     assert [(b["where"], b["policy"], b["count"]) for b in r["recompute"]] == \
         [("checkpointed", "qkv_proj_offloaded", layers)], r["recompute"]
     h = r["host_transfers"]
-    # the layer's input, q, k and v, in float32: the shipped llama_xla_fsdp_v2.json sets no compute_dtype
-    want = layers * _per_layer_bytes([hidden, hidden, kv, kv], itemsize=4)
+    # the layer's input, q, k and v, in bf16 (the shipped llama_xla_fsdp_v2.json's compute_dtype)
+    want = layers * _per_layer_bytes([hidden, hidden, kv, kv])
     assert h["to_host_bytes"] == want and h["to_device_bytes"] == want, h
