@@ -68,6 +68,11 @@ def _move(ins: oh.Instruction):
     return device_side[0], ins.opcode == "dynamic-update-slice-start"
 
 
+def is_move(ins: oh.Instruction) -> bool:
+    """An asynchronous start moving data between HBM and host memory."""
+    return _move(ins) is not None
+
+
 def _read(comp: List[oh.Instruction], comps: Dict[str, List[oh.Instruction]], times: int, out: HostTransfers):
     for pos, ins in enumerate(comp):
         move = _move(ins)

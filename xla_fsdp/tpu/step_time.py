@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from xla_fsdp.tpu import kernel_cost
+from xla_fsdp.tpu import host_transfers, kernel_cost
 from xla_fsdp.tpu.fusion_bytes import fusion_bytes
 from xla_fsdp.tpu.optimized_hlo import operand_names
 from xla_fsdp.tpu import optimized_hlo as oh
@@ -179,8 +179,8 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
                   ) -> Tuple[float, float, float]:
     """(seconds, FLOPs, HBM bytes) of one entry compute instruction; Pallas kernels met are appended to `kernels`."""
     op = ins.opcode
-    if op in _FREE or (op == "custom-call" and ALLOCATE in ins.rest):
-        return 0.0, 0.0, 0.0
+    if op in _FREE or (op == "custom-call" and ALLOCATE in ins.rest) or host_transfers.is_move(ins):
+        return 0.0, 0.0, 0.0  # a host move is a DMA beside the core: its PCIe lane is charged in host_transfers
     if kernel_cost.is_pallas(ins):
         k = kernel_cost.cost(ins, entry_shapes)
         if kernels is not None:
