@@ -140,11 +140,10 @@ def write_whole_file(target: str, entries, metadata: Optional[Dict[str, str]] = 
     beside `target` and renamed; at a URL one upload, which an object store publishes only once complete (fsspec's
     file:// writes in place)."""
     st = storage.storage_for(target)
-    if not st.renames:
-        write_safetensors(target, entries, metadata=metadata)
-        return
-    write_safetensors(target + PARTIAL_SUFFIX, entries, metadata=metadata)
-    st.rename(target + PARTIAL_SUFFIX, target)
+    written = target + PARTIAL_SUFFIX if st.renames else target
+    write_safetensors(written, entries, metadata=metadata)
+    if st.renames:
+        st.rename(written, target)
 
 
 # -- reading --------------------------------------------------------------------
@@ -221,7 +220,6 @@ class RowIndex:
         self.per_rank: Dict[str, Dict[int, None]] = {}
         self.files: Dict[int, ShardFile] = {}
         self._index: Dict[int, dict] = {}
-        self._reads: List[Tuple[str, int, int]] = []
         for rank in writers:
             index = read_json(storage.storage_for(path).join(path, index_file(rank)), f"index of rank {rank}")
             self._index[rank] = index
@@ -259,7 +257,6 @@ class RowIndex:
         if out is None:
             dtype, shape, _ = self._file(pieces[0][0]).info(pieces[0][3])
             out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
-        self._reads.append((key, start, stop))
         at = start
         for rank, lo, hi, file_key in pieces:
             if hi <= at or lo >= stop:
@@ -289,10 +286,6 @@ class RowIndex:
         if not pieces:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
         return self._file(pieces[0][0]).info(pieces[0][3])[0]
-
-    def rows_read(self) -> List[Tuple[str, int, int]]:
-        """(tensor, start, stop) of every read so far, in order (what a host read: tests, logs)."""
-        return list(self._reads)
 
     def ranks_with(self, key: str) -> List[int]:
         return sorted(self.per_rank.get(key, {}))

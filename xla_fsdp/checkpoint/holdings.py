@@ -101,9 +101,7 @@ class Holding:
 
     def state_kind(self, key: str, value: Any) -> str:
         """"rows", "scalar" or "per_rank" (see the module docstring)."""
-        if not isinstance(value, torch.Tensor):
-            return "scalar"
-        if value.dim() == 0:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return "scalar"
         if tuple(value.shape) == tuple(stored_shape(self.param)):
             return "rows"
@@ -117,10 +115,6 @@ def _padded(rows: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]) if pad > 0 else rows
 
 
-def _full_shape_of(rows: torch.Tensor, like: torch.Size) -> torch.Tensor:
-    return rows.reshape(like) if len(like) else rows.reshape(())
-
-
 class SpmdHolding(Holding):
     """A parameter under an SPMD runtime: one global tensor (padded on dim 0 by the single controller), of which this
     host writes and reads only its devices' rows (host_shards.py)."""
@@ -130,8 +124,7 @@ class SpmdHolding(Holding):
     def __init__(self, name, aliases, param, full_shape, view: HostView):
         rows = full_shape[0] if len(full_shape) else 1
         super().__init__(name, aliases, param, full_shape, (0, rows), True, None,
-                         stored_shape(param)[0] if param.dim() else 1,
-                         None)
+                         stored_shape(param)[0] if param.dim() else 1, None)
         self.view = view
 
     def pieces(self, tensor):
@@ -139,11 +132,10 @@ class SpmdHolding(Holding):
 
     def read_param(self, index, key):
         new = self._read(index, key, self.param, self.param.dtype)
-        param = self.param
 
         def apply():
             with torch.no_grad():
-                param.data = new
+                self.param.data = new
         return apply
 
     def read_state(self, index, key, full_shape):
@@ -214,11 +206,9 @@ def holdings(model: nn.Module) -> List[Holding]:
 
 def _engine_holding(name, aliases, param, rec, comm) -> Holding:
     """One process per chip: this rank's shard (the single controller is an SPMD runtime: SpmdHolding)."""
-    full = rec.orig_shape
-    rows = rec.rows
     layout = comm.layout
-    start = min(layout.shard_rank * rec.rows_per_rank, rows)
-    stop = min(start + rec.rows_per_rank, rows)
+    start = min(layout.shard_rank * rec.rows_per_rank, rec.rows)
+    stop = min(start + rec.rows_per_rank, rec.rows)
     writes = layout.rank in layout.shard_groups[0]
 
     def load(local_rows):
@@ -227,7 +217,7 @@ def _engine_holding(name, aliases, param, rec, comm) -> Holding:
     def place(state_rows, full_shape):
         return _padded(state_rows, rec.rows_per_rank).to(comm.device)
 
-    return Holding(name, aliases, param, full, (start, stop), writes, load, rec.rows_per_rank, place)
+    return Holding(name, aliases, param, rec.orig_shape, (start, stop), writes, load, rec.rows_per_rank, place)
 
 
 def _plain_holding(name, aliases, param) -> Holding:
@@ -236,10 +226,10 @@ def _plain_holding(name, aliases, param) -> Holding:
 
     def load(full_rows):
         with torch.no_grad():
-            _copy_keeping_layout(param, _full_shape_of(full_rows, full))
+            _copy_keeping_layout(param, full_rows.reshape(full))
 
     def place(state_rows, full_shape):
-        return _like(param, _full_shape_of(state_rows, full_shape))
+        return _like(param, state_rows.reshape(full_shape))
 
     return Holding(name, aliases, param, full, (0, rows), True, load, rows, place)
 
@@ -298,17 +288,13 @@ def layout_record(model: nn.Module) -> Dict[str, Any]:
 def optimizer_names(optimizer, held: List[Holding]) -> Dict[int, Holding]:
     """Optimizer parameter index (its state_dict numbering) -> the holding of that parameter."""
     by_id = {id(h.param): h for h in held}
-    out: Dict[int, Holding] = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in by_id:
-                raise ValueError(
-                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the model; build it "
-                    "from model.parameters() after wrapping")
-            out[index] = by_id[id(p)]
-            index += 1
-    return out
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        if id(p) not in by_id:
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the model; build it "
+                "from model.parameters() after wrapping")
+    return {index: by_id[id(p)] for index, p in enumerate(params)}
 
 
 def held_state_dict(optimizer) -> Dict[str, Any]:

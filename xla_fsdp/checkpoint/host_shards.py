@@ -20,6 +20,7 @@ host ([Note: virtual hosts]) gets the other blocks' from the other processes. On
 engine of ours shards dim 0); anything else is refused by name."""
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -57,10 +58,7 @@ def copies(tensor: torch.Tensor) -> int:
     elif "last_tile_dims" in spec:
         raise NotImplementedError(f"sharding {spec}: subgroup shardings other than a replicated last tile "
                                   "dim are not supported by checkpoints")
-    distinct = 1
-    for t in tiles:
-        distinct *= t
-    return devices // distinct
+    return devices // math.prod(tiles)
 
 
 def _dim0(name: str, index) -> Tuple[int, int]:
@@ -174,10 +172,8 @@ def device_rows(like: torch.Tensor) -> List[Tuple[int, int, int]]:
     tiles0 = int(m.group(1).split(",")[0]) if m else 1
     total = stored_shape(like)[0]
     shard_rows = -(-total // tiles0)
-    out = []
-    for _, index in where:
-        start, stop = _dim0("tensor", index)
-        out.append((start, total if stop < 0 else stop, shard_rows))
+    spans = [_dim0("tensor", index) for _, index in where]
+    out = [(start, total if stop < 0 else stop, shard_rows) for start, stop in spans]
     if len(out) != xr.addressable_runtime_device_count():
         raise RuntimeError(f"torch_xla reported {len(out)} shards for {xr.addressable_runtime_device_count()} devices")
     return out

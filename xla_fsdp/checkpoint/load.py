@@ -89,12 +89,9 @@ def _check_params(path: str, meta: Dict[str, Any], held: List[Holding]) -> None:
     mine = {h.name: h for h in held}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"the model has {missing[:4]}{' ...' if len(missing) > 4 else ''} which the checkpoint lacks")
-        if unexpected:
-            parts.append(f"the checkpoint has {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} which the "
-                         "model lacks")
+        parts = [f"the {has} has {names[:4]}{' ...' if len(names) > 4 else ''} which the {lacks} lacks"
+                 for has, lacks, names in (("model", "checkpoint", missing), ("checkpoint", "model", unexpected))
+                 if names]
         hint = ""
         if meta.get("stacked") or any(getattr(h.param, "_xla_fsdp_stacked", False) for h in held):
             hint = (" One side was wrapped with scan_layers=True, which stores the scanned layers' parameters "
@@ -161,7 +158,7 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
     def build() -> Dict[str, Any]:
         state: Dict[int, Dict[str, Any]] = {}
         for h_name, entries in saved["state"].items():
-            h = next(named[i] for i in named if named[i].name == h_name)
+            h = named_by[h_name]
             out: Dict[str, Any] = {}
             for key, entry in entries.items():
                 if entry["kind"] == "scalar":

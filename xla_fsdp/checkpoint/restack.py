@@ -154,12 +154,7 @@ def _layer_of_layers_first(r: Restack, key: str, stack: str, i: int, state_key: 
 def _layers_first_of(r: Restack, stack: str, state_key: str, entries, layers: List[str]) -> Dict[str, Any]:
     """The layers' entries of Adafactor state a stack keeps per layer on dim 0: the layers' global tensors, or their
     scalars (the RMS of each layer, saved as a number), stacked."""
-    for layer, entry in zip(layers, entries):
-        if entry is None:
-            raise CheckpointError(f"the checkpoint's optimizer state {state_key!r} is missing for {layer!r} but held "
-                                  f"for the other layers stacked as {stack!r}")
-        if entry["kind"] not in ("whole", "scalar"):
-            _refuse_kind(layer, state_key, entry)
+    _check_layers(stack, state_key, entries, layers, ("whole", "scalar"))
     first = entries[0]
     key = f"optim/{stack}/{state_key}"
     if first["kind"] == "scalar":
@@ -184,12 +179,19 @@ def _entry_for_layer(stack: str, key: str, entry: Dict[str, Any]) -> Dict[str, A
     return dict(entry)
 
 
-def _entry_for_stack(stack: str, key: str, entries: List[Optional[Dict[str, Any]]], layers: List[str]):
+def _check_layers(stack: str, key: str, entries: List[Optional[Dict[str, Any]]], layers: List[str],
+                  allowed: Tuple[str, ...] = ()) -> None:
+    """Every layer stacked as `stack` holds state `key`; a kind not `allowed` must pass `_refuse_kind`."""
     for layer, entry in zip(layers, entries):
         if entry is None:
             raise CheckpointError(f"the checkpoint's optimizer state {key!r} is missing for {layer!r} but held for "
                                   f"the other layers stacked as {stack!r}")
-        _refuse_kind(layer, key, entry)
+        if entry["kind"] not in allowed:
+            _refuse_kind(layer, key, entry)
+
+
+def _entry_for_stack(stack: str, key: str, entries: List[Optional[Dict[str, Any]]], layers: List[str]):
+    _check_layers(stack, key, entries, layers)
     first = entries[0]
     if first["kind"] == "rows":
         return {**first, "shape": _stack_shape(first["shape"], len(layers))}
@@ -215,40 +217,33 @@ class RestackedIndex:
     def _split(self, key: str):
         """(prefix, name, suffix) of `param/NAME` and `optim/NAME/STATE` keys."""
         kind, _, rest = key.partition("/")
-        if kind == "param":
-            return kind, rest, ""
         if kind in ("optim", "optim_rank"):
             name, _, state = rest.rpartition("/")
             return kind, name, "/" + state
         return kind, rest, ""
 
-    def has(self, key: str) -> bool:
+    def _sources(self, key: str) -> Optional[List[str]]:
+        """The checkpoint's keys that `key` is read from (None: the layers' scalars kept in `values`)."""
         if key in self.r.layers_first:
-            return self.base.has(self.r.layers_first[key][0])
+            return [self.r.layers_first[key][0]]
         if key in self.r.values:
-            return True
+            return None
         if key in self.r.joined:
-            return all(self.base.has(k) for k, _ in self.r.joined[key])
+            return [k for k, _ in self.r.joined[key]]
         kind, name, suffix = self._split(key)
         if name in self.r.split:
-            return self.base.has(f"{kind}/{self.r.split[name][0]}{suffix}")
+            return [f"{kind}/{self.r.split[name][0]}{suffix}"]
         if name in self.r.join:
-            return all(self.base.has(f"{kind}/{k}{suffix}") for k in self.r.join[name])
-        return self.base.has(key)
+            return [f"{kind}/{k}{suffix}" for k in self.r.join[name]]
+        return [key]
+
+    def has(self, key: str) -> bool:
+        sources = self._sources(key)
+        return sources is None or all(self.base.has(k) for k in sources)
 
     def dtype_of(self, key: str) -> torch.dtype:
-        if key in self.r.layers_first:
-            return self.base.dtype_of(self.r.layers_first[key][0])
-        if key in self.r.values:
-            return self.r.values[key].dtype
-        if key in self.r.joined:
-            return self.base.dtype_of(self.r.joined[key][0][0])
-        kind, name, suffix = self._split(key)
-        if name in self.r.split:
-            return self.base.dtype_of(f"{kind}/{self.r.split[name][0]}{suffix}")
-        if name in self.r.join:
-            return self.base.dtype_of(f"{kind}/{self.r.join[name][0]}{suffix}")
-        return self.base.dtype_of(key)
+        sources = self._sources(key)
+        return self.r.values[key].dtype if sources is None else self.base.dtype_of(sources[0])
 
     def read_rows(self, key: str, start: int, stop: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         kind, name, suffix = self._split(key)
@@ -299,6 +294,3 @@ class RestackedIndex:
 
     def open_all(self) -> None:
         self.base.open_all()
-
-    def rows_read(self):
-        return self.base.rows_read()

@@ -191,9 +191,8 @@ def _rank_files(rank: int, model, held: List[Holding], optimizer, extra_state, c
     if copy_now:
         live = _host_storages(model, optimizer)
         entries = [(key, dtype, shape, _copied(produce(), live)) for key, dtype, shape, produce in entries]
-    extra = {"rng": _rng_states(), "user": {}}
-    for name, obj in (extra_state or {}).items():
-        extra["user"][name] = obj.state_dict() if hasattr(obj, "state_dict") else obj
+    extra = {"rng": _rng_states(), "user": {name: obj.state_dict() if hasattr(obj, "state_dict") else obj
+                                            for name, obj in (extra_state or {}).items()}}
     buf = io.BytesIO()  # small (RNG states, user objects); one write suits every storage
     torch.save(extra, buf)
     return entries, index, buf.getvalue()
@@ -295,27 +294,22 @@ def _metadata(model, held, optimizer, step, info) -> Dict[str, Any]:
     if optimizer is not None:
         sd = held_state_dict(optimizer)
         named = optimizer_names(optimizer, held)
-        groups = []
-        for group in sd["param_groups"]:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({"hyper": _jsonable(hyper), "params": [named[i].name for i in group["params"]]})
+        groups = [{"hyper": _jsonable({k: v for k, v in group.items() if k != "params"}),
+                   "params": [named[i].name for i in group["params"]]} for group in sd["param_groups"]]
         states = {}
         for h, key, value, kind in _optimizer_tensors(optimizer, held):
             entry = {"kind": kind}
+            is_tensor = isinstance(value, torch.Tensor)  # every kind but "scalar" is a tensor
             if kind == "scalar":
-                entry["value"] = value.item() if isinstance(value, torch.Tensor) else value
-                entry["tensor"] = isinstance(value, torch.Tensor)
-                if isinstance(value, torch.Tensor):
-                    entry["dtype"] = fmt.dtype_name(value.dtype)
+                entry["value"] = value.item() if is_tensor else value
+                entry["tensor"] = is_tensor
             elif kind == "rows":
                 # shaped like the parameter, or its rows with trailing dims averaged away
                 same = tuple(value.shape) == tuple(stored_shape(h.param))
                 entry["shape"] = list(h.full_shape) if same else [h.num_rows, *value.shape[1:]]
-                entry["dtype"] = fmt.dtype_name(value.dtype)
             elif kind == "whole":
                 entry["shape"] = list(value.shape)
-                entry["dtype"] = fmt.dtype_name(value.dtype)
-            else:
+            if is_tensor:
                 entry["dtype"] = fmt.dtype_name(value.dtype)
             states.setdefault(h.name, {})[key] = entry
         meta["optimizer"] = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",

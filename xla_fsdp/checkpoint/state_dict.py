@@ -22,14 +22,10 @@ from ..unit_state import state_of
 SHARDED_FORMAT = "xla_fsdp.sharded/1"
 
 
-def _buffer_tensors(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.Tensor]:
-    """The buffers by state-dict key: those of `model.state_dict()` (the full format), or all of them (the sharded
-    format, which resumes the run: non-persistent ones too)."""
-    return keys.buffers(model, persistent_only)
-
-
 def _buffers(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.Tensor]:
-    return {name: b.detach().cpu().clone() for name, b in _buffer_tensors(model, persistent_only).items()}
+    """Host copies of the buffers by state-dict key: those of `model.state_dict()` (the full format), or all of them
+    (the sharded format, which resumes the run: non-persistent ones too)."""
+    return {name: b.detach().cpu().clone() for name, b in keys.buffers(model, persistent_only).items()}
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
@@ -61,7 +57,7 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
     state = stored_keys.stacked(model, state)  # per-layer keys into scan_layers' stored stacks
     records = _records(model)
     expected = {name: [rec.orig_shape] for names, rec, _ in records for name in names}
-    buffers = _buffer_tensors(model)
+    buffers = keys.buffers(model)
     expected.update({n: [b.shape] for n, b in buffers.items()})
     check_load("full state dict", {k: v.shape for k, v in state.items()}, expected)
     with torch.no_grad():
@@ -103,7 +99,7 @@ def load_sharded_state_dict(model: nn.Module, state: Dict) -> None:
                 f"has {key}={value}. Load it with the same world size and sharding groups, or consolidate it "
                 "with full_state_dict on the original layout and load that with load_full_state_dict")
     names = {names[0]: rec for names, rec, _ in records}
-    buffers = _buffer_tensors(model, persistent_only=False)
+    buffers = keys.buffers(model, persistent_only=False)
     check_load("sharded checkpoint", {k: v for k, v in state["shapes"].items()},
                {name: [rec.orig_shape] for name, rec in names.items()})
     check_load("sharded checkpoint shards", {k: v.shape for k, v in state["params"].items()},

@@ -28,9 +28,7 @@ _RANGE_BYTES = 64 * 2 ** 20  # the most one ranged read asks for ([Note: ranged 
 def storage_for(path) -> "Storage":
     """The storage that holds `path`: fsspec's for a URL, the local file system otherwise."""
     path = os.fspath(path)
-    if not is_url(path):
-        return LOCAL
-    return _fsspec_storage(path.split("://", 1)[0])
+    return _fsspec_storage(path.split("://", 1)[0]) if is_url(path) else LOCAL
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,19 +234,15 @@ class FsspecStorage(Storage):
                 if fd is not None:
                     os.fsync(fd)
         except BaseException:
-            try:  # what was written is removed by the failed save (no COMPLETE marker is written)
+            with contextlib.suppress(Exception):  # what was written is removed by the failed save (no COMPLETE marker)
                 f.close()
-            except Exception:
-                pass
             raise
         with self._wrapped("write", path):
             f.close()  # an object store commits the upload here
 
     def _fresh(self, path):
-        try:
+        with contextlib.suppress(Exception):  # a file system without a cache
             self.fs.invalidate_cache(path)
-        except Exception:  # a file system without a cache
-            pass
 
     def exists(self, path):
         self._fresh(path)

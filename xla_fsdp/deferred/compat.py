@@ -7,11 +7,7 @@ against torchdistx.  torchdistx is not built for torch >= 2.0, so when it cannot
 
 try:  # pragma: no cover - torchdistx is not installable on current torch
     from torchdistx.deferred_init import (  # type: ignore[import-not-found]
-        deferred_init,
-        is_deferred,
-        materialize_module,
-        materialize_tensor,
-    )
+        deferred_init, is_deferred, materialize_module, materialize_tensor)
 
     BACKEND = "torchdistx"
 except ImportError:

@@ -63,6 +63,11 @@ class Event:
     creates: tuple[tuple[int, int, TensorRef, int], ...]
     random: bool
 
+    @property
+    def outputs(self) -> set[int]:
+        """The storages it writes or creates."""
+        return self.writes | {c[1] for c in self.creates}
+
 
 _NO_LIMIT = math.inf
 
@@ -90,7 +95,7 @@ class InitGraph:
 
     def add_event(self, event: Event) -> None:
         self.events.append(event)
-        for sid in event.writes | {c[1] for c in event.creates}:
+        for sid in event.outputs:
             self._writers.setdefault(sid, []).append(event)
 
     # -- planning ----------------------------------------------------------
@@ -136,11 +141,9 @@ class InitGraph:
     def prune(self, still_wanted: set[int]) -> None:
         """Forget every event no still-deferred tensor depends on."""
         keep = self.plan(still_wanted, with_orphan_random=False)
-        self.events = keep
-        self._writers = {}
+        self.events, self._writers = [], {}
         for event in keep:
-            for sid in event.writes | {c[1] for c in event.creates}:
-                self._writers.setdefault(sid, []).append(event)
+            self.add_event(event)
         used = set().union(*(e.reads for e in keep)) if keep else set()
         self.constants = {k: v for k, v in self.constants.items() if k in used}
 
@@ -152,7 +155,7 @@ class InitGraph:
         events = self.plan(wanted, with_orphan_random)
         last_use: dict[int, int] = {}
         for event in events:
-            for sid in event.reads | event.writes | {c[1] for c in event.creates}:
+            for sid in event.reads | event.outputs:
                 last_use[sid] = event.seq
 
         real: dict[int, torch.UntypedStorage] = {}
@@ -160,17 +163,15 @@ class InitGraph:
             for event in events:
                 self._run(event, real)
                 # Free temporaries (and orphans) as soon as nothing needs them.
-                for sid in event.reads | event.writes | {c[1] for c in event.creates}:
+                for sid in event.reads | event.outputs:
                     if last_use[sid] == event.seq and sid not in wanted:
                         real.pop(sid, None)
             missing = wanted - real.keys() - self.constants.keys()
             if missing:
                 raise DeferredInitError(
-                    f"deferred_init({self.label}): the recorded history has no op "
-                    "that created a tensor being materialized; it was probably "
-                    "created before deferred_init started recording. Create it "
-                    "inside the function passed to deferred_init."
-                )
+                    f"deferred_init({self.label}): the recorded history has no op that created a tensor being "
+                    "materialized; it was probably created before deferred_init started recording. Create it "
+                    "inside the function passed to deferred_init.")
             return [self._view(real, ref) for ref in refs]
 
     def _run(self, event: Event, real: dict[int, torch.UntypedStorage]) -> None:
@@ -188,10 +189,8 @@ class InitGraph:
             if flat_out[index].is_meta:
                 # A meta operand makes some CPU kernels silently do nothing.
                 raise DeferredInitError(
-                    f"deferred_init({self.label}): replaying {event.func} produced "
-                    "a meta tensor (was deferred_init called with the meta device "
-                    "as default?). Call it without a meta device context."
-                )
+                    f"deferred_init({self.label}): replaying {event.func} produced a meta tensor (was "
+                    "deferred_init called with the meta device as default?). Call it without a meta device context.")
             real[sid] = _own_storage(flat_out[index], layout, nbytes)
 
     def _view(self, real: dict[int, torch.UntypedStorage], ref: TensorRef) -> torch.Tensor:
@@ -199,12 +198,9 @@ class InitGraph:
             const = self.constants[ref.storage]
             if const.tensor._version != const.version:
                 raise DeferredInitError(
-                    f"deferred_init({self.label}): a real tensor read during "
-                    f"construction ({const.where}) was modified in place after "
-                    "deferred_init returned, so replay would not reproduce the "
-                    "constructor. Leave it unchanged until materialize_module "
-                    "has run, or pass a copy."
-                )
+                    f"deferred_init({self.label}): a real tensor read during construction ({const.where}) was "
+                    "modified in place after deferred_init returned, so replay would not reproduce the constructor. "
+                    "Leave it unchanged until materialize_module has run, or pass a copy.")
             storage = const.tensor.untyped_storage()
         else:
             storage = real[ref.storage]
@@ -214,16 +210,11 @@ class InitGraph:
 def _own_storage(out: torch.Tensor, layout: TensorRef, nbytes: int) -> torch.UntypedStorage:
     """The storage of a fresh op output, laid out exactly as recorded on meta."""
     storage = out.untyped_storage()
-    if (
-        storage.nbytes() == nbytes
-        and out.storage_offset() == layout.offset
-        and tuple(out.stride()) == layout.stride
-        and out.dtype == layout.dtype
-    ):
+    if (storage.nbytes() == nbytes and out.storage_offset() == layout.offset
+            and tuple(out.stride()) == layout.stride and out.dtype == layout.dtype):
         return storage
     # A real kernel chose a different layout than the meta kernel; later refs address the meta layout, so copy into it.
     fresh = torch.empty(nbytes, dtype=torch.uint8, device=out.device).untyped_storage()
-    torch.empty(0, dtype=layout.dtype, device=out.device).set_(
-        fresh, layout.offset, layout.size, layout.stride
-    ).copy_(out)
+    view = torch.empty(0, dtype=layout.dtype, device=out.device)
+    view.set_(fresh, layout.offset, layout.size, layout.stride).copy_(out)
     return fresh

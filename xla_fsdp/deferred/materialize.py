@@ -34,7 +34,7 @@ class _Entry:
 # tensor -> _Entry, for every deferred tensor ever handed out (weakly held).
 _ENTRIES = WeakTensorKeyDictionary()
 # graph -> {tensor -> _Entry} for the tensors of that graph still deferred.
-_PENDING: "weakref.WeakKeyDictionary[InitGraph, WeakTensorKeyDictionary]" = (weakref.WeakKeyDictionary())
+_PENDING: "weakref.WeakKeyDictionary[InitGraph, WeakTensorKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
 def deferred_init(module_fn: Callable[..., M], *args, **kwargs) -> M:
@@ -52,16 +52,12 @@ def deferred_init(module_fn: Callable[..., M], *args, **kwargs) -> M:
     except DeferredInitError:
         raise
     except Exception as exc:
-        exc.add_note(
-            f"raised inside xla_fsdp.deferred_init({label}): tensors created "
-            "there are meta tensors without values"
-        )
+        exc.add_note(f"raised inside xla_fsdp.deferred_init({label}): tensors created there are meta tensors without "
+                     "values")
         raise
     if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"deferred_init({label}) expects a function that returns an "
-            f"nn.Module, got {type(module).__name__}."
-        )
+        raise TypeError(f"deferred_init({label}) expects a function that returns an nn.Module, got "
+                        f"{type(module).__name__}.")
     pending = WeakTensorKeyDictionary()
     for sub in module.modules():
         for tensor in (*sub._parameters.values(), *sub._buffers.values()):
@@ -99,11 +95,8 @@ def materialize_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return entry.replacement
 
 
-def materialize_module(
-    module: nn.Module,
-    buffers_only: bool = False,
-    check_fn: Optional[Callable[[nn.Module], bool]] = None,
-) -> None:
+def materialize_module(module: nn.Module, buffers_only: bool = False,
+                       check_fn: Optional[Callable[[nn.Module], bool]] = None) -> None:
     """Replace the deferred tensors of ``module`` and its descendants by real ones.
 
     torchdistx semantics: every descendant is visited; ``check_fn(m)`` False only leaves ``m``'s *own* parameters and
@@ -160,22 +153,14 @@ def _materialize(targets) -> None:
 
 def _check_unchanged(name: str, tensor: torch.Tensor, entry: _Entry) -> None:
     ref = entry.ref
-    same = (
-        tensor.is_meta
-        and tensor.untyped_storage()._cdata == entry.storage_address
-        and tensor.dtype == ref.dtype
-        and tuple(tensor.shape) == ref.size
-        and tuple(tensor.stride()) == ref.stride
-        and tensor.storage_offset() == ref.offset
-    )
+    same = (tensor.is_meta and tensor.untyped_storage()._cdata == entry.storage_address
+            and tensor.dtype == ref.dtype and tuple(tensor.shape) == ref.size
+            and tuple(tensor.stride()) == ref.stride and tensor.storage_offset() == ref.offset)
     if not same:
         raise DeferredInitError(
-            f"materialize_module: deferred tensor '{name}' was replaced or "
-            "reshaped after deferred_init returned (e.g. by .to(), .half() or "
-            "assigning .data); ops outside deferred_init are not recorded. "
-            "Materialize first and convert afterwards, or do the conversion "
-            "inside the function passed to deferred_init."
-        )
+            f"materialize_module: deferred tensor '{name}' was replaced or reshaped after deferred_init returned "
+            "(e.g. by .to(), .half() or assigning .data); ops outside deferred_init are not recorded. Materialize "
+            "first and convert afterwards, or do the conversion inside the function passed to deferred_init.")
 
 
 def _like(old: torch.Tensor, real: torch.Tensor) -> torch.Tensor:

@@ -95,24 +95,18 @@ class RecordingMode(TorchDispatchMode):
         if any(isinstance(x, torch.UntypedStorage) for x in flat_in):
             if func in _METADATA_ONLY:
                 return func(*args, **kwargs)
-            raise DeferredInitError(
-                f"deferred_init: {func} takes a storage argument, which cannot be "
-                f"recorded ({caller_location()}). Build this tensor eagerly instead."
-            )
+            raise DeferredInitError(f"deferred_init: {func} takes a storage argument, which cannot be recorded "
+                                    f"({caller_location()}). Build this tensor eagerly instead.")
         if not tensors:
             return self._factory(func, args, kwargs)
         if not any(t.is_meta for t in tensors):
             return func(*args, **kwargs)  # all-real inputs: nothing to defer
         if func in _DATA_READS:
             raise DeferredInitError(
-                f"deferred_init: the constructor read a tensor's value back into "
-                f"Python ({func}; from .item(), .tolist(), bool(tensor), "
-                f"torch.equal or data-dependent control flow) in "
-                f"{caller_location()}. Deferred tensors have no values until "
-                "materialize_module() runs, so this construction cannot be "
-                "recorded. Compute that value from Python numbers, or build "
-                "this module eagerly."
-            )
+                f"deferred_init: the constructor read a tensor's value back into Python ({func}; from .item(), "
+                f".tolist(), bool(tensor), torch.equal or data-dependent control flow) in {caller_location()}. "
+                "Deferred tensors have no values until materialize_module() runs, so this construction cannot be "
+                "recorded. Compute that value from Python numbers, or build this module eagerly.")
         if func in _METADATA_ONLY:
             return func(*args, **kwargs)
         return self._record(func, args, kwargs)
@@ -128,7 +122,7 @@ class RecordingMode(TorchDispatchMode):
         out = self._run_meta(func, args, meta_kwargs)
         # Pin what the kernel resolved from global defaults at construction time (default dtype: Hugging Face sets it
         # for `torch_dtype`).
-        if ("dtype" in schema_args and recorded.get("dtype") is None and isinstance(out, torch.Tensor)):
+        if "dtype" in schema_args and recorded.get("dtype") is None and isinstance(out, torch.Tensor):
             recorded["dtype"] = out.dtype
         self._append(func, args, recorded, out, writes=frozenset(), reads=frozenset())
         return out
@@ -145,11 +139,9 @@ class RecordingMode(TorchDispatchMode):
                 sid = self.storage_id(x)
                 if sid is None:
                     raise DeferredInitError(
-                        f"deferred_init: {func} used a meta tensor that was not "
-                        f"created inside deferred_init ({caller_location()}); its "
-                        "values are unknown, so it cannot be replayed. Create it "
-                        "inside the function passed to deferred_init."
-                    )
+                        f"deferred_init: {func} used a meta tensor that was not created inside deferred_init "
+                        f"({caller_location()}); its values are unknown, so it cannot be replayed. Create it inside "
+                        "the function passed to deferred_init.")
             else:
                 real_inputs = True
                 ref = self._constant_ref(x)
@@ -179,11 +171,9 @@ class RecordingMode(TorchDispatchMode):
                 sid = self.storage_id(t) if t.is_meta else None
                 if sid is None:
                     raise DeferredInitError(
-                        f"deferred_init: {func} writes deferred values into a real "
-                        f"tensor ({caller_location()}); that cannot be deferred. "
-                        "Create the destination inside deferred_init, or copy "
-                        "after materialize_module()."
-                    )
+                        f"deferred_init: {func} writes deferred values into a real tensor ({caller_location()}); "
+                        "that cannot be deferred. Create the destination inside deferred_init, or copy after "
+                        "materialize_module().")
                 writes.add(sid)
         return writes
 
@@ -194,11 +184,9 @@ class RecordingMode(TorchDispatchMode):
             raise
         except Exception as exc:
             raise DeferredInitError(
-                f"deferred_init: {func} cannot run on the meta device ({exc}) in "
-                f"{caller_location()}. Ops with data-dependent output shapes "
-                "(nonzero, unique, masked_select) cannot be deferred; build this "
-                "tensor from Python values or construct the module eagerly."
-            ) from exc
+                f"deferred_init: {func} cannot run on the meta device ({exc}) in {caller_location()}. Ops with "
+                "data-dependent output shapes (nonzero, unique, masked_select) cannot be deferred; build this "
+                "tensor from Python values or construct the module eagerly.") from exc
 
     def _append(self, func, args, kwargs, out, writes, reads):
         flat_out, _ = tree_flatten(out)
@@ -210,11 +198,8 @@ class RecordingMode(TorchDispatchMode):
         if not creates and not writes:
             return  # a view or a read: addressed by refs, needs no replay
         self._seq += 1
-        self.graph.add_event(Event(
-            seq=self._seq, func=func, args=args, kwargs=kwargs, reads=reads,
-            writes=writes, creates=tuple(creates),
-            random=torch.Tag.nondeterministic_seeded in func.tags,
-        ))
+        self.graph.add_event(Event(seq=self._seq, func=func, args=args, kwargs=kwargs, reads=reads, writes=writes,
+                                   creates=tuple(creates), random=torch.Tag.nondeterministic_seeded in func.tags))
 
 
 def _replay_devices(tree):

@@ -200,7 +200,9 @@ def tpu_default(script: str) -> Tuple[str, str]:
     runtime."""
     declared = declared_runtime(script)
     if declared == SINGLE_CONTROLLER:
-        what = (f"declares {MARKER} = \"{SINGLE_CONTROLLER}\"" if _declares_marker(script) else _reason_of(script))
+        tree = parse_script(script)
+        what = (f"declares {MARKER} = \"{SINGLE_CONTROLLER}\"" if _marker(script, tree) is not None
+                else _single_controller_reason(tree))
         return SINGLE_CONTROLLER, (f"{script} {what}: one process per host drives every local chip "
                                    "(unpinned collectives, which libtpu overlaps with compute); --per_chip "
                                    "runs one process per chip")
@@ -211,11 +213,3 @@ def parse_script(script: str) -> ast.Module:
     """The script's syntax tree (raises OSError, SyntaxError or ValueError)."""
     with open(script, encoding="utf-8") as f:
         return ast.parse(f.read(), filename=script)
-
-
-def _declares_marker(script: str) -> bool:
-    return _marker(script, parse_script(script)) is not None
-
-
-def _reason_of(script: str) -> str:
-    return _single_controller_reason(parse_script(script))

@@ -44,11 +44,7 @@ class HostView:
     virtual: bool
 
     def owns(self, device: str) -> bool:
-        return device in self._owned
-
-    @property
-    def _owned(self) -> frozenset:
-        return frozenset(self.devices)
+        return device in self.devices
 
     @property
     def is_single(self) -> bool:
@@ -114,11 +110,8 @@ class HostGroup:
     host_watch.py)."""
 
     def __init__(self, view: HostView, dist=None, watch=None):
-        self.view = view
-        self.rank = view.index
-        self.world = view.count
-        self._dist = dist
-        self._watch = watch
+        self.view, self.rank, self.world = view, view.index, view.count
+        self._dist, self._watch = dist, watch
 
     def _agree(self, run):
         """`run()` (a gloo collective) once every host is there ([Note: a host that does not answer])."""

@@ -44,11 +44,9 @@ def resolve_mesh(mesh: Optional[xs.Mesh]) -> xs.Mesh:
     if mesh is None:
         return build_fsdp_mesh()
     if FSDP_AXIS not in mesh.axis_names:
-        raise ValueError(
-            f"mesh axes {tuple(mesh.axis_names)} have no {FSDP_AXIS!r} axis; the "
-            f"SPMD engine shards parameters over {FSDP_AXIS!r}. Name one mesh axis "
-            f"{FSDP_AXIS!r} or pass mesh=None for a 1-D mesh over all devices."
-        )
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no {FSDP_AXIS!r} axis; the SPMD engine shards "
+                         f"parameters over {FSDP_AXIS!r}. Name one mesh axis {FSDP_AXIS!r} or pass mesh=None for a 1-D "
+                         "mesh over all devices.")
     return mesh
 
 
@@ -101,9 +99,8 @@ class ShardedView(torch.autograd.Function):
     """Identity whose output is annotated `forward_spec` and whose gradient is annotated `backward_spec`."""
 
     @staticmethod
-    def forward(
-        ctx, tensor: torch.Tensor, mesh: xs.Mesh, forward_spec: PartitionSpec, backward_spec: PartitionSpec
-    ) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, mesh: xs.Mesh, forward_spec: PartitionSpec,
+                backward_spec: PartitionSpec) -> torch.Tensor:
         ctx.mesh = mesh
         ctx.backward_spec = backward_spec
         return annotate(tensor, mesh, forward_spec)

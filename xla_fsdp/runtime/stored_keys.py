@@ -104,7 +104,6 @@ def stack_table(model: nn.Module) -> Dict[str, list]:
         prefix = f"{owner_name}." if owner_name else ""
         for record in module.__dict__.get("_xla_fsdp_stacks", ()):
             for name in record.names:
-                out[f"{prefix}{record.store}.{name}"] = [
-                    f"{prefix}{record.attr}.{i}.{name}" for i in range(record.layers)
-                ]
+                out[f"{prefix}{record.store}.{name}"] = [f"{prefix}{record.attr}.{i}.{name}"
+                                                         for i in range(record.layers)]
     return out
