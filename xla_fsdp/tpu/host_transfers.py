@@ -12,13 +12,15 @@ Read here: the bytes each way (a While body's once per trip), how many moves hav
 host buffers the program makes in S(5) per chip (an upper bound: a host-side copy of a buffer counts beside it).
 The PCIe time is PROJECTED at `PCIE_BYTES_PER_S` per chip, each direction a serial lane of its own (full duplex).
 With step_time's events the check charges the moves as the DCN's transfers are charged (dcn.lane_wait): each move of
-the entry starts at its start and must end by its done, or the core waits; a While body's, each trip, within the
-trip's core time; and the step is at least the busier direction's whole PCIe time (`projected_seconds`).
+the entry or of a While body's trip starts at its start and must end by its done, or the core waits (a body's on
+the first trip's clock, once per trip); and the step is at least the busier direction's whole PCIe time
+(`projected_seconds`).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 from xla_fsdp.tpu import dcn, optimized_hlo as oh
@@ -116,16 +118,26 @@ def read(text: str, step_seconds: float = 0.0) -> HostTransfers:
     return out
 
 
-def _entry_jobs(text: str) -> List[tuple]:
-    """The entry's moves as lane jobs: (start position, done position, PCIe seconds, 0 to the host / 1 back)."""
-    entry = oh.computations(text).get("ENTRY", [])
+def _jobs(comp: List[oh.Instruction]) -> List[tuple]:
+    """A computation's moves as lane jobs: (start position, done position or -1, PCIe seconds, 0 to the host / 1 back)."""
     jobs = []
-    for pos, ins in enumerate(entry):
+    for pos, ins in enumerate(comp):
         move = _move(ins)
         if move is not None:
-            done = next((p for p in range(pos + 1, len(entry)) if ins.name in entry[p].operands), -1)
+            done = next((p for p in range(pos + 1, len(comp)) if ins.name in comp[p].operands), -1)
             jobs.append((pos, done, move[0] / PCIE_BYTES_PER_S, 0 if move[1] else 1))
     return jobs
+
+
+def _trip_wait(body: List[oh.Instruction], events: list) -> float:
+    """What one trip of a While body waits for its moves: the body's clock from its first trip's events, its moves
+    on the lanes as the entry's are."""
+    names = {ins.name for ins in body}
+    first = [e for e in events if e.trip == 0 and e.name in names]
+    begin = min((e.start for e in first), default=0.0)
+    clock = dcn.core_clock(body, [SimpleNamespace(name=e.name, trip=-1, asynchronous=e.asynchronous, end=e.end - begin)
+                                  for e in first])
+    return dcn.lane_wait(clock, _jobs(body))
 
 
 def summarize(text: str, spec, events: Optional[list] = None, core_seconds: float = 0.0) -> dict:
@@ -136,14 +148,11 @@ def summarize(text: str, spec, events: Optional[list] = None, core_seconds: floa
         comps = oh.computations(text)
         entry = comps.get("ENTRY", [])
         clock = dcn.core_clock(entry, events)
-        wait = dcn.lane_wait(clock, _entry_jobs(text))
-        for loop in oh.while_loops(text):  # a trip's moves in the busier direction against the trip's core time
-            trips = loop["trip_count"] or 1
-            trip = HostTransfers()
-            _read(comps.get(loop["body"], []), comps, 1, trip)
-            pcie = max(trip.to_host_bytes, trip.to_device_bytes) / PCIE_BYTES_PER_S
-            core = (clock[loop["position"] + 1] - clock[loop["position"]]) / trips
-            wait += trips * max(pcie - core, 0.0)
+        wait = dcn.lane_wait(clock, _jobs(entry))
+        for loop in oh.while_loops(text):
+            body = comps.get(loop["body"], [])
+            if any(is_move(ins) for ins in body):
+                wait += (loop["trip_count"] or 1) * _trip_wait(body, events)
         moved.update(exposed_seconds=wait, projected_seconds=max(core_seconds + wait, moved["pcie_seconds"]))
     moved.update(chips_per_host=spec.chips_per_host, host_dram_bytes_per_chip=spec.chip.host_dram_bytes_per_chip,
                  pcie_bytes_per_s=PCIE_BYTES_PER_S)
