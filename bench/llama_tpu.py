@@ -93,9 +93,11 @@ def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, tim
     if r.get("compiles"):
         p, c = r["projection"], r["collectives"]
         # with host moves, the step they leave the core ([Note: host transfers in libtpu's program])
-        step = (r.get("host_transfers") or {}).get("projected_seconds", p["projected_seconds"])
-        row.update(peak_gib=r["memory"]["peak"] / 2 ** 30, projected_s=step,
-                   projected_s_kernels_at_peak=p.get("projected_seconds_kernels_at_peak"),
+        host = r.get("host_transfers") or {}
+        step, at_peak = host.get("projected_seconds", p["projected_seconds"]), p.get("projected_seconds_kernels_at_peak")
+        if at_peak and "exposed_seconds" in host:  # the host moves' wait as at 50% (an estimate)
+            at_peak = max(at_peak + host["exposed_seconds"], host["pcie_seconds"])
+        row.update(peak_gib=r["memory"]["peak"] / 2 ** 30, projected_s=step, projected_s_kernels_at_peak=at_peak,
                    sync=c["sync"], sent_gb=c["sent_per_chip"] / 1e9, host=r.get("host_transfers"))
     else:
         row["error"] = ((r.get("error") or got["output"]).strip() or f"exit {got['rc']}")[-600:]
