@@ -58,3 +58,11 @@ def test_a_host_move_costs_the_core_nothing(space, on_core):
     seconds, _, moved = step_time._compute_cost(start, {i.name: i.shape for i in entry}, oh.computations(text),
                                                  chips.CHIPS["v6e"])
     assert (seconds > 0 and moved > 0) if on_core else (seconds == 0 and moved == 0)
+
+
+def test_core_clock_reads_a_loop_body_in_one_trip():
+    from types import SimpleNamespace as NS
+    body = [NS(name="x", opcode="fusion"), NS(name="y", opcode="fusion")]
+    events = [NS(name="x", trip=0, asynchronous=False, end=11.0), NS(name="y", trip=0, asynchronous=False, end=12.5),
+              NS(name="x", trip=1, asynchronous=False, end=14.0), NS(name="z", trip=-1, asynchronous=False, end=20.0)]
+    assert dcn.core_clock(body, events, trip=0, offset=10.0) == [0.0, 1.0, 2.5]

@@ -111,23 +111,26 @@ def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[l
     return out
 
 
-def core_clock(entry: list, events: list) -> List[float]:
-    """The core's PROJECTED time when each entry position is reached (one more for the end), from step_time's
-    `events`; a While loop's position is reached when its last trip's events end."""
-    place = {ins.name: pos for pos, ins in enumerate(entry)}
-    whiles = [pos for pos, ins in enumerate(entry) if ins.opcode == "while"]
-    clock = [0.0] * (len(entry) + 1)
+def core_clock(comp: list, events: list, trip: int = -1, offset: float = 0.0) -> List[float]:
+    """The core's PROJECTED time when each position of `comp` is reached (one more for the end), from step_time's
+    `events`: the entry's (`trip` -1), where a While loop's position is reached when its last trip's events end, or a
+    While body's in its trip `trip`, less `offset` (the trip's start)."""
+    place = {ins.name: pos for pos, ins in enumerate(comp)}
+    whiles = [pos for pos, ins in enumerate(comp) if ins.opcode == "while"]
+    clock = [0.0] * (len(comp) + 1)
     last = -1
     for e in events:
-        if e.trip >= 0:  # a loop body's: the loop after the last entry instruction seen ends then
+        if trip < 0 and e.trip >= 0:  # a loop body's: the loop after the last entry instruction seen ends then
             pos = next((w for w in whiles if w > last), None)
+        elif e.trip != trip:
+            continue
         else:
             pos = place.get(e.name)
             if pos is None or e.asynchronous:
                 continue
             last = pos
         if pos is not None:
-            clock[pos + 1] = max(clock[pos + 1], e.end)
+            clock[pos + 1] = max(clock[pos + 1], e.end - offset)
     for pos in range(1, len(clock)):
         clock[pos] = max(clock[pos], clock[pos - 1])
     return clock

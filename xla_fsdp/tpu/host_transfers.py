@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 from xla_fsdp.tpu import dcn, optimized_hlo as oh
@@ -75,6 +74,11 @@ def is_move(ins: oh.Instruction) -> bool:
     return _move(ins) is not None
 
 
+def _done(comp: List[oh.Instruction], pos: int) -> int:
+    """The position of the `-done` that waits for the move started at `pos` (-1: not found)."""
+    return next((p for p in range(pos + 1, len(comp)) if comp[pos].name in comp[p].operands), -1)
+
+
 def _read(comp: List[oh.Instruction], comps: Dict[str, List[oh.Instruction]], times: int, out: HostTransfers):
     for pos, ins in enumerate(comp):
         move = _move(ins)
@@ -86,8 +90,8 @@ def _read(comp: List[oh.Instruction], comps: Dict[str, List[oh.Instruction]], ti
         else:
             out.to_device_bytes += size * times
         out.moves += times
-        done = next((p for p in range(pos + 1, len(comp)) if ins.name in comp[p].operands), None)
-        if done is not None and any(oh._holds_matmul(i, comps) for i in comp[pos + 1:done]):
+        done = _done(comp, pos)
+        if done >= 0 and any(oh._holds_matmul(i, comps) for i in comp[pos + 1:done]):
             out.with_matmul += times
 
 
@@ -124,20 +128,16 @@ def _jobs(comp: List[oh.Instruction]) -> List[tuple]:
     for pos, ins in enumerate(comp):
         move = _move(ins)
         if move is not None:
-            done = next((p for p in range(pos + 1, len(comp)) if ins.name in comp[p].operands), -1)
-            jobs.append((pos, done, move[0] / PCIE_BYTES_PER_S, 0 if move[1] else 1))
+            jobs.append((pos, _done(comp, pos), move[0] / PCIE_BYTES_PER_S, 0 if move[1] else 1))
     return jobs
 
 
 def _trip_wait(body: List[oh.Instruction], events: list) -> float:
-    """What one trip of a While body waits for its moves: the body's clock from its first trip's events, its moves
-    on the lanes as the entry's are."""
+    """What one trip of a While body waits for its moves: its moves on the lanes as the entry's are, on the body's
+    clock in its first trip."""
     names = {ins.name for ins in body}
-    first = [e for e in events if e.trip == 0 and e.name in names]
-    begin = min((e.start for e in first), default=0.0)
-    clock = dcn.core_clock(body, [SimpleNamespace(name=e.name, trip=-1, asynchronous=e.asynchronous, end=e.end - begin)
-                                  for e in first])
-    return dcn.lane_wait(clock, _jobs(body))
+    first = [e.start for e in events if e.trip == 0 and e.name in names]
+    return dcn.lane_wait(dcn.core_clock(body, events, trip=0, offset=min(first, default=0.0)), _jobs(body))
 
 
 def summarize(text: str, spec, events: Optional[list] = None, core_seconds: float = 0.0) -> dict:
