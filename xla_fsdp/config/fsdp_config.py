@@ -62,9 +62,8 @@ class FSDPConfig:
     """HF key `backward_prefetch`: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH; None = engine default."""
 
     def __post_init__(self) -> None:
-        _check_bool("xla", self.xla)
-        _check_bool("xla_fsdp_grad_ckpt", self.xla_fsdp_grad_ckpt)
-        _check_bool("xla_fsdp_v2", self.xla_fsdp_v2)
+        for key in ("xla", "xla_fsdp_grad_ckpt", "xla_fsdp_v2"):
+            _check_bool(key, getattr(self, key))
         if self.scan_layers != "per_step" and type(self.scan_layers) is not bool:
             raise FSDPConfigError(f"scan_layers must be true, false or \"per_step\", got "
                                   f"{_type_name(self.scan_layers)} {self.scan_layers!r}")
@@ -77,81 +76,56 @@ class FSDPConfig:
             # JSON has no integer exponent form, so thresholds get written as 1e8.
             object.__setattr__(self, "min_num_params", int(self.min_num_params))
         _check_int("fsdp_min_num_params", self.min_num_params, 0)
-        if isinstance(self.xla_fsdp_settings, Mapping):
+        if not isinstance(self.xla_fsdp_settings, XlaFSDPSettings):  # from_dict refuses what is not a dict
             object.__setattr__(self, "xla_fsdp_settings", XlaFSDPSettings.from_dict(self.xla_fsdp_settings))
-        elif not isinstance(self.xla_fsdp_settings, XlaFSDPSettings):
-            raise FSDPConfigError(
-                f"xla_fsdp_settings must be a dict of engine keyword arguments, got "
-                f"{_type_name(self.xla_fsdp_settings)} {self.xla_fsdp_settings!r}"
-            )
         object.__setattr__(self, "transformer_layer_cls_to_wrap", _layer_names(self.transformer_layer_cls_to_wrap))
         self._check_combinations()
 
     def _check_combinations(self) -> None:
+        settings = self.xla_fsdp_settings
         if self.transformer_layer_cls_to_wrap and self.min_num_params > 0:
             # Hugging Face silently lets min_num_params win; refuse rather than guess.
-            raise FSDPConfigError(
-                "fsdp_transformer_layer_cls_to_wrap and fsdp_min_num_params are mutually "
-                "exclusive auto-wrap policies; keep one (layer classes for transformers, "
-                "e.g. [\"GPT2Block\"])"
-            )
+            raise FSDPConfigError("fsdp_transformer_layer_cls_to_wrap and fsdp_min_num_params are mutually exclusive "
+                                  "auto-wrap policies; keep one (layer classes for transformers, e.g. [\"GPT2Block\"])")
         if self.xla_fsdp_grad_ckpt and not self.xla:
-            raise FSDPConfigError(
-                "xla_fsdp_grad_ckpt requires xla: true (it checkpoints XLA FSDP units); "
-                "set \"xla\": true or drop xla_fsdp_grad_ckpt"
-            )
+            raise FSDPConfigError("xla_fsdp_grad_ckpt requires xla: true (it checkpoints XLA FSDP units); set "
+                                  "\"xla\": true or drop xla_fsdp_grad_ckpt")
         if self.xla_fsdp_grad_ckpt and not self.uses_auto_wrap:
-            raise FSDPConfigError(
-                "xla_fsdp_grad_ckpt requires an auto-wrap policy (it checkpoints each "
-                "auto-wrapped layer); add fsdp_transformer_layer_cls_to_wrap, e.g. "
-                "[\"GPT2Block\"], or fsdp_min_num_params"
-            )
-        if self.xla_fsdp_settings.checkpoint_all_but_last and not self.xla_fsdp_grad_ckpt:
-            raise FSDPConfigError(
-                "xla_fsdp_settings.checkpoint_all_but_last chooses which checkpointed layers keep their "
-                "activations, and xla_fsdp_grad_ckpt is off, so none is checkpointed; set "
-                "\"xla_fsdp_grad_ckpt\": true or drop checkpoint_all_but_last"
-            )
-        if self.xla_fsdp_settings.remat_policy is not None and not self.xla_fsdp_grad_ckpt:
-            raise FSDPConfigError(
-                "xla_fsdp_settings.remat_policy says what checkpointed layers save, and xla_fsdp_grad_ckpt is "
-                "off, so none is checkpointed; set \"xla_fsdp_grad_ckpt\": true or drop remat_policy")
+            raise FSDPConfigError("xla_fsdp_grad_ckpt requires an auto-wrap policy (it checkpoints each auto-wrapped "
+                                  "layer); add fsdp_transformer_layer_cls_to_wrap, e.g. [\"GPT2Block\"], or "
+                                  "fsdp_min_num_params")
+        if settings.checkpoint_all_but_last and not self.xla_fsdp_grad_ckpt:
+            raise FSDPConfigError("xla_fsdp_settings.checkpoint_all_but_last chooses which checkpointed layers keep "
+                                  "their activations, and xla_fsdp_grad_ckpt is off, so none is checkpointed; set "
+                                  "\"xla_fsdp_grad_ckpt\": true or drop checkpoint_all_but_last")
+        if settings.remat_policy is not None and not self.xla_fsdp_grad_ckpt:
+            raise FSDPConfigError("xla_fsdp_settings.remat_policy says what checkpointed layers save, and "
+                                  "xla_fsdp_grad_ckpt is off, so none is checkpointed; set \"xla_fsdp_grad_ckpt\": "
+                                  "true or drop remat_policy")
         if self.scan_layers and not self.xla_fsdp_v2 and not self.xla_fsdp_grad_ckpt:
-            raise FSDPConfigError(
-                "scan_layers on the collectives engine recomputes every layer in backward; set "
-                "\"xla_fsdp_grad_ckpt\": true (or use xla_fsdp_v2)")
+            raise FSDPConfigError("scan_layers on the collectives engine recomputes every layer in backward; set "
+                                  "\"xla_fsdp_grad_ckpt\": true (or use xla_fsdp_v2)")
         if self.scan_layers and not self.uses_auto_wrap:
-            raise FSDPConfigError(
-                "scan_layers scans the wrapped repeated layer; add fsdp_transformer_layer_cls_to_wrap "
-                "naming it, e.g. [\"GPT2Block\"]")
+            raise FSDPConfigError("scan_layers scans the wrapped repeated layer; add fsdp_transformer_layer_cls_to_wrap "
+                                  "naming it, e.g. [\"GPT2Block\"]")
         if self.xla_fsdp_v2 and not self.xla:
             raise FSDPConfigError("xla_fsdp_v2 requires xla: true; set \"xla\": true")
-        if self.xla_fsdp_v2:
-            ignored = [k for k in self.xla_fsdp_settings.given() if k not in SPMD_ENGINE_KEYWORDS]
-            if "checkpoint_all_but_last" in ignored:
-                raise FSDPConfigError(
-                    "xla_fsdp_settings.checkpoint_all_but_last is not available with xla_fsdp_v2, whose "
-                    "xla_fsdp_grad_ckpt recomputes every layer; remove it or set xla_fsdp_v2 to false"
-                )
-            if ignored:
-                raise FSDPConfigError(
-                    f"xla_fsdp_settings.{ignored[0]} has no effect with xla_fsdp_v2 (the SPMD "
-                    f"partitioner places the collectives itself); remove "
-                    f"{', '.join(ignored)} or set xla_fsdp_v2 to false. With xla_fsdp_v2 "
-                    f"xla_fsdp_settings takes only: {', '.join(SPMD_ENGINE_KEYWORDS)}"
-                )
+        ignored = [k for k in settings.given() if k not in SPMD_ENGINE_KEYWORDS] if self.xla_fsdp_v2 else []
+        if "checkpoint_all_but_last" in ignored:
+            raise FSDPConfigError("xla_fsdp_settings.checkpoint_all_but_last is not available with xla_fsdp_v2, whose "
+                                  "xla_fsdp_grad_ckpt recomputes every layer; remove it or set xla_fsdp_v2 to false")
+        if ignored:
+            raise FSDPConfigError(f"xla_fsdp_settings.{ignored[0]} has no effect with xla_fsdp_v2 (the SPMD partitioner "
+                                  f"places the collectives itself); remove {', '.join(ignored)} or set xla_fsdp_v2 to "
+                                  f"false. With xla_fsdp_v2 xla_fsdp_settings takes only: "
+                                  f"{', '.join(SPMD_ENGINE_KEYWORDS)}")
         prefetch = [k for k in ("forward_prefetch", "backward_prefetch") if getattr(self, k) is not None]
         if prefetch and self.xla_fsdp_v2:
-            raise FSDPConfigError(
-                f"{prefetch[0]} has no effect with xla_fsdp_v2 (the SPMD partitioner places the "
-                f"gathers itself); remove it or set xla_fsdp_v2 to false")
-        if prefetch and not self.xla:
-            raise FSDPConfigError(f"{prefetch[0]} is given but xla is false, so it would be ignored; set \"xla\": true")
-        if self.xla_fsdp_settings.given() and not self.xla:
-            raise FSDPConfigError(
-                "xla_fsdp_settings is given but xla is false, so it would be ignored; "
-                "set \"xla\": true"
-            )
+            raise FSDPConfigError(f"{prefetch[0]} has no effect with xla_fsdp_v2 (the SPMD partitioner places the "
+                                  "gathers itself); remove it or set xla_fsdp_v2 to false")
+        given = prefetch[:1] or (["xla_fsdp_settings"] if settings.given() else [])
+        if given and not self.xla:
+            raise FSDPConfigError(f"{given[0]} is given but xla is false, so it would be ignored; set \"xla\": true")
 
     @property
     def use_spmd(self) -> bool:
@@ -173,10 +147,8 @@ class FSDPConfig:
         if self.transformer_layer_cls_to_wrap:
             # Names, not classes: the policy matches by class name, so the config does not need the model's module to be
             # imported.
-            return functools.partial(
-                transformer_auto_wrap_policy,
-                transformer_layer_cls=set(self.transformer_layer_cls_to_wrap),
-            )
+            return functools.partial(transformer_auto_wrap_policy,
+                                     transformer_layer_cls=set(self.transformer_layer_cls_to_wrap))
         return functools.partial(size_based_auto_wrap_policy, min_num_params=self.min_num_params)
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -186,10 +158,8 @@ class FSDPConfig:
         `xla_fsdp_grad_ckpt` either `auto_wrapper_callable=checkpointed_wrapper` (collectives engine) or
         `activation_checkpointing=True` together with `engine="spmd"` (`xla_fsdp_v2`)."""
         if not self.xla:
-            raise FSDPConfigError(
-                "this fsdp_config has xla: false, which selects Hugging Face's torch FSDP; "
-                "xla_fsdp runs XLA FSDP only; set \"xla\": true"
-            )
+            raise FSDPConfigError("this fsdp_config has xla: false, which selects Hugging Face's torch FSDP; xla_fsdp "
+                                  "runs XLA FSDP only; set \"xla\": true")
         kwargs = self.xla_fsdp_settings.engine_kwargs()
         policy = self.auto_wrap_policy()
         if policy is not None:
@@ -201,13 +171,10 @@ class FSDPConfig:
                 # builds one) would be wrong; the SPMD engine checkpoints its units itself, keeping the compute-dtype
                 # casts inside the recomputation.
                 kwargs["activation_checkpointing"] = True
-            if self.scan_layers:
-                kwargs["scan_layers"] = self.scan_layers
-        else:
-            if self.xla_fsdp_grad_ckpt:
-                kwargs["auto_wrapper_callable"] = checkpointed_wrapper
-            if self.scan_layers:  # [Note: scanning units of the collectives engine]
-                kwargs["scan_layers"] = self.scan_layers
+        elif self.xla_fsdp_grad_ckpt:
+            kwargs["auto_wrapper_callable"] = checkpointed_wrapper
+        if self.scan_layers:  # both engines; the collectives one: [Note: scanning units of the collectives engine]
+            kwargs["scan_layers"] = self.scan_layers
         if self.forward_prefetch is not None:
             kwargs["forward_prefetch"] = self.forward_prefetch
         if self.backward_prefetch is not None:
@@ -231,30 +198,19 @@ class FSDPConfig:
                     hint = f"its transformer layer class is {', '.join(repr(c) for c in layers)}"
                 else:
                     hint = f"classes in the model: {', '.join(present)}"
-                raise FSDPConfigError(
-                    f"fsdp_transformer_layer_cls_to_wrap names {name!r}, but no module of "
-                    f"{type(model).__name__} has that class; {hint}"
-                )
+                raise FSDPConfigError(f"fsdp_transformer_layer_cls_to_wrap names {name!r}, but no module of "
+                                      f"{type(model).__name__} has that class; {hint}")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as Hugging Face JSON (canonical `fsdp_`-prefixed keys); loads back equal."""
-        out: dict[str, Any] = {"xla": self.xla}
-        settings = self.xla_fsdp_settings.given()
-        if settings:
-            out["xla_fsdp_settings"] = settings
-        if self.transformer_layer_cls_to_wrap:
-            out["fsdp_transformer_layer_cls_to_wrap"] = list(self.transformer_layer_cls_to_wrap)
-        if self.min_num_params:
-            out["fsdp_min_num_params"] = self.min_num_params
-        out["xla_fsdp_grad_ckpt"] = self.xla_fsdp_grad_ckpt
-        out["xla_fsdp_v2"] = self.xla_fsdp_v2
-        if self.scan_layers:
-            out["scan_layers"] = self.scan_layers
-        if self.forward_prefetch is not None:
-            out["fsdp_forward_prefetch"] = self.forward_prefetch
-        if self.backward_prefetch is not None:
-            out["fsdp_backward_prefetch"] = self.backward_prefetch
-        return out
+        out = {"xla": self.xla, "xla_fsdp_settings": self.xla_fsdp_settings.given(),
+               "fsdp_transformer_layer_cls_to_wrap": list(self.transformer_layer_cls_to_wrap),
+               "fsdp_min_num_params": self.min_num_params, "xla_fsdp_grad_ckpt": self.xla_fsdp_grad_ckpt,
+               "xla_fsdp_v2": self.xla_fsdp_v2, "scan_layers": self.scan_layers,
+               "fsdp_forward_prefetch": self.forward_prefetch, "fsdp_backward_prefetch": self.backward_prefetch}
+        # the switches always (a forward_prefetch of false too); the rest only when set
+        always = ("xla", "xla_fsdp_grad_ckpt", "xla_fsdp_v2", "fsdp_forward_prefetch")
+        return {key: value for key, value in out.items() if value is not None and (value or key in always)}
 
 
 def _layer_names(value: Any) -> tuple[str, ...]:
@@ -262,10 +218,8 @@ def _layer_names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-        raise FSDPConfigError(
-            "fsdp_transformer_layer_cls_to_wrap must be a list of class-name strings, "
-            f"e.g. [\"GPT2Block\"]; got {_type_name(value)} {value!r}"
-        )
+        raise FSDPConfigError("fsdp_transformer_layer_cls_to_wrap must be a list of class-name strings, e.g. "
+                              f"[\"GPT2Block\"]; got {_type_name(value)} {value!r}")
     return tuple(value)
 
 
@@ -279,10 +233,8 @@ def _canonical_top_level(raw: Mapping) -> dict[str, Any]:
         canonical = _TOP_LEVEL_ALIASES.get(key, key)
         if canonical in _TOP_LEVEL_KEYS:
             if canonical in out:
-                raise FSDPConfigError(
-                    f"fsdp_config gives both {canonical!r} and its alias "
-                    f"{canonical[len('fsdp_'):]!r}; keep one"
-                )
+                raise FSDPConfigError(f"fsdp_config gives both {canonical!r} and its alias "
+                                      f"{canonical[len('fsdp_'):]!r}; keep one")
             out[canonical] = value
             continue
         bare = key[len("fsdp_"):] if key.startswith("fsdp_") else key
@@ -318,18 +270,8 @@ def load_fsdp_config(source: Union[str, os.PathLike, Mapping, FSDPConfig]) -> FS
     if not isinstance(raw, Mapping):
         raise FSDPConfigError(f"{origin}: the top level must be a JSON object, got {_type_name(raw)}")
     try:
-        keys = _canonical_top_level(raw)
-        return FSDPConfig(
-            xla=keys.get("xla", False),
-            xla_fsdp_settings=keys.get("xla_fsdp_settings", {}),
-            transformer_layer_cls_to_wrap=keys.get("fsdp_transformer_layer_cls_to_wrap", ()),
-            min_num_params=keys.get("fsdp_min_num_params", 0),
-            xla_fsdp_grad_ckpt=keys.get("xla_fsdp_grad_ckpt", False),
-            xla_fsdp_v2=keys.get("xla_fsdp_v2", False),
-            scan_layers=keys.get("scan_layers", False),
-            forward_prefetch=keys.get("fsdp_forward_prefetch"),
-            backward_prefetch=keys.get("fsdp_backward_prefetch"),
-        )
+        # each canonical key is its field's name, less the prefix "fsdp_"; absent keys keep the field's default
+        return FSDPConfig(**{key.removeprefix("fsdp_"): value for key, value in _canonical_top_level(raw).items()})
     except FSDPConfigError as e:
         if origin == "fsdp_config":
             raise

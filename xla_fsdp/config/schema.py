@@ -26,51 +26,31 @@ SPMD_ENGINE_KEYWORDS: tuple[str, ...] = keyword_table.JSON_GSPMD
 # Engine keywords that take Python callables, which JSON cannot carry. Naming the JSON key that replaces each is kinder
 # than "unknown key".
 _CALLABLE_KEYWORDS: dict[str, str] = {
-    "auto_wrap_policy": (
-        "use the top-level key fsdp_transformer_layer_cls_to_wrap (a list of "
-        "layer class names) or fsdp_min_num_params (an int) instead"
-    ),
-    "auto_wrapper_callable": (
-        "set the top-level key xla_fsdp_grad_ckpt to true for per-layer "
-        "gradient checkpointing instead"
-    ),
-    "param_init_fn": (
-        "deferred initialization is set up by the training job, not the JSON; "
-        "remove it (see xla_fsdp.deferred_init)"
-    ),
+    "auto_wrap_policy": "use the top-level key fsdp_transformer_layer_cls_to_wrap (a list of layer class names) or "
+                        "fsdp_min_num_params (an int) instead",
+    "auto_wrapper_callable": "set the top-level key xla_fsdp_grad_ckpt to true for per-layer gradient checkpointing "
+                             "instead",
+    "param_init_fn": "deferred initialization is set up by the training job, not the JSON; remove it (see "
+                     "xla_fsdp.deferred_init)",
 }
 
 # torch_xla constructor keywords that this engine does not take; users copying settings from torch_xla examples deserve
 # a precise reason.
 _TORCH_XLA_ONLY_KEYWORDS: dict[str, str] = {
-    "coalesce_all_gather_ops": (
-        "is a torch_xla keyword that xla_fsdp does not take; remove it "
-        "(all_gather_impl chooses how parameters are gathered)"
-    ),
+    "coalesce_all_gather_ops": "is a torch_xla keyword that xla_fsdp does not take; remove it (all_gather_impl "
+                               "chooses how parameters are gathered)",
 }
 
 # Canonical dtype names and the spellings accepted for each.
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,}
-_DTYPE_ALIASES: dict[str, str] = {
-    "float32": "float32", "fp32": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16",
-}
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES: dict[str, str] = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                                  "float16": "float16", "fp16": "float16"}
 _SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 # Top-level keys. Newer Hugging Face versions strip the "fsdp_" prefix before reading the dict, so both spellings reach
 # us in the wild.
-_TOP_LEVEL_KEYS = (
-    "xla",
-    "xla_fsdp_settings",
-    "fsdp_transformer_layer_cls_to_wrap",
-    "fsdp_min_num_params",
-    "xla_fsdp_grad_ckpt",
-    "xla_fsdp_v2",
-    "scan_layers",
-    "fsdp_forward_prefetch",
-    "fsdp_backward_prefetch",
-)
+_TOP_LEVEL_KEYS = ("xla", "xla_fsdp_settings", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
+                   "xla_fsdp_grad_ckpt", "xla_fsdp_v2", "scan_layers", "fsdp_forward_prefetch", "fsdp_backward_prefetch")
 _TOP_LEVEL_ALIASES: dict[str, str] = {
     "transformer_layer_cls_to_wrap": "fsdp_transformer_layer_cls_to_wrap",
     "min_num_params": "fsdp_min_num_params",
@@ -83,10 +63,8 @@ BACKWARD_PREFETCH_CHOICES = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 
 # Keys that only Hugging Face's torch-FSDP path (xla false) reads. Accepting them would let a user believe they had an
 # effect on XLA FSDP.
-_TORCH_FSDP_ONLY_HINT = (
-    "it is read only by Hugging Face's torch FSDP path, which XLA FSDP does "
-    "not use; remove it (engine options go in xla_fsdp_settings)"
-)
+_TORCH_FSDP_ONLY_HINT = ("it is read only by Hugging Face's torch FSDP path, which XLA FSDP does not use; remove it "
+                         "(engine options go in xla_fsdp_settings)")
 _TORCH_FSDP_ONLY_KEYS: dict[str, str] = {
     **{key: _TORCH_FSDP_ONLY_HINT for key in (
         "version", "cpu_offload", "offload_params", "limit_all_gathers", "use_orig_params", "sync_module_states",
@@ -94,10 +72,7 @@ _TORCH_FSDP_ONLY_KEYS: dict[str, str] = {
     )},
     "activation_checkpointing": "use xla_fsdp_grad_ckpt for per-layer gradient checkpointing",
     "reshard_after_forward": "move it into xla_fsdp_settings",
-    "auto_wrap_policy": (
-        "the policy follows from fsdp_transformer_layer_cls_to_wrap or "
-        "fsdp_min_num_params; remove it"
-    ),
+    "auto_wrap_policy": "the policy follows from fsdp_transformer_layer_cls_to_wrap or fsdp_min_num_params; remove it",
 }
 
 
@@ -131,10 +106,8 @@ def _check_int(key: str, value: Any, minimum: int) -> None:
 
 def _canonical_dtype(key: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise FSDPConfigError(
-            f"{key} must be a dtype name string such as \"bfloat16\", got "
-            f"{_type_name(value)} {value!r}"
-        )
+        raise FSDPConfigError(f"{key} must be a dtype name string such as \"bfloat16\", got {_type_name(value)} "
+                              f"{value!r}")
     name = _DTYPE_ALIASES.get(value.lower())
     if name is None:
         raise FSDPConfigError(f"{key}: unknown dtype {value!r}; valid: " + ", ".join(_DTYPE_ALIASES))
@@ -151,11 +124,9 @@ def _canonical_choice(key: str, value: Any, choices: tuple[str, ...], upper: boo
     return normalized
 
 
-_BOOL_SETTINGS = (
-    "reshard_after_forward", "flatten_parameters", "execute_sharding_on_init",
-    "optimization_barrier_in_forward", "optimization_barrier_in_backward", "sync_on_finalization",
-    "disable_reshard_on_root", "fp32_reduce_scatter", "shard_param_on_dim_0", "pin_layout_in_collective_ops",
-)
+_BOOL_SETTINGS = ("reshard_after_forward", "flatten_parameters", "execute_sharding_on_init",
+                  "optimization_barrier_in_forward", "optimization_barrier_in_backward", "sync_on_finalization",
+                  "disable_reshard_on_root", "fp32_reduce_scatter", "shard_param_on_dim_0", "pin_layout_in_collective_ops")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,20 +201,12 @@ class XlaFSDPSettings:
         # imports (tests/test_layout.py)
         from ..options import ALL_GATHER_IMPLS, REDUCE_SCATTER_STAGES, TOKEN_CHAINS
 
-        if self.all_gather_impl is not None:
-            _canonical_choice(where + "all_gather_impl", self.all_gather_impl, ALL_GATHER_IMPLS, upper=False)
-        if self.reduce_scatter_stages is not None:
-            _canonical_choice(where + "reduce_scatter_stages", self.reduce_scatter_stages,
-                              REDUCE_SCATTER_STAGES, upper=False)
-        if self.token_chain is not None:
-            _canonical_choice(where + "token_chain", self.token_chain, TOKEN_CHAINS, upper=False)
-        if self.sharding_strategy is not None:
-            object.__setattr__(
-                self,
-                "sharding_strategy",
-                _canonical_choice(where + "sharding_strategy", self.sharding_strategy,
-                                  _SHARDING_STRATEGIES, upper=True),
-            )
+        choices = {"all_gather_impl": ALL_GATHER_IMPLS, "reduce_scatter_stages": REDUCE_SCATTER_STAGES,
+                   "token_chain": TOKEN_CHAINS, "sharding_strategy": _SHARDING_STRATEGIES}
+        for name, names in choices.items():
+            if getattr(self, name) is not None:  # strategies in upper case, as `--fsdp full_shard` spells them lower
+                object.__setattr__(self, name, _canonical_choice(where + name, getattr(self, name), names,
+                                                                 upper=name == "sharding_strategy"))
         if self.reduce_scatter_bucket_size_mb is not None:
             _check_int(where + "reduce_scatter_bucket_size_mb", self.reduce_scatter_bucket_size_mb, 0)
         if isinstance(self.checkpoint_all_but_last, str):
@@ -269,43 +232,31 @@ class XlaFSDPSettings:
         if self.sharding_rank is not None:
             _check_int(where + "sharding_rank", self.sharding_rank, 0)
             if self.sharding_world_size is not None and self.sharding_rank >= self.sharding_world_size:
-                raise FSDPConfigError(
-                    f"{where}sharding_rank {self.sharding_rank} is out of range for "
-                    f"sharding_world_size {self.sharding_world_size}"
-                )
+                raise FSDPConfigError(f"{where}sharding_rank {self.sharding_rank} is out of range for "
+                                      f"sharding_world_size {self.sharding_world_size}")
         strategy = self.sharding_strategy
         groups = self.sharding_groups
         if groups is None:
             from xla_fsdp.runtime.environment import num_slices
 
             if strategy == "HYBRID_SHARD" and num_slices() == 1:  # on several slices, the slices are the groups
-                raise FSDPConfigError(
-                    f"{where}sharding_strategy HYBRID_SHARD needs {where}sharding_groups, "
-                    f"e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] (shard inside each group, replicate across)"
-                )
+                raise FSDPConfigError(f"{where}sharding_strategy HYBRID_SHARD needs {where}sharding_groups, e.g. "
+                                      "[[0, 1, 2, 3], [4, 5, 6, 7]] (shard inside each group, replicate across)")
             return
         if strategy == "NO_SHARD":
-            raise FSDPConfigError(
-                f"{where}sharding_strategy NO_SHARD replicates every parameter, so "
-                f"{where}sharding_groups has no effect; remove one of the two"
-            )
+            raise FSDPConfigError(f"{where}sharding_strategy NO_SHARD replicates every parameter, so "
+                                  f"{where}sharding_groups has no effect; remove one of the two")
         if not isinstance(groups, (list, tuple)) or not groups or not all(
-            isinstance(g, (list, tuple)) and g and all(type(r) is int and r >= 0 for r in g)
-            for g in groups
-        ):
-            raise FSDPConfigError(
-                f"{where}sharding_groups must be a non-empty list of non-empty lists of "
-                f"non-negative int ranks, e.g. [[0, 1], [2, 3]]; got {groups!r}"
-            )
+                isinstance(g, (list, tuple)) and g and all(type(r) is int and r >= 0 for r in g) for g in groups):
+            raise FSDPConfigError(f"{where}sharding_groups must be a non-empty list of non-empty lists of non-negative "
+                                  f"int ranks, e.g. [[0, 1], [2, 3]]; got {groups!r}")
         size = self.sharding_world_size if self.sharding_world_size is not None else len(groups[0])
         for group in groups:
             # Groups shard the same parameters, so they must cut them into the same number of pieces.
             if len(group) != size:
-                raise FSDPConfigError(
-                    f"{where}sharding_groups: group {list(group)} has {len(group)} ranks but "
-                    + (f"sharding_world_size is {size}" if self.sharding_world_size is not None
-                       else f"group {list(groups[0])} has {size}; all groups must be the same size")
-                )
+                raise FSDPConfigError(f"{where}sharding_groups: group {list(group)} has {len(group)} ranks but "
+                                      + (f"sharding_world_size is {size}" if self.sharding_world_size is not None
+                                         else f"group {list(groups[0])} has {size}; all groups must be the same size"))
         ranks = [r for g in groups for r in g]
         if len(ranks) != len(set(ranks)):
             raise FSDPConfigError(f"{where}sharding_groups: a rank appears more than once: {groups!r}")
@@ -316,31 +267,23 @@ class XlaFSDPSettings:
         # FULL_SHARD means "reshard after forward", SHARD_GRAD_OP means "keep parameters gathered until backward";
         # stating the opposite flag too is a contradiction, not an override.
         implied = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}.get(self.sharding_strategy)
-        if implied is not None and self.reshard_after_forward is not None \
-                and self.reshard_after_forward != implied:
-            raise FSDPConfigError(
-                f"{where}sharding_strategy {self.sharding_strategy} implies "
-                f"reshard_after_forward={str(implied).lower()}, but "
-                f"reshard_after_forward is {str(self.reshard_after_forward).lower()}; "
-                f"remove one of the two"
-            )
+        if implied is not None and self.reshard_after_forward not in (None, implied):
+            raise FSDPConfigError(f"{where}sharding_strategy {self.sharding_strategy} implies reshard_after_forward="
+                                  f"{str(implied).lower()}, but reshard_after_forward is "
+                                  f"{str(self.reshard_after_forward).lower()}; remove one of the two")
 
     @classmethod
     def from_dict(cls, settings: Any) -> "XlaFSDPSettings":
         """Build from the JSON dict, rejecting keys that are not engine keywords."""
         if not isinstance(settings, Mapping):
-            raise FSDPConfigError(
-                f"xla_fsdp_settings must be a dict of engine keyword arguments, got "
-                f"{_type_name(settings)} {settings!r}"
-            )
+            raise FSDPConfigError(f"xla_fsdp_settings must be a dict of engine keyword arguments, got "
+                                  f"{_type_name(settings)} {settings!r}")
         for key in settings:
             if key in ENGINE_KEYWORDS:
                 continue
             if key in _CALLABLE_KEYWORDS:
-                raise FSDPConfigError(
-                    f"xla_fsdp_settings.{key} takes a Python callable, which JSON "
-                    f"cannot express; {_CALLABLE_KEYWORDS[key]}"
-                )
+                raise FSDPConfigError(f"xla_fsdp_settings.{key} takes a Python callable, which JSON cannot express; "
+                                      f"{_CALLABLE_KEYWORDS[key]}")
             if key in _TORCH_XLA_ONLY_KEYWORDS:
                 raise FSDPConfigError(f"xla_fsdp_settings.{key} {_TORCH_XLA_ONLY_KEYWORDS[key]}")
             raise FSDPConfigError(f"unknown key {key!r} in xla_fsdp_settings; {_suggest(key, ENGINE_KEYWORDS)}")
@@ -348,12 +291,9 @@ class XlaFSDPSettings:
 
     def given(self) -> dict[str, Any]:
         """The fields that were set, as JSON values (canonical dtype and strategy names)."""
-        out: dict[str, Any] = {}
-        for name in ENGINE_KEYWORDS:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            out[name] = [list(g) for g in value] if name == "sharding_groups" else value
+        out = {name: getattr(self, name) for name in ENGINE_KEYWORDS if getattr(self, name) is not None}
+        if "sharding_groups" in out:
+            out["sharding_groups"] = [list(g) for g in out["sharding_groups"]]
         return out
 
     def engine_kwargs(self) -> dict[str, Any]:
