@@ -21,6 +21,7 @@ from . import format as fmt
 from ..runtime import stored_keys
 from . import storage
 from .format import CheckpointError
+from .restack import layer_shape
 
 
 def consolidate(checkpoint: str, out_dir: str) -> str:
@@ -52,7 +53,6 @@ def consolidate(checkpoint: str, out_dir: str) -> str:
             continue
         # scan_layers' stored stack (d0, L, *rest), or (L,): each layer's key ([Note: parameters stored stacked]); the
         # stack is read once for all its layers
-        layer_shape = [shape[0], *shape[2:]] if len(shape) > 1 else []
         for i, key in enumerate(stacked[name]):
             def layer(i=i, name=name, produce=produce):
                 if name not in last:
@@ -60,18 +60,12 @@ def consolidate(checkpoint: str, out_dir: str) -> str:
                     last[name] = produce()
                 return stored_keys.layer_slice(last[name], i).contiguous()
 
-            entries.append((key, dtype, layer_shape, layer))
+            entries.append((key, dtype, layer_shape(shape), layer))
     for name, b in meta.get("buffers", {}).items():
         entries.append((name, fmt.dtype_from_name(b["dtype"]), b["shape"],
                         lambda name=name: index.read_rank(f"buffer/{name}", 0)))
-    out = storage.storage_for(out_dir)
-    out.makedirs(out_dir, exist_ok=True)
-    target = out.join(out_dir, "model.safetensors")
-    fmt.write_whole_file(target, entries, metadata={"format": "pt"})
     config = src.join(checkpoint, fmt.HF_CONFIG)
-    if src.isfile(config):
-        out.write_bytes(out.join(out_dir, "config.json"), src.read_bytes(config))
-    return target
+    return fmt.write_pretrained(out_dir, entries, src.read_bytes(config) if src.isfile(config) else None)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

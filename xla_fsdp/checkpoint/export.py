@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 
 from . import format as fmt
-from . import storage
 from ..runtime import hosts, stored_keys
 from ..collective_engine import model_state as keys
 from ..unit_state import units
@@ -68,11 +67,8 @@ def save_pretrained(model: nn.Module, out_dir: str) -> None:
     if info.rank == 0:
         aliases = {alias for h in held for alias in h.aliases}
         tensors: Dict[str, torch.Tensor] = {k: v.contiguous() for k, v in state.items() if k not in aliases}
-        st = storage.storage_for(out_dir)
-        st.makedirs(out_dir, exist_ok=True)
         entries = [(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in tensors.items()]
-        fmt.write_whole_file(st.join(out_dir, "model.safetensors"), entries, metadata={"format": "pt"})
         config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):  # what config.to_json_file writes
-            st.write_bytes(st.join(out_dir, "config.json"), config.to_json_string().encode())
+        has_json = config is not None and hasattr(config, "to_json_string")  # what config.to_json_file writes
+        fmt.write_pretrained(out_dir, entries, config.to_json_string().encode() if has_json else None)
     info.barrier()

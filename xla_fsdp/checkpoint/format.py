@@ -135,15 +135,21 @@ def write_safetensors(path: str, entries: Sequence[Tuple[str, torch.dtype, Seque
     return crcs
 
 
-def write_whole_file(target: str, entries, metadata: Optional[Dict[str, str]] = None) -> None:
-    """A standalone safetensors file (a consolidated model), never seen half written: on a local file system written
-    beside `target` and renamed; at a URL one upload, which an object store publishes only once complete (fsspec's
-    file:// writes in place)."""
-    st = storage.storage_for(target)
+def write_pretrained(out_dir: str, entries, config_json: Optional[bytes]) -> str:
+    """A `save_pretrained` directory: `model.safetensors` of `entries` and, when given, `config.json`; returns the
+    safetensors file's path. The file is never seen half written: on a local file system written beside its name and
+    renamed; at a URL one upload, which an object store publishes only once complete (fsspec's file:// writes in
+    place)."""
+    st = storage.storage_for(out_dir)
+    st.makedirs(out_dir, exist_ok=True)
+    target = st.join(out_dir, "model.safetensors")
     written = target + PARTIAL_SUFFIX if st.renames else target
-    write_safetensors(written, entries, metadata=metadata)
+    write_safetensors(written, entries, metadata={"format": "pt"})
     if st.renames:
         st.rename(written, target)
+    if config_json is not None:
+        st.write_bytes(st.join(out_dir, "config.json"), config_json)
+    return target
 
 
 # -- reading --------------------------------------------------------------------

@@ -47,16 +47,17 @@ class Holding:
 
     def __init__(self, name: str, aliases: List[str], param: torch.Tensor, full_shape: torch.Size,
                  rows: Tuple[int, int], writes: bool, load: Callable[[torch.Tensor], None],
-                 local_rows: int, place_state: Callable[[torch.Tensor], torch.Tensor]):
+                 local_rows: int, place_state: Callable[[torch.Tensor, torch.Size], torch.Tensor]):
         self.name = name
         self.aliases = aliases
         self.param = param
         self.full_shape = torch.Size(full_shape)
         self.rows = rows  # [start, stop) of the full parameter's rows held here (padding excluded)
         self.writes = writes
-        self._load = load
+        self.load = load  # sets the parameter from its full rows [self.rows) (a host tensor)
         self.local_rows = local_rows  # dim 0 of the local tensor (padding included)
-        self._place_state = place_state
+        # (rows of an optimizer state tensor, its full shape) -> the tensor the optimizer keeps for this parameter
+        self.place_state = place_state
 
     @property
     def row_shape(self) -> Tuple[int, ...]:
@@ -70,15 +71,6 @@ class Holding:
         """A local tensor shaped like the parameter -> its real rows, on the host."""
         t = tensor.detach().reshape(self.local_rows, *tensor.shape[1:]) if tensor.dim() else tensor.detach().reshape(1)
         return t[: self.rows[1] - self.rows[0]].cpu()
-
-    def load(self, rows: torch.Tensor) -> None:
-        """Set the parameter from its full rows [self.rows) (host tensor)."""
-        self._load(rows)
-
-    def place_state(self, rows: torch.Tensor, full_shape: torch.Size) -> torch.Tensor:
-        """Rows of an optimizer state tensor (of `full_shape` when whole) -> the tensor the optimizer keeps for this
-        parameter."""
-        return self._place_state(rows, torch.Size(full_shape))
 
     # optimizer state that is neither shaped like the parameter nor its rows is per rank here (one process per chip:
     # each computed it over its own shard); SPMD: "whole" global tensors
@@ -97,7 +89,7 @@ class Holding:
 
     def read_state(self, index, key: str, full_shape: torch.Size) -> torch.Tensor:
         """An optimizer state tensor following the parameter ("rows"), read and placed."""
-        return self.place_state(index.read_rows(key, *self.rows), full_shape)
+        return self.place_state(index.read_rows(key, *self.rows), torch.Size(full_shape))
 
     def state_kind(self, key: str, value: Any) -> str:
         """"rows", "scalar" or "per_rank" (see the module docstring)."""
@@ -295,12 +287,3 @@ def optimizer_names(optimizer, held: List[Holding]) -> Dict[int, Holding]:
                 f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the model; build it "
                 "from model.parameters() after wrapping")
     return {index: by_id[id(p)] for index, p in enumerate(params)}
-
-
-def held_state_dict(optimizer) -> Dict[str, Any]:
-    """`optimizer.state_dict()` with its tensors as the optimizer holds them: the single controller's padded global
-    tensors, which checkpoints write row by row (its own state_dict() gives the unwrapped shapes:
-    [Note: optimizer state of the single controller])."""
-    from ..collective_engine.optimizer_state import held_state_dict as held
-
-    return held(optimizer)

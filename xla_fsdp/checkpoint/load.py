@@ -20,7 +20,8 @@ from . import restack as rs
 from . import storage
 from ..collective_engine import model_state as keys
 from .format import CheckpointError
-from .holdings import Holding, held_state_dict, holdings, layout_record, optimizer_names, process_info
+from ..collective_engine.optimizer_state import held_state_dict  # the padded global tensors, written row by row
+from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -179,18 +180,13 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
                         value = torch.stack([index.read_rank(f"optim_rank/{h_name}/{key}", r) for r in ranks]).mean(0)
                     out[key] = value.to(h.param.device)
             state[by_name[h_name]] = out
+        # JSON turned tuples (betas) into lists
         return {"state": state, "param_groups": [
-            {**{k: _restore_type(v, g.get(k)) for k, v in s["hyper"].items()}, "params": g["params"]}
+            {**{k: tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+                for k, v in s["hyper"].items()}, "params": g["params"]}
             for g, s in zip(groups, saved["param_groups"])]}
 
     return build
-
-
-def _restore_type(saved, current):
-    # JSON turned tuples (betas) into lists
-    if isinstance(current, tuple) and isinstance(saved, list):
-        return tuple(saved)
-    return saved
 
 
 def _read_extra(path: str) -> Dict[str, Any]:

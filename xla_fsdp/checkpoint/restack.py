@@ -22,6 +22,7 @@ SPMD run's whole tensor, so layer i takes row i of the stack's, and the layers' 
 `joined`, `values`)."""
 from __future__ import annotations
 
+import collections
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -76,7 +77,7 @@ def _renamed(meta: Dict[str, Any], r: Restack) -> Dict[str, Any]:
     params = out["params"]
     gone = set()
     for key, (stack, i) in r.split.items():
-        params[key] = {**params[stack], "shape": _layer_shape(params[stack]["shape"]), "aliases": []}
+        params[key] = {**params[stack], "shape": layer_shape(params[stack]["shape"]), "aliases": []}
         gone.add(stack)
     for stack, layers in r.join.items():
         params[stack] = {**params[layers[0]], "shape": _stack_shape(params[layers[0]]["shape"], len(layers)),
@@ -93,8 +94,9 @@ def _renamed(meta: Dict[str, Any], r: Restack) -> Dict[str, Any]:
     return out
 
 
-def _layer_shape(stack_shape: List[int]) -> List[int]:
-    return [] if len(stack_shape) == 1 else [stack_shape[0], *stack_shape[2:]]
+def layer_shape(stack_shape: List[int]) -> List[int]:
+    """A layer's shape from its stored stack's (d0, L, *rest) or (L,) (consolidate.py too)."""
+    return [stack_shape[0], *stack_shape[2:]] if len(stack_shape) > 1 else []
 
 
 def _stack_shape(layer_shape: List[int], layers: int) -> List[int]:
@@ -175,7 +177,7 @@ def _refuse_kind(name: str, key: str, entry: Dict[str, Any]) -> None:
 def _entry_for_layer(stack: str, key: str, entry: Dict[str, Any]) -> Dict[str, Any]:
     _refuse_kind(stack, key, entry)
     if entry["kind"] == "rows":
-        return {**entry, "shape": _layer_shape(entry["shape"])}
+        return {**entry, "shape": layer_shape(entry["shape"])}
     return dict(entry)
 
 
@@ -210,9 +212,7 @@ class RestackedIndex:
         self.base = base
         self.r = r
         self._blocks: Dict[Tuple[str, int, int], List[Any]] = {}  # stack rows read, [tensor, layers left]
-        self._layers: Dict[str, int] = {}
-        for stack, _ in r.split.values():
-            self._layers[stack] = self._layers.get(stack, 0) + 1
+        self._layers = collections.Counter(stack for stack, _ in r.split.values())  # stack -> the layers split from it
 
     def _split(self, key: str):
         """(prefix, name, suffix) of `param/NAME` and `optim/NAME/STATE` keys."""
@@ -286,11 +286,6 @@ class RestackedIndex:
             del self._blocks[(key, start, stop)]
         return block[0]
 
-    def read_rank(self, key: str, rank: int) -> torch.Tensor:
-        return self.base.read_rank(key, rank)
-
-    def ranks_with(self, key: str) -> List[int]:
-        return self.base.ranks_with(key)
-
-    def open_all(self) -> None:
-        self.base.open_all()
+    def __getattr__(self, name: str):
+        """`read_rank`, `ranks_with` and `open_all` as the checkpoint's own index (per-rank state is not renamed)."""
+        return getattr(self.base, name)

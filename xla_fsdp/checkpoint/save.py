@@ -42,7 +42,8 @@ from . import host_shards as hs
 from . import storage
 from ..collective_engine.sharded_param import stored_shape
 from ..runtime import stored_keys
-from .holdings import Holding, held_state_dict, holdings, layout_record, optimizer_names, process_info
+from ..collective_engine.optimizer_state import held_state_dict  # the padded global tensors, written row by row
+from .holdings import Holding, holdings, layout_record, optimizer_names, process_info
 
 
 class CheckpointWriteError(OSError):
@@ -152,10 +153,6 @@ def _prepare(st: storage.Storage, target: str) -> None:
 
 # -- one process's files ----------------------------------------------------------
 
-def _named_buffers(model: nn.Module):
-    return list(keys.buffers(model, persistent_only=False).items())  # by state-dict key
-
-
 def _rank_files(rank: int, model, held: List[Holding], optimizer, extra_state, copy_now: bool):
     """This process's (entries, index, extra state as bytes): each entry's `produce` copies its tensor to host memory
     when called, or, with `copy_now`, returns the copy taken here."""
@@ -186,7 +183,7 @@ def _rank_files(rank: int, model, held: List[Holding], optimizer, extra_state, c
                 add(f"optim_rank/{h.name}/{key}", lambda v=value: v.detach().cpu(), value.dtype,
                     tuple(value.shape), None)
     if rank == 0:
-        for name, b in _named_buffers(model):
+        for name, b in keys.buffers(model, persistent_only=False).items():  # by state-dict key
             add(f"buffer/{name}", lambda b=b: b.detach().cpu(), b.dtype, tuple(b.shape), None)
     if copy_now:
         live = _host_storages(model, optimizer)
@@ -285,7 +282,7 @@ def _metadata(model, held, optimizer, step, info) -> Dict[str, Any]:
         "layout": layout_record(model),
         "params": params,
         "buffers": {name: {"shape": list(b.shape), "dtype": fmt.dtype_name(b.dtype)}
-                    for name, b in _named_buffers(model)},
+                    for name, b in keys.buffers(model, persistent_only=False).items()},
         "versions": _versions(),
     }
     stacks = stored_keys.stack_table(model)

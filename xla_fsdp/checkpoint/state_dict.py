@@ -67,15 +67,19 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
             b.copy_(state[name].to(b.dtype).to(b.device))
 
 
+def _layout(model: nn.Module) -> Dict:
+    """The layout record of a sharded state dict; all but "rank" must match to load it."""
+    layout = state_of(model).group.comm.layout
+    return {"world_size": layout.world_size, "shard_world_size": layout.shard_world_size,
+            "shard_rank": layout.shard_rank, "rank": layout.rank, "shard_groups": [list(g) for g in layout.shard_groups]}
+
+
 def sharded_state_dict(model: nn.Module) -> Dict:
     """This rank's shards and the layout they belong to (CPU tensors)."""
     records = _records(model)
-    layout = state_of(model).group.comm.layout
     return {
         "format": SHARDED_FORMAT,
-        "layout": {"world_size": layout.world_size, "shard_world_size": layout.shard_world_size,
-                   "shard_rank": layout.shard_rank, "rank": layout.rank,
-                   "shard_groups": [list(g) for g in layout.shard_groups]},
+        "layout": _layout(model),
         "shapes": {names[0]: list(rec.orig_shape) for names, rec, _ in records},
         "params": {names[0]: rec.sharded.detach().cpu().clone() for names, rec, _ in records},
         "buffers": _buffers(model, persistent_only=False),
@@ -85,22 +89,20 @@ def sharded_state_dict(model: nn.Module) -> Dict:
 def load_sharded_state_dict(model: nn.Module, state: Dict) -> None:
     """Load this rank's shards saved by `sharded_state_dict` under the same layout."""
     if not isinstance(state, dict) or state.get("format") != SHARDED_FORMAT:
-        raise ValueError(f"not an xla_fsdp sharded checkpoint (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, "
-                         f"expected {SHARDED_FORMAT!r}); for a full state dict use load_full_state_dict")
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"not an xla_fsdp sharded checkpoint (format {got!r}, expected {SHARDED_FORMAT!r}); for a "
+                         "full state dict use load_full_state_dict")
     records = _records(model)
-    layout = state_of(model).group.comm.layout
     saved = state["layout"]
-    mine = {"world_size": layout.world_size, "shard_world_size": layout.shard_world_size,
-            "shard_rank": layout.shard_rank, "shard_groups": [list(g) for g in layout.shard_groups]}
-    for key, value in mine.items():
-        if saved.get(key) != value:
+    for key, value in _layout(model).items():
+        if key != "rank" and saved.get(key) != value:
             raise ValueError(
                 f"sharded checkpoint is from another layout: it was saved with {key}={saved.get(key)}, this model "
                 f"has {key}={value}. Load it with the same world size and sharding groups, or consolidate it "
                 "with full_state_dict on the original layout and load that with load_full_state_dict")
     names = {names[0]: rec for names, rec, _ in records}
     buffers = keys.buffers(model, persistent_only=False)
-    check_load("sharded checkpoint", {k: v for k, v in state["shapes"].items()},
+    check_load("sharded checkpoint", dict(state["shapes"]),
                {name: [rec.orig_shape] for name, rec in names.items()})
     check_load("sharded checkpoint shards", {k: v.shape for k, v in state["params"].items()},
                {name: [stored_shape(rec.sharded)] for name, rec in names.items()})

@@ -18,7 +18,6 @@ import glob as _glob
 import io
 import os
 import shutil
-from typing import BinaryIO, Iterator, List
 
 from .filesystems import check_bucket, filesystem_for, is_url  # noqa: F401  (callers use storage.check_bucket)
 
@@ -38,55 +37,13 @@ def _fsspec_storage(protocol: str) -> "FsspecStorage":
 
 class Storage:
     """What checkpoints need of a file system. Paths are strings in the storage's own spelling (a URL keeps its scheme,
-    so messages name what the user gave)."""
+    so messages name what the user gave). Each storage has `join`, `abspath`, `exists`, `isfile`, `isdir`, `size`,
+    `glob`, `remove(path, missing_ok=True)`, `makedirs(path, exist_ok=True)`, `rmtree(path, ignore_errors=False)`
+    (nothing there: nothing to do), `listdir` ([] when there is nothing there), `open_read` (a binary file, seekable, with
+    `readinto`; FileNotFoundError when missing) and `open_write`, a context manager whose file is durable when the block
+    ends without an exception (flushed and fsynced on a local disk, uploaded on an object store)."""
 
     renames = False  # whether renaming a directory is atomic (the commit of [Note: atomic checkpoints])
-
-    def join(self, path: str, *names: str) -> str:
-        raise NotImplementedError
-
-    def abspath(self, path: str) -> str:
-        raise NotImplementedError
-
-    def open_read(self, path: str) -> BinaryIO:
-        """A binary file, seekable, with `readinto`; FileNotFoundError when missing."""
-        raise NotImplementedError
-
-    @contextlib.contextmanager
-    def open_write(self, path: str) -> Iterator[BinaryIO]:
-        """A binary file for writing; durable when the block ends without an exception (flushed and fsynced on a local
-        disk, uploaded on an object store)."""
-        raise NotImplementedError
-        yield
-
-    def exists(self, path: str) -> bool:
-        raise NotImplementedError
-
-    def isfile(self, path: str) -> bool:
-        raise NotImplementedError
-
-    def isdir(self, path: str) -> bool:
-        raise NotImplementedError
-
-    def listdir(self, path: str) -> List[str]:
-        """The names directly under `path` ([] when there is nothing there)."""
-        raise NotImplementedError
-
-    def size(self, path: str) -> int:
-        raise NotImplementedError
-
-    def remove(self, path: str, missing_ok: bool = True) -> None:
-        raise NotImplementedError
-
-    def rmtree(self, path: str, ignore_errors: bool = False) -> None:
-        """Remove a directory and everything under it (nothing there: nothing to do)."""
-        raise NotImplementedError
-
-    def makedirs(self, path: str, exist_ok: bool = True) -> None:
-        raise NotImplementedError
-
-    def glob(self, pattern: str) -> List[str]:
-        raise NotImplementedError
 
     def sync_dir(self, path: str) -> None:
         """Make a directory's entries durable (local disks; nothing to do elsewhere)."""
@@ -94,7 +51,7 @@ class Storage:
     def rename(self, src: str, dst: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rename atomically")
 
-    # -- on top of the above --------------------------------------------------------
+    # -- on top of those --------------------------------------------------------------
 
     def read_bytes(self, path: str) -> bytes:
         with self.open_read(path) as f:
@@ -116,12 +73,13 @@ class LocalStorage(Storage):
     """The local file system, mounts included: `os` calls, fsynced writes, atomic renames."""
 
     renames = True
-
-    def join(self, path, *names):
-        return os.path.join(path, *names)
-
-    def abspath(self, path):
-        return os.path.abspath(path)
+    join = staticmethod(os.path.join)
+    abspath = staticmethod(os.path.abspath)
+    exists = staticmethod(os.path.exists)
+    isfile = staticmethod(os.path.isfile)
+    isdir = staticmethod(os.path.isdir)
+    size = staticmethod(os.path.getsize)
+    rename = staticmethod(os.replace)
 
     def open_read(self, path):
         return open(path, "rb")
@@ -133,20 +91,8 @@ class LocalStorage(Storage):
             f.flush()
             os.fsync(f.fileno())
 
-    def exists(self, path):
-        return os.path.exists(path)
-
-    def isfile(self, path):
-        return os.path.isfile(path)
-
-    def isdir(self, path):
-        return os.path.isdir(path)
-
     def listdir(self, path):
         return os.listdir(path) if os.path.isdir(path) else []
-
-    def size(self, path):
-        return os.path.getsize(path)
 
     def remove(self, path, missing_ok=True):
         try:
@@ -171,9 +117,6 @@ class LocalStorage(Storage):
             os.fsync(fd)
         finally:
             os.close(fd)
-
-    def rename(self, src, dst):
-        os.replace(src, dst)
 
 
 LOCAL = LocalStorage()
@@ -241,20 +184,19 @@ class FsspecStorage(Storage):
             f.close()  # an object store commits the upload here
 
     def _fresh(self, path):
+        """`path`, with fsspec's cached listing of it dropped."""
         with contextlib.suppress(Exception):  # a file system without a cache
             self.fs.invalidate_cache(path)
+        return path
 
     def exists(self, path):
-        self._fresh(path)
-        return self.fs.exists(path)
+        return self.fs.exists(self._fresh(path))
 
     def isfile(self, path):
-        self._fresh(path)
-        return self.fs.isfile(path)
+        return self.fs.isfile(self._fresh(path))
 
     def isdir(self, path):
-        self._fresh(path)
-        return self.fs.isdir(path)
+        return self.fs.isdir(self._fresh(path))
 
     def listdir(self, path):
         if not self.isdir(path):
@@ -266,8 +208,7 @@ class FsspecStorage(Storage):
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
 
     def size(self, path):
-        self._fresh(path)
-        return int(self.fs.size(path))
+        return int(self.fs.size(self._fresh(path)))
 
     def remove(self, path, missing_ok=True):
         with self._wrapped("remove", path):

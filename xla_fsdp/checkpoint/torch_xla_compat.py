@@ -15,19 +15,18 @@ import torch
 
 from . import storage
 from .format import CheckpointError
-from .torch_xla_files import as_dtype, consolidate_torch_xla_state_dicts, is_torch_xla_metadata
-
-SHARD_METADATA_FORMAT = "xla_fsdp.shard_metadata/1"
+from ..collective_engine.model_state import SHARD_METADATA_FORMAT
+from .torch_xla_files import buffer_value, consolidate_torch_xla_state_dicts, is_torch_xla_metadata
 
 
 def consolidate_sharded_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
                                     shard_metadata: Dict) -> "OrderedDict[str, torch.Tensor]":
     """Rank-ordered `model.state_dict()`s and one rank's `get_shard_metadata()` -> the full state dict (of an xla_fsdp
     model, or of torch_xla's FSDP: torch_xla_files.py)."""
-    if is_torch_xla_metadata(shard_metadata):
-        return consolidate_torch_xla_state_dicts(state_dicts, shard_metadata)
     if len(state_dicts) != shard_metadata["world_size"]:
         raise CheckpointError(f"expected {shard_metadata['world_size']} rank state dicts, got {len(state_dicts)}")
+    if is_torch_xla_metadata(shard_metadata):
+        return consolidate_torch_xla_state_dicts(state_dicts, shard_metadata)
     group = shard_metadata["shard_groups"][0]  # the other groups hold copies of the same shards
     info = shard_metadata["shard_info"]
     buffers = shard_metadata.get("buffer_info", {})
@@ -48,9 +47,7 @@ def consolidate_sharded_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
             rows = torch.cat([s.detach().cpu() for s in shards])[: p["rows"]]
             full[name] = rows.reshape(p["shape"]).clone()
         elif name in buffers:
-            dtype = as_dtype(buffers[name].get("_orig_dtype"))
-            value = value.detach().cpu()
-            full[name] = value.to(dtype) if dtype is not None else value
+            full[name] = buffer_value(value, buffers[name])
         else:  # never pass a shard off as a whole tensor
             raise CheckpointError(f"{name!r} is in the rank state dicts but the shard metadata records it neither "
                                   "as a sharded parameter nor as a buffer; were they saved from the same model?")

@@ -33,11 +33,14 @@ def is_torch_xla_metadata(meta) -> bool:
     return isinstance(meta, dict) and "format" not in meta and "shard_info" in meta and "flatten_info" in meta
 
 
-def as_dtype(value) -> Optional[torch.dtype]:
-    """A buffer_info `_orig_dtype`: torch_xla's (and ours since) a torch.dtype, ours before a string."""
-    if isinstance(value, str):
-        return getattr(torch, value.replace("torch.", ""))
-    return value
+def buffer_value(value: torch.Tensor, info: Optional[Dict]) -> torch.Tensor:
+    """A buffer on the host, cast back to its buffer_info `_orig_dtype` (torch_xla's, and ours since, a torch.dtype;
+    ours before, a string)."""
+    dtype = (info or {}).get("_orig_dtype")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""))
+    value = value.detach().cpu()
+    return value.to(dtype) if dtype is not None else value
 
 
 def _join(prefix: str, name: str) -> str:
@@ -66,18 +69,15 @@ def _whole_parameter(key: str, shards: List[torch.Tensor], size: torch.Size) -> 
 
 def consolidate_torch_xla_state_dicts(state_dicts: List[Dict[str, torch.Tensor]],
                                       meta: Dict) -> "OrderedDict[str, torch.Tensor]":
-    """Rank-ordered state dicts of torch_xla's FSDP and one rank's metadata -> the full state dict."""
-    if len(state_dicts) != meta["world_size"]:
-        raise CheckpointError(f"expected {meta['world_size']} rank state dicts, got {len(state_dicts)}")
+    """Rank-ordered state dicts of torch_xla's FSDP (as many as its world size) and one rank's metadata -> the full
+    state dict."""
     buffers = meta.get("buffer_info", {})
     full: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for key, value in state_dicts[0].items():
         segments = key.split(".")
         at = next((i for i, s in enumerate(segments) if s.startswith(SHARD_MARK)), None)
         if at is None:  # a buffer (or a parameter FSDP left whole): every rank holds all of it
-            dtype = as_dtype(buffers.get(key, {}).get("_orig_dtype"))
-            value = value.detach().cpu()
-            full[key] = value.to(dtype) if dtype is not None else value
+            full[key] = buffer_value(value, buffers.get(key))
             continue
         prefix, shard = ".".join(segments[:at]), ".".join(segments[at:])
         info = meta["shard_info"].get(prefix, {}).get(shard)
