@@ -20,8 +20,8 @@ EXIT_INTERRUPTED = 130
 ENTRY_POINT = "_mp_fn"
 QUIET_XLA_LOG_LEVEL = "2"  # TensorFlow's convention: 2 hides INFO and WARNING, keeps ERROR
 # Variables the TPU VM image or a pod's runtime sets; any one means "on a TPU".
-TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
-                 "TPU_PROCESS_BOUNDS", "TPU_SKIP_MDS_QUERY")
+TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_BOUNDS",
+                 "TPU_SKIP_MDS_QUERY")
 
 
 class UsageError(Exception):
@@ -56,32 +56,24 @@ def split_argv(argv: list[str]) -> tuple[list[str], Optional[str], list[str]]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"{PROG}.py",
-        usage="%(prog)s [--num_cores N] [--spmd | --per_chip] SCRIPT [SCRIPT_ARGS ...]",
-        description="Run SCRIPT's _mp_fn(index), or the xmp.spawn / torch_xla.launch "
-                    "call of a script that starts itself, on XLA devices. Everything after "
-                    "SCRIPT is passed to it untouched.",
-        epilog=f"On CPU, --num_cores takes 1..{CPU_MAX_DEVICES}; N>1 runs only as one "
-               "process driving the N devices (--spmd, or a script that declares "
-               f"{RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\"), where the script sees "
-               "world 1; one process per CPU device would hang on explicit collectives. "
-               "On TPU it takes 1 or every local device. On a multi-host pod run the "
-               "same command on every worker.")
-    parser.add_argument(
-        "--num_cores", default=None, metavar="N",
-        help="number of XLA devices (replicas) on this host; default: every "
-             "local device (on CPU: $CPU_NUM_DEVICES, else 1)")
-    parser.add_argument(
-        "--spmd", action="store_true",
-        help="one process per host driving every local device (torch_xla's SPMD "
-             "runtime, turned on before the script runs; the single-controller runtime "
-             "of the collective engine, or the GSPMD engine): sets "
-             f"{RUNTIME_ENV}={SINGLE_CONTROLLER} and runs one replica, index 0, which "
-             "sees xr.world_size() == 1 and feeds the global batch")
-    parser.add_argument(
-        "--per_chip", action="store_true",
-        help="one process per chip (torch_xla's xmp.spawn; pinned collectives), also for a "
-             f"script that declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\" (launch/run_clm.py does); "
-             "a script that declares nothing runs this way on a TPU by default. TPU only at "
-             "--num_cores > 1")
+        prog=f"{PROG}.py", usage="%(prog)s [--num_cores N] [--spmd | --per_chip] SCRIPT [SCRIPT_ARGS ...]",
+        description="Run SCRIPT's _mp_fn(index), or the xmp.spawn / torch_xla.launch call of a script that starts "
+                    "itself, on XLA devices. Everything after SCRIPT is passed to it untouched.",
+        epilog=f"On CPU, --num_cores takes 1..{CPU_MAX_DEVICES}; N>1 runs only as one process driving the N devices "
+               f"(--spmd, or a script that declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\"), where the script "
+               "sees world 1; one process per CPU device would hang on explicit collectives. On TPU it takes 1 or "
+               "every local device. On a multi-host pod run the same command on every worker.")
+    parser.add_argument("--num_cores", default=None, metavar="N",
+                        help="number of XLA devices (replicas) on this host; default: every local device (on CPU: "
+                             "$CPU_NUM_DEVICES, else 1)")
+    parser.add_argument("--spmd", action="store_true",
+                        help="one process per host driving every local device (torch_xla's SPMD runtime, turned on "
+                             "before the script runs; the single-controller runtime of the collective engine, or the "
+                             f"GSPMD engine): sets {RUNTIME_ENV}={SINGLE_CONTROLLER} and runs one replica, index 0, "
+                             "which sees xr.world_size() == 1 and feeds the global batch")
+    parser.add_argument("--per_chip", action="store_true",
+                        help="one process per chip (torch_xla's xmp.spawn; pinned collectives), also for a script "
+                             f"that declares {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\" (launch/run_clm.py does); a "
+                             "script that declares nothing runs this way on a TPU by default. TPU only at "
+                             "--num_cores > 1")
     return parser

@@ -95,9 +95,8 @@ def device_counts(device: str, spmd: bool, environ: Mapping[str, str],
     if device == "TPU":
         every = local_devices()
         if every < 1:
-            raise UsageError("PJRT_DEVICE=TPU but no TPU chip is visible on this host "
-                             "(check TPU_VISIBLE_CHIPS / TPU_PROCESS_BOUNDS, or set "
-                             "PJRT_DEVICE=CPU)")
+            raise UsageError("PJRT_DEVICE=TPU but no TPU chip is visible on this host (check TPU_VISIBLE_CHIPS / "
+                             "TPU_PROCESS_BOUNDS, or set PJRT_DEVICE=CPU)")
         # SPMD drives every addressable device from one process.
         valid = (every,) if spmd else tuple(sorted({1, every}))
         return DeviceCounts("TPU", valid, every)
@@ -111,11 +110,9 @@ def parse_num_cores(text: Optional[str], counts: DeviceCounts, spmd: bool) -> in
         value = int(text)
     except ValueError:
         value = None
-    if value is None or value not in counts.valid:
-        mode = " with --spmd" if spmd else ""
-        raise UsageError(f"--num_cores {text!r} is not valid on this host "
-                         f"(PJRT_DEVICE={counts.device}{mode}); valid values: "
-                         f"{counts.describe()}")
+    if value not in counts.valid:
+        raise UsageError(f"--num_cores {text!r} is not valid on this host (PJRT_DEVICE={counts.device}"
+                         f"{' with --spmd' if spmd else ''}); valid values: {counts.describe()}")
     return value
 
 
@@ -138,11 +135,10 @@ def make_plan(device: str, num_cores: int, spmd: bool) -> LaunchPlan:
         env[RUNTIME_ENV] = SINGLE_CONTROLLER
         where = f"CPU_NUM_DEVICES={num_cores}" if device == "CPU" else "torch_xla's SPMD mode"
         return LaunchPlan(device, num_cores, False, env, reason=(
-            f"one process drives the {num_cores} {device} devices (single-controller runtime: "
-            f"{RUNTIME_ENV}={SINGLE_CONTROLLER}, {where}): the script runs once and sees "
-            "xr.world_size() == 1 and ordinal 0 (one checkpoint file, shard metadata world_size 1); "
-            f"it feeds each global batch, which xla_fsdp splits, with every parameter, over the "
-            f"{num_cores} devices"))
+            f"one process drives the {num_cores} {device} devices (single-controller runtime: {RUNTIME_ENV}="
+            f"{SINGLE_CONTROLLER}, {where}): the script runs once and sees xr.world_size() == 1 and ordinal 0 (one "
+            "checkpoint file, shard metadata world_size 1); it feeds each global batch, which xla_fsdp splits, with "
+            f"every parameter, over the {num_cores} devices"))
     if device == "CPU" and num_cores > 1:
         # cpu_replicas() refuses this before a plan is made ([Note: no silent world on CPU])
         raise UsageError(f"--num_cores {num_cores} on CPU runs only as the single controller (--spmd)")

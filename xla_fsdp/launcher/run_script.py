@@ -4,6 +4,7 @@ per chip), its own `__main__` with its xmp.spawn / torch_xla.launch routed to th
 replica's failure is a traceback and exit 1."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
@@ -32,9 +33,7 @@ class ScriptEntry:
 
     def load(self) -> Callable[[int], object]:
         path = Path(self.script)
-        sys.argv = [self.script, *self.args]
-        # What `python train.py` would do: the script's folder comes first, so its sibling modules import.
-        sys.path.insert(0, str(path.resolve().parent))
+        _as_python_would(self.script, self.args)
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         # Registered under its own name so objects the script pickles (e.g. for DataLoader workers) can be found again.
@@ -42,9 +41,9 @@ class ScriptEntry:
         spec.loader.exec_module(module)
         fn = getattr(module, ENTRY_POINT, None)
         if not callable(fn):
-            raise UsageError(f"{self.script} defines no function {ENTRY_POINT}(index); "
-                             f"add `def {ENTRY_POINT}(index): main()` to it, or start the script "
-                             f"itself under `if __name__ == \"__main__\":` with xmp.spawn(fn, args=...)")
+            raise UsageError(f"{self.script} defines no function {ENTRY_POINT}(index); add `def {ENTRY_POINT}(index): "
+                             f"main()` to it, or start the script itself under `if __name__ == \"__main__\":` with "
+                             "xmp.spawn(fn, args=...)")
         try:
             inspect.signature(fn).bind(0)
         except TypeError as e:
@@ -86,34 +85,35 @@ def defines_entry_point(script: str) -> bool:
     return False
 
 
-def run_as_main(entry: "ScriptEntry") -> int:
-    """Run the script as ``python script.py args...`` would, here (the single controller)."""
-    import runpy
+def _as_python_would(script: str, args) -> None:
+    """`sys.argv` and `sys.path` as `python script.py args...` sets them: the script's folder first, so its sibling
+    modules import."""
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
 
-    sys.argv = [entry.script, *entry.args]
-    sys.path.insert(0, str(Path(entry.script).resolve().parent))
+
+def _exit_status(call: Callable[[], object], what: str) -> int:
+    """Run `call()`: 0, a SystemExit's status (`exit_code`), or 1 after `what failed:` and the traceback.
+    KeyboardInterrupt is left to main(), which owns the exit-130 path."""
     try:
-        runpy.run_path(entry.script, run_name="__main__")
+        call()
     except SystemExit as exc:
         return exit_code(exc)
     except Exception:
-        log(f"{entry.script} failed:\n{traceback.format_exc()}")
+        log(f"{what} failed:\n{traceback.format_exc()}")
         return EXIT_FAILED
     return 0
+
+
+def run_as_main(entry: "ScriptEntry") -> int:
+    """Run the script as ``python script.py args...`` would, here (the single controller)."""
+    _as_python_would(entry.script, entry.args)
+    return _exit_status(lambda: runpy.run_path(entry.script, run_name="__main__"), entry.script)
 
 
 def run_in_process(fn: Callable[[int], object]) -> int:
-    """Call ``fn(0)`` here; a failure becomes a traceback and exit 1.
-
-    KeyboardInterrupt is left to main(), which owns the exit-130 path."""
-    try:
-        fn(0)
-    except SystemExit as exc:
-        return exit_code(exc)
-    except Exception:
-        log(f"replica 0 failed:\n{traceback.format_exc()}")
-        return EXIT_FAILED
-    return 0
+    """Call ``fn(0)`` here; a failure becomes a traceback and exit 1."""
+    return _exit_status(lambda: fn(0), "replica 0")
 
 
 def exit_code(exc: SystemExit) -> int:
@@ -157,10 +157,8 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
     def pass_on(signum, frame):
         replicas = multiprocessing.active_children()
         for child in replicas:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signum)
-            except ProcessLookupError:
-                pass
         if not forwarded:
             log(f"{signal.Signals(signum).name} passed on to the {len(replicas)} replica processes; waiting for them "
                 "(a job that saves on it saves at the end of its step)")
@@ -171,8 +169,6 @@ def run_spawned(entry: Callable, args: tuple = (), spawn: Optional[Callable] = N
     with tempfile.TemporaryDirectory(prefix="xla_spawn-") as messages:
         try:
             spawn(ReplicaCall(entry, args, messages), args=(), nprocs=None, start_method=start_method)
-        except KeyboardInterrupt:
-            raise
         except Exception as exc:  # BrokenProcessPool and anything re-raised by the pool
             said = replica_messages(messages)
             if forwarded and not said:
@@ -215,8 +211,7 @@ def run_self_starting(script: str, args: tuple[str, ...], plan: LaunchPlan) -> i
             return None
         return fn(0, *fn_args)
 
-    sys.argv = [script, *args]
-    sys.path.insert(0, str(Path(script).resolve().parent))  # as `python script.py` does
+    _as_python_would(script, args)
     try:
         with self_starting.hooked_entry_points(start) as spawn:
             original.append(spawn)

@@ -9,14 +9,6 @@ from xla_fsdp.launcher.command_line import (RUNTIME_ENV, RUNTIME_MARKER, SINGLE_
 from xla_fsdp.runtime import environment
 
 
-def asked_runtime(environ: Mapping[str, str]):
-    """The runtime the environment asks for (`environment.runtime`), a bad value as a UsageError."""
-    try:
-        return environment.runtime(environ)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
 def choose_spmd(options, script: str, device: str, environ: Mapping[str, str]) -> tuple[bool, str]:
     """(single controller?, why, when the script's declaration decided it). --spmd / --per_chip win; then the
     environment (`environment.runtime`: ours, then torch_xla's SPMD variable); then, on a TPU slice (one host or
@@ -42,8 +34,14 @@ def declares_single_controller(script: str) -> bool:
 
 
 def per_chip_asked(options, environ: Mapping[str, str]) -> bool:
-    """Whether the command asked for one process per device (--per_chip, the runtime variable)."""
-    return bool(options.per_chip) or asked_runtime(environ) == environment.MULTI_PROCESS
+    """Whether the command asked for one process per device (--per_chip, the runtime variable: a bad value is a
+    UsageError)."""
+    if options.per_chip:
+        return True
+    try:
+        return environment.runtime(environ) == environment.MULTI_PROCESS
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def refuse_single_controller_only(script: str, device: str) -> None:
@@ -58,11 +56,11 @@ def refuse_single_controller_only(script: str, device: str) -> None:
         return
     if runtime_choice.imports_module(tree, runtime_choice.FSDP2_API):
         raise UsageError(
-            f"{script} imports {runtime_choice.FSDP2_API}, whose fully_shard runs only on the single controller "
-            f"(one process per host drives every {device} device, FSDP2's one rank per host), but one process "
-            f"per device was asked for (--per_chip or {RUNTIME_ENV}={environment.MULTI_PROCESS}). Drop --per_chip (the "
-            "script then runs as the single controller), or use xla_fsdp.XlaFullyShardedDataParallel, which "
-            "runs one process per chip")
+            f"{script} imports {runtime_choice.FSDP2_API}, whose fully_shard runs only on the single controller (one "
+            f"process per host drives every {device} device, FSDP2's one rank per host), but one process per device "
+            f"was asked for (--per_chip or {RUNTIME_ENV}={environment.MULTI_PROCESS}). Drop --per_chip (the script "
+            "then runs as the single controller), or use xla_fsdp.XlaFullyShardedDataParallel, which runs one process "
+            "per chip")
 
 
 def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str]) -> tuple[bool, str]:
@@ -88,14 +86,12 @@ def cpu_replicas(options, script: str, num_cores: int, environ: Mapping[str, str
             raise UsageError(str(e)) from None
         if declared == SINGLE_CONTROLLER:
             return True, runtime_choice.tpu_default(script)[1].split(":")[0]
-        asked = (f"{script} declares {RUNTIME_MARKER} = \"{declared}\"" if declared else
-                 f"{script} declares no runtime ({RUNTIME_MARKER}), so it is taken as written for "
-                 "torch_xla's one process per device")
+        asked = (f"{script} declares {RUNTIME_MARKER} = \"{declared}\"" if declared else f"{script} declares no "
+                 f"runtime ({RUNTIME_MARKER}), so it is taken as written for torch_xla's one process per device")
     raise UsageError(
-        f"--num_cores {num_cores} on CPU: {asked} (xr.world_size() == {num_cores}, an ordinal per "
-        "process), which CPU cannot run: explicit XLA collectives between CPU devices hang "
-        "(pytorch/xla issues 5005 and 9089). What runs here: --num_cores 1 (one device, world 1); or "
-        f"--spmd --num_cores {num_cores} (one process drives the {num_cores} devices: the script sees "
-        "xr.world_size() == 1 and ordinal 0, so it must feed the whole global batch, which xla_fsdp "
-        f"splits, with every parameter, over the {num_cores} devices; a script built for that can "
-        f"declare {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\"). One process per device runs on a TPU host")
+        f"--num_cores {num_cores} on CPU: {asked} (xr.world_size() == {num_cores}, an ordinal per process), which CPU "
+        "cannot run: explicit XLA collectives between CPU devices hang (pytorch/xla issues 5005 and 9089). What runs "
+        f"here: --num_cores 1 (one device, world 1); or --spmd --num_cores {num_cores} (one process drives the "
+        f"{num_cores} devices: the script sees xr.world_size() == 1 and ordinal 0, so it must feed the whole global "
+        f"batch, which xla_fsdp splits, with every parameter, over the {num_cores} devices; a script built for that "
+        f"can declare {RUNTIME_MARKER} = \"{SINGLE_CONTROLLER}\"). One process per device runs on a TPU host")
