@@ -13,12 +13,8 @@ import re
 from xla_fsdp.runtime import environment
 
 FSDP_TOKENS = {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "auto_wrap"}
-STRATEGY_OF_TOKEN = {
-    "full_shard": "FULL_SHARD",
-    "shard_grad_op": "SHARD_GRAD_OP",
-    "no_shard": "NO_SHARD",
-    "hybrid_shard": "HYBRID_SHARD",
-}
+STRATEGY_OF_TOKEN = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
+                     "hybrid_shard": "HYBRID_SHARD"}
 OPTIMIZERS = ("adamw", "adamw_torch", "adafactor")
 # Above this many parameters the model is built deferred, so no host holds the full unsharded fp32 model at once (the
 # 2023 recipe ran hosts out of memory).

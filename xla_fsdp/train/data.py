@@ -65,13 +65,9 @@ def hf_dataset_documents(name: str, config_name: str | None, cache_dir: str | No
                          + f": could not be loaded ({type(e).__name__}: {said}); check the name and that the "
                          "Hugging Face hub is reachable (or its files are in --cache_dir), or use --train_file")
     column = "text" if "text" in ds["train"].column_names else ds["train"].column_names[0]
+    held_out = next((split for split in ("validation", "test") if split in ds), None)
     train = [t for t in ds["train"][column] if t.strip()]
-    val = None
-    for split in ("validation", "test"):
-        if split in ds:
-            val = [t for t in ds[split][column] if t.strip()]
-            break
-    return train, val
+    return train, ([t for t in ds[held_out][column] if t.strip()] if held_out else None)
 
 
 def load_tokenizer(name: str | None, cache_dir: str | None):
@@ -143,10 +139,8 @@ def build_corpus(args, config_vocab_size: int) -> Corpus:
     else:
         docs, source = embedded_documents(), "embedded corpus: pydoc_data.topics (Python reference docs)"
     stream = tokenize_stream(docs, tokenizer)
-    if val_docs is not None:
-        train_stream, eval_stream = stream, tokenize_stream(val_docs, tokenizer)
-    else:
-        train_stream, eval_stream = split_stream(stream)
+    held_out = None if val_docs is None else tokenize_stream(val_docs, tokenizer)
+    train_stream, eval_stream = split_stream(stream) if held_out is None else (stream, held_out)
     train = to_blocks(train_stream, args.block_size)
     if args.max_train_samples is not None:  # HF semantics: a cap on training blocks
         train = train[: args.max_train_samples]
@@ -186,11 +180,8 @@ class BlockBatches:
         """Yield this rank's [global_batch / world, block_size] batches for `epoch` (with `rows`: [len(rows),
         block_size], those rows of each global batch)."""
         n = self.blocks.shape[0]
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(n, generator=gen)
-        else:
-            order = torch.arange(n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)) \
+            if self.shuffle else torch.arange(n)
         local = self.global_batch // self.world
         for b in range(len(self)):
             if self.rows is not None:

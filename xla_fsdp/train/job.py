@@ -344,13 +344,13 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
     saves.wait()  # the last save's files are all written and committed before the job ends
     if progress:
         progress.close()
+    report = dict(steps=result.steps, losses=result.losses, windows=result.windows, logged=result.logged,
+                  train_wall_time_s=result.wall_time_s)
     if result.preempted:
-        saved = not result.nothing_to_save
-        return dict(steps=result.steps, losses=result.losses, windows=result.windows, logged=result.logged,
-                    train_wall_time_s=result.wall_time_s, preempted={
-                        "step": result.steps, "signal": preempted.signal_name or "another host's",
-                        "checkpoint": os.path.join(args.output_dir, f"checkpoint-{result.steps}") if saved else None},
-                    **result.summary)
+        saved = os.path.join(args.output_dir, f"checkpoint-{result.steps}") if not result.nothing_to_save else None
+        report["preempted"] = {"step": result.steps, "signal": preempted.signal_name or "another host's",
+                               "checkpoint": saved}
+        return {**report, **result.summary}
     if result.steps > start:
         from xla_fsdp.checkpoint import save_pretrained
 
@@ -362,8 +362,7 @@ def _train(model, batches, ctx, meter, args, facts, log, preempted) -> dict:
             f"{result.losses[0][1]:.4f} -> {result.losses[-1][1]:.4f}; after {loop.WARMUP_STEPS} "
             f"warm-up steps: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step, "
             f"MFU {100 * s['mfu']:.2f}% of {meter.peak.flops_per_chip / 1e12:.3f} TFLOPS x {meter.chips}")
-    return dict(steps=result.steps, losses=result.losses, windows=result.windows, logged=result.logged,
-                train_wall_time_s=result.wall_time_s, **result.summary)
+    return {**report, **result.summary}
 
 
 def _trace_steps(model, micro_batch, ctx, args, config, facts) -> None:

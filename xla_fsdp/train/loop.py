@@ -111,9 +111,7 @@ def _clip(model, max_norm: float):
     if max_norm <= 0:
         return None
     clip = getattr(model, "clip_grad_norm_", None)  # sharded engines: norm across shards
-    if clip is not None:
-        return clip(max_norm)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return clip(max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def train_step(model, optimizer, scheduler, micro_batches, ctx: StepContext, max_grad_norm: float):

@@ -71,9 +71,7 @@ def selected_engine(fsdp_config) -> str:
         environment.refuse_removed()
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    if fsdp_config is not None and fsdp_config.use_spmd:
-        return "spmd"
-    return "collectives"
+    return "spmd" if fsdp_config is not None and fsdp_config.use_spmd else "collectives"
 
 
 def single_controller(engine: str) -> bool:
