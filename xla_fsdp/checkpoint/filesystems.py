@@ -1,8 +1,5 @@
-"""Which fsspec file system serves a URL, and whether the bucket a URL names exists.
-
-`storage.py` holds checkpoint files through one of these file systems; this file owns getting one: the package a scheme
-needs (an ImportError naming it when it is missing), gcsfs's plain JSON-API class for a local GCS emulator, and the
-check that a `gs://B/...` or `s3://B/...` path's bucket is there, made before a job trains."""
+"""Which fsspec file system serves a URL (`storage.py` holds checkpoint files through it), and whether the bucket a URL
+names exists."""
 from __future__ import annotations
 
 import os
@@ -13,9 +10,8 @@ from xla_fsdp.runtime import environment
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _EXTRAS = {"gs": "xla_fsdp[gcs]", "gcs": "xla_fsdp[gcs]"}  # the extras of setup.py that install a file system
 _NO_BUCKETS = {"file", "local", "memory"}  # fsspec file systems whose first path component is no bucket
-_CREATE = {"gs": "create it (gcloud storage buckets create gs://{bucket})",
-           "gcs": "create it (gcloud storage buckets create gs://{bucket})",
-           "s3": "create it (aws s3 mb s3://{bucket})"}
+_CREATE = {"gs": "create it (gcloud storage buckets create gs://{bucket})", "s3": "create it (aws s3 mb s3://{bucket})"}
+_CREATE["gcs"] = _CREATE["gs"]
 
 
 def is_url(path) -> bool:

@@ -16,6 +16,7 @@ dim averaged away); other tensors (Adafactor's column factor, which each shard c
 rank that computed them; under SPMD such tensors are global ("whole") and saved like any other."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -156,8 +157,6 @@ class SpmdHolding(Holding):
 
 def spmd_runtime(model: nn.Module) -> bool:
     """Whether `model` runs under an SPMD runtime (its parameters are global XLA tensors)."""
-    import sys
-
     if "torch_xla" not in sys.modules:
         return False
     import torch_xla.runtime as xr
@@ -217,8 +216,12 @@ def _plain_holding(name, aliases, param) -> Holding:
     rows = full[0] if len(full) else 1
 
     def load(full_rows):
+        value = full_rows.reshape(full)
         with torch.no_grad():
-            _copy_keeping_layout(param, full_rows.reshape(full))
+            if param.device.type == "xla":
+                param.data = _like(param, value.to(param.dtype))
+            else:
+                param.copy_(value)
 
     def place(state_rows, full_shape):
         return _like(param, state_rows.reshape(full_shape))
@@ -236,13 +239,6 @@ def _like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if sharding is not None and value.shape == stored_shape(reference):
             torch_xla._XLAC._xla_mark_sharding(moved, sharding)
     return moved
-
-
-def _copy_keeping_layout(param: torch.Tensor, value: torch.Tensor) -> None:
-    if param.device.type == "xla":
-        param.data = _like(param, value.to(param.dtype))
-    else:
-        param.copy_(value)
 
 
 def _engine_comm(model: nn.Module):

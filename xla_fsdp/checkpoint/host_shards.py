@@ -31,6 +31,7 @@ from ..runtime.hosts import HostGroup, HostView
 from ..collective_engine.sharded_param import stored_shape
 
 Piece = Tuple[int, int, Callable[[], torch.Tensor]]  # [start, stop) of the full tensor's rows, produce rows
+_TILES = re.compile(r"devices=\[([0-9,]+)\]")  # a tiled sharding spec's tile counts per dim
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -48,7 +49,7 @@ def copies(tensor: torch.Tensor) -> int:
     devices = xr.global_runtime_device_count()
     if "replicated" in spec and "devices=" not in spec:
         return devices
-    m = re.search(r"devices=\[([0-9,]+)\]", spec)
+    m = _TILES.search(spec)
     if m is None:
         raise NotImplementedError(f"sharding {spec} is not a tiled or replicated sharding; checkpoints of SPMD "
                                   "runs support tensors sharded on dim 0 (any mesh, replica axes included)")
@@ -168,7 +169,7 @@ def device_rows(like: torch.Tensor) -> List[Tuple[int, int, int]]:
 
     where = _shard_indices(like)
     spec = torch_xla._XLAC._get_xla_sharding_spec(like)
-    m = re.search(r"devices=\[([0-9,]+)\]", spec)
+    m = _TILES.search(spec)
     tiles0 = int(m.group(1).split(",")[0]) if m else 1
     total = stored_shape(like)[0]
     shard_rows = -(-total // tiles0)

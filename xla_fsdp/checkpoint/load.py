@@ -8,6 +8,7 @@ model's by name, shape and kind, and every file it needs is present and whole. T
 at either, a directory without the COMPLETE marker is refused ([Note: commit without rename], save.py)."""
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 from typing import Any, Dict, List, Optional
@@ -208,9 +209,7 @@ def _restore_rng(states: Dict[str, Any]) -> None:
 
         np.random.set_state(states["numpy"])
     if "xla" in states:
-        try:
+        with contextlib.suppress(Exception):
             import torch_xla.core.xla_model as xm
 
             xm.set_rng_state(states["xla"])
-        except Exception:
-            pass

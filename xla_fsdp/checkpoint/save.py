@@ -26,6 +26,7 @@ tensor only as it writes it; CheckpointManager(async_save=True) writes beside tr
 checkpoint's worth of this process's shards in host memory until the write ends."""
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import platform
@@ -235,18 +236,14 @@ def _optimizer_tensors(optimizer, held):
 
 def _rng_states() -> Dict[str, Any]:
     states = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
+    with contextlib.suppress(ImportError):
         import numpy as np
 
         states["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(Exception):  # no XLA runtime in this process (gloo tests, offline tools)
         import torch_xla.core.xla_model as xm
 
         states["xla"] = xm.get_rng_state()
-    except Exception:  # no XLA runtime in this process (gloo tests, offline tools)
-        pass
     return states
 
 
@@ -329,14 +326,10 @@ def _jsonable(value):
 def _versions() -> Dict[str, str]:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("torch_xla", "transformers", "safetensors"):
-        try:
+        with contextlib.suppress(Exception):
             out[name] = __import__(name).__version__
-        except Exception:
-            pass
-    try:
+    with contextlib.suppress(Exception):
         from importlib.metadata import version
 
         out["xla_fsdp"] = version("xla_fsdp")
-    except Exception:
-        pass
     return out

@@ -69,9 +69,6 @@ class Event:
         return self.writes | {c[1] for c in self.creates}
 
 
-_NO_LIMIT = math.inf
-
-
 class InitGraph:
     """Events and storages recorded by one ``deferred_init`` call."""
 
@@ -128,7 +125,7 @@ class InitGraph:
                         choose(event)
 
         for sid in wanted:
-            need(sid, _NO_LIMIT)
+            need(sid, math.inf)
         close()
         if with_orphan_random and chosen:
             last = max(chosen)

@@ -92,9 +92,7 @@ class RecordingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         flat_in, _ = tree_flatten((args, kwargs))
         tensors = [t for t in flat_in if isinstance(t, torch.Tensor)]
-        if any(isinstance(x, torch.UntypedStorage) for x in flat_in):
-            if func in _METADATA_ONLY:
-                return func(*args, **kwargs)
+        if any(isinstance(x, torch.UntypedStorage) for x in flat_in) and func not in _METADATA_ONLY:
             raise DeferredInitError(f"deferred_init: {func} takes a storage argument, which cannot be recorded "
                                     f"({caller_location()}). Build this tensor eagerly instead.")
         if not tensors:
@@ -208,15 +206,9 @@ def _replay_devices(tree):
     Deferred tensors are meta while recording, so constructor code that follows them (``torch.arange(n,
     device=self.weight.device)``, the value tensor of ``weight[idx] = 0``) names the meta device; at replay those
     tensors live on the real device, and so must whatever follows them."""
-    def swap(x):
-        if isinstance(x, torch.device) and x.type == "meta":
-            return torch.get_default_device()
-        return x
-
-    return tree_map(swap, tree)
+    return tree_map(lambda x: torch.get_default_device() if isinstance(x, torch.device) and x.type == "meta" else x,
+                    tree)
 
 
 def _to_meta(x):
-    if isinstance(x, torch.Tensor) and not x.is_meta:
-        return x.to("meta")
-    return x
+    return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
