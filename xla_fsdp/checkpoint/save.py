@@ -175,11 +175,10 @@ def _rank_files(rank: int, model, held: List[Holding], optimizer, extra_state, c
         add_pieces(f"param/{h.name}", h.pieces(h.param), h.param.dtype, h.row_shape)
     if optimizer is not None:
         for h, key, value, kind in _optimizer_tensors(optimizer, held):
-            if kind == "rows":
-                add_pieces(f"optim/{h.name}/{key}", h.pieces(value), value.dtype, tuple(value.shape[1:]))
-            elif kind == "whole":  # an SPMD global tensor not shaped like its parameter
-                add_pieces(f"optim/{h.name}/{key}", hs.pieces_to_write(f"{h.name}/{key}", value, value.shape[0], h.view),
-                           value.dtype, tuple(value.shape[1:]))
+            if kind in ("rows", "whole"):  # "whole": an SPMD global tensor not shaped like its parameter
+                pieces = h.pieces(value) if kind == "rows" else hs.pieces_to_write(f"{h.name}/{key}", value,
+                                                                                    value.shape[0], h.view)
+                add_pieces(f"optim/{h.name}/{key}", pieces, value.dtype, tuple(value.shape[1:]))
             elif kind == "per_rank":
                 add(f"optim_rank/{h.name}/{key}", lambda v=value: v.detach().cpu(), value.dtype,
                     tuple(value.shape), None)

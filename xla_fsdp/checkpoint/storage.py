@@ -1,11 +1,10 @@
-"""Where checkpoint files live: a local (or mounted) file system, or any fsspec URL.
+"""Where checkpoint files live: a local (or mounted) file system, or any fsspec URL; `storage_for(path)` picks one.
 
-A plain path (`out/run`, `/mnt/shared/run`: a disk, NFS or a gcsfuse/Filestore mount alike) is `LocalStorage`, thin
-calls into `os` with writes fsynced, and keeps the rename commit of [Note: atomic checkpoints] (save.py). A URL
-`scheme://...` (`gs://`, `s3://`, `file://`, `memory://`, ...) is `FsspecStorage`: its file system comes from fsspec,
-and saves commit without a rename ([Note: commit without rename], save.py), since object stores have none.
-`storage_for(path)` picks one. A URL's credentials and options are fsspec's own (e.g. Application Default Credentials
-for gcsfs, or `FSSPEC_GCS_<OPTION>` environment variables).
+A plain path (`out/run`, `/mnt/shared/run`: a disk, NFS or a gcsfuse/Filestore mount alike) is `LocalStorage`, which
+keeps the rename commit of [Note: atomic checkpoints] (save.py). A URL `scheme://...` (`gs://`, `s3://`, `file://`,
+`memory://`, ...) is `FsspecStorage`, whose saves commit without a rename ([Note: commit without rename], save.py):
+object stores have none. A URL's credentials and options are fsspec's own (e.g. Application Default Credentials for
+gcsfs, or `FSSPEC_GCS_<OPTION>` environment variables).
 
 Errors: a URL whose file system is not installed (gs:// without gcsfs) is an ImportError naming the package to install;
 every failed write is an OSError (an fsspec back end's own exceptions are wrapped), which is what a save turns into
@@ -28,11 +27,6 @@ def storage_for(path) -> "Storage":
     """The storage that holds `path`: fsspec's for a URL, the local file system otherwise."""
     path = os.fspath(path)
     return _fsspec_storage(path.split("://", 1)[0]) if is_url(path) else LOCAL
-
-
-@functools.lru_cache(maxsize=None)
-def _fsspec_storage(protocol: str) -> "FsspecStorage":
-    return FsspecStorage(protocol)
 
 
 class Storage:
@@ -246,6 +240,9 @@ class FsspecStorage(Storage):
             raise
         except Exception as e:
             raise OSError(f"could not {what} {path}: {type(e).__name__}: {e}") from e
+
+
+_fsspec_storage = functools.lru_cache(maxsize=None)(FsspecStorage)  # one per protocol
 
 
 class _Guarded:

@@ -35,15 +35,13 @@ def reset_meta_modules(modules: Iterable[Tuple[str, nn.Module]], unit_name: str)
                 sites.setdefault(id(p), []).append((m, pname))
     for _, m in pending:
         m.to_empty(device="cpu", recurse=False)
-    for group in sites.values():  # re-tie: one new tensor for every site of a tied parameter
-        first = group[0][0]._parameters[group[0][1]]
-        for m, pname in group[1:]:
-            m._parameters[pname] = first
     # in eager construction a tie is made after both modules initialized: the first owner's values win
     first_site: Dict[int, List[str]] = {}
-    for group in sites.values():
-        if len(group) > 1:
-            first_site.setdefault(id(group[0][0]), []).append(group[0][1])
+    for (owner, name), *others in sites.values():  # re-tie: one new tensor for every site of a tied parameter
+        for m, pname in others:
+            m._parameters[pname] = owner._parameters[name]
+        if others:
+            first_site.setdefault(id(owner), []).append(name)
     kept = []
     with torch.no_grad():
         for _, m in pending:
