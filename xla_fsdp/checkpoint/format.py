@@ -2,9 +2,8 @@
 
 A checkpoint is a directory:
 
-    metadata.json                 what was saved: layout, every parameter's full shape and
-                                  dtype, the optimizer's class and hyperparameters, the step,
-                                  library versions (rank 0 writes it)
+    metadata.json                 what was saved: layout, every parameter's full shape and dtype, the optimizer's
+                                  class and hyperparameters, the step, library versions (rank 0 writes it)
     shards-rank00003.safetensors  the rows of each tensor that rank 3 holds, unpadded
     index-rank00003.json          which rows of which tensor are in that file, with checksums
     extra-rank00003.pt            rank 3's own state: RNG states, user objects (torch.save)

@@ -71,7 +71,8 @@ def _layout(model: nn.Module) -> Dict:
     """The layout record of a sharded state dict; all but "rank" must match to load it."""
     layout = state_of(model).group.comm.layout
     return {"world_size": layout.world_size, "shard_world_size": layout.shard_world_size,
-            "shard_rank": layout.shard_rank, "rank": layout.rank, "shard_groups": [list(g) for g in layout.shard_groups]}
+            "shard_rank": layout.shard_rank, "rank": layout.rank,
+            "shard_groups": [list(g) for g in layout.shard_groups]}
 
 
 def sharded_state_dict(model: nn.Module) -> Dict:

@@ -33,9 +33,9 @@ class Storage:
     """What checkpoints need of a file system. Paths are strings in the storage's own spelling (a URL keeps its scheme,
     so messages name what the user gave). Each storage has `join`, `abspath`, `exists`, `isfile`, `isdir`, `size`,
     `glob`, `remove(path, missing_ok=True)`, `makedirs(path, exist_ok=True)`, `rmtree(path, ignore_errors=False)`
-    (nothing there: nothing to do), `listdir` ([] when there is nothing there), `open_read` (a binary file, seekable, with
-    `readinto`; FileNotFoundError when missing) and `open_write`, a context manager whose file is durable when the block
-    ends without an exception (flushed and fsynced on a local disk, uploaded on an object store)."""
+    (nothing there: nothing to do), `listdir` ([] when there is nothing there), `open_read` (a binary file, seekable,
+    with `readinto`; FileNotFoundError when missing) and `open_write`, a context manager whose file is durable when the
+    block ends without an exception (flushed and fsynced on a local disk, uploaded on an object store)."""
 
     renames = False  # whether renaming a directory is atomic (the commit of [Note: atomic checkpoints])
 
