@@ -138,12 +138,12 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
             for g, s in zip(groups, saved["param_groups"])):
         raise CheckpointError(f"checkpoint {path}: the optimizer's parameter groups differ from the saved ones "
                               "(same parameters, same order, same grouping needed)")
-    named_by = {named[i].name: named[i] for i in named}
+    by_name = {h.name: i for i, h in named.items()}  # holding name -> the optimizer's index
     for h_name, entries in saved["state"].items():
         for key, entry in entries.items():
             if entry["kind"] in ("rows", "whole") and not index.has(f"optim/{h_name}/{key}"):
                 raise CheckpointError(f"checkpoint {path} lacks optimizer state {key!r} of {h_name!r}")
-            if entry["kind"] == "whole" and named_by[h_name].per_rank_states and per_rank_state == "error":
+            if entry["kind"] == "whole" and named[by_name[h_name]].per_rank_states and per_rank_state == "error":
                 raise CheckpointError(
                     f"checkpoint {path} holds optimizer state {key!r} of {h_name!r} computed over the whole "
                     "parameter by an SPMD run; here each process computes it over its own shard (e.g. "
@@ -155,12 +155,11 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
                     f"its own shard (e.g. Adafactor's column factor); it has no exact value on this layout "
                     f"({meta['layout']} -> another). Load on the saved layout, or pass "
                     "per_rank_state='average' to use the mean over the saved ranks")
-    by_name = {named[i].name: i for i in named}
 
     def build() -> Dict[str, Any]:
         state: Dict[int, Dict[str, Any]] = {}
         for h_name, entries in saved["state"].items():
-            h = named_by[h_name]
+            h = named[by_name[h_name]]
             out: Dict[str, Any] = {}
             for key, entry in entries.items():
                 if entry["kind"] == "scalar":
