@@ -6,12 +6,5 @@ checks across keys and the engine keywords."""
 from .fsdp_config import FSDPConfig, checkpointed_wrapper, load_fsdp_config
 from .schema import ENGINE_KEYWORDS, SPMD_ENGINE_KEYWORDS, FSDPConfigError, XlaFSDPSettings
 
-__all__ = [
-    "ENGINE_KEYWORDS",
-    "SPMD_ENGINE_KEYWORDS",
-    "FSDPConfig",
-    "FSDPConfigError",
-    "XlaFSDPSettings",
-    "checkpointed_wrapper",
-    "load_fsdp_config",
-]
+__all__ = ["ENGINE_KEYWORDS", "SPMD_ENGINE_KEYWORDS", "FSDPConfig", "FSDPConfigError", "XlaFSDPSettings",
+           "checkpointed_wrapper", "load_fsdp_config"]

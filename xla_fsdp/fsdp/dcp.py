@@ -62,18 +62,19 @@ def _fsspec_classes():
             self.fs = filesystem_for(os.fspath(path).split("://", 1)[0])
             return path
 
-    class Writer(_ForgetsOldMetadata, FsspecWriter):
+    class OnOurFileSystem:
         def __init__(self, path, **kwargs):
-            check_bucket(path)
             super().__init__(path, **kwargs)
             self.fs = OurFileSystem()
             self.path = self.fs.init_path(path)
 
-    class Reader(FsspecReader):
+    class Writer(_ForgetsOldMetadata, OnOurFileSystem, FsspecWriter):
         def __init__(self, path, **kwargs):
+            check_bucket(path)
             super().__init__(path, **kwargs)
-            self.fs = OurFileSystem()
-            self.path = self.fs.init_path(path)
+
+    class Reader(OnOurFileSystem, FsspecReader):
+        pass
 
     return Writer, Reader
 

@@ -41,7 +41,9 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     offload = as_offload_policy(offload_policy)
     for m in modules:
         _enter_spmd(m)
-    mesh = _mesh(mesh)
+    from .device_mesh import resolve_fsdp_mesh
+
+    mesh = resolve_fsdp_mesh(mesh)
     for m in modules:
         _check_placements(m, shard_placement_fn)
     kw = _engine_keywords(mp, reshard_after_forward, int(mesh.xla.mesh_shape[-1]))
@@ -99,10 +101,9 @@ def _check_module(module) -> None:
 
     owned = [n for n, p in module.named_parameters() if isinstance(p, ShardedParameter) and not _inside_unit(module, n)]
     if owned:
-        raise ValueError(
-            f"fully_shard({name}) after its parent: {owned[0]!r} is already sharded by an enclosing "
-            "fully_shard call. Apply fully_shard bottom-up: each layer first, then the modules above, "
-            "the root last")
+        raise ValueError(f"fully_shard({name}) after its parent: {owned[0]!r} is already sharded by an enclosing "
+                         "fully_shard call. Apply fully_shard bottom-up: each layer first, then the modules above, "
+                         "the root last")
 
 
 def _check_disjoint(modules: List[nn.Module]) -> None:
@@ -155,25 +156,18 @@ def _enter_spmd(module: nn.Module) -> None:
 
     if runtime_started() and xr.world_size() > 1:
         raise RuntimeError(
-            f"xla_fsdp.fsdp.fully_shard runs on the single controller (one process per host drives every "
-            f"chip, with FSDP2's per-process rank semantics), and this is one of {xr.world_size()} processes "
-            "of one process per chip (xmp.spawn or xla_spawn --per_chip). Launch the script with "
-            "`python launch/xla_spawn.py --spmd ...` (or plain `python script.py`), or use "
-            "xla_fsdp.XlaFullyShardedDataParallel, which runs one process per chip")
+            f"xla_fsdp.fsdp.fully_shard runs on the single controller (one process per host drives every chip, with "
+            f"FSDP2's per-process rank semantics), and this is one of {xr.world_size()} processes of one process per "
+            "chip (xmp.spawn or xla_spawn --per_chip). Launch the script with `python launch/xla_spawn.py --spmd ...` "
+            "(or plain `python script.py`), or use xla_fsdp.XlaFullyShardedDataParallel, which runs one process per "
+            "chip")
     if any(t.device.type == "xla" for t in list(module.parameters()) + list(module.buffers())):
         raise RuntimeError(
-            "xla_fsdp.fsdp.fully_shard runs on the single controller (one process drives every chip of its "
-            "host), and this model is already on an XLA device without it: call "
-            "torch_xla.runtime.use_spmd() at the start of the script, before creating any XLA tensor "
-            "(or launch with `python launch/xla_spawn.py --spmd ...`), and build the model on the meta "
-            "device or on the CPU")
+            "xla_fsdp.fsdp.fully_shard runs on the single controller (one process drives every chip of its host), and "
+            "this model is already on an XLA device without it: call torch_xla.runtime.use_spmd() at the start of the "
+            "script, before creating any XLA tensor (or launch with `python launch/xla_spawn.py --spmd ...`), and "
+            "build the model on the meta device or on the CPU")
     xr.use_spmd()
-
-
-def _mesh(mesh):
-    from .device_mesh import resolve_fsdp_mesh
-
-    return resolve_fsdp_mesh(mesh)
 
 
 def _check_placements(module: nn.Module, shard_placement_fn) -> None:
@@ -218,8 +212,7 @@ def _engine_keywords(mp: MixedPrecisionPolicy, reshard_after_forward, devices: i
         raise NotImplementedError(
             "MixedPrecisionPolicy(cast_forward_inputs=False) is not supported here: each unit casts its floating "
             "inputs to param_dtype; keep the default (True)")
-    reduce = mp.reduce_dtype
-    compute = mp.param_dtype
+    reduce, compute = mp.reduce_dtype, mp.param_dtype
     if compute is None and reduce not in (None, torch.float32):
         raise NotImplementedError(
             f"MixedPrecisionPolicy(reduce_dtype={reduce}) with float32 parameters: gradients are reduced in the "
@@ -227,9 +220,5 @@ def _engine_keywords(mp: MixedPrecisionPolicy, reshard_after_forward, devices: i
     if compute is not None and reduce not in (None, compute, torch.float32):
         raise NotImplementedError(f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): "
                                   f"gradients are reduced in param_dtype or in float32 here")
-    return dict(
-        reshard_after_forward=reshard,
-        disable_reshard_on_root=not on_root,
-        compute_dtype=compute,
-        fp32_reduce_scatter=compute is not None and reduce == torch.float32 and compute != torch.float32,
-    )
+    return dict(reshard_after_forward=reshard, disable_reshard_on_root=not on_root, compute_dtype=compute,
+                fp32_reduce_scatter=compute is not None and reduce == torch.float32 and compute != torch.float32)

@@ -49,10 +49,7 @@ def install() -> None:
             # one machine would both try to bind
             yield dist.HashStore(), 0, 1
             return
-        if timeout is None:
-            yield from theirs(url, **kwargs)
-        else:
-            yield from theirs(url, timeout, **kwargs)
+        yield from (theirs(url, **kwargs) if timeout is None else theirs(url, timeout, **kwargs))
 
     handler._xla_fsdp = True
     handlers["xla"] = handler

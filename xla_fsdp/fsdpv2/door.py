@@ -94,10 +94,9 @@ class _Root:
 
         check_spmd_came_first(NAME)
         if "module" in module._modules:
-            warnings.warn(
-                f"{type(module).__name__} has a child named 'module'. torch_xla's wrapper's `.module` is the whole "
-                "model; here the model is its own wrapper and `model.module` stays that child: use `model` "
-                "itself for the whole model")
+            warnings.warn(f"{type(module).__name__} has a child named 'module'. torch_xla's wrapper's `.module` is "
+                          "the whole model; here the model is its own wrapper and `model.module` stays that child: use "
+                          "`model` itself for the whole model")
         self.module, self.shard_output, self.policy, self.wrapper = module, shard_output, policy, wrapper
         self.units: List[Tuple[nn.Module, Optional[Callable]]] = []  # recorded inner units, their shard_output
         self.pending: List[Tuple[nn.Module, Optional[Callable]]] = []
@@ -190,16 +189,14 @@ def _wrapped_children(module: nn.Module, mesh, batch_axes, policy) -> List[nn.Mo
         elif _is_wrapped(m):
             other.append(f"{name} ({original_class(m).__name__})")
     if other:
-        raise ValueError(
-            f"{', '.join(other)} inside {type(module).__name__} is already wrapped; xla_fsdp shards a model "
-            f"once, from its root: drop the inner call and give the root an auto_wrap_policy that "
-            "picks that module (e.g. transformer_auto_wrap_policy with its class)")
+        raise ValueError(f"{', '.join(other)} inside {type(module).__name__} is already wrapped; xla_fsdp shards a "
+                         "model once, from its root: drop the inner call and give the root an auto_wrap_policy that "
+                         "picks that module (e.g. transformer_auto_wrap_policy with its class)")
     if children and policy is not None:
-        raise ValueError(
-            f"{type(module).__name__} holds modules {NAME} already wrapped "
-            f"({', '.join(original_class(c).__name__ for c in children)}) and was given an auto_wrap_policy; "
-            "xla_fsdp takes one of the two: wrap the children yourself and the root without a policy, or only "
-            "the root with a policy that picks them")
+        names = ", ".join(original_class(c).__name__ for c in children)
+        raise ValueError(f"{type(module).__name__} holds modules {NAME} already wrapped ({names}) and was given an "
+                         "auto_wrap_policy; xla_fsdp takes one of the two: wrap the children yourself and the root "
+                         "without a policy, or only the root with a policy that picks them")
     return children
 
 

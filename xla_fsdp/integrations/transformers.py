@@ -50,11 +50,13 @@ def enable() -> None:
             f"{transformers.__version__}. Install transformers==5.23.0 (requirements.txt), or wrap the model "
             "yourself and use a training loop")
     Trainer = trainer_module.Trainer
-    needed = {"wrap_model_xla_fsdp": trainer_module, "save_tpu_checkpoint": trainer_module,
-              "_clip_grad_norm": Trainer, "_get_grad_norm": Trainer, "_load_optimizer_and_scheduler": Trainer,
-              "get_optimizer_cls_and_kwargs": Trainer, "compute_loss": Trainer,
-              "__init__": Trainer}
-    missing = [name for name, owner in needed.items() if not callable(getattr(owner, name, None))]
+    # name -> (where it lives, ours in its place; None: transformers' own, without fused AdamW)
+    ours = {"wrap_model_xla_fsdp": (trainer_module, wrap_model), "save_tpu_checkpoint": (trainer_module, save_checkpoint),
+            "_clip_grad_norm": (Trainer, _clip_grad_norm), "_get_grad_norm": (Trainer, _get_grad_norm),
+            "_load_optimizer_and_scheduler": (Trainer, _load_optimizer_and_scheduler),
+            "get_optimizer_cls_and_kwargs": (Trainer, None), "compute_loss": (Trainer, _compute_loss),
+            "__init__": (Trainer, _trainer_init)}
+    missing = [name for name, (owner, _) in ours.items() if not callable(getattr(owner, name, None))]
     if missing:
         raise RuntimeError(f"transformers {transformers.__version__} has no {', '.join(missing)}; "
                            "xla_fsdp.integrations.transformers cannot patch it")
@@ -62,16 +64,9 @@ def enable() -> None:
     runtime.steer_is_tracing()
     if _originals:
         return
-    for name, owner in needed.items():
+    for name, (owner, replacement) in ours.items():
         _originals[name] = getattr(owner, name)
-    trainer_module.wrap_model_xla_fsdp = wrap_model
-    trainer_module.save_tpu_checkpoint = save_checkpoint
-    Trainer._clip_grad_norm = _clip_grad_norm
-    Trainer._get_grad_norm = _get_grad_norm
-    Trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
-    Trainer.get_optimizer_cls_and_kwargs = runtime.unfused_adamw(_originals["get_optimizer_cls_and_kwargs"])
-    Trainer.compute_loss = _compute_loss
-    Trainer.__init__ = _trainer_init
+        setattr(owner, name, replacement or runtime.unfused_adamw(_originals[name]))
 
 
 def _is_ours(model) -> bool:

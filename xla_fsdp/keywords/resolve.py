@@ -56,8 +56,8 @@ def resolve(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if kw["coalesce_all_gather_ops"]:
         # torch_xla: one coalesced all-gather for a unit's parameters; here, one flat bucket
         if kw["flatten_parameters"] is False:
-            raise ValueError("coalesce_all_gather_ops=True asks for one collective per unit and "
-                             "flatten_parameters=False for one per parameter; drop one of the two")
+            raise ValueError("coalesce_all_gather_ops=True asks for one collective per unit and flatten_parameters=False "
+                             "for one per parameter; drop one of the two")
         kw["flatten_parameters"] = True
     if kw["mixed_precision"] is not None:
         _apply_mixed_precision(kw)
@@ -101,27 +101,20 @@ def build_options(kw: Dict[str, Any]) -> FSDPOptions:
     if (environment.num_slices() > 1 and kw["sharding_groups"] is None and kw["mesh"] is None
             and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)):
         strategy = ShardingStrategy.HYBRID_SHARD  # [Note: HSDP across slices]: the slices are the groups (build.py)
-    return FSDPOptions(
-        strategy=strategy,
-        mixed_precision=opts.MixedPrecision(
-            compute_dtype=kw["compute_dtype"] or torch.float32,
-            buffer_dtype=kw["buffer_dtype"],
-            fp32_reduce_scatter=bool(kw["fp32_reduce_scatter"]),
-        ),
-        collectives=opts.CollectiveOptions(
-            pin_layout=bool(kw["pin_layout_in_collective_ops"]),
-            all_gather_impl=kw["all_gather_impl"],
-            flatten_parameters=None if kw["flatten_parameters"] is None else bool(kw["flatten_parameters"]),
-            reduce_scatter_bucket_size_mb=float(kw["reduce_scatter_bucket_size_mb"] or 0),
-            reduce_scatter_stages=str(kw["reduce_scatter_stages"]),
-            token_chain=str(kw["token_chain"]),
-            optimization_barrier_in_forward=bool(kw["optimization_barrier_in_forward"]),
-            optimization_barrier_in_backward=bool(kw["optimization_barrier_in_backward"]),
-        ),
-        reshard=opts.ReshardPolicy(bool(reshard), bool(kw["disable_reshard_on_root"])),
-        sync_on_finalization=bool(kw["sync_on_finalization"]),
-        execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
-        is_batched_input=kw["is_batched_input"],
-        prefetch=opts.PrefetchPolicy.parse(kw["forward_prefetch"], kw["backward_prefetch"]),
-        checkpoint_all_but_last=kw["checkpoint_all_but_last"],
-    )
+    mixed_precision = opts.MixedPrecision(compute_dtype=kw["compute_dtype"] or torch.float32,
+                                          buffer_dtype=kw["buffer_dtype"],
+                                          fp32_reduce_scatter=bool(kw["fp32_reduce_scatter"]))
+    collectives = opts.CollectiveOptions(
+        pin_layout=bool(kw["pin_layout_in_collective_ops"]), all_gather_impl=kw["all_gather_impl"],
+        flatten_parameters=None if kw["flatten_parameters"] is None else bool(kw["flatten_parameters"]),
+        reduce_scatter_bucket_size_mb=float(kw["reduce_scatter_bucket_size_mb"] or 0),
+        reduce_scatter_stages=str(kw["reduce_scatter_stages"]), token_chain=str(kw["token_chain"]),
+        optimization_barrier_in_forward=bool(kw["optimization_barrier_in_forward"]),
+        optimization_barrier_in_backward=bool(kw["optimization_barrier_in_backward"]))
+    return FSDPOptions(strategy=strategy, mixed_precision=mixed_precision, collectives=collectives,
+                       reshard=opts.ReshardPolicy(bool(reshard), bool(kw["disable_reshard_on_root"])),
+                       sync_on_finalization=bool(kw["sync_on_finalization"]),
+                       execute_sharding_on_init=bool(kw["execute_sharding_on_init"]),
+                       is_batched_input=kw["is_batched_input"],
+                       prefetch=opts.PrefetchPolicy.parse(kw["forward_prefetch"], kw["backward_prefetch"]),
+                       checkpoint_all_but_last=kw["checkpoint_all_but_last"])
