@@ -72,15 +72,6 @@ RANGES = {
 }
 
 
-def range_problem(args: argparse.Namespace):
-    """The first flag outside its range ([Note: run_clm's ranges]), as an error line; None if none."""
-    for flag, (ok, needs) in RANGES.items():
-        value = getattr(args, flag)
-        if value is not None and not ok(value):
-            return f"--{flag} {value:g}: must be {needs}"
-    return None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="run_clm.py", allow_abbrev=False,
                 description="Train a GPT-2 or Llama causal LM with xla_fsdp (HF run_clm.py flag names).")
@@ -247,9 +238,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.profile_steps = parse_range(args.profile_steps)
         except ValueError as e:
             parser.error(f"--profile_steps {e}")
-    problem = range_problem(args)
-    if problem:
-        parser.error(problem)
+    for flag, (ok, needs) in RANGES.items():  # the first flag outside its range ([Note: run_clm's ranges])
+        value = getattr(args, flag)
+        if value is not None and not ok(value):
+            parser.error(f"--{flag} {value:g}: must be {needs}")
     if args.dataset_name and not _installed("datasets"):
         parser.error(f"--dataset_name {args.dataset_name} needs the `datasets` package, not installed here: "
                      "pip install datasets (requirements.txt pins it; tpu_scripts/install.sh installs it); or omit "

@@ -243,7 +243,10 @@ def _run(job: StartedJob, preempted) -> dict:
         log(f"run_clm: eval loss {ev['eval_loss']:.4f}, perplexity {ev['perplexity']:.2f} "
             f"({ev['eval_batches']} batches)")
     report["wall_time_s"] = time.perf_counter() - started
-    report["xla_compiles"] = _compile_count()
+    import torch_xla.debug.metrics as met
+
+    compiles = met.metric_data("CompileTime")
+    report["xla_compiles"] = int(compiles[0]) if compiles else 0  # a count growing with steps means recompiles
     if cache is not None:
         from xla_fsdp.runtime import compile_cache
 
@@ -380,11 +383,3 @@ def _trace_steps(model, micro_batch, ctx, args, config, facts) -> None:
                  for _ in range(args.gradient_accumulation_steps)]
         loop.train_step(model, optimizer, scheduler, group, ctx, args.max_grad_norm)
     raise SystemExit("run_clm: three traced steps ran without the ahead-of-time check stopping the process")
-
-
-def _compile_count() -> int:
-    """XLA graph compilations so far; a count growing with steps means recompiles."""
-    import torch_xla.debug.metrics as met
-    data = met.metric_data("CompileTime")
-    return int(data[0]) if data else 0
-
