@@ -7,7 +7,10 @@ recomputed, so the recomputation sees full parameters.
 [Note: recompute barrier] XLA traces forward and backward into one graph, and common-subexpression elimination would
 notice that the recomputation equals the forward and reuse the forward's activations, silently undoing the memory
 saving. The recomputation therefore starts from inputs passed through an optimization barrier together with the incoming
-gradients, which makes it a different computation that can only run once those gradients exist.
+gradients, which makes it a different computation that can only run once those gradients exist. The outputs a
+policy kept ([Note: saved outputs]) pass through the same barrier: otherwise what the recomputation derives from them
+alone (GPT-2's attention softmax from kept q/k/v) would merge with the forward's and live until backward, holding
+more than the policy names (the 2B's sdpa then held 3 GiB of float32 scores a block).
 
 [Note: parameters as checkpoint inputs] The checkpoint is an autograd Function whose forward runs without autograd, so
 its output requires grad only if one of its inputs does. The parameters are read inside the run (an FSDP unit gathers
@@ -124,9 +127,10 @@ class _Checkpoint(torch.autograd.Function):
         if ctx.offload:
             saved = [host_offload.to_device(t) if i == 0 or i >= ctx.num_inputs else t for i, t in enumerate(saved)]
         inputs, kept = saved[:ctx.num_inputs], saved[ctx.num_inputs:]
-        if ctx.on_xla:  # [Note: recompute barrier]
+        if ctx.on_xla:  # [Note: recompute barrier], the kept outputs too
             live = [g for g in grads if g is not None]
-            inputs = _optimization_barrier([*inputs, *live])[: len(inputs)]
+            barred = _optimization_barrier([*inputs, *kept, *live])
+            inputs, kept = barred[:len(inputs)], barred[len(inputs):len(inputs) + len(kept)]
         inputs = [x.requires_grad_(wants) for x, wants in zip(inputs, ctx.input_grad)]
         _local.depth = getattr(_local, "depth", 0) + 1
         plan = getattr(state_of(ctx.unit), "fit_plan", None)  # [Note: keep what fits] measures here
