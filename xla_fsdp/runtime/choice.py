@@ -95,9 +95,11 @@ def declared_runtime(script: str) -> Optional[str]:
 
 def _single_controller_reason(tree: ast.Module) -> str:
     """Why a script with no marker is a single-controller script ("" when it is not): it imports the Trainer
-    integration, or FSDP2's API, or starts its process group through `xla://` with a CPU backend (the README's FSDP2
-    port). torch_xla's per-chip scripts start theirs with the "xla" backend, which is not taken as a declaration."""
-    if enables_trainer(tree):
+    integration anywhere (the two lines a Hugging Face example gets: a Trainer runs as one process whose engine shards
+    over the host's devices; `--per_chip` still picks one process per chip), or FSDP2's API, or starts its process group
+    through `xla://` with a CPU backend (the README's FSDP2 port). torch_xla's per-chip scripts start theirs with the
+    "xla" backend, which is not taken as a declaration."""
+    if imports_module(tree, TRAINER_INTEGRATION):
         return f"imports {TRAINER_INTEGRATION} (a Trainer runs as one process per host)"
     if imports_module(tree, FSDP2_API):
         return (f"imports {FSDP2_API} (FSDP2's fully_shard runs on the single controller; one process "
@@ -128,35 +130,15 @@ def inits_xla_process_group(tree: ast.Module) -> bool:
     """Whether the script calls `init_process_group(backend, init_method="xla://")` with a backend other than "xla"
     (positional or keyword arguments)."""
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
+        func = node.func if isinstance(node, ast.Call) else None
+        if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) != "init_process_group":
             continue
-        func = node.func
-        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-        if name != "init_process_group":
-            continue
-        args = {i: a for i, a in enumerate(node.args)}
-        kwargs = {k.arg: k.value for k in node.keywords if k.arg}
-        method = kwargs.get("init_method", args.get(1))
-        backend = kwargs.get("backend", args.get(0))
-        if not (isinstance(method, ast.Constant) and method.value == XLA_INIT_METHOD):
-            continue
-        if isinstance(backend, ast.Constant) and backend.value == "xla":
-            continue  # torch_xla's per-process backend: one process per chip
-        return True
-    return False
-
-
-def enables_trainer(tree: ast.Module) -> bool:
-    """Whether the script imports xla_fsdp's Trainer integration anywhere (the two lines a Hugging Face example gets): a
-    Trainer runs as one process whose engine shards over the host's devices, so this declares the single controller
-    (`--per_chip` still picks one process per chip)."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(a.name == TRAINER_INTEGRATION for a in node.names):
+        args, kwargs = dict(enumerate(node.args)), {k.arg: k.value for k in node.keywords if k.arg}
+        method, backend = kwargs.get("init_method", args.get(1)), kwargs.get("backend", args.get(0))
+        # the "xla" backend is torch_xla's per-process one: one process per chip
+        if isinstance(method, ast.Constant) and method.value == XLA_INIT_METHOD and not (
+                isinstance(backend, ast.Constant) and backend.value == "xla"):
             return True
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == TRAINER_INTEGRATION or (
-                    node.module == "xla_fsdp.integrations" and any(a.name == "transformers" for a in node.names)):
-                return True
     return False
 
 

@@ -22,6 +22,8 @@ import sys
 import traceback
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
+from .choice import parse_script
+
 # the calls that start a torch_xla script, by their full dotted name -> how users write them
 ENTRY_POINTS: Dict[str, str] = {
     "torch_xla.distributed.xla_multiprocessing.spawn": "xmp.spawn",
@@ -44,43 +46,29 @@ def entry_calls(script: str) -> Tuple[str, ...]:
     """The torch_xla entry points `script` calls anywhere ("xmp.spawn", "torch_xla.launch"), read from its syntax tree
     through its import aliases; () when it calls none (or does not parse: running it will say what is wrong)."""
     try:
-        with open(script, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=script)
+        tree = parse_script(script)
     except (OSError, SyntaxError, ValueError):
         return ()
     aliases: Dict[str, str] = {}  # local name -> the dotted name it is bound to
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for a in node.names:
-                if a.asname:
-                    aliases[a.asname] = a.name
-                else:  # `import torch_xla.distributed.xla_multiprocessing` binds `torch_xla`
-                    top = a.name.split(".")[0]
-                    aliases[top] = top
+            for a in node.names:  # `import torch_xla.distributed.xla_multiprocessing` binds `torch_xla`
+                top = a.name.split(".")[0]
+                aliases[a.asname or top] = a.name if a.asname else top
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             for a in node.names:
                 aliases[a.asname or a.name] = f"{node.module}.{a.name}"
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            name = _dotted(node.func)
-            if name is None:
-                continue
-            head, _, rest = name.partition(".")
-            full = aliases.get(head, head) + ("." + rest if rest else "")
-            if full in ENTRY_POINTS and ENTRY_POINTS[full] not in found:
-                found.append(ENTRY_POINTS[full])
-    return tuple(found)
+    names = (_dotted(node.func, aliases) for node in ast.walk(tree) if isinstance(node, ast.Call))
+    return tuple(dict.fromkeys(ENTRY_POINTS[name] for name in names if name in ENTRY_POINTS))
 
 
-def _dotted(node: ast.AST) -> Optional[str]:
+def _dotted(node: ast.AST, aliases: Dict[str, str]) -> Optional[str]:
+    """The dotted name of a call's function, its first part resolved through the script's import `aliases`."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
         node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return ".".join([node.id, *reversed(parts)])
+    return ".".join([aliases.get(node.id, node.id), *reversed(parts)]) if isinstance(node, ast.Name) else None
 
 
 def describe(fn: Callable) -> str:
