@@ -53,18 +53,14 @@ def rings_apply(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool
 
 
 def ring_groups(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:
-    """Shard groups a ring can run over: one group of every device in id order, or one per slice
-    of a multislice job (never a ring across slices, nor a user's sharding groups)."""
-    return len(shard_groups) == environment.num_slices() and consecutive_blocks(shard_groups, num_devices)
-
-
-def consecutive_blocks(shard_groups: Sequence[Sequence[int]], num_devices: int) -> bool:
-    """The groups are consecutive blocks of device ids in order, of one size, covering every device
-    (one group of every device, or HSDP's one group per slice)."""
-    if not shard_groups or num_devices % len(shard_groups):
+    """Shard groups a ring can run over: consecutive blocks of device ids in order, of one size, covering every device,
+    one per slice (one group of every device, or a multislice job's HSDP groups; never a ring across slices, nor a
+    user's sharding groups)."""
+    n = len(shard_groups)
+    if n != environment.num_slices() or num_devices % n:
         return False
-    k = num_devices // len(shard_groups)
-    return [list(g) for g in shard_groups] == [list(range(i * k, (i + 1) * k)) for i in range(len(shard_groups))]
+    k = num_devices // n
+    return [list(g) for g in shard_groups] == [list(range(i * k, (i + 1) * k)) for i in range(n)]
 
 
 # the largest slice whose reduce-scatter rings were measured (v4-128's 64 chips; [Note: reduce-scatter rings on pods])

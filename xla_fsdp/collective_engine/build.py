@@ -149,19 +149,9 @@ def _build_layout(rank: int, world: int, kw, strategy: ShardingStrategy) -> Shar
 
 def owned_params(module: nn.Module, ignored: frozenset = frozenset()):
     """(module, name, param, fqn) for parameters not inside an already wrapped child unit, and not among `ignored`
-    (ids of FSDP2's `ignored_params`). An explicit stack, not a recursive closure: a closure that refers to itself is a
-    reference cycle, which would keep the full tensors alive until the cycle collector runs."""
-    out = []
-    stack = [(module, "")]
-    while stack:
-        m, prefix = stack.pop()
-        for name, p in m._parameters.items():
-            if p is not None and id(p) not in ignored:
-                out.append((m, name, p, prefix + name))
-        children = [(c, f"{prefix}{n}.") for n, c in m._modules.items()
-                    if c is not None and not is_unit(c)]
-        stack.extend(reversed(children))  # keep definition order
-    return out
+    (ids of FSDP2's `ignored_params`)."""
+    return [(m, name, p, f"{prefix}.{name}" if prefix else name) for prefix, m in _unit_modules(module)
+            for name, p in m._parameters.items() if p is not None and id(p) not in ignored]
 
 
 def build_group(modules, comm: Collectives, options: FSDPOptions,
@@ -231,7 +221,9 @@ def materialize(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
 
 
 def _unit_modules(module: nn.Module):
-    """(name, module) for `module` and its descendants outside already wrapped child units."""
+    """(name, module) for `module` and its descendants outside already wrapped child units, in definition order. An
+    explicit stack, not a recursive closure: a closure that refers to itself is a reference cycle, which would keep the
+    full tensors alive until the cycle collector runs."""
     out, stack = [], [("", module)]
     while stack:
         name, m = stack.pop()
@@ -247,18 +239,9 @@ def cast_buffers(module: nn.Module, options: FSDPOptions, device, cast: bool = T
     (with `cast`). Meta buffers stay meta (FSDP2's to_empty() gives them storage)."""
     mp = options.mixed_precision
     dtype = (mp.buffer_dtype or (mp.compute_dtype if mp.enabled else None)) if cast else None
-
-    def visit(m):
+    for _, m in _unit_modules(module):
         for name, b in m._buffers.items():
-            if b is not None:
-                if b.is_meta and not cast and not abstract.active():
-                    continue
-                target = abstract.to_device(b, device)
-                if dtype is not None and b.is_floating_point():
-                    target = target.to(dtype)
-                m._buffers[name] = target
-        for child in m._modules.values():
-            if child is not None and not is_unit(child):
-                visit(child)
-
-    visit(module)
+            if b is None or (b.is_meta and not cast and not abstract.active()):
+                continue
+            target = abstract.to_device(b, device)
+            m._buffers[name] = target.to(dtype) if dtype is not None and b.is_floating_point() else target

@@ -30,6 +30,7 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0, gr
         raise ValueError("call clip_grad_norm_ on the root unit (the outermost wrapped module), not on a nested unit")
     comm = state.group.comm
     norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
     grads = [p.grad for p in root.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros((), device=comm.device)
@@ -42,18 +43,16 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0, gr
     for unit_comm, unit_grads in by_layout.items():
         # this device's pieces (single-controller runtime: the gradients are global tensors)
         local_grads = [unit_comm.local_view(g, "param", grad=False) for g in unit_grads]
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max().float() for g in local_grads]).max()
-            partials.append(unit_comm.all_reduce(local.reshape(1), _norm_group(unit_comm, groups), REDUCE_MAX))
-        else:
-            local = torch.stack([g.float().norm(norm_type) ** norm_type for g in local_grads]).sum()
-            partials.append(unit_comm.all_reduce(local.reshape(1), _norm_group(unit_comm, groups), REDUCE_SUM))
-    # elementwise on the (1,)-shaped partials: under the single-controller runtime a stack or a
-    # reduction over them makes the partitioner gather them
+        local = (torch.stack([g.abs().max().float() for g in local_grads]).max() if inf else
+                 torch.stack([g.float().norm(norm_type) ** norm_type for g in local_grads]).sum())
+        partials.append(unit_comm.all_reduce(local.reshape(1), _norm_group(unit_comm, groups),
+                                             REDUCE_MAX if inf else REDUCE_SUM))
+    # elementwise on the (1,)-shaped partials: under the single-controller runtime a stack or a reduction over them
+    # makes the partitioner gather them
     total = partials[0]
     for part in partials[1:]:
-        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
-    if not math.isinf(norm_type):
+        total = torch.maximum(total, part) if inf else total + part
+    if not inf:
         total = total ** (1.0 / norm_type)
     total = comm.global_value(total).reshape(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -279,11 +279,7 @@ class XlaCollectives(Collectives):
             xm.rendezvous("xla_fsdp.barrier")
 
     def all_ok(self, ok):
-        if self.layout.world_size == 1:
-            return ok
-        import torch_xla.core.xla_model as xm
-
-        return bool(xm.mesh_reduce("xla_fsdp.all_ok", int(bool(ok)), min))
+        return bool(self.smallest(int(bool(ok)))) if self.layout.world_size > 1 else ok
 
     def smallest(self, n):
         if self.layout.world_size == 1:

@@ -81,9 +81,7 @@ class DistCollectives(Collectives):
         self._dist.barrier()
 
     def all_ok(self, ok):
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return bool(self.smallest(1 if ok else 0))
 
     def smallest(self, n):
         value = torch.tensor([int(n)], dtype=torch.int64)

@@ -134,7 +134,7 @@ def install() -> None:
     if not _STEP_HOOK:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_step))  # every optimizer's step
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: prepare(opt)))  # every step
 
 
 def register_padded(records, comm) -> None:
@@ -142,11 +142,6 @@ def register_padded(records, comm) -> None:
     for rec in records:
         _PADDED[rec.sharded] = (weakref.ref(rec), comm)
     install()
-
-
-def _before_step(optimizer, args, kwargs) -> None:
-    if optimizer not in _PREPARED:
-        prepare(optimizer)
 
 
 def _padded_params(optimizer) -> Dict[int, Tuple[torch.Tensor, object, object]]:

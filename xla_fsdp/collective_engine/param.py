@@ -140,16 +140,12 @@ class FSDPParam:
         parameter object (no optimizer holds the meta one). Created on the device, never on the host."""
         if not self.sharded.is_meta:
             return
+        where = "meta" if abstract.active() else comm.device  # meta: a placeholder ([Note: abstract tracing])
         if comm.is_single_controller:
-            shape = (self.padded_rows, *self.row_shape)
-            if abstract.active():  # [Note: abstract tracing]
-                data = abstract.to_device(torch.empty(shape, dtype=self.orig_dtype, device="meta"), comm.device,
-                                          comm.placement.mesh.get_op_sharding(comm.placement.spec("param", len(shape))))
-            else:
-                data = comm.place_global(torch.empty(shape, dtype=self.orig_dtype, device=comm.device))
+            data = comm.place_global(torch.empty((self.padded_rows, *self.row_shape), dtype=self.orig_dtype,
+                                                 device=where))
         else:
-            data = abstract.to_device(torch.empty(self.shard_shape, dtype=self.orig_dtype, device="meta"), comm.device) \
-                if abstract.active() else torch.empty(self.shard_shape, dtype=self.orig_dtype, device=comm.device)
+            data = abstract.to_device(torch.empty(self.shard_shape, dtype=self.orig_dtype, device=where), comm.device)
         self.sharded = self.param_cls(data, requires_grad=self.requires_grad)
         self.register(self.sharded)
 

@@ -1,20 +1,15 @@
 """`FSDPParamGroup`: the parameters of one unit and its collectives.
 
-One flat all-gather rebuilds all of a unit's parameters (`unshard`), one flat
-reduce-scatter (optionally bucketed) turns their full gradients into shard
-gradients (`reduce_grads`). With `flatten_parameters=False` each parameter is
-its own bucket instead.
+One flat all-gather rebuilds all of a unit's parameters (`unshard`), one flat reduce-scatter (optionally bucketed) turns
+their full gradients into shard gradients (`reduce_grads`). With `flatten_parameters=False` each parameter is its own
+bucket instead.
 
-[Note: materialize the scattered shard] libtpu may compile a reduce-scatter
-as an all-reduce of the whole bucket plus a slice of this device's rows (v4
-does so for most of ours), and then fuses the slice into the shard's
-consumers: the gradient-norm and clipping fusions and the optimizer update at
-the end of the step. Each bucket's full-size all-reduce result then stays
-live from its layer's backward to the end of the step: at 20B on v4-128,
-86 buckets of 288 MiB each, 24 GiB per chip. An optimization barrier on the
-reduced shard makes the slice a buffer of its own right after the
-collective, so the full-size result dies there (it costs a copy of 1/N of
-the bucket).
+[Note: materialize the scattered shard] libtpu may compile a reduce-scatter as an all-reduce of the whole bucket plus a
+slice of this device's rows (v4 does so for most of ours), and then fuses the slice into the shard's consumers: the
+gradient-norm and clipping fusions and the optimizer update at the end of the step. Each bucket's full-size all-reduce
+result then stays live from its layer's backward to the end of the step: at 20B on v4-128, 86 buckets of 288 MiB each,
+24 GiB per chip. An optimization barrier on the reduced shard makes the slice a buffer of its own right after the
+collective, so the full-size result dies there (it costs a copy of 1/N of the bucket).
 """
 from __future__ import annotations
 
@@ -79,33 +74,26 @@ def gather_together(first: "FSDPParamGroup", second: "FSDPParamGroup",
     return full[:len(first.params)], full[len(first.params):]
 
 
-# [Note: buckets] A flat bucket costs copies: the gathered buffer holds every
-# rank's shards one after another, so each parameter is cut out of it (and
-# each gradient packed into it) with a copy of its full size. A parameter
-# gathered on its own needs no copy (the gathered rows are the parameter),
-# but each collective has a fixed cost: a rendezvous on every device, and on
-# a TPU a launch latency. So by default (`flatten_parameters=None`) the small
-# parameters of a unit (biases, norms: at most `small_param_numel` elements)
-# share one bucket, whose copies are cheap, and each large parameter (the
-# weights, nearly all the bytes) has a collective of its own. Measured on the
-# CPU benchmark (bench/step_time.py, GPT-2 d256, 8 devices): one flat bucket
-# per unit 1.12x, one collective per parameter 1.07x, this 0.95x the step time
-# of the GSPMD engine. `True` and `False` keep torch_xla's meanings.
+# [Note: buckets] A flat bucket costs copies: the gathered buffer holds every rank's shards one after another, so each
+# parameter is cut out of it (and each gradient packed into it) with a copy of its full size. A parameter gathered on
+# its own needs no copy (the gathered rows are the parameter), but each collective has a fixed cost: a rendezvous on
+# every device, and on a TPU a launch latency. So by default (`flatten_parameters=None`) the small parameters of a unit
+# (biases, norms: at most `small_param_numel` elements) share one bucket, whose copies are cheap, and each large
+# parameter (the weights, nearly all the bytes) has a collective of its own. Measured on the CPU benchmark
+# (bench/step_time.py, GPT-2 d256, 8 devices): one flat bucket per unit 1.12x, one collective per parameter 1.07x, this
+# 0.95x the step time of the GSPMD engine. `True` and `False` keep torch_xla's meanings.
 
 
-# [Note: gathering rows] A TPU lays a 2-D array out in tiles of 8 rows x 128 lanes and a 1-D one
-# in tiles of its own, so a weight gathered as a flat buffer and viewed as [rows, cols] is a
-# relayout: a copy of the whole weight on every gather. A parameter that has a collective of its
-# own (a large one: [Note: buckets]) is gathered in its shard's own shape, [rows/N, cols] along
-# dim 0, so the gathered rows are the weight as the matmul reads it: the same rows in the same
-# order, without the copy (rings keep their flat chunks: ring.py). Its gradient is scaled in its
-# own shape, reduce-scattered flat and its shard taken as rows again before the barrier that
-# materializes it ([Note: materialize the scattered shard]). Reduce-scattered as [rows, cols] too,
-# libtpu 0.0.21 kept the first torus stage of each weight synchronous on v4-512 (a 3-block copy
-# of the blog's 128B: async bytes 0.91 -> 0.69); the flat [rows, 128] buffers it fuses into its
-# asynchronous reduce-scatters. Compiled for v4-512 / v4-128 (libtpu 0.0.21 deviceless, PROJECTED,
-# 2026-11-29): 128B 3-block copy 0.871 -> 0.846 s (compute 0.806 -> 0.780), 20B 4-block copy
-# 0.577 -> 0.566 s, peak 5.47 -> 5.26 GiB; the full 20B with 13 blocks kept 5.264 -> 5.148 s.
+# [Note: gathering rows] A TPU lays a 2-D array out in tiles of 8 rows x 128 lanes and a 1-D one in tiles of its own, so
+# a weight gathered as a flat buffer and viewed as [rows, cols] is a relayout: a copy of the whole weight on every
+# gather. A parameter that has a collective of its own (a large one: [Note: buckets]) is gathered in its shard's own
+# shape, [rows/N, cols] along dim 0, so the gathered rows are the weight as the matmul reads it: the same rows in the
+# same order, without the copy (rings keep their flat chunks: ring.py). Its gradient is scaled in its own shape,
+# reduce-scattered flat and its shard taken as rows again before the barrier that materializes it
+# ([Note: materialize the scattered shard]). Reduce-scattered as [rows, cols] too, libtpu 0.0.21 kept the first torus
+# stage of each weight synchronous on v4-512 (a 3-block copy of the blog's 128B: async bytes 0.91 -> 0.69); the flat
+# [rows, 128] buffers it fuses into its asynchronous reduce-scatters. Compiled for v4-512 / v4-128 (libtpu 0.0.21
+# deviceless, PROJECTED): the 128B 3-block copy 0.871 -> 0.846 s, the full 20B 5.264 -> 5.148 s.
 
 
 def gather_buckets(numels: Sequence[int], options) -> List[List[int]]:
@@ -127,15 +115,14 @@ class FSDPParamGroup:
         self.comm = comm
         self.options = options
         self.on_grads_reduced = lambda reduced: None  # set by the owning state
-        # [Note: sharding groups] HYBRID_SHARD (and NO_SHARD) replicate shards across groups and
-        # average gradients over all of them; FULL_SHARD / SHARD_GRAD_OP with sharding_groups mean
-        # what torch_xla means: FSDP inside each group, mixed with model parallelism across
-        # groups, so gradients are averaged within the group alone.
+        # [Note: sharding groups] HYBRID_SHARD (and NO_SHARD) replicate shards across groups and average gradients over
+        # all of them; FULL_SHARD / SHARD_GRAD_OP with sharding_groups mean what torch_xla means: FSDP inside each
+        # group, mixed with model parallelism across groups, so gradients are averaged within the group alone.
         self.across_replicas = options.strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.NO_SHARD)
         # [Note: gradient accumulation without communication] With gradient sync off (`no_sync()`,
-        # `set_requires_gradient_sync(False)`) backward reduces nothing: each parameter's full
-        # local gradient is added to `pending` (full size on every rank, the memory torch_xla's
-        # no_sync also costs) and folded into the next synced reduce-scatter.
+        # `set_requires_gradient_sync(False)`) backward reduces nothing: each parameter's full local gradient is added
+        # to `pending` (full size on every rank, the memory torch_xla's no_sync also costs) and folded into the next
+        # synced reduce-scatter.
         self.requires_grad_sync = True
         self.ends_backward = False  # the root's: its reduce-scatters are a step's last
         self.pending: dict = {}
@@ -199,8 +186,7 @@ class FSDPParamGroup:
     def full_params(self) -> List[torch.Tensor]:
         """Every parameter of the unit, whole and in its own dtype, for saving or inspection.
 
-        The single-controller runtime holds each parameter as one global
-        tensor already, so nothing is gathered there.
+        The single-controller runtime holds each parameter as one global tensor already, so nothing is gathered there.
         """
         if self.comm.is_single_controller:
             with torch.no_grad():
@@ -216,12 +202,11 @@ class FSDPParamGroup:
         return list(_GatherParams.apply(self, tuple(barrier_with), gathered, *self.local_shards(grad=True)))
 
     # -- reduce -------------------------------------------------------------
-    # [Note: cross-slice all-reduces in the backward] libtpu 0.0.21 issues a multislice step's
-    # cross-slice all-reduces after the backward, however early their shards are ready (the 2B on
-    # 2 x v4-8: the first at 98% of the step), so only the optimizer hides the DCN. Each reduction's
-    # input passes through an optimization barrier with the slice-reduced shards of the reductions
-    # SLICE_LAG before it: those transfers must land before it starts, so they run beside the
-    # backward. Values are unchanged (a barrier only orders).
+    # [Note: cross-slice all-reduces in the backward] libtpu 0.0.21 issues a multislice step's cross-slice all-reduces
+    # after the backward, however early their shards are ready (the 2B on 2 x v4-8: the first at 98% of the step), so
+    # only the optimizer hides the DCN. Each reduction's input passes through an optimization barrier with the
+    # slice-reduced shards of the reductions SLICE_LAG before it: those transfers must land before it starts, so they
+    # run beside the backward. Values are unchanged (a barrier only orders).
     SLICE_LAG = 2
 
     def _slice_reduced(self) -> list:
@@ -250,12 +235,11 @@ class FSDPParamGroup:
         return self.comm.optimization_barrier([flat, *older, *losses])[0]
 
     def hold_step_loss(self, out) -> None:
-        """[Note: the loss before the backward's reductions] libtpu 0.0.21 scheduled a multislice
-        step's loss (nll_loss over the logits) late in the backward (the 2B on 2 x v4-8: at 79% of the
-        step, after the first cross-slice send), keeping the logits alive until then; one slice's
-        program computes it at the backward's start, in the fusion that makes the logits' gradient.
-        The root's scalar outputs go through the first reduction's barrier, so the loss is computed
-        before any gradient is reduced. Measured on that 2B (PROJECTED, docs/pods.md): the DCN wait
+        """[Note: the loss before the backward's reductions] libtpu 0.0.21 scheduled a multislice step's loss (nll_loss
+        over the logits) late in the backward (the 2B on 2 x v4-8: at 79% of the step, after the first cross-slice
+        send), keeping the logits alive until then; one slice's program computes it at the backward's start, in the
+        fusion that makes the logits' gradient. The root's scalar outputs go through the first reduction's barrier, so
+        the loss is computed before any gradient is reduced. Measured on that 2B (PROJECTED, docs/pods.md): the DCN wait
         0.088 -> 0.056 s, the step 3.708 -> 3.673 s; the peak HBM did not drop (23.42 -> 23.70 GiB)."""
         if self._across_slices():
             self.comm._step_losses = [t.detach() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)

@@ -26,9 +26,6 @@ import torch.nn as nn
 class ShardedParameter(nn.Parameter):
     """A dim-0 sharded global parameter with FSDP2's DTensor attributes (see the note above)."""
 
-    def __new__(cls, data: Optional[torch.Tensor] = None, requires_grad: bool = True):
-        return super().__new__(cls, data, requires_grad)
-
     def bind(self, record, device_mesh) -> "ShardedParameter":
         """Attach the engine's record of this parameter and the mesh it is sharded over."""
         self._record = weakref.ref(record)

@@ -368,13 +368,9 @@ class FSDPState:
         module = self._module()
         if module is None:
             return
-        for state in _all_states(module):
+        for state in (state_of(m) for m in units(module)):
             state.training_state = TrainingState.IDLE
             state._full_for_backward = None
         if self.options.sync_on_finalization:
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             self.group.comm.sync(grads)
-
-
-def _all_states(root: torch.nn.Module) -> List[FSDPState]:
-    return [state_of(m) for m in units(root)]
