@@ -28,10 +28,6 @@ from ..unit_state import is_unit
 _consumed_params: Dict[int, Any] = {}
 
 
-def _on_xla(module: nn.Module) -> bool:
-    return any(t.device.type == "xla" for t in module.parameters())
-
-
 def _spmd_runtime() -> bool:
     try:
         import torch_xla.runtime as xr
@@ -76,7 +72,8 @@ def build_collectives(module: nn.Module, kw: Dict[str, Any], options: FSDPOption
     collectives between processes."""
     import torch.distributed as dist
 
-    use_dist = not _on_xla(module) and dist.is_available() and dist.is_initialized()
+    on_xla = any(t.device.type == "xla" for t in module.parameters())
+    use_dist = not on_xla and dist.is_available() and dist.is_initialized()
     if (not use_dist or kw["mesh"] is not None) and _spmd_runtime():  # a mesh means the devices of this process
         from xla_fsdp.runtime.choice import check_spmd_came_first
 

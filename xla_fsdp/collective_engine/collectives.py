@@ -146,10 +146,6 @@ def as_rows(flat: torch.Tensor, count: int) -> torch.Tensor:
     return flat
 
 
-def _groups_arg(groups: Tuple[Tuple[int, ...], ...]) -> List[List[int]]:
-    return [list(g) for g in groups]
-
-
 class XlaCollectives(Collectives):
     """Pinned-layout XLA collectives (TPU; XLA:CPU at world size 1 or traced)."""
 
@@ -200,11 +196,11 @@ class XlaCollectives(Collectives):
 
     def _group(self, name):
         if isinstance(name, tuple):  # explicit rank groups (torch_xla's clip_grad_norm_(groups=))
-            return _groups_arg(name), len(name[0])
+            return [list(g) for g in name], len(name[0])
         if name == "world":
             return [list(range(self.layout.world_size))], self.layout.world_size
         groups = self.layout.shard_groups if name == "shard" else self.layout.replicate_groups
-        return _groups_arg(groups), len(groups[0])
+        return [list(g) for g in groups], len(groups[0])
 
     def all_gather(self, flat_shard):
         groups, count = self._group("shard")

@@ -296,6 +296,7 @@ def _arg_name(path) -> str:
 # [Note: host reads in the manual region], for transformers: its mask code asks `is_tracing` before it
 # reads tensor values; inside the region the answer is yes (integrations/transformers.py's enable()
 # and scan_layers on a transformers model steer it)
+_STEERED: Dict[int, Callable] = {}  # id(transformers' own is_tracing) -> ours
 
 
 def steer_is_tracing() -> None:
@@ -304,17 +305,6 @@ def steer_is_tracing() -> None:
     from transformers.utils import import_utils
 
     original = import_utils.is_tracing
-    steered = _steered_is_tracing(original)
-    for name, module in list(sys.modules.items()):
-        if (name == "transformers" or name.startswith("transformers.")) and getattr(module, "is_tracing",
-                                                                                     None) is original:
-            setattr(module, "is_tracing", steered)
-
-
-_STEERED: Dict[int, Callable] = {}
-
-
-def _steered_is_tracing(original: Callable) -> Callable:
     if id(original) not in _STEERED:
         def is_tracing(tensor=None) -> bool:
             # inside the region values cannot be read on the host: take the paths that do not read them
@@ -322,4 +312,8 @@ def _steered_is_tracing(original: Callable) -> Callable:
 
         is_tracing.xla_fsdp_original = original
         _STEERED[id(original)] = is_tracing
-    return _STEERED[id(original)]
+    steered = _STEERED[id(original)]
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] == "transformers" and getattr(module, "is_tracing", None) is original:
+            setattr(module, "is_tracing", steered)
+

@@ -30,7 +30,6 @@ rows of them ([Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py); on one host opt
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -205,21 +204,15 @@ def shard_like_params(optimizer) -> None:
                 state[key] = placed
 
 
-@contextlib.contextmanager
-def _held():
-    _HELD[0] += 1
-    try:
-        yield
-    finally:
-        _HELD[0] -= 1
-
-
 def held_state_dict(optimizer) -> dict:
     """`optimizer.state_dict()` as the optimizer holds it (the single controller's padded global tensors): what
     checkpoints write, row by row."""
     prepare(optimizer)
-    with _held():
+    _HELD[0] += 1
+    try:
         return optimizer.state_dict()
+    finally:
+        _HELD[0] -= 1
 
 
 def _cut(optimizer, state_dict) -> Optional[dict]:

@@ -56,14 +56,8 @@ def from_coordinates(coords: Sequence[Sequence[int]]) -> Optional[Tuple[int, ...
     shape = tuple(max(c[a] for c in coords) + 1 for a in range(len(coords[0])))
     if math.prod(shape) != len(coords):
         return None
-    for i, c in enumerate(coords):
-        rest, expect = i, []
-        for size in shape:
-            expect.append(rest % size)
-            rest //= size
-        if list(c) != expect:
-            return None
-    return shape
+    expect = [[(i // math.prod(shape[:a])) % size for a, size in enumerate(shape)] for i in range(len(coords))]
+    return shape if all(list(c) == e for c, e in zip(coords, expect)) else None
 
 
 def slice_shape() -> Optional[Tuple[int, ...]]:

@@ -56,22 +56,20 @@ def split(records, state: Dict[str, torch.Tensor], prefix: str) -> None:
         state.clear()
         done = False
         for key, value in old.items():
-            if not (key.startswith(listed) or key.startswith(stored)):
+            if not key.startswith((listed, stored)):
                 state[key] = value
-                continue
-            if done:
-                continue
-            done = True
-            for i in range(record.layers):
-                for local in record.order:
-                    name = f"{listed}{i}.{local}"
-                    if local in record.names:
-                        value = layer_slice(old[stored + local], i)
-                        # host tensors as tensors of their own: save_pretrained views each as flat (a strided column of
-                        # the stack cannot be); device tensors stay views (no copy on the device)
-                        state[name] = value.contiguous() if value.device.type == "cpu" else value
-                    elif name in old:
-                        state[name] = old[name]
+            elif not done:
+                done = True
+                for i in range(record.layers):
+                    for local in record.order:
+                        name = f"{listed}{i}.{local}"
+                        if local in record.names:
+                            value = layer_slice(old[stored + local], i)
+                            # host tensors as tensors of their own: save_pretrained views each as flat (a strided
+                            # column of the stack cannot be); device tensors stay views (no copy on the device)
+                            state[name] = value.contiguous() if value.device.type == "cpu" else value
+                        elif name in old:
+                            state[name] = old[name]
 
 
 def per_layer(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
