@@ -8,8 +8,6 @@ matmuls around it, and such kernels took longer to compile. None is left: with q
 for q, k and v], below) their compile time no longer showed, while their memory traffic cost every step (measured: 2B
 GPT-2 on v4-8 2.428 -> 2.411 s without them; bench/results/scan_compile_2026-12-01.json). Removing only some gained
 nothing: the output projection, its bias, the residual's dropout and the residual add fuse only when none is fenced.
-
-Anywhere but a scanned layer's body traced on XLA, `apart` is nothing (`_active`).
 """
 from __future__ import annotations
 
@@ -41,11 +39,6 @@ def _barrier(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _active(t: torch.Tensor) -> bool:
-    """Whether `t` is being traced for a scanned layer on XLA, where `apart` applies."""
-    return in_scanned_layer() and t.device.type == "xla"
-
-
 class _Apart(torch.autograd.Function):
     """A barrier in the forward and around the gradient in the backward."""
 
@@ -69,4 +62,4 @@ def apart(t: torch.Tensor) -> torch.Tensor:
     the slices apart the three are the same kernel in each of the three places. The cost is a copy of each slice and of
     its gradient (measured: the 2B for v4-8 compiles in 17.2 s instead of 20.9 s; the 64B for v4-256, whose slices are
     far larger, pays 0.167 s of a 17.7 s step; docs/scan.md, "The blog's 64B on v4-256")."""
-    return _Apart.apply(t) if _active(t) else t
+    return _Apart.apply(t) if in_scanned_layer() and t.device.type == "xla" else t

@@ -66,10 +66,9 @@ def _template(layer: nn.Module) -> nn.Module:
 
     strip_checkpoint(template)  # checkpoint_module(layer): the loop recomputes instead
     for module in template.modules():
-        module._forward_pre_hooks.clear()
-        module._forward_hooks.clear()
-        module._backward_hooks.clear()
-        module._backward_pre_hooks.clear()
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
+                      module._backward_pre_hooks):
+            hooks.clear()
         if getattr(module, "gradient_checkpointing", False) is True:
             module.gradient_checkpointing = False
     return template

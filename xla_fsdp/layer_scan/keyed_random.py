@@ -113,19 +113,14 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 # random functions a scanned layer may not call (each would repeat across layers), with their names
 _REFUSED: Dict[Any, str] = {
-    torch.rand: "torch.rand", torch.rand_like: "torch.rand_like", torch.randn: "torch.randn",
-    torch.randn_like: "torch.randn_like", torch.randint: "torch.randint", torch.randint_like: "torch.randint_like",
-    torch.randperm: "torch.randperm", torch.bernoulli: "torch.bernoulli", torch.normal: "torch.normal",
-    torch.multinomial: "torch.multinomial", torch.poisson: "torch.poisson", torch.rrelu: "torch.rrelu",
-    F.rrelu: "F.rrelu", torch.Tensor.bernoulli: "Tensor.bernoulli", torch.Tensor.bernoulli_: "Tensor.bernoulli_",
-    torch.Tensor.uniform_: "Tensor.uniform_", torch.Tensor.normal_: "Tensor.normal_",
-    torch.Tensor.random_: "Tensor.random_", torch.Tensor.exponential_: "Tensor.exponential_",
-    torch.Tensor.geometric_: "Tensor.geometric_", torch.Tensor.cauchy_: "Tensor.cauchy_",
-    torch.Tensor.log_normal_: "Tensor.log_normal_", torch.Tensor.multinomial: "Tensor.multinomial",
-    F.alpha_dropout: "F.alpha_dropout", F.feature_alpha_dropout: "F.feature_alpha_dropout", F.dropout1d: "F.dropout1d",
-    F.dropout2d: "F.dropout2d", F.dropout3d: "F.dropout3d", F.gumbel_softmax: "F.gumbel_softmax",
-    torch.native_dropout: "torch.native_dropout", torch.alpha_dropout: "torch.alpha_dropout",
-    torch.feature_dropout: "torch.feature_dropout", torch.feature_alpha_dropout: "torch.feature_alpha_dropout",
+    getattr(space, name): f"{prefix}.{name}"
+    for space, prefix, names in (
+        (torch, "torch", "rand rand_like randn randn_like randint randint_like randperm bernoulli normal multinomial "
+                         "poisson rrelu native_dropout alpha_dropout feature_dropout feature_alpha_dropout"),
+        (torch.Tensor, "Tensor", "bernoulli bernoulli_ uniform_ normal_ random_ exponential_ geometric_ cauchy_ "
+                                 "log_normal_ multinomial"),
+        (F, "F", "rrelu alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d gumbel_softmax"))
+    for name in names.split()
 }
 
 

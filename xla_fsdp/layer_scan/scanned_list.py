@@ -175,15 +175,13 @@ class ScanRun:
             out = args[0]
             settings = self.owner._scan_settings
             stored = self.owner.stored() if settings.layer_params is None else {}
+            dtype = settings.compute_dtype
             for i, layer in enumerate(self.layers):
-                tensors = None
                 if settings.layer_params is not None:
                     tensors = settings.layer_params(self.owner, i)
-                elif stored:  # the layer holds no parameters: its slice of each stack
-                    tensors = {n: t[i] for n, t in stored.items()}
-                    dtype = settings.compute_dtype
-                    if dtype is not None:
-                        tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+                else:  # stored stacks: the layer holds no parameters, its slice of each stack (in the compute dtype)
+                    tensors = {n: t[i].to(dtype) if dtype is not None and t.is_floating_point() else t[i]
+                               for n, t in stored.items()} or None
                 if tensors is not None:
                     # the real layer (its own index for the cache), the slices set for the call
                     result = torch.func.functional_call(layer, tensors, (out,) + tuple(args[1:]), kwargs)

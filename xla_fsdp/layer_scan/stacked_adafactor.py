@@ -58,13 +58,10 @@ def _stored_dim(k: int) -> int:
     return 0 if k == 0 else k + 1
 
 
-def _col_stored(col: torch.Tensor, dims: int) -> torch.Tensor:
-    """The column factor (L, *col) in the stack's layout: the layers on dim 1 when it keeps rows."""
+def _col_swap(col: torch.Tensor, dims: int) -> torch.Tensor:
+    """The column factor between its kept layout (L, *col) and the stack's (the layers on dim 1 when it keeps rows):
+    both ways, dims 0 and 1 swapped."""
     return col if dims == 2 else col.movedim(0, 1)
-
-
-def _col_kept(col: torch.Tensor, dims: int) -> torch.Tensor:
-    return col if dims == 2 else col.movedim(1, 0)
 
 
 def _init_state(state: dict, grad: torch.Tensor, dims: int, factored: bool, first_moment: bool) -> None:
@@ -77,7 +74,7 @@ def _init_state(state: dict, grad: torch.Tensor, dims: int, factored: bool, firs
             state["exp_avg_sq_row"] = grad.new_zeros(grad.shape[:-1])
             col = list(grad.shape)
             del col[_stored_dim(dims - 2)]
-            state["exp_avg_sq_col"] = _col_kept(grad.new_zeros(col), dims).contiguous()
+            state["exp_avg_sq_col"] = _col_swap(grad.new_zeros(col), dims).contiguous()
         else:
             state["exp_avg_sq"] = torch.zeros_like(grad)
         state["RMS"] = 0
@@ -114,8 +111,8 @@ def update_stack(optimizer, group: dict, p: torch.Tensor) -> None:
     if factored:
         across = _stored_dim(dims - 2)  # the dim a layer's column factor averages away
         row = state["exp_avg_sq_row"].mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
-        col = _col_stored(state["exp_avg_sq_col"], dims).mul(beta2t).add_(update.mean(dim=across), alpha=1.0 - beta2t)
-        state["exp_avg_sq_col"].copy_(_col_kept(col, dims))
+        col = _col_swap(state["exp_avg_sq_col"], dims).mul(beta2t).add_(update.mean(dim=across), alpha=1.0 - beta2t)
+        state["exp_avg_sq_col"].copy_(_col_swap(col, dims))
         r_factor = (row / row.mean(dim=across, keepdim=True)).rsqrt_().unsqueeze(-1)
         update = torch.mul(r_factor, col.unsqueeze(across).rsqrt()).mul_(grad)
     else:

@@ -35,6 +35,12 @@ class StackRecord:
         return self.attr + SUFFIX
 
 
+def locate(root: nn.Module, dotted: str):
+    """(the module holding `dotted`, the name there)."""
+    owner_name, _, local = dotted.rpartition(".")
+    return root.get_submodule(owner_name), local
+
+
 def check_store_name(owner: nn.Module, attr: str) -> None:
     store = attr + SUFFIX
     if store in owner._modules or hasattr(owner, store):

@@ -88,29 +88,21 @@ def _check_run(layers, states, where: str) -> None:
                              "set one for every scanned layer alike.")
 
 
+def _cast(plan: _Plan, t: torch.Tensor) -> torch.Tensor:
+    return t.to(plan.compute_dtype) if plan.compute_dtype is not None and t.is_floating_point() else t
+
+
 def _stack(plan: _Plan, shards: Sequence[torch.Tensor], order: Sequence[int]) -> List[torch.Tensor]:
     """Per parameter, (layers, *shard) of the layers in `order`, in the compute dtype."""
     count = len(plan.group.params)
-    out = []
     with torch.no_grad():
-        for j in range(count):
-            rows = [shards[layer * count + j].detach() for layer in order]
-            if plan.compute_dtype is not None and rows[0].is_floating_point():
-                rows = [r.to(plan.compute_dtype) for r in rows]
-            out.append(torch.stack(rows))
-    return out
+        return [torch.stack([_cast(plan, shards[layer * count + j].detach()) for layer in order]) for j in range(count)]
 
 
 def _layer_views(plan: _Plan, stacks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """Per stored stack (this device's (rows, L, *rest)), its layers as (L, rows, *rest) in the compute dtype."""
-    out = []
     with torch.no_grad():
-        for s in stacks:
-            view = s.detach().movedim(1, 0)
-            if plan.compute_dtype is not None and view.is_floating_point():
-                view = view.to(plan.compute_dtype)
-            out.append(view)
-    return out
+        return [_cast(plan, s.detach().movedim(1, 0)) for s in stacks]
 
 
 def _gather(plan: _Plan, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from xla_fsdp import abstract
-from xla_fsdp.layer_scan.stored_stacks import StackRecord, attach, check_store_name
+from xla_fsdp.layer_scan.stored_stacks import StackRecord, attach, check_store_name, locate
 from xla_fsdp.unit_state import register, state_of
 from xla_fsdp.collective_engine.param import FSDPParam, ParamSite
 from xla_fsdp.collective_engine.param_group import FSDPParamGroup
@@ -77,8 +77,7 @@ def store(owner: nn.Module, attr: str, layers: Sequence[nn.Module], container: n
     records = []
     for j, rec in enumerate(first.group.params):
         per_layer = [st.group.params[j] for st in states]
-        owner_name, _, local = rec.fqn.rpartition(".")
-        site = ParamSite(container.get_submodule(owner_name) if owner_name else container, local, rec.fqn)
+        site = ParamSite(*locate(container, rec.fqn), rec.fqn)
         stacked = FSDPParam.stack_of(per_layer, [site], _stacked_data(per_layer, comm))
         stacked.sharded._xla_fsdp_stacked = True
         stacked.register(stacked.sharded)
@@ -109,8 +108,7 @@ def template_with(make, records: Sequence[FSDPParam]):
     def made(layer: nn.Module) -> nn.Module:
         template = make(layer)
         for rec in records:
-            owner_name, _, local = rec.fqn.rpartition(".")
-            module = template.get_submodule(owner_name) if owner_name else template
+            module, local = locate(template, rec.fqn)
             module._parameters[local] = nn.Parameter(
                 torch.empty(rec.orig_shape, dtype=rec.orig_dtype, device="meta"), rec.requires_grad)
         return template

@@ -24,15 +24,12 @@ from xla_fsdp.layer_scan.gspmd.stacked import stacked_view, store_stacked
 from xla_fsdp.memory.remat_policy import FULL, RematPolicy, note_applied, saved_modules
 
 
-ScanAnnotate = Callable[[torch.Tensor], torch.Tensor]
-
-
 class ScanSettings(_Shared):
     """What every scanned ModuleList of one model shares on the SPMD engine."""
 
-    def __init__(self, mesh: xs.Mesh, compute_dtype: Optional[torch.dtype], annotate: ScanAnnotate, recompute: bool,
-                 stored: bool = True, batch_entry: Optional[Callable[[torch.Tensor], Any]] = None,
-                 policy: Optional[RematPolicy] = None):
+    def __init__(self, mesh: xs.Mesh, compute_dtype: Optional[torch.dtype],
+                 annotate: Callable[[torch.Tensor], torch.Tensor], recompute: bool, stored: bool = True,
+                 batch_entry: Optional[Callable[[torch.Tensor], Any]] = None, policy: Optional[RematPolicy] = None):
         super().__init__(gspmd_loop, compute_dtype, stacked_view)
         self.mesh = mesh
         self.batch_entry = batch_entry  # the mesh axes of a batch tensor's dim 0, else None
@@ -48,7 +45,7 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     from torch.utils._pytree import tree_unflatten
     from functorch.compile import default_partition
 
-    from xla_fsdp.layer_scan.gspmd.scan_glue import policy_partition, recompute_partition, use_shard_like
+    from xla_fsdp.layer_scan.gspmd.scan_glue import policy_partition, use_shard_like
     from xla_fsdp.memory.saved_outputs import marking, tag_op
     from xla_fsdp.layer_scan.keyed_random import KeyedRandom, layer_keys
 
@@ -60,11 +57,8 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     buffer_names = [n for n, _ in run.layers[0].named_buffers()]
     stacked: Dict[str, torch.Tensor] = {}
     stored = run.owner.stored()
-    for name in names:
-        if stored:
-            stack = stored[name]  # [Note: parameters stored stacked]
-        else:
-            stack = torch.stack([layer.get_parameter(name) for layer in run.layers])
+    for name in names:  # [Note: parameters stored stacked]
+        stack = stored[name] if stored else torch.stack([layer.get_parameter(name) for layer in run.layers])
         if settings.compute_dtype is not None and stack.is_floating_point():
             stack = stack.to(settings.compute_dtype)  # [Note: casting sharded parameters]
         if stack.dim() > 1:
@@ -110,10 +104,8 @@ def gspmd_loop(run: ScanRun, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     hidden = settings.annotate(args[0])
     if policy is None or policy.keeps_all:  # no checkpointing, or "none": the layer keeps everything
         partition = default_partition
-    elif marked or offload:
-        partition = functools.partial(policy_partition, offload=offload)
     else:
-        partition = recompute_partition
+        partition = functools.partial(policy_partition, marks=bool(marked or offload), offload=offload)
     final, _ = scan(one_layer, hidden, (stacked, repeated, keys), partition_fn=partition)
     return run.shaped(settings.annotate(final), shape_out[0])
 

@@ -6,34 +6,27 @@ from __future__ import annotations
 import torch
 
 
-def recompute_partition(joint_module, _joint_inputs, *, num_fwd_outputs, **_ignored):
-    """AOTAutograd partitioner that saves only the layer's inputs: the backward body recomputes the whole layer
-    (per-layer checkpointing)."""
-    from torch._functorch import partitioners as p
-
-    saved = [n for n in joint_module.graph.nodes
-             if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))]
-    return p._extract_fwd_bwd_modules(joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
-
-
-def policy_partition(joint_module, _joint_inputs, *, num_fwd_outputs, offload: bool = False, **_ignored):
-    """AOTAutograd partitioner of a recomputation policy ([Note: recomputation policies] in memory/remat_policy.py):
-    saves the layer's inputs and the nodes the policy's hooks marked (`saved_as`, [Note: saved outputs under
-    AOTAutograd]); the backward recomputes the rest. With `offload` the marked values (the layer's input among them) go
-    to host memory after the forward and come back in the backward ([Note: host offload])."""
+def policy_partition(joint_module, _joint_inputs, *, num_fwd_outputs, marks: bool = True, offload: bool = False,
+                     **_ignored):
+    """AOTAutograd partitioner of a recomputed layer: saves the layer's inputs and, with `marks`, the nodes a
+    recomputation policy's hooks marked ([Note: recomputation policies] in memory/remat_policy.py; `saved_as`, [Note:
+    saved outputs under AOTAutograd]); the backward recomputes the rest (without marks: the whole layer). With `offload`
+    the marked values (the layer's input among them) go to host memory after the forward and come back in the backward
+    ([Note: host offload])."""
     from torch._functorch import partitioners as p
 
     from xla_fsdp.memory import host_offload
     from xla_fsdp.memory.saved_outputs import tag_op
 
     graph = joint_module.graph
-    op = tag_op()
-    marked = [n for n in graph.nodes if n.op == "call_function" and n.target is op]
     inputs = [n for n in graph.nodes if n.op == "placeholder" and (p._is_primal(n) or p._is_fwd_seed_offset(n))]
-    # an input read only through its mark is saved as the mark (offloaded with it)
-    only_marked = {id(n) for n in inputs if n.users and all(u.target is op for u in n.users)}
-    saved = [n for n in inputs if id(n) not in only_marked] + marked
-    fwd, bwd = p._extract_fwd_bwd_modules(joint_module, saved, [], num_fwd_outputs=num_fwd_outputs)
+    marked = []
+    if marks:
+        op = tag_op()
+        marked = [n for n in graph.nodes if n.op == "call_function" and n.target is op]
+        # an input read only through its mark is saved as the mark (offloaded with it)
+        inputs = [n for n in inputs if not (n.users and all(u.target is op for u in n.users))]
+    fwd, bwd = p._extract_fwd_bwd_modules(joint_module, inputs + marked, [], num_fwd_outputs=num_fwd_outputs)
     moves = host_offload.graph_ops() if offload else None
     if moves is not None:
         _move(fwd, bwd, {n.name for n in marked}, *moves)

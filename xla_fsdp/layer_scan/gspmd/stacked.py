@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch_xla.distributed.spmd as xs
 
-from xla_fsdp.layer_scan.stored_stacks import StackRecord, attach, check_store_name
+from xla_fsdp.layer_scan.stored_stacks import StackRecord, attach, check_store_name, locate
 from xla_fsdp.runtime import stored_keys
 from xla_fsdp.runtime.mesh import FSDP_AXIS
 
@@ -40,11 +40,6 @@ from xla_fsdp.runtime.mesh import FSDP_AXIS
 def stacked_view(stored: torch.Tensor) -> torch.Tensor:
     """The stored (d0, L, *rest) tensor as (L, d0, *rest), what the loop slices."""
     return stored.movedim(1, 0) if stored.dim() > 1 else stored
-
-
-def _locate(root: nn.Module, dotted: str):
-    owner_name, _, local = dotted.rpartition(".")
-    return (root.get_submodule(owner_name) if owner_name else root), local
 
 
 def store_stacked(owner: nn.Module, attr: str, layers: Sequence[nn.Module], container: nn.Module,
@@ -63,11 +58,10 @@ def store_stacked(owner: nn.Module, attr: str, layers: Sequence[nn.Module], cont
             xs.mark_sharding(stored, mesh, (FSDP_AXIS,) + (None,) * (stored.dim() - 1))
         param = nn.Parameter(stored, requires_grad=per_layer[0].requires_grad)
         param._xla_fsdp_stacked = True
-        module, local = _locate(container, name)
+        module, local = locate(container, name)
         module._parameters[local] = param
         for layer in layers:
-            module_i, _ = _locate(layer, name)
-            del module_i._parameters[local]
+            del locate(layer, name)[0]._parameters[local]
     record = StackRecord(attr, len(layers), names, order)
     attach(owner, attr, container, record)
     return record
