@@ -34,15 +34,7 @@ from xla_fsdp.gspmd_engine.params import install_compute_views, owns_parameters
 from xla_fsdp.layer_scan.find import find_layer_lists
 from xla_fsdp.layer_scan.gspmd.scan import ScanSettings, install_scans
 from xla_fsdp.layer_scan.stored_stacks import check_shared as check_stackable
-from xla_fsdp.gspmd_engine.units import (
-    ParamInitFn,
-    Placed,
-    WrapPolicy,
-    find_units,
-    materialize_unit,
-    place_and_shard,
-    unit_tensors,
-)
+from xla_fsdp.gspmd_engine.units import ParamInitFn, Placed, WrapPolicy, find_units, materialize_unit, place_and_shard
 
 # Roots already handled: a second application would stack a second set of hooks (double casts and annotations).
 _applied: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -98,7 +90,8 @@ def apply_spmd_fsdp(module: nn.Module, *, mesh: Optional[xs.Mesh] = None, comput
 
     done: Placed = {id(t): (t, t) for m in applied_units for t in list(m.parameters()) + list(m.buffers())}
     for unit in units:
-        materialize_unit(unit, list(unit_tensors(unit, done)), param_init_fn)
+        # its parameters and buffers not already placed by an inner unit
+        materialize_unit(unit, [t for t in [*unit.parameters(), *unit.buffers()] if id(t) not in done], param_init_fn)
         place_and_shard(unit, done, mesh, device, buffer_dtype)
 
     # [Note: padded rows]; not inside scanned layers
@@ -156,15 +149,11 @@ def _annotate_batches(module: nn.Module, units, mesh: xs.Mesh, batch_axes, inner
     for unit in units[:-1]:
         unit.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
         unit.register_forward_hook(batch.unit_output)
-    for owner in _param_owners(module, exclude=[*units, *inner]):
-        owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
+    skip = {id(m) for m in [*units, *inner]}
+    for owner in module.modules():  # every other module that owns a parameter
+        if id(owner) not in skip and owns_parameters(owner):
+            owner.register_forward_pre_hook(batch.unit_inputs, with_kwargs=True)
     return batch
-
-
-def _param_owners(root: nn.Module, exclude: List[nn.Module]) -> List[nn.Module]:
-    """Modules under `root` that own a parameter, other than `exclude`."""
-    skip = set(map(id, exclude))
-    return [m for m in root.modules() if id(m) not in skip and owns_parameters(m)]
 
 
 def _apply_wrapper(root: nn.Module, units: List[nn.Module],

@@ -8,7 +8,7 @@ wrapped: the modules stay where they are, so parameter names do not change.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -46,13 +46,6 @@ def _collect_units(module: nn.Module, policy: WrapPolicy, units: List[nn.Module]
         units.append(module)
         return total
     return taken
-
-
-def unit_tensors(unit: nn.Module, done: Placed) -> Iterator[torch.Tensor]:
-    """Parameters and buffers of `unit` not already placed by an inner unit."""
-    for tensor in list(unit.parameters()) + list(unit.buffers()):
-        if id(tensor) not in done:
-            yield tensor
 
 
 def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor], param_init_fn: Optional[ParamInitFn]) -> None:
