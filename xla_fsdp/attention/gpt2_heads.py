@@ -65,12 +65,6 @@ def use_head_major(model: torch.nn.Module) -> int:
     """Give each self-attention `GPT2Attention` in `model` the head-major forward (only its class changes); how many."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
-    from xla_fsdp.class_swap import mix_into
+    from xla_fsdp.attention.kernel import mix_head_major
 
-    count = 0
-    for module in model.modules():
-        if isinstance(module, GPT2Attention) and not module.is_cross_attention \
-                and not isinstance(module, HeadMajorGPT2Attention):
-            mix_into(module, HeadMajorGPT2Attention, "")
-            count += 1
-    return count
+    return mix_head_major(model, GPT2Attention, HeadMajorGPT2Attention, lambda m: not m.is_cross_attention)

@@ -1,9 +1,9 @@
-"""The Pallas flash-attention kernel in interpret mode on CPU tensors: the numerics of the TPU kernel,
-forward and backward, where no TPU is (tests compare it with eager attention).
+"""The Pallas flash-attention kernel in interpret mode on CPU tensors: the numerics of the TPU kernel, forward and
+backward, where no TPU is (tests compare it with eager attention).
 
-The same jax kernels torch_xla calls (`jax.experimental.pallas.ops.tpu.flash_attention`: the forward, and the
-dq / dkv backward kernels through its custom VJP), at torch_xla's block sizes, run by Pallas's TPU interpreter;
-values cross between torch and jax through numpy.
+The same jax kernels torch_xla calls (`jax.experimental.pallas.ops.tpu.flash_attention`: the forward, and the dq / dkv
+backward kernels through its custom VJP), at torch_xla's block sizes, run by Pallas's TPU interpreter; values cross
+between torch and jax through numpy.
 """
 from __future__ import annotations
 
@@ -26,19 +26,10 @@ def _jax():
     return jax, jnp, pltpu, fa
 
 
-def _block_sizes(fa, batch: int, seq: int):
-    sizes = {name: min(block, seq) for name, block in SEQUENCE_BLOCKS.items()}
-    return fa.BlockSizes(block_b=min(BLOCK_B, batch), **sizes)
-
-
 def _to_jax(t: torch.Tensor):
     _, jnp, _, _ = _jax()
-    return jnp.asarray(t.detach().float().cpu().numpy()).astype(_jax_dtype(t.dtype))
-
-
-def _jax_dtype(dtype: torch.dtype):
-    _, jnp, _, _ = _jax()
-    return {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}[dtype]
+    dtype = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}[t.dtype]
+    return jnp.asarray(t.detach().float().cpu().numpy()).astype(dtype)
 
 
 def _to_torch(a, like: torch.Tensor) -> torch.Tensor:
@@ -51,7 +42,8 @@ class _Interpreted(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
         jax, _, pltpu, fa = _jax()
-        sizes = _block_sizes(fa, q.shape[0], q.shape[2])
+        sizes = fa.BlockSizes(block_b=min(BLOCK_B, q.shape[0]),
+                              **{name: min(block, q.shape[2]) for name, block in SEQUENCE_BLOCKS.items()})
 
         def kernel(q, k, v):
             return fa.flash_attention(q, k, v, causal=causal, sm_scale=scale, block_sizes=sizes)

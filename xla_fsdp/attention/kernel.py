@@ -105,11 +105,6 @@ def head_major_attention(query, key, value, causal: bool, scale: float) -> torch
         from xla_fsdp.attention.interpret import flash_attention_interpreted
 
         return flash_attention_interpreted(query, key, value, causal, scale)
-    return _on_tpu(query, key, value, causal, scale)
-
-
-def _on_tpu(query, key, value, causal: bool, scale: float) -> torch.Tensor:
-    """torch_xla's Pallas flash attention: on a TPU, or traced for one by the ahead-of-time check."""
     import torch_xla.runtime as xr
 
     if not abstract.active() and (query.device.type != "xla" or xr.device_type() != "TPU"):
@@ -129,6 +124,17 @@ def _on_tpu(query, key, value, causal: bool, scale: float) -> torch.Tensor:
 
     spec, mesh = _partition(query)
     return flash_attention(query, key, value, causal=causal, sm_scale=scale, partition_spec=spec, mesh=mesh)
+
+
+def mix_head_major(model: torch.nn.Module, attention: type, mixin: type, takes=lambda module: True) -> int:
+    """Mix `mixin` (a head-major forward) into each `attention` module of `model` that `takes` accepts and that does
+    not have it yet (only its class changes); how many."""
+    from xla_fsdp.class_swap import mix_into
+
+    chosen = [m for m in model.modules() if isinstance(m, attention) and takes(m) and not isinstance(m, mixin)]
+    for module in chosen:
+        mix_into(module, mixin, "")
+    return len(chosen)
 
 
 def _partition(query):

@@ -60,14 +60,9 @@ def _heads(hidden_states: torch.Tensor, proj: torch.nn.Linear, heads: int, head_
 
 
 def use_head_major(model: torch.nn.Module) -> int:
-    """Give each self-attention `GPT2Attention` in `model` the head-major forward (only its class changes); how many."""
+    """Give each `LlamaAttention` in `model` the head-major forward (only its class changes); how many."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    from xla_fsdp.class_swap import mix_into
+    from xla_fsdp.attention.kernel import mix_head_major
 
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LlamaAttention) and not isinstance(module, HeadMajorLlamaAttention):
-            mix_into(module, HeadMajorLlamaAttention, "")
-            count += 1
-    return count
+    return mix_head_major(model, LlamaAttention, HeadMajorLlamaAttention)
