@@ -26,6 +26,7 @@ In a user's loop (every host runs the same code, with the same seeded order of g
 """
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -127,11 +128,8 @@ class HostBatches:
         """{device: its tile of the batch, zero-padded to the tile size} for this host's devices."""
         held = device_rows(size, self._grid)
         tile = -(-size // int(self._grid.size))
-        offset: Dict[Tuple[int, int], int] = {}
-        at = 0
-        for span in sorted(held[i] for i in self._ids):  # `local` is in this order
-            offset[span] = at
-            at += span[1] - span[0]
+        spans = sorted(held[i] for i in self._ids)  # `local` is in this order
+        offset = dict(zip(spans, itertools.accumulate((stop - start for start, stop in spans), initial=0)))
         out = {}
         for device, i in zip(self.view.devices, self._ids):
             start, stop = held[i]

@@ -52,8 +52,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, denominator, chunk):
         n, _ = hidden.shape
         grad_hidden = []
-        grad_weight = None
-        grad_bias = None
+        grad_weight = grad_bias = None
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, n, chunk):
             h = hidden[start:start + chunk]
@@ -110,7 +109,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         denominator = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=flat.device).float()
-    chunk = chunk or chunk_tokens(weight.shape[0])
-    chunk = min(chunk, flat.shape[0])
+    chunk = min(chunk or chunk_tokens(weight.shape[0]), flat.shape[0])
     return _FusedLinearCrossEntropy.apply(flat, weight, bias, targets, denominator, chunk)
 
