@@ -254,9 +254,7 @@ class XlaCollectives(Collectives):
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):
         groups, count = self._group(group)
-        if count == 1:
-            return tensor
-        return self._xlac._xla_all_reduce(op, tensor, 1.0, groups, self._pin_layout)
+        return tensor if count == 1 else self._xlac._xla_all_reduce(op, tensor, 1.0, groups, self._pin_layout)
 
     def optimization_barrier(self, tensors):
         out = [t.clone() for t in tensors]  # the barrier is in place; never touch the caller's tensors

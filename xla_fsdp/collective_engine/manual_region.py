@@ -166,22 +166,17 @@ class ManualRegion:
                 out.append(x)
                 continue
             name = _arg_name(path)
-            if self.is_batched_input is not None:
-                batched = bool(self.is_batched_input(name, x))
-            else:
-                batched = x.dim() > 0 and x.shape[0] == batch
+            batched = (bool(self.is_batched_input(name, x)) if self.is_batched_input is not None
+                       else x.dim() > 0 and x.shape[0] == batch)
             if batched and (x.dim() == 0 or x.shape[0] % devices):
                 raise ValueError(
                     f"input {name} has batch size {x.shape[0] if x.dim() else 'none (0-dim)'}, which does "
                     f"not divide over the {devices} devices of the mesh; use a global batch that is a "
                     f"multiple of {devices} (each device takes an equal slice)")
             x = x.to(self.comm.device)
-            kind = "batch" if batched else "replicated"
-            sum_replicas = None if batched else self._sum_over_devices
-            if x.requires_grad:
-                out.append(ToLocal.apply(x, mesh, self.placement.spec(kind, x.dim()), sum_replicas))
-            else:
-                out.append(to_local(x, mesh, self.placement.spec(kind, x.dim())))
+            part = self.placement.spec("batch" if batched else "replicated", x.dim())
+            out.append(ToLocal.apply(x, mesh, part, None if batched else self._sum_over_devices) if x.requires_grad
+                       else to_local(x, mesh, part))
         args, kwargs = tree_unflatten(out, spec)
         local_batch = None if batch is None else batch // devices
         return args, kwargs, local_batch

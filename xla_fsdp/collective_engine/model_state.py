@@ -288,9 +288,7 @@ def _global_value(value):
     global_tensor = getattr(value, "global_tensor", None)  # torch_xla's XLAShardedTensor
     if isinstance(global_tensor, torch.Tensor):
         return global_tensor
-    if type(value).__name__ == "DTensor" and hasattr(value, "full_tensor"):
-        return value.full_tensor()
-    return value
+    return value.full_tensor() if type(value).__name__ == "DTensor" and hasattr(value, "full_tensor") else value
 
 
 def _loaded_rows(value) -> bool:

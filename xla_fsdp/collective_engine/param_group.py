@@ -230,9 +230,7 @@ class FSDPParamGroup:
             del pending[:-self.SLICE_LAG]
         else:
             older = []
-        if not older and not losses:
-            return flat
-        return self.comm.optimization_barrier([flat, *older, *losses])[0]
+        return self.comm.optimization_barrier([flat, *older, *losses])[0] if older or losses else flat
 
     def hold_step_loss(self, out) -> None:
         """[Note: the loss before the backward's reductions] libtpu 0.0.21 scheduled a multislice step's loss (nll_loss

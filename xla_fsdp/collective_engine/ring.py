@@ -160,9 +160,7 @@ class TorusRings:
         chunk = shard.numel()
         padded = _padded(chunk)
         out = self.all_gather_rows(_pad_chunks(shard, 1, chunk, padded).view(-1, LANES), order).reshape(-1)
-        if padded == chunk:
-            return out
-        return torch.cat([out.narrow(0, d * padded, chunk) for d in range(self.devices)])
+        return out if padded == chunk else torch.cat([out.narrow(0, d * padded, chunk) for d in range(self.devices)])
 
     def all_gather_rows(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """This device's shard of rows ([rows, ...]) -> every device's, stacked along dim 0 in

@@ -70,9 +70,7 @@ def make_hooks(outer):
             hit = reg.get(id(base))
             if hit is not None and hit[2] is base:
                 return _ParamToken(hit[0], hit[1], t)
-        if outer is not None:
-            return _Outer(outer[0](t), outer[1])
-        return t
+        return _Outer(outer[0](t), outer[1]) if outer is not None else t
 
     return pack, _unpack
 

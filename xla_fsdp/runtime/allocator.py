@@ -57,11 +57,7 @@ def choose(environ: Mapping[str, str] = os.environ) -> Optional[str]:
         return wanted
     if environment.get(environment.LD_PRELOAD, environ):
         return None  # the user's own preload: theirs to choose
-    for name in CANDIDATES:
-        path = find_library(name)
-        if path:
-            return path
-    return None
+    return next((path for path in map(find_library, CANDIDATES) if path), None)
 
 
 def preload_environment(environ: Mapping[str, str] = os.environ) -> Dict[str, str]:

@@ -88,9 +88,7 @@ def declared_runtime(script: str) -> Optional[str]:
     except (OSError, SyntaxError, ValueError):
         return None  # running it will say what is wrong
     declared = _marker(script, tree)
-    if declared is None and _single_controller_reason(tree):
-        return SINGLE_CONTROLLER
-    return declared
+    return SINGLE_CONTROLLER if declared is None and _single_controller_reason(tree) else declared
 
 
 def _single_controller_reason(tree: ast.Module) -> str:
@@ -165,10 +163,9 @@ def decide(spmd_flag: bool, per_chip: bool, script: str, on_tpu: bool,
     if spmd_flag or per_chip:
         return (SINGLE_CONTROLLER if spmd_flag else MULTI_PROCESS), ""
     asked = environment.runtime(environ)
-    if asked and environment.get(environment.RUNTIME, environ):
-        return asked, ""
-    if asked:  # torch_xla's is_spmd() reads it: the script runs in SPMD mode whatever is planned
-        return asked, f"{TORCH_XLA_SPMD}=1 in the environment: torch_xla's SPMD mode, the single controller"
+    if asked:  # torch_xla's switch alone: its is_spmd() reads it, the script runs in SPMD mode whatever is planned
+        return asked, ("" if environment.get(environment.RUNTIME, environ) else
+                       f"{TORCH_XLA_SPMD}=1 in the environment: torch_xla's SPMD mode, the single controller")
     if not on_tpu:
         return None, ""
     if not script:

@@ -73,9 +73,7 @@ def enable(base: str, part: str) -> str:
 def from_environment(part: str) -> Optional[str]:
     """`enable(<the compile-cache variable>, part)` when that variable names a folder, else None."""
     base = environment.get(ENV)
-    if not base or base.lower() in OFF:
-        return None
-    return enable(base, part)
+    return enable(base, part) if base and base.lower() not in OFF else None
 
 
 def counts() -> Dict[str, int]:

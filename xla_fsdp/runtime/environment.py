@@ -139,9 +139,7 @@ def runtime(environ: Mapping[str, str] = os.environ) -> Optional[str]:
         if asked not in RUNTIMES:
             raise ValueError(f"{RUNTIME}={asked!r}: expected {SINGLE_CONTROLLER!r} or {MULTI_PROCESS!r} (or unset)")
         return asked
-    if torch_xla_flag(TORCH_XLA_SPMD, environ):
-        return SINGLE_CONTROLLER
-    return None
+    return SINGLE_CONTROLLER if torch_xla_flag(TORCH_XLA_SPMD, environ) else None
 
 
 def json_value(name: str, environ: Mapping[str, str] = os.environ) -> dict:

@@ -57,16 +57,12 @@ def fsdp_degree(mesh: xs.Mesh) -> int:
 
 def data_degree(mesh: xs.Mesh, axes: Optional[Sequence[str]] = None) -> int:
     """How many shards the batch is split into (over `axes`, default every mesh axis)."""
-    if axes is None:
-        return int(np.prod(mesh.mesh_shape))
-    return int(np.prod([mesh.mesh_shape[mesh.axis_names.index(a)] for a in axes]))
+    return int(np.prod(mesh.mesh_shape if axes is None else [mesh.mesh_shape[mesh.axis_names.index(a)] for a in axes]))
 
 
 def param_spec(tensor: torch.Tensor) -> PartitionSpec:
     """Dim 0 over "fsdp", the rest replicated; 0-dim tensors replicated."""
-    if tensor.dim() == 0:
-        return ()
-    return (FSDP_AXIS,) + (None,) * (tensor.dim() - 1)
+    return (FSDP_AXIS,) + (None,) * (tensor.dim() - 1) if tensor.dim() else ()
 
 
 def batch_spec(tensor: torch.Tensor, mesh: xs.Mesh, axes: Optional[Sequence[str]] = None) -> PartitionSpec:
