@@ -62,10 +62,9 @@ class BatchSharding:
         shards = data_degree(self.mesh, self.axes)
         if self.batch_size is not None and self.batch_size % shards != 0:
             if not self._warned:
-                warnings.warn(f"batch size {self.batch_size} is not divisible by the {shards} "
-                              "shards of the batch (devices of its mesh axes); activations are "
-                              "left unannotated and the partitioner may replicate them. Use a "
-                              "global batch that is a multiple of the device count.")
+                warnings.warn(f"batch size {self.batch_size} is not divisible by the {shards} shards of the batch "
+                              "(devices of its mesh axes); activations are left unannotated and the partitioner may "
+                              "replicate them. Use a global batch that is a multiple of the device count.")
                 self._warned = True
             self.batch_size = None
             return

@@ -68,9 +68,8 @@ def materialize_unit(unit: nn.Module, tensors: List[torch.Tensor], param_init_fn
         reset_meta_modules(unit.named_modules(), f"unit {type(unit).__name__}")
     still_meta = [name for name, t in list(unit.named_parameters()) + list(unit.named_buffers()) if t.is_meta]
     if still_meta:
-        raise ValueError(f"after param_init_fn, unit {type(unit).__name__} still has meta "
-                         f"tensors {still_meta[:5]}; param_init_fn must materialize every meta "
-                         "parameter and buffer of the module it is given.")
+        raise ValueError(f"after param_init_fn, unit {type(unit).__name__} still has meta tensors {still_meta[:5]}; "
+                         "param_init_fn must materialize every meta parameter and buffer of the module it is given.")
 
 
 def place_and_shard(unit: nn.Module, done: Placed, mesh: xs.Mesh, device: torch.device,

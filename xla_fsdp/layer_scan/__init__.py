@@ -1,3 +1,2 @@
-"""Scan over layers (`scan_layers`): what both engines share. The ModuleList that runs as a loop (scanned_list.py),
-which lists qualify and the layer traced (find.py), dropout drawn from keys (keyed_random.py). Each engine brings its
+"""Scan over layers (`scan_layers`): what both engines share (docs/DESIGN.md lists the files); each engine brings its
 loop."""

@@ -1,10 +1,5 @@
-"""Which ModuleLists scan_layers can run as one loop, and the layer it traces.
-
-A list qualifies when every child is a wrapped unit and the children are identical (class, parameter and buffer names,
-shapes, dtypes, no instance forward), and passes the engine's own check (the SPMD engine's stored stacks:
-layer_scan/gspmd/stacked.py). The loop body runs a template: a copy of layer 0 with meta tensors and no hooks ([Note:
-scanning the layers of a ModuleList] in scanned_list.py).
-"""
+"""Which ModuleLists scan_layers can run as one loop (identical wrapped units), and the template of layer 0 the loop
+body runs ([Note: scanning the layers of a ModuleList] in scanned_list.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +15,8 @@ def check_identical(layers: Sequence[nn.Module], where: str) -> None:
     first = layers[0]
     kinds = {type(layer).__name__ for layer in layers}
     if len(kinds) > 1:
-        raise ValueError(f"scan_layers: {where} holds layers of different classes "
-                         f"({', '.join(sorted(kinds))}); a scanned loop runs one layer's "
-                         "program for every layer. Turn scan_layers off for this model.")
+        raise ValueError(f"scan_layers: {where} holds layers of different classes ({', '.join(sorted(kinds))}); a "
+                         "scanned loop runs one layer's program for every layer. Turn scan_layers off for this model.")
 
     def signature(layer: nn.Module) -> Dict[str, Tuple]:
         return {name: (tuple(t.shape), t.dtype, isinstance(t, nn.Parameter))
@@ -106,8 +100,7 @@ def find_layer_lists(root: nn.Module, units: Sequence[nn.Module],
                 check(root, layers, where)
             found.append((owner, name, layers, where))
     if not found:
-        raise ValueError("scan_layers found no nn.ModuleList whose layers are all wrapped "
-                         "units; make the repeated layer class a unit (fsdp config "
-                         "fsdp_transformer_layer_cls_to_wrap, or an auto_wrap_policy that wraps "
-                         "it) and keep the layers in an nn.ModuleList.")
+        raise ValueError("scan_layers found no nn.ModuleList whose layers are all wrapped units; make the repeated "
+                         "layer class a unit (fsdp config fsdp_transformer_layer_cls_to_wrap, or an auto_wrap_policy "
+                         "that wraps it) and keep the layers in an nn.ModuleList.")
     return found

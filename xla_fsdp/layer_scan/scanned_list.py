@@ -137,10 +137,9 @@ class ScanRun:
         others, tree = tree_flatten((args[1:], kwargs))
         grads = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
         if grads:
-            raise RuntimeError(f"scan_layers: an argument of the layers of {self.owner._scan_where} "
-                               f"other than the hidden state requires grad (shape "
-                               f"{tuple(grads[0].shape)}); only the hidden state is carried through "
-                               "the loop. Turn scan_layers off for this model.")
+            raise RuntimeError(f"scan_layers: an argument of the layers of {self.owner._scan_where} other than the "
+                               f"hidden state requires grad (shape {tuple(grads[0].shape)}); only the hidden state is "
+                               "carried through the loop. Turn scan_layers off for this model.")
         return others, tree
 
     def shaped(self, final: torch.Tensor, traced: Any) -> Any:
@@ -159,10 +158,9 @@ class ScanRun:
             raise RuntimeError(f"scan_layers: layer {index} of {self.owner._scan_where} was called "
                                "before layer 0; a scanned ModuleList must be run in order.")
         if not args or args[0] is not self._hidden(self.output):
-            raise RuntimeError(f"scan_layers: layer {index} of {self.owner._scan_where} did not get "
-                               "the previous layer's output unchanged; the model works on the hidden "
-                               "state between its layers, which a scanned loop cannot do. Turn "
-                               "scan_layers off for this model.")
+            raise RuntimeError(f"scan_layers: layer {index} of {self.owner._scan_where} did not get the previous "
+                               "layer's output unchanged; the model works on the hidden state between its layers, "
+                               "which a scanned loop cannot do. Turn scan_layers off for this model.")
         return self.output
 
     def start(self, args: Tuple, kwargs: Dict[str, Any]) -> Any:
@@ -210,10 +208,9 @@ class ScanRun:
             before = self.owner._scan_hooks.get(key, (frozenset(),) * 3)
             added = [h for h, b in zip(hooks, before) if h - b]
             if added and not _transformers_capture_only(self.layers, key, hooks, before):
-                raise RuntimeError(f"scan_layers: a hook was registered on a layer of "
-                                   f"{self.owner._scan_where} after it was wrapped; a scanned loop "
-                                   "cannot call per-layer hooks. Register it on the model instead, or "
-                                   "turn scan_layers off.")
+                raise RuntimeError(f"scan_layers: a hook was registered on a layer of {self.owner._scan_where} after "
+                                   "it was wrapped; a scanned loop cannot call per-layer hooks. Register it on the "
+                                   "model instead, or turn scan_layers off.")
 
 
 def _carries_cache(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:

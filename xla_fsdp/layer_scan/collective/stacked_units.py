@@ -5,8 +5,7 @@ Stacking every layer's shard when each loop starts and slicing the reduced gradi
 part in the step's program: a cast and a copy per layer and parameter before each loop, a slice per layer after
 backward, and the clipping norm and optimizer update once per layer and parameter. So on the single controller
 `scan_layers=True` stores each parameter of the scanned layers once, as the SPMD engine does ([Note: parameters stored
-stacked]) (measured: the 2B GPT-2's step 3,011 -> 493 top-level operations, XLA:CPU trace + compile at 48 layers 4.84x
--> 1.13x that at 2; docs/scan.md).
+stacked]) (docs/scan.md measures both).
 
 - Layout: layer i's parameter (d0, *rest) is column i of the stored (d0, L, *rest), sharded on dim 0 with the layer's
   own rows per shard (its padding and [Note: shards in whole tiles] included). A device's piece is (rows_per_rank, L,
@@ -16,10 +15,8 @@ stacked]) (measured: the 2B GPT-2's step 3,011 -> 493 top-level operations, XLA:
   its own (a group of the stacked records, never run), so the state-dict, checkpoint, clipping and region code see its
   parameters as any unit's. The layers stay units with empty groups (their checkpointing, prefetch and sync switches),
   and layer 0's records, without storage, give the loop its sizes and buckets.
-- `state_dict()` names each layer's rows as the unscanned model does and `load_state_dict()` stacks such keys
-  (layer_scan/stored_stacks.py); the optimizer holds one tensor per name, so only element-wise optimizers and Hugging
-  Face's Adafactor (run per layer: [Note: Adafactor on stored stacks]) are accepted ("per_step" keeps per-layer
-  parameters for the others).
+- State dicts and optimizers see the stacks as on the SPMD engine ([Note: parameters stored stacked]; "per_step" keeps
+  per-layer parameters for the optimizers refused there).
 - One process per device keeps per-layer parameters (stacked every step): its per-rank state dicts and shard metadata
   are per layer.
 """
