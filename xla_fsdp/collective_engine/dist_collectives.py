@@ -32,13 +32,8 @@ class DistCollectives(Collectives):
         self.layout = layout
         self.options = options
         self.device = device if device is not None else torch.device("cpu")
-        shard_pgs = _dist_subgroups(layout.shard_groups)
-        rep_pgs = _dist_subgroups(layout.replicate_groups)
-        self._pg = {
-            "shard": shard_pgs[layout.shard_groups.index(layout.shard_group)],
-            "replicate": rep_pgs[layout.replicate_groups.index(layout.replicate_group)],
-            "world": None,  # the default group
-        }
+        self._pg = {"shard": self._process_group(layout.shard_groups),
+                    "replicate": self._process_group(layout.replicate_groups), "world": None}  # the default group
 
     def _size(self, group) -> int:
         if isinstance(group, tuple):

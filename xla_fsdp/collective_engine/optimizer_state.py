@@ -248,14 +248,8 @@ def _pad(optimizer, state_dict) -> Optional[dict]:
 
 def _params(optimizer) -> Dict[int, torch.Tensor]:
     """state_dict numbering -> parameter."""
-    out: Dict[int, torch.Tensor] = {}
-    seen = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                out[len(out)] = p
-    return out
+    unique = {id(p): p for group in optimizer.param_groups for p in group["params"]}  # each at its first place
+    return dict(enumerate(unique.values()))
 
 
 def _placed_first(optimizer) -> None:

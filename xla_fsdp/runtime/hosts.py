@@ -163,10 +163,7 @@ class HostGroup:
         if not self.view.virtual:
             raise RuntimeError("HostGroup.exchange is the virtual-host test mode's; a pod host addresses only "
                                "its own devices")
-        merged: dict = {}
-        for part in self.all_gather(mine):
-            merged.update(part)
-        return merged
+        return {device: value for part in self.all_gather(mine) for device, value in part.items()}
 
 
 _GROUP: Optional[HostGroup] = None
