@@ -45,5 +45,16 @@ def test_policies_train_like_full_recompute_scanned_and_not():
 
 @pytest.mark.slow
 def test_every_policy_on_the_gspmd_engine():
-    cases = [f"{where}:{name}" for where in ("unscanned", "scan") for name in NAMES if name != "full"]
+    # "fit" picks each unit's policy on the collectives engine only; this engine refuses it (test below)
+    cases = [f"{where}:{name}" for where in ("unscanned", "scan") for name in NAMES if name not in ("full", "fit")]
     _check(_run(*cases, "unscanned:minimal:gpt2", "scan:qkv_proj_offloaded:gpt2", "scan:save_dot_except_mlp:gpt2"))
+
+
+def test_fit_is_refused_naming_a_policy_to_give():
+    import xla_fsdp
+    import torch.nn as nn
+
+    with pytest.raises(ValueError, match=r'remat_policy="fit" chooses each unit\'s policy .* collectives engine only; '
+                                         r"name a policy for engine='spmd'"):
+        xla_fsdp.FSDP(nn.Sequential(nn.Linear(4, 4)), engine="spmd", activation_checkpointing=True,
+                      remat_policy="fit")
