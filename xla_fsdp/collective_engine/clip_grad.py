@@ -64,11 +64,7 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0, gr
 def _grads_by_layout(root: nn.Module, root_comm) -> "OrderedDict":
     """Gradients (in `root.parameters()` order, the same on every rank) grouped by the sharding
     layout of the unit that owns them, keyed by one of those units' `Collectives`."""
-    owner = {}
-    for m in units(root):
-        unit = state_of(m)
-        for fp in unit.group.params:
-            owner[id(fp.sharded)] = unit.group.comm
+    owner = {id(fp.sharded): unit.group.comm for unit in map(state_of, units(root)) for fp in unit.group.params}
     comm_for: dict = {}
     out: "OrderedDict" = OrderedDict()
     for p in root.parameters():
