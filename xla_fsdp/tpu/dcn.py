@@ -66,7 +66,7 @@ def transfers(text: str) -> List[Transfer]:
         if done > pos:
             window = [i for i in entry[pos + 1:done] if i.opcode in ("fusion", "convolution", "dot", "custom-call")]
             t.beside_compute = len(window)
-            t.beside_matmuls = sum(oh._holds_matmul(i, comps) for i in window)
+            t.beside_matmuls = sum(oh.holds(i, comps) for i in window)
         out.append(t)
     return out
 
@@ -103,8 +103,11 @@ def summarize(text: str, slices: int, dcn_bytes_per_s: float, events: Optional[l
         k = out["by_type"].setdefault(t.kind, {"transfers": 0, "bytes": 0})
         k["transfers"] += 1
         k["bytes"] += t.bytes
-    if events is not None and dcn_bytes_per_s and found:
-        wait, first = _lane_wait(text, found, slices, dcn_bytes_per_s, events)
+    if events is not None and dcn_bytes_per_s and found:  # one serial DCN lane: each transfer lands by its recv-done
+        clock = core_clock(oh.computations(text).get("ENTRY", []), events)
+        wait = lane_wait(clock, [(t.position, t.done_position, t.bytes * ring_factor(t.kind, slices) / dcn_bytes_per_s,
+                                  0) for t in found])
+        first = clock[min(t.position for t in found)]
         # libtpu 0.0.21 issues run_clm's cross-slice all-reduces after the backward, however early (docs/pods.md)
         out.update(exposed_seconds=wait, projected_seconds=core_seconds + wait,
                    first_send_fraction=first / core_seconds if core_seconds else 0.0)
@@ -148,11 +151,3 @@ def lane_wait(clock: List[float], jobs: List[Tuple[int, int, float, int]]) -> fl
         if lanes[lane] > needed:
             shift += lanes[lane] - needed
     return shift
-
-
-def _lane_wait(text: str, found: List[Transfer], slices: int, rate: float, events: list) -> Tuple[float, float]:
-    """(seconds the core waits for one serial DCN lane, the core's time at the first send): each transfer starts
-    when sent (and the lane is free) and must land by its recv-done."""
-    clock = core_clock(oh.computations(text).get("ENTRY", []), events)
-    jobs = [(t.position, t.done_position, t.bytes * ring_factor(t.kind, slices) / rate, 0) for t in found]
-    return lane_wait(clock, jobs), clock[min(t.position for t in found)]

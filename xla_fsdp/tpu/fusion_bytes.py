@@ -35,8 +35,7 @@ def _sliced_bytes(param: str, body: List[oh.Instruction], comps, depth: int = 0)
         if u.opcode in _SLICING:
             total += sum(oh.shape_bytes(u.shape))
             continue
-        called = oh._CALLS.search(u.rest) if u.opcode == "fusion" and depth < 3 else None
-        inner = comps.get(called.group(1), []) if called else []
+        inner = comps.get(u.called, []) if u.opcode == "fusion" and depth < 3 else []
         if not inner:
             return None
         params = _parameters(inner)
@@ -52,8 +51,7 @@ def _sliced_bytes(param: str, body: List[oh.Instruction], comps, depth: int = 0)
 def fusion_bytes(ins: oh.Instruction, entry_shapes: Dict[str, str], comps) -> float:
     """HBM bytes a fusion moves, as the module docstring says."""
     ops = operand_names(ins.rest)
-    called = oh._CALLS.search(ins.rest)
-    body = comps.get(called.group(1), []) if called else []
+    body = comps.get(ins.called, [])
     params = _parameters(body)
     users: Dict[str, List[oh.Instruction]] = {}
     for i in body:

@@ -74,24 +74,22 @@ def is_move(ins: oh.Instruction) -> bool:
     return _move(ins) is not None
 
 
-def _done(comp: List[oh.Instruction], pos: int) -> int:
-    """The position of the `-done` that waits for the move started at `pos` (-1: not found)."""
-    return next((p for p in range(pos + 1, len(comp)) if comp[pos].name in comp[p].operands), -1)
+def _moves(comp: List[oh.Instruction]):
+    """(start position, bytes, to the host?, position of the `-done` waiting for it or -1) of each move in `comp`."""
+    for pos, ins in enumerate(comp):
+        move = _move(ins)
+        if move is not None:
+            yield pos, *move, next((p for p in range(pos + 1, len(comp)) if ins.name in comp[p].operands), -1)
 
 
 def _read(comp: List[oh.Instruction], comps: Dict[str, List[oh.Instruction]], times: int, out: HostTransfers):
-    for pos, ins in enumerate(comp):
-        move = _move(ins)
-        if move is None:
-            continue
-        size, to_host = move
+    for pos, size, to_host, done in _moves(comp):
         if to_host:
             out.to_host_bytes += size * times
         else:
             out.to_device_bytes += size * times
         out.moves += times
-        done = _done(comp, pos)
-        if done >= 0 and any(oh._holds_matmul(i, comps) for i in comp[pos + 1:done]):
+        if done >= 0 and any(oh.holds(i, comps) for i in comp[pos + 1:done]):
             out.with_matmul += times
 
 
@@ -111,25 +109,20 @@ def read(text: str, step_seconds: float = 0.0) -> HostTransfers:
     out = HostTransfers()
     entry = comps.get("ENTRY", [])
     _read(entry, comps, 1, out)
+    out.host_buffer_bytes = _buffers(entry)
     for loop in oh.while_loops(text):
         before = out.moves
         _read(comps.get(loop["body"], []), comps, loop["trip_count"] or 1, out)
         if out.moves > before and not loop["trip_count"]:
             out.in_loops.append(loop["name"])
-    for comp in [entry] + [comps.get(loop["body"], []) for loop in oh.while_loops(text)]:
-        out.host_buffer_bytes += _buffers(comp)
+        out.host_buffer_bytes += _buffers(comps.get(loop["body"], []))
     out.pcie_seconds = max(out.to_host_bytes, out.to_device_bytes) / PCIE_BYTES_PER_S
     return out
 
 
 def _jobs(comp: List[oh.Instruction]) -> List[tuple]:
     """A computation's moves as lane jobs: (start position, done position or -1, PCIe seconds, 0 to the host / 1 back)."""
-    jobs = []
-    for pos, ins in enumerate(comp):
-        move = _move(ins)
-        if move is not None:
-            jobs.append((pos, _done(comp, pos), move[0] / PCIE_BYTES_PER_S, 0 if move[1] else 1))
-    return jobs
+    return [(pos, done, size / PCIE_BYTES_PER_S, 0 if to_host else 1) for pos, size, to_host, done in _moves(comp)]
 
 
 def _trip_wait(body: List[oh.Instruction], events: list) -> float:

@@ -39,7 +39,6 @@ _MARKERS = (("flash_dq", b"flash_attention_dq_kernel"), ("flash_dkv", b"flash_at
             ("flash_forward", b"flash_attention_kernel"))  # dq / dkv bodies also name the forward's
 _BODY = re.compile(r'"body":\s*"([A-Za-z0-9+/=]+)"')
 _ESTIMATE = re.compile(r'"cost_estimate":\s*(\{[^}]*\})')
-_DIMS = re.compile(r"\[([0-9,]*)\]")
 
 
 @dataclass
@@ -77,11 +76,6 @@ def kind_of(rest: str) -> tuple:
     return "pallas", False
 
 
-def _dims(shape: str) -> List[int]:
-    m = _DIMS.search(shape)
-    return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
 def run_fraction(q_len: int, k_len: int, block_q: int, block_k: int, causal: bool) -> float:
     """The share of a kernel's (query block, key block) grid that runs."""
     if not causal:
@@ -99,10 +93,10 @@ def cost(ins: oh.Instruction, shapes: Dict[str, str]) -> KernelCost:
     operands = [shapes.get(o, "") for o in oh.operand_names(ins.rest)]
     sizes = [sum(oh.shape_bytes(s)) for s in operands]
     result = sum(oh.shape_bytes(ins.shape))
-    if kind in FLASH and len(operands) >= 3 and len(_dims(operands[0])) == 4:
+    if kind in FLASH and len(operands) >= 3 and len(oh.dims(operands[0])) == 4:
         matmuls, (bq_name, bk_name), streamed = FLASH[kind]
-        b, h, q_len, d = _dims(operands[0])
-        k_len = _dims(operands[1])[2]
+        b, h, q_len, d = oh.dims(operands[0])
+        k_len = oh.dims(operands[1])[2]
         bq, bk = min(SEQUENCE_BLOCKS[bq_name], q_len), min(SEQUENCE_BLOCKS[bk_name], k_len)
         share = run_fraction(q_len, k_len, bq, bk, causal)
         flops = matmuls * 2.0 * b * h * q_len * k_len * d * share

@@ -87,7 +87,7 @@ def _collective_labels(order: List[str], instrs, comps) -> Dict[str, str]:
             labels[name] = "gathered parameters"
         elif kind in ("reduce-scatter", "all-reduce"):
             labels[name] = "gradients"
-        elif _phase(ins.rest) in ("engine", "unknown") and not oh._holds_matmul(ins, comps):
+        elif _phase(ins.rest) in ("engine", "unknown") and not oh.holds(ins, comps):
             found = {labels[o] for o in ins.operands if o in labels}
             if len(found) == 1:
                 labels[name] = found.pop()
@@ -239,6 +239,6 @@ def _backward_from(order: List[str], instrs, comps) -> int:
     hoists what depends only on the inputs (the loss gradient's label mask) to the step's top."""
     for i, name in enumerate(order):
         ins = instrs.get(name)
-        if ins is not None and _phase(ins.rest) == "backward" and oh._holds_matmul(ins, comps):
+        if ins is not None and _phase(ins.rest) == "backward" and oh.holds(ins, comps):
             return i
     return len(order)

@@ -23,6 +23,8 @@ _CONTINUATION = "async_collective_fusion"
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)\[([0-9,]*)\]")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_DIMS = re.compile(r"\[([0-9,]*)\]")
+MATMULS = ("convolution", "dot")
 
 
 def shape_bytes(shape: str) -> List[int]:
@@ -38,6 +40,12 @@ def shape_bytes(shape: str) -> List[int]:
     return out
 
 
+def dims(shape: str) -> List[int]:
+    """The dimensions of the first array in an HLO shape string."""
+    m = _DIMS.search(shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
 @dataclass
 class Instruction:
     name: str
@@ -49,6 +57,12 @@ class Instruction:
     def operands(self) -> List[str]:
         head = self.rest.split(")", 1)[0]
         return re.findall(r"%([\w.\-]+)", head)
+
+    @property
+    def called(self) -> str:
+        """The computation it calls (`calls=`; "" when none)."""
+        m = _CALLS.search(self.rest)
+        return m.group(1) if m else ""
 
 
 @dataclass
@@ -119,14 +133,12 @@ def _collective_kind(ins: Instruction, comps: Dict[str, List[Instruction]]) -> O
         if op in (kind, kind + "-start"):
             return kind
     if op in ("fusion", "async-start", "custom-call", "call"):
-        called = _CALLS.search(ins.rest)
-        if called and called.group(1).startswith(_CONTINUATION):
+        if ins.called.startswith(_CONTINUATION):
             return None  # compute that carries an open collective's next step: work beside it
-        if called:
-            for inner in comps.get(called.group(1), []):
-                kind = _collective_kind(inner, comps)
-                if kind:
-                    return kind
+        for inner in comps.get(ins.called, []):
+            kind = _collective_kind(inner, comps)
+            if kind:
+                return kind
         for kind in KINDS:  # libtpu names collective fusions after what they hold
             if kind in ins.name and "done" not in ins.name:
                 return kind
@@ -145,9 +157,8 @@ def _group_size(ins: Instruction, comps: Dict[str, List[Instruction]], depth: in
     m = _GROUPS_IOTA.search(ins.rest)
     if m:
         return int(m.group(2))
-    called = _CALLS.search(ins.rest)
-    if called and depth < 4:
-        for inner in comps.get(called.group(1), []):
+    if depth < 4:
+        for inner in comps.get(ins.called, []):
             if _collective_kind(inner, comps):
                 n = _group_size(inner, comps, depth + 1)
                 if n:
@@ -172,11 +183,9 @@ def _is_done(ins: Instruction) -> bool:
     return ins.opcode.endswith("-done") or "collective-done" in ins.name or ins.opcode == "async-done"
 
 
-def _holds_matmul(ins: Instruction, comps: Dict[str, List[Instruction]]) -> bool:
-    if ins.opcode in ("convolution", "dot"):
-        return True
-    called = _CALLS.search(ins.rest)
-    return bool(called) and any(i.opcode in ("convolution", "dot") for i in comps.get(called.group(1), []))
+def holds(ins: Instruction, comps: Dict[str, List[Instruction]], opcodes=MATMULS) -> bool:
+    """Whether `ins` is one of `opcodes` (default a matmul) or calls a computation holding one."""
+    return ins.opcode in opcodes or any(i.opcode in opcodes for i in comps.get(ins.called, []))
 
 
 # [Note: collectives inside While loops]
@@ -252,10 +261,10 @@ def collectives(text: str, computation: str = "ENTRY") -> List[Collective]:
                 between = entry[started.position + 1:pos]
                 real = [i for i in between if i.opcode not in _BOOKKEEPING]
                 started.beside = len(real)
-                started.beside_matmuls = sum(_holds_matmul(i, comps) for i in real)
+                started.beside_matmuls = sum(holds(i, comps) for i in real)
                 started.beside_compute = sum(i.opcode in _COMPUTE and not _is_start(i) and not _is_done(i)
                                              and _collective_kind(i, comps) is None for i in real)
-                started.beside_names = [i.name for i in real if _holds_matmul(i, comps)]
+                started.beside_names = [i.name for i in real if holds(i, comps)]
                 started.done_position = pos
             continue
         kind = _collective_kind(ins, comps)
@@ -329,13 +338,6 @@ class ScatterHeld:
     held_for: int  # schedule positions from the all-reduce to its last user
 
 
-def _slices_dynamically(ins: Instruction, comps: Dict[str, List[Instruction]]) -> bool:
-    if ins.opcode == "dynamic-slice":
-        return True
-    called = _CALLS.search(ins.rest)
-    return bool(called) and any(i.opcode == "dynamic-slice" for i in comps.get(called.group(1), []))
-
-
 def scatters_as_all_reduce(text: str) -> List[ScatterHeld]:
     """The entry computation's all-reduces that stand for a reduce-scatter (a user cuts this device's rows out of
     the result with a dynamic slice), with how long their full-size results stay live ([Note: materialize the
@@ -349,7 +351,7 @@ def scatters_as_all_reduce(text: str) -> List[ScatterHeld]:
     out = []
     for pos, ins in enumerate(entry):
         after = users.get(ins.name, [])
-        if ins.opcode == "all-reduce" and any(_slices_dynamically(entry[u], comps) for u in after):
+        if ins.opcode == "all-reduce" and any(holds(entry[u], comps, ("dynamic-slice",)) for u in after):
             out.append(ScatterHeld(ins.name, max(shape_bytes(ins.shape), default=0), max(after) - pos))
     return out
 

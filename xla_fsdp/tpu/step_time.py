@@ -51,7 +51,6 @@ _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy
 # libtpu's uninitialized buffer (a loop's output stack: [Note: the loop's output buffers] in
 # collective_engine/region_loop.py) is an allocation: nothing is written, no cycles estimated
 ALLOCATE = 'custom_call_target="AllocateBuffer"'
-_DIMS = re.compile(r"\[([0-9,]*)\]")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
@@ -102,11 +101,6 @@ class StepEstimate:
                 "calibrated_seconds": self.seconds * CALIBRATION_RATIO, "calibration_ratio": CALIBRATION_RATIO}
 
 
-def _dims(shape: str) -> List[int]:
-    m = _DIMS.search(shape)
-    return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
 def _prod(xs) -> int:
     n = 1
     for x in xs:
@@ -132,15 +126,14 @@ def _window_taps(rest: str, lhs_labels: str, lhs: List[int]) -> int:
 
 def _matmul_flops(ins: oh.Instruction, shapes: Dict[str, str]) -> float:
     """FLOPs of one dot or convolution (multiply-adds x 2), in bf16 passes."""
-    out = _prod(_dims(ins.shape))
+    out = _prod(oh.dims(ins.shape))
     ops = operand_names(ins.rest)
+    lhs = oh.dims(shapes.get(ops[0], "")) if ops else []
     if ins.opcode == "dot":
-        lhs = _dims(shapes.get(ops[0], "")) if ops else []
         m = _CONTRACT.search(ins.rest)
         k = _prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (m and lhs) else 1
     else:  # convolution: contracted size = the kernel's input features x the window's real taps
-        rhs = _dims(shapes.get(ops[1], "")) if len(ops) > 1 else []
-        lhs = _dims(shapes.get(ops[0], "")) if ops else []
+        rhs = oh.dims(shapes.get(ops[1], "")) if len(ops) > 1 else []
         m = _LABELS.search(ins.rest)
         k = 1
         if m and rhs and len(m.group(2)) == len(rhs):
@@ -201,15 +194,10 @@ def _compute_cost(ins: oh.Instruction, entry_shapes, comps, chip, depth: int = 0
                 kernels.extend(found * n)
         return secs * n, flops * n, moved * n
     if op in ("fusion", "call", "custom-call"):
-        called = oh._CALLS.search(ins.rest)
-        flops = _computation_flops(called.group(1), comps) if called else 0.0
+        flops = _computation_flops(ins.called, comps)
         moved = fusion_bytes(ins, entry_shapes, comps)
-    elif op in ("dot", "convolution"):
-        flops = _matmul_flops(ins, entry_shapes)
-        moved = sum(sum(oh.shape_bytes(entry_shapes.get(o, ""))) for o in operand_names(ins.rest)) + \
-            sum(oh.shape_bytes(ins.shape))
     else:
-        flops = 0.0
+        flops = _matmul_flops(ins, entry_shapes) if op in oh.MATMULS else 0.0
         moved = sum(sum(oh.shape_bytes(entry_shapes.get(o, ""))) for o in operand_names(ins.rest)) + \
             sum(oh.shape_bytes(ins.shape))
     secs = max(flops / chip.peak_bf16_flops, moved / chip.hbm_bytes_per_s)
