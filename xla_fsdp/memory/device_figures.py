@@ -25,8 +25,10 @@ class Before:
     """What the device holds before the first step, and where libtpu's log ends then."""
 
     def __init__(self, read: Optional[Callable[[], Dict[str, int]]] = None):
+        from ..tpu import compile_log
+
         self.pjrt = _pjrt(read) or {}
-        self.log = _log_mark()
+        self.log = compile_log.mark()
 
 
 def figures(before: Before, read: Optional[Callable[[], Dict[str, int]]] = None) -> Optional[Dict]:
@@ -39,7 +41,9 @@ def figures(before: Before, read: Optional[Callable[[], Dict[str, int]]] = None)
         if pjrt["peak"] <= before.pjrt.get("peak", 0):
             return {"pending": True}  # the step has not run on the device yet
         return {"peak": pjrt["peak"], "limit": pjrt["limit"], "source": "pjrt"}
-    hbm = _libtpu(before.log)
+    from ..tpu import compile_log
+
+    hbm = compile_log.largest_program_hbm(compile_log.since(before.log))
     if hbm is not None:
         return {"peak": hbm.total, "limit": hbm.usable, "source": "libtpu log"}
     return None
@@ -75,14 +79,3 @@ def _read_xla() -> Dict[str, int]:
     xm.wait_device_ops()  # executions run asynchronously: the figures of a finished step
     return xm.get_memory_info(torch_xla.device())
 
-
-def _log_mark():
-    from ..tpu import compile_log
-
-    return compile_log.mark()
-
-
-def _libtpu(mark):
-    from ..tpu import compile_log
-
-    return compile_log.largest_program_hbm(compile_log.since(mark))

@@ -26,6 +26,7 @@ ahead-of-time check does, from its first compile of the job (docs/aot.md), and s
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -150,13 +151,13 @@ class FitPlan:
         if self._agree is not None and found is not None and found["source"] != MEMORY_ENV and not self.policies:
             count = self._agree(count)  # figures read on each process may differ by a little
         self.count = count
-        if found is not None and self.assigned is not None:
+        if found is not None:
             _store(saved, count, found, self.assigned)
+        if found is not None and self.assigned is not None:
             _log.warning("remat_policy=\"fit\": the %d checkpointed units save %s (forward order; later steps' "
                          "peak %.2f GiB of %.2f, from %s)", len(units), ", ".join(self.assigned),
                          found["peak"] / 2 ** 30, found["limit"] / 2 ** 30, found["source"])
         elif found is not None:
-            _store(saved, count, found, self.assigned)
             _log.warning("checkpoint_all_but_last=\"fit\": the last %d of %d checkpointed units keep their "
                          "activations (later steps' peak %.2f GiB of %.2f, from %s; %.2f GiB a unit)",
                          count, len(units), found["peak"] / 2 ** 30, found["limit"] / 2 ** 30, found["source"],
@@ -166,17 +167,16 @@ class FitPlan:
 
 
 _STEPS = [0]  # optimizer steps taken in this process, once counted
-_HOOKED: List = []
 
 
-def _count_optimizer_steps() -> None:
-    if not _HOOKED:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+@functools.lru_cache(maxsize=None)  # one hook per process
+def _count_optimizer_steps():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        def count(optimizer, args, kwargs):
-            _STEPS[0] += 1
+    def count(optimizer, args, kwargs):
+        _STEPS[0] += 1
 
-        _HOOKED.append(register_optimizer_step_post_hook(count))
+    return register_optimizer_step_post_hook(count)
 
 
 def _stored_path() -> Optional[str]:

@@ -12,25 +12,20 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import weakref
 from typing import Callable, Optional, Sequence
 
-_trim: Optional[Callable[[int], int]] = None
-_looked_up = False
 
-
+@functools.lru_cache(maxsize=None)
 def _malloc_trim() -> Optional[Callable[[int], int]]:
-    global _trim, _looked_up
-    if not _looked_up:
-        _looked_up = True
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _trim = libc.malloc_trim  # glibc only; musl and macOS have none
-            _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):
-            _trim = None
-    return _trim
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # glibc only; musl, macOS: none
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def release_freed_host_memory(dropped: Sequence[weakref.ref] = ()) -> None:

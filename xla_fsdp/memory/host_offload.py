@@ -13,6 +13,8 @@ that cross and what a VM's host holds ([Note: host transfers in libtpu's program
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from xla_fsdp.abstract import tpu_target as _active
@@ -27,43 +29,32 @@ def _placed(t: torch.Tensor, where: str) -> torch.Tensor:
                                             "", 1, {"_xla_buffer_placement": where})[0]
 
 
-_OPS = None
-
-
+@functools.lru_cache(maxsize=None)  # registered once
 def _ops():
-    global _OPS
-    if _OPS is None:
-        @torch.library.custom_op("xla_fsdp::to_host", mutates_args=())
-        def to_host_op(t: torch.Tensor) -> torch.Tensor:
-            return _placed(t, "pinned_host")
+    @torch.library.custom_op("xla_fsdp::to_host", mutates_args=())
+    def to_host_op(t: torch.Tensor) -> torch.Tensor:
+        return _placed(t, "pinned_host")
 
-        @torch.library.custom_op("xla_fsdp::to_device", mutates_args=())
-        def to_device_op(t: torch.Tensor) -> torch.Tensor:
-            return _placed(t, "device")
+    @torch.library.custom_op("xla_fsdp::to_device", mutates_args=())
+    def to_device_op(t: torch.Tensor) -> torch.Tensor:
+        return _placed(t, "device")
 
-        for op in (to_host_op, to_device_op):
-            op.register_fake(lambda t: torch.empty_like(t))
-            op.register_autograd(lambda ctx, grad: grad)
-        _OPS = (torch.ops.xla_fsdp.to_host.default, torch.ops.xla_fsdp.to_device.default)
-    return _OPS
+    for op in (to_host_op, to_device_op):
+        op.register_fake(lambda t: torch.empty_like(t))
+        op.register_autograd(lambda ctx, grad: grad)
+    return torch.ops.xla_fsdp.to_host.default, torch.ops.xla_fsdp.to_device.default
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t`, annotated to live in host memory from here on (a TPU target; else `t` itself)."""
-    if not _active() or t.device.type != "xla":
-        return t
-    return _placed(t, "pinned_host")
+    return _placed(t, "pinned_host") if _active() and t.device.type == "xla" else t
 
 
 def to_device(t: torch.Tensor) -> torch.Tensor:
     """`t`, brought back to device memory (the inverse of `to_host`)."""
-    if not _active() or t.device.type != "xla":
-        return t
-    return _placed(t, "device")
+    return _placed(t, "device") if _active() and t.device.type == "xla" else t
 
 
 def graph_ops():
     """(to host, to device) as ops an AOTAutograd graph (the GSPMD scan) can call; None where moves are not emitted."""
-    if not _active():
-        return None
-    return _ops()
+    return _ops() if _active() else None

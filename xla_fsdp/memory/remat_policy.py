@@ -55,10 +55,6 @@ class RematPolicy:
     offload: bool = False  # saved tensors (and the block's input) wait in host memory
     keeps_all: bool = False  # "none": nothing is recomputed
 
-    @property
-    def recomputes(self) -> bool:
-        return not self.keeps_all
-
     def describe(self) -> str:
         if self.keeps_all:
             return "keeps every activation (no recomputation)"

@@ -12,6 +12,7 @@ calls the modules another number of times than the forward did is an error, not 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, List, Sequence
 
 import torch
@@ -108,24 +109,19 @@ def substituting(modules: Sequence[nn.Module], kept: Sequence[torch.Tensor]) -> 
 # partitioner decides what the forward saves (layer_scan/gspmd/scan_glue.py). There the hooks mark the outputs to
 # save with `saved_as`, an identity op the trace keeps as a node of its own (the gradient passes through it
 # unchanged), and the partitioner saves the marked nodes.
-_TAG_OP = None
-
-
+@functools.lru_cache(maxsize=None)
 def tag_op():
     """torch.ops.xla_fsdp.saved_as (registered on first use): identity; `tag` names why it is saved."""
-    global _TAG_OP
-    if _TAG_OP is None:
-        @torch.library.custom_op("xla_fsdp::saved_as", mutates_args=())
-        def saved_as(t: torch.Tensor, tag: str) -> torch.Tensor:
-            return t.clone()
+    @torch.library.custom_op("xla_fsdp::saved_as", mutates_args=())
+    def saved_as(t: torch.Tensor, tag: str) -> torch.Tensor:
+        return t.clone()
 
-        @saved_as.register_fake
-        def _(t: torch.Tensor, tag: str) -> torch.Tensor:
-            return torch.empty_like(t)
+    @saved_as.register_fake
+    def _(t: torch.Tensor, tag: str) -> torch.Tensor:
+        return torch.empty_like(t)
 
-        saved_as.register_autograd(lambda ctx, grad: (grad, None))
-        _TAG_OP = torch.ops.xla_fsdp.saved_as.default
-    return _TAG_OP
+    saved_as.register_autograd(lambda ctx, grad: (grad, None))
+    return torch.ops.xla_fsdp.saved_as.default
 
 
 @contextlib.contextmanager
