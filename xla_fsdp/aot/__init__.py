@@ -3,11 +3,10 @@
     python -m xla_fsdp.aot --tpu v4-8 -- launch/run_clm.py <the job's flags>
 
 traces two steps of the job on this host at the slice's device count, in the runtime it would use there (nothing
-executes: [Note: abstract tracing]), compiles the second step with libtpu's own compiler for the slice's topology,
-and reports whether it compiles, its HBM per chip against the chip's, and the collectives of the TPU-optimized
-program. For a training loop of your own, either run its script under the check as it is (each step must end in
-`torch_xla.sync()` or `xm.mark_step()`, and the first step must not read values back: see `--steps`), or mark
-the step:
+executes: [Note: abstract tracing]), compiles the second step with libtpu's own compiler for the slice's topology, and
+reports whether it compiles, its HBM per chip against the chip's, and the collectives of the TPU-optimized program. For
+a training loop of your own, either run its script under the check as it is (each step must end in `torch_xla.sync()` or
+`xm.mark_step()`, and the first step must not read values back: see `--steps`), or mark the step:
 
     import xla_fsdp.aot
 

@@ -1,10 +1,9 @@
 """Capturing one training step's program in the traced process (never executed).
 
-[Note: two traced steps] A job's first step is not the program it runs for days: optimizer state is created
-inside it, and its inputs differ. So the trace lets the job's own loop run two steps, and the graph cut
-(`torch_xla.sync()` / `xm.mark_step()`) is intercepted. Only cuts that end a training step count (an optimizer
-stepped since the previous cut); a loop's earlier cuts (set-up graphs) are skipped, so their pending work joins the
-first step's graph.
+[Note: two traced steps] A job's first step is not the program it runs for days: optimizer state is created inside it,
+and its inputs differ. So the trace lets the job's own loop run two steps, and the graph cut (`torch_xla.sync()` /
+`xm.mark_step()`) is intercepted. Only cuts that end a training step count (an optimizer stepped since the previous
+cut); a loop's earlier cuts (set-up graphs) are skipped, so their pending work joins the first step's graph.
 - at the first cut nothing runs: every live XLA tensor becomes a placeholder of its shape, dtype and sharding
   ([Note: abstract tracing]), as if the step had run and left its results on the devices; torch_xla's collective
   token and RNG seed start afresh, as after a real step;
@@ -55,14 +54,10 @@ def install() -> None:
     _State.out, _State.steps = spec["out"], int(spec.get("steps", 2))
     _State.original_sync = torch_xla.sync
 
-    def sync(*args, **kwargs):
+    def cut_instead(*args, **kwargs):
         cut()
 
-    def mark_step(*args, **kwargs):
-        cut()
-
-    torch_xla.sync = sync
-    xm.mark_step = mark_step
+    torch_xla.sync = xm.mark_step = cut_instead
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_note_step)  # every optimizer's step, whoever built it
@@ -77,23 +72,15 @@ def _read_as_zeros_after_first_step() -> None:
     Python error). Scripts read values there for logging (`losses.append(loss.item())`, a grad norm printed), never
     to decide the second step's program, so from the first cut on the reads give zeros. Before it a read still runs
     (a set-up graph on real data reads true values; one on placeholders aborts, as docs/aot.md says)."""
-    original_item, original_tolist = torch.Tensor.item, torch.Tensor.tolist
+    def zeros_after_first_cut(original):
+        def read(self):
+            if _State.cuts and self.device.type == "xla":
+                return original(torch.zeros(self.shape, dtype=self.dtype))
+            return original(self)
+        return read
 
-    def zeros(t):
-        return torch.zeros(t.shape, dtype=t.dtype)
-
-    def item(self):
-        if _State.cuts and self.device.type == "xla":
-            return original_item(zeros(self))
-        return original_item(self)
-
-    def tolist(self):
-        if _State.cuts and self.device.type == "xla":
-            return original_tolist(zeros(self))
-        return original_tolist(self)
-
-    torch.Tensor.item = item
-    torch.Tensor.tolist = tolist
+    torch.Tensor.item = zeros_after_first_cut(torch.Tensor.item)
+    torch.Tensor.tolist = zeros_after_first_cut(torch.Tensor.tolist)
 
 
 SITES = "collective_sites.json"
@@ -135,12 +122,9 @@ def _objects_of(*classes) -> list:
     return found
 
 
-def _live_xla_tensors(tensors):
-    """Of `tensors`, those backed by XLA data (not the fake and functional ones AOTAutograd keeps under scan_layers)."""
-    return [o for o in tensors if o.device.type == "xla" and _is_xla_data(o)]
-
-
 def _is_xla_data(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is backed by XLA data (not one of the fake and functional ones AOTAutograd keeps under
+    scan_layers)."""
     import torch_xla
 
     try:
@@ -185,14 +169,20 @@ def _tensors_by_kind() -> list:
             out.append({"kind": kind, "dtype": str(t.dtype).replace("torch.", ""),
                         "shape": list(torch.Tensor.size(t))})
 
+    for p, state in _params_and_state(optimizers):
+        add("parameters", p)
+        add("gradients", p.grad)
+        for value in state:
+            add("optimizer state", value)
+    return out
+
+
+def _params_and_state(optimizers):
+    """(parameter, the values of its optimizer state) of every parameter of `optimizers`."""
     for obj in optimizers:
         for group in obj.param_groups:
             for p in group["params"]:
-                add("parameters", p)
-                add("gradients", p.grad)
-                for value in obj.state.get(p, {}).values():
-                    add("optimizer state", value)
-    return out
+                yield p, obj.state.get(p, {}).values()
 
 
 def _optimizer_shardings(optimizers):
@@ -200,15 +190,13 @@ def _optimizer_shardings(optimizers):
     import torch_xla
 
     out = {}
-    for obj in optimizers:
-        for group in obj.param_groups:
-            for p in group["params"]:
-                if p.device.type != "xla" or not torch_xla._XLAC._get_xla_sharding_spec(p):
-                    continue
-                op = torch_xla._XLAC._get_xla_op_sharding(p)
-                for value in obj.state.get(p, {}).values():
-                    if isinstance(value, torch.Tensor) and value.shape == torch.Tensor.size(p):  # stored shape
-                        out[id(value)] = op
+    for p, state in _params_and_state(optimizers):
+        if p.device.type != "xla" or not torch_xla._XLAC._get_xla_sharding_spec(p):
+            continue
+        op = torch_xla._XLAC._get_xla_op_sharding(p)
+        for value in state:
+            if isinstance(value, torch.Tensor) and value.shape == torch.Tensor.size(p):  # stored shape
+                out[id(value)] = op
     return out
 
 
@@ -222,12 +210,10 @@ def _as_if_run() -> None:
     optimizers, tensors = _objects_of(torch.optim.Optimizer, torch.Tensor)
     inherited = _optimizer_shardings(optimizers)
     devices = set()
-    for t in _live_xla_tensors(tensors):
+    for t in [t for t in tensors if t.device.type == "xla" and _is_xla_data(t)]:
         if t.is_leaf or isinstance(t, torch.nn.Parameter) or t._base is None:
-            op = None
-            if torch_xla._XLAC._get_xla_sharding_spec(t):
-                op = torch_xla._XLAC._get_xla_op_sharding(t)
-            op = op if op is not None else inherited.get(id(t))
+            own = torch_xla._XLAC._get_xla_op_sharding(t) if torch_xla._XLAC._get_xla_sharding_spec(t) else None
+            op = own if own is not None else inherited.get(id(t))
             with torch.no_grad():
                 t.data = abstract.placeholder(torch.Tensor.size(t), t.dtype, op)  # stored shape
             devices.add(str(t.device))
@@ -244,16 +230,13 @@ def _compile_and_exit() -> None:
 
     dump = _spec()["dump"]
     before = set(os.listdir(dump)) if os.path.isdir(dump) else set()
-    with open(os.path.join(_State.out, MARKER), "w") as f:
-        json.dump({"ordinal": xr.global_ordinal(), "dumped_before": sorted(before)}, f)
-    with open(os.path.join(_State.out, SITES), "w") as f:
-        json.dump(_sites, f)
-    with open(os.path.join(_State.out, TENSORS), "w") as f:
-        json.dump(_tensors_by_kind(), f)
     from xla_fsdp.memory.remat_policy import applied
 
-    with open(os.path.join(_State.out, RECOMPUTE), "w") as f:
-        json.dump(applied(), f)  # [Note: recomputation policies]: what each block saved
+    written = {MARKER: {"ordinal": xr.global_ordinal(), "dumped_before": sorted(before)}, SITES: _sites,
+               TENSORS: _tensors_by_kind(), RECOMPUTE: applied()}  # [Note: recomputation policies]
+    for name, value in written.items():
+        with open(os.path.join(_State.out, name), "w") as f:
+            json.dump(value, f)
     sys.stdout.flush()
     sys.stderr.flush()
     threading.Thread(target=_State.original_sync, daemon=True).start()

@@ -110,16 +110,14 @@ def write_dump(dump: str, workdir: str, optimized_hlo: Optional[str]) -> None:
 
     st = storage.storage_for(dump)
     st.makedirs(dump, exist_ok=True)
-    with open(os.path.join(workdir, "program.txt"), "rb") as f:
-        st.write_bytes(st.join(dump, "traced_step.hlo.txt"), f.read())
     if optimized_hlo:
         st.write_bytes(st.join(dump, "tpu_optimized.hlo.txt"), optimized_hlo.encode())
-    with open(os.path.join(workdir, "trace.log"), "rb") as f:
-        st.write_bytes(st.join(dump, "trace.log"), f.read())
-    assignment = os.path.join(workdir, BUFFER_ASSIGNMENT)  # libtpu's, when it wrote one
-    if os.path.exists(assignment):
-        with open(assignment, "rb") as f:
-            st.write_bytes(st.join(dump, BUFFER_ASSIGNMENT), f.read())
+    for name, kept_as in (("program.txt", "traced_step.hlo.txt"), ("trace.log", "trace.log"),
+                          (BUFFER_ASSIGNMENT, BUFFER_ASSIGNMENT)):
+        path = os.path.join(workdir, name)
+        if name != BUFFER_ASSIGNMENT or os.path.exists(path):  # libtpu's buffer assignment, when it wrote one
+            with open(path, "rb") as f:
+                st.write_bytes(st.join(dump, kept_as), f.read())
 
 
 def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
@@ -132,12 +130,9 @@ def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
     switch = {libtpu_flags.RINGS_ENV: "0"}
     say(f"xla_fsdp.aot: the default's rings do not fit; checking the step again with "
         f"{libtpu_flags.RINGS_ENV}=0 (all-gathers and staged reduce-scatters under libtpu's 70% budget)")
-    again = os.path.join(workdir, "without_rings")
-    os.makedirs(again, exist_ok=True)
     started = time.time()
     try:
-        text = trace.run_trace(dataclasses.replace(job, env=dict(job.env, **switch)), again, steps=opts.steps,
-                               timeout=opts.timeout)
+        text = _trace_again(job, switch, os.path.join(workdir, "without_rings"), opts)
     except trace.TraceError as e:
         return {"switch": switch, "compiles": False, "fits": False, "error": str(e)}
     r = rep.check_program(text, spec, compiler, libtpu_flags.for_runtime(job.runtime, spec.chips, switch),
@@ -150,6 +145,15 @@ def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
     return out
 
 
+def _trace_again(job, env: dict, folder: str, opts) -> str:
+    """Trace the job again into `folder`, with `env` added to its environment; the step's module."""
+    from xla_fsdp.aot import trace
+
+    os.makedirs(folder, exist_ok=True)
+    return trace.run_trace(dataclasses.replace(job, env=dict(job.env, **env)), folder, steps=opts.steps,
+                           timeout=opts.timeout)
+
+
 def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts, say, calls) -> Optional[tuple]:
     """[Note: keep what fits] (xla_fsdp/memory/fit.py): a job with checkpoint_all_but_last="fit" measured its units
     while it traced, and found no device figures here. Its step is traced and compiled again, given the figures of
@@ -157,15 +161,10 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     with what the first program needed beside it. (its program, its report, its folder); None when the job does not
     use "fit" or its first program did not fit."""
     from xla_fsdp.aot import report as rep
-    from xla_fsdp.aot import trace
     from xla_fsdp.memory.device_figures import MEMORY_ENV
 
-    path = os.path.join(workdir, "fit.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        plan = json.load(f)
-    if plan.get("figures") is not None or not result.get("compiles") or not result.get("fits"):
+    plan = _read_json(os.path.join(workdir, "fit.json"))
+    if plan is None or plan.get("figures") is not None or not result.get("compiles") or not result.get("fits"):
         return None
     figures = {"peak": int(result["memory"]["peak"]), "limit": int(result["memory"]["usable"])}
     say(f"xla_fsdp.aot: checkpoint_all_but_last=\"fit\": {plan['units']} checkpointed units, every one "
@@ -182,17 +181,16 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     gc.collect()
     release_freed_host_memory()
     again = os.path.join(workdir, "fit")
-    os.makedirs(again, exist_ok=True)
     report = os.path.join(again, "fit.json")
     env = {MEMORY_ENV: json.dumps(figures), environment.AOT: environment.with_aot(job.env, fit_report=report)}
     started = time.time()
-    text = trace.run_trace(dataclasses.replace(job, env=dict(job.env, **env)), again, steps=opts.steps,
-                           timeout=opts.timeout)
+    text = _trace_again(job, env, again, opts)
     traced_s = time.time() - started
     with open(report) as f:
         chosen = json.load(f)
     second = rep.check_program(text, spec, compiler, flags, say=say, calls=calls,
-                               started_with=bool(result.get("start_up_flags")), tensors=_tensors(again),
+                               started_with=bool(result.get("start_up_flags")),
+                               tensors=_read_json(os.path.join(again, TENSORS)),
                                keep_in=again, with_curve=bool(opts.timeline))
     second["trace_seconds"] = round(traced_s, 1)
     keep = ("memory", "projection", "compile_seconds", "trace_seconds")
@@ -221,27 +219,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         spec, job = _job(opts, command)
     except (ValueError, ImportError, FileNotFoundError, trace.TraceError) as e:
-        print(f"xla_fsdp.aot: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(e, EXIT_USAGE)
     logs = _libtpu_environment()
     try:
         compiler = _load_compiler()
     except ImportError as e:
-        print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         _drop_logs(logs)
-        return EXIT_NO_LIBTPU
+        return _failed(e, EXIT_NO_LIBTPU)
     workdir = tempfile.mkdtemp(prefix="xla_fsdp_aot_")
     keep = False
     try:
         return _report(_trace_and_compile(job, spec, compiler, workdir, opts, say), opts)
     except trace.TraceError as e:
-        print(f"xla_fsdp.aot: {e}", file=sys.stderr)
         keep = True  # the log it names
-        return EXIT_TRACE
+        return _failed(e, EXIT_TRACE)
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
         _drop_logs(logs)
+
+
+def _failed(error: Exception, status: int) -> int:
+    print(f"xla_fsdp.aot: {error}", file=sys.stderr)
+    return status
 
 
 def _job(opts, command):
@@ -295,21 +295,19 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     own = opts.libtpu_flags is None and libtpu_flags.users_own()  # what libtpu read when it started
     flags = opts.libtpu_flags if opts.libtpu_flags is not None else \
         (own or libtpu_flags.for_runtime(job.runtime, spec.chips))
-    sites_path = os.path.join(workdir, "collective_sites.json")
-    calls = json.load(open(sites_path)) if os.path.exists(sites_path) else []
-    tensors = _tensors(workdir)
+    calls = _read_json(os.path.join(workdir, "collective_sites.json"), [])
     result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own),
-                               tensors=tensors, keep_in=workdir, with_curve=bool(opts.timeline))
+                               tensors=_read_json(os.path.join(workdir, TENSORS)), keep_in=workdir,
+                               with_curve=bool(opts.timeline))
     result["trace_seconds"] = round(traced_s, 1)
     result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
     fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
     traced_in = workdir
     if fitted is not None:
         text, result, traced_in = fitted
-    recompute = os.path.join(traced_in, RECOMPUTE)
-    if os.path.exists(recompute):  # [Note: recomputation policies]: what the reported step's blocks saved
-        with open(recompute) as f:
-            result["recompute"] = json.load(f)
+    recompute = _read_json(os.path.join(traced_in, RECOMPUTE))
+    if recompute is not None:  # [Note: recomputation policies]: what the reported step's blocks saved
+        result["recompute"] = recompute
     result["runtime"] = job.runtime
     result["script"] = job.script
     if _rings_to_retry(result, text, job, spec, opts):
@@ -326,11 +324,10 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     return result
 
 
-def _tensors(workdir: str) -> Optional[list]:
-    """The job's tensors by kind the trace listed (capture.TENSORS), or None."""
-    path = os.path.join(workdir, TENSORS)
+def _read_json(path: str, missing=None):
+    """The JSON in `path` (what the traced process wrote: capture.TENSORS, ...), or `missing` without the file."""
     if not os.path.exists(path):
-        return None
+        return missing
     with open(path) as f:
         return json.load(f)
 

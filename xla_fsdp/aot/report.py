@@ -35,8 +35,7 @@ def out_of_memory(message: str):
 
 def is_spmd(text: str) -> bool:
     """One program for every device (single controller, GSPMD) rather than one per replica."""
-    header = text.split("\n", 1)[0]
-    m = _PARTITIONS.search(header)
+    m = _PARTITIONS.search(text.split("\n", 1)[0])  # the module's header
     return bool(m) and int(m.group(1)) > 1
 
 
@@ -102,15 +101,11 @@ def _compile(text: str, spec, compiler, flags: list, spmd: bool, started_with: b
         except Exception as e:  # the compiler's own error text is the report
             message = getattr(e, "compiler_message", None) or str(e)
             name = _start_up_only(message)
-            if name == DUMP_FLAG:  # a libtpu that takes no dump option: no breakdown, nothing else lost
-                flags = [(n, v) for n, v in flags if n != name]
-                continue
-            name = name if started_with else None
-            if name and any(n == name for n, _ in flags):
+            if name != DUMP_FLAG and not (started_with and name and any(n == name for n, _ in flags)):
+                return None, message, start_up
+            if name != DUMP_FLAG:  # a libtpu that takes no dump option: no breakdown, nothing else lost
                 start_up.append(name)
-                flags = [(n, v) for n, v in flags if n != name]
-                continue
-            return None, message, start_up
+            flags = [(n, v) for n, v in flags if n != name]
 
 
 def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callable = print, calls=(),
@@ -129,16 +124,14 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     if spmd:
         text = prog.place_parameter_shardings(text)
     result = {"tpu": spec.name, "chips": spec.job_chips, "hosts": spec.hosts * spec.slices, "slices": spec.slices,
-              "program": "spmd" if spmd else
-              "per_replica", "libtpu_flags": libtpu_flags, "hbm_per_chip": spec.hbm_bytes_per_chip, "compiles": False,
-              "fits": False, "error": "", "cause": ""}
+              "program": "spmd" if spmd else "per_replica", "libtpu_flags": libtpu_flags,
+              "hbm_per_chip": spec.hbm_bytes_per_chip, "compiles": False, "fits": False, "error": "", "cause": ""}
     mix = prog.layout_mix(text, calls)
     say(f"xla_fsdp.aot: compiling the step for {spec.name} with libtpu ({'one SPMD program over' if spmd else 'one program per chip,'} "
         f"{spec.job_chips} chips)")
     started = time.time()
     flags = co.parse_libtpu_init_args(libtpu_flags)
-    # [Note: libtpu's buffer assignment]: its dumps, in a folder of this compile's
-    dumps = tempfile.mkdtemp(prefix="xla_fsdp_aot_libtpu_dump_")
+    dumps = tempfile.mkdtemp(prefix="xla_fsdp_aot_libtpu_dump_")  # [Note: libtpu's buffer assignment]: its dumps
     flags = flags + [(DUMP_FLAG, dumps)]
     try:
         compiled, message, start_up = _compile(text, spec, compiler, flags, spmd, started_with)
@@ -209,12 +202,9 @@ def _stages(stages) -> str:
 
 def _allocator(name) -> str:
     """[Note: libtpu's compile and the host's malloc]: what the compile allocated with, and the faster way."""
-    if not name:
-        return ""
     if name == "glibc":
-        return ("; glibc's malloc: about 0.75x the time with jemalloc or tcmalloc, "
-                "apt install libjemalloc2")
-    return f"; {name}"
+        return "; glibc's malloc: about 0.75x the time with jemalloc or tcmalloc, apt install libjemalloc2"
+    return f"; {name}" if name else ""
 
 
 def render(r: dict) -> str:

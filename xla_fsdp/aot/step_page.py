@@ -3,10 +3,9 @@
 [Note: the step's picture]
 Everything on the page comes from the program libtpu compiled for the slice; nothing is measured:
 - a timeline of the projected step (xla_fsdp/tpu/step_time.py's walk of libtpu's schedule): one lane for the
-  TensorCore's compute and one per collective kind; each collective is one span, from the core issuing it to the
-  core having its result, with its transfer on the ICI drawn inside it, so what runs beside compute and what the
-  core waits for are visible. A While loop (scan_layers) appears once per trip. Compute spans closer than a pixel
-  are drawn as one;
+  TensorCore's compute and one per collective kind; each collective is one span, from the core issuing it to the core
+  having its result, with its transfer on the ICI drawn inside it, so what runs beside compute and what the core waits
+  for are visible. A While loop (scan_layers) appears once per trip. Compute spans closer than a pixel are drawn as one;
 - HBM in use over the step: arguments, outputs as they are written, and the heap's live values by libtpu's buffer
   assignment ([Note: the peak HBM, broken down] in xla_fsdp/tpu/memory_breakdown.py), placed at the projected time
   of the instruction that makes or frees them;
@@ -41,10 +40,6 @@ def events_of(optimized: str, spec, rests: Dict[str, str]) -> Tuple[List[step_ti
             if ring:
                 e.lane = f"{ring} (ring)"
     return events, est.seconds
-
-
-def _rests(comps) -> Dict[str, str]:
-    return {ins.name: ins.rest for body in comps.values() for ins in body}
 
 
 def top_kernels(events: List[step_time.Event], rests: Dict[str, str], count: int = 15) -> List[dict]:
@@ -210,14 +205,13 @@ def page(result: dict, report_text: str, events: List[step_time.Event], length: 
 
 def write(path: str, result: dict, report_text: str, optimized: str, spec) -> int:
     """Write the page for `result` to `path` (.svg: the timeline and HBM lanes alone); the collective spans on it."""
-    rests = _rests(oh.computations(optimized))
+    rests = {ins.name: ins.rest for body in oh.computations(optimized).values() for ins in body}
     events, length = events_of(optimized, spec, rests)
     if path.endswith(".svg"):
         text = svg(events, length, result.get("hbm_curve"), result.get("memory", {}).get("usable", 0)) + "\n"
     else:
         text = page(result, report_text, events, length, rests)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
     return sum(1 for e in events if e.lane != "compute")

@@ -46,27 +46,23 @@ def job_from_command(command: List[str], runtime: str, devices: int) -> Job:
     if not command:
         raise TraceError("no script given: put the job's command after --, e.g. "
                          "python -m xla_fsdp.aot --tpu v4-8 -- launch/run_clm.py --config_name ...")
-    spmd_flag = per_chip = False
+    flags = set()
     if os.path.basename(command[0]) == LAUNCHER:
         rest = command[1:]
         while rest and rest[0].startswith("--"):
             flag = rest.pop(0)
-            if flag == "--spmd":
-                spmd_flag = True
-            elif flag == "--per_chip":
-                per_chip = True
-            elif flag == "--num_cores":  # the slice decides the device count here
-                if rest:
-                    rest.pop(0)
-            elif not flag.startswith("--num_cores="):
+            if flag == "--num_cores" and rest:  # the slice decides the device count here
+                rest.pop(0)
+            elif flag not in ("--spmd", "--per_chip", "--num_cores") and not flag.startswith("--num_cores="):
                 raise TraceError(f"unknown {LAUNCHER} flag {flag!r} before the script")
+            flags.add(flag)
         command = rest
         if not command:
             raise TraceError(f"{LAUNCHER} was given no training script")
     script, args = command[0], list(command[1:])
     if not os.path.isfile(script):
         raise TraceError(f"script {script!r} not found (run from the directory the job runs from)")
-    return Job(script, args, runtime_for(runtime, spmd_flag, per_chip, script), devices)
+    return Job(script, args, runtime_for(runtime, "--spmd" in flags, "--per_chip" in flags, script), devices)
 
 
 def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script: str = "") -> str:
