@@ -85,9 +85,8 @@ def parse(text: str) -> BufferAssignment:
     allocations: List[Allocation] = []
     values: Dict[int, Value] = {}
     lines = text.splitlines()
-    i = 0
-    while i < len(lines) and not lines[i].startswith("Used values:"):
-        line = lines[i]
+    used = next((i for i, line in enumerate(lines) if line.startswith("Used values:")), len(lines))
+    for line in lines[:used]:
         m = _ALLOCATION.match(line)
         if m:
             flags = m.group(3)
@@ -104,10 +103,9 @@ def parse(text: str) -> BufferAssignment:
                               int(v.group(5)), int(v.group(6)), allocations[-1].index)
                 values[value.id] = value
                 allocations[-1].values.append(value.id)
-        i += 1
     current: Optional[Value] = None
     section = ""
-    for line in lines[i + 1:]:
+    for line in lines[used + 1:]:
         m = _USED.match(line)
         if m:
             current = values.get(int(m.group(1)))

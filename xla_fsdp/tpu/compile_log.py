@@ -146,15 +146,10 @@ def compile_since(where: tuple, wait_s: float = 2.0) -> str:
     END_TO_END: even unbuffered, libtpu's lines reach the file some time after they are logged."""
     text = since(where)
     deadline = time.monotonic() + wait_s
-    while _waiting_for_the_last_stage(text) and time.monotonic() < deadline:
+    while (stages := stage_seconds(text)) and "end_to_end" not in stages and time.monotonic() < deadline:
         time.sleep(0.02)
         text = since(where)
     return text
-
-
-def _waiting_for_the_last_stage(text: str) -> bool:
-    stages = stage_seconds(text)
-    return bool(stages) and "end_to_end" not in stages
 
 
 _STAGE = re.compile(r"\b(HLO_PASSES|BACKEND_PASSES|CODE_GENERATION|END_TO_END) stage duration: ([0-9hmsu.]+)")

@@ -60,9 +60,8 @@ def transfers(text: str) -> List[Transfer]:
     for pos, ins in enumerate(entry):
         if ins.opcode != "send" or MEGASCALE not in ins.rest:
             continue
-        rendezvous, kind = _RENDEZVOUS.search(ins.rest), _TYPE.search(ins.rest)
-        done = done_at.get(recv_of.get(rendezvous.group(1) if rendezvous else "", ""), -1)
-        t = Transfer(ins.name, kind.group(1) if kind else "", max(oh.shape_bytes(ins.shape), default=0), pos, done)
+        done = done_at.get(recv_of.get(oh.group(_RENDEZVOUS, ins.rest), ""), -1)
+        t = Transfer(ins.name, oh.group(_TYPE, ins.rest), max(oh.shape_bytes(ins.shape), default=0), pos, done)
         if done > pos:
             window = [i for i in entry[pos + 1:done] if i.opcode in ("fusion", "convolution", "dot", "custom-call")]
             t.beside_compute = len(window)

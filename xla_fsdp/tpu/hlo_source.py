@@ -12,6 +12,8 @@ import os
 import re
 from typing import Optional, Tuple
 
+from xla_fsdp.tpu.optimized_hlo import group
+
 _SOURCE = re.compile(r'source_file="([^"]*)" source_line=(\d+)')
 _OP_TYPE = re.compile(r'op_type="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -54,13 +56,11 @@ def source(rest: str) -> Optional[Tuple[str, int]]:
 
 
 def op_type(rest: str) -> str:
-    m = _OP_TYPE.search(rest)
-    return m.group(1) if m else ""
+    return group(_OP_TYPE, rest)
 
 
 def op_name(rest: str) -> str:
-    m = _OP_NAME.search(rest)
-    return m.group(1) if m else ""
+    return group(_OP_NAME, rest)
 
 
 def describe(rest: str) -> str:

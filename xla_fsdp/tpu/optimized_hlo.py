@@ -40,6 +40,12 @@ def shape_bytes(shape: str) -> List[int]:
     return out
 
 
+def group(pattern: re.Pattern, text: str) -> str:
+    """The first group of `pattern`'s first match in `text` ("" when it does not match)."""
+    m = pattern.search(text)
+    return m.group(1) if m else ""
+
+
 def dims(shape: str) -> List[int]:
     """The dimensions of the first array in an HLO shape string."""
     m = _DIMS.search(shape)
@@ -61,8 +67,7 @@ class Instruction:
     @property
     def called(self) -> str:
         """The computation it calls (`calls=`; "" when none)."""
-        m = _CALLS.search(self.rest)
-        return m.group(1) if m else ""
+        return group(_CALLS, self.rest)
 
 
 @dataclass
@@ -120,8 +125,7 @@ _EMITTER = re.compile(r'"emitter":"(\w+)"')
 
 def emitter(ins: Instruction) -> str:
     """The collective emitter libtpu chose for this instruction ("" when none is named)."""
-    m = _EMITTER.search(ins.rest)
-    return m.group(1) if m else ""
+    return group(_EMITTER, ins.rest)
 
 
 def _collective_kind(ins: Instruction, comps: Dict[str, List[Instruction]]) -> Optional[str]:
@@ -215,8 +219,7 @@ def trip_count(ins: Instruction, comps: Dict[str, List[Instruction]]) -> Optiona
 
 def loop_body(ins: Instruction) -> str:
     """The body computation's name of a `while` instruction ("" when it names none)."""
-    body = _BODY_OF.search(ins.rest)
-    return body.group(1) if body else ""
+    return group(_BODY_OF, ins.rest)
 
 
 def while_loops(text: str) -> List[dict]:

@@ -264,29 +264,22 @@ class TpuCompiler:
         start = time.perf_counter()
         self._call("PJRT_Compile", args)
         seconds = time.perf_counter() - start
+        executable = args.executable
         try:
-            done = dict(memory=self._memory(args.executable), optimized_hlo=self._optimized(args.executable),
-                        cost=self._cost(args.executable), num_outputs=self._num_outputs(args.executable))
+            stats = _MemoryStats(0, None, executable)
+            self._call("PJRT_Executable_GetCompiledMemoryStats", stats)
+            optimized = self._optimized(executable)
+            cost = _CostAnalysis(0, None, executable, 0, None)
+            self._call("PJRT_Executable_GetCostAnalysis", cost)
+            outputs = _NumOutputs(0, None, executable, 0)
+            self._call("PJRT_Executable_NumOutputs", outputs)
             log = compile_log.compile_since(logged)
-            return CompiledProgram(**done, compile_seconds=seconds, hbm=compile_log.program_hbm(log),
+            return CompiledProgram(MemoryStats(*[getattr(stats, f"{name}_in_bytes") for name in _MEMORY_FIELDS]),
+                                   optimized, _read_named_values(cost.properties, cost.num_properties),
+                                   outputs.num_outputs, seconds, hbm=compile_log.program_hbm(log),
                                    stages=compile_log.stage_seconds(log))
         finally:
-            self._call("PJRT_Executable_Destroy", _ExecutableDestroy(0, None, args.executable))
-
-    def _memory(self, executable: int) -> MemoryStats:
-        stats = _MemoryStats(0, None, executable)
-        self._call("PJRT_Executable_GetCompiledMemoryStats", stats)
-        return MemoryStats(*[getattr(stats, f"{name}_in_bytes") for name in _MEMORY_FIELDS])
-
-    def _cost(self, executable: int) -> Dict[str, float]:
-        args = _CostAnalysis(0, None, executable, 0, None)
-        self._call("PJRT_Executable_GetCostAnalysis", args)
-        return _read_named_values(args.properties, args.num_properties)
-
-    def _num_outputs(self, executable: int) -> int:
-        args = _NumOutputs(0, None, executable, 0)
-        self._call("PJRT_Executable_NumOutputs", args)
-        return args.num_outputs
+            self._call("PJRT_Executable_Destroy", _ExecutableDestroy(0, None, executable))
 
     def _optimized(self, executable: int) -> str:
         """The TPU-optimized program as HLO text: a first call (no buffer) says the size, a second fills our buffer."""
