@@ -116,10 +116,9 @@ class _Checkpoint(torch.autograd.Function):
                 stored = [host_offload.to_host(t) if i == 0 or i >= len(inputs) else t for i, t in enumerate(stored)]
         ctx.save_for_backward(*stored)
         out_leaves, out_spec = tree_flatten(out)
-        out_holder["spec"] = out_spec
-        out_holder["leaves"] = out_leaves
-        out_holder["tensor_pos"] = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
-        return tuple(out_leaves[i] for i in out_holder["tensor_pos"])
+        out_pos = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        out_holder.update(spec=out_spec, leaves=out_leaves, tensor_pos=out_pos)
+        return tuple(out_leaves[i] for i in out_pos)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -213,10 +212,7 @@ def checkpointed_call(run: Callable, args, kwargs, module: nn.Module) -> Any:
     params = [p for p in module.parameters() if p.requires_grad]
     holder: Dict[str, Any] = {}
     outs = _Checkpoint.apply(run, spec, leaves, tensor_pos, module, holder, len(tensors), policy, *tensors, *params)
-    out_leaves = list(holder["leaves"])
-    for pos, t in zip(holder["tensor_pos"], outs):
-        out_leaves[pos] = t
-    return tree_unflatten(out_leaves, holder["spec"])
+    return _rebuild(holder["spec"], holder["leaves"], holder["tensor_pos"], outs)
 
 
 def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
@@ -226,9 +222,8 @@ def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
     before each forward, after foreign checkpoints are converted."""
     others = [u for u in units if u is not root]
     if not any(state_of(u).checkpointed for u in others) and any(given(u) for u in units):
-        raise ValueError(f"remat_policy={policy_of(next(u for u in units if given(u))).name!r} says what "
-                         "checkpointed units save, and no unit is checkpointed: turn on activation_checkpointing=True "
-                         "(xla_fsdp_grad_ckpt in a Hugging Face fsdp_config), or drop remat_policy")
+        raise _nothing_checkpointed(f"remat_policy={policy_of(next(u for u in units if given(u))).name!r} says "
+                                    "what checkpointed units save, and", "remat_policy")
     by_policy = policy_of(root).name == "fit"  # [Note: a policy per block] in memory/fit.py
     if by_policy:
         if count not in (0, None) and not is_fit(count):
@@ -259,9 +254,7 @@ def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
     checkpointed = [u for u in others if state_of(u).checkpointed]
     if count and count >= len(checkpointed):
         if not checkpointed:
-            raise ValueError(f"checkpoint_all_but_last={count}, but no unit is checkpointed: turn on "
-                             "activation_checkpointing=True (xla_fsdp_grad_ckpt in a Hugging Face "
-                             "fsdp_config), or drop checkpoint_all_but_last")
+            raise _nothing_checkpointed(f"checkpoint_all_but_last={count}, but", "checkpoint_all_but_last")
         raise ValueError(f"checkpoint_all_but_last={count} would leave none of the {len(checkpointed)} "
                          f"checkpointed units recomputing: give at most {len(checkpointed) - 1}, or turn "
                          "activation checkpointing off")
@@ -271,13 +264,17 @@ def checkpoint_all_but_last(root: nn.Module, units, count, agree=None) -> None:
             note_applied(u, None)  # for the check's report: kept by checkpoint_all_but_last
 
 
+def _nothing_checkpointed(said: str, keyword: str) -> ValueError:
+    """The error for `keyword`, which says what checkpointed units do, where no unit is checkpointed."""
+    return ValueError(f"{said} no unit is checkpointed: turn on activation_checkpointing=True (xla_fsdp_grad_ckpt in "
+                      f"a Hugging Face fsdp_config), or drop {keyword}")
+
+
 def _fitted(root: nn.Module, checkpointed, agree, by_policy: bool = False) -> int:
     """The count "fit" gives for this forward; the units are measured until it is known."""
     if not checkpointed:
         what = "remat_policy" if by_policy else "checkpoint_all_but_last"
-        raise ValueError(f"{what}=\"fit\", but no unit is checkpointed: turn on "
-                         "activation_checkpointing=True (xla_fsdp_grad_ckpt in a Hugging Face fsdp_config), "
-                         f"or drop {what}")
+        raise _nothing_checkpointed(f"{what}=\"fit\", but", what)
     state = state_of(root)
     plan = getattr(state, "fit_plan", None)
     if plan is None:

@@ -98,20 +98,16 @@ class XlaFullyShardedDataParallel(UnitMethods):
         if unknown:
             import difflib
 
-            hints = [f"{k!r} (did you mean {difflib.get_close_matches(k, DEFAULTS, 1)[0]!r}?)"
-                     if difflib.get_close_matches(k, DEFAULTS, 1) else repr(k) for k in unknown]
+            hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, DEFAULTS, 1))
+                     else repr(k) for k in unknown]
             raise TypeError(f"XlaFullyShardedDataParallel got unexpected keyword argument(s): {', '.join(hints)}")
         if isinstance(module, XlaFullyShardedDataParallel) or is_unit(module):
-            raise ValueError(
-                f"{original_class(module).__name__} is already wrapped by "
-                f"{'XlaFullyShardedDataParallel' if isinstance(module, XlaFullyShardedDataParallel) else 'fully_shard'}; "
-                "wrap each module once (auto_wrap_policy skips wrapped children)"
-            )
+            door = "XlaFullyShardedDataParallel" if isinstance(module, XlaFullyShardedDataParallel) else "fully_shard"
+            raise ValueError(f"{original_class(module).__name__} is already wrapped by {door}; wrap each module once "
+                             "(auto_wrap_policy skips wrapped children)")
         if type(module).forward is nn.Module.forward:
-            raise ValueError(
-                f"{type(module).__name__} has no forward(), so it can never gather its parameters; "
-                "wrap its children (e.g. each layer of a ModuleList) or the module that calls them"
-            )
+            raise ValueError(f"{type(module).__name__} has no forward(), so it can never gather its parameters; wrap "
+                             "its children (e.g. each layer of a ModuleList) or the module that calls them")
         retie(module)  # [Note: ties lost on the way to the device]
         if kwargs.get("engine", "collectives") == "spmd":
             return _apply_spmd(module, kwargs)
@@ -326,12 +322,11 @@ def _apply_spmd(module: nn.Module, kwargs: Dict[str, Any]) -> nn.Module:
 
     kw = resolve(kwargs)
     spmd = {k: kw[k] for k in SPMD_KEYWORDS if k in inspect.signature(apply_spmd_fsdp).parameters}
-    mesh = spmd["mesh"]
     apply_spmd_fsdp(module, **spmd)
     mix_into(module, GspmdFullyShardedDataParallel, "FSDP")
     from .runtime.mesh import resolve_mesh
 
-    module._fsdp_mesh = resolve_mesh(mesh)
+    module._fsdp_mesh = resolve_mesh(spmd["mesh"])
     return module
 
 
@@ -369,7 +364,6 @@ class GspmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
         yield
-
 
     def get_shard_metadata(self) -> dict:
         raise NotImplementedError(

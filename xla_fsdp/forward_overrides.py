@@ -27,6 +27,7 @@ from .unit_state import is_unit, state_of
 
 _XLA_CKPT = "_xla_checkpointed_forward_original"
 _XLA_CKPT_HELPER = "_xla_checkpointed_forward_no_kwargs"
+_XLA_CKPT_ATTRS = ("forward", _XLA_CKPT, _XLA_CKPT_HELPER)  # what torch_xla's checkpoint_module sets on a module
 
 
 def _is_torch_xla_patched_linear(fn) -> bool:
@@ -43,14 +44,15 @@ def _is_own_forward(fn, module: nn.Module, cls: type) -> bool:
     return getattr(fn, "__self__", None) is module and getattr(fn, "__func__", None) is cls.forward
 
 
-def _is_torch_checkpoint_wrapper(module: nn.Module) -> bool:
-    return any(c.__name__ == "CheckpointWrapper" and c.__module__.startswith("torch.distributed.algorithms")
+def _is_torch_wrapper(module: nn.Module, name: str = "CheckpointWrapper") -> bool:
+    """Whether `module` is one of torch's activation wrappers called `name` (CheckpointWrapper, ActivationWrapper)."""
+    return any(c.__name__ == name and c.__module__.startswith("torch.distributed.algorithms")
                for c in type(module).__mro__)
 
 
-def _is_torch_activation_wrapper(module: nn.Module) -> bool:
-    return any(c.__name__ == "ActivationWrapper" and c.__module__.startswith("torch.distributed.algorithms")
-               for c in type(module).__mro__)
+def _take_xla_checkpoint(module: nn.Module) -> Dict[str, object]:
+    """torch_xla's checkpoint_module attributes, taken off `module`."""
+    return {name: module.__dict__.pop(name) for name in _XLA_CKPT_ATTRS if name in module.__dict__}
 
 
 def _kind(fn) -> str:
@@ -64,10 +66,10 @@ def adopt(module: nn.Module) -> Tuple[bool, Optional[Callable], Dict[str, object
     None, the instance attributes removed, for `restore`). Raises for what cannot be made correct; then `module` is
     unchanged."""
     cls = type(module)
-    if _is_torch_checkpoint_wrapper(module):
+    if _is_torch_wrapper(module):
         inner = module._checkpoint_wrapped_module
         return True, lambda *args, **kwargs: inner(*args, **kwargs), {}
-    if _is_torch_activation_wrapper(module):
+    if _is_torch_wrapper(module, "ActivationWrapper"):
         raise ValueError(f"{cls.__name__} wraps {type(module._checkpoint_wrapped_module).__name__} to change where "
                          "its activations live; FSDP cannot make it a unit. Wrap the inner module instead")
     override = module.__dict__.get("forward")
@@ -80,9 +82,7 @@ def adopt(module: nn.Module) -> Tuple[bool, Optional[Callable], Dict[str, object
             if not _is_torch_xla_patched_linear(original):
                 raise _unknown(module, original)
             inner = original
-        removed = {name: module.__dict__.pop(name) for name in ("forward", _XLA_CKPT, _XLA_CKPT_HELPER)
-                   if name in module.__dict__}
-        return True, inner, removed
+        return True, inner, _take_xla_checkpoint(module)
     if _is_torch_xla_patched_linear(override) or _is_own_forward(override, module, cls):
         return False, override, {"forward": module.__dict__.pop("forward")}
     raise _unknown(module, override)
@@ -100,8 +100,7 @@ def take_torch_xla_checkpoint(module: nn.Module) -> Optional[Dict[str, object]]:
     if _XLA_CKPT not in module.__dict__ or "forward" not in module.__dict__:
         return None
     original = module.__dict__[_XLA_CKPT]
-    removed = {name: module.__dict__.pop(name) for name in ("forward", _XLA_CKPT, _XLA_CKPT_HELPER)
-               if name in module.__dict__}
+    removed = _take_xla_checkpoint(module)
     if not (getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is type(module).forward):
         module.__dict__["forward"] = original
     return removed
@@ -123,7 +122,7 @@ def checkpointed_inside(root: nn.Module, is_unit: Callable[[nn.Module], bool]) -
         name, m = stack.pop()
         if is_unit(m):
             continue
-        if _XLA_CKPT in m.__dict__ or _is_torch_checkpoint_wrapper(m):
+        if _XLA_CKPT in m.__dict__ or _is_torch_wrapper(m):
             found.append(f"{name} ({type(m).__name__})")
             continue
         stack.extend((f"{name}.{n}", c) for n, c in m.named_children())
@@ -141,8 +140,7 @@ def convert_checkpoint_after_wrapping(unit: nn.Module) -> bool:
     if "forward" not in unit.__dict__ or original is None or \
             getattr(original, "__func__", None) is not type(unit).forward:
         return False
-    for name in ("forward", _XLA_CKPT, _XLA_CKPT_HELPER):
-        unit.__dict__.pop(name, None)
+    _take_xla_checkpoint(unit)
     state_of(unit).checkpointed = True
     return True
 
@@ -162,7 +160,7 @@ def convert_checkpoint_wrappers_around_units(root: nn.Module) -> int:
     converted = 0
     for m in root.modules():
         inner = getattr(m, "_checkpoint_wrapped_module", None)
-        if _is_torch_checkpoint_wrapper(m) and inner is not None and is_unit(inner) \
+        if _is_torch_wrapper(m) and inner is not None and is_unit(inner) \
                 and m.__dict__.get("checkpoint_fn") is not _call_wrapped:
             m.checkpoint_fn = _call_wrapped
             state_of(inner).checkpointed = True

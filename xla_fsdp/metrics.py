@@ -5,6 +5,7 @@ parameter per token (forward + backward), attention ignored unless asked for, di
 chip's dense bf16 peak. Keeping their definition makes our numbers comparable with the published ones."""
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass
@@ -45,9 +46,7 @@ def llama_num_params(config) -> int:
     num_attention_heads * head_dim; the SwiGLU MLP has three matrices (gate, up, down); two RMSNorm weights per layer
     and a final one; the LM head is counted unless tied to the embedding (Llama 3: untied)."""
     d, inner = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    q = config.num_attention_heads * head_dim
-    kv = config.num_key_value_heads * head_dim
+    q, kv = _llama_widths(config)
     per_layer = (
         d * q + 2 * d * kv + q * d                      # q, k, v, o projections
         + 3 * d * inner                                 # gate, up, down
@@ -59,6 +58,12 @@ def llama_num_params(config) -> int:
         per_layer += 2 * inner + d
     untied_head = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * d
     return config.vocab_size * d + config.num_hidden_layers * per_layer + d + untied_head
+
+
+def _llama_widths(config):
+    """(q, kv): the widths of Llama's query (and output) projections and of its grouped key/value projections."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
 
 
 def num_params(config) -> int:
@@ -81,9 +86,7 @@ def matmul_params(config) -> int:
     if config.model_type != "llama":
         return num_params(config)
     d, inner = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    q = config.num_attention_heads * head_dim
-    kv = config.num_key_value_heads * head_dim
+    q, kv = _llama_widths(config)
     per_layer = 2 * d * q + 2 * d * kv + 3 * d * inner
     return config.num_hidden_layers * per_layer + config.vocab_size * d
 
@@ -91,10 +94,7 @@ def matmul_params(config) -> int:
 def attention_width(config) -> int:
     """heads x head_dim: the width of the QK^T and AV matmuls that 6·N leaves out (n_embd for GPT-2; Llama's grouped
     key/value heads are repeated to all query heads)."""
-    if config.model_type == "llama":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return config.num_attention_heads * head_dim
-    return config.n_embd
+    return _llama_widths(config)[0] if config.model_type == "llama" else config.n_embd
 
 
 def tokens_per_step(global_batch: int, seq_len: int) -> int:
@@ -137,13 +137,9 @@ def tpu_generation(kind: str) -> str | None:
     gen, suffix = m.group(1), m.group(2) or ""
     if gen == "4":
         return "v4"
-    if gen in ("5", "6"):
-        if suffix in ("lite", "e"):
-            return f"v{gen}e"
-        if gen == "5":
-            # "TPU v5" (no suffix) is how PJRT names v5p.
-            return "v5p"
-    return None
+    if gen in ("5", "6") and suffix in ("lite", "e"):
+        return f"v{gen}e"
+    return "v5p" if gen == "5" else None  # "TPU v5" (no suffix) is how PJRT names v5p
 
 
 @dataclass(frozen=True)
@@ -153,30 +149,24 @@ class Peak:
     source: str
 
 
-_cpu_peak_cache: Peak | None = None
-
-
+@functools.lru_cache(maxsize=None)
 def measure_cpu_matmul_peak(n: int = 1024, seconds: float = 0.5) -> Peak:
     """Measured fp32 matmul FLOPS of this host, cached per process.
 
     There is no vendor peak for "an XLA:CPU device"; a timed torch matmul loop is the best dense rate reachable on this
     host, so MFU on CPU reads as "fraction of what a plain matmul gets here". The fastest single matmul counts (not the
     mean), so a burst of load from other processes during the measurement does not lower the peak and inflate MFU."""
-    global _cpu_peak_cache
-    if _cpu_peak_cache is None:
-        import torch
-        a = torch.randn(n, n)
-        b = torch.randn(n, n)
-        a @ b  # warm-up: thread pool and allocator
-        best, iters, start = float("inf"), 0, time.perf_counter()
-        while iters < 3 or time.perf_counter() - start < seconds:
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-            iters += 1
-        _cpu_peak_cache = Peak(2.0 * n ** 3 / best,
-                               f"measured: fastest of {iters} fp32 {n}x{n} torch matmuls on this host")
-    return _cpu_peak_cache
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up: thread pool and allocator
+    best, iters, start = float("inf"), 0, time.perf_counter()
+    while iters < 3 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+        iters += 1
+    return Peak(2.0 * n ** 3 / best, f"measured: fastest of {iters} fp32 {n}x{n} torch matmuls on this host")
 
 
 def detect_peak(device_type: str, device_kind: str = "", override_tflops: float | None = None) -> Peak:

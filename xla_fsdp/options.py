@@ -117,13 +117,10 @@ class CollectiveOptions:
     token_chain: str = "all"
 
     def __post_init__(self):
-        if self.reduce_scatter_stages not in REDUCE_SCATTER_STAGES:
-            raise ValueError(f"reduce_scatter_stages={self.reduce_scatter_stages!r} is not valid; use one of "
-                             f"{REDUCE_SCATTER_STAGES}")
-        if self.all_gather_impl not in ALL_GATHER_IMPLS:
-            raise ValueError(f"all_gather_impl={self.all_gather_impl!r} is not valid; use one of {ALL_GATHER_IMPLS}")
-        if self.token_chain not in TOKEN_CHAINS:
-            raise ValueError(f"token_chain={self.token_chain!r} is not valid; use one of {TOKEN_CHAINS}")
+        for name, valid in (("reduce_scatter_stages", REDUCE_SCATTER_STAGES), ("all_gather_impl", ALL_GATHER_IMPLS),
+                            ("token_chain", TOKEN_CHAINS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not valid; use one of {valid}")
         if self.reduce_scatter_bucket_size_mb < 0:
             raise ValueError("reduce_scatter_bucket_size_mb must be >= 0 (0 means one bucket per unit)")
 

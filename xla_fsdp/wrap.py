@@ -17,13 +17,6 @@ import torch.nn as nn
 from .unit_state import is_unit
 
 
-def _class_matches(module: nn.Module, classes: Set[Union[type, str]]) -> bool:
-    for cls in type(module).__mro__:
-        if cls in classes or cls.__name__ in classes:
-            return True
-    return False
-
-
 def always_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, **_) -> bool:
     """Every module with parameters becomes a unit."""
     return True
@@ -38,14 +31,12 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_para
                                 exclude_wrap_modules: Optional[Iterable[type]] = None) -> bool:
     """Wrap a module once its not-yet-wrapped parameters reach `min_num_params`; never recurse into `force_leaf_modules`
     nor wrap `exclude_wrap_modules` (None: the defaults below, as torch_xla)."""
-    if force_leaf_modules is None:
-        force_leaf_modules = size_based_auto_wrap_policy.FORCE_LEAF_MODULES
-    if exclude_wrap_modules is None:
-        exclude_wrap_modules = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
+    skip = force_leaf_modules if recurse else exclude_wrap_modules
+    if skip is None:
+        own = size_based_auto_wrap_policy
+        skip = own.FORCE_LEAF_MODULES if recurse else own.EXCLUDE_WRAP_MODULES
     # recursing into a module below the threshold could wrap nothing: its children hold fewer parameters
-    if recurse:
-        return unwrapped_params >= min_num_params and not isinstance(module, tuple(force_leaf_modules))
-    return unwrapped_params >= min_num_params and not isinstance(module, tuple(exclude_wrap_modules))
+    return unwrapped_params >= min_num_params and not isinstance(module, tuple(skip))
 
 
 size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}
@@ -57,17 +48,14 @@ def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_par
     """Wrap every instance of the given layer classes (classes or class names, e.g. ["GPT2Block"])."""
     if recurse:
         return True
-    if isinstance(transformer_layer_cls, (str, type)):
-        transformer_layer_cls = [transformer_layer_cls]
-    return _class_matches(module, set(transformer_layer_cls))
+    classes = {transformer_layer_cls} if isinstance(transformer_layer_cls, (str, type)) else set(transformer_layer_cls)
+    return any(c in classes or c.__name__ in classes for c in type(module).__mro__)
 
 
 def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
                             lambda_fn: Callable[[nn.Module], bool]) -> bool:
     """Wrap the modules for which `lambda_fn(module)` is true."""
-    if recurse:
-        return True
-    return bool(lambda_fn(module))
+    return True if recurse else bool(lambda_fn(module))
 
 
 def transformer_policy(layer_classes) -> Callable:
