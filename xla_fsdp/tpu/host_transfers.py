@@ -121,21 +121,20 @@ def read(text: str, step_seconds: float = 0.0) -> HostTransfers:
 
 
 def _jobs(comp: List[oh.Instruction]) -> List[tuple]:
-    """A computation's moves as lane jobs: (start position, done position or -1, PCIe seconds, 0 to the host / 1 back)."""
+    """A computation's moves as lane jobs (dcn.lane_wait's), lane 0 to the host and 1 back."""
     return [(pos, done, size / PCIE_BYTES_PER_S, 0 if to_host else 1) for pos, size, to_host, done in _moves(comp)]
 
 
 def _trip_wait(body: List[oh.Instruction], events: list) -> float:
-    """What one trip of a While body waits for its moves: its moves on the lanes as the entry's are, on the body's
-    clock in its first trip."""
+    """What one trip of a While body waits for its moves, on the body's clock in its first trip."""
     names = {ins.name for ins in body}
     first = [e.start for e in events if e.trip == 0 and e.name in names]
     return dcn.lane_wait(dcn.core_clock(body, events, trip=0, offset=min(first, default=0.0)), _jobs(body))
 
 
 def summarize(text: str, spec, events: Optional[list] = None, core_seconds: float = 0.0) -> dict:
-    """`read` for the check's report, with the slice's host facts beside it; with step_time's `events`, the core's
-    wait for the PCIe lanes and the step with it ([Note: host transfers in libtpu's program])."""
+    """`read` for the check's report, with the slice's host facts; with step_time's `events`, the core's wait for the
+    PCIe lanes and the step with it ([Note: host transfers in libtpu's program])."""
     moved = read(text).as_dict()
     if events is not None:
         comps = oh.computations(text)

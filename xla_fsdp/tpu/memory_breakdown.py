@@ -156,8 +156,9 @@ def _slots(ba: bam.BufferAssignment, heap, at: Dict[str, int]) -> List[Tuple[int
     return out
 
 
-def _output_values(ba: bam.BufferAssignment, outputs, order: List[str]) -> Dict[int, int]:
-    """Output allocation -> the position its returned value (the one the entry's root reads) is made at."""
+def _output_writes(ba: bam.BufferAssignment, outputs, order: List[str]) -> Dict[int, int]:
+    """Schedule position -> bytes of the output allocations whose returned value (the one the entry's root reads) is
+    made there."""
     root = order[-1] if order else ""
     at = {name: i for i, name in enumerate(order)}
     out: Dict[int, int] = {}
@@ -165,7 +166,8 @@ def _output_values(ba: bam.BufferAssignment, outputs, order: List[str]) -> Dict[
         values = [ba.values[v] for v in a.values if ba.values[v].instruction in at]
         returned = [v for v in values if root in v.positions or v.instruction == root] or values
         if returned:
-            out[a.index] = max(at[v.instruction] for v in returned)
+            position = max(at[v.instruction] for v in returned)
+            out[position] = out.get(position, 0) + a.size
     return out
 
 
@@ -208,10 +210,7 @@ def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
     # the rest of libtpu's program figure: its code, constants and overlays
     parts["code and overlays"] = memory["libtpu_program"] - heap_bytes
     fixed = sum(parts[k] for k in ARGUMENT_KINDS + ("other inputs",)) + parts["code and overlays"]
-    written: Dict[int, int] = {}
-    sizes = {a.index: a.size for a in outputs}
-    for index, position in _output_values(ba, outputs, order).items():
-        written[position] = written.get(position, 0) + sizes[index]
+    written = _output_writes(ba, outputs, order)
     curve, made = [], 0
     for i, name in enumerate(order):
         made += written.get(i, 0)

@@ -306,12 +306,10 @@ def summarize(found: List[Collective], devices: int = 0) -> dict:
         k = by_kind.setdefault(c.kind, {"sync": 0, "async": 0, "bytes": 0, "async_bytes": 0,
                                         "async_with_matmul": 0})
         k["bytes"] += c.bytes
+        k["async" if c.asynchronous else "sync"] += 1
         if c.asynchronous:
-            k["async"] += 1
             k["async_bytes"] += c.bytes
             k["async_with_matmul"] += int(c.beside_matmuls > 0)
-        else:
-            k["sync"] += 1
     total = sum(c.bytes for c in found)
     overlapped = sum(c.bytes for c in found if c.asynchronous and c.beside_matmuls > 0)
     out = {"by_kind": by_kind, "count": len(found), "sync": sum(not c.asynchronous for c in found),

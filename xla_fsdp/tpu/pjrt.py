@@ -95,8 +95,12 @@ class Topology:
         self.name, self.options = name, dict(options)
         self._handle = handle
         self._finalizer = weakref.finalize(self, compiler._destroy_topology, handle)
-        self.platform_version = compiler._topology_version(handle)
-        self.devices: List[DeviceInfo] = compiler._topology_devices(handle)
+        version, found = _TopologyVersion(0, None, handle, None, 0), _TopologyDevices(0, None, handle, None, 0)
+        compiler._call("PJRT_TopologyDescription_PlatformVersion", version)
+        text = C.string_at(version.platform_version, version.platform_version_size)
+        self.platform_version = text.decode(errors="replace")
+        compiler._call("PJRT_TopologyDescription_GetDeviceDescriptions", found)
+        self.devices: List[DeviceInfo] = [compiler._device(d) for d in found.descriptions[:found.num_descriptions]]
 
     @property
     def handle(self) -> int:
@@ -223,23 +227,11 @@ class TpuCompiler:
     def _destroy_topology(self, handle: int) -> None:
         self._call("PJRT_TopologyDescription_Destroy", _TopologyDestroy(0, None, handle))
 
-    def _topology_version(self, handle: int) -> str:
-        args = _TopologyVersion(0, None, handle, None, 0)
-        self._call("PJRT_TopologyDescription_PlatformVersion", args)
-        return C.string_at(args.platform_version, args.platform_version_size).decode(errors="replace")
-
-    def _topology_devices(self, handle: int) -> List[DeviceInfo]:
-        args = _TopologyDevices(0, None, handle, None, 0)
-        self._call("PJRT_TopologyDescription_GetDeviceDescriptions", args)
-        return [self._device(args.descriptions[i]) for i in range(args.num_descriptions)]
-
     def _device(self, description: int) -> DeviceInfo:
         ident, process = _DeviceInt(0, None, description, 0), _DeviceInt(0, None, description, 0)
         kind, attributes = _DeviceKind(0, None, description, None, 0), _DeviceAttributes(0, None, description, 0, None)
-        self._call("PJRT_DeviceDescription_Id", ident)
-        self._call("PJRT_DeviceDescription_ProcessIndex", process)
-        self._call("PJRT_DeviceDescription_Kind", kind)
-        self._call("PJRT_DeviceDescription_Attributes", attributes)
+        for function, args in (("Id", ident), ("ProcessIndex", process), ("Kind", kind), ("Attributes", attributes)):
+            self._call("PJRT_DeviceDescription_" + function, args)
         attrs = _read_named_values(attributes.attributes, attributes.num_attributes)
         core = attrs.get("core_on_chip")
         return DeviceInfo(id=ident.value, process_index=process.value,

@@ -262,16 +262,14 @@ def _walk(text: str, name: str, comps, chip, devices: int, torus_axes: int, mxu_
             continue
         c = at.get(pos)
         if c is not None:
-            cost = collective_seconds(c, devices, chip, torus_axes)
+            cost, begin = collective_seconds(c, devices, chip, torus_axes), max(core, ici)
             if c.asynchronous:
-                begin = max(core, ici)
                 ici = finish[c.name] = begin + cost
                 asynchronous += cost
                 if events is not None:
                     issued[c.name] = Event(c.kind, c.name, core, ici, True, begin, ici)
                     events.append(issued[c.name])
             else:
-                begin = max(core, ici)
                 core = ici = begin + cost
                 sync += cost
                 if events is not None:
