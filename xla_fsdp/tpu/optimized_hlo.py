@@ -40,9 +40,9 @@ def shape_bytes(shape: str) -> List[int]:
     return out
 
 
-def group(pattern: re.Pattern, text: str) -> str:
+def group(pattern, text: str) -> str:
     """The first group of `pattern`'s first match in `text` ("" when it does not match)."""
-    m = pattern.search(text)
+    m = re.search(pattern, text)
     return m.group(1) if m else ""
 
 
@@ -173,9 +173,7 @@ def _group_size(ins: Instruction, comps: Dict[str, List[Instruction]], depth: in
 def program_devices(text: str) -> int:
     """Devices one program runs on: its replica count times its partition count (header)."""
     header = text.split("\n", 1)[0]
-    replicas = re.search(r"replica_count=(\d+)", header)
-    partitions = re.search(r"num_partitions=(\d+)", header)
-    return (int(replicas.group(1)) if replicas else 1) * (int(partitions.group(1)) if partitions else 1)
+    return int(group(r"replica_count=(\d+)", header) or 1) * int(group(r"num_partitions=(\d+)", header) or 1)
 
 
 def _is_start(ins: Instruction) -> bool:
@@ -208,8 +206,7 @@ def trip_count(ins: Instruction, comps: Dict[str, List[Instruction]]) -> Optiona
     known = _TRIP_COUNT.search(ins.rest)
     if known:
         return int(known.group(1))
-    cond = _CONDITION.search(ins.rest)
-    inner = comps.get(cond.group(1), []) if cond else []
+    inner = comps.get(group(_CONDITION, ins.rest), [])
     constants = {i.name: int(m.group(1)) for i in inner if i.opcode == "constant"
                  for m in [_CONSTANT.search(i.opcode + "(" + i.rest)] if m}
     bounds = [constants[o] for i in inner if i.opcode == "compare" and "direction=LT" in i.rest
