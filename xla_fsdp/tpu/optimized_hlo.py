@@ -176,13 +176,12 @@ def program_devices(text: str) -> int:
     return int(group(r"replica_count=(\d+)", header) or 1) * int(group(r"num_partitions=(\d+)", header) or 1)
 
 
-def _is_start(ins: Instruction) -> bool:
-    return ins.opcode.endswith("-start") or ins.name.startswith("async-collective-start") or \
-        "collective-start" in ins.name or ins.opcode == "async-start"
+def _is_start(ins: Instruction) -> bool:  # any -start, async-start included, or libtpu's async-collective-start
+    return ins.opcode.endswith("-start") or "collective-start" in ins.name
 
 
 def _is_done(ins: Instruction) -> bool:
-    return ins.opcode.endswith("-done") or "collective-done" in ins.name or ins.opcode == "async-done"
+    return ins.opcode.endswith("-done") or "collective-done" in ins.name
 
 
 def holds(ins: Instruction, comps: Dict[str, List[Instruction]], opcodes=MATMULS) -> bool:
