@@ -28,13 +28,8 @@ def trace_for_tpu(kernel: Callable, *args, static_argnums=None, static_argnames=
     import torch
     from torch_xla.experimental import custom_kernel
 
-    jax_args, tensors = [], []
-    for arg in args:
-        if torch.is_tensor(arg):
-            jax_args.append(custom_kernel.to_jax_shape_dtype_struct(arg))
-            tensors.append(arg)
-        else:
-            jax_args.append(arg)
+    tensors = [arg for arg in args if torch.is_tensor(arg)]
+    jax_args = [custom_kernel.to_jax_shape_dtype_struct(arg) if torch.is_tensor(arg) else arg for arg in args]
     key = (kernel, static_argnums, tuple(static_argnames or ()), tuple(map(repr, jax_args)),
            repr(sorted(kwargs.items())))
     if key not in _payloads:

@@ -86,11 +86,8 @@ class SliceSpec:
 
 def known_types() -> Tuple[str, ...]:
     """Every accelerator type `parse_accelerator_type` accepts, smallest first per generation."""
-    out = []
-    for generation, chip in CHIPS.items():
-        shapes = _CUBE_SHAPES if chip.megacore else _PLANE_SHAPES
-        out += [f"{generation}-{chips * 2 if chip.megacore else chips}" for chips in shapes]
-    return tuple(out)
+    return tuple(f"{generation}-{chips * 2 if chip.megacore else chips}" for generation, chip in CHIPS.items()
+                 for chips in (_CUBE_SHAPES if chip.megacore else _PLANE_SHAPES))
 
 
 def parse_accelerator_type(text: str) -> SliceSpec:
