@@ -200,6 +200,5 @@ def program_hbm(text: str) -> Optional[ProgramHbm]:
 def largest_program_hbm(text: str) -> Optional[ProgramHbm]:
     """libtpu's HBM account of the program needing the most HBM of all those compiled in `text`."""
     starts = [m.start() for m in _TOTAL.finditer(text)] + [len(text)]
-    found = [program_hbm(text[:end]) for end in starts[1:]]
-    found = [h for h in found if h is not None]
+    found = [h for end in starts[1:] if (h := program_hbm(text[:end])) is not None]
     return max(found, key=lambda h: h.total) if found else None

@@ -19,6 +19,7 @@ The parts are summed and set against libtpu's own peak; what is not attributed i
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -194,12 +195,9 @@ def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
     for start, end, size, _ in slots:
         events[start] = events.get(start, 0) + size
         events[end + 1] = events.get(end + 1, 0) - size
-    live, best, best_at, running = [], 0, 0, 0
-    for i in range(len(order)):
-        running += events.get(i, 0)
-        live.append(running)
-        if running > best:
-            best, best_at = running, i
+    live = list(itertools.accumulate(events.get(i, 0) for i in range(len(order))))  # the heap's live bytes
+    best = max([0] + live)
+    best_at = live.index(best) if best > 0 else 0
     labels = _collective_labels(order, instrs, comps)
     backward_from = _backward_from(order, instrs, comps)
     for start, end, size, v in slots:
