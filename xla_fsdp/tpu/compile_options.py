@@ -61,11 +61,8 @@ def flag_overrides(flags: Flags) -> list:
     """libtpu flags ({"xla_tpu_enable_async_collective_fusion": True} or pairs) -> the (name, "value") string
     pairs of `env_option_overrides`: libtpu parses every value from a string, bools spelled "true"/"false"."""
     pairs = flags.items() if isinstance(flags, Mapping) else flags
-    out = []
-    for name, value in pairs:
-        text = str(value).lower() if isinstance(value, bool) else str(value)
-        out.append((str(name).lstrip("-"), text))
-    return out
+    return [(str(name).lstrip("-"), str(value).lower() if isinstance(value, bool) else str(value))
+            for name, value in pairs]
 
 
 def parse_libtpu_init_args(text: str) -> list:
