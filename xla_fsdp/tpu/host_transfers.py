@@ -49,11 +49,7 @@ class HostTransfers:
 
 def _arrays(shape: str) -> List[tuple]:
     """(bytes, on the host) of each array in an HLO shape string, in order."""
-    out = []
-    for text in _ARRAY.findall(shape):
-        size = oh.shape_bytes(text)
-        out.append((size[0] if size else 0, HOST in text))
-    return out
+    return [((oh.shape_bytes(text) or [0])[0], HOST in text) for text in _ARRAY.findall(shape)]
 
 
 def _move(ins: oh.Instruction):

@@ -9,6 +9,7 @@ a reduce-scatter's input, an all-reduce's operand).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -29,15 +30,8 @@ MATMULS = ("convolution", "dot")
 
 def shape_bytes(shape: str) -> List[int]:
     """Bytes of every array in an HLO shape string (a tuple gives several)."""
-    out = []
-    for dtype, dims in _ARRAY.findall(shape):
-        if dtype not in DTYPE_BYTES:
-            continue
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        out.append(n * DTYPE_BYTES[dtype])
-    return out
+    return [math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+            for dtype, dims in _ARRAY.findall(shape) if dtype in DTYPE_BYTES]
 
 
 def group(pattern, text: str) -> str:

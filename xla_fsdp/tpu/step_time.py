@@ -22,6 +22,7 @@ blog's FSDPv1 2B on v4-8, 4.191 s): `calibrated()`.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -101,13 +102,6 @@ class StepEstimate:
                 "calibrated_seconds": self.seconds * CALIBRATION_RATIO, "calibration_ratio": CALIBRATION_RATIO}
 
 
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-
-
 def _window_taps(rest: str, lhs_labels: str, lhs: List[int]) -> int:
     """Input positions one output of a convolution reads per input feature. In each spatial dimension the window
     spans `size` positions, of which only every lhs_dilate-th is an input and at most the input's own extent are not
@@ -121,23 +115,23 @@ def _window_taps(rest: str, lhs_labels: str, lhs: List[int]) -> int:
     dilate = [int(x) for x in fields.get("lhs_dilate", "").split("x") if x] or [1] * len(sizes)
     extent = {int(label): size for label, size in zip(lhs_labels, lhs) if label.isdigit()} \
         if len(lhs_labels) == len(lhs) else {}
-    return _prod(min(-(-s // d), extent.get(i, s)) for i, (s, d) in enumerate(zip(sizes, dilate)))
+    return math.prod(min(-(-s // d), extent.get(i, s)) for i, (s, d) in enumerate(zip(sizes, dilate)))
 
 
 def _matmul_flops(ins: oh.Instruction, shapes: Dict[str, str]) -> float:
     """FLOPs of one dot or convolution (multiply-adds x 2), in bf16 passes."""
-    out = _prod(oh.dims(ins.shape))
+    out = math.prod(oh.dims(ins.shape))
     ops = operand_names(ins.rest)
     lhs = oh.dims(shapes.get(ops[0], "")) if ops else []
     if ins.opcode == "dot":
         m = _CONTRACT.search(ins.rest)
-        k = _prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (m and lhs) else 1
+        k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (m and lhs) else 1
     else:  # convolution: contracted size = the kernel's input features x the window's real taps
         rhs = oh.dims(shapes.get(ops[1], "")) if len(ops) > 1 else []
         m = _LABELS.search(ins.rest)
         k = 1
         if m and rhs and len(m.group(2)) == len(rhs):
-            k = _prod(size for label, size in zip(m.group(2), rhs) if label == "i") * \
+            k = math.prod(size for label, size in zip(m.group(2), rhs) if label == "i") * \
                 _window_taps(ins.rest, m.group(1), lhs)
     flops = 2.0 * out * k
     operand_dtype = shapes.get(ops[0], "") if ops else ""
