@@ -15,13 +15,7 @@ _SLICING = ("slice", "dynamic-slice", "gather")
 
 def _parameters(body: List[oh.Instruction]) -> Dict[int, str]:
     """A fused computation's parameters by number."""
-    params: Dict[int, str] = {}
-    for i in body:
-        if i.opcode == "parameter":
-            m = re.match(r"(\d+)\)", i.rest)
-            if m:
-                params[int(m.group(1))] = i.name
-    return params
+    return {int(m.group(1)): i.name for i in body if i.opcode == "parameter" and (m := re.match(r"(\d+)\)", i.rest))}
 
 
 def _sliced_bytes(param: str, body: List[oh.Instruction], comps, depth: int = 0) -> Optional[float]:

@@ -215,12 +215,8 @@ def loop_body(ins: Instruction) -> str:
 def while_loops(text: str) -> List[dict]:
     """The entry computation's While loops: body, trip count (None: unknown) and position."""
     comps = computations(text)
-    out = []
-    for pos, ins in enumerate(comps.get("ENTRY", [])):
-        if ins.opcode == "while":
-            out.append({"name": ins.name, "body": loop_body(ins),
-                        "trip_count": trip_count(ins, comps), "position": pos})
-    return out
+    return [{"name": ins.name, "body": loop_body(ins), "trip_count": trip_count(ins, comps), "position": pos}
+            for pos, ins in enumerate(comps.get("ENTRY", [])) if ins.opcode == "while"]
 
 
 def all_collectives(text: str) -> List[Collective]:
