@@ -153,13 +153,12 @@ def test_a_policy_holds_no_more_than_it_names_on_a_tpu():
     forward's: compiled by libtpu for v4-8, 8 such blocks under `save_qkv_proj` peak below two blocks'
     scores (with the kept q outside the barrier libtpu held all 8: 925 MiB)."""
     pytest.importorskip("libtpu", reason="the TPU compiler comes with `pip install -e .[tpu-aot]`")
-    fixture = ROOT / "tests" / "fixtures" / "aot_policy_scores.py"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FSDP_ENGINE", "XLA_FSDP_RUNTIME", "XLA_USE_SPMD")}
-    got = subprocess.run([sys.executable, "-m", "xla_fsdp.aot", "--tpu", "v4-8", "--runtime", "multi_process",
-                          "--json", "--quiet", "--", str(fixture), "save_qkv_proj"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env=dict(env, PJRT_DEVICE="CPU"))
-    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
-    report = json.loads(got.stdout)
+    from common import aot_cases as ac
+
+    got = ac.check("v4-8", [str(ROOT / "tests" / "fixtures" / "aot_policy_scores.py"), "save_qkv_proj"],
+                   runtime="multi_process", extra=["--quiet"], timeout=600)
+    report = got["report"]
+    assert got["rc"] == 0 and report is not None, got["output"]
     scores = 8 * 2048 * 2048 * 4  # one block's float32 softmax
     assert report["compiles"] and report["memory"]["peak"] < 2 * scores, report["memory"]
 
