@@ -52,6 +52,18 @@ def _loss(model, step: int):
     return model(input_ids=ids, labels=ids).loss
 
 
+def _sync() -> None:
+    """Run the pending graph and wait for it: one execution in flight per device. Two in flight (the step's and
+    the next transfer's) on 4 XLA:CPU devices over 2 cores can starve the CPU client's pool, whose threads then
+    block in one program's collectives while another device still needs a thread (../shared/notes/xla-on-cpu.md:
+    a CI run aborted on "Termination timeout" for an all-to-all and an all-reduce waited on at once)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla.sync()
+    xm.wait_device_ops()
+
+
 def run(engine: str, policy: str, scan: bool, model: str = "llama") -> dict:
     import torch_xla
 
@@ -64,11 +76,11 @@ def run(engine: str, policy: str, scan: bool, model: str = "llama") -> dict:
         if step == 0:
             grads = [p.grad for p in net.parameters() if p.grad is not None]
             out["dots"] = len(re.findall(r" dot\(", torch_xla._XLAC._get_xla_tensors_hlo(grads)))
-            torch_xla.sync()
+            _sync()
             out["grads"] = {n: p.grad.detach().cpu() for n, p in net.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
-        torch_xla.sync()
+        _sync()
         out["losses"].append(float(loss.detach()))
     out["params"] = {n: p.detach().cpu() for n, p in net.named_parameters()}
     return out
