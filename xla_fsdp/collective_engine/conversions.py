@@ -1,12 +1,13 @@
 """Global tensors <-> per-device pieces, at the boundary of the single controller's manual region.
 
-Outside the region a tensor is one global XLA tensor laid out by a partition spec on the mesh;
-inside it each device computes with its own piece ([Note: single-controller runtime] in
-manual_region.py). `to_local` / `to_global` convert without autograd; `ToLocal`, `ToGlobal` and
-`MeanOverDevices` are the differentiable forms the region and the collectives use.
+Outside the region a tensor is one global XLA tensor laid out by a partition spec on the mesh; inside it each device
+computes with its own piece ([Note: single-controller runtime] in manual_region.py). `to_local` / `to_global` convert
+without autograd; `ToLocal`, `ToGlobal` and `MeanOverDevices` are the differentiable forms the region and the
+collectives use.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -47,15 +48,11 @@ def _spec_text(mesh, spec: tuple) -> str:
 
 
 def _split_over(mesh, axes) -> int:
-    """Devices one dim of a partition spec is split over: 1 for None, else the product of the
-    named (or numbered) mesh axes' sizes."""
-    if axes is None:
-        return 1
+    """Devices one dim of a partition spec is split over: 1 for None, else the product of the named (or numbered) mesh
+    axes' sizes."""
     sizes = dict(zip(mesh.axis_names, mesh.mesh_shape)) if mesh.axis_names else {}
-    out = 1
-    for axis in (axes if isinstance(axes, tuple) else (axes,)):
-        out *= sizes[axis] if isinstance(axis, str) else mesh.mesh_shape[axis]
-    return int(out)
+    named = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+    return int(math.prod(sizes[axis] if isinstance(axis, str) else mesh.mesh_shape[axis] for axis in named))
 
 
 def to_global(t: torch.Tensor, mesh, spec: tuple, shape: torch.Size) -> torch.Tensor:

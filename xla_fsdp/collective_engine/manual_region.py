@@ -93,14 +93,10 @@ class DevicePlacement:
             return ((axes[0] if len(axes) == 1 else axes),) + (None,) * (ndim - 1)
         return (None,) * ndim
 
-    def batch_order(self) -> List[int]:
-        """Device ids in the order of the batch shards (row-major over the mesh)."""
-        return [int(d) for d in np.asarray(self.mesh.device_ids).reshape(-1)]
-
     def shard_positions(self) -> List[int]:
-        """For each batch shard, its device's position in its shard group."""
+        """For each batch shard (row-major over the mesh), its device's position in its shard group."""
         where = {d: g.index(d) for g in self.shard_groups for d in g}
-        return [where[d] for d in self.batch_order()]
+        return [where[int(d)] for d in np.asarray(self.mesh.device_ids).reshape(-1)]
 
 
 def _check_partition(groups: List[List[int]], num_devices: int) -> None:
@@ -197,8 +193,8 @@ class ManualRegion:
         return swapped
 
     def _localize_params_outside_units(self, root: nn.Module) -> List[Tuple[nn.Module, str, torch.Tensor]]:
-        """FSDP2's `ignored_params` (in no unit): each device computes with the whole replicated
-        tensor, and its gradient is the sum over devices, as for a replicated input."""
+        """FSDP2's `ignored_params` (in no unit): each device computes with the whole replicated tensor, and its gradient
+        is the sum over devices, as for a replicated input."""
         from ..unit_state import state_of, units
 
         managed = {(id(site.module), site.name) for u in units(root) for rec in state_of(u).group.params
@@ -265,8 +261,8 @@ class ManualRegion:
 # torch_xla's nor SyncBatchNorm's: the running variance would miss the spread between the devices' means). So the region
 # refuses, and says which runtime on this machine keeps torch_xla's semantics.
 def _per_replica_buffers_path() -> str:
-    """Where per-replica buffers run on this machine: one process per chip on a TPU; on CPU,
-    where one process per device hangs, only one device."""
+    """Where per-replica buffers run on this machine: one process per chip on a TPU; on CPU, where one process per
+    device hangs, only one device."""
     import torch_xla.runtime as xr
 
     if xr.device_type() == "TPU":
@@ -295,8 +291,8 @@ _STEERED: Dict[int, Callable] = {}  # id(transformers' own is_tracing) -> ours
 
 
 def steer_is_tracing() -> None:
-    """Point every loaded transformers module's `is_tracing` at one that is true inside a manual region
-    (again at wrap time: model modules load lazily)."""
+    """Point every loaded transformers module's `is_tracing` at one that is true inside a manual region (again at wrap
+    time: model modules load lazily)."""
     from transformers.utils import import_utils
 
     original = import_utils.is_tracing

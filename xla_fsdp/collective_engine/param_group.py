@@ -43,9 +43,8 @@ class _GatherParams(torch.autograd.Function):
 
 
 def _gather_flat(comm: Collectives, pieces, dtype, barrier_with) -> List[torch.Tensor]:
-    """One all-gather of the concatenated shards of `pieces` ((FSDPParam, local shard) pairs), or
-    of a lone parameter's rows in their own shape ([Note: gathering rows]): each parameter whole,
-    in `dtype` (None: its shard's). No autograd."""
+    """One all-gather of the concatenated shards of `pieces` ((FSDPParam, local shard) pairs), or of a lone parameter's
+    rows in their own shape ([Note: gathering rows]): each parameter whole, in `dtype` (None: its shard's). No autograd."""
     if len(pieces) == 1 and pieces[0][0].row_shape:  # [Note: gathering rows]
         p, shard = pieces[0]
         rows = shard.to(dtype or shard.dtype).reshape(p.shard_shape)
@@ -65,8 +64,8 @@ def _gather_flat(comm: Collectives, pieces, dtype, barrier_with) -> List[torch.T
 
 def gather_together(first: "FSDPParamGroup", second: "FSDPParamGroup",
                     barrier_with: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """Both groups' parameters in compute dtype from one collective
-    ([Note: the first gather of a step]). `first.gathers_with(second)` must hold. No autograd."""
+    """Both groups' parameters in compute dtype from one collective ([Note: the first gather of a step]).
+    `first.gathers_with(second)` must hold. No autograd."""
     dtype = first.options.mixed_precision.compute_dtype
     with torch.no_grad():
         pieces = list(zip(first.params, first.local_shards())) + list(zip(second.params, second.local_shards()))
@@ -153,14 +152,14 @@ class FSDPParamGroup:
 
     # -- gather -------------------------------------------------------------
     def local_shards(self, grad: bool = False) -> List[torch.Tensor]:
-        """Each parameter's shard on this device (inside the single-controller
-        runtime's region, this device's piece of the global parameter)."""
+        """Each parameter's shard on this device (inside the single-controller runtime's region, this device's piece of
+        the global parameter)."""
         return [self.comm.local_view(p.sharded, "param", grad) for p in self.params]
 
     def gather(self, barrier_with: Sequence[torch.Tensor] = (), full_precision: bool = False,
                shards: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
-        """All-gather every parameter of the unit in compute dtype, or in the shards'
-        dtype with `full_precision` (for saving). No autograd."""
+        """All-gather every parameter of the unit in compute dtype, or in the shards' dtype with `full_precision` (for
+        saving). No autograd."""
         dtype = None if full_precision else self.options.mixed_precision.compute_dtype
         out: List[Optional[torch.Tensor]] = [None] * len(self.params)
         with torch.no_grad():
@@ -176,18 +175,16 @@ class FSDPParamGroup:
         return len(self.gather_buckets) == 1 and len(self.gather_buckets[0]) > 1
 
     def gathers_with(self, other: "FSDPParamGroup") -> bool:
-        """Whether `gather_together` can serve both groups with one collective: each group
-        gathers as one flat bucket (so joining them copies nothing more), alike."""
+        """Whether `gather_together` can serve both groups with one collective: each gathers as one flat bucket (so
+        joining them copies nothing more), alike."""
         a, b = self.comm, other.comm
         return bool(self._one_flat_bucket() and other._one_flat_bucket() and a.is_xla and type(a) is type(b)
                 and a.layout.shard_groups == b.layout.shard_groups and a.device == b.device
                 and self.options.mixed_precision.compute_dtype == other.options.mixed_precision.compute_dtype)
 
     def full_params(self) -> List[torch.Tensor]:
-        """Every parameter of the unit, whole and in its own dtype, for saving or inspection.
-
-        The single-controller runtime holds each parameter as one global tensor already, so nothing is gathered there.
-        """
+        """Every parameter of the unit, whole and in its own dtype, for saving or inspection (the single controller holds
+        each as one global tensor already: nothing is gathered there)."""
         if self.comm.is_single_controller:
             with torch.no_grad():
                 return [p.unpad(p.sharded.detach()) for p in self.params]
@@ -195,8 +192,8 @@ class FSDPParamGroup:
 
     def gather_for_forward(self, barrier_with: Sequence[torch.Tensor],
                            gathered: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
-        """Full parameters wired into autograd, so their gradients flow back to the shards;
-        `gathered`: the output of an earlier `gather` to wire instead of gathering again."""
+        """Full parameters wired into autograd, so their gradients flow back to the shards; `gathered`: the output of an
+        earlier `gather` to wire instead of gathering again."""
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in self.params):
             return gathered if gathered is not None else self.gather(barrier_with)
         return list(_GatherParams.apply(self, tuple(barrier_with), gathered, *self.local_shards(grad=True)))
@@ -222,14 +219,9 @@ class FSDPParamGroup:
             return flat
         pending = self._slice_reduced()
         losses, self.comm._step_losses = getattr(self.comm, "_step_losses", []), []
-        if self.ends_backward:  # the step's last reduction: the next step starts afresh
-            older = list(pending)
-            pending.clear()
-        elif len(pending) > self.SLICE_LAG:
-            older = pending[:-self.SLICE_LAG]
-            del pending[:-self.SLICE_LAG]
-        else:
-            older = []
+        lag = 0 if self.ends_backward else self.SLICE_LAG  # the step's last reduction: the next step starts afresh
+        older = pending[:max(0, len(pending) - lag)]
+        del pending[:len(older)]
         return self.comm.optimization_barrier([flat, *older, *losses])[0] if older or losses else flat
 
     def hold_step_loss(self, out) -> None:
@@ -244,8 +236,8 @@ class FSDPParamGroup:
                                       and t.dim() == 0 and t.is_floating_point()]
 
     def reduce_grads(self, full_grads: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """Full gradients -> shard gradients summed over every rank holding a replica of
-        the shard, scaled so the result is the gradient of the global loss."""
+        """Full gradients -> shard gradients summed over every rank holding a replica of the shard, scaled so the result
+        is the gradient of the global loss."""
         scale = self.comm.grad_scale(self.across_replicas) * self.grad_factor
         rdtype = self.options.mixed_precision.reduce_dtype
         out: List[Optional[torch.Tensor]] = [None] * len(self.params)

@@ -55,14 +55,9 @@ TILE = 8 * LANES  # elements of one (8, 128) tile: a 1-D array of a multiple of 
 
 
 def ring_axes(shape: Sequence[int]) -> List[Tuple[int, int, int]]:
-    """(mesh dim, devices along it, device-id stride) per ring of a torus `shape` (X, Y, Z),
-    slowest axis first; axes of length 1 have none."""
-    out = []
-    for axis in (2, 1, 0):
-        size = shape[axis]
-        if size > 1:
-            out.append((2 - axis, size, math.prod(shape[:axis])))
-    return out
+    """(mesh dim, devices along it, device-id stride) per ring of a torus `shape` (X, Y, Z), slowest axis first; axes of
+    length 1 have none."""
+    return [(2 - axis, shape[axis], math.prod(shape[:axis])) for axis in (2, 1, 0) if shape[axis] > 1]
 
 
 def _orders(shape: Sequence[int], axes, per_ring) -> np.ndarray:
@@ -73,15 +68,15 @@ def _orders(shape: Sequence[int], axes, per_ring) -> np.ndarray:
 
 
 def chunk_orders(shape: Sequence[int]) -> np.ndarray:
-    """Per device and ring, the order in which it adds its chunks. At ring position p: chunk
-    p-1 first, then p-2, ..., its own chunk p last."""
+    """Per device and ring, the order in which it adds its chunks. At ring position p: chunk p-1 first, then p-2, ...,
+    its own chunk p last."""
     return _orders(shape, ring_axes(shape), lambda p, k: [(p - 1 - s) % k for s in range(k)])
 
 
 def gather_orders(shape: Sequence[int]) -> np.ndarray:
-    """Per device and ring (fastest axis first, the order the all-gather walks them), where chunk
-    c sits among what it received: at ring position p, after s steps it holds its
-    predecessor-by-s's chunk p-s, so chunk c arrived at step p-c."""
+    """Per device and ring (fastest axis first, the order the all-gather walks them), where chunk c sits among what it
+    received: at ring position p, after s steps it holds its predecessor-by-s's chunk p-s, so chunk c arrived at step
+    p-c."""
     return _orders(shape, list(reversed(ring_axes(shape))), lambda p, k: [(p - c) % k for c in range(k)])
 
 
@@ -118,14 +113,13 @@ class TorusRings:
         return ring_axes(self.shape)
 
     def orders(self) -> np.ndarray:
-        """Each device's row: its reduce-scatter chunk orders, then its all-gather ones (every
-        slice's devices alike)."""
+        """Each device's row: its reduce-scatter chunk orders, then its all-gather ones (every slice's devices alike)."""
         one = np.concatenate([chunk_orders(self.shape), gather_orders(self.shape)], axis=1)
         return np.tile(one, (self.slices, 1))
 
     def _rotate(self, held: torch.Tensor, dim: int, step) -> torch.Tensor:
-        """Each device's `held` ([rows, LANES], or a shard of rows in its own shape) -> the one held
-        by its predecessor along mesh dim `dim` (of the torus); `step`: _summing_step or _gathering_step."""
+        """Each device's `held` ([rows, LANES], or a shard of rows in its own shape) -> the one held by its predecessor
+        along mesh dim `dim` (of the torus); `step`: _summing_step or _gathering_step."""
         shape = held.shape
         if len(self._axes) + held.dim() > 5:  # torch_xla's limit: the rows travel flat
             held = held.reshape(-1)
@@ -138,8 +132,8 @@ class TorusRings:
         return to_local(turned, self.mesh, spec).view(shape)
 
     def reduce_scatter(self, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """`flat` (1-D, a multiple of the device count) -> this device's chunk, summed over
-        every device. `order`: this device's row of `orders()` (data, any shape)."""
+        """`flat` (1-D, a multiple of the device count) -> this device's chunk, summed over every device. `order`:
+        this device's row of `orders()` (data, any shape)."""
         order = order.reshape(-1)
         chunk = flat.numel() // self.devices
         padded = _padded(chunk)
@@ -155,17 +149,16 @@ class TorusRings:
         return out if padded == chunk else out[:chunk]
 
     def all_gather(self, shard: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """This device's `shard` (1-D) -> every device's, concatenated in device-id order (the
-        reduce-scatter run backwards: fastest axis first). `order`: as for reduce_scatter."""
+        """This device's `shard` (1-D) -> every device's, concatenated in device-id order (the reduce-scatter run
+        backwards: fastest axis first). `order`: as for reduce_scatter."""
         chunk = shard.numel()
         padded = _padded(chunk)
         out = self.all_gather_rows(_pad_chunks(shard, 1, chunk, padded).view(-1, LANES), order).reshape(-1)
         return out if padded == chunk else torch.cat([out.narrow(0, d * padded, chunk) for d in range(self.devices)])
 
     def all_gather_rows(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """This device's shard of rows ([rows, ...]) -> every device's, stacked along dim 0 in
-        device-id order, each step's buffers in the shard's own shape ([Note: ring gathers in
-        the shard's shape]). `order`: as for reduce_scatter."""
+        """This device's shard of rows ([rows, ...]) -> every device's, stacked along dim 0 in device-id order, each
+        step's buffers in the shard's own shape ([Note: ring gathers in the shard's shape]). `order`: as above."""
         order = order.reshape(-1)
         out = rows
         start = sum(k for _, k, _ in self.axes())
@@ -193,8 +186,7 @@ def _gathering_step(parts, dim: int) -> torch.Tensor:
 
 
 def _pick(chunks: torch.Tensor, order: torch.Tensor, at: int) -> torch.Tensor:
-    """chunks[order[at]]: one slab of [k, rows, LANES] chosen by data, as a one-index gather
-    ([Note: ring reduce-scatter] says why not one gather of all k)."""
+    """chunks[order[at]]: one slab of [k, rows, LANES] chosen by data, a one-index gather ([Note: ring reduce-scatter])."""
     return chunks.index_select(0, order.narrow(0, at, 1)).view(chunks.shape[1:])
 
 
@@ -209,12 +201,9 @@ def _padded(chunk: int) -> int:
 
 
 def _pad_chunks(flat: torch.Tensor, count: int, chunk: int, padded: int) -> torch.Tensor:
-    """1-D `flat` of `count` chunks -> each zero-padded to `padded`, still 1-D: a [count, chunk]
-    view would be a copy into another tiling, which libtpu compiles slowly for large buffers."""
+    """1-D `flat` of `count` chunks -> each zero-padded to `padded`, still 1-D: a [count, chunk] view would be a copy
+    into another tiling, which libtpu compiles slowly for large buffers."""
     if padded == chunk:
         return flat
     zeros = flat.new_zeros(padded - chunk)
-    pieces = []
-    for d in range(count):
-        pieces += [flat.narrow(0, d * chunk, chunk), zeros]
-    return torch.cat(pieces)
+    return torch.cat([piece for d in range(count) for piece in (flat.narrow(0, d * chunk, chunk), zeros)])

@@ -46,8 +46,8 @@ from ..unit_state import state_of, units
 
 
 class _Span:
-    """A unit of several modules between its first module's forward and its last's: the gathered
-    parameters stay registered ([Note: a unit of several modules])."""
+    """A unit of several modules between its first module's forward and its last's: the gathered parameters stay
+    registered ([Note: a unit of several modules])."""
 
     __slots__ = ("full", "reshard", "grad", "waiting")
 
@@ -99,18 +99,15 @@ class FSDPState:
     # -- properties --------------------------------------------------------
     @property
     def _reshards_after_forward(self) -> bool:
-        if self.options.strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
-            return False
-        if self.is_root and self.options.reshard.disable_reshard_on_root:
-            return False
-        if is_recomputing():  # the backward of this recomputation follows at once
-            return False
-        return self.options.reshard.reshard_after_forward
+        # not while recomputing: the backward of the recomputation follows at once
+        return (self.options.strategy not in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
+                and not (self.is_root and self.options.reshard.disable_reshard_on_root)
+                and not is_recomputing() and self.options.reshard.reshard_after_forward)
 
     # -- unshard() / reshard() ---------------------------------------------
     def unshard(self) -> None:
-        """Register every parameter of the unit whole until `reshard`: in its own dtype, or (FSDP2's
-        unshard) in the compute dtype, as the forward would gather it."""
+        """Register every parameter of the unit whole until `reshard`: in its own dtype, or (FSDP2's unshard) in the
+        compute dtype, as the forward would gather it."""
         if self.unsharded is not None:
             return
         full = self.group.full_params()
@@ -285,8 +282,8 @@ class FSDPState:
 
     # -- prefetch -------------------------------------------------------------
     def _next_to_prefetch(self) -> Optional["FSDPState"]:
-        """The unit whose gather this unit starts, tied to its own input, so that it runs while
-        this unit computes; None when prefetch is off or there is nothing to start."""
+        """The unit whose gather this unit starts, tied to its own input, so that it runs while this unit computes; None
+        when prefetch is off or there is nothing to start."""
         nxt = self.next_forward
         if (nxt is None or not self.options.prefetch.forward or is_recomputing()
                 or nxt._prefetched is not None or nxt.unsharded is not None or nxt._span is not None):
@@ -313,10 +310,8 @@ class FSDPState:
         if not (self.group.comm.is_xla and self.options.collectives.optimization_barrier_in_forward):
             return ()
         leaves, _ = tree_flatten((args, kwargs))
-        for x in leaves:
-            if isinstance(x, torch.Tensor) and x.device == self.group.comm.device:
-                return (x.detach(),)
-        return ()
+        x = next((x for x in leaves if isinstance(x, torch.Tensor) and x.device == self.group.comm.device), None)
+        return () if x is None else (x.detach(),)
 
     def _release(self, full: List[torch.Tensor]) -> None:
         if not self.group.comm.is_xla:
@@ -326,10 +321,9 @@ class FSDPState:
 
     # -- backward ----------------------------------------------------------
     def _register_pre_backward(self, out) -> None:
-        leaves, _ = tree_flatten(out)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-        for t in tensors:
-            t.register_hook(self._pre_backward)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward)
 
     def _pre_backward(self, grad: torch.Tensor):
         if self.is_root and self.training_state != TrainingState.PRE_BACKWARD:
@@ -345,8 +339,8 @@ class FSDPState:
         return grad
 
     def _prefetch_next_backward(self, barrier) -> None:
-        """Gather the unit whose backward comes next (or the units named by
-        `backward_prefetch_targets`), tied to `barrier`: it runs during this unit's backward."""
+        """Gather the unit whose backward comes next (or the units named by `backward_prefetch_targets`), tied to
+        `barrier`: it runs during this unit's backward."""
         targets = self.backward_prefetch_targets
         for nxt in targets if targets is not None else [self.next_backward]:
             if nxt is not None and nxt._full_for_backward is None and nxt._reshards_after_forward \

@@ -49,8 +49,8 @@ def parse(text: str) -> Tuple[int, ...]:
 
 
 def from_coordinates(coords: Sequence[Sequence[int]]) -> Optional[Tuple[int, ...]]:
-    """The slice's shape when device i sits at coordinates (x, y, z) with i = x + X*(y + Y*z),
-    one device per chip; None for any other numbering (e.g. two cores per chip)."""
+    """The slice's shape when device i sits at coordinates (x, y, z) with i = x + X*(y + Y*z), one device per chip; None
+    for any other numbering (e.g. two cores per chip)."""
     if not coords or any(len(c) != len(coords[0]) for c in coords):
         return None
     shape = tuple(max(c[a] for c in coords) + 1 for a in range(len(coords[0])))
@@ -101,8 +101,8 @@ def three_axes(shape: Optional[Tuple[int, ...]]) -> bool:
 
 
 def stages(group: Sequence[int], shape: Optional[Tuple[int, ...]], mode: str = "auto") -> List[Stage]:
-    """The reduce-scatter stages for one shard group holding every device, or [] for one flat
-    reduce-scatter. Each stage lists its replica groups (device ids in rank order)."""
+    """The reduce-scatter stages for one shard group holding every device, or [] for one flat reduce-scatter. Each stage
+    lists its replica groups (device ids in rank order)."""
     from ..options import REDUCE_SCATTER_STAGES  # options loads torch; the check's own process reads ENV only
 
     if mode not in REDUCE_SCATTER_STAGES:
@@ -112,11 +112,7 @@ def stages(group: Sequence[int], shape: Optional[Tuple[int, ...]], mode: str = "
     n = math.prod(shape)
     if list(group) != list(range(n)):
         return []
-    out: List[Stage] = []
-    for axis in reversed(range(len(shape))):  # the slowest-varying axis first
-        size, step = shape[axis], math.prod(shape[:axis])  # device id = x + X*(y + Y*z)
-        if size > 1:
-            groups = [[base + k * step for k in range(size)]
-                      for base in range(n) if (base // step) % size == 0]
-            out.append((groups, size))
-    return out
+    # the slowest-varying axis first; device id = x + X*(y + Y*z)
+    axes = [(shape[axis], math.prod(shape[:axis])) for axis in reversed(range(len(shape)))]
+    return [([[base + k * step for k in range(size)] for base in range(n) if (base // step) % size == 0], size)
+            for size, step in axes if size > 1]
