@@ -161,8 +161,7 @@ def build_group(modules, comm: Collectives, options: FSDPOptions,
     already sharded by another unit (a tied weight split across units) is an error."""
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     module = roots[0]
-    by_id: Dict[int, List] = {}
-    order: List[int] = []
+    by_id: Dict[int, List] = {}  # in first-seen order
     for m, name, p, fqn in (entry for root in roots for entry in owned_params(root, ignored)):
         consumed = _consumed_params.get(id(p))
         if consumed is not None and consumed[0]() is p:
@@ -174,13 +173,10 @@ def build_group(modules, comm: Collectives, options: FSDPOptions,
                 "sharded in its own FSDP unit; tied weights must stay in one unit: wrap their common "
                 "parent instead (auto-wrap policies do this for you)"
             )
-        if id(p) not in by_id:
-            by_id[id(p)] = [p, []]
-            order.append(id(p))
-        by_id[id(p)][1].append(ParamSite(m, name, fqn))
+        by_id.setdefault(id(p), [p, []])[1].append(ParamSite(m, name, fqn))
     params = []
-    dropped = [weakref.ref(by_id[pid][0]) for pid in order]
-    for pid in order:
+    dropped = [weakref.ref(p) for p, _ in by_id.values()]
+    for pid in list(by_id):
         # popped, so each full tensor is freed as soon as its shard is registered in its place
         p, sites = by_id.pop(pid)
         rec = FSDPParam(p, sites, comm, param_cls, keep_meta)

@@ -46,9 +46,9 @@ SHARD_METADATA_FORMAT = "xla_fsdp.shard_metadata/1"
 # -- the one load check -----------------------------------------------------------------------
 def check_load(what: str, got: Mapping[str, Sequence[int]], want: Mapping[str, Sequence[Sequence[int]]],
                keys: bool = True) -> None:
-    """Refuse loading `got` (key -> shape) into a model expecting `want` (key -> accepted shapes,
-    the first the one to name): every missing and unexpected key (with `keys`) and every shape
-    that differs, in one ValueError that ends "Nothing was loaded."."""
+    """Refuse loading `got` (key -> shape) into a model expecting `want` (key -> accepted shapes, the first the one to
+    name): every missing and unexpected key (with `keys`) and every shape that differs, in one ValueError that ends
+    "Nothing was loaded."."""
     parts = []
     if keys:
         missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
@@ -73,8 +73,8 @@ def _drops_child_name(module: nn.Module, child: str) -> bool:
 
 
 def _walk(module: nn.Module, tree: str, key: str) -> Iterator[Tuple[nn.Module, str, str]]:
-    """(module, tree prefix, state-dict prefix) for `module` and everything under it (shared ones
-    as often as they occur, like `named_parameters(remove_duplicate=False)`)."""
+    """(module, tree prefix, state-dict prefix) for `module` and everything under it (shared ones as often as they
+    occur, like `named_parameters(remove_duplicate=False)`)."""
     yield module, tree, key
     for name, child in module._modules.items():
         if child is not None:
@@ -101,8 +101,8 @@ def key_of(table: Dict[str, str], tree_name: str) -> str:
 
 
 def buffers(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.Tensor]:
-    """The buffers by state-dict key: those `model.state_dict()` holds, or with `persistent_only=False`
-    those of `model.named_buffers()` (non-persistent ones too, a shared one once), renamed to keys."""
+    """The buffers by state-dict key: those `model.state_dict()` holds, or with `persistent_only=False` those of
+    `model.named_buffers()` (non-persistent ones too, a shared one once), renamed to keys."""
     if not persistent_only:
         table = names(model)
         return {key_of(table, name): b for name, b in model.named_buffers()}
@@ -111,21 +111,18 @@ def buffers(model: nn.Module, persistent_only: bool = True) -> Dict[str, torch.T
 
 
 def check_against_state_dict(model: nn.Module, keys: Iterable[str], what: str) -> list:
-    """`model.state_dict()`'s keys, in order, after checking that `keys` are exactly those; an error
-    naming every key that one side has and the other lacks (nothing is dropped silently)."""
+    """`model.state_dict()`'s keys, in order, after checking that `keys` are exactly those; an error naming every key
+    that one side has and the other lacks (nothing is dropped silently)."""
     with stored_keys.stored_keys():  # stacked parameters as the model holds them (scan_layers)
         order = list(model.state_dict().keys())
     have = set(keys)
     missing = [k for k in order if k not in have]
     extra = sorted(have - set(order))
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"model.state_dict() has {missing} which {what} cannot produce (neither a sharded "
-                         "parameter nor a buffer; e.g. extra state or a key added by a state_dict hook)")
-        if extra:
-            parts.append(f"{what} has {extra} which model.state_dict() lacks (a wrapper renames keys in a way "
-                         "xla_fsdp does not know)")
+    parts = ([f"model.state_dict() has {missing} which {what} cannot produce (neither a sharded parameter nor a "
+              "buffer; e.g. extra state or a key added by a state_dict hook)"] if missing else [])
+    parts += [f"{what} has {extra} which model.state_dict() lacks (a wrapper renames keys in a way xla_fsdp does "
+              "not know)"] if extra else []
+    if parts:
         raise ValueError(f"{what}: keys do not match the model's state_dict(): {'; '.join(parts)}")
     return order
 
@@ -136,22 +133,19 @@ def unit_states(model: nn.Module) -> list:
 
 
 def site_keys(model: nn.Module, rec, table: Dict[str, str], where: Dict[int, str]) -> list:
-    """The state-dict keys of a record's sites ([Note: state-dict keys]); `where` is id(module) ->
-    its tree name in `model` (`module_names`)."""
+    """The state-dict keys of a record's sites ([Note: state-dict keys]); `where`: `module_names(model)`."""
     return [key_of(table, (where[id(site.module)] + "." if where[id(site.module)] else "") + site.name)
             for site in rec.sites]
 
 
 def module_names(model: nn.Module) -> Dict[int, str]:
-    out: Dict[int, str] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        out.setdefault(id(m), name)
-    return out
+    """id(module) -> its first tree name in `model`."""
+    return {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
 
 
 def records(model: nn.Module):
-    """(state-dict keys, record, group) for every sharded parameter in the model, the keys checked
-    against `model.state_dict()`'s."""
+    """(state-dict keys, record, group) for every sharded parameter in the model, the keys checked against
+    `model.state_dict()`'s."""
     table, where = names(model), module_names(model)
     out = [(site_keys(model, rec, table, where), rec, state.group) for state in unit_states(model)
            for rec in state.group.params]
@@ -199,8 +193,8 @@ def is_padded(rec: FSDPParam) -> bool:
 
 
 def register(group) -> None:
-    """Hooks for every parameter of `group` (single-controller runtime) that has padding rows, and
-    for the optimizers that will hold them ([Note: optimizer state of the single controller])."""
+    """Hooks for every parameter of `group` (single-controller runtime) that has padding rows, and for the optimizers
+    that will hold them ([Note: optimizer state of the single controller])."""
     by_module: Dict[int, tuple] = {}
     padded = [rec for rec in group.params if is_padded(rec)]
     for rec in padded:
@@ -215,10 +209,10 @@ def register(group) -> None:
 
 # -- one process per device: what each rank's state_dict() holds ----------------------------------
 def shard_metadata(root: nn.Module) -> Dict[str, Any]:
-    """`model.get_shard_metadata()`: the record torch_xla's FSDP scripts save next to each rank's
-    `state_dict()`, read back by `xla_fsdp.consolidate_sharded_model_checkpoints`. Its keys are the
-    unwrapped model's (not torch_xla's `_fsdp_shard` names), so torch_xla's own consolidation
-    fails on these files (no "flatten_info") instead of returning shards as whole parameters."""
+    """`model.get_shard_metadata()`: the record torch_xla's FSDP scripts save next to each rank's `state_dict()`, read
+    back by `xla_fsdp.consolidate_sharded_model_checkpoints`. Its keys are the unwrapped model's (not torch_xla's
+    `_fsdp_shard` names), so torch_xla's own consolidation fails on these files (no "flatten_info") instead of
+    returning shards as whole parameters."""
     comm = state_of(root).group.comm
     layout = comm.layout
     single = comm.is_single_controller
