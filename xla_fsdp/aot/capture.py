@@ -53,11 +53,7 @@ def install() -> None:
     spec = _spec()
     _State.out, _State.steps = spec["out"], int(spec.get("steps", 2))
     _State.original_sync = torch_xla.sync
-
-    def cut_instead(*args, **kwargs):
-        cut()
-
-    torch_xla.sync = xm.mark_step = cut_instead
+    torch_xla.sync = xm.mark_step = lambda *args, **kwargs: cut()
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_note_step)  # every optimizer's step, whoever built it

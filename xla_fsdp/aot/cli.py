@@ -64,10 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def split_command(argv: List[str]):
     """(our flags, the job's command): everything after the first `--` is the job's."""
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
+    i = argv.index("--") if "--" in argv else len(argv)
+    return argv[:i], argv[i + 1:]
 
 
 def _load_compiler():
@@ -299,17 +297,14 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     result = rep.check_program(text, spec, compiler, flags, say=say, calls=calls, started_with=bool(own),
                                tensors=_read_json(os.path.join(workdir, TENSORS)), keep_in=workdir,
                                with_curve=bool(opts.timeline))
-    result["trace_seconds"] = round(traced_s, 1)
-    result["allocator"] = allocator.in_use()  # [Note: libtpu's compile and the host's malloc]
-    fitted = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls)
-    traced_in = workdir
-    if fitted is not None:
-        text, result, traced_in = fitted
+    # [Note: libtpu's compile and the host's malloc]: the allocator
+    result.update(trace_seconds=round(traced_s, 1), allocator=allocator.in_use())
+    text, result, traced_in = _fit_again(result, job, spec, compiler, flags, workdir, opts, say, calls) or \
+        (text, result, workdir)
     recompute = _read_json(os.path.join(traced_in, RECOMPUTE))
     if recompute is not None:  # [Note: recomputation policies]: what the reported step's blocks saved
         result["recompute"] = recompute
-    result["runtime"] = job.runtime
-    result["script"] = job.script
+    result.update(runtime=job.runtime, script=job.script)
     if _rings_to_retry(result, text, job, spec, opts):
         result["without_rings"] = _without_rings(job, spec, compiler, workdir, opts, say)
     if opts.dump:

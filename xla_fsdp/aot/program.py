@@ -35,10 +35,8 @@ def place_parameter_shardings(text: str) -> str:
     lines = text.splitlines()
     body = entry_lines(text)
     wanted: Dict[str, str] = {}
-    for i in body:
-        m = _SHARDING_CALL.search(lines[i])
-        if m:
-            wanted.setdefault(m.group(1), m.group(2))
+    for m in filter(None, (_SHARDING_CALL.search(lines[i]) for i in body)):
+        wanted.setdefault(m.group(1), m.group(2))
     for i in body:
         m = _PARAM.match(lines[i])
         if not m or "sharding=" in m.group(4):
@@ -70,13 +68,8 @@ def _source(line: str) -> str:
 
 def collective_sites(text: str) -> List[CollectiveSite]:
     """Every collective in the traced module, in program order."""
-    out = []
-    for line in text.splitlines():
-        m = _COLLECTIVE.match(line)
-        if m:
-            out.append(CollectiveSite(m.group(1), m.group(3), "constrain_layout=true" in m.group(4),
-                                      _source(line)))
-    return out
+    return [CollectiveSite(m.group(1), m.group(3), "constrain_layout=true" in m.group(4), _source(line))
+            for line in text.splitlines() if (m := _COLLECTIVE.match(line))]
 
 
 def layout_mix(text: str, calls: Sequence[dict] = ()) -> Optional[str]:

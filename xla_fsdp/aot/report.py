@@ -42,22 +42,15 @@ def is_spmd(text: str) -> bool:
 def per_replica_argument_bytes(text: str) -> int:
     """Bytes of the entry parameters of a per-replica program (what each chip is handed)."""
     lines = text.splitlines()
-    total = 0
-    for i in prog.entry_lines(text):
-        if " parameter(" in lines[i]:
-            shape = lines[i].split(" = ", 1)[1].split(" parameter(", 1)[0]
-            total += sum(optimized_hlo.shape_bytes(shape))
-    return total
+    return sum(sum(optimized_hlo.shape_bytes(lines[i].split(" = ", 1)[1].split(" parameter(", 1)[0]))
+               for i in prog.entry_lines(text) if " parameter(" in lines[i])
 
 
 def _diagnose(message: str, text: str, calls=()) -> str:
     """What in the job caused a compile error, where we can tell."""
-    if "mix of layout constrained and unconstrained" in message:
-        mix = prog.layout_mix(text, calls)
-        if mix:
-            return mix
-    start_up = _start_up_only(message)
-    if start_up:
+    if "mix of layout constrained and unconstrained" in message and (mix := prog.layout_mix(text, calls)):
+        return mix
+    if start_up := _start_up_only(message):
         return (f"{start_up} is read when libtpu starts, not per compile: put it in LIBTPU_INIT_ARGS and "
                 "give the compile flags with --libtpu-flags (the check compiles with those)")
     if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message:
@@ -130,9 +123,8 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     say(f"xla_fsdp.aot: compiling the step for {spec.name} with libtpu ({'one SPMD program over' if spmd else 'one program per chip,'} "
         f"{spec.job_chips} chips)")
     started = time.time()
-    flags = co.parse_libtpu_init_args(libtpu_flags)
     dumps = tempfile.mkdtemp(prefix="xla_fsdp_aot_libtpu_dump_")  # [Note: libtpu's buffer assignment]: its dumps
-    flags = flags + [(DUMP_FLAG, dumps)]
+    flags = co.parse_libtpu_init_args(libtpu_flags) + [(DUMP_FLAG, dumps)]
     try:
         compiled, message, start_up = _compile(text, spec, compiler, flags, spmd, started_with)
         dumped = buffer_assignment.find(dumps) if compiled is not None else None
@@ -273,8 +265,8 @@ def _render_one(r: dict) -> str:
     else:
         lines.append("HBM per chip (PJRT's compiled-memory statistics; libtpu wrote no log to read, so "
                      "looping programs may be overstated):")
-        for key in ("arguments", "outputs", "aliased", "temporaries", "generated_code"):
-            lines.append(f"  {key:<15}{_gib(m[key]):>12}")
+        lines += [f"  {key:<15}{_gib(m[key]):>12}"
+                  for key in ("arguments", "outputs", "aliased", "temporaries", "generated_code")]
     lines.append(f"  {'needs':<15}{_gib(m['peak']):>12}   of {_gib(usable)} usable per chip "
                  f"({100 * m['peak'] / usable:.0f}%)")
     lines += _render_breakdown(m.get("breakdown"), m.get("libtpu_fragmentation"))
@@ -365,9 +357,8 @@ def _render_breakdown(b: Optional[dict], libtpu_fragmentation: Optional[int] = N
         return []
     lines = [f"  the peak by what it holds (libtpu's buffer assignment; the heap at its fullest at "
              f"{b['peak_instruction']}, {_gib(b['live_peak'])} live):"]
-    for name, size in b["parts"].items():
-        if size:
-            lines.append(f"    {name:<22}{_gib(size):>12}   {_share(size, b['peak'])}")
+    lines += [f"    {name:<22}{_gib(size):>12}   {_share(size, b['peak'])}"
+              for name, size in b["parts"].items() if size]
     note = "" if b.get("arguments_by_kind") else " (arguments not told apart: the job's tensors were not listed)"
     lines.append(f"    {'sum':<22}{_gib(b['sum']):>12}   of the peak {_gib(b['peak'])}{note}")
     ours = b["parts"].get("heap fragmentation", 0)

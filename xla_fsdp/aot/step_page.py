@@ -16,6 +16,7 @@ No script, no network: SVG and HTML only, readable from disk and in a test.
 """
 from __future__ import annotations
 
+import collections
 import html
 import os
 from typing import Dict, List, Optional, Tuple
@@ -44,15 +45,13 @@ def events_of(optimized: str, spec, rests: Dict[str, str]) -> Tuple[List[step_ti
 
 def top_kernels(events: List[step_time.Event], rests: Dict[str, str], count: int = 15) -> List[dict]:
     """The compute instructions with the most projected time over the step (a loop's body summed over its trips)."""
-    total: Dict[str, float] = {}
-    calls: Dict[str, int] = {}
+    total, calls = collections.Counter(), collections.Counter()
     for e in events:
         if e.lane == "compute":
-            total[e.name] = total.get(e.name, 0.0) + (e.end - e.start)
-            calls[e.name] = calls.get(e.name, 0) + 1
-    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:count]
+            total[e.name] += e.end - e.start
+            calls[e.name] += 1
     return [{"name": name, "seconds": secs, "calls": calls[name], "source": hlo_source.describe(rests.get(name, ""))}
-            for name, secs in ranked]
+            for name, secs in total.most_common(count)]
 
 
 def _x(t: float, length: float) -> float:
@@ -87,8 +86,7 @@ def _hbm_points(curve: List[Tuple[str, int]], events: List[step_time.Event]) -> 
     pending = 0
     for name, used in curve:
         pending = max(pending, used)
-        for t in times.get(name, ()):
-            points.append((t, pending))
+        points.extend((t, pending) for t in times.get(name, ()))
         if name in times:
             pending = 0
     points.sort()
