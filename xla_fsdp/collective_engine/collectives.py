@@ -83,8 +83,8 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: str, op: str = REDUCE_SUM) -> torch.Tensor:
-        """Reduce over the "shard" group, the "replicate" group, the whole "world", or explicit rank
-        groups (a tuple of tuples, every rank in one); returns a new tensor."""
+        """Reduce over the "shard" group, the "replicate" group, the whole "world", or explicit rank groups (a tuple of
+        tuples, every rank in one); returns a new tensor."""
 
     def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Keep the compiler from moving work across this point. Identity off XLA."""
@@ -122,11 +122,9 @@ class Collectives(abc.ABC):
         return False
 
     def grad_scale(self, across_replicas: bool) -> float:
-        """Factor on full gradients before they are summed: each rank's loss is its own mean,
-        so the sum over the ranks that reduce together becomes their average."""
-        if across_replicas:
-            return 1.0 / (self.layout.shard_world_size * self.layout.replicate_world_size)
-        return 1.0 / self.layout.shard_world_size
+        """Factor on full gradients before they are summed: each rank's loss is its own mean, so the sum over the ranks
+        that reduce together becomes their average."""
+        return 1.0 / (self.layout.shard_world_size * (self.layout.replicate_world_size if across_replicas else 1))
 
     def local_view(self, tensor: torch.Tensor, kind: str = "param", grad: bool = True) -> torch.Tensor:
         """This device's piece of a tensor (parameters are already local: one process per replica)."""
@@ -140,8 +138,7 @@ class Collectives(abc.ABC):
 def as_rows(flat: torch.Tensor, count: int) -> torch.Tensor:
     """`flat` as [rows, RS_LANES] when each of `count` shards is at least RS_MIN_ROWS whole rows
     ([Note: 2-D reduce-scatter]); otherwise `flat` itself."""
-    if flat.dim() == 1 and flat.numel() % (count * RS_LANES) == 0 and \
-            flat.numel() // (count * RS_LANES) >= RS_MIN_ROWS:
+    if flat.dim() == 1 and flat.numel() % (count * RS_LANES) == 0 and flat.numel() // (count * RS_LANES) >= RS_MIN_ROWS:
         return flat.view(-1, RS_LANES)
     return flat
 
@@ -248,8 +245,8 @@ class XlaCollectives(Collectives):
         return out
 
     def _scatter_stages(self, flat, groups, count) -> List[Tuple[List[List[int]], int]]:
-        """The reduce-scatters that together scatter `flat` over the shard group, in order, each
-        as (replica groups, devices per group): here one over the whole group."""
+        """The reduce-scatters that together scatter `flat` over the shard group, in order, each as (replica groups,
+        devices per group): here one over the whole group."""
         return [(groups, count)]
 
     def all_reduce(self, tensor, group, op=REDUCE_SUM):

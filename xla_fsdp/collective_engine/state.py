@@ -207,21 +207,15 @@ class FSDPState:
         reshard = self._reshards_after_forward and torch.is_grad_enabled()
         for p, t in zip(self.group.params, full):
             p.register(t)
-        reg = registry()
         if reshard:
-            for i, t in enumerate(full):
-                reg[id(t)] = (self, i, t)
+            registry().update((id(t), (self, i, t)) for i, t in enumerate(full))
         if len(self.modules) > 1 and not is_recomputing():  # [Note: a unit of several modules]
             self._span = _Span(full, reshard, torch.is_grad_enabled(), {id(r()) for r in self.modules} - {id(module)})
-        active.append(self)
         try:
-            with self._saved_tensor_hooks(reshard):
-                out = run(*args, **kwargs)
+            out = self._compute(run, args, kwargs, reshard)
         finally:
-            active.pop()
             if self._span is None:
                 self._register_shards(full)
-            self.training_state = TrainingState.IDLE
         if self._span is None:
             self._after_forward(full, reshard, torch.is_grad_enabled())
         if torch.is_grad_enabled():
@@ -234,11 +228,18 @@ class FSDPState:
             self._learn_order()
         return out
 
-    @staticmethod
-    def _saved_tensor_hooks(reshard: bool):
-        if not reshard:
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(*make_hooks(torch._C._autograd._top_saved_tensors_default_hooks(False)))
+    def _compute(self, run: Callable, args: Tuple, kwargs: Dict, reshard: bool) -> Any:
+        """The module's own forward, this unit active; with `reshard`, saved full parameters become tokens."""
+        active = active_units()
+        self.training_state = TrainingState.FORWARD
+        active.append(self)
+        try:
+            with (torch.autograd.graph.saved_tensors_hooks(*make_hooks(
+                    torch._C._autograd._top_saved_tensors_default_hooks(False))) if reshard else contextlib.nullcontext()):
+                return run(*args, **kwargs)
+        finally:
+            active.pop()
+            self.training_state = TrainingState.IDLE
 
     def _register_shards(self, full: List[torch.Tensor]) -> None:
         for p in self.group.params:
@@ -260,15 +261,7 @@ class FSDPState:
         span.waiting.discard(id(module))
         if self.options.mixed_precision.enabled:
             args, kwargs = cast_inputs(self.options.mixed_precision, args, kwargs)
-        active = active_units()
-        self.training_state = TrainingState.FORWARD
-        active.append(self)
-        try:
-            with self._saved_tensor_hooks(span.reshard):
-                out = run(*args, **kwargs)
-        finally:
-            active.pop()
-            self.training_state = TrainingState.IDLE
+        out = self._compute(run, args, kwargs, span.reshard)
         if not span.waiting:
             self._close_span()
         if torch.is_grad_enabled():
