@@ -49,12 +49,9 @@ def _gathered_over_hosts(model: nn.Module) -> Dict[str, torch.Tensor]:
                 filled += b - a
         if filled != h.num_rows:
             raise RuntimeError(f"{h.name}: the hosts sent {filled} of {h.num_rows} rows")
-        value = full.reshape(h.full_shape)
-        for name in (h.name, *h.aliases):
-            out[name] = value
-    if group.rank == 0:
-        for name, b in keys.buffers(model, persistent_only=True).items():
-            out[name] = b.detach().cpu()  # buffers stay replicated: every host holds them whole
+        out.update(dict.fromkeys((h.name, *h.aliases), full.reshape(h.full_shape)))
+    if group.rank == 0:  # buffers stay replicated: every host holds them whole
+        out.update({name: b.detach().cpu() for name, b in keys.buffers(model, persistent_only=True).items()})
     return out
 
 

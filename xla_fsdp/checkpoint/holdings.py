@@ -167,12 +167,8 @@ def spmd_runtime(model: nn.Module) -> bool:
 def holdings(model: nn.Module) -> List[Holding]:
     """Every parameter of `model` (tied ones once, under their first name), as held here, named by its `state_dict()`
     key."""
-    records = {}
-    for module in model.modules():
-        state = state_of(module)
-        if state is not None:
-            for rec in state.group.params:
-                records[id(rec.sharded)] = (rec, state.group.comm)
+    records = {id(rec.sharded): (rec, state.group.comm) for state in map(state_of, model.modules())
+               if state is not None for rec in state.group.params}
     # checkpoints name parameters by their state-dict key ([Note: state-dict keys])
     table = keys.names(model)
     names: Dict[int, List[str]] = {}

@@ -27,12 +27,8 @@ def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
     """(step, path) of every complete `checkpoint-<step>` under `root`, oldest first. Partial saves (a crash mid-write)
     are skipped."""
     st = storage.storage_for(root)
-    found = []
-    for name in st.listdir(root):
-        m = _NAME.match(name)
-        if m and fmt.is_complete(st.join(root, name)):
-            found.append((int(m.group(1)), st.join(root, name)))
-    return sorted(found)
+    return sorted((int(m.group(1)), st.join(root, name)) for name in st.listdir(root)
+                  if (m := _NAME.match(name)) and fmt.is_complete(st.join(root, name)))
 
 
 def latest_checkpoint(root: str) -> Optional[str]:

@@ -215,8 +215,7 @@ def _copied(tensor: torch.Tensor, live: set):
 
 def _write_rank_files(st: storage.Storage, partial: str, rank: int, entries, index, extra: bytes) -> None:
     shard_path = st.join(partial, fmt.shard_file(rank))
-    crcs = fmt.write_safetensors(shard_path, entries)
-    for key, crc in crcs.items():
+    for key, crc in fmt.write_safetensors(shard_path, entries).items():
         index[key]["crc32"] = crc
     fmt.write_json(st.join(partial, fmt.index_file(rank)),
                    {"rank": rank, "bytes": st.size(shard_path), "tensors": index})

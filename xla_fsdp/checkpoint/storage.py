@@ -164,12 +164,8 @@ class FsspecStorage(Storage):
             yield _Guarded(f, self, path)
             with self._wrapped("write", path):
                 f.flush()
-                try:
-                    fd = f.fileno()  # fsspec's local files: fsync as LocalStorage does
-                except (AttributeError, io.UnsupportedOperation):
-                    fd = None
-                if fd is not None:
-                    os.fsync(fd)
+                with contextlib.suppress(AttributeError, io.UnsupportedOperation):  # no file number: nothing to fsync
+                    os.fsync(f.fileno())  # fsspec's local files: fsync as LocalStorage does
         except BaseException:
             with contextlib.suppress(Exception):  # what was written is removed by the failed save (no COMPLETE marker)
                 f.close()
