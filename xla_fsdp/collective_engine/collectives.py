@@ -1,42 +1,40 @@
 """Every collective the engine issues, behind one small interface.
 
-`Collectives` is what a parameter group talks to. Implementations: `XlaCollectives` (pinned-layout HLO collectives,
-rank-independent graphs), `SpmdCollectives` (region_collectives.py: the same inside one SPMD program, the single
-controller) and `DistCollectives` (dist_collectives.py: torch.distributed, e.g. gloo on CPU tensors, so the same engine
-trains across real processes without accelerators). Tests and benchmarks may pass their own implementation.
+`Collectives` is what a parameter group talks to: `XlaCollectives` (pinned-layout HLO collectives, rank-independent
+graphs), `SpmdCollectives` (region_collectives.py: the same inside the single controller's one SPMD program),
+`DistCollectives` (dist_collectives.py: torch.distributed, e.g. gloo on CPU tensors across real processes), or a test's
+or benchmark's own.
 
-[Note: rank as data] On XLA every replica must compile the same program, and collectives in separately compiled programs
-never rendezvous. So nothing here may depend on the rank as a Python constant: the all-reduce emulation of all-gather
+[Note: rank as data] On XLA every replica must compile the same program (collectives of separately compiled programs
+never rendezvous), so nothing here depends on the rank as a Python constant: the all-reduce emulation of all-gather
 places the shard with `index_copy` at an index held in a device tensor, not with a rank-dependent pad.
 
 [Note: the last reduce-scatter] torch_xla threads a per-device token through its collectives: each reads the token and
 publishes one that depends on its result, so the next waits for it. For reduce-scatters this bounds how long full
-gradients live (unit k's is reduced before the re-gather two units later starts). But the backward's last reduce-scatter
-(the root's) would then wait for block 0's, which waits for the step's last matmuls, and have nothing to overlap with.
-So it starts from a fresh token (`follow_chain=False`) and runs beside those matmuls; it still publishes, so what
-follows (clipping's all-reduce) waits. A NO_SHARD root's all-reduce starts fresh the same way. Checked on the traced
-program (tests/test_overlap.py). Dropping the chain for every reduce-scatter also overlaps, but leaves gradient memory
-to the compiler (7% step time on XLA:CPU).
+gradients live (unit k's is reduced before the re-gather two units later starts). But the root's reduce-scatter, the
+backward's last, would then wait for block 0's, which waits for the step's last matmuls: nothing to overlap with. So it
+starts from a fresh token (`follow_chain=False`) and runs beside those matmuls; it still publishes, so what follows
+(clipping's all-reduce) waits. A NO_SHARD root's all-reduce starts fresh alike (checked on the traced program:
+tests/test_overlap.py). Dropping the chain for every reduce-scatter also overlaps, but leaves gradient memory to the
+compiler (7% step time on XLA:CPU).
 
 [Note: collectives off the chain] Reading the token costs an elementwise pass: torch_xla adds it to the collective's
 input, so every reduce-scatter's input is a fresh copy of the gradient, and libtpu keeps most reduce-scatters fed by
 such a pass synchronous. `token_chain="gathers"` starts every reduce-scatter from a fresh token (a constant zero XLA
-folds away): its input is the gradient itself, and it still publishes, so later collectives wait as before.
-`token_chain="off"` starts the gathers fresh too: no collective of the engine waits for another and libtpu orders them
-(on the single controller every device runs the one program, so the same order; with one process per chip not measured).
-tests/test_overlap.py checks both; the 8-device parity run trains with "off", and the shipped Llama config sets it (a
-shorter step there: docs/performance.md). Not the default: freed of the order, the scheduler starts reductions and
-gathers earlier and peaks higher (a 3-block copy of GPT-2 128B for v4-512: 12.98 GiB instead of 8.86).
+folds away) and still publishes. `token_chain="off"` starts the gathers fresh too: libtpu orders the engine's
+collectives (the same order on every device of the single controller's one program; with one process per chip not
+measured). tests/test_overlap.py checks both; the 8-device parity run and the shipped Llama config use "off" (a shorter
+step there: docs/performance.md). Not the default: freed of the order, the scheduler starts reductions and gathers
+earlier and peaks higher (a 3-block copy of GPT-2 128B for v4-512: 12.98 GiB instead of 8.86).
 
 [Note: the gradient apart from the chain] libtpu fuses the token add into the matmul that makes the gradient: the next
 weight's gradient matmul then waits for the previous reduce-scatter, and where no recomputed forward runs beside them
-(blocks that keep their activations) libtpu keeps each reduce-scatter's first torus stage synchronous. Where the
-reduce-scatter is staged (more than one torus stage: by default slices of more than 64 chips) the gradient goes through
-an optimization barrier first, so the add is a pass of its own that libtpu fuses into the asynchronous reduce-scatter
-([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py) and the matmul waits for nothing; the chain's order
-and memory bound stay. Only a reduce-scatter that follows the chain gets it: off the chain the token is a folded zero
-and the barrier would only cost the pass (measured: 0.88 -> 0.95 of the bytes beside compute for the 128B on v4-512; the
-64B on v4-256, already beside compute, pays the pass).
+(blocks that keep their activations) libtpu keeps each reduce-scatter's first torus stage synchronous. A staged
+reduce-scatter (more than one torus stage: by default on slices of more than 64 chips) that follows the chain takes the
+gradient through an optimization barrier first, so the add is a pass of its own, fused into the asynchronous
+reduce-scatter ([Note: asynchronous staged reduce-scatters] in tpu/libtpu_flags.py), and the matmul waits for nothing;
+the chain's order and memory bound stay. Off the chain the token is a folded zero and the barrier would only cost the
+pass (measured: 0.88 -> 0.95 of the bytes beside compute for the 128B on v4-512; the 64B on v4-256 pays the pass).
 """
 from __future__ import annotations
 

@@ -236,19 +236,16 @@ class ManualRegion:
         for path, x in leaves:
             if _is_kv_cache(x):
                 result.append(None)
-                continue
-            if not isinstance(x, torch.Tensor):
+            elif not isinstance(x, torch.Tensor):
                 result.append(x)
-                continue
-            name = "output" + keystr(path)
-            if x.dim() > 0 and local_batch is not None and x.shape[0] == local_batch:
+            elif x.dim() > 0 and local_batch is not None and x.shape[0] == local_batch:
                 shape = torch.Size([x.shape[0] * devices, *x.shape[1:]])
                 result.append(ToGlobal.apply(x, mesh, self.placement.spec("batch", x.dim()), shape))
             elif x.is_floating_point():
                 result.append(MeanOverDevices.apply(x, self.comm, mesh))
             else:
                 raise ValueError(
-                    f"{name} (shape {tuple(x.shape)}, {x.dtype}) is neither batched (dim 0 = the "
+                    f"output{keystr(path)} (shape {tuple(x.shape)}, {x.dtype}) is neither batched (dim 0 = the "
                     f"per-device batch {local_batch}) nor floating point, so it has no global value: "
                     "return it as a floating tensor to get its mean over devices, or batched")
         return tree_unflatten(result, spec)

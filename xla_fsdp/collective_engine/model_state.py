@@ -258,13 +258,11 @@ class _StateTensors:
             return
         state = state_of(unit)
         params = {prefix + n for n, _ in module.named_parameters(remove_duplicate=False)}
-        sources = {}  # several hosts: key -> (the global parameter, its rows), for DCP's per-host rows
-        if StateTensor.per_host():
-            table = names(module)
-            for rec in state.group.params:
-                for site in rec.sites:
-                    if site.module._parameters.get(site.name) is rec.sharded:  # not unshard()ed
-                        sources[prefix + key_of(table, site.fqn)] = (rec.sharded, rec.rows)
+        # several hosts: key -> (the global parameter, its rows) of those not unshard()ed, for DCP's per-host rows
+        table = names(module) if StateTensor.per_host() else None
+        sources = {} if table is None else {
+            prefix + key_of(table, site.fqn): (rec.sharded, rec.rows) for rec in state.group.params
+            for site in rec.sites if site.module._parameters.get(site.name) is rec.sharded}
         for key, value in list(state_dict.items()):
             if key in params and isinstance(value, torch.Tensor) and not isinstance(value, StateTensor):
                 state_dict[key] = StateTensor.wrap(value.detach(), state.device_mesh, *sources.get(key, (None, 0)))

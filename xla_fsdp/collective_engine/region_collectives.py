@@ -38,10 +38,9 @@ def _torus_known() -> bool:
 
 
 class SpmdCollectives(XlaCollectives):
-    """The same collectives between the devices of one process, inside manual-sharding regions, unpinned ([Note:
-    no pinning in one program]; [Note: single-controller runtime] in manual_region.py). Groups are device ids;
-    parameters are global tensors and `local_view` gives a device's piece inside the region. Gradients arrive
-    pre-scaled by the region's output rules, so reduce-scatters sum."""
+    """Unpinned ([Note: no pinning in one program]); groups are device ids; parameters are global tensors, `local_view`
+    gives a device's piece inside the region. Gradients arrive pre-scaled by the region's output rules, so
+    reduce-scatters sum."""
 
     _channel = (SPMD_CHANNEL_ID, True)
 

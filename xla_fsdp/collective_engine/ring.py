@@ -201,8 +201,7 @@ def _padded(chunk: int) -> int:
 
 
 def _pad_chunks(flat: torch.Tensor, count: int, chunk: int, padded: int) -> torch.Tensor:
-    """1-D `flat` of `count` chunks -> each zero-padded to `padded`, still 1-D: a [count, chunk] view would be a copy
-    into another tiling, which libtpu compiles slowly for large buffers."""
+    """1-D `flat` of `count` chunks -> each zero-padded to `padded`, still 1-D (see TorusRings)."""
     if padded == chunk:
         return flat
     zeros = flat.new_zeros(padded - chunk)

@@ -12,7 +12,7 @@ memory.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -47,13 +47,11 @@ class _ParamToken:
             self.view_of = None
 
 
-class _Outer:
+class _Outer(NamedTuple):
     """A tensor handed to the saved-tensor hooks that were active outside the unit."""
 
-    __slots__ = ("packed", "unpack")
-
-    def __init__(self, packed, unpack):
-        self.packed, self.unpack = packed, unpack
+    packed: Any
+    unpack: Callable
 
 
 def make_hooks(outer):

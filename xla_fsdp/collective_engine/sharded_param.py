@@ -3,16 +3,16 @@
 [Note: FSDP2 parameters on XLA] FSDP2 makes every parameter a DTensor sharded on dim 0. On torch_xla 2.9 a DTensor
 cannot be a parameter that computes (torch_xla's XLAShardedTensor fails in mm/linear/layer_norm, and per-process
 DTensors fail in dispatch; ../shared/notes/fsdp2-on-xla.md). Here a parameter is what the single controller already
-holds: one global XLA tensor, sharded on dim 0 over the mesh, padded on dim 0 to a multiple of the device count when the
-rows do not divide ([Note: dim-0 sharding]). This subclass of `nn.Parameter` does not intercept dispatch: every op on it
-is a plain op on the global tensor, so optimizers, `clip_grad_norm_` and `torch.nn.init` work as on any tensor. It has
-DTensor's surface: `placements` (`(Shard(0),)`, or `(Replicate(), Shard(0))` under HSDP), `device_mesh`, `full_tensor()`
-and `to_local()`. It is not a `DTensor` for `isinstance`: torch's DCP treats a DTensor parameter as one local shard per
-process (`set_model_state_dict(..., broadcast_from_rank0=True)` slices the full tensor by the process's coordinate on
-the mesh), which one process holding every device's rows is not. The padding stays out of sight: `shape`, `size()`,
-`numel()` and `len()` are the parameter's own global shape, as a DTensor's are, and `copy_` from a tensor of that shape
-writes its rows. Ops see the stored (padded) tensor, so gradients and optimizer state have the stored shape
-(`stored_shape`), which the state dicts cut back to the parameter's ([Note: state dicts of the single controller]).
+holds: one global XLA tensor sharded on dim 0 over the mesh, padded to a multiple of the device count when the rows do
+not divide ([Note: dim-0 sharding]). This `nn.Parameter` subclass does not intercept dispatch: every op on it is a
+plain op on the global tensor (optimizers, `clip_grad_norm_` and `torch.nn.init` work as on any tensor). It has
+DTensor's surface (`placements`: `(Shard(0),)`, or `(Replicate(), Shard(0))` under HSDP; `device_mesh`, `full_tensor()`,
+`to_local()`) but is no `DTensor` for `isinstance`: torch's DCP treats a DTensor parameter as one local shard per
+process (`set_model_state_dict(..., broadcast_from_rank0=True)` slices the full tensor by the process's mesh
+coordinate), which one process holding every device's rows is not. The padding stays out of sight: `shape`, `size()`,
+`numel()` and `len()` give the parameter's own global shape, and `copy_` from a tensor of that shape writes its rows.
+Ops see the stored (padded) tensor, so gradients and optimizer state have the stored shape (`stored_shape`), which the
+state dicts cut back ([Note: state dicts of the single controller]).
 """
 from __future__ import annotations
 
@@ -75,14 +75,13 @@ class ShardedParameter(nn.Parameter):
         return whole.reshape(rec.orig_shape)
 
     def to_local(self) -> torch.Tensor:
-        """The rows this process holds: on the single controller every device of the host is this
-        process's, so that is the whole parameter (padding rows cut off); differentiable."""
+        """The rows this process holds: on the single controller the whole parameter (padding rows cut off)."""
         return self.full_tensor()
 
     def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "ShardedParameter":
-        """In-place copy; a source of the parameter's own shape fills its rows (the padding rows
-        become zeros), one of the stored shape is copied as it is, the parameter itself not at all
-        (a load that set its data already: [Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py)."""
+        """In-place copy; a source of the parameter's own shape fills its rows (the padding rows become zeros), one of
+        the stored shape is copied as it is, the parameter itself not at all (a load that set its data already:
+        [Note: DCP across hosts] in xla_fsdp/fsdp/dcp.py)."""
         if src is self:
             return self
         rec = self._rec()
