@@ -182,15 +182,11 @@ class ManualRegion:
 
     # -- buffers --------------------------------------------------------------
     def _localize_buffers(self, root: nn.Module) -> List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]]:
-        swapped = []
-        for m in root.modules():
-            for name, b in m._buffers.items():
-                if b is None:
-                    continue
-                local = to_local(b, self.placement.mesh, self.placement.spec("replicated", b.dim()))
-                m._buffers[name] = local
-                swapped.append((m, name, b, local, local._version))
-        return swapped
+        swapped = [(m, name, b, to_local(b, self.placement.mesh, self.placement.spec("replicated", b.dim())))
+                   for m in root.modules() for name, b in m._buffers.items() if b is not None]
+        for m, name, _, local in swapped:
+            m._buffers[name] = local
+        return [(m, name, b, local, local._version) for m, name, b, local in swapped]
 
     def _localize_params_outside_units(self, root: nn.Module) -> List[Tuple[nn.Module, str, torch.Tensor]]:
         """FSDP2's `ignored_params` (in no unit): each device computes with the whole replicated tensor, and its gradient
@@ -213,10 +209,9 @@ class ManualRegion:
 
     @staticmethod
     def _restore_buffers(swapped) -> None:
-        changed = []
-        for m, name, b, local, version in swapped:
-            if m._buffers.get(name) is not local or local._version != version:
-                changed.append(f"{type(m).__name__}.{name}")
+        changed = [f"{type(m).__name__}.{name}" for m, name, _, local, version in swapped
+                   if m._buffers.get(name) is not local or local._version != version]
+        for m, name, b, _, _ in swapped:
             m._buffers[name] = b
         if changed:
             raise RuntimeError(

@@ -49,12 +49,9 @@ def check_load(what: str, got: Mapping[str, Sequence[int]], want: Mapping[str, S
     """Refuse loading `got` (key -> shape) into a model expecting `want` (key -> accepted shapes, the first the one to
     name): every missing and unexpected key (with `keys`) and every shape that differs, in one ValueError that ends
     "Nothing was loaded."."""
-    parts = []
-    if keys:
-        missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        for label, names in (("missing", missing), ("unexpected", unexpected)):
-            if names:
-                parts.append(f"{label} {names[:5]}{' ...' if len(names) > 5 else ''}")
+    missing, unexpected = (sorted(set(want) - set(got)), sorted(set(got) - set(want))) if keys else ([], [])
+    parts = [f"{label} {names[:5]}{' ...' if len(names) > 5 else ''}"
+             for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
     wrong = [f"{k!r} has shape {tuple(got[k])}, the model expects {tuple(shapes[0])}" for k, shapes in want.items()
              if k in got and tuple(got[k]) not in {tuple(s) for s in shapes}]
     parts += wrong[:5] + ([f"and {len(wrong) - 5} more shapes"] if len(wrong) > 5 else [])
@@ -83,12 +80,8 @@ def _walk(module: nn.Module, tree: str, key: str) -> Iterator[Tuple[nn.Module, s
 
 def names(model: nn.Module) -> Dict[str, str]:
     """Tree name -> state-dict key, for every parameter and buffer (non-persistent ones included)."""
-    out: Dict[str, str] = {}
-    for module, tree, key in _walk(model, "", ""):
-        for local, value in list(module._parameters.items()) + list(module._buffers.items()):
-            if value is not None:
-                out[tree + local] = key + local
-    return out
+    return {tree + local: key + local for module, tree, key in _walk(model, "", "")
+            for local, value in [*module._parameters.items(), *module._buffers.items()] if value is not None}
 
 
 def key_of(table: Dict[str, str], tree_name: str) -> str:

@@ -116,7 +116,6 @@ def while_loop(body: Body, carry: Sequence[torch.Tensor], xs: Sequence[torch.Ten
 
     def step(*params):
         counter = params[0]
-        state = list(params[1:1 + n_carry])
         slices = params[1 + n_carry:1 + n_carry + n_x]
         outs = list(params[1 + n_carry + n_x:1 + n_carry + n_x + n_y])
         index = const(counter, trips - 1) - counter if reverse else counter
