@@ -79,9 +79,7 @@ class Holding:
 
     def pieces(self, tensor: torch.Tensor):
         """[(start, stop, produce rows)] of `tensor` (shaped like the parameter here) that this process writes."""
-        if not self.writes:
-            return []
-        return [(self.rows[0], self.rows[1], lambda: self.as_rows(tensor))]
+        return [(self.rows[0], self.rows[1], lambda: self.as_rows(tensor))] if self.writes else []
 
     def read_param(self, index, key: str) -> Callable[[], None]:
         """Read this process's rows of parameter `key` now; the returned call sets them."""
@@ -96,9 +94,8 @@ class Holding:
         """"rows", "scalar" or "per_rank" (see the module docstring)."""
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return "scalar"
-        if tuple(value.shape) == tuple(stored_shape(self.param)):
-            return "rows"
-        if key in ROW_FACTORED and value.shape[0] == self.local_rows:
+        if tuple(value.shape) == tuple(stored_shape(self.param)) or \
+                (key in ROW_FACTORED and value.shape[0] == self.local_rows):
             return "rows"
         return "per_rank"
 

@@ -107,10 +107,8 @@ def pieces_to_write(name: str, tensor: torch.Tensor, rows: int, view: HostView) 
         if not view.owns(device):
             continue
         stop = rows if stop < 0 else min(stop, rows)
-        if start >= stop:
-            continue  # a block of padding only
-        if replica != (start // max(shard_rows, 1)) % replicas:
-            continue  # another copy of these rows is written ([Note: who writes a row])
+        if start >= stop or replica != (start // max(shard_rows, 1)) % replicas:
+            continue  # a block of padding only, or another copy of these rows is written ([Note: who writes a row])
         writes.append((start, stop, position))
     moved = _Moved(tensor, [position for _, _, position in writes], view)
     return _merged([(a, z, lambda i=i, n=z - a: moved.rows(i, n)) for a, z, i in writes])

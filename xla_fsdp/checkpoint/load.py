@@ -163,9 +163,8 @@ def _optimizer_plan(path, meta, optimizer, held, index, same_layout, rank, per_r
             out: Dict[str, Any] = {}
             for key, entry in entries.items():
                 if entry["kind"] == "scalar":
-                    value = entry["value"]
-                    out[key] = torch.tensor(value, dtype=fmt.dtype_from_name(entry["dtype"])) \
-                        if entry.get("tensor") else value
+                    out[key] = torch.tensor(entry["value"], dtype=fmt.dtype_from_name(entry["dtype"])) \
+                        if entry.get("tensor") else entry["value"]
                 elif entry["kind"] == "rows":
                     out[key] = h.read_state(index, f"optim/{h_name}/{key}", torch.Size(entry["shape"]))
                 elif entry["kind"] == "whole":  # a 0-dim one: a layer's Adafactor RMS out of a stack's
