@@ -293,8 +293,7 @@ def _metadata(model, held, optimizer, step, info) -> Dict[str, Any]:
             entry = {"kind": kind}
             is_tensor = isinstance(value, torch.Tensor)  # every kind but "scalar" is a tensor
             if kind == "scalar":
-                entry["value"] = value.item() if is_tensor else value
-                entry["tensor"] = is_tensor
+                entry.update(value=value.item() if is_tensor else value, tensor=is_tensor)
             elif kind == "rows":
                 # shaped like the parameter, or its rows with trailing dims averaged away
                 same = tuple(value.shape) == tuple(stored_shape(h.param))
@@ -316,9 +315,7 @@ def _jsonable(value):
         return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return repr(value)
+    return value if isinstance(value, (int, float, str, bool)) or value is None else repr(value)
 
 
 def _versions() -> Dict[str, str]:
