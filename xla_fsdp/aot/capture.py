@@ -28,10 +28,6 @@ import torch
 from xla_fsdp.aot.dump import MARKER, RECOMPUTE, TENSORS, take_program
 from xla_fsdp.runtime import environment
 
-# the check's settings (environment.AOT), JSON: "out" (the capture's folder), "steps" (2), "dump" (XLA's dump
-# folder), "poll_s": seconds between looks at the dump (tests set it past XLA:CPU's compile to make the traced
-# process die first)
-
 
 class _State:
     cuts = 0
@@ -42,7 +38,7 @@ class _State:
 
 
 def _spec() -> dict:
-    return environment.aot()
+    return environment.aot()  # the check's settings (xla_fsdp/aot/trace.py lists them)
 
 
 def install() -> None:

@@ -100,10 +100,10 @@ def _traced(script: str, args) -> None:
 
             # the script ended itself (as a rule a mistake in its flags or files): the check says why in one line
             # (xla_fsdp.aot.trace), from its message or, for an exit status, its last printed line (argparse's)
-            message = None if isinstance(e.code, int) else str(e.code)
+            code, message = (e.code, None) if isinstance(e.code, int) else (1, str(e.code))
             with open(os.path.join(capture._spec()["out"], REFUSED), "w") as f:
-                json.dump({"code": e.code if isinstance(e.code, int) else 1, "message": message}, f)
-            os._exit(e.code if isinstance(e.code, int) else 1)
+                json.dump({"code": code, "message": message}, f)
+            os._exit(code)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

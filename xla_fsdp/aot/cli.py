@@ -21,8 +21,12 @@ import tempfile
 import time
 from typing import List, Optional
 
+from xla_fsdp.aot import program as prog
+from xla_fsdp.aot import report as rep
+from xla_fsdp.aot import trace
 from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT, RECOMPUTE, TENSORS
-from xla_fsdp.runtime import environment
+from xla_fsdp.runtime import allocator, environment
+from xla_fsdp.tpu import libtpu_flags, topology
 
 EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_TRACE, EXIT_COMPILE, EXIT_NO_LIBTPU = 0, 1, 2, 3, 4, 5
 
@@ -92,10 +96,6 @@ def _load_compiler():
 def _rings_to_retry(result: dict, text: str, job, spec, opts) -> bool:
     """The step does not fit, and it is the single controller's default rings under xla_fsdp's own flags: the
     configuration the rings variable at 0 switches to may fit ([Note: rings off for the last GiB])."""
-    from xla_fsdp.aot import program as prog
-    from xla_fsdp.aot import trace
-    from xla_fsdp.tpu import libtpu_flags
-
     no_fit = bool(result.get("does_not_fit")) or (result["compiles"] and not result["fits"])
     return (no_fit and job.runtime == trace.SINGLE_CONTROLLER and spec.chips <= libtpu_flags.RING_MAX_CHIPS
             and opts.libtpu_flags is None and not libtpu_flags.users_own() and libtpu_flags.rings_enabled()
@@ -120,11 +120,6 @@ def write_dump(dump: str, workdir: str, optimized_hlo: Optional[str]) -> None:
 
 def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
     """Trace and compile the step again with the rings variable at 0; the summary of that report."""
-    from xla_fsdp.aot import program as prog
-    from xla_fsdp.aot import report as rep
-    from xla_fsdp.aot import trace
-    from xla_fsdp.tpu import libtpu_flags
-
     switch = {libtpu_flags.RINGS_ENV: "0"}
     say(f"xla_fsdp.aot: the default's rings do not fit; checking the step again with "
         f"{libtpu_flags.RINGS_ENV}=0 (all-gathers and staged reduce-scatters under libtpu's 70% budget)")
@@ -145,20 +140,16 @@ def _without_rings(job, spec, compiler, workdir: str, opts, say) -> dict:
 
 def _trace_again(job, env: dict, folder: str, opts) -> str:
     """Trace the job again into `folder`, with `env` added to its environment; the step's module."""
-    from xla_fsdp.aot import trace
-
     os.makedirs(folder, exist_ok=True)
     return trace.run_trace(dataclasses.replace(job, env=dict(job.env, **env)), folder, steps=opts.steps,
                            timeout=opts.timeout)
 
 
 def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts, say, calls) -> Optional[tuple]:
-    """[Note: keep what fits] (xla_fsdp/memory/fit.py): a job with checkpoint_all_but_last="fit" measured its units
-    while it traced, and found no device figures here. Its step is traced and compiled again, given the figures of
-    the program just compiled (every unit recomputed), so the report is that of the step the job runs on the slice,
-    with what the first program needed beside it. (its program, its report, its folder); None when the job does not
-    use "fit" or its first program did not fit."""
-    from xla_fsdp.aot import report as rep
+    """[Note: keep what fits] (xla_fsdp/memory/fit.py): a job with checkpoint_all_but_last="fit" found no device
+    figures while it traced; its step is traced and compiled again given those of the program just compiled (every
+    unit recomputed), and that step is reported, the first beside it. (its program, its report, its folder); None when
+    the job does not use "fit" or its first program did not fit."""
     from xla_fsdp.memory.device_figures import MEMORY_ENV
 
     plan = _read_json(os.path.join(workdir, "fit.json"))
@@ -211,8 +202,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, command = split_command(argv)
     opts = build_parser().parse_args(ours)
-    from xla_fsdp.aot import trace
-
     say = (lambda *a: None) if opts.json else (lambda *a: print(*a, flush=True))
     try:
         spec, job = _job(opts, command)
@@ -244,9 +233,6 @@ def _failed(error: Exception, status: int) -> int:
 
 def _job(opts, command):
     """The slice and the job to trace for it; a mistake in either raises before anything starts."""
-    from xla_fsdp.aot import trace
-    from xla_fsdp.tpu import topology
-
     spec = topology.multislice(topology.parse_accelerator_type(opts.tpu), opts.num_slices, opts.dcn_gbps)
     job = trace.job_from_command(command, opts.runtime, spec.job_chips)
     if spec.slices > 1:  # the job splits its devices into slices as on the slices themselves
@@ -277,11 +263,6 @@ def _libtpu_environment() -> Optional[str]:
 
 def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     """Trace, compile, and check again where "fit" or the rings' switch asks; the report (TraceError: untraceable)."""
-    from xla_fsdp.aot import report as rep
-    from xla_fsdp.aot import trace
-    from xla_fsdp.runtime import allocator
-    from xla_fsdp.tpu import libtpu_flags
-
     say(f"xla_fsdp.aot: tracing {job.script} for {spec.name} ({spec.job_chips} chips, {spec.hosts * spec.slices} host(s)), "
         f"{job.runtime.replace('_', ' ')} runtime, on this host's CPU (nothing runs)")
     started = time.time()
@@ -329,12 +310,7 @@ def _read_json(path: str, missing=None):
 
 def _report(result: dict, opts) -> int:
     """Print the report (text or JSON); the exit status it gives."""
-    from xla_fsdp.aot import report as rep
-
-    if opts.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(rep.render(result))
+    print(json.dumps(result, indent=2) if opts.json else rep.render(result))
     if result.get("does_not_fit"):
         return EXIT_NO_FIT
     if not result["compiles"]:

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from xla_fsdp.aot import program as prog
 from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT
+from xla_fsdp.tpu import compile_options as co
 from xla_fsdp.tpu import buffer_assignment, compile_log, dcn, host_transfers, memory_breakdown, optimized_hlo, step_time
 
 GIB = 1024 ** 3
@@ -28,9 +29,8 @@ _OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
 def out_of_memory(message: str):
     """(needed, usable) bytes per chip when the compiler refused for lack of HBM, else None."""
     m = _OOM.search(message)
-    if not m:
-        return None
-    return compile_log.size_bytes(m.group(1), m.group(2)), compile_log.size_bytes(m.group(3), m.group(4))
+    return (compile_log.size_bytes(m.group(1), m.group(2)), compile_log.size_bytes(m.group(3), m.group(4))) if m \
+        else None
 
 
 def is_spmd(text: str) -> bool:
@@ -83,8 +83,6 @@ def hbm_account(compiled, hbm_per_chip: int) -> dict:
 
 def _compile(text: str, spec, compiler, flags: list, spmd: bool, started_with: bool):
     """(the compiled program or None, the compiler's message, the start-up flags left out)."""
-    from xla_fsdp.tpu import compile_options as co
-
     start_up, message = [], ""
     while True:
         try:
@@ -111,11 +109,8 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
     kind (capture.TENSORS), to tell the program's arguments apart in the memory breakdown. `keep_in`: a folder to
     copy libtpu's buffer assignment into (as BUFFER_ASSIGNMENT), for --dump. `with_curve`: keep the HBM in use over
     the schedule as "hbm_curve" (for --timeline)."""
-    from xla_fsdp.tpu import compile_options as co
-
     spmd = is_spmd(text)
-    if spmd:
-        text = prog.place_parameter_shardings(text)
+    text = prog.place_parameter_shardings(text) if spmd else text
     result = {"tpu": spec.name, "chips": spec.job_chips, "hosts": spec.hosts * spec.slices, "slices": spec.slices,
               "program": "spmd" if spmd else "per_replica", "libtpu_flags": libtpu_flags,
               "hbm_per_chip": spec.hbm_bytes_per_chip, "compiles": False, "fits": False, "error": "", "cause": ""}
@@ -143,9 +138,9 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
             result["does_not_fit"] = {"needed": oom[0], "usable": oom[1],
                                       "arguments": None if spmd else per_replica_argument_bytes(text)}
         return result
-    result["compile_seconds"] = round(time.time() - started, 1)
-    # [Note: where libtpu's compile time goes] in xla_fsdp/tpu/compile_log.py ({} without libtpu's log)
-    result["compile_stages"] = {name: round(s, 1) for name, s in compiled.stages.items()}
+    # compile_stages: [Note: where libtpu's compile time goes] in xla_fsdp/tpu/compile_log.py ({} without libtpu's log)
+    result.update(compile_seconds=round(time.time() - started, 1),
+                  compile_stages={name: round(s, 1) for name, s in compiled.stages.items()})
     memory = hbm_account(compiled, spec.hbm_bytes_per_chip)
     result.update(compiles=True, memory=memory, fits=memory["peak"] <= memory["usable"], cost=compiled.cost)
     if assignment is not None and memory["source"] == "libtpu":  # [Note: the peak HBM, broken down]
@@ -158,24 +153,21 @@ def check_program(text: str, spec, compiler, libtpu_flags: str = "", say: Callab
             memory["breakdown"] = dict(split.as_dict(), arguments_by_kind=kinds is not None)
             if with_curve:
                 result["hbm_curve"] = split.curve
-    found = optimized_hlo.all_collectives(compiled.optimized_hlo)  # While bodies once per trip
+    hlo = compiled.optimized_hlo
+    found = optimized_hlo.all_collectives(hlo)  # While bodies once per trip
     result["collectives"] = optimized_hlo.summarize(found, spec.chips)
-    result["while_loops"] = optimized_hlo.while_loops(compiled.optimized_hlo)
-    events = [] if spec.slices > 1 or host_transfers.HOST in compiled.optimized_hlo else None
-    result["projection"] = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips,
-                                                  spec.torus_axes, events=events).as_dict()
+    result["while_loops"] = optimized_hlo.while_loops(hlo)
+    events = [] if spec.slices > 1 or host_transfers.HOST in hlo else None
+    result["projection"] = step_time.estimate(hlo, spec.chip, spec.chips, spec.torus_axes, events=events).as_dict()
+    seconds = result["projection"]["projected_seconds"]
     if spec.slices > 1:  # [Note: DCN transfers in libtpu's program]
-        result["dcn"] = dcn.summarize(compiled.optimized_hlo, spec.slices, spec.dcn_bytes_per_s, events,
-                                      result["projection"]["projected_seconds"])
-    if host_transfers.HOST in compiled.optimized_hlo:  # [Note: host transfers in libtpu's program]
-        result["host_transfers"] = host_transfers.summarize(compiled.optimized_hlo, spec, events,
-                                                            result["projection"]["projected_seconds"])
+        result["dcn"] = dcn.summarize(hlo, spec.slices, spec.dcn_bytes_per_s, events, seconds)
+    if host_transfers.HOST in hlo:  # [Note: host transfers in libtpu's program]
+        result["host_transfers"] = host_transfers.summarize(hlo, spec, events, seconds)
     if result["projection"]["kernel_calls"]:  # Pallas kernels: also at full MXU peak ([Note: charging Pallas kernels])
-        at_peak = step_time.estimate(compiled.optimized_hlo, spec.chip, spec.chips, spec.torus_axes,
-                                     kernel_mxu_share=1.0)
+        at_peak = step_time.estimate(hlo, spec.chip, spec.chips, spec.torus_axes, kernel_mxu_share=1.0)
         result["projection"]["projected_seconds_kernels_at_peak"] = at_peak.seconds
-    result["collective_list"] = [c.as_dict() for c in found]
-    result["optimized_hlo"] = compiled.optimized_hlo
+    result.update(collective_list=[c.as_dict() for c in found], optimized_hlo=hlo)
     return result
 
 
@@ -221,8 +213,7 @@ def render_without_rings(o: dict, hbm: int) -> str:
     if not o["fits"]:
         return f"{head} does not fit either: {_gib(peak)} needed, {_gib(hbm)} usable per chip."
     line = f"{head} FITS, peak {_gib(peak)} of {_gib(hbm)} usable per chip"
-    p = o.get("projection")
-    if p:
+    if p := o.get("projection"):
         line += (f"; PROJECTED step {p['projected_seconds']:.3f} s ({p['calibrated_seconds']:.3f} s "
                  f"calibrated), not measured")
     return line + (f". Run the job with `export {name}={value}` (xla_spawn, run_clm, the Trainer integration "

@@ -36,10 +36,8 @@ def events_of(optimized: str, spec, rests: Dict[str, str]) -> Tuple[List[step_ti
     events: List[step_time.Event] = []
     est = step_time.estimate(optimized, spec.chip, spec.chips, spec.torus_axes, events=events)
     for e in events:
-        if e.lane == "collective-permute":
-            ring = hlo_source.ring_kind(rests.get(e.name, ""))
-            if ring:
-                e.lane = f"{ring} (ring)"
+        if e.lane == "collective-permute" and (ring := hlo_source.ring_kind(rests.get(e.name, ""))):
+            e.lane = f"{ring} (ring)"
     return events, est.seconds
 
 
@@ -177,15 +175,13 @@ def page(result: dict, report_text: str, events: List[step_time.Event], length: 
     """The whole page as HTML text."""
     memory = result.get("memory", {})
     breakdown = memory.get("breakdown")
-    curve = result.get("hbm_curve")
-    kernels = top_kernels(events, rests)
     kernel_rows = [[k["name"], k["source"] or "-", str(k["calls"]), _fmt_s(k["seconds"]),
-                    f"{100 * k['seconds'] / length:.1f}%" if length else "-"] for k in kernels]
+                    f"{100 * k['seconds'] / length:.1f}%" if length else "-"] for k in top_kernels(events, rests)]
     sections = [f"<h1>{html.escape(result.get('script', 'job'))} on {html.escape(result['tpu'])}: the PROJECTED "
                 "step</h1>",
                 "<p>From the program libtpu compiled for this slice (deviceless, on this host). Times are "
                 "projections (xla_fsdp/tpu/step_time.py), not measurements. Hover a span for its name.</p>",
-                svg(events, length, curve, memory.get("usable", 0))]
+                svg(events, length, result.get("hbm_curve"), memory.get("usable", 0))]
     if breakdown:
         rows = [[name, f"{size / 2 ** 30:.3f} GiB", f"{100 * size / breakdown['peak']:.1f}%"]
                 for name, size in breakdown["parts"].items() if size]
@@ -205,10 +201,8 @@ def write(path: str, result: dict, report_text: str, optimized: str, spec) -> in
     """Write the page for `result` to `path` (.svg: the timeline and HBM lanes alone); the collective spans on it."""
     rests = {ins.name: ins.rest for body in oh.computations(optimized).values() for ins in body}
     events, length = events_of(optimized, spec, rests)
-    if path.endswith(".svg"):
-        text = svg(events, length, result.get("hbm_curve"), result.get("memory", {}).get("usable", 0)) + "\n"
-    else:
-        text = page(result, report_text, events, length, rests)
+    text = svg(events, length, result.get("hbm_curve"), result.get("memory", {}).get("usable", 0)) + "\n" \
+        if path.endswith(".svg") else page(result, report_text, events, length, rests)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)

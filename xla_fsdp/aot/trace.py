@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -16,12 +17,15 @@ from typing import Dict, List, Optional
 
 from xla_fsdp.aot.dump import MARKER, PROGRAM, REFUSED, crash_report, take_program
 from xla_fsdp.aot.child import MAX_DEVICE_INDEX
+from xla_fsdp.runtime import choice as runtime_choice
 from xla_fsdp.runtime import environment
 from xla_fsdp.runtime.environment import MULTI_PROCESS, RUNTIME, RUNTIMES, SINGLE_CONTROLLER  # noqa: F401 (tests name it here)
 
 LAUNCHER = "xla_spawn.py"
-# the check's settings (environment.AOT) a user may give: "rank_0_alone" (true: trace one process per chip on one
-# device at any size), "poll_s" (between its traced process's looks at XLA's dump); `child_env` adds the rest
+# the check's settings (environment.AOT), JSON. A user may give "rank_0_alone" (true: trace one process per chip on one
+# device at any size) and "poll_s" (seconds between the traced process's looks at XLA's dump; tests set it past
+# XLA:CPU's compile to make the traced process die first); `child_env` adds the rest: "out" (the capture's folder),
+# "steps" (2), "dump" (XLA's dump folder), ...
 
 
 class TraceError(RuntimeError):
@@ -72,8 +76,6 @@ def runtime_for(requested: str, spmd_flag: bool, per_chip: bool = False, script:
         if requested not in RUNTIMES:
             raise TraceError(f"--runtime {requested!r}: expected auto, {' or '.join(RUNTIMES)}")
         return requested
-    from xla_fsdp.runtime import choice as runtime_choice
-
     try:
         return runtime_choice.decide(spmd_flag, per_chip, script, on_tpu=True)[0]  # as xla_spawn decides
     except ValueError as e:
@@ -88,9 +90,7 @@ def rank_0_alone(job: Job) -> bool:
 def _with_replica_count(text: str, replicas: int) -> str:
     """The module header with the slice's replica count, which XLA left out as one device traced it."""
     header, _, rest = text.partition("\n")
-    if "replica_count=" in header:
-        return text
-    return f"{header}, replica_count={replicas}\n{rest}"
+    return text if "replica_count=" in header else f"{header}, replica_count={replicas}\n{rest}"
 
 
 def child_env(job: Job, workdir: str, steps: int) -> dict:
@@ -118,7 +118,9 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
         # [Note: the traced child's rendezvous port] A script's `init_process_group(init_method="xla://")` opens
         # torch_xla's TCP store on MASTER_PORT (12355 unless set). The traced child stands in for one host alone, so
         # any free local port serves, and another job on this host holding 12355 must not fail the check.
-        env["MASTER_PORT"] = str(_free_port())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            env["MASTER_PORT"] = str(s.getsockname()[1])
     if job.torus:  # the slice the step is checked for, not this host's stand-in devices
         env[environment.TORUS] = job.torus
     env.update(job.env)
@@ -126,14 +128,6 @@ def child_env(job: Job, workdir: str, steps: int) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def run_trace(job: Job, workdir: str, steps: int = 2, timeout: Optional[float] = None,
