@@ -13,6 +13,7 @@ Both the checkpoint and the output directory may be local (or mounted) paths or 
 """
 from __future__ import annotations
 
+import argparse
 from typing import List, Optional
 
 import torch
@@ -69,8 +70,6 @@ def consolidate(checkpoint: str, out_dir: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m xla_fsdp.checkpoint",
                                      description="Offline tools for xla_fsdp checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -65,7 +65,6 @@ def save_pretrained(model: nn.Module, out_dir: str) -> None:
         aliases = {alias for h in held for alias in h.aliases}
         tensors: Dict[str, torch.Tensor] = {k: v.contiguous() for k, v in state.items() if k not in aliases}
         entries = [(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in tensors.items()]
-        config = getattr(model, "config", None)
-        has_json = config is not None and hasattr(config, "to_json_string")  # what config.to_json_file writes
-        fmt.write_pretrained(out_dir, entries, config.to_json_string().encode() if has_json else None)
+        to_json = getattr(getattr(model, "config", None), "to_json_string", None)  # what config.to_json_file writes
+        fmt.write_pretrained(out_dir, entries, to_json().encode() if to_json else None)
     info.barrier()

@@ -10,9 +10,8 @@ A checkpoint is a directory:
     hf_config.json                the model's Hugging Face config, when it has one
     COMPLETE                      written last: only a directory holding it is a checkpoint
 
-A checkpoint lives on a local or mounted file system (a plain path) or wherever an fsspec URL points
-(`gs://bucket/run/checkpoint-500`); every file goes through storage.py, and how a save commits on each is
-[Note: atomic checkpoints] and [Note: commit without rename] in save.py.
+Every file goes through storage.py (a local or mounted path, or an fsspec URL: `gs://bucket/run/checkpoint-500`); how a
+save commits on each is [Note: atomic checkpoints] and [Note: commit without rename] in save.py.
 
 [Note: checkpoint format] Tensors are stored with safetensors, not torch.distributed.checkpoint (DCP). DCP needs a
 process group and DTensor or ShardedTensor state dicts; our shards are plain tensors padded on dim 0, one process per

@@ -27,6 +27,7 @@ checkpoint's worth of this process's shards in host memory until the write ends.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import io
 import os
 import platform
@@ -88,15 +89,13 @@ def begin_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
         pending.fail()
     pending.files = _rank_files(info.rank, model, held, optimizer, extra_state, copy_now)
     if info.rank == 0:  # the record of this step, taken before training changes the optimizer's state
-        config = getattr(model, "config", None)
-        pending.record = (_metadata(model, held, optimizer, step, info),
-                          config.to_json_string() if config is not None and hasattr(config, "to_json_string") else None)
+        to_json = getattr(getattr(model, "config", None), "to_json_string", None)  # a Hugging Face config's
+        pending.record = (_metadata(model, held, optimizer, step, info), to_json() if to_json else None)
     return pending
 
 
 class PendingSave:
-    """A save begun at a step boundary: `write()` this process's files (any thread), then `commit()` on every process
-    (the thread that trains). [Note: saves beside training]"""
+    """A save begun at a step boundary: `write()` (any thread), then `commit()` ([Note: saves beside training])."""
 
     def __init__(self, st: storage.Storage, path: str, target: str, info):
         self.st, self.path, self.target, self.info = st, path, target, info
@@ -324,7 +323,5 @@ def _versions() -> Dict[str, str]:
         with contextlib.suppress(Exception):
             out[name] = __import__(name).__version__
     with contextlib.suppress(Exception):
-        from importlib.metadata import version
-
-        out["xla_fsdp"] = version("xla_fsdp")
+        out["xla_fsdp"] = importlib.metadata.version("xla_fsdp")
     return out
