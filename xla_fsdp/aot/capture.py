@@ -171,10 +171,8 @@ def _tensors_by_kind() -> list:
 
 def _params_and_state(optimizers):
     """(parameter, the values of its optimizer state) of every parameter of `optimizers`."""
-    for obj in optimizers:
-        for group in obj.param_groups:
-            for p in group["params"]:
-                yield p, obj.state.get(p, {}).values()
+    return ((p, obj.state.get(p, {}).values()) for obj in optimizers for group in obj.param_groups
+            for p in group["params"])
 
 
 def _optimizer_shardings(optimizers):

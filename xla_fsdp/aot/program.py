@@ -16,7 +16,6 @@ from xla_fsdp.tpu import hlo_source
 
 _PARAM = re.compile(r"^(\s*(?:ROOT )?%?([\w.\-]+) = [^=]*? parameter\((\d+)\))(.*)$")
 _SHARDING_CALL = re.compile(r"custom-call\([^%]*%([\w.\-]+)\), custom_call_target=\"Sharding\", sharding=(\{[^}]*\})")
-_ENTRY = re.compile(r"^ENTRY ")
 _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
     r"(?:-start)?\((.*)$")
@@ -25,7 +24,7 @@ _COLLECTIVE = re.compile(
 def entry_lines(text: str) -> range:
     """Line numbers of the entry computation's body."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if _ENTRY.match(line))
+    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY "))
     end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("}"))
     return range(start + 1, end)
 
