@@ -67,9 +67,7 @@ def _grads_by_layout(root: nn.Module, root_comm) -> "OrderedDict":
     owner = {id(fp.sharded): unit.group.comm for unit in map(state_of, units(root)) for fp in unit.group.params}
     comm_for: dict = {}
     out: "OrderedDict" = OrderedDict()
-    for p in root.parameters():
-        if p.grad is None:
-            continue
+    for p in (p for p in root.parameters() if p.grad is not None):
         c = owner.get(id(p), root_comm)
         c = comm_for.setdefault((type(c), c.layout.shard_groups, c.layout.replicate_groups), c)
         out.setdefault(c, []).append(p.grad)

@@ -164,8 +164,10 @@ def prepare(optimizer) -> None:
         optimizer.register_state_dict_post_hook(_cut)
         optimizer.register_load_state_dict_pre_hook(_pad)
         for p, rec, comm in padded.values():
-            state = optimizer.state.get(p) or {}
-            state.update({key: _padded_value(key, value, p, rec, comm) for key, value in state.items()})
+            state = optimizer.state.get(p)
+            if state:
+                for key, value in list(state.items()):
+                    state[key] = _padded_value(key, value, p, rec, comm)
     if any(isinstance(p, ShardedParameter) for g in optimizer.param_groups for p in g["params"]):
         optimizer.register_state_dict_pre_hook(_placed_first)
         optimizer.register_state_dict_post_hook(_as_state_tensors)  # after _cut

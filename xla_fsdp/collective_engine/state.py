@@ -322,9 +322,8 @@ class FSDPState:
         if self.is_root and self.training_state != TrainingState.PRE_BACKWARD:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.training_state = TrainingState.PRE_BACKWARD
-        barrier = ()
-        if self.options.collectives.optimization_barrier_in_backward and self.group.comm.is_xla:
-            barrier = (grad.detach(),)
+        in_backward = self.options.collectives.optimization_barrier_in_backward and self.group.comm.is_xla
+        barrier = (grad.detach(),) if in_backward else ()
         if self._full_for_backward is None and self._reshards_after_forward:
             self._full_for_backward = self.group.gather(barrier)
         if self.options.prefetch.backward == "BACKWARD_PRE":
@@ -359,5 +358,4 @@ class FSDPState:
             state.training_state = TrainingState.IDLE
             state._full_for_backward = None
         if self.options.sync_on_finalization:
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
-            self.group.comm.sync(grads)
+            self.group.comm.sync([p.grad for p in module.parameters() if p.grad is not None])
