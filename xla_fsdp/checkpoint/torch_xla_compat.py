@@ -83,8 +83,7 @@ def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "
                                   "torch_xla's XlaFullyShardedDataParallel)")
         loaded.append((meta["rank"], path, ckpt))
     loaded.sort(key=lambda x: x[0])
-    kinds = {is_torch_xla_metadata(c["shard_metadata"]) for _, _, c in loaded}
-    if len(kinds) > 1:
+    if len({is_torch_xla_metadata(c["shard_metadata"]) for _, _, c in loaded}) > 1:  # both kinds
         raise CheckpointError(f"{pattern} matches files of both xla_fsdp and torch_xla's FSDP; give a pattern "
                               "that matches one run's files")
     world = loaded[0][2]["shard_metadata"]["world_size"]
