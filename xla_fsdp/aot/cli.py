@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -23,8 +24,10 @@ from typing import List, Optional
 
 from xla_fsdp.aot import program as prog
 from xla_fsdp.aot import report as rep
-from xla_fsdp.aot import trace
+from xla_fsdp.aot import step_page, trace
 from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT, RECOMPUTE, TENSORS
+from xla_fsdp.memory.device_figures import MEMORY_ENV
+from xla_fsdp.memory.host import release_freed_host_memory
 from xla_fsdp.runtime import allocator, environment
 from xla_fsdp.tpu import libtpu_flags, topology
 
@@ -150,8 +153,6 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
     figures while it traced; its step is traced and compiled again given those of the program just compiled (every
     unit recomputed), and that step is reported, the first beside it. (its program, its report, its folder); None when
     the job does not use "fit" or its first program did not fit."""
-    from xla_fsdp.memory.device_figures import MEMORY_ENV
-
     plan = _read_json(os.path.join(workdir, "fit.json"))
     if plan is None or plan.get("figures") is not None or not result.get("compiles") or not result.get("fits"):
         return None
@@ -161,10 +162,6 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
         "the step again with the units that fit keeping their activations")
     # the first program's optimized HLO and what libtpu freed compiling it go before the second trace, which needs
     # the host's memory too (a 128B step's compile held 16.6 GB of a 24 GB host)
-    import gc
-
-    from xla_fsdp.memory.host import release_freed_host_memory
-
     result.pop("optimized_hlo", None)
     result.pop("hbm_curve", None)
     gc.collect()
@@ -291,8 +288,6 @@ def _trace_and_compile(job, spec, compiler, workdir: str, opts, say) -> dict:
     if opts.dump:
         write_dump(opts.dump, traced_in, result.get("optimized_hlo"))
     if opts.timeline and result.get("compiles"):
-        from xla_fsdp.aot import step_page
-
         spans = step_page.write(opts.timeline, result, rep.render(result), result["optimized_hlo"], spec)
         say(f"xla_fsdp.aot: the step's picture, {spans} collective spans: {opts.timeline}")
     result.pop("optimized_hlo", None)
