@@ -89,7 +89,7 @@ def begin_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
         pending.fail()
     pending.files = _rank_files(info.rank, model, held, optimizer, extra_state, copy_now)
     if info.rank == 0:  # the record of this step, taken before training changes the optimizer's state
-        to_json = getattr(getattr(model, "config", None), "to_json_string", None)  # a Hugging Face config's
+        to_json = getattr(getattr(model, "config", None), "to_json_string", None)  # a Hugging Face config's JSON
         pending.record = (_metadata(model, held, optimizer, step, info), to_json() if to_json else None)
     return pending
 
