@@ -52,11 +52,12 @@ PUBLISHED_MFU = {
 
 
 def command(config: str, batch: int, seq: int, attn: str, out: str, fsdp_config: str = FSDP_CONFIG,
-            optim: str = "") -> list:
+            optim: str = "", fused_loss: bool = False) -> list:
     """run_clm as the docs run the Llama job (docs/performance.md, Llama 3 8B on v6e-256)."""
     return [ac.RUN_CLM, "--config_name", config, "--fsdp", "full_shard", "--fsdp_config", fsdp_config,
             "--per_device_train_batch_size", str(batch), "--block_size", str(seq), "--output_dir", out,
-            "--do_train"] + (["--attn_implementation", attn] if attn else []) + (["--optim", optim] if optim else [])
+            "--do_train"] + (["--attn_implementation", attn] if attn else []) + (["--optim", optim] if optim else []) \
+        + (["--fused_loss"] if fused_loss else [])
 
 
 def with_layers(config: str, layers: int, folder: str) -> str:
@@ -76,15 +77,15 @@ def with_layers(config: str, layers: int, folder: str) -> str:
 
 
 def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, timeout: float,
-        fsdp_config: str = FSDP_CONFIG, optim: str = "") -> dict:
+        fsdp_config: str = FSDP_CONFIG, optim: str = "", fused_loss: bool = False) -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         cmd = command(with_layers(config, layers, tmp), batch, seq, attn, os.path.join(tmp, "out"), fsdp_config,
-                      optim)
+                      optim, fused_loss)
         got = ac.check(tpu, cmd, runtime="auto", timeout=timeout)
     r = got["report"] or {}
     row = {"config": os.path.basename(config), "layers": layers, "batch_per_chip": batch, "seq": seq, "tpu": tpu,
-           "attn": attn or "transformers' default", "fused_loss": False, "compiles": bool(r.get("compiles")),
+           "attn": attn or "transformers' default", "fused_loss": fused_loss, "compiles": bool(r.get("compiles")),
            "fits": bool(r.get("fits")), "seconds": round(time.time() - started, 1),
            "fsdp_config": os.path.basename(fsdp_config), "trace_s": r.get("trace_seconds"),
            "compile_s": r.get("compile_seconds"), "compile_stages": r.get("compile_stages"),
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run_clm's --fsdp_config (default configs/fsdp/llama_xla_fsdp.json; e.g. "
                         "configs/fsdp/llama_xla_fsdp_v2_scan.json for the GSPMD engine with scan_layers)")
     p.add_argument("--optim", default="", help="run_clm's --optim (default: run_clm's, AdamW; e.g. adafactor)")
+    p.add_argument("--fused_loss", action="store_true", help="run_clm --fused_loss ([Note: fused output loss])")
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     return p
 
@@ -204,7 +206,7 @@ def main(argv=None) -> int:
         return (r.get("config", "llama3-8b.json"), r["tpu"], r["batch_per_chip"], r["seq"], r["attn"],
                 r.get("fused_loss", False), r.get("fsdp_config", "llama_xla_fsdp.json"),
                 r.get("optim", "run_clm's default (adamw)")) == (
-                    name, opts.tpu, opts.batch, opts.seq, attn, False, os.path.basename(opts.fsdp_config),
+                    name, opts.tpu, opts.batch, opts.seq, attn, opts.fused_loss, os.path.basename(opts.fsdp_config),
                     opts.optim or "run_clm's default (adamw)")
 
     with open(opts.config) as f:
@@ -216,7 +218,7 @@ def main(argv=None) -> int:
         if any(mine(r) and r["layers"] == layers for r in doc["rows"]):
             continue
         row = run(opts.config, opts.tpu, layers, opts.batch, opts.seq, opts.attn, opts.timeout, opts.fsdp_config,
-                  opts.optim)
+                  opts.optim, opts.fused_loss)
         doc["rows"].append(row)
         print(f"{layers} layers: {'compiles' if row['compiles'] else 'NO'} in {row['seconds']} s", flush=True)
         if opts.json:
