@@ -154,6 +154,18 @@ def test_sharded_fused_run_matches_transformers_loss_on_one_device(tmp_path):
         torch.testing.assert_close(got_w[name], value, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+def test_each_chunk_waits_for_the_previous_ones_sums():
+    """[Note: one chunk at a time]: on XLA the traced loss holds one optimization barrier between each two chunks."""
+    import torch_xla
+
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(64, 16).to(device), torch.randn(128, 16).to(device)
+    loss = fused_linear_cross_entropy(hidden, weight, torch.randint(0, 128, (64,)).to(device), chunk=16)
+    assert torch_xla._XLAC._get_xla_tensors_hlo([loss]).count(" opt-barrier(") == 64 // 16 - 1
+
+
+@pytest.mark.slow
 def test_the_chunks_run_one_at_a_time_on_a_tpu():
     """[Note: one chunk at a time]: compiled by libtpu for v4-8, the fused loss's 8 chunks of a 32,768-word vocabulary
     hold at most a few chunks' weight gradients (64 MiB each in f32) at the step's peak, not all 8 (214 MiB in all with
