@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .runtime.barrier import optimization_barrier
 from .class_swap import mix_into, unmix
 from .memory.fit import FitPlan, is_fit
 from .memory import host_offload
@@ -128,7 +129,7 @@ class _Checkpoint(torch.autograd.Function):
         inputs, kept = saved[:ctx.num_inputs], saved[ctx.num_inputs:]
         if ctx.on_xla:  # [Note: recompute barrier], the kept outputs too
             live = [g for g in grads if g is not None]
-            barred = _optimization_barrier([*inputs, *kept, *live])
+            barred = optimization_barrier([*inputs, *kept, *live])
             inputs, kept = barred[:len(inputs)], barred[len(inputs):len(inputs) + len(kept)]
         inputs = [x.requires_grad_(wants) for x, wants in zip(inputs, ctx.input_grad)]
         _local.depth = getattr(_local, "depth", 0) + 1
@@ -161,14 +162,6 @@ def _measured(plan, unit):
     with saved_bytes(unit) as got, role_bytes(unit) as roles:
         yield got
     got["roles"] = roles  # [Note: a policy per block] in memory/fit.py
-
-
-def _optimization_barrier(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    import torch_xla
-
-    out = [t.clone() for t in tensors]  # the barrier is in place; never touch the caller's tensors
-    torch_xla._XLAC._xla_optimization_barrier_(out)
-    return out
 
 
 def _rebuild(spec, leaves, tensor_pos, tensors):

@@ -45,6 +45,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from .. import abstract
+from ..runtime.barrier import optimization_barrier as _optimization_barrier
 from ..options import CollectiveOptions, ShardingLayout
 from . import auto
 
@@ -252,9 +253,7 @@ class XlaCollectives(Collectives):
         return tensor if count == 1 else self._xlac._xla_all_reduce(op, tensor, 1.0, groups, self._pin_layout)
 
     def optimization_barrier(self, tensors):
-        out = [t.clone() for t in tensors]  # the barrier is in place; never touch the caller's tensors
-        self._xlac._xla_optimization_barrier_(out)
-        return out
+        return _optimization_barrier(tensors)
 
     def sync(self, tensors):
         tensors = [t for t in tensors if t is not None]

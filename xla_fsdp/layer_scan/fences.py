@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from xla_fsdp.runtime.barrier import optimization_barrier
+
 _state = threading.local()
 
 
@@ -32,11 +34,7 @@ def in_scanned_layer() -> bool:
 
 
 def _barrier(t: torch.Tensor) -> torch.Tensor:
-    import torch_xla
-
-    out = t.clone()  # the barrier replaces its operand's value in place; the caller's tensor stays
-    torch_xla._XLAC._xla_optimization_barrier_([out])
-    return out
+    return optimization_barrier([t])[0]
 
 
 class _Apart(torch.autograd.Function):

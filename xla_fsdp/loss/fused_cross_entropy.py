@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from xla_fsdp.runtime.barrier import optimization_barrier
+
 IGNORE_INDEX = -100
 # f32 logits per chunk: 512 MiB keeps the transient small against a layer's activations at the job's shapes (2B GPT-2:
 # 2,670 tokens of 50,257 classes, 13 chunks of 32,768 tokens per chip)
@@ -47,20 +49,10 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def _after_previous(tensors):
-    """[Note: one chunk at a time] The chunks are independent but for the sums they add to, so a compiler may run
-    them all at once: libtpu did, holding every chunk's [vocab, d] weight gradient (the Llama 3.1 70B at 6 x 8192
-    tokens per chip: 47 chunks of 1.96 GB, 95.8 GB asked of v6e's 31.25). On XLA the next chunk's hidden states pass
-    through one optimization barrier with the sums so far, so its matmuls start after the previous chunk's ended."""
-    if tensors[0].device.type != "xla":
-        return tensors
-    import torch_xla
-
-    out = [t.clone() for t in tensors]  # the barrier is in place; the caller's tensors stay
-    torch_xla._XLAC._xla_optimization_barrier_(out)
-    return out
-
-
+# [Note: one chunk at a time] The chunks are independent but for the sums they add to, so a compiler may run them all
+# at once: libtpu did, holding every chunk's [vocab, d] weight gradient (the Llama 3.1 70B at 6 x 8192 tokens per chip:
+# 47 chunks of 1.96 GB, 95.8 GB asked of v6e's 31.25). On XLA the next chunk's hidden states pass through one
+# optimization barrier with the sums so far, so its matmuls start after the previous chunk's ended.
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, denominator, chunk):
@@ -72,7 +64,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start:start + chunk]
             t = targets[start:start + chunk]
             if grad_weight is not None:  # [Note: one chunk at a time]
-                h, grad_weight, total = _after_previous([h, grad_weight, total])
+                h, grad_weight, total = optimization_barrier([h, grad_weight, total])
             logits = torch.matmul(h, weight.t())
             if bias is not None:
                 logits = logits + bias
