@@ -77,15 +77,21 @@ def with_layers(config: str, layers: int, folder: str) -> str:
 
 
 def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, timeout: float,
-        fsdp_config: str = FSDP_CONFIG, optim: str = "", fused_loss: bool = False) -> dict:
+        fsdp_config: str = FSDP_CONFIG, optim: str = "", fused_loss: bool = False, more_flags: str = "") -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         cmd = command(with_layers(config, layers, tmp), batch, seq, attn, os.path.join(tmp, "out"), fsdp_config,
                       optim, fused_loss)
-        got = ac.check(tpu, cmd, runtime="auto", timeout=timeout)
+        extra = []
+        if more_flags:  # on top of the flags xla_fsdp sets for the single controller on this slice
+            from xla_fsdp.tpu import libtpu_flags, topology
+
+            chips = topology.parse_accelerator_type(tpu).chips
+            extra = ["--libtpu-flags", f"{libtpu_flags.for_runtime('single_controller', chips)} {more_flags}"]
+        got = ac.check(tpu, cmd, runtime="auto", timeout=timeout, extra=extra)
     r = got["report"] or {}
     row = {"config": os.path.basename(config), "layers": layers, "batch_per_chip": batch, "seq": seq, "tpu": tpu,
-           "attn": attn or "transformers' default", "fused_loss": fused_loss, "compiles": bool(r.get("compiles")),
+           "attn": attn or "transformers' default", "fused_loss": fused_loss, "more_flags": more_flags, "compiles": bool(r.get("compiles")),
            "fits": bool(r.get("fits")), "seconds": round(time.time() - started, 1),
            "fsdp_config": os.path.basename(fsdp_config), "trace_s": r.get("trace_seconds"),
            "compile_s": r.get("compile_seconds"), "compile_stages": r.get("compile_stages"),
@@ -187,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "configs/fsdp/llama_xla_fsdp_v2_scan.json for the GSPMD engine with scan_layers)")
     p.add_argument("--optim", default="", help="run_clm's --optim (default: run_clm's, AdamW; e.g. adafactor)")
     p.add_argument("--fused_loss", action="store_true", help="run_clm --fused_loss ([Note: fused output loss])")
+    p.add_argument("--libtpu_flags", default="", help="libtpu flags added to those xla_fsdp sets on the slice")
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     return p
 
@@ -205,9 +212,9 @@ def main(argv=None) -> int:
     def mine(r):
         return (r.get("config", "llama3-8b.json"), r["tpu"], r["batch_per_chip"], r["seq"], r["attn"],
                 r.get("fused_loss", False), r.get("fsdp_config", "llama_xla_fsdp.json"),
-                r.get("optim", "run_clm's default (adamw)")) == (
+                r.get("optim", "run_clm's default (adamw)"), r.get("more_flags", "")) == (
                     name, opts.tpu, opts.batch, opts.seq, attn, opts.fused_loss, os.path.basename(opts.fsdp_config),
-                    opts.optim or "run_clm's default (adamw)")
+                    opts.optim or "run_clm's default (adamw)", opts.libtpu_flags)
 
     with open(opts.config) as f:
         depth = json.load(f)["num_hidden_layers"]
@@ -218,7 +225,7 @@ def main(argv=None) -> int:
         if any(mine(r) and r["layers"] == layers for r in doc["rows"]):
             continue
         row = run(opts.config, opts.tpu, layers, opts.batch, opts.seq, opts.attn, opts.timeout, opts.fsdp_config,
-                  opts.optim, opts.fused_loss)
+                  opts.optim, opts.fused_loss, opts.libtpu_flags)
         doc["rows"].append(row)
         print(f"{layers} layers: {'compiles' if row['compiles'] else 'NO'} in {row['seconds']} s", flush=True)
         if opts.json:
