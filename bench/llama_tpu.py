@@ -87,7 +87,11 @@ def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, tim
             from xla_fsdp.tpu import libtpu_flags, topology
 
             chips = topology.parse_accelerator_type(tpu).chips
-            extra = ["--libtpu-flags", f"{libtpu_flags.for_runtime('single_controller', chips)} {more_flags}"]
+            from xla_fsdp.tpu.compile_options import parse_libtpu_init_args as parse
+
+            merged = dict(parse(libtpu_flags.for_runtime("single_controller", chips)))
+            merged.update(parse(more_flags))  # a flag given here replaces xla_fsdp's value
+            extra = ["--libtpu-flags", libtpu_flags.init_args(merged)]
         got = ac.check(tpu, cmd, runtime="auto", timeout=timeout, extra=extra)
     r = got["report"] or {}
     row = {"config": os.path.basename(config), "layers": layers, "batch_per_chip": batch, "seq": seq, "tpu": tpu,
@@ -193,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "configs/fsdp/llama_xla_fsdp_v2_scan.json for the GSPMD engine with scan_layers)")
     p.add_argument("--optim", default="", help="run_clm's --optim (default: run_clm's, AdamW; e.g. adafactor)")
     p.add_argument("--fused_loss", action="store_true", help="run_clm --fused_loss ([Note: fused output loss])")
-    p.add_argument("--libtpu_flags", default="", help="libtpu flags added to those xla_fsdp sets on the slice")
+    p.add_argument("--libtpu_flags", default="", help="libtpu flags on top of those xla_fsdp sets on the slice (one named here replaces its value)")
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     return p
 
