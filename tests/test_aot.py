@@ -407,3 +407,6 @@ def test_keep_what_fits_is_checked_as_the_slice_runs_it(tmp_path):
     first = fit["every_unit_recomputed"]
     assert report["projection"]["flops"] < first["projection"]["flops"], (report["projection"], first)
     assert report["memory"]["peak"] > 0 and first["memory"]["peak"] > 0
+    split = first["memory"]["breakdown"]  # [Note: keep what fits, over time]: the step's memory before its backward
+    assert 0 < split["before_backward"] <= split["curve_peak"] <= split["peak"] + 2 ** 20, split
+    assert "last_unit_fits_over_time" not in fit  # a hint only where "fit" keeps none

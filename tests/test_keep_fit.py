@@ -27,6 +27,28 @@ def test_keep_count_takes_the_last_units_that_fit_and_never_all():
     assert fit.keep_count([x / fit.SAVED_TO_KEPT for x in (10, 10, 100, 10)], peak=0, limit=40) == 1  # stops at the first that does not fit
 
 
+def test_the_last_unit_fits_over_time_where_the_peak_lies_deeper_in_the_backward():
+    # [Note: keep what fits, over time]: the 2B on two v4-8 slices, in GB: every unit recomputed peaks at 25.45 (its
+    # curve at 24.91) with 14.40 held before the backward; a kept block measures 8.46; the usable HBM is 33.02
+    two_slices = {"peak": 25.45e9, "curve_peak": 24.91e9, "before_backward": 14.40e9}
+    room_by_peak = fit.HEADROOM * 33.02e9 - two_slices["peak"]
+    assert fit.keep_count([8.46e9 / fit.SAVED_TO_KEPT] * 18, two_slices["peak"], 33.02e9) == 0 < room_by_peak
+    assert fit.last_unit_fits_over_time(8.46e9 / fit.SAVED_TO_KEPT, two_slices, 33.02e9)
+    # held before the backward: what the step holds there, libtpu's slack beyond the curve, and the unit's bytes
+    assert not fit.last_unit_fits_over_time(17.0e9 / fit.SAVED_TO_KEPT, two_slices, 33.02e9)  # 14.94 + 17 > 31.37
+    assert not fit.last_unit_fits_over_time(8.46e9 / fit.SAVED_TO_KEPT, dict(two_slices, curve_peak=16.0e9), 33.02e9)
+
+
+def test_the_check_prints_the_hint_only_where_it_holds():
+    from xla_fsdp.aot import report
+
+    first = {"memory": {"peak": 25.45e9}, "projection": {"projected_seconds": 3.6}}
+    shown = {"count": 0, "units": 18, "every_unit_recomputed": first}
+    assert len(report._render_fit(shown)) == 1
+    lines = report._render_fit(dict(shown, last_unit_fits_over_time=True))
+    assert len(lines) == 2 and "checkpoint_all_but_last=1" in lines[1], lines
+
+
 def test_bad_memory_figures_are_refused(monkeypatch):
     monkeypatch.setenv(device_figures.MEMORY_ENV, "30GiB")
     with pytest.raises(ValueError, match=r"XLA_FSDP_FIT_MEMORY='30GiB': give the device's memory as JSON"):

@@ -26,6 +26,7 @@ from xla_fsdp.aot import program as prog
 from xla_fsdp.aot import report as rep
 from xla_fsdp.aot import step_page, trace
 from xla_fsdp.aot.dump import BUFFER_ASSIGNMENT, RECOMPUTE, TENSORS
+from xla_fsdp.memory import fit
 from xla_fsdp.memory.device_figures import MEMORY_ENV
 from xla_fsdp.memory.host import release_freed_host_memory
 from xla_fsdp.runtime import allocator, environment
@@ -184,6 +185,11 @@ def _fit_again(result: dict, job, spec, compiler, flags: str, workdir: str, opts
                      "saved_to_kept": chosen["saved_to_kept"], "headroom": chosen["headroom"],
                      "policies": chosen.get("policies"),
                      "every_unit_recomputed": {k: result[k] for k in keep if k in result}}
+    split = result["memory"].get("breakdown") or {}
+    if chosen["count"] == 0 and not chosen.get("policies") and "before_backward" in split and chosen["saved"]:
+        # [Note: keep what fits, over time]: a hint, not what the job runs
+        second["fit"]["last_unit_fits_over_time"] = fit.last_unit_fits_over_time(
+            chosen["saved"][-1], split, figures["limit"])
     return text, second, again
 
 

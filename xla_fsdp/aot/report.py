@@ -312,8 +312,12 @@ def _render_fit(f: Optional[dict]) -> list:
             "(forward order)" if f.get("policies") else
             f"checkpoint_all_but_last=\"fit\": the last {f['count']} of {f['units']} checkpointed units keep "
             "their activations")
-    return [f"{what} on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
-            + (f", PROJECTED {was:.3f} s" if was else "") + ")"]
+    lines = [f"{what} on this slice (every unit recomputed: {_gib(first['memory']['peak'])}"
+             + (f", PROJECTED {was:.3f} s" if was else "") + ")"]
+    if f.get("last_unit_fits_over_time"):  # [Note: keep what fits, over time] in xla_fsdp/memory/fit.py
+        lines.append("  by the step's memory over time the last unit's activations fit (\"fit\" sets them against "
+                     "the peak, deeper in the backward): checkpoint_all_but_last=1 may run faster; check it")
+    return lines
 
 
 def _render_loops(loops) -> list:

@@ -63,6 +63,20 @@ def keep_count(saved: Sequence[int], peak: int, limit: int, headroom: float = HE
     return count
 
 
+def last_unit_fits_over_time(saved_last: int, breakdown: Dict, limit: int, headroom: float = HEADROOM,
+                             saved_to_kept: float = SAVED_TO_KEPT) -> bool:
+    """[Note: keep what fits, over time] The count above sets every kept unit against the all-recomputed step's peak,
+    but a kept unit's activations live from its forward to its backward, and where that peak lies deeper in the
+    backward they are dead by then (the 2B GPT-2 on two v4-8 slices: peak 25.45 GB at a middle block's attention
+    backward, 14.4 GB between the loss and the backward's start; docs/pods.md). With the compiled step's memory over
+    time (`tpu.memory_breakdown`'s curve, which the check has and a running job does not), the last unit fits where
+    what the step holds before its backward, plus what libtpu's peak holds beyond the curve, plus the unit's bytes,
+    is within `headroom` of the limit; its own backward then reads what its recomputation would have made. A hint the
+    check prints, not a count "fit" takes: the job cannot see the curve, and the check reports what the job does."""
+    slack = max(int(breakdown["peak"]) - int(breakdown["curve_peak"]), 0)
+    return int(breakdown["before_backward"]) + slack + saved_to_kept * saved_last <= headroom * limit
+
+
 # [Note: a policy per block] `remat_policy="fit"` chooses, per checkpointed unit, what it saves: with the room "fit"
 # measures, every unit from the last backwards gets the richest policy the room still holds, "minimal" (every
 # matmul's output), else "save_dot_except_mlp", else "save_qkv_proj", else "full" (a policy costs the bytes of the

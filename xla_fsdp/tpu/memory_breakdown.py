@@ -102,6 +102,7 @@ class Breakdown:
     live_peak: int             # the heap's live bytes at their most
     peak_instruction: str      # where that happens
     curve: List[Tuple[str, int]]  # (instruction, HBM in use) in schedule order
+    before_backward: int = 0   # the curve's most before the backward's first matmul (what sits beside the loss)
 
     @property
     def total(self) -> int:
@@ -109,8 +110,8 @@ class Breakdown:
 
     def as_dict(self) -> dict:
         return {"parts": dict(self.parts), "peak": self.peak, "sum": self.total, "live_peak": self.live_peak,
-                "peak_instruction": self.peak_instruction,
-                "unattributed": self.peak - self.total}
+                "peak_instruction": self.peak_instruction, "before_backward": self.before_backward,
+                "curve_peak": max((v for _, v in self.curve), default=0), "unattributed": self.peak - self.total}
 
 
 def parameter_kinds(traced_text: str, tensors: List[dict]) -> Dict[int, str]:
@@ -213,7 +214,8 @@ def breakdown(ba: bam.BufferAssignment, optimized: str, memory: dict,
     for i, name in enumerate(order):
         made += written.get(i, 0)
         curve.append((name, fixed + made + live[i]))
-    return Breakdown(parts, int(memory["peak"]), best, order[best_at] if order else "", curve)
+    before = max((v for _, v in curve[:backward_from]), default=0)
+    return Breakdown(parts, int(memory["peak"]), best, order[best_at] if order else "", curve, before)
 
 
 def _classify(v: bam.Value, span: Tuple[int, int], instrs, comps, labels: Dict[str, str],
