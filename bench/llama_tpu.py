@@ -85,17 +85,17 @@ def run(config: str, tpu: str, layers: int, batch: int, seq: int, attn: str, tim
         extra = []
         if more_flags:  # on top of the flags xla_fsdp sets for the single controller on this slice
             from xla_fsdp.tpu import libtpu_flags, topology
-
-            chips = topology.parse_accelerator_type(tpu).chips
             from xla_fsdp.tpu.compile_options import parse_libtpu_init_args as parse
 
+            chips = topology.parse_accelerator_type(tpu).chips
             merged = dict(parse(libtpu_flags.for_runtime("single_controller", chips)))
             merged.update(parse(more_flags))  # a flag given here replaces xla_fsdp's value
             extra = ["--libtpu-flags", libtpu_flags.init_args(merged)]
         got = ac.check(tpu, cmd, runtime="auto", timeout=timeout, extra=extra)
     r = got["report"] or {}
     row = {"config": os.path.basename(config), "layers": layers, "batch_per_chip": batch, "seq": seq, "tpu": tpu,
-           "attn": attn or "transformers' default", "fused_loss": fused_loss, "more_flags": more_flags, "compiles": bool(r.get("compiles")),
+           "attn": attn or "transformers' default", "fused_loss": fused_loss, "more_flags": more_flags,
+           "compiles": bool(r.get("compiles")),
            "fits": bool(r.get("fits")), "seconds": round(time.time() - started, 1),
            "fsdp_config": os.path.basename(fsdp_config), "trace_s": r.get("trace_seconds"),
            "compile_s": r.get("compile_seconds"), "compile_stages": r.get("compile_stages"),
@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "configs/fsdp/llama_xla_fsdp_v2_scan.json for the GSPMD engine with scan_layers)")
     p.add_argument("--optim", default="", help="run_clm's --optim (default: run_clm's, AdamW; e.g. adafactor)")
     p.add_argument("--fused_loss", action="store_true", help="run_clm --fused_loss ([Note: fused output loss])")
-    p.add_argument("--libtpu_flags", default="", help="libtpu flags on top of those xla_fsdp sets on the slice (one named here replaces its value)")
+    p.add_argument("--libtpu_flags", default="",
+                   help="libtpu flags on top of those xla_fsdp sets on the slice (one named here replaces its value)")
     p.add_argument("--json", help="write the rows here (rows already in it are kept and not re-run)")
     return p
 
